@@ -1,0 +1,47 @@
+#include "kda/common/bf16.h"
+
+namespace kda {
+
+void round_bf16_inplace(float* x, size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) x[i] = round_bf16(x[i]);
+}
+
+void f32_to_bf16_array(const float* src, bf16_t* dst, size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+void bf16_to_f32_array(const bf16_t* src, float* dst, size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (mant == 0) {
+      u = sign;
+    } else {  // subnormal: renormalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      mant &= 0x3ffu;
+      u = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else {
+    u = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+}  // namespace kda

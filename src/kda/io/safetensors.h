@@ -1,0 +1,79 @@
+// Memory-mapped safetensors checkpoints: one file, or shards listed by model.safetensors.index.json.
+//
+// The header is validated when a file is opened: JSON well formed, dtype known (F32, BF16, F16), every
+// tensor's byte range inside the file's data section, byte size == dtype size x product(shape), and no
+// two tensors overlapping. Errors (std::runtime_error) name the file and the tensor.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kda/common/bf16.h"
+
+namespace kda::io {
+
+enum class StDType { F32, BF16, F16 };
+const char* to_string(StDType t);
+
+struct TensorView {
+  std::string name;
+  StDType dtype = StDType::F32;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;  // inside the mapping; valid while the file is open
+  size_t nbytes = 0;
+  int64_t numel() const;
+};
+
+// One mapped .safetensors file.
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::filesystem::path& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  const TensorView* find(const std::string& name) const;  // null when absent
+  std::vector<std::string> names() const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+ private:
+  std::filesystem::path path_;
+  void* map_ = nullptr;
+  size_t map_size_ = 0;
+  std::map<std::string, TensorView> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// A checkpoint: a directory holding model.safetensors or model.safetensors.index.json (shards mapped
+// lazily, only when one of their tensors is asked for), or a path to a single .safetensors file.
+class Checkpoint {
+ public:
+  explicit Checkpoint(const std::filesystem::path& dir_or_file);
+  ~Checkpoint();
+  Checkpoint(const Checkpoint&) = delete;
+  Checkpoint& operator=(const Checkpoint&) = delete;
+
+  bool contains(const std::string& name) const;
+  // Throws std::runtime_error "missing tensor '<name>' in <checkpoint>" when absent.
+  const TensorView& get(const std::string& name) const;
+
+  // Converting loads (F32/BF16/F16 -> fp32 or bf16). `expected_shape` must match exactly, else a
+  // std::runtime_error names the tensor, its shape and the expected one.
+  std::vector<float> load_f32(const std::string& name, const std::vector<int64_t>& expected_shape) const;
+  std::vector<bf16_t> load_bf16(const std::string& name, const std::vector<int64_t>& expected_shape) const;
+
+  const std::filesystem::path& root() const { return root_; }
+
+ private:
+  const SafetensorsFile& file_for(const std::string& shard) const;
+  std::filesystem::path root_;
+  std::map<std::string, std::string> weight_map_;  // tensor -> shard file name (sharded)
+  mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
+};
+
+}  // namespace kda::io

@@ -1,0 +1,77 @@
+// KDA kernels: chunk_kda (prefill, varlen) and fused_recurrent_kda (decode).
+//
+// The interface follows RFC §4.1 (fla's chunk_kda / fused_recurrent_kda): q, k, v, g, beta, an initial
+// state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel and cu_seqlens. Every kernel
+// (naive reference and optimized) has this one signature, `void(const KdaArgs&)`; the entry points at
+// the bottom pick the optimized one unless asked for the reference.
+//
+// States live in a pool: `state` points at [num_state_slots, H, K, V] fp32 and sequence i reads its
+// initial state from, and writes its final state into, slot state_indices[i] -- in place, no gather or
+// scatter copies. Index -1 marks a padded row: its output is zero and no slot is read or written.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace kda::kernels {
+
+struct KdaArgs {
+  // Packed token-major inputs, T tokens over N sequences:
+  //   q, k: [T, H, K]   v: [T, H, V]   g: [T, H, K]   beta: [T, H]
+  // g is the log-space forget gate, or (use_gate_in_kernel) the raw gate f that the kernel turns into
+  // g = -exp(A_log[h]) * softplus(f + dt_bias[h*K + d]).
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const float* g = nullptr;
+  const float* beta = nullptr;
+  int64_t T = 0;
+  int H = 0;
+  int K = 0;
+  int V = 0;
+
+  // Sequence boundaries [N+1], int32, cu_seqlens[0] == 0, non-decreasing, cu_seqlens[N] == T.
+  // Null means N sequences of T / N tokens each (N == 1: one sequence; decode: N sequences of 1).
+  const int32_t* cu_seqlens = nullptr;
+  int64_t N = 1;
+
+  float scale = 0.0f;  // <= 0 means K^-0.5; applied to q only
+  bool use_qk_l2norm_in_kernel = false;  // q <- q / sqrt(sum q^2 + 1e-6), k likewise, per head
+  bool use_gate_in_kernel = false;
+  const float* A_log = nullptr;    // [H], with use_gate_in_kernel
+  const float* dt_bias = nullptr;  // [H*K], with use_gate_in_kernel (may be null: no bias)
+
+  // Recurrent state pool [num_state_slots, H, K, V] fp32. Null: every sequence starts from zero and no
+  // final state is kept. state_indices [N] (null: sequence i <-> slot i); -1 is a padded row.
+  float* state = nullptr;
+  const int32_t* state_indices = nullptr;
+  int64_t num_state_slots = 0;
+  // [N] per sequence, null = all true. False: start from a zero state without reading the slot.
+  const uint8_t* has_initial_state = nullptr;
+  bool output_final_state = true;  // write the final state back into the sequence's slot
+
+  float* o = nullptr;  // [T, H, V] output
+};
+
+// Checks shapes, cu_seqlens, slot indices (in range, or -1, no slot twice) and flags. Throws
+// std::invalid_argument naming what is wrong; nothing is read from or written to the pool before.
+void validate_kda_args(const KdaArgs& a);
+
+// Reference kernels: plain loops, fp32, written for clarity (fla's naive.py).
+void chunk_kda_naive(const KdaArgs& a);
+void fused_recurrent_kda_naive(const KdaArgs& a);
+
+// Optimized kernels, same signature and semantics.
+void chunk_kda_opt(const KdaArgs& a);
+void fused_recurrent_kda_opt(const KdaArgs& a);
+
+enum class KernelImpl { Auto, Naive, Optimized };
+KernelImpl parse_kernel_impl(std::string_view s);  // "auto" | "naive" | "optimized"
+const char* to_string(KernelImpl k);
+
+// The dispatcher (RFC §4.2): Auto takes the optimized kernel when it is available for these arguments
+// and falls back to the reference otherwise. All validate first.
+void chunk_kda(const KdaArgs& a, KernelImpl impl = KernelImpl::Auto);
+void fused_recurrent_kda(const KdaArgs& a, KernelImpl impl = KernelImpl::Auto);
+
+}  // namespace kda::kernels

@@ -1,0 +1,46 @@
+// Depthwise causal short convolution with per-request state, fused with silu (spec step 2).
+//
+//   y_t[c] = silu( sum_{i=0..W-1} w[c, i] * x_{t-(W-1)+i}[c] )     (tap W-1 multiplies the current token)
+//
+// Positions before a sequence's first token come from its conv state: the last W-1 raw pre-conv inputs,
+// oldest first, layout [W-1, C] per slot (C = channels, q||k||v in the layer). After a segment the
+// state holds its last W-1 raw inputs, shifted through from the old state when the segment is shorter
+// than W-1. States live in a pool [num_slots, W-1, C] of fp32 (fp32 mode) or bf16 (bf16 mode); a
+// sequence reads and writes slot indices[i] in place; index -1 is a padded row: zero output, no slot
+// read or written.
+#pragma once
+
+#include <cstdint>
+
+#include "kda/common/bf16.h"
+
+namespace kda::kernels {
+
+template <class StateT>
+struct ShortConvArgs {
+  const float* x = nullptr;  // [T, x_stride]: channel c of token t at x[t * x_stride + c]
+  int64_t x_stride = 0;      // >= C (the layer passes its fused projection output)
+  int64_t T = 0;
+  int64_t C = 0;
+  const float* weight = nullptr;  // [C, W]
+  int W = 4;
+  // EXTEND: [N+1] boundaries (null: one sequence of T tokens when N == 1). DECODE: ignored, T == N.
+  const int32_t* cu_seqlens = nullptr;
+  int64_t N = 1;
+  StateT* state = nullptr;  // [num_slots, W-1, C]; null: zero history and no state kept
+  const int32_t* indices = nullptr;  // [N]; null: sequence i <-> slot i; -1: padded row
+  int64_t num_slots = 0;
+  const uint8_t* has_initial_state = nullptr;  // [N]; null = all true; false: zero history, slot not read
+  bool round_output_bf16 = false;  // round each output (after silu) to bf16, as the bf16 mode does
+  float* y = nullptr;  // [T, C]
+};
+
+// Prefill: varlen segments of any length (0 and 1 included).
+void short_conv_extend(const ShortConvArgs<float>& a);
+void short_conv_extend(const ShortConvArgs<bf16_t>& a);
+
+// Decode: one token per sequence (T == N), the state updated in place.
+void short_conv_decode(const ShortConvArgs<float>& a);
+void short_conv_decode(const ShortConvArgs<bf16_t>& a);
+
+}  // namespace kda::kernels

@@ -1,0 +1,130 @@
+// Recurrent state memory (the RFC's RFC-0015 part): per-request slots holding every KDA layer's
+// recurrent state and conv state, the request -> slot mapping, and the slot lifecycle.
+//
+//   recurrent buffer  fp32            [L, N+1, H, K, V]
+//   conv buffer       fp32 or bf16    [L, N+1, W-1, C]   (C = 3P: raw pre-conv q||k||v inputs)
+//
+// Slot 0 is reserved (never handed out: a padded row or a dummy request may point at it), so a pool of
+// `size` usable slots has size + 1 rows. Every error is a std::invalid_argument / std::runtime_error
+// naming what is wrong, thrown before anything changes.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/common/precision.h"
+
+namespace kda::mem_cache {
+
+struct RecurrentStatePoolConfig {
+  std::vector<int> layer_ids;  // decoder layer ids (0-based) of the KDA layers, in pool order
+  int64_t size = 0;            // usable slots N (rows 1..N)
+  int num_heads = 0;           // H (per rank under TP)
+  int head_k_dim = 0;          // K
+  int head_v_dim = 0;          // V
+  int conv_kernel = 4;         // W
+  int64_t conv_dim = 0;        // C = channels of the conv state (3P per rank)
+  Precision conv_dtype = Precision::FP32;  // fp32 mode: fp32 conv state; bf16 mode: bf16
+};
+
+// One layer's view of the pool: raw pointers into the pool buffers, valid while the pool lives.
+struct LinearRecurrentLayerCache {
+  int layer_id = 0;
+  float* recurrent = nullptr;    // [N+1, H, K, V]
+  float* conv_f32 = nullptr;     // [N+1, W-1, C] when the conv dtype is fp32, else null
+  bf16_t* conv_bf16 = nullptr;   // [N+1, W-1, C] when the conv dtype is bf16, else null
+  int64_t num_slots = 0;         // N+1 rows, slot 0 included
+  int64_t recurrent_slot_elems = 0;  // H*K*V
+  int64_t conv_slot_elems = 0;       // (W-1)*C
+};
+
+class RecurrentStatePool {
+ public:
+  explicit RecurrentStatePool(const RecurrentStatePoolConfig& cfg);
+
+  const RecurrentStatePoolConfig& config() const { return cfg_; }
+  int64_t size() const { return cfg_.size; }
+  int64_t available() const { return static_cast<int64_t>(free_slots_.size()); }
+  int num_layers() const { return static_cast<int>(cfg_.layer_ids.size()); }
+  size_t bytes() const;  // both buffers
+
+  // All or nothing: n slots, each cleared (recurrent and conv state zero in every layer), or
+  // std::runtime_error "recurrent state pool exhausted ..." with nothing taken.
+  std::vector<int32_t> alloc(int64_t n);
+  // Returns slots to the free list. Unknown, reserved or already-free slots: error, nothing freed.
+  void free(std::span<const int32_t> slots);
+  bool is_allocated(int32_t slot) const;
+
+  // Copies every layer's recurrent and conv state of `src` into `dst` (forking a request).
+  void copy_slot(int32_t src, int32_t dst);
+
+  // Per-layer views, by decoder layer id (unknown id: error).
+  LinearRecurrentLayerCache get_linear_recurrent_layer_cache(int layer_id);
+  // Writes states into the given slots of one layer: recurrent [n, H, K, V] and conv [n, W-1, C]
+  // fp32 (rounded to bf16 when the conv buffer is bf16); either may be null to leave it as it is.
+  void set_linear_recurrent_layer_cache(int layer_id, std::span<const int32_t> slots,
+                                        const float* recurrent, const float* conv);
+  // Reads one layer's states of the given slots into fp32 arrays of the same shapes (either may be
+  // null).
+  void read_linear_recurrent_layer_cache(int layer_id, std::span<const int32_t> slots, float* recurrent,
+                                         float* conv) const;
+
+ private:
+  int layer_index(int layer_id) const;
+  void check_slot(int32_t slot, const char* what) const;
+  void clear_slot(int32_t slot);
+
+  RecurrentStatePoolConfig cfg_;
+  int64_t rec_slot_ = 0, conv_slot_ = 0;  // elements per slot
+  std::vector<float> recurrent_;
+  std::vector<float> conv_f32_;
+  std::vector<bf16_t> conv_bf16_;
+  std::vector<int32_t> free_slots_;  // LIFO free list
+  std::vector<uint8_t> allocated_;   // [N+1]
+};
+
+// Request index -> recurrent slot. A request keeps its slot from alloc until free, across every
+// chunked-prefill and decode step in between.
+class HybridReqToTokenPool {
+ public:
+  HybridReqToTokenPool(int64_t max_requests, RecurrentStatePool& recurrent_pool);
+
+  int64_t size() const { return max_requests_; }
+  int64_t available() const { return static_cast<int64_t>(free_reqs_.size()); }
+
+  // n request indices, each bound to a fresh cleared slot; all or nothing.
+  std::vector<int32_t> alloc(int64_t n);
+  // Frees the requests and their slots; unknown index: error, nothing freed.
+  void free(std::span<const int32_t> req_pool_indices);
+  // A new request whose state is a copy of `parent`'s (parallel sampling); error when none is free.
+  int32_t fork(int32_t parent_req_pool_index);
+
+  // The RFC's get_recurrent_indices: slot per request index; -1 stays -1 (padded row).
+  std::vector<int32_t> get_recurrent_indices(std::span<const int32_t> req_pool_indices) const;
+  int32_t slot_of(int32_t req_pool_index) const;
+
+  RecurrentStatePool& recurrent_pool() { return *rec_; }
+
+ private:
+  void check_req(int32_t r) const;
+  int64_t max_requests_;
+  RecurrentStatePool* rec_;
+  std::vector<int32_t> req_to_slot_;  // -1 when free
+  std::vector<int32_t> free_reqs_;
+};
+
+// The pools a model runner holds (the RFC's memory_pool argument).
+struct MemoryPools {
+  RecurrentStatePool recurrent_state_pool;
+  HybridReqToTokenPool req_to_token_pool;
+
+  MemoryPools(const RecurrentStatePoolConfig& cfg, int64_t max_requests)
+      : recurrent_state_pool(cfg), req_to_token_pool(max_requests, recurrent_state_pool) {}
+  MemoryPools(const MemoryPools&) = delete;
+  MemoryPools& operator=(const MemoryPools&) = delete;
+};
+
+}  // namespace kda::mem_cache

@@ -1,0 +1,54 @@
+#include "support/test_support.h"
+
+#include <algorithm>
+#include <cmath>
+#include <unistd.h>
+
+namespace kda::testing {
+
+std::filesystem::path dumps_dir() { return std::filesystem::path(KDA_TEST_DATA_DIR) / "kda_dumps" / "mini"; }
+
+std::filesystem::path make_temp_dir(const std::string& tag) {
+  auto p = std::filesystem::temp_directory_path() / ("kda_test_" + tag + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(p);
+  std::filesystem::create_directories(p);
+  return p;
+}
+
+std::vector<float> random_normal(size_t n, uint64_t seed, float stddev) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, stddev);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+std::vector<float> random_uniform(size_t n, uint64_t seed, float lo, float hi) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+double max_error_ratio(const float* a, const float* b, size_t n, double atol, double rtol) {
+  double worst = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
+    if (std::isnan(d)) return INFINITY;
+    worst = std::max(worst, d / (atol + rtol * std::fabs(static_cast<double>(b[i]))));
+  }
+  return worst;
+}
+
+double rel_l2(const float* a, const float* b, size_t n) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+}  // namespace kda::testing

@@ -1,0 +1,24 @@
+// Shared helpers for the test suite.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace kda::testing {
+
+// The vendored reference dumps: tests/data/kda_dumps/mini.
+std::filesystem::path dumps_dir();
+// A fresh empty temporary directory for one test (removed by the OS / next run).
+std::filesystem::path make_temp_dir(const std::string& tag);
+
+std::vector<float> random_normal(size_t n, uint64_t seed, float stddev = 1.0f);
+std::vector<float> random_uniform(size_t n, uint64_t seed, float lo, float hi);
+
+// Worst |a-b| / (atol + rtol*|b|) over all elements (<= 1 means within tolerance).
+double max_error_ratio(const float* a, const float* b, size_t n, double atol, double rtol);
+double rel_l2(const float* a, const float* b, size_t n);
+
+}  // namespace kda::testing
