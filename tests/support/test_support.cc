@@ -1,8 +1,9 @@
 #include "support/test_support.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
-#include <unistd.h>
 
 namespace kda::testing {
 

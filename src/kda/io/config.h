@@ -11,8 +11,8 @@ struct KimiLinearConfig {
   int64_t hidden_size = 0;
   double rms_norm_eps = 0.0;  // from config.json (1e-5 for the 48B model), never assumed
   int num_hidden_layers = 0;
-  int num_heads = 0;       // linear_attn_config.num_heads
-  int head_dim = 0;        // linear_attn_config.head_dim (K == V)
+  int num_heads = 0;  // linear_attn_config.num_heads
+  int head_dim = 0;   // linear_attn_config.head_dim (K == V)
   int short_conv_kernel_size = 0;
   std::vector<int> kda_layers;        // as in the file: 1-based
   std::vector<int> full_attn_layers;  // as in the file: 1-based

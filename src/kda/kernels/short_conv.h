@@ -27,12 +27,12 @@ struct ShortConvArgs {
   // EXTEND: [N+1] boundaries (null: one sequence of T tokens when N == 1). DECODE: ignored, T == N.
   const int32_t* cu_seqlens = nullptr;
   int64_t N = 1;
-  StateT* state = nullptr;  // [num_slots, W-1, C]; null: zero history and no state kept
+  StateT* state = nullptr;           // [num_slots, W-1, C]; null: zero history and no state kept
   const int32_t* indices = nullptr;  // [N]; null: sequence i <-> slot i; -1: padded row
   int64_t num_slots = 0;
   const uint8_t* has_initial_state = nullptr;  // [N]; null = all true; false: zero history, slot not read
   bool round_output_bf16 = false;  // round each output (after silu) to bf16, as the bf16 mode does
-  float* y = nullptr;  // [T, C]
+  float* y = nullptr;              // [T, C]
 };
 
 // Prefill: varlen segments of any length (0 and 1 included).

@@ -20,23 +20,23 @@
 namespace kda::mem_cache {
 
 struct RecurrentStatePoolConfig {
-  std::vector<int> layer_ids;  // decoder layer ids (0-based) of the KDA layers, in pool order
-  int64_t size = 0;            // usable slots N (rows 1..N)
-  int num_heads = 0;           // H (per rank under TP)
-  int head_k_dim = 0;          // K
-  int head_v_dim = 0;          // V
-  int conv_kernel = 4;         // W
-  int64_t conv_dim = 0;        // C = channels of the conv state (3P per rank)
+  std::vector<int> layer_ids;              // decoder layer ids (0-based) of the KDA layers, in pool order
+  int64_t size = 0;                        // usable slots N (rows 1..N)
+  int num_heads = 0;                       // H (per rank under TP)
+  int head_k_dim = 0;                      // K
+  int head_v_dim = 0;                      // V
+  int conv_kernel = 4;                     // W
+  int64_t conv_dim = 0;                    // C = channels of the conv state (3P per rank)
   Precision conv_dtype = Precision::FP32;  // fp32 mode: fp32 conv state; bf16 mode: bf16
 };
 
 // One layer's view of the pool: raw pointers into the pool buffers, valid while the pool lives.
 struct LinearRecurrentLayerCache {
   int layer_id = 0;
-  float* recurrent = nullptr;    // [N+1, H, K, V]
-  float* conv_f32 = nullptr;     // [N+1, W-1, C] when the conv dtype is fp32, else null
-  bf16_t* conv_bf16 = nullptr;   // [N+1, W-1, C] when the conv dtype is bf16, else null
-  int64_t num_slots = 0;         // N+1 rows, slot 0 included
+  float* recurrent = nullptr;        // [N+1, H, K, V]
+  float* conv_f32 = nullptr;         // [N+1, W-1, C] when the conv dtype is fp32, else null
+  bf16_t* conv_bf16 = nullptr;       // [N+1, W-1, C] when the conv dtype is bf16, else null
+  int64_t num_slots = 0;             // N+1 rows, slot 0 included
   int64_t recurrent_slot_elems = 0;  // H*K*V
   int64_t conv_slot_elems = 0;       // (W-1)*C
 };
@@ -65,8 +65,8 @@ class RecurrentStatePool {
   LinearRecurrentLayerCache get_linear_recurrent_layer_cache(int layer_id);
   // Writes states into the given slots of one layer: recurrent [n, H, K, V] and conv [n, W-1, C]
   // fp32 (rounded to bf16 when the conv buffer is bf16); either may be null to leave it as it is.
-  void set_linear_recurrent_layer_cache(int layer_id, std::span<const int32_t> slots,
-                                        const float* recurrent, const float* conv);
+  void set_linear_recurrent_layer_cache(int layer_id, std::span<const int32_t> slots, const float* recurrent,
+                                        const float* conv);
   // Reads one layer's states of the given slots into fp32 arrays of the same shapes (either may be
   // null).
   void read_linear_recurrent_layer_cache(int layer_id, std::span<const int32_t> slots, float* recurrent,

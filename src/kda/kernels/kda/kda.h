@@ -35,7 +35,7 @@ struct KdaArgs {
   const int32_t* cu_seqlens = nullptr;
   int64_t N = 1;
 
-  float scale = 0.0f;  // <= 0 means K^-0.5; applied to q only
+  float scale = 0.0f;                    // <= 0 means K^-0.5; applied to q only
   bool use_qk_l2norm_in_kernel = false;  // q <- q / sqrt(sum q^2 + 1e-6), k likewise, per head
   bool use_gate_in_kernel = false;
   const float* A_log = nullptr;    // [H], with use_gate_in_kernel
