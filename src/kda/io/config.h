@@ -1,6 +1,7 @@
 // Kimi-Linear config.json: the fields a KDA layer needs.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,7 @@ class Checkpoint {
   const SafetensorsFile& file_for(const std::string& shard) const;
   std::filesystem::path root_;
   std::map<std::string, std::string> weight_map_;  // tensor -> shard file name (sharded)
+  mutable std::mutex files_mu_;  // guards files_: shards are mapped lazily from const methods
   mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
 };
 

@@ -1,0 +1,27 @@
+// The kda CLI's subcommands; main.cc parses the options (CLI11) and calls these.
+#pragma once
+
+#include <string>
+
+namespace kda::cli {
+
+struct VerifyOptions {
+  std::string dumps;
+  std::string precision = "all";  // fp32 | bf16 | all
+  std::string kernel = "auto";
+  bool json = false;
+};
+int run_verify(const VerifyOptions& o);
+
+struct RunOptions {
+  std::string model;
+  int layer = -1;
+  std::string input;
+  std::string output;
+  std::string precision = "fp32";
+  int decode_tail = 0;
+  std::string kernel = "auto";
+};
+int run_run(const RunOptions& o);
+
+}  // namespace kda::cli

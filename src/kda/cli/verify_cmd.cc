@@ -1,0 +1,65 @@
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "kda/cli/commands.h"
+#include "kda/io/config.h"
+#include "kda/io/safetensors.h"
+#include "kda/runtime/verify.h"
+
+namespace kda::cli {
+
+int run_verify(const VerifyOptions& o) {
+  const auto cfg = io::load_config(o.dumps);
+  const io::Checkpoint ckpt(o.dumps);
+  const auto kernel = kernels::parse_kernel_impl(o.kernel);
+  std::vector<Precision> precisions;
+  if (o.precision == "all" || o.precision == "fp32") precisions.push_back(Precision::FP32);
+  if (o.precision == "all" || o.precision == "bf16") precisions.push_back(Precision::BF16);
+  const auto cases = runtime::list_cases(o.dumps);
+  if (cases.empty()) throw std::runtime_error("no case files (*.npz) in " + o.dumps);
+  const auto layer_ids = cfg.kda_layer_ids();
+  if (layer_ids.empty()) throw std::runtime_error(o.dumps + "/config.json lists no KDA layer");
+
+  nlohmann::json jcases = nlohmann::json::array();
+  nlohmann::json worst = nlohmann::json::object();
+  bool all_ok = true;
+  int failed = 0, total = 0;
+  for (Precision p : precisions) {
+    auto layer = models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, layer_ids.front(), p);
+    double worst_ratio = 0.0;  // worst value/limit over every check of this precision
+    for (const auto& file : cases) {
+      const auto rep = runtime::verify_case(*layer, cfg, file, kernel);
+      ++total;
+      if (!rep.ok()) ++failed;
+      all_ok = all_ok && rep.ok();
+      for (const auto& r : rep.rows) worst_ratio = std::max(worst_ratio, r.value / r.limit);
+      if (o.json) {
+        nlohmann::json rows = nlohmann::json::array();
+        for (const auto& r : rep.rows)
+          rows.push_back({{"check", r.check}, {"metric", r.metric}, {"value", r.value}, {"limit", r.limit},
+                          {"ok", r.ok}});
+        jcases.push_back({{"case", rep.name}, {"precision", to_string(p)}, {"ok", rep.ok()}, {"checks", rows}});
+        continue;
+      }
+      std::printf("\n%s  [%s, kernel %s]  %s\n", rep.name.c_str(), to_string(p), o.kernel.c_str(),
+                  rep.ok() ? "PASS" : "FAIL");
+      std::printf("  %-48s %-12s %12s %12s\n", "check", "metric", "value", "limit");
+      for (const auto& r : rep.rows)
+        std::printf("  %-48s %-12s %12.4g %12.4g  %s\n", r.check.c_str(), r.metric.c_str(), r.value, r.limit,
+                    r.ok ? "ok" : "FAIL");
+    }
+    worst[to_string(p)] = worst_ratio;
+    if (!o.json) std::printf("\n%s: worst value/limit over all checks = %.4g\n", to_string(p), worst_ratio);
+  }
+  if (o.json) {
+    nlohmann::json j = {{"dumps", o.dumps}, {"kernel", o.kernel}, {"ok", all_ok},
+                        {"worst_value_over_limit", worst}, {"cases", jcases}};
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("\nverify: %d passed, %d failed\n", total - failed, failed);
+  }
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace kda::cli

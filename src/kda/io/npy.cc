@@ -1,0 +1,517 @@
+#include "kda/io/npy.h"
+
+#include <zip.h>
+
+#include <bit>
+#include <cctype>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string_view>
+
+#include "kda/common/bf16.h"
+
+namespace kda::io {
+
+// Element bytes are copied as-is; the format is little-endian, so the host must be too.
+static_assert(std::endian::native == std::endian::little, "kda::io assumes a little-endian host");
+
+namespace {
+
+constexpr char kMagic[] = "\x93NUMPY";
+constexpr size_t kMagicLen = 6;
+
+[[noreturn]] void fail(const std::string& what, const std::string& problem) {
+  throw std::runtime_error(what + ": " + problem);
+}
+
+struct DescrEntry {
+  const char* descr;
+  NpyDType dtype;
+};
+constexpr DescrEntry kDescrs[] = {
+    {"<f4", NpyDType::F32}, {"<f8", NpyDType::F64}, {"<f2", NpyDType::F16},  {"<i4", NpyDType::I32},
+    {"<i8", NpyDType::I64}, {"|u1", NpyDType::U8},  {"|b1", NpyDType::Bool},
+};
+
+const char* descr_of(NpyDType t) {
+  for (const auto& e : kDescrs)
+    if (e.dtype == t) return e.descr;
+  throw std::invalid_argument("npy: bad dtype enum value");
+}
+
+// Product of a shape's extents; throws when an extent is negative or the product overflows.
+int64_t checked_numel(const std::vector<int64_t>& shape, const std::string& what) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) fail(what, "negative dimension in shape");
+    if (d != 0 && n > std::numeric_limits<int64_t>::max() / d) fail(what, "shape's element count overflows");
+    n *= d;
+  }
+  return n;
+}
+
+// A minimal reader for the Python dict literal numpy writes as the .npy header, e.g.
+// {'descr': '<f4', 'fortran_order': False, 'shape': (64, 256), }
+class HeaderParser {
+ public:
+  HeaderParser(std::string_view text, const std::string& what) : s_(text), what_(what) {}
+
+  void parse(std::string& descr, bool& fortran, std::vector<int64_t>& shape) {
+    bool have_descr = false, have_fortran = false, have_shape = false;
+    expect('{');
+    while (true) {
+      skip_ws();
+      if (peek() == '}') {
+        ++pos_;
+        break;
+      }
+      const std::string key = parse_string();
+      expect(':');
+      skip_ws();
+      if (key == "descr") {
+        // A list here means a structured dtype, which this reader does not support.
+        if (peek() != '\'' && peek() != '"') bad("unsupported descr (structured dtypes are not supported)");
+        descr = parse_string();
+        have_descr = true;
+      } else if (key == "fortran_order") {
+        fortran = parse_bool();
+        have_fortran = true;
+      } else if (key == "shape") {
+        shape = parse_tuple();
+        have_shape = true;
+      } else {
+        bad("unexpected key '" + key + "' in header");
+      }
+      skip_ws();
+      if (peek() == ',') {
+        ++pos_;
+      } else if (peek() != '}') {
+        bad("expected ',' or '}' in header");
+      }
+    }
+    if (!have_descr) bad("header lacks 'descr'");
+    if (!have_fortran) bad("header lacks 'fortran_order'");
+    if (!have_shape) bad("header lacks 'shape'");
+  }
+
+ private:
+  [[noreturn]] void bad(const std::string& problem) const {
+    fail(what_, "malformed .npy header: " + problem);
+  }
+
+  char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
+  void skip_ws() {
+    while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+  }
+  void expect(char c) {
+    skip_ws();
+    if (peek() != c) bad(std::string("expected '") + c + "'");
+    ++pos_;
+  }
+  std::string parse_string() {
+    skip_ws();
+    const char q = peek();
+    if (q != '\'' && q != '"') bad("expected a quoted string");
+    const size_t end = s_.find(q, pos_ + 1);
+    if (end == std::string_view::npos) bad("unterminated string");
+    std::string out(s_.substr(pos_ + 1, end - pos_ - 1));
+    pos_ = end + 1;
+    return out;
+  }
+  bool parse_bool() {
+    if (s_.substr(pos_, 4) == "True") {
+      pos_ += 4;
+      return true;
+    }
+    if (s_.substr(pos_, 5) == "False") {
+      pos_ += 5;
+      return false;
+    }
+    bad("fortran_order is neither True nor False");
+  }
+  std::vector<int64_t> parse_tuple() {
+    std::vector<int64_t> dims;
+    expect('(');
+    while (true) {
+      skip_ws();
+      if (peek() == ')') {
+        ++pos_;
+        return dims;
+      }
+      if (!std::isdigit(static_cast<unsigned char>(peek())))
+        bad("shape holds something other than an integer");
+      int64_t v = 0;
+      while (std::isdigit(static_cast<unsigned char>(peek()))) {
+        const int digit = peek() - '0';
+        if (v > (std::numeric_limits<int64_t>::max() - digit) / 10) bad("shape extent too large");
+        v = v * 10 + digit;
+        ++pos_;
+      }
+      if (peek() == 'L') ++pos_;  // Python 2 longs
+      dims.push_back(v);
+      skip_ws();
+      if (peek() == ',') {
+        ++pos_;
+      } else if (peek() != ')') {
+        bad("expected ',' or ')' in shape");
+      }
+    }
+  }
+
+  std::string_view s_;
+  const std::string& what_;
+  size_t pos_ = 0;
+};
+
+NpyDType dtype_from_descr(const std::string& descr, const std::string& what) {
+  for (const auto& e : kDescrs)
+    if (descr == e.descr) return e.dtype;
+  if (!descr.empty() && descr[0] == '>') fail(what, "big-endian descr '" + descr + "' is not supported");
+  fail(what, "unknown descr '" + descr + "' (supported: <f4 <f8 <f2 <i4 <i8 |u1 |b1)");
+}
+
+std::string shape_tuple(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  if (shape.size() == 1) s += ",";
+  return s + ")";
+}
+
+template <typename T>
+T load_le(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+std::vector<uint8_t> read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw std::runtime_error(path.string() + ": cannot open for reading");
+  const std::streamsize size = in.tellg();
+  if (size < 0) throw std::runtime_error(path.string() + ": cannot determine file size");
+  std::vector<uint8_t> buf(static_cast<size_t>(size));
+  in.seekg(0);
+  if (size > 0 && !in.read(reinterpret_cast<char*>(buf.data()), size))
+    throw std::runtime_error(path.string() + ": read failed");
+  return buf;
+}
+
+struct ZipCloser {
+  void operator()(zip_t* z) const { zip_discard(z); }
+};
+using ZipPtr = std::unique_ptr<zip_t, ZipCloser>;
+
+std::string zip_open_error(int code) {
+  zip_error_t err;
+  zip_error_init_with_code(&err, code);
+  std::string msg = zip_error_strerror(&err);
+  zip_error_fini(&err);
+  return msg;
+}
+
+}  // namespace
+
+const char* to_string(NpyDType t) {
+  switch (t) {
+    case NpyDType::F32:
+      return "float32";
+    case NpyDType::F64:
+      return "float64";
+    case NpyDType::F16:
+      return "float16";
+    case NpyDType::I32:
+      return "int32";
+    case NpyDType::I64:
+      return "int64";
+    case NpyDType::U8:
+      return "uint8";
+    case NpyDType::Bool:
+      return "bool";
+  }
+  return "?";
+}
+
+size_t dtype_size(NpyDType t) {
+  switch (t) {
+    case NpyDType::F32:
+    case NpyDType::I32:
+      return 4;
+    case NpyDType::F64:
+    case NpyDType::I64:
+      return 8;
+    case NpyDType::F16:
+      return 2;
+    case NpyDType::U8:
+    case NpyDType::Bool:
+      return 1;
+  }
+  return 0;
+}
+
+int64_t NpyArray::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<float> NpyArray::to_f32() const {
+  const size_t n = static_cast<size_t>(numel());
+  if (bytes.size() != n * dtype_size(dtype))
+    throw std::invalid_argument("NpyArray: byte size does not match shape");
+  std::vector<float> out(n);
+  const uint8_t* p = bytes.data();
+  switch (dtype) {
+    case NpyDType::F32:
+      if (n) std::memcpy(out.data(), p, n * sizeof(float));
+      break;
+    case NpyDType::F64:
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(load_le<double>(p + 8 * i));
+      break;
+    case NpyDType::F16:
+      for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(load_le<uint16_t>(p + 2 * i));
+      break;
+    case NpyDType::I32:
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(load_le<int32_t>(p + 4 * i));
+      break;
+    case NpyDType::I64:
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(load_le<int64_t>(p + 8 * i));
+      break;
+    case NpyDType::U8:
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+      break;
+    case NpyDType::Bool:
+      for (size_t i = 0; i < n; ++i) out[i] = p[i] ? 1.0f : 0.0f;
+      break;
+  }
+  return out;
+}
+
+std::vector<int32_t> NpyArray::to_i32() const {
+  const size_t n = static_cast<size_t>(numel());
+  if (bytes.size() != n * dtype_size(dtype))
+    throw std::invalid_argument("NpyArray: byte size does not match shape");
+  std::vector<int32_t> out(n);
+  const uint8_t* p = bytes.data();
+  switch (dtype) {
+    case NpyDType::I32:
+      if (n) std::memcpy(out.data(), p, n * sizeof(int32_t));
+      break;
+    case NpyDType::I64:
+      for (size_t i = 0; i < n; ++i) {
+        const int64_t v = load_le<int64_t>(p + 8 * i);
+        if (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max())
+          throw std::out_of_range("NpyArray::to_i32: int64 value " + std::to_string(v) + " at index " +
+                                  std::to_string(i) + " is out of int32 range");
+        out[i] = static_cast<int32_t>(v);
+      }
+      break;
+    case NpyDType::U8:
+      for (size_t i = 0; i < n; ++i) out[i] = p[i];
+      break;
+    case NpyDType::Bool:
+      for (size_t i = 0; i < n; ++i) out[i] = p[i] ? 1 : 0;
+      break;
+    default:
+      throw std::invalid_argument(std::string("NpyArray::to_i32: cannot convert ") + to_string(dtype) +
+                                  " to int32");
+  }
+  return out;
+}
+
+NpyArray NpyArray::from_f32(std::vector<int64_t> shape, const float* data) {
+  NpyArray a;
+  a.dtype = NpyDType::F32;
+  const int64_t n = checked_numel(shape, "NpyArray::from_f32");
+  a.shape = std::move(shape);
+  a.bytes.resize(static_cast<size_t>(n) * sizeof(float));
+  if (n) std::memcpy(a.bytes.data(), data, a.bytes.size());
+  return a;
+}
+
+NpyArray NpyArray::from_i32(std::vector<int64_t> shape, const int32_t* data) {
+  NpyArray a;
+  a.dtype = NpyDType::I32;
+  const int64_t n = checked_numel(shape, "NpyArray::from_i32");
+  a.shape = std::move(shape);
+  a.bytes.resize(static_cast<size_t>(n) * sizeof(int32_t));
+  if (n) std::memcpy(a.bytes.data(), data, a.bytes.size());
+  return a;
+}
+
+NpyArray parse_npy(const uint8_t* data, size_t size, const std::string& what) {
+  if (size < kMagicLen + 2 || std::memcmp(data, kMagic, kMagicLen) != 0)
+    fail(what, "bad magic: not a .npy file");
+  const uint8_t major = data[6];
+  size_t header_len = 0, prefix = 0;
+  if (major == 1) {
+    prefix = 10;
+    if (size < prefix) fail(what, "truncated .npy preamble");
+    header_len = load_le<uint16_t>(data + 8);
+  } else if (major == 2 || major == 3) {  // 3.0 differs from 2.0 only in the header's text encoding
+    prefix = 12;
+    if (size < prefix) fail(what, "truncated .npy preamble");
+    header_len = load_le<uint32_t>(data + 8);
+  } else {
+    fail(what, "unsupported .npy format version " + std::to_string(major) + "." + std::to_string(data[7]));
+  }
+  if (header_len > size - prefix) fail(what, "truncated .npy header");
+
+  std::string descr;
+  bool fortran = false;
+  NpyArray a;
+  HeaderParser(std::string_view(reinterpret_cast<const char*>(data + prefix), header_len), what)
+      .parse(descr, fortran, a.shape);
+  a.dtype = dtype_from_descr(descr, what);
+  if (fortran) fail(what, "fortran_order True is not supported (C order only)");
+
+  const int64_t n = checked_numel(a.shape, what);
+  const size_t offset = prefix + header_len;
+  const size_t avail = size - offset;
+  const size_t esize = dtype_size(a.dtype);
+  if (static_cast<uint64_t>(n) > avail / esize || static_cast<size_t>(n) * esize != avail) {
+    const std::string expected = std::to_string(static_cast<uint64_t>(n)) + " x " + std::to_string(esize);
+    if (static_cast<uint64_t>(n) > avail / esize)
+      fail(what, "truncated data: shape " + shape_tuple(a.shape) + " needs " + expected + " bytes but only " +
+                     std::to_string(avail) + " remain");
+    fail(what, "data size mismatch: shape " + shape_tuple(a.shape) + " needs " + expected + " bytes but " +
+                   std::to_string(avail) + " follow the header");
+  }
+  a.bytes.assign(data + offset, data + size);
+  return a;
+}
+
+std::vector<uint8_t> serialize_npy(const NpyArray& a) {
+  const int64_t n = checked_numel(a.shape, "serialize_npy");
+  if (a.bytes.size() != static_cast<size_t>(n) * dtype_size(a.dtype))
+    throw std::invalid_argument("serialize_npy: byte size does not match shape and dtype");
+
+  std::string header = std::string("{'descr': '") + descr_of(a.dtype) +
+                       "', 'fortran_order': False, 'shape': " + shape_tuple(a.shape) + ", }";
+  // numpy pads the header with spaces and a final '\n' so the data starts on a 64-byte boundary.
+  auto padded = [&](size_t prefix) {
+    const size_t unpadded = prefix + header.size() + 1;
+    return header + std::string((64 - unpadded % 64) % 64, ' ') + "\n";
+  };
+  std::string h = padded(10);
+  const bool v1 = h.size() <= std::numeric_limits<uint16_t>::max();
+  if (!v1) h = padded(12);
+
+  std::vector<uint8_t> out;
+  out.reserve((v1 ? 10 : 12) + h.size() + a.bytes.size());
+  out.insert(out.end(), kMagic, kMagic + kMagicLen);
+  out.push_back(v1 ? 1 : 2);
+  out.push_back(0);
+  const uint32_t len = static_cast<uint32_t>(h.size());
+  for (int i = 0; i < (v1 ? 2 : 4); ++i) out.push_back(static_cast<uint8_t>(len >> (8 * i)));
+  out.insert(out.end(), h.begin(), h.end());
+  out.insert(out.end(), a.bytes.begin(), a.bytes.end());
+  return out;
+}
+
+NpyArray read_npy(const std::filesystem::path& path) {
+  const std::vector<uint8_t> buf = read_file(path);
+  return parse_npy(buf.data(), buf.size(), path.string());
+}
+
+void write_npy(const std::filesystem::path& path, const NpyArray& a) {
+  const std::vector<uint8_t> buf = serialize_npy(a);
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw std::runtime_error(path.string() + ": cannot open for writing");
+  out.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size()));
+  out.close();
+  if (!out) throw std::runtime_error(path.string() + ": write failed");
+}
+
+NpzArchive read_npz(const std::filesystem::path& path) {
+  const std::string file = path.string();
+  int err = 0;
+  ZipPtr za(zip_open(file.c_str(), ZIP_RDONLY, &err));
+  if (!za) throw std::runtime_error(file + ": cannot open as .npz: " + zip_open_error(err));
+
+  NpzArchive out;
+  const zip_int64_t count = zip_get_num_entries(za.get(), 0);
+  for (zip_int64_t i = 0; i < count; ++i) {
+    zip_stat_t st;
+    zip_stat_init(&st);
+    if (zip_stat_index(za.get(), static_cast<zip_uint64_t>(i), 0, &st) != 0)
+      throw std::runtime_error(file + ": cannot stat member " + std::to_string(i) + ": " +
+                               zip_strerror(za.get()));
+    if (!(st.valid & ZIP_STAT_NAME) || !(st.valid & ZIP_STAT_SIZE))
+      throw std::runtime_error(file + ": member " + std::to_string(i) + " lacks a name or size");
+    const std::string name = st.name;
+    if (!name.empty() && name.back() == '/') continue;  // a directory entry
+    const std::string what = file + ":" + name;
+    constexpr std::string_view kSuffix = ".npy";
+    if (name.size() < kSuffix.size() ||
+        name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0)
+      throw std::runtime_error(what + ": member is not a .npy file");
+    const std::string key = name.substr(0, name.size() - kSuffix.size());
+    if (out.count(key)) throw std::runtime_error(what + ": duplicate member");
+
+    zip_file_t* zf = zip_fopen_index(za.get(), static_cast<zip_uint64_t>(i), 0);
+    if (!zf) throw std::runtime_error(what + ": cannot open member: " + zip_strerror(za.get()));
+    std::vector<uint8_t> buf(st.size);
+    zip_uint64_t got = 0;
+    while (got < st.size) {
+      const zip_int64_t r = zip_fread(zf, buf.data() + got, st.size - got);
+      if (r < 0) {
+        const std::string msg = zip_error_strerror(zip_file_get_error(zf));
+        zip_fclose(zf);
+        throw std::runtime_error(what + ": read failed: " + msg);
+      }
+      if (r == 0) break;
+      got += static_cast<zip_uint64_t>(r);
+    }
+    // zip_fclose reports CRC mismatches.
+    const int close_err = zip_fclose(zf);
+    if (got != st.size) throw std::runtime_error(what + ": member truncated in the archive");
+    if (close_err != 0) throw std::runtime_error(what + ": " + zip_open_error(close_err));
+    out.emplace(key, parse_npy(buf.data(), buf.size(), what));
+  }
+  return out;
+}
+
+void write_npz(const std::filesystem::path& path, const NpzArchive& arrays) {
+  const std::string file = path.string();
+  if (arrays.empty()) {
+    // libzip writes nothing for an empty archive; np.savez() writes a bare end-of-central-directory record.
+    const uint8_t eocd[22] = {0x50, 0x4b, 0x05, 0x06};
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(eocd), sizeof eocd);
+    out.close();
+    if (!out) throw std::runtime_error(file + ": cannot write .npz");
+    return;
+  }
+  int err = 0;
+  ZipPtr za(zip_open(file.c_str(), ZIP_CREATE | ZIP_TRUNCATE, &err));
+  if (!za) throw std::runtime_error(file + ": cannot create .npz: " + zip_open_error(err));
+
+  // libzip reads the sources only in zip_close, so the images must outlive it.
+  std::vector<std::vector<uint8_t>> images;
+  images.reserve(arrays.size());
+  for (const auto& [key, array] : arrays) {
+    images.push_back(serialize_npy(array));
+    const std::string name = key + ".npy";
+    zip_source_t* src = zip_source_buffer(za.get(), images.back().data(), images.back().size(), 0);
+    if (!src) throw std::runtime_error(file + ": cannot add member " + name + ": " + zip_strerror(za.get()));
+    const zip_int64_t idx = zip_file_add(za.get(), name.c_str(), src, ZIP_FL_ENC_UTF_8);
+    if (idx < 0) {
+      zip_source_free(src);
+      throw std::runtime_error(file + ": cannot add member " + name + ": " + zip_strerror(za.get()));
+    }
+    // Stored, as np.savez writes.
+    if (zip_set_file_compression(za.get(), static_cast<zip_uint64_t>(idx), ZIP_CM_STORE, 0) != 0)
+      throw std::runtime_error(file + ": cannot set compression of " + name + ": " + zip_strerror(za.get()));
+  }
+  if (zip_close(za.get()) != 0)
+    throw std::runtime_error(file + ": cannot write .npz: " + zip_strerror(za.get()));
+  za.release();  // zip_close freed it
+}
+
+}  // namespace kda::io

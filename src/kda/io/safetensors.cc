@@ -1,0 +1,359 @@
+#include "kda/io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+namespace kda::io {
+
+// Element bytes are reinterpreted in place; safetensors is little-endian, so the host must be too.
+static_assert(std::endian::native == std::endian::little, "kda::io assumes a little-endian host");
+
+namespace {
+
+using nlohmann::json;
+
+size_t st_dtype_size(StDType t) { return t == StDType::F32 ? 4 : 2; }
+
+bool parse_st_dtype(const std::string& s, StDType& out) {
+  if (s == "F32") {
+    out = StDType::F32;
+  } else if (s == "BF16") {
+    out = StDType::BF16;
+  } else if (s == "F16") {
+    out = StDType::F16;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+// A non-negative JSON integer as uint64, or false.
+bool json_uint(const json& j, uint64_t& out) {
+  if (j.is_number_unsigned()) {
+    out = j.get<uint64_t>();
+    return true;
+  }
+  if (j.is_number_integer() && j.get<int64_t>() >= 0) {
+    out = static_cast<uint64_t>(j.get<int64_t>());
+    return true;
+  }
+  return false;
+}
+
+struct Range {
+  uint64_t begin, end;
+  const std::string* name;
+};
+
+}  // namespace
+
+const char* to_string(StDType t) {
+  switch (t) {
+    case StDType::F32:
+      return "F32";
+    case StDType::BF16:
+      return "BF16";
+    case StDType::F16:
+      return "F16";
+  }
+  return "?";
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path) {
+  const std::string file = path.string();
+  auto fail = [&](const std::string& problem) -> void { throw std::runtime_error(file + ": " + problem); };
+
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(std::string("cannot open: ") + std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    fail(std::string("cannot stat: ") + std::strerror(e));
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    fail("file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_errno = errno;
+  ::close(fd);  // the mapping keeps the file alive
+  if (map == MAP_FAILED) fail(std::string("cannot mmap: ") + std::strerror(map_errno));
+  map_ = map;
+  map_size_ = size;
+
+  try {
+    const auto* base = static_cast<const uint8_t*>(map_);
+    uint64_t header_len = 0;
+    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base[i];
+    if (header_len > size - 8)
+      fail("header length " + std::to_string(header_len) + " is larger than the file (" +
+           std::to_string(size) + " bytes): file truncated or not a safetensors file");
+    const char* text = reinterpret_cast<const char*>(base + 8);
+    const uint8_t* data = base + 8 + header_len;
+    const uint64_t data_size = size - 8 - header_len;
+
+    json header;
+    try {
+      header = json::parse(text, text + header_len);
+    } catch (const json::parse_error& e) {
+      fail(std::string("header is not valid JSON: ") + e.what());
+    }
+    if (!header.is_object()) fail("header is not a JSON object");
+
+    std::vector<Range> ranges;
+    for (const auto& [name, entry] : header.items()) {
+      if (name == "__metadata__") {
+        if (!entry.is_object()) fail("__metadata__ is not an object");
+        for (const auto& [k, v] : entry.items()) {
+          if (!v.is_string()) fail("__metadata__ value for '" + k + "' is not a string");
+          metadata_[k] = v.get<std::string>();
+        }
+        continue;
+      }
+      const std::string where = "tensor '" + name + "'";
+      if (!entry.is_object()) fail(where + ": entry is not an object");
+
+      TensorView view;
+      view.name = name;
+      const auto dt = entry.find("dtype");
+      if (dt == entry.end() || !dt->is_string()) fail(where + ": missing or non-string dtype");
+      if (!parse_st_dtype(dt->get<std::string>(), view.dtype))
+        throw std::runtime_error("unknown dtype '" + dt->get<std::string>() + "' for " + where + " in " +
+                                 file + " (supported: F32, BF16, F16)");
+
+      const auto sh = entry.find("shape");
+      if (sh == entry.end() || !sh->is_array()) fail(where + ": missing or non-array shape");
+      uint64_t numel = 1;
+      bool overflow = false;
+      for (const auto& d : *sh) {
+        uint64_t v = 0;
+        if (!json_uint(d, v) || v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+          fail(where + ": shape " + sh->dump() + " holds something other than a non-negative integer");
+        view.shape.push_back(static_cast<int64_t>(v));
+        overflow |= __builtin_mul_overflow(numel, v, &numel);
+      }
+
+      const auto off = entry.find("data_offsets");
+      uint64_t begin = 0, end = 0;
+      if (off == entry.end() || !off->is_array() || off->size() != 2 || !json_uint((*off)[0], begin) ||
+          !json_uint((*off)[1], end))
+        fail(where + ": data_offsets must be [begin, end] with non-negative integers");
+      if (begin > end)
+        fail(where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+             "] have begin > end");
+      if (end > data_size)
+        fail(where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+             "] point past the end of the file (data section is " + std::to_string(data_size) +
+             " bytes): offsets past the end of the file");
+      uint64_t expected = 0;
+      overflow |= __builtin_mul_overflow(numel, st_dtype_size(view.dtype), &expected);
+      if (overflow || end - begin != expected)
+        fail(where + ": byte size " + std::to_string(end - begin) + " does not match dtype " +
+             to_string(view.dtype) + " and shape " + shape_str(view.shape) +
+             (overflow ? std::string(" (size overflows)") : " (" + std::to_string(expected) + " bytes)"));
+
+      view.data = data + begin;
+      view.nbytes = static_cast<size_t>(end - begin);
+      auto [it, inserted] = tensors_.emplace(name, std::move(view));
+      (void)inserted;  // JSON object keys are unique
+      ranges.push_back({begin, end, &it->first});
+    }
+
+    // Empty tensors occupy no bytes, so they cannot overlap anything.
+    std::erase_if(ranges, [](const Range& r) { return r.begin == r.end; });
+    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+    for (size_t i = 1; i < ranges.size(); ++i)
+      if (ranges[i].begin < ranges[i - 1].end)
+        fail("tensors '" + *ranges[i - 1].name + "' and '" + *ranges[i].name + "' overlap (byte ranges [" +
+             std::to_string(ranges[i - 1].begin) + ", " + std::to_string(ranges[i - 1].end) + ") and [" +
+             std::to_string(ranges[i].begin) + ", " + std::to_string(ranges[i].end) + "))");
+  } catch (...) {
+    ::munmap(map_, map_size_);
+    map_ = nullptr;
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_) ::munmap(map_, map_size_);
+}
+
+const TensorView* SafetensorsFile::find(const std::string& name) const {
+  const auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> out;
+  out.reserve(tensors_.size());
+  for (const auto& [name, view] : tensors_) out.push_back(name);
+  return out;
+}
+
+Checkpoint::Checkpoint(const std::filesystem::path& dir_or_file) : root_(dir_or_file) {
+  namespace fs = std::filesystem;
+  if (fs::is_directory(root_)) {
+    const fs::path index = root_ / "model.safetensors.index.json";
+    if (fs::exists(index)) {
+      const std::string what = index.string();
+      std::ifstream in(index);
+      if (!in) throw std::runtime_error(what + ": cannot open");
+      std::stringstream ss;
+      ss << in.rdbuf();
+      json j;
+      try {
+        j = json::parse(ss.str());
+      } catch (const json::parse_error& e) {
+        throw std::runtime_error(what + ": not valid JSON: " + e.what());
+      }
+      if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+        throw std::runtime_error(what + ": missing or non-object \"weight_map\"");
+      for (const auto& [tensor, shard] : j["weight_map"].items()) {
+        if (!shard.is_string() || shard.get<std::string>().empty())
+          throw std::runtime_error(what + ": weight_map entry for tensor '" + tensor +
+                                   "' is not a file name");
+        weight_map_[tensor] = shard.get<std::string>();
+      }
+      // Check shards exist now, but map them only when used.
+      for (const auto& [tensor, shard] : weight_map_)
+        if (!fs::is_regular_file(root_ / shard))
+          throw std::runtime_error(what + ": shard '" + shard + "' (holding tensor '" + tensor +
+                                   "') does not exist in " + root_.string());
+      return;
+    }
+    const fs::path single = root_ / "model.safetensors";
+    if (!fs::exists(single))
+      throw std::runtime_error(root_.string() +
+                               ": checkpoint directory holds neither model.safetensors nor "
+                               "model.safetensors.index.json");
+    files_.emplace("model.safetensors", std::make_unique<SafetensorsFile>(single));
+    return;
+  }
+  if (!fs::exists(root_)) throw std::runtime_error(root_.string() + ": checkpoint path does not exist");
+  files_.emplace(root_.filename().string(), std::make_unique<SafetensorsFile>(root_));
+}
+
+Checkpoint::~Checkpoint() = default;
+
+const SafetensorsFile& Checkpoint::file_for(const std::string& shard) const {
+  std::lock_guard<std::mutex> lock(files_mu_);
+  auto it = files_.find(shard);
+  if (it == files_.end()) it = files_.emplace(shard, std::make_unique<SafetensorsFile>(root_ / shard)).first;
+  return *it->second;
+}
+
+bool Checkpoint::contains(const std::string& name) const {
+  if (weight_map_.empty()) {
+    // Single-file checkpoints are mapped in the constructor and never change.
+    return !files_.empty() && files_.begin()->second->find(name) != nullptr;
+  }
+  return weight_map_.count(name) != 0;
+}
+
+const TensorView& Checkpoint::get(const std::string& name) const {
+  if (weight_map_.empty()) {
+    const TensorView* v = files_.empty() ? nullptr : files_.begin()->second->find(name);
+    if (!v) throw std::runtime_error("missing tensor '" + name + "' in " + root_.string());
+    return *v;
+  }
+  const auto it = weight_map_.find(name);
+  if (it == weight_map_.end()) throw std::runtime_error("missing tensor '" + name + "' in " + root_.string());
+  const SafetensorsFile& f = file_for(it->second);
+  const TensorView* v = f.find(name);
+  if (!v)
+    throw std::runtime_error("missing tensor '" + name + "' in " + f.path().string() + " (the index of " +
+                             root_.string() + " lists it there)");
+  return *v;
+}
+
+namespace {
+
+const TensorView& check_shape(const TensorView& v, const std::vector<int64_t>& expected) {
+  if (v.shape != expected)
+    throw std::runtime_error("tensor '" + v.name + "' has shape " + shape_str(v.shape) + " but " +
+                             shape_str(expected) + " was expected");
+  return v;
+}
+
+// The mapping may place a tensor at any byte offset, so elements are copied out rather than loaded.
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+}  // namespace
+
+std::vector<float> Checkpoint::load_f32(const std::string& name,
+                                        const std::vector<int64_t>& expected_shape) const {
+  const TensorView& v = check_shape(get(name), expected_shape);
+  const size_t n = static_cast<size_t>(v.numel());
+  std::vector<float> out(n);
+  switch (v.dtype) {
+    case StDType::F32:
+      if (n) std::memcpy(out.data(), v.data, n * sizeof(float));
+      break;
+    case StDType::BF16:
+      for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load_u16(v.data + 2 * i));
+      break;
+    case StDType::F16:
+      for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(load_u16(v.data + 2 * i));
+      break;
+  }
+  return out;
+}
+
+std::vector<bf16_t> Checkpoint::load_bf16(const std::string& name,
+                                          const std::vector<int64_t>& expected_shape) const {
+  const TensorView& v = check_shape(get(name), expected_shape);
+  const size_t n = static_cast<size_t>(v.numel());
+  std::vector<bf16_t> out(n);
+  switch (v.dtype) {
+    case StDType::F32:
+      for (size_t i = 0; i < n; ++i) {
+        float f;
+        std::memcpy(&f, v.data + 4 * i, sizeof f);
+        out[i] = f32_to_bf16(f);
+      }
+      break;
+    case StDType::BF16:
+      if (n) std::memcpy(out.data(), v.data, n * sizeof(bf16_t));
+      break;
+    case StDType::F16:
+      // Every f16 value is exact in f32; the only rounding is f32 -> bf16.
+      for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(f16_to_f32(load_u16(v.data + 2 * i)));
+      break;
+  }
+  return out;
+}
+
+}  // namespace kda::io

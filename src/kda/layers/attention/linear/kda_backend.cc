@@ -1,0 +1,213 @@
+#include "kda/layers/attention/linear/kda_backend.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kda/kernels/short_conv.h"
+#include "kda/layers/radix_linear_attention.h"
+
+namespace kda::layers::attention::linear {
+
+using model_executor::ForwardBatch;
+using model_executor::ForwardMode;
+
+namespace {
+
+void check_mode_supported(ForwardMode m) {
+  if (m == ForwardMode::DRAFT_EXTEND || m == ForwardMode::TARGET_VERIFY)
+    throw std::runtime_error(std::string("forward mode ") + model_executor::to_string(m) +
+                             " (speculative decoding) is not supported by the KDA backend");
+}
+
+// Copies columns [col, col + width) of a [T, stride] matrix into a dense [T, width] one.
+void copy_columns(const float* src, int64_t stride, int64_t col, int64_t width, int64_t T, float* dst) {
+#pragma omp parallel for schedule(static) if (T * width > (1 << 16))
+  for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * width, src + t * stride + col, sizeof(float) * width);
+}
+
+}  // namespace
+
+LinearRecurrentAttnBackendMetadata LinearRecurrentAttnBackend::get_forward_metadata(
+    const ForwardBatch& forward_batch, std::span<const int32_t> recurrent_indices) const {
+  forward_batch.validate();
+  check_mode_supported(forward_batch.forward_mode);
+  const int64_t B = forward_batch.batch_size();
+  if (static_cast<int64_t>(recurrent_indices.size()) != B)
+    throw std::invalid_argument("get_forward_metadata: " + std::to_string(recurrent_indices.size()) +
+                                " recurrent indices for a batch of " + std::to_string(B));
+  LinearRecurrentAttnBackendMetadata md;
+  md.forward_mode = forward_batch.forward_mode;
+  md.cu_q_lens.resize(B + 1);
+  md.cu_q_lens[0] = 0;
+  int64_t total = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    total += forward_batch.extend_seq_lens[i];
+    if (total > INT32_MAX) throw std::invalid_argument("get_forward_metadata: batch exceeds 2^31 tokens");
+    md.cu_q_lens[i + 1] = static_cast<int32_t>(total);
+  }
+  md.recurrent_indices.assign(recurrent_indices.begin(), recurrent_indices.end());
+  md.has_initial_state.resize(B);
+  for (int64_t i = 0; i < B; ++i) {
+    if ((forward_batch.req_pool_indices[i] < 0) != (recurrent_indices[i] < 0))
+      throw std::invalid_argument("get_forward_metadata: request " + std::to_string(i) +
+                                  " is padded in one of req_pool_indices / recurrent_indices only");
+    const bool decode = forward_batch.forward_mode == ForwardMode::DECODE;
+    const bool prefix = !forward_batch.extend_prefix_lens.empty() && forward_batch.extend_prefix_lens[i] > 0;
+    md.has_initial_state[i] = (decode || prefix) ? 1 : 0;
+  }
+  return md;
+}
+
+void LinearRecurrentAttnBackend::init_forward_metadata(const ForwardBatch& forward_batch,
+                                                       std::span<const int32_t> recurrent_indices) {
+  forward_metadata_ = get_forward_metadata(forward_batch, recurrent_indices);
+  has_metadata_ = true;
+}
+
+void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, const float* mixed_qkv,
+                                          int64_t qkv_stride, int64_t T,
+                                          const mem_cache::LinearRecurrentLayerCache& cache, bool decode) {
+  const auto& p = layer.params();
+  const auto& md = forward_metadata_;
+  auto fill = [&](auto& args) {
+    args.x = mixed_qkv;
+    args.x_stride = qkv_stride;
+    args.T = T;
+    args.C = layer.conv_dim();
+    args.weight = p.conv_weights;
+    args.W = p.conv_kernel;
+    args.cu_seqlens = md.cu_q_lens.data();
+    args.N = static_cast<int64_t>(md.recurrent_indices.size());
+    args.indices = md.recurrent_indices.data();
+    args.num_slots = cache.num_slots;
+    args.has_initial_state = md.has_initial_state.data();
+    args.round_output_bf16 = p.round_conv_output_bf16;
+    args.y = conv_out_.data();
+  };
+  if (cache.conv_f32) {
+    kernels::ShortConvArgs<float> args;
+    fill(args);
+    args.state = cache.conv_f32;
+    decode ? kernels::short_conv_decode(args) : kernels::short_conv_extend(args);
+  } else {
+    kernels::ShortConvArgs<bf16_t> args;
+    fill(args);
+    args.state = cache.conv_bf16;
+    decode ? kernels::short_conv_decode(args) : kernels::short_conv_extend(args);
+  }
+}
+
+void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, const ForwardBatch& forward_batch,
+                                         const float* mixed_qkv, int64_t qkv_stride, const float* a,
+                                         int64_t a_stride, const float* b, int64_t b_stride,
+                                         mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) {
+  if (!has_metadata_)
+    throw std::logic_error("LinearRecurrentAttnBackend::forward before init_forward_metadata for this batch");
+  const auto& md = forward_metadata_;
+  const ForwardMode mode = forward_batch.forward_mode;
+  if (mode != md.forward_mode)
+    throw std::invalid_argument(std::string("forward mode ") + model_executor::to_string(mode) +
+                                " differs from the batch metadata's " + model_executor::to_string(md.forward_mode));
+  check_mode_supported(mode);
+  const int64_t T = md.num_tokens();
+  if (forward_batch.num_tokens() != T)
+    throw std::invalid_argument("forward batch has " + std::to_string(forward_batch.num_tokens()) +
+                                " tokens but its metadata " + std::to_string(T));
+  const auto& p = layer.params();
+  const int64_t H = p.num_v_heads, K = p.head_k_dim, V = p.head_v_dim;
+  const int64_t qd = layer.q_dim(), kd = layer.k_dim(), vd = layer.v_dim();
+
+  if (mode == ForwardMode::IDLE || mode == ForwardMode::DUMMY_FIRST) {
+    std::memset(o, 0, sizeof(float) * T * H * V);
+    return;
+  }
+  if (qkv_stride < layer.conv_dim() || a_stride < H * K || b_stride < H)
+    throw std::invalid_argument("LinearRecurrentAttnBackend::forward: row strides smaller than the widths");
+
+  mem_cache::LinearRecurrentLayerCache cache = recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id());
+  if (cache.recurrent_slot_elems != H * K * V ||
+      cache.conv_slot_elems != static_cast<int64_t>(p.conv_kernel - 1) * layer.conv_dim())
+    throw std::invalid_argument("state pool layer " + std::to_string(layer.layer_id()) +
+                                " has a slot shape unlike the layer's (heads, dims or conv width differ)");
+  // Every slot is checked before any state is touched, so a bad index leaves the pool as it was.
+  std::vector<uint8_t> seen(cache.num_slots, 0);
+  for (size_t i = 0; i < md.recurrent_indices.size(); ++i) {
+    const int32_t s = md.recurrent_indices[i];
+    if (s == -1) continue;
+    if (s < 0 || s >= cache.num_slots)
+      throw std::invalid_argument("recurrent index " + std::to_string(s) + " of request " + std::to_string(i) +
+                                  " is outside the pool's " + std::to_string(cache.num_slots) + " slots");
+    if (seen[s]++) throw std::invalid_argument("recurrent slot " + std::to_string(s) + " appears twice in one batch");
+  }
+
+  const bool decode = mode == ForwardMode::DECODE;
+  conv_out_.resize(static_cast<size_t>(T * layer.conv_dim()));
+  run_conv(layer, mixed_qkv, qkv_stride, T, cache, decode);
+
+  q_.resize(static_cast<size_t>(T * qd));
+  k_.resize(static_cast<size_t>(T * kd));
+  v_.resize(static_cast<size_t>(T * vd));
+  copy_columns(conv_out_.data(), layer.conv_dim(), 0, qd, T, q_.data());
+  copy_columns(conv_out_.data(), layer.conv_dim(), qd, kd, T, k_.data());
+  copy_columns(conv_out_.data(), layer.conv_dim(), qd + kd, vd, T, v_.data());
+  const float* a_dense = a;
+  if (a_stride != H * K) {
+    a_.resize(static_cast<size_t>(T * H * K));
+    copy_columns(a, a_stride, 0, H * K, T, a_.data());
+    a_dense = a_.data();
+  }
+  beta_.resize(static_cast<size_t>(T * H));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) beta_[t * H + h] = 1.0f / (1.0f + std::exp(-b[t * b_stride + h]));
+
+  LinearRecurrentDispatch d;
+  d.layer = &layer;
+  d.metadata = &md;
+  d.q = q_.data();
+  d.k = k_.data();
+  d.v = v_.data();
+  d.a = a_dense;
+  d.beta = beta_.data();
+  d.cache = cache;
+  d.o = o;
+  decode ? dispatch_recurrent(d) : dispatch_chunk(d);
+}
+
+kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) const {
+  const auto& p = d.layer->params();
+  const auto& md = *d.metadata;
+  kernels::KdaArgs a;
+  a.q = d.q;
+  a.k = d.k;
+  a.v = d.v;
+  a.g = d.a;
+  a.beta = d.beta;
+  a.T = md.num_tokens();
+  a.H = p.num_v_heads;
+  a.K = p.head_k_dim;
+  a.V = p.head_v_dim;
+  a.cu_seqlens = md.cu_q_lens.data();
+  a.N = static_cast<int64_t>(md.recurrent_indices.size());
+  a.scale = 0.0f;  // K^-0.5
+  a.use_qk_l2norm_in_kernel = true;
+  a.use_gate_in_kernel = true;
+  a.A_log = p.A_log;
+  a.dt_bias = p.dt_bias;
+  a.state = d.cache.recurrent;
+  a.state_indices = md.recurrent_indices.data();
+  a.num_state_slots = d.cache.num_slots;
+  a.has_initial_state = md.has_initial_state.data();
+  a.output_final_state = true;
+  a.o = d.o;
+  return a;
+}
+
+void KDAAttnBackend::dispatch_chunk(const LinearRecurrentDispatch& d) { kernels::chunk_kda(kernel_args(d), kernel_); }
+
+void KDAAttnBackend::dispatch_recurrent(const LinearRecurrentDispatch& d) {
+  kernels::fused_recurrent_kda(kernel_args(d), kernel_);
+}
+
+}  // namespace kda::layers::attention::linear

@@ -1,0 +1,95 @@
+// Linear-recurrent attention backends (RFC §4.3.1 / §4.3.2).
+//
+// LinearRecurrentAttnBackend is the shared base for KDA and future GDN / Mamba2 backends (sglang's
+// MambaAttnBackendBase): it holds no weights and no pool reference. Per batch, get_forward_metadata
+// computes cu_q_lens, recurrent_indices and has_initial_state once; every layer then calls forward,
+// which dispatches on the forward mode: EXTEND -> short conv (extend) + dispatch_chunk, DECODE -> short
+// conv (decode) + dispatch_recurrent, IDLE / DUMMY_FIRST -> zeros with no state touched, speculative
+// modes -> a clear not-supported error. The layer's states are read from and written to the pool in
+// place, through the layer's view (get_linear_recurrent_layer_cache(layer_id)).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kda/kernels/kda/kda.h"
+#include "kda/mem_cache/memory_pool.h"
+#include "kda/model_executor/forward_batch_info.h"
+
+namespace kda::layers {
+class RadixLinearAttention;
+}
+
+namespace kda::layers::attention::linear {
+
+struct LinearRecurrentAttnBackendMetadata {
+  std::vector<int32_t> cu_q_lens;          // [B+1] token boundaries of the batch's requests
+  std::vector<int32_t> recurrent_indices;  // [B] pool slot per request; -1: padded row
+  std::vector<uint8_t> has_initial_state;  // [B] 1 when the slot holds a state to continue from
+  model_executor::ForwardMode forward_mode = model_executor::ForwardMode::EXTEND;
+  int64_t num_tokens() const { return cu_q_lens.empty() ? 0 : cu_q_lens.back(); }
+};
+
+// The arguments a dispatch hands to a kernel, prepared by the base class.
+struct LinearRecurrentDispatch {
+  const RadixLinearAttention* layer = nullptr;
+  const LinearRecurrentAttnBackendMetadata* metadata = nullptr;
+  const float* q = nullptr;  // [T, H*K] after conv + silu
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const float* a = nullptr;     // [T, H*K] raw forget gate (contiguous)
+  const float* beta = nullptr;  // [T, H] sigmoid(b), fp32
+  mem_cache::LinearRecurrentLayerCache cache;
+  float* o = nullptr;  // [T, H*V]
+};
+
+class LinearRecurrentAttnBackend {
+ public:
+  virtual ~LinearRecurrentAttnBackend() = default;
+
+  // Per batch, before the first layer (outside the layers). recurrent_indices come from
+  // req_to_token_pool.get_recurrent_indices(req_pool_indices). Throws for unsupported modes.
+  LinearRecurrentAttnBackendMetadata get_forward_metadata(const model_executor::ForwardBatch& forward_batch,
+                                                          std::span<const int32_t> recurrent_indices) const;
+  void init_forward_metadata(const model_executor::ForwardBatch& forward_batch,
+                             std::span<const int32_t> recurrent_indices);
+  const LinearRecurrentAttnBackendMetadata& forward_metadata() const { return forward_metadata_; }
+
+  // See RadixLinearAttention::operator() for the argument layouts.
+  void forward(const RadixLinearAttention& layer, const model_executor::ForwardBatch& forward_batch,
+               const float* mixed_qkv, int64_t qkv_stride, const float* a, int64_t a_stride, const float* b,
+               int64_t b_stride, mem_cache::RecurrentStatePool& recurrent_state_pool, float* o);
+
+ protected:
+  virtual void dispatch_chunk(const LinearRecurrentDispatch& d) = 0;
+  virtual void dispatch_recurrent(const LinearRecurrentDispatch& d) = 0;
+
+ private:
+  void run_conv(const RadixLinearAttention& layer, const float* mixed_qkv, int64_t qkv_stride, int64_t T,
+                const mem_cache::LinearRecurrentLayerCache& cache, bool decode);
+
+  LinearRecurrentAttnBackendMetadata forward_metadata_;
+  bool has_metadata_ = false;
+  // Scratch reused across layers and steps (grown, never shrunk).
+  std::vector<float> conv_out_;
+  std::vector<float> q_, k_, v_, a_, beta_;
+};
+
+// KDA: binds the dispatches to the chunk_kda / fused_recurrent_kda kernels (optimized by default, the
+// reference when asked for, with fallback as kernels/kda decides). One instance serves every KDA layer.
+class KDAAttnBackend final : public LinearRecurrentAttnBackend {
+ public:
+  explicit KDAAttnBackend(kernels::KernelImpl kernel = kernels::KernelImpl::Auto) : kernel_(kernel) {}
+  kernels::KernelImpl kernel() const { return kernel_; }
+
+ protected:
+  void dispatch_chunk(const LinearRecurrentDispatch& d) override;
+  void dispatch_recurrent(const LinearRecurrentDispatch& d) override;
+
+ private:
+  kernels::KdaArgs kernel_args(const LinearRecurrentDispatch& d) const;
+  kernels::KernelImpl kernel_;
+};
+
+}  // namespace kda::layers::attention::linear

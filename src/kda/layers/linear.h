@@ -1,0 +1,40 @@
+// A bias-free linear projection y = x W^T through oneDNN matmul (W [out, in] as checkpoints store it).
+//
+// fp32: fp32 weights, fp32 in and out. bf16: bf16 weights and inputs (inputs are converted here; they
+// are already bf16 values in the bf16 mode), fp32 accumulation and output; rounding the output to bf16
+// is the caller's rounding point. Primitives are created once per row count M and reused.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/common/precision.h"
+
+namespace kda::layers {
+
+class Linear {
+ public:
+  Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Precision precision);
+  ~Linear();
+  Linear(Linear&&) noexcept;
+  Linear& operator=(Linear&&) noexcept;
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  Precision precision() const { return precision_; }
+
+  // x: [M, in] with row stride ldx (>= in); y: [M, out] with row stride ldy (>= out).
+  void forward(const float* x, int64_t M, float* y) const { forward(x, M, in_, y, out_); }
+  void forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
+
+ private:
+  struct Impl;
+  int64_t in_ = 0, out_ = 0;
+  Precision precision_ = Precision::FP32;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kda::layers

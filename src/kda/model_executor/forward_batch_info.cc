@@ -1,0 +1,75 @@
+#include "kda/model_executor/forward_batch_info.h"
+
+#include <stdexcept>
+
+namespace kda::model_executor {
+
+const char* to_string(ForwardMode m) {
+  switch (m) {
+    case ForwardMode::EXTEND:
+      return "EXTEND";
+    case ForwardMode::DECODE:
+      return "DECODE";
+    case ForwardMode::IDLE:
+      return "IDLE";
+    case ForwardMode::DUMMY_FIRST:
+      return "DUMMY_FIRST";
+    case ForwardMode::DRAFT_EXTEND:
+      return "DRAFT_EXTEND";
+    case ForwardMode::TARGET_VERIFY:
+      return "TARGET_VERIFY";
+  }
+  return "?";
+}
+
+int64_t ForwardBatch::num_tokens() const {
+  int64_t n = 0;
+  for (int32_t l : extend_seq_lens) n += l;
+  return n;
+}
+
+void ForwardBatch::validate() const {
+  const size_t b = req_pool_indices.size();
+  if (extend_seq_lens.size() != b)
+    throw std::invalid_argument("ForwardBatch: extend_seq_lens has " + std::to_string(extend_seq_lens.size()) +
+                                " entries for " + std::to_string(b) + " requests");
+  if (!extend_prefix_lens.empty() && extend_prefix_lens.size() != b)
+    throw std::invalid_argument("ForwardBatch: extend_prefix_lens has " +
+                                std::to_string(extend_prefix_lens.size()) + " entries for " +
+                                std::to_string(b) + " requests");
+  for (size_t i = 0; i < b; ++i) {
+    if (req_pool_indices[i] < -1)
+      throw std::invalid_argument("ForwardBatch: request " + std::to_string(i) + " has req_pool_index " +
+                                  std::to_string(req_pool_indices[i]));
+    if (extend_seq_lens[i] < 0)
+      throw std::invalid_argument("ForwardBatch: request " + std::to_string(i) + " has a negative length " +
+                                  std::to_string(extend_seq_lens[i]));
+    if (!extend_prefix_lens.empty() && extend_prefix_lens[i] < 0)
+      throw std::invalid_argument("ForwardBatch: request " + std::to_string(i) + " has a negative prefix " +
+                                  std::to_string(extend_prefix_lens[i]));
+    if (forward_mode == ForwardMode::DECODE && extend_seq_lens[i] != 1)
+      throw std::invalid_argument("ForwardBatch: DECODE request " + std::to_string(i) + " has " +
+                                  std::to_string(extend_seq_lens[i]) + " tokens (must be 1)");
+  }
+}
+
+ForwardBatch ForwardBatch::extend(std::vector<int32_t> req_pool_indices, std::vector<int32_t> extend_seq_lens,
+                                  std::vector<int32_t> extend_prefix_lens) {
+  ForwardBatch fb;
+  fb.forward_mode = ForwardMode::EXTEND;
+  fb.req_pool_indices = std::move(req_pool_indices);
+  fb.extend_seq_lens = std::move(extend_seq_lens);
+  fb.extend_prefix_lens = std::move(extend_prefix_lens);
+  return fb;
+}
+
+ForwardBatch ForwardBatch::decode(std::vector<int32_t> req_pool_indices) {
+  ForwardBatch fb;
+  fb.forward_mode = ForwardMode::DECODE;
+  fb.extend_seq_lens.assign(req_pool_indices.size(), 1);
+  fb.extend_prefix_lens.assign(req_pool_indices.size(), 1);
+  fb.req_pool_indices = std::move(req_pool_indices);
+  return fb;
+}
+
+}  // namespace kda::model_executor

@@ -1,0 +1,49 @@
+// ForwardMode and ForwardBatch: what one model step runs (sglang's forward_batch_info).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kda::layers::attention::linear {
+class LinearRecurrentAttnBackend;
+}
+
+namespace kda::model_executor {
+
+enum class ForwardMode {
+  EXTEND,         // prefill (chunked or not), and mixed batches of prefill chunks and 1-token decodes
+  DECODE,         // one token per request
+  IDLE,           // nothing to run on this rank: zero output
+  DUMMY_FIRST,    // a warm-up / padding step: zero output, no state touched
+  DRAFT_EXTEND,   // speculative decoding: not supported by the KDA backend
+  TARGET_VERIFY,  // speculative decoding: not supported by the KDA backend
+};
+
+const char* to_string(ForwardMode m);
+
+struct ForwardBatch {
+  ForwardMode forward_mode = ForwardMode::EXTEND;
+  // Per request in the batch, in token order. -1 marks a padded row (its tokens produce zero output
+  // and no state is read or written).
+  std::vector<int32_t> req_pool_indices;
+  // Tokens each request contributes to this step (EXTEND); all 1 for DECODE.
+  std::vector<int32_t> extend_seq_lens;
+  // Tokens each request had processed before this step; > 0 means its slot holds a state to continue.
+  std::vector<int32_t> extend_prefix_lens;
+  // The shared linear-attention backend (one instance serves every KDA layer).
+  layers::attention::linear::LinearRecurrentAttnBackend* attn_backend = nullptr;
+
+  int64_t batch_size() const { return static_cast<int64_t>(req_pool_indices.size()); }
+  int64_t num_tokens() const;  // sum of extend_seq_lens
+
+  // Throws std::invalid_argument naming what is inconsistent (sizes, negative lengths, DECODE rows
+  // that are not exactly one token).
+  void validate() const;
+
+  static ForwardBatch extend(std::vector<int32_t> req_pool_indices, std::vector<int32_t> extend_seq_lens,
+                             std::vector<int32_t> extend_prefix_lens);
+  static ForwardBatch decode(std::vector<int32_t> req_pool_indices);
+};
+
+}  // namespace kda::model_executor

@@ -1,0 +1,242 @@
+#include "kda/models/kimi_linear.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+
+#include "kda/common/bf16.h"
+
+namespace kda::models {
+
+namespace {
+
+std::vector<float> concat(std::initializer_list<const std::vector<float>*> parts) {
+  size_t n = 0;
+  for (auto* p : parts) n += p->size();
+  std::vector<float> out;
+  out.reserve(n);
+  for (auto* p : parts) out.insert(out.end(), p->begin(), p->end());
+  return out;
+}
+
+// bf16 mode rounds every parameter to bf16, as an HF bf16 load does (BF16 checkpoints stay as they are).
+std::vector<float> param(const std::vector<float>& v, Precision p) {
+  std::vector<float> out = v;
+  if (p == Precision::BF16) round_bf16_inplace(out.data(), out.size());
+  return out;
+}
+
+void maybe_round(std::vector<float>& v, size_t n, Precision p) {
+  if (p == Precision::BF16) round_bf16_inplace(v.data(), n);
+}
+
+void check_size(const std::vector<float>& v, size_t n, const char* name) {
+  if (v.size() != n)
+    throw std::invalid_argument(std::string("KdaLayerWeights: ") + name + " has " + std::to_string(v.size()) +
+                                " values, expected " + std::to_string(n));
+}
+
+}  // namespace
+
+KdaLayerWeights KdaLayerWeights::load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg, int layer_idx) {
+  if (layer_idx < 0 || layer_idx >= cfg.num_hidden_layers)
+    throw std::invalid_argument("layer " + std::to_string(layer_idx) + " is outside the model's " +
+                                std::to_string(cfg.num_hidden_layers) + " decoder layers");
+  if (!cfg.is_kda_layer(layer_idx))
+    throw std::invalid_argument("decoder layer " + std::to_string(layer_idx) +
+                                " (0-based) is not a KDA layer: linear_attn_config.kda_layers (1-based) does not list " +
+                                std::to_string(layer_idx + 1));
+  const int64_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K,
+                W = cfg.short_conv_kernel_size;
+  const std::string pre = "model.layers." + std::to_string(layer_idx) + ".self_attn.";
+  auto ld = [&](const char* name, std::vector<int64_t> shape) { return ckpt.load_f32(pre + name, shape); };
+  KdaLayerWeights w;
+  w.q_proj = ld("q_proj.weight", {P, D});
+  w.k_proj = ld("k_proj.weight", {P, D});
+  w.v_proj = ld("v_proj.weight", {P, D});
+  w.q_conv1d = ld("q_conv1d.weight", {P, 1, W});
+  w.k_conv1d = ld("k_conv1d.weight", {P, 1, W});
+  w.v_conv1d = ld("v_conv1d.weight", {P, 1, W});
+  w.A_log = ld("A_log", {1, 1, H, 1});
+  w.dt_bias = ld("dt_bias", {P});
+  w.f_a_proj = ld("f_a_proj.weight", {K, D});
+  w.f_b_proj = ld("f_b_proj.weight", {P, K});
+  w.b_proj = ld("b_proj.weight", {H, D});
+  w.g_a_proj = ld("g_a_proj.weight", {K, D});
+  w.g_b_proj = ld("g_b_proj.weight", {P, K});
+  w.o_norm = ld("o_norm.weight", {K});
+  w.o_proj = ld("o_proj.weight", {D, P});
+  return w;
+}
+
+KdaLayerWeights KdaLayerWeights::synthetic(const io::KimiLinearConfig& cfg, uint64_t seed) {
+  const int64_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K,
+                W = cfg.short_conv_kernel_size;
+  std::mt19937_64 rng(seed);
+  auto normal = [&](size_t n, double stddev) {
+    std::normal_distribution<float> d(0.0f, static_cast<float>(stddev));
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng);
+    return v;
+  };
+  auto uniform = [&](size_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng);
+    return v;
+  };
+  KdaLayerWeights w;
+  const double sd = 1.0 / std::sqrt(static_cast<double>(D));
+  w.q_proj = normal(P * D, sd);
+  w.k_proj = normal(P * D, sd);
+  w.v_proj = normal(P * D, sd);
+  w.q_conv1d = normal(P * W, 0.5);
+  w.k_conv1d = normal(P * W, 0.5);
+  w.v_conv1d = normal(P * W, 0.5);
+  w.A_log = uniform(H, 0.0f, std::log(16.0f));  // A in [1, 16], as the model initialises it
+  w.dt_bias = normal(P, 0.5);
+  w.f_a_proj = normal(K * D, sd);
+  w.f_b_proj = normal(P * K, 1.0 / std::sqrt(static_cast<double>(K)));
+  w.b_proj = normal(H * D, sd);
+  w.g_a_proj = normal(K * D, sd);
+  w.g_b_proj = normal(P * K, 1.0 / std::sqrt(static_cast<double>(K)));
+  w.o_norm = uniform(K, 0.8f, 1.2f);
+  w.o_proj = normal(D * P, 1.0 / std::sqrt(static_cast<double>(P)));
+  return w;
+}
+
+namespace {
+
+const KdaLayerWeights& checked(const KdaLayerWeights& w, const io::KimiLinearConfig& cfg) {
+  const size_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K, W = cfg.short_conv_kernel_size;
+  check_size(w.q_proj, P * D, "q_proj");
+  check_size(w.k_proj, P * D, "k_proj");
+  check_size(w.v_proj, P * D, "v_proj");
+  check_size(w.q_conv1d, P * W, "q_conv1d");
+  check_size(w.k_conv1d, P * W, "k_conv1d");
+  check_size(w.v_conv1d, P * W, "v_conv1d");
+  check_size(w.A_log, H, "A_log");
+  check_size(w.dt_bias, P, "dt_bias");
+  check_size(w.f_a_proj, K * D, "f_a_proj");
+  check_size(w.f_b_proj, P * K, "f_b_proj");
+  check_size(w.b_proj, H * D, "b_proj");
+  check_size(w.g_a_proj, K * D, "g_a_proj");
+  check_size(w.g_b_proj, P * K, "g_b_proj");
+  check_size(w.o_norm, K, "o_norm");
+  check_size(w.o_proj, D * P, "o_proj");
+  return w;
+}
+
+}  // namespace
+
+KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx, const KdaLayerWeights& w,
+                                       Precision precision)
+    : layer_idx_(layer_idx),
+      precision_(precision),
+      D_(cfg.hidden_size),
+      H_(cfg.num_heads),
+      K_(cfg.head_dim),
+      P_(cfg.projection_size()),
+      W_(cfg.short_conv_kernel_size),
+      eps_(cfg.rms_norm_eps),
+      conv_w_(param(concat({&checked(w, cfg).q_conv1d, &w.k_conv1d, &w.v_conv1d}), precision)),
+      A_log_(param(w.A_log, precision)),
+      dt_bias_(param(w.dt_bias, precision)),
+      o_norm_w_(param(w.o_norm, precision)),
+      proj_(D_, 3 * P_ + 2 * K_ + H_,
+            concat({&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.g_a_proj, &w.b_proj}), precision),
+      f_b_(K_, P_, w.f_b_proj, precision),
+      g_b_(K_, P_, w.g_b_proj, precision),
+      o_proj_(P_, D_, w.o_proj, precision),
+      attn_(layers::RadixLinearAttention::Params{
+          .layer_id = layer_idx,
+          .num_q_heads = static_cast<int>(H_),
+          .num_k_heads = static_cast<int>(H_),
+          .num_v_heads = static_cast<int>(H_),
+          .head_q_dim = static_cast<int>(K_),
+          .head_k_dim = static_cast<int>(K_),
+          .head_v_dim = static_cast<int>(K_),
+          .conv_weights = conv_w_.data(),
+          .conv_kernel = static_cast<int>(W_),
+          .A_log = A_log_.data(),
+          .dt_bias = dt_bias_.data(),
+          .round_conv_output_bf16 = precision == Precision::BF16,
+      }) {}
+
+std::unique_ptr<KimiDeltaAttention> KimiDeltaAttention::from_checkpoint(const io::Checkpoint& ckpt,
+                                                                        const io::KimiLinearConfig& cfg,
+                                                                        int layer_idx, Precision precision) {
+  return std::make_unique<KimiDeltaAttention>(cfg, layer_idx, KdaLayerWeights::load(ckpt, cfg, layer_idx),
+                                              precision);
+}
+
+void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
+                                 const model_executor::ForwardBatch& forward_batch,
+                                 mem_cache::RecurrentStatePool& pool, float* out, KdaWorkspace* workspace) {
+  using model_executor::ForwardMode;
+  forward_batch.validate();
+  if (forward_batch.num_tokens() != T)
+    throw std::invalid_argument("KimiDeltaAttention layer " + std::to_string(layer_idx_) + ": " +
+                                std::to_string(T) + " hidden-state rows for a batch of " +
+                                std::to_string(forward_batch.num_tokens()) + " tokens");
+  const ForwardMode mode = forward_batch.forward_mode;
+  if (mode == ForwardMode::IDLE || mode == ForwardMode::DUMMY_FIRST) {
+    // Nothing to compute and no state to touch: the backend's answer for these modes is zeros.
+    std::memset(out, 0, sizeof(float) * T * D_);
+    return;
+  }
+  if (mode == ForwardMode::DRAFT_EXTEND || mode == ForwardMode::TARGET_VERIFY)
+    throw std::runtime_error(std::string("forward mode ") + model_executor::to_string(mode) +
+                             " (speculative decoding) is not supported by the KDA backend");
+  if (T == 0) return;
+
+  KdaWorkspace& ws = workspace ? *workspace : own_ws_;
+  const Precision p = precision_;
+  const int64_t n_proj = 3 * P_ + 2 * K_ + H_;
+  const float* x = hidden_states;
+  if (p == Precision::BF16) {  // rounding point: the layer input
+    ws.x.assign(hidden_states, hidden_states + T * D_);
+    round_bf16_inplace(ws.x.data(), ws.x.size());
+    x = ws.x.data();
+  }
+  // 1. q/k/v, f_a, g_a and b in one GEMM; every one of them is a bf16 rounding point.
+  ws.proj.resize(static_cast<size_t>(T * n_proj));
+  proj_.forward(x, T, ws.proj.data());
+  maybe_round(ws.proj, ws.proj.size(), p);
+  const float* fa = ws.proj.data() + 3 * P_;
+  const float* ga = fa + K_;
+  const float* b = ga + K_;
+  // 2. the gate bottlenecks: f = W_fb (W_fa x), z = W_gb (W_ga x).
+  ws.f.resize(static_cast<size_t>(T * P_));
+  ws.z.resize(static_cast<size_t>(T * P_));
+  f_b_.forward(fa, T, n_proj, ws.f.data(), P_);
+  g_b_.forward(ga, T, n_proj, ws.z.data(), P_);
+  maybe_round(ws.f, ws.f.size(), p);
+  maybe_round(ws.z, ws.z.size(), p);
+  // 3. conv + kernel through the backend.
+  ws.o.resize(static_cast<size_t>(T * P_));
+  attn_(forward_batch, ws.proj.data(), n_proj, ws.f.data(), P_, b, n_proj, pool, ws.o.data());
+  maybe_round(ws.o, ws.o.size(), p);
+  // 4. gated RMS norm per (token, head): y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(z).
+  ws.y.resize(static_cast<size_t>(T * P_));
+  const int64_t rows = T * H_;
+  const float eps = static_cast<float>(eps_);
+#pragma omp parallel for schedule(static) if (rows > 256)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* o = ws.o.data() + r * K_;
+    const float* z = ws.z.data() + r * K_;
+    float* y = ws.y.data() + r * K_;
+    float ss = 0.0f;
+    for (int64_t d = 0; d < K_; ++d) ss += o[d] * o[d];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K_) + eps);
+    for (int64_t d = 0; d < K_; ++d) y[d] = o[d] * inv * o_norm_w_[d] * (1.0f / (1.0f + std::exp(-z[d])));
+  }
+  maybe_round(ws.y, ws.y.size(), p);
+  // 5. o_proj.
+  o_proj_.forward(ws.y.data(), T, out);
+  if (p == Precision::BF16) round_bf16_inplace(out, static_cast<size_t>(T * D_));
+}
+
+}  // namespace kda::models

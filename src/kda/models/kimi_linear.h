@@ -1,0 +1,84 @@
+// KimiDeltaAttention (models/kimi_linear): the KDA layer of Kimi-Linear, the 8-step forward of the spec
+// (kda-numerics.md) in its fp32 and bf16 modes.
+//
+//   1. q/k/v, f_a, g_a and b projections: one fused GEMM over the concatenated weight
+//   2. f = W_fb (W_fa x), z = W_gb (W_ga x)
+//   3. RadixLinearAttention -> backend: short conv + silu, l2norm, gate, beta, chunk / recurrent kernel
+//   4. gated RMS norm per head with sigmoid(z)
+//   5. o_proj
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kda/common/precision.h"
+#include "kda/io/config.h"
+#include "kda/io/safetensors.h"
+#include "kda/layers/linear.h"
+#include "kda/layers/radix_linear_attention.h"
+#include "kda/mem_cache/memory_pool.h"
+#include "kda/model_executor/forward_batch_info.h"
+
+namespace kda::models {
+
+// One layer's parameters as fp32 values in the checkpoint's shapes (P = H*K, D = hidden).
+struct KdaLayerWeights {
+  std::vector<float> q_proj, k_proj, v_proj;        // [P, D]
+  std::vector<float> q_conv1d, k_conv1d, v_conv1d;  // [P, 1, W]
+  std::vector<float> A_log;                         // [1, 1, H, 1]
+  std::vector<float> dt_bias;                       // [P]
+  std::vector<float> f_a_proj, g_a_proj;            // [K, D]
+  std::vector<float> f_b_proj, g_b_proj;            // [P, K]
+  std::vector<float> b_proj;                        // [H, D]
+  std::vector<float> o_norm;                        // [K]
+  std::vector<float> o_proj;                        // [D, P]
+
+  // Decoder layer `layer_idx` (0-based) of a checkpoint, keys model.layers.{i}.self_attn.*; every
+  // shape checked against the config. A non-KDA layer is an error.
+  static KdaLayerWeights load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg, int layer_idx);
+  // Seeded synthetic weights at the config's shapes, scaled like a trained layer (for benchmarks and
+  // the serving simulation).
+  static KdaLayerWeights synthetic(const io::KimiLinearConfig& cfg, uint64_t seed);
+};
+
+// Scratch a layer needs per forward; one workspace can serve every layer of a model.
+struct KdaWorkspace {
+  std::vector<float> x, proj, f, z, o, y;
+};
+
+class KimiDeltaAttention {
+ public:
+  KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx, const KdaLayerWeights& w, Precision precision);
+  KimiDeltaAttention(const KimiDeltaAttention&) = delete;
+  KimiDeltaAttention& operator=(const KimiDeltaAttention&) = delete;
+
+  static std::unique_ptr<KimiDeltaAttention> from_checkpoint(const io::Checkpoint& ckpt,
+                                                             const io::KimiLinearConfig& cfg, int layer_idx,
+                                                             Precision precision);
+
+  int layer_idx() const { return layer_idx_; }
+  Precision precision() const { return precision_; }
+  int64_t hidden_size() const { return D_; }
+  const layers::RadixLinearAttention& attn() const { return attn_; }
+
+  // hidden_states [T, D] (already RMS-normed by the decoder layer) -> out [T, D]. T must equal the
+  // batch's token count. The layer's recurrent and conv states are read from and written to `pool`
+  // in place, at the slots of the backend's forward metadata.
+  void forward(const float* hidden_states, int64_t T, const model_executor::ForwardBatch& forward_batch,
+               mem_cache::RecurrentStatePool& pool, float* out, KdaWorkspace* workspace = nullptr);
+
+ private:
+  int layer_idx_;
+  Precision precision_;
+  int64_t D_, H_, K_, P_, W_;
+  double eps_;
+  std::vector<float> conv_w_;  // [3P, W], q||k||v
+  std::vector<float> A_log_, dt_bias_, o_norm_w_;
+  layers::Linear proj_;  // [3P + 2K + H, D]: q | k | v | f_a | g_a | b
+  layers::Linear f_b_, g_b_, o_proj_;
+  layers::RadixLinearAttention attn_;
+  KdaWorkspace own_ws_;
+};
+
+}  // namespace kda::models

@@ -1,0 +1,24 @@
+// Server arguments that concern the KDA component, and the checks a recurrent model imposes on them
+// (sglang's ServerArgs.__post_init__ / check_server_args).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace kda {
+
+struct ServerArgs {
+  bool disable_radix_cache = false;
+  // Prefill chunks and 1-token decodes in one EXTEND batch. The RFC could only guard this as
+  // unverified; this component verifies mixed batches (tests: mixed batch == requests run alone).
+  bool enable_mixed_chunk = false;
+  int64_t chunked_prefill_size = 4096;
+  std::string speculative_algorithm;  // empty: none
+
+  // A model with recurrent state cannot share prefixes through the radix cache (a state summarises a
+  // whole prefix and cannot be split), so the cache is turned off. Speculative decoding (DRAFT_EXTEND /
+  // TARGET_VERIFY) is refused. Throws std::invalid_argument naming the option.
+  void check_server_args(bool model_has_recurrent_state);
+};
+
+}  // namespace kda

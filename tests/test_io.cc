@@ -1,0 +1,662 @@
+// Tests for kda::io: .npy/.npz, safetensors checkpoints and config.json.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <zip.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/io/config.h"
+#include "kda/io/npy.h"
+#include "kda/io/safetensors.h"
+#include "support/test_support.h"
+
+namespace kda::io {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+// The message of the std::runtime_error `fn` throws; fails the test if it throws nothing.
+std::string runtime_error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected std::runtime_error";
+  return "";
+}
+
+void write_bytes(const fs::path& p, const std::vector<uint8_t>& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good());
+}
+
+void write_text(const fs::path& p, const std::string& text) {
+  std::ofstream out(p, std::ios::trunc);
+  out << text;
+  ASSERT_TRUE(out.good());
+}
+
+// A hand-made .npy image with the given header text (padded like numpy's) and payload.
+std::vector<uint8_t> make_npy(const std::string& header, const std::vector<uint8_t>& payload, int major = 1) {
+  const size_t prefix = major == 1 ? 10 : 12;
+  std::string h = header;
+  while ((prefix + h.size() + 1) % 64 != 0) h += ' ';
+  h += '\n';
+  std::vector<uint8_t> out = {0x93, 'N', 'U', 'M', 'P', 'Y', static_cast<uint8_t>(major), 0};
+  for (size_t i = 0; i < prefix - 8; ++i) out.push_back(static_cast<uint8_t>(h.size() >> (8 * i)));
+  out.insert(out.end(), h.begin(), h.end());
+  out.insert(out.end(), payload.begin(), payload.end());
+  return out;
+}
+
+template <typename T>
+std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
+  std::vector<uint8_t> b(v.size() * sizeof(T));
+  if (!v.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// .npy / .npz
+
+TEST(Npz, ReadsVendoredDump) {
+  const NpzArchive a = read_npz(kda::testing::dumps_dir() / "varlen_initstate.npz");
+  ASSERT_TRUE(a.count("hidden_states"));
+  ASSERT_TRUE(a.count("cu_seqlens"));
+  const NpyArray& hs = a.at("hidden_states");
+  EXPECT_EQ(hs.dtype, NpyDType::F32);
+  EXPECT_EQ(hs.shape, (std::vector<int64_t>{64, 256}));
+  EXPECT_EQ(hs.to_f32().size(), 64u * 256u);
+  const NpyArray& cu = a.at("cu_seqlens");
+  EXPECT_EQ(cu.dtype, NpyDType::I32);
+  EXPECT_EQ(cu.shape, (std::vector<int64_t>{5}));
+  const std::vector<int32_t> cuv = cu.to_i32();
+  ASSERT_EQ(cuv.size(), 5u);
+  EXPECT_EQ(cuv.front(), 0);
+  EXPECT_EQ(cuv.back(), 64);
+  EXPECT_TRUE(std::is_sorted(cuv.begin(), cuv.end()));
+  EXPECT_THROW(hs.to_i32(), std::invalid_argument);
+}
+
+TEST(Npy, RoundTripF32MultiDim) {
+  const auto dir = kda::testing::make_temp_dir("npy_f32");
+  std::vector<float> v(2 * 3 * 4);
+  std::iota(v.begin(), v.end(), -5.5f);
+  const NpyArray a = NpyArray::from_f32({2, 3, 4}, v.data());
+  write_npy(dir / "a.npy", a);
+  const NpyArray b = read_npy(dir / "a.npy");
+  EXPECT_EQ(b.dtype, NpyDType::F32);
+  EXPECT_EQ(b.shape, (std::vector<int64_t>{2, 3, 4}));
+  EXPECT_EQ(b.to_f32(), v);
+  EXPECT_THROW(b.to_i32(), std::invalid_argument);
+  // The header keeps the data 64-byte aligned, as numpy writes it.
+  const std::vector<uint8_t> img = serialize_npy(a);
+  EXPECT_EQ((img.size() - v.size() * 4) % 64, 0u);
+  EXPECT_EQ(img[6], 1);
+}
+
+TEST(Npy, RoundTripI32ScalarAndEmpty) {
+  const std::vector<int32_t> v = {7, -3, 2147483647, -2147483647 - 1};
+  const NpyArray a = NpyArray::from_i32({4}, v.data());
+  const std::vector<uint8_t> img = serialize_npy(a);
+  const NpyArray b = parse_npy(img.data(), img.size(), "mem");
+  EXPECT_EQ(b.dtype, NpyDType::I32);
+  EXPECT_EQ(b.shape, (std::vector<int64_t>{4}));
+  EXPECT_EQ(b.to_i32(), v);
+  EXPECT_EQ(b.to_f32()[1], -3.0f);
+
+  const float s = 3.25f;
+  const NpyArray scalar = NpyArray::from_f32({}, &s);
+  const std::vector<uint8_t> simg = serialize_npy(scalar);
+  const NpyArray sb = parse_npy(simg.data(), simg.size(), "scalar");
+  EXPECT_TRUE(sb.shape.empty());
+  EXPECT_EQ(sb.numel(), 1);
+  EXPECT_EQ(sb.to_f32(), std::vector<float>{3.25f});
+
+  const NpyArray empty = NpyArray::from_f32({0, 5}, nullptr);
+  const std::vector<uint8_t> eimg = serialize_npy(empty);
+  const NpyArray eb = parse_npy(eimg.data(), eimg.size(), "empty");
+  EXPECT_EQ(eb.shape, (std::vector<int64_t>{0, 5}));
+  EXPECT_EQ(eb.numel(), 0);
+  EXPECT_TRUE(eb.to_f32().empty());
+}
+
+TEST(Npy, ParsesOtherDtypesAndV2Header) {
+  auto parse = [](const std::string& header, const std::vector<uint8_t>& payload, int major = 1) {
+    const std::vector<uint8_t> img = make_npy(header, payload, major);
+    return parse_npy(img.data(), img.size(), "mem");
+  };
+  // '<f8' under a v2.0 header
+  const std::vector<double> d = {1.5, -0.25};
+  NpyArray a = parse("{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }", as_bytes(d), 2);
+  EXPECT_EQ(a.dtype, NpyDType::F64);
+  EXPECT_EQ(a.to_f32(), (std::vector<float>{1.5f, -0.25f}));
+  EXPECT_THROW(a.to_i32(), std::invalid_argument);
+
+  // '<f2': 1.5, -2, 65504, smallest subnormal
+  const std::vector<uint16_t> h = {0x3e00, 0xc000, 0x7bff, 0x0001};
+  NpyArray f16 = parse("{'descr': '<f2', 'fortran_order': False, 'shape': (4,), }", as_bytes(h));
+  EXPECT_EQ(f16.dtype, NpyDType::F16);
+  EXPECT_EQ(f16.to_f32(), (std::vector<float>{1.5f, -2.0f, 65504.0f, std::ldexp(1.0f, -24)}));
+  EXPECT_THROW(f16.to_i32(), std::invalid_argument);
+
+  const std::vector<int64_t> i64 = {-1, 1LL << 31};
+  NpyArray big = parse("{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }", as_bytes(i64));
+  EXPECT_EQ(big.to_f32(), (std::vector<float>{-1.0f, 2147483648.0f}));
+  EXPECT_THROW(big.to_i32(), std::out_of_range);
+  const std::vector<int64_t> small = {-7, 9};
+  EXPECT_EQ(parse("{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }", as_bytes(small)).to_i32(),
+            (std::vector<int32_t>{-7, 9}));
+
+  const std::vector<uint8_t> u8 = {0, 200, 255};
+  NpyArray u = parse("{'descr': '|u1', 'fortran_order': False, 'shape': (3,), }", u8);
+  EXPECT_EQ(u.to_i32(), (std::vector<int32_t>{0, 200, 255}));
+  EXPECT_EQ(u.to_f32(), (std::vector<float>{0.0f, 200.0f, 255.0f}));
+
+  const std::vector<uint8_t> b1 = {1, 0, 1, 1};
+  NpyArray bools = parse("{'descr': '|b1', 'fortran_order': False, 'shape': (2, 2), }", b1);
+  EXPECT_EQ(bools.dtype, NpyDType::Bool);
+  EXPECT_EQ(bools.to_i32(), (std::vector<int32_t>{1, 0, 1, 1}));
+  EXPECT_EQ(bools.to_f32(), (std::vector<float>{1.0f, 0.0f, 1.0f, 1.0f}));
+
+  // Key order is free and double quotes are Python too.
+  const std::vector<int32_t> one = {42};
+  EXPECT_EQ(parse("{\"shape\": (1,), \"fortran_order\": False, \"descr\": \"<i4\"}", as_bytes(one)).to_i32(),
+            one);
+}
+
+TEST(Npy, RejectsBadInput) {
+  const std::vector<float> v = {1, 2, 3, 4, 5, 6};
+  const std::string good = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }";
+  auto err = [](const std::vector<uint8_t>& img) {
+    return runtime_error_of([&] { parse_npy(img.data(), img.size(), "member.npy"); });
+  };
+
+  std::vector<uint8_t> truncated = make_npy(good, as_bytes(v));
+  truncated.resize(truncated.size() - 3);
+  EXPECT_THAT(err(truncated), HasSubstr("truncated data"));
+  EXPECT_THAT(err(truncated), HasSubstr("member.npy"));
+
+  std::vector<uint8_t> bad_magic = make_npy(good, as_bytes(v));
+  bad_magic[1] = 'X';
+  EXPECT_THAT(err(bad_magic), HasSubstr("bad magic"));
+  EXPECT_THAT(err({0x93, 'N'}), HasSubstr("bad magic"));
+
+  EXPECT_THAT(err(make_npy("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }", as_bytes(v))),
+              HasSubstr("fortran_order"));
+  EXPECT_THAT(err(make_npy("{'descr': '<c8', 'fortran_order': False, 'shape': (3,), }", as_bytes(v))),
+              HasSubstr("unknown descr '<c8'"));
+  EXPECT_THAT(err(make_npy("{'descr': '>f4', 'fortran_order': False, 'shape': (2, 3), }", as_bytes(v))),
+              HasSubstr("big-endian"));
+  EXPECT_THAT(
+      err(make_npy("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (6,), }", as_bytes(v))),
+      HasSubstr("descr"));
+  EXPECT_THAT(err(make_npy("{'descr': '<f4', 'fortran_order': False, }", as_bytes(v))), HasSubstr("'shape'"));
+  EXPECT_THAT(err(make_npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", as_bytes(v), 7)),
+              HasSubstr("version"));
+  EXPECT_THAT(err(make_npy("{'descr': '<f4', 'fortran_order': False, 'shape': (5,), }", as_bytes(v))),
+              HasSubstr("size mismatch"));
+
+  std::vector<uint8_t> short_header = make_npy(good, {});
+  short_header.resize(40);
+  EXPECT_THAT(err(short_header), HasSubstr("truncated .npy header"));
+
+  const auto dir = kda::testing::make_temp_dir("npy_bad");
+  EXPECT_THAT(runtime_error_of([&] { read_npy(dir / "absent.npy"); }), HasSubstr("absent.npy"));
+}
+
+TEST(Npz, RoundTrip) {
+  const auto dir = kda::testing::make_temp_dir("npz_rt");
+  std::vector<float> f(3 * 5);
+  std::iota(f.begin(), f.end(), 0.5f);
+  const std::vector<int32_t> i = {0, 17, 22, 64};
+  NpzArchive out;
+  out["x"] = NpyArray::from_f32({3, 5}, f.data());
+  out["cu_seqlens"] = NpyArray::from_i32({4}, i.data());
+  out["empty"] = NpyArray::from_f32({0}, nullptr);
+  const float s = -1.0f;
+  out["scalar"] = NpyArray::from_f32({}, &s);
+  write_npz(dir / "a.npz", out);
+
+  const NpzArchive in = read_npz(dir / "a.npz");
+  ASSERT_EQ(in.size(), 4u);
+  EXPECT_EQ(in.at("x").shape, (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(in.at("x").to_f32(), f);
+  EXPECT_EQ(in.at("cu_seqlens").to_i32(), i);
+  EXPECT_EQ(in.at("empty").shape, (std::vector<int64_t>{0}));
+  EXPECT_TRUE(in.at("scalar").shape.empty());
+  EXPECT_EQ(in.at("scalar").to_f32(), std::vector<float>{-1.0f});
+
+  // Members are stored, as np.savez writes them.
+  int err = 0;
+  zip_t* z = zip_open((dir / "a.npz").c_str(), ZIP_RDONLY, &err);
+  ASSERT_NE(z, nullptr);
+  zip_stat_t st;
+  ASSERT_EQ(zip_stat(z, "x.npy", 0, &st), 0);
+  EXPECT_EQ(st.comp_method, ZIP_CM_STORE);
+  zip_discard(z);
+
+  write_npz(dir / "none.npz", {});
+  EXPECT_TRUE(read_npz(dir / "none.npz").empty());
+}
+
+TEST(Npz, ReadsDeflatedMember) {
+  const auto dir = kda::testing::make_temp_dir("npz_deflate");
+  const fs::path path = dir / "d.npz";
+  std::vector<float> v(4096, 0.0f);
+  for (size_t k = 0; k < v.size(); k += 7) v[k] = static_cast<float>(k);
+  const std::vector<uint8_t> img = serialize_npy(NpyArray::from_f32({64, 64}, v.data()));
+  {
+    int err = 0;
+    zip_t* z = zip_open(path.c_str(), ZIP_CREATE | ZIP_TRUNCATE, &err);
+    ASSERT_NE(z, nullptr);
+    zip_source_t* src = zip_source_buffer(z, img.data(), img.size(), 0);
+    ASSERT_NE(src, nullptr);
+    const zip_int64_t idx = zip_file_add(z, "w.npy", src, 0);
+    ASSERT_GE(idx, 0);
+    ASSERT_EQ(zip_set_file_compression(z, static_cast<zip_uint64_t>(idx), ZIP_CM_DEFLATE, 9), 0);
+    ASSERT_EQ(zip_close(z), 0);
+  }
+  {
+    int err = 0;
+    zip_t* z = zip_open(path.c_str(), ZIP_RDONLY, &err);
+    ASSERT_NE(z, nullptr);
+    zip_stat_t st;
+    ASSERT_EQ(zip_stat(z, "w.npy", 0, &st), 0);
+    EXPECT_EQ(st.comp_method, ZIP_CM_DEFLATE);
+    EXPECT_LT(st.comp_size, st.size);
+    zip_discard(z);
+  }
+  const NpzArchive a = read_npz(path);
+  ASSERT_EQ(a.count("w"), 1u);
+  EXPECT_EQ(a.at("w").shape, (std::vector<int64_t>{64, 64}));
+  EXPECT_EQ(a.at("w").to_f32(), v);
+}
+
+TEST(Npz, RejectsBadArchives) {
+  const auto dir = kda::testing::make_temp_dir("npz_bad");
+  write_bytes(dir / "junk.npz", {'n', 'o', 't', ' ', 'a', ' ', 'z', 'i', 'p'});
+  EXPECT_THAT(runtime_error_of([&] { read_npz(dir / "junk.npz"); }), HasSubstr("junk.npz"));
+  EXPECT_THAT(runtime_error_of([&] { read_npz(dir / "absent.npz"); }), HasSubstr("absent.npz"));
+
+  // A member whose .npy is truncated: the error names the archive and the member.
+  const std::vector<float> v = {1, 2, 3, 4};
+  std::vector<uint8_t> img =
+      make_npy("{'descr': '<f4', 'fortran_order': True, 'shape': (4,), }", as_bytes(v));
+  int err = 0;
+  zip_t* z = zip_open((dir / "bad.npz").c_str(), ZIP_CREATE | ZIP_TRUNCATE, &err);
+  ASSERT_NE(z, nullptr);
+  ASSERT_GE(zip_file_add(z, "f.npy", zip_source_buffer(z, img.data(), img.size(), 0), 0), 0);
+  ASSERT_EQ(zip_close(z), 0);
+  const std::string msg = runtime_error_of([&] { read_npz(dir / "bad.npz"); });
+  EXPECT_THAT(msg, HasSubstr("bad.npz:f.npy"));
+  EXPECT_THAT(msg, HasSubstr("fortran_order"));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// safetensors
+
+struct StTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+  // Overrides for malformed files; by default tensors are laid out one after another.
+  int64_t begin = -1, end = -1;
+};
+
+// Writes a safetensors file: 8-byte LE header length, JSON header, then the data section.
+void write_safetensors(const fs::path& path, const std::vector<StTensor>& tensors,
+                       const nlohmann::json& metadata = nullptr, size_t extra_data = 0) {
+  nlohmann::json header = nlohmann::json::object();
+  if (!metadata.is_null()) header["__metadata__"] = metadata;
+  std::vector<uint8_t> data;
+  for (const auto& t : tensors) {
+    int64_t b = static_cast<int64_t>(data.size());
+    data.insert(data.end(), t.bytes.begin(), t.bytes.end());
+    int64_t e = static_cast<int64_t>(data.size());
+    if (t.begin >= 0) b = t.begin;
+    if (t.end >= 0) e = t.end;
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {b, e}}};
+  }
+  data.resize(data.size() + extra_data);
+  std::string h = header.dump();
+  while (h.size() % 8 != 3) h += ' ';  // an odd length leaves the data unaligned, which readers must handle
+  std::vector<uint8_t> out(8);
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>(static_cast<uint64_t>(h.size()) >> (8 * i));
+  out.insert(out.end(), h.begin(), h.end());
+  out.insert(out.end(), data.begin(), data.end());
+  write_bytes(path, out);
+}
+
+StTensor f32_tensor(const std::string& name, std::vector<int64_t> shape, const std::vector<float>& v) {
+  return {name, "F32", std::move(shape), as_bytes(v)};
+}
+
+TEST(Safetensors, VendoredCheckpointMatchesWeightsNpz) {
+  const Checkpoint ckpt(kda::testing::dumps_dir());
+  const std::string name = "model.layers.0.self_attn.q_proj.weight";
+  ASSERT_TRUE(ckpt.contains(name));
+  EXPECT_FALSE(ckpt.contains("model.layers.0.self_attn.nope"));
+  const TensorView& v = ckpt.get(name);
+  EXPECT_EQ(v.dtype, StDType::F32);
+  EXPECT_EQ(v.shape, (std::vector<int64_t>{512, 256}));
+  EXPECT_EQ(v.nbytes, 512u * 256u * 4u);
+
+  const std::vector<float> w = ckpt.load_f32(name, {512, 256});
+  const NpzArchive ref = read_npz(kda::testing::dumps_dir() / "weights.npz");
+  const std::vector<float> r = ref.at("q_proj.weight").to_f32();
+  ASSERT_EQ(w.size(), r.size());
+  EXPECT_EQ(w[0], r[0]);
+  EXPECT_EQ(w[12345], r[12345]);
+  EXPECT_EQ(w, r);
+
+  const std::vector<bf16_t> wb = ckpt.load_bf16(name, {512, 256});
+  EXPECT_EQ(wb[777], f32_to_bf16(r[777]));
+
+  // A path to the file works the same.
+  const Checkpoint by_file(kda::testing::dumps_dir() / "model.safetensors");
+  EXPECT_EQ(by_file.load_f32("model.layers.0.self_attn.A_log", {1, 1, 4, 1}), ref.at("A_log").to_f32());
+}
+
+TEST(Safetensors, ConvertsF32Bf16F16) {
+  const auto dir = kda::testing::make_temp_dir("st_good");
+  const std::vector<float> f = {1.0f, -2.5f, 3.14159f, 1e-30f, 65536.0f, -0.0f};
+  const std::vector<bf16_t> b = {f32_to_bf16(0.15625f), f32_to_bf16(-3.0f), 0x7f80 /* inf */, 0x0001};
+  // 1.5, -2, 65504 (max), smallest subnormal, -0, a subnormal 0x03ff
+  const std::vector<uint16_t> h = {0x3e00, 0xc000, 0x7bff, 0x0001, 0x8000, 0x03ff};
+  write_safetensors(dir / "model.safetensors",
+                    {f32_tensor("f", {2, 3}, f),
+                     {"b", "BF16", {4}, as_bytes(b)},
+                     {"h", "F16", {3, 2}, as_bytes(h)},
+                     {"e", "F32", {0, 4}, {}}},
+                    {{"format", "pt"}});
+
+  const SafetensorsFile file(dir / "model.safetensors");
+  EXPECT_EQ(file.metadata().at("format"), "pt");
+  EXPECT_EQ(file.names(), (std::vector<std::string>{"b", "e", "f", "h"}));
+  EXPECT_EQ(file.find("absent"), nullptr);
+
+  const Checkpoint ckpt(dir);
+  EXPECT_EQ(ckpt.load_f32("f", {2, 3}), f);
+  EXPECT_EQ(ckpt.load_bf16("f", {2, 3})[2], f32_to_bf16(3.14159f));
+
+  const std::vector<float> bf = ckpt.load_f32("b", {4});
+  EXPECT_EQ(bf[0], 0.15625f);
+  EXPECT_EQ(bf[1], -3.0f);
+  EXPECT_TRUE(std::isinf(bf[2]));
+  EXPECT_EQ(bf[3], bf16_to_f32(0x0001));
+  EXPECT_EQ(ckpt.load_bf16("b", {4}), b);  // a plain copy
+
+  const std::vector<float> hf = ckpt.load_f32("h", {3, 2});
+  EXPECT_EQ(hf[0], 1.5f);
+  EXPECT_EQ(hf[1], -2.0f);
+  EXPECT_EQ(hf[2], 65504.0f);
+  EXPECT_EQ(hf[3], std::ldexp(1.0f, -24));
+  EXPECT_EQ(hf[4], 0.0f);
+  EXPECT_TRUE(std::signbit(hf[4]));
+  EXPECT_EQ(hf[5], std::ldexp(1023.0f, -24));
+  const std::vector<bf16_t> hb = ckpt.load_bf16("h", {3, 2});
+  EXPECT_EQ(bf16_to_f32(hb[0]), 1.5f);
+  EXPECT_EQ(hb[2], f32_to_bf16(65504.0f));
+
+  EXPECT_TRUE(ckpt.load_f32("e", {0, 4}).empty());
+}
+
+TEST(Safetensors, ShardedCheckpoint) {
+  const auto dir = kda::testing::make_temp_dir("st_sharded");
+  write_safetensors(dir / "model-00001-of-00002.safetensors",
+                    {f32_tensor("a", {2}, {1.0f, 2.0f}), f32_tensor("b", {1}, {3.0f})});
+  write_safetensors(dir / "model-00002-of-00002.safetensors", {f32_tensor("c", {2, 1}, {4.0f, 5.0f})});
+  nlohmann::json index = {{"metadata", {{"total_size", 20}}},
+                          {"weight_map",
+                           {{"a", "model-00001-of-00002.safetensors"},
+                            {"b", "model-00001-of-00002.safetensors"},
+                            {"c", "model-00002-of-00002.safetensors"}}}};
+  write_text(dir / "model.safetensors.index.json", index.dump(2));
+  // A stray model.safetensors must not win over the index.
+  write_safetensors(dir / "model.safetensors", {f32_tensor("a", {2}, {9.0f, 9.0f})});
+
+  const Checkpoint ckpt(dir);
+  EXPECT_TRUE(ckpt.contains("a"));
+  EXPECT_TRUE(ckpt.contains("c"));
+  EXPECT_FALSE(ckpt.contains("d"));
+  EXPECT_EQ(ckpt.load_f32("a", {2}), (std::vector<float>{1.0f, 2.0f}));
+  EXPECT_EQ(ckpt.load_f32("b", {1}), (std::vector<float>{3.0f}));
+  EXPECT_EQ(ckpt.load_f32("c", {2, 1}), (std::vector<float>{4.0f, 5.0f}));
+  EXPECT_EQ(&ckpt.get("a"), &ckpt.get("a"));  // the shard is cached
+  EXPECT_THAT(runtime_error_of([&] { ckpt.get("d"); }), HasSubstr("missing tensor 'd' in " + dir.string()));
+
+  // An index pointing at a shard that lacks the tensor.
+  index["weight_map"]["z"] = "model-00002-of-00002.safetensors";
+  write_text(dir / "model.safetensors.index.json", index.dump());
+  const Checkpoint lying(dir);
+  EXPECT_THAT(runtime_error_of([&] { lying.get("z"); }), HasSubstr("missing tensor 'z'"));
+
+  // An index pointing at a shard that does not exist.
+  index["weight_map"]["z"] = "model-00003-of-00002.safetensors";
+  write_text(dir / "model.safetensors.index.json", index.dump());
+  EXPECT_THAT(runtime_error_of([&] { Checkpoint c(dir); }), HasSubstr("model-00003-of-00002.safetensors"));
+}
+
+TEST(Safetensors, RejectsMalformedFiles) {
+  const auto dir = kda::testing::make_temp_dir("st_bad");
+  const std::vector<float> four = {1, 2, 3, 4};
+  auto open_err = [&](const std::string& file) {
+    return runtime_error_of([&] { SafetensorsFile f(dir / file); });
+  };
+
+  write_bytes(dir / "tiny.safetensors", {1, 2, 3});
+  EXPECT_THAT(open_err("tiny.safetensors"), HasSubstr("shorter than the 8-byte header length"));
+  EXPECT_THAT(open_err("tiny.safetensors"), HasSubstr("tiny.safetensors"));
+  write_bytes(dir / "empty.safetensors", {});
+  EXPECT_THAT(open_err("empty.safetensors"), HasSubstr("shorter than"));
+
+  // Truncated: a good file cut short, so the last tensor runs past the end.
+  write_safetensors(dir / "trunc.safetensors", {f32_tensor("w", {4}, four)});
+  fs::resize_file(dir / "trunc.safetensors", fs::file_size(dir / "trunc.safetensors") - 5);
+  EXPECT_THAT(open_err("trunc.safetensors"), HasSubstr("offsets past the end of the file"));
+  EXPECT_THAT(open_err("trunc.safetensors"), HasSubstr("tensor 'w'"));
+
+  // Header length larger than the file.
+  write_safetensors(dir / "hdr.safetensors", {f32_tensor("w", {4}, four)});
+  fs::resize_file(dir / "hdr.safetensors", 20);
+  EXPECT_THAT(open_err("hdr.safetensors"), HasSubstr("larger than the file"));
+
+  StTensor past = f32_tensor("w", {4}, four);
+  past.begin = 8;
+  past.end = 24;
+  write_safetensors(dir / "past.safetensors", {past});
+  EXPECT_THAT(open_err("past.safetensors"), HasSubstr("offsets past the end of the file"));
+
+  write_safetensors(dir / "i8.safetensors", {{"q", "I8", {4}, {1, 2, 3, 4}}});
+  EXPECT_THAT(open_err("i8.safetensors"),
+              HasSubstr("unknown dtype 'I8' for tensor 'q' in " + (dir / "i8.safetensors").string()));
+  EXPECT_THAT(open_err("i8.safetensors"), HasSubstr("i8.safetensors"));
+  write_safetensors(dir / "f64.safetensors", {{"d", "F64", {2}, as_bytes(std::vector<double>{1, 2})}});
+  EXPECT_THAT(open_err("f64.safetensors"), HasSubstr("unknown dtype 'F64' for tensor 'd'"));
+
+  write_safetensors(dir / "size.safetensors", {f32_tensor("w", {5}, four)});
+  EXPECT_THAT(open_err("size.safetensors"), HasSubstr("byte size 16 does not match"));
+
+  StTensor b = f32_tensor("b", {4}, four);
+  b.begin = 8;
+  b.end = 24;
+  write_safetensors(dir / "overlap.safetensors", {f32_tensor("a", {4}, four), b}, nullptr, 8);
+  const std::string overlap = open_err("overlap.safetensors");
+  EXPECT_THAT(overlap, HasSubstr("overlap"));
+  EXPECT_THAT(overlap, HasSubstr("'a'"));
+  EXPECT_THAT(overlap, HasSubstr("'b'"));
+
+  StTensor backwards = f32_tensor("r", {0}, {});
+  backwards.begin = 4;
+  backwards.end = 0;
+  write_safetensors(dir / "backwards.safetensors", {backwards}, nullptr, 8);
+  EXPECT_THAT(open_err("backwards.safetensors"), HasSubstr("begin > end"));
+
+  write_safetensors(dir / "negshape.safetensors", {{"n", "F32", {-1}, {}}});
+  EXPECT_THAT(open_err("negshape.safetensors"), HasSubstr("non-negative"));
+
+  const std::string text = "{not json";
+  std::vector<uint8_t> raw(8);
+  raw[0] = static_cast<uint8_t>(text.size());
+  raw.insert(raw.end(), text.begin(), text.end());
+  write_bytes(dir / "json.safetensors", raw);
+  EXPECT_THAT(open_err("json.safetensors"), HasSubstr("not valid JSON"));
+
+  const std::string arr = "[1, 2]";
+  raw.assign(8, 0);
+  raw[0] = static_cast<uint8_t>(arr.size());
+  raw.insert(raw.end(), arr.begin(), arr.end());
+  write_bytes(dir / "array.safetensors", raw);
+  EXPECT_THAT(open_err("array.safetensors"), HasSubstr("not a JSON object"));
+
+  write_safetensors(dir / "meta.safetensors", {}, {{"n", 3}});
+  EXPECT_THAT(open_err("meta.safetensors"), HasSubstr("__metadata__"));
+
+  EXPECT_THAT(open_err("absent.safetensors"), HasSubstr("cannot open"));
+}
+
+TEST(Safetensors, CheckpointErrors) {
+  const auto dir = kda::testing::make_temp_dir("st_ckpt_err");
+  EXPECT_THAT(runtime_error_of([&] { Checkpoint c(dir); }), HasSubstr("neither model.safetensors"));
+  EXPECT_THAT(runtime_error_of([&] { Checkpoint c(dir / "nothing"); }), HasSubstr("does not exist"));
+
+  write_safetensors(dir / "model.safetensors", {f32_tensor("w", {2, 2}, {1, 2, 3, 4})});
+  const Checkpoint ckpt(dir);
+  EXPECT_THAT(runtime_error_of([&] { ckpt.get("nope"); }),
+              HasSubstr("missing tensor 'nope' in " + dir.string()));
+  EXPECT_THAT(runtime_error_of([&] { ckpt.load_f32("nope", {2, 2}); }), HasSubstr("missing tensor 'nope'"));
+  // Same element count, different shape: still an error.
+  EXPECT_THAT(runtime_error_of([&] { ckpt.load_f32("w", {4}); }),
+              HasSubstr("tensor 'w' has shape [2, 2] but [4] was expected"));
+  EXPECT_THAT(runtime_error_of([&] {
+                ckpt.load_bf16("w", {2, 3});
+              }),
+              HasSubstr("tensor 'w' has shape [2, 2] but [2, 3] was expected"));
+
+  write_text(dir / "model.safetensors.index.json", "{\"metadata\": {}}");
+  EXPECT_THAT(runtime_error_of([&] { Checkpoint c(dir); }), HasSubstr("weight_map"));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// config.json
+
+TEST(Config, MiniDump) {
+  const KimiLinearConfig c = load_config(kda::testing::dumps_dir());
+  EXPECT_EQ(c.hidden_size, 256);
+  EXPECT_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_EQ(c.num_hidden_layers, 1);
+  EXPECT_EQ(c.num_heads, 4);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.projection_size(), 512);
+  EXPECT_EQ(c.short_conv_kernel_size, 4);
+  EXPECT_EQ(c.kda_layers, std::vector<int>{1});
+  EXPECT_TRUE(c.full_attn_layers.empty());
+  EXPECT_TRUE(c.is_kda_layer(0));
+  EXPECT_FALSE(c.is_kda_layer(1));
+  EXPECT_EQ(c.kda_layer_ids(), std::vector<int>{0});
+  // A path to the file works the same.
+  EXPECT_EQ(load_config(kda::testing::dumps_dir() / "config.json").hidden_size, 256);
+}
+
+nlohmann::json config_48b() {
+  return {{"model_type", "kimi_linear"},
+          {"hidden_size", 2304},
+          {"num_hidden_layers", 27},
+          {"rms_norm_eps", 1e-5},
+          {"linear_attn_config",
+           {{"num_heads", 32},
+            {"head_dim", 128},
+            {"short_conv_kernel_size", 4},
+            {"kda_layers", {1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26}},
+            {"full_attn_layers", {4, 8, 12, 16, 20, 24, 27}}}}};
+}
+
+TEST(Config, Kimi48B) {
+  const auto dir = kda::testing::make_temp_dir("cfg_48b");
+  write_text(dir / "config.json", config_48b().dump(2));
+  const KimiLinearConfig c = load_config(dir);
+  EXPECT_EQ(c.hidden_size, 2304);
+  EXPECT_EQ(c.num_hidden_layers, 27);
+  EXPECT_EQ(c.projection_size(), 32 * 128);
+  const std::vector<int> ids = c.kda_layer_ids();
+  EXPECT_EQ(ids, (std::vector<int>{0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 18, 20, 21, 22, 24, 25}));
+  EXPECT_EQ(ids.size(), 20u);
+  for (int i = 0; i < c.num_hidden_layers; ++i) {
+    const bool full = i == 3 || i == 7 || i == 11 || i == 15 || i == 19 || i == 23 || i == 26;
+    EXPECT_EQ(c.is_kda_layer(i), !full) << "layer " << i;
+  }
+  EXPECT_EQ(c.full_attn_layers.size(), 7u);
+}
+
+TEST(Config, RejectsBadConfigs) {
+  auto err = [](const nlohmann::json& j) {
+    return runtime_error_of([&] { parse_config(j.dump(), "cfg.json"); });
+  };
+  nlohmann::json j = config_48b();
+  j.erase("rms_norm_eps");
+  EXPECT_THAT(err(j), HasSubstr("cfg.json: field 'rms_norm_eps' is missing"));
+
+  j = config_48b();
+  j["linear_attn_config"]["kda_layers"] = {0, 1, 2};
+  EXPECT_THAT(err(j), HasSubstr("linear_attn_config.kda_layers"));
+  EXPECT_THAT(err(j), HasSubstr("holds layer 0"));
+
+  j = config_48b();
+  j["linear_attn_config"]["kda_layers"] = {1, 28};
+  EXPECT_THAT(err(j), HasSubstr("holds layer 28"));
+
+  j = config_48b();
+  j["linear_attn_config"]["kda_layers"] = {1, 2, 2};
+  EXPECT_THAT(err(j), HasSubstr("twice"));
+
+  j = config_48b();
+  j["hidden_size"] = 0;
+  EXPECT_THAT(err(j), HasSubstr("'hidden_size' must be positive"));
+
+  j = config_48b();
+  j["linear_attn_config"]["head_dim"] = "128";
+  EXPECT_THAT(err(j), HasSubstr("'linear_attn_config.head_dim' must be an integer"));
+
+  j = config_48b();
+  j["linear_attn_config"].erase("num_heads");
+  EXPECT_THAT(err(j), HasSubstr("'linear_attn_config.num_heads' is missing"));
+
+  j = config_48b();
+  j.erase("linear_attn_config");
+  EXPECT_THAT(err(j), HasSubstr("'linear_attn_config' is missing"));
+
+  j = config_48b();
+  j["linear_attn_config"]["full_attn_layers"] = {1, 4};
+  EXPECT_THAT(err(j), HasSubstr("full_attn_layers"));
+
+  j = config_48b();
+  j["rms_norm_eps"] = -1.0;
+  EXPECT_THAT(err(j), HasSubstr("rms_norm_eps"));
+
+  // full_attn_layers may be absent.
+  j = config_48b();
+  j["linear_attn_config"].erase("full_attn_layers");
+  EXPECT_TRUE(parse_config(j.dump(), "cfg.json").full_attn_layers.empty());
+
+  EXPECT_THAT(runtime_error_of([] { parse_config("{oops", "cfg.json"); }),
+              HasSubstr("cfg.json: not valid JSON"));
+  EXPECT_THAT(runtime_error_of([] { load_config("/nonexistent/kda/dir"); }), HasSubstr("cannot open config"));
+}
+
+}  // namespace
+}  // namespace kda::io
