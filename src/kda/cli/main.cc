@@ -11,7 +11,8 @@ int main(int argc, char** argv) {
 
   kda::cli::VerifyOptions vo;
   auto* verify = app.add_subcommand("verify", "check every case of a dump folder through the full stack");
-  verify->add_option("--dumps", vo.dumps, "dump folder (config.json, model.safetensors, <case>.npz)")->required();
+  verify->add_option("--dumps", vo.dumps, "dump folder (config.json, model.safetensors, <case>.npz)")
+      ->required();
   verify->add_option("--precision", vo.precision, "fp32 | bf16 | all")
       ->check(CLI::IsMember({"fp32", "bf16", "all"}));
   verify->add_option("--kernel", vo.kernel, "auto | naive | optimized")
@@ -22,7 +23,8 @@ int main(int argc, char** argv) {
   auto* run = app.add_subcommand("run", "run one KDA layer of a checkpoint on a case");
   run->add_option("--model", ro.model, "checkpoint folder (config.json + safetensors)")->required();
   run->add_option("--layer", ro.layer, "decoder layer index (0-based; must be a KDA layer)")->required();
-  run->add_option("--input", ro.input, "case .npz: hidden_states [, cu_seqlens, initial_*_state]")->required();
+  run->add_option("--input", ro.input, "case .npz: hidden_states [, cu_seqlens, initial_*_state]")
+      ->required();
   run->add_option("--output", ro.output, "output .npz: out, recurrent_state, conv_state")->required();
   run->add_option("--precision", ro.precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
   run->add_option("--decode-tail", ro.decode_tail, "run each sequence's last K tokens as DECODE steps")

@@ -17,7 +17,8 @@ int run_run(const RunOptions& o) {
   auto layer = models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, o.layer, precision);
   const auto r = runtime::run_layer_case(*layer, cfg, c, o.decode_tail, kernel);
 
-  const int64_t H = cfg.num_heads, K = cfg.head_dim, W = cfg.short_conv_kernel_size, P = cfg.projection_size();
+  const int64_t H = cfg.num_heads, K = cfg.head_dim, W = cfg.short_conv_kernel_size,
+                P = cfg.projection_size();
   io::NpzArchive out;
   out["out"] = io::NpyArray::from_f32({c.T, c.D}, r.out.data());
   out["recurrent_state"] = io::NpyArray::from_f32({c.N, H, K, K}, r.recurrent_state.data());

@@ -37,9 +37,13 @@ int run_verify(const VerifyOptions& o) {
       if (o.json) {
         nlohmann::json rows = nlohmann::json::array();
         for (const auto& r : rep.rows)
-          rows.push_back({{"check", r.check}, {"metric", r.metric}, {"value", r.value}, {"limit", r.limit},
+          rows.push_back({{"check", r.check},
+                          {"metric", r.metric},
+                          {"value", r.value},
+                          {"limit", r.limit},
                           {"ok", r.ok}});
-        jcases.push_back({{"case", rep.name}, {"precision", to_string(p)}, {"ok", rep.ok()}, {"checks", rows}});
+        jcases.push_back(
+            {{"case", rep.name}, {"precision", to_string(p)}, {"ok", rep.ok()}, {"checks", rows}});
         continue;
       }
       std::printf("\n%s  [%s, kernel %s]  %s\n", rep.name.c_str(), to_string(p), o.kernel.c_str(),
@@ -53,8 +57,11 @@ int run_verify(const VerifyOptions& o) {
     if (!o.json) std::printf("\n%s: worst value/limit over all checks = %.4g\n", to_string(p), worst_ratio);
   }
   if (o.json) {
-    nlohmann::json j = {{"dumps", o.dumps}, {"kernel", o.kernel}, {"ok", all_ok},
-                        {"worst_value_over_limit", worst}, {"cases", jcases}};
+    nlohmann::json j = {{"dumps", o.dumps},
+                        {"kernel", o.kernel},
+                        {"ok", all_ok},
+                        {"worst_value_over_limit", worst},
+                        {"cases", jcases}};
     std::printf("%s\n", j.dump(2).c_str());
   } else {
     std::printf("\nverify: %d passed, %d failed\n", total - failed, failed);

@@ -356,4 +356,31 @@ std::vector<bf16_t> Checkpoint::load_bf16(const std::string& name,
   return out;
 }
 
+void write_safetensors_f32(const std::filesystem::path& path,
+                           const std::map<std::string, F32Tensor>& tensors) {
+  json header = json::object();
+  size_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    if (n != static_cast<int64_t>(t.values.size()))
+      throw std::runtime_error("write_safetensors_f32: tensor '" + name + "' has " +
+                               std::to_string(t.values.size()) + " values for shape " + shape_str(t.shape));
+    const size_t bytes = t.values.size() * sizeof(float);
+    header[name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  while (text.size() % 8 != 0) text += ' ';  // keeps the data section 8-byte aligned, as the format advises
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+  const uint64_t n = text.size();
+  out.write(reinterpret_cast<const char*>(&n), sizeof n);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const auto& [name, t] : tensors)
+    out.write(reinterpret_cast<const char*>(t.values.data()),
+              static_cast<std::streamsize>(t.values.size() * sizeof(float)));
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
 }  // namespace kda::io

@@ -50,6 +50,16 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+// Writes F32 tensors (name -> {shape, values}) as one .safetensors file, tensors in name order. Used to
+// make checkpoints for tests and tools; throws std::runtime_error when a size is off or the file
+// cannot be written.
+struct F32Tensor {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+void write_safetensors_f32(const std::filesystem::path& path,
+                           const std::map<std::string, F32Tensor>& tensors);
+
 // A checkpoint: a directory holding model.safetensors or model.safetensors.index.json (shards mapped
 // lazily, only when one of their tensors is asked for), or a path to a single .safetensors file.
 class Checkpoint {

@@ -13,7 +13,7 @@ using dnnl::memory;
 struct Linear::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   mutable dnnl::stream stream{engine};
-  std::vector<float> w_f32;   // [out, in]
+  std::vector<float> w_f32;    // [out, in]
   std::vector<bf16_t> w_bf16;  // [out, in]
   // One primitive per (M, ldx, ldy): created on first use, reused after.
   struct Key {
@@ -27,7 +27,8 @@ struct Linear::Impl {
   mutable std::mutex mu;
 };
 
-Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Precision precision)
+Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
+               Precision precision)
     : in_(in_features), out_(out_features), precision_(precision), impl_(std::make_unique<Impl>()) {
   if (in_ <= 0 || out_ <= 0) throw std::invalid_argument("Linear: features must be positive");
   if (static_cast<int64_t>(weight.size()) != in_ * out_)
@@ -76,7 +77,8 @@ void Linear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t l
   memory src_m(src_md, impl_->engine, const_cast<void*>(src));
   memory wei_m(wei_md, impl_->engine, wptr);
   memory dst_m(dst_md, impl_->engine, y);
-  it->second.execute(impl_->stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, wei_m}, {DNNL_ARG_DST, dst_m}});
+  it->second.execute(impl_->stream,
+                     {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, wei_m}, {DNNL_ARG_DST, dst_m}});
   impl_->stream.wait();
 }
 

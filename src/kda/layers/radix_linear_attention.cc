@@ -8,8 +8,8 @@
 namespace kda::layers {
 
 RadixLinearAttention::RadixLinearAttention(const Params& p) : p_(p) {
-  if (p.num_q_heads <= 0 || p.num_k_heads <= 0 || p.num_v_heads <= 0 || p.head_q_dim <= 0 || p.head_k_dim <= 0 ||
-      p.head_v_dim <= 0)
+  if (p.num_q_heads <= 0 || p.num_k_heads <= 0 || p.num_v_heads <= 0 || p.head_q_dim <= 0 ||
+      p.head_k_dim <= 0 || p.head_v_dim <= 0)
     throw std::invalid_argument("RadixLinearAttention: head counts and dims must be positive (layer " +
                                 std::to_string(p.layer_id) + ")");
   if (p.num_q_heads != p.num_k_heads || p.head_q_dim != p.head_k_dim)
@@ -20,12 +20,13 @@ RadixLinearAttention::RadixLinearAttention(const Params& p) : p_(p) {
                                 std::to_string(p.layer_id) + ")");
 }
 
-void RadixLinearAttention::operator()(const model_executor::ForwardBatch& forward_batch, const float* mixed_qkv,
-                                      int64_t qkv_stride, const float* a, int64_t a_stride, const float* b,
-                                      int64_t b_stride, mem_cache::RecurrentStatePool& recurrent_state_pool,
-                                      float* o) const {
+void RadixLinearAttention::operator()(const model_executor::ForwardBatch& forward_batch,
+                                      const float* mixed_qkv, int64_t qkv_stride, const float* a,
+                                      int64_t a_stride, const float* b, int64_t b_stride,
+                                      mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) const {
   if (!forward_batch.attn_backend)
-    throw std::invalid_argument("ForwardBatch has no attn_backend (layer " + std::to_string(p_.layer_id) + ")");
+    throw std::invalid_argument("ForwardBatch has no attn_backend (layer " + std::to_string(p_.layer_id) +
+                                ")");
   forward_batch.attn_backend->forward(*this, forward_batch, mixed_qkv, qkv_stride, a, a_stride, b, b_stride,
                                       recurrent_state_pool, o);
 }

@@ -39,8 +39,8 @@ class RadixLinearAttention {
   //   a: [T, a_stride] raw forget gate f (the kernel applies A_log, dt_bias and softplus)
   //   b: [T, b_stride] beta logits (sigmoid applied in the backend)
   //   o: [T, Hv * Dv] kernel output
-  void operator()(const model_executor::ForwardBatch& forward_batch, const float* mixed_qkv, int64_t qkv_stride,
-                  const float* a, int64_t a_stride, const float* b, int64_t b_stride,
+  void operator()(const model_executor::ForwardBatch& forward_batch, const float* mixed_qkv,
+                  int64_t qkv_stride, const float* a, int64_t a_stride, const float* b, int64_t b_stride,
                   mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) const;
 
  private:

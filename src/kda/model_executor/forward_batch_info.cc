@@ -31,8 +31,9 @@ int64_t ForwardBatch::num_tokens() const {
 void ForwardBatch::validate() const {
   const size_t b = req_pool_indices.size();
   if (extend_seq_lens.size() != b)
-    throw std::invalid_argument("ForwardBatch: extend_seq_lens has " + std::to_string(extend_seq_lens.size()) +
-                                " entries for " + std::to_string(b) + " requests");
+    throw std::invalid_argument("ForwardBatch: extend_seq_lens has " +
+                                std::to_string(extend_seq_lens.size()) + " entries for " + std::to_string(b) +
+                                " requests");
   if (!extend_prefix_lens.empty() && extend_prefix_lens.size() != b)
     throw std::invalid_argument("ForwardBatch: extend_prefix_lens has " +
                                 std::to_string(extend_prefix_lens.size()) + " entries for " +

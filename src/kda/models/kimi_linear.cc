@@ -40,14 +40,16 @@ void check_size(const std::vector<float>& v, size_t n, const char* name) {
 
 }  // namespace
 
-KdaLayerWeights KdaLayerWeights::load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg, int layer_idx) {
+KdaLayerWeights KdaLayerWeights::load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg,
+                                      int layer_idx) {
   if (layer_idx < 0 || layer_idx >= cfg.num_hidden_layers)
     throw std::invalid_argument("layer " + std::to_string(layer_idx) + " is outside the model's " +
                                 std::to_string(cfg.num_hidden_layers) + " decoder layers");
   if (!cfg.is_kda_layer(layer_idx))
-    throw std::invalid_argument("decoder layer " + std::to_string(layer_idx) +
-                                " (0-based) is not a KDA layer: linear_attn_config.kda_layers (1-based) does not list " +
-                                std::to_string(layer_idx + 1));
+    throw std::invalid_argument(
+        "decoder layer " + std::to_string(layer_idx) +
+        " (0-based) is not a KDA layer: linear_attn_config.kda_layers (1-based) does not list " +
+        std::to_string(layer_idx + 1));
   const int64_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K,
                 W = cfg.short_conv_kernel_size;
   const std::string pre = "model.layers." + std::to_string(layer_idx) + ".self_attn.";
@@ -110,7 +112,8 @@ KdaLayerWeights KdaLayerWeights::synthetic(const io::KimiLinearConfig& cfg, uint
 namespace {
 
 const KdaLayerWeights& checked(const KdaLayerWeights& w, const io::KimiLinearConfig& cfg) {
-  const size_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K, W = cfg.short_conv_kernel_size;
+  const size_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K,
+               W = cfg.short_conv_kernel_size;
   check_size(w.q_proj, P * D, "q_proj");
   check_size(w.k_proj, P * D, "k_proj");
   check_size(w.v_proj, P * D, "v_proj");
@@ -131,8 +134,8 @@ const KdaLayerWeights& checked(const KdaLayerWeights& w, const io::KimiLinearCon
 
 }  // namespace
 
-KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx, const KdaLayerWeights& w,
-                                       Precision precision)
+KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx,
+                                       const KdaLayerWeights& w, Precision precision)
     : layer_idx_(layer_idx),
       precision_(precision),
       D_(cfg.hidden_size),

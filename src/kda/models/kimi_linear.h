@@ -49,7 +49,8 @@ struct KdaWorkspace {
 
 class KimiDeltaAttention {
  public:
-  KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx, const KdaLayerWeights& w, Precision precision);
+  KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx, const KdaLayerWeights& w,
+                     Precision precision);
   KimiDeltaAttention(const KimiDeltaAttention&) = delete;
   KimiDeltaAttention& operator=(const KimiDeltaAttention&) = delete;
 

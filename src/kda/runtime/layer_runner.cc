@@ -31,7 +31,8 @@ LayerCase LayerCase::from_npz(const io::NpzArchive& npz, const io::KimiLinearCon
   auto it = npz.find("hidden_states");
   if (it == npz.end()) throw std::invalid_argument("the case has no 'hidden_states' array");
   const auto& hs = it->second;
-  if (hs.shape.size() != 2) throw std::invalid_argument("hidden_states must be 2-D [T, D], got " + shape_str(hs.shape));
+  if (hs.shape.size() != 2)
+    throw std::invalid_argument("hidden_states must be 2-D [T, D], got " + shape_str(hs.shape));
   if (hs.shape[1] != cfg.hidden_size)
     throw std::invalid_argument("hidden_states has width " + std::to_string(hs.shape[1]) +
                                 " but the model's hidden_size is " + std::to_string(cfg.hidden_size));
@@ -53,11 +54,13 @@ LayerCase LayerCase::from_npz(const io::NpzArchive& npz, const io::KimiLinearCon
   for (int64_t i = 0; i < c.N; ++i)
     if (c.cu_seqlens[i + 1] < c.cu_seqlens[i])
       throw std::invalid_argument("cu_seqlens is not monotonic at index " + std::to_string(i + 1) + ": " +
-                                  std::to_string(c.cu_seqlens[i]) + " then " + std::to_string(c.cu_seqlens[i + 1]));
+                                  std::to_string(c.cu_seqlens[i]) + " then " +
+                                  std::to_string(c.cu_seqlens[i + 1]));
   if (c.cu_seqlens[c.N] != c.T)
     throw std::invalid_argument("cu_seqlens ends at " + std::to_string(c.cu_seqlens[c.N]) +
                                 " but hidden_states has " + std::to_string(c.T) + " rows");
-  const int64_t H = cfg.num_heads, K = cfg.head_dim, P = cfg.projection_size(), W = cfg.short_conv_kernel_size;
+  const int64_t H = cfg.num_heads, K = cfg.head_dim, P = cfg.projection_size(),
+                W = cfg.short_conv_kernel_size;
   if (auto r = npz.find("initial_recurrent_state"); r != npz.end()) {
     expect_shape(r->second, "initial_recurrent_state", {c.N, H, K, K});
     c.initial_recurrent_state = r->second.to_f32();
@@ -69,12 +72,12 @@ LayerCase LayerCase::from_npz(const io::NpzArchive& npz, const io::KimiLinearCon
   return c;
 }
 
-LayerResult run_layer_case(models::KimiDeltaAttention& layer, const io::KimiLinearConfig& cfg, const LayerCase& c,
-                           int decode_tail, kernels::KernelImpl kernel) {
+LayerResult run_layer_case(models::KimiDeltaAttention& layer, const io::KimiLinearConfig& cfg,
+                           const LayerCase& c, int decode_tail, kernels::KernelImpl kernel) {
   if (decode_tail < 0) throw std::invalid_argument("--decode-tail must be >= 0");
   if (c.D != layer.hidden_size())
-    throw std::invalid_argument("hidden_states has width " + std::to_string(c.D) + " but the layer's hidden size is " +
-                                std::to_string(layer.hidden_size()));
+    throw std::invalid_argument("hidden_states has width " + std::to_string(c.D) +
+                                " but the layer's hidden size is " + std::to_string(layer.hidden_size()));
   const int64_t N = c.N, D = c.D;
   const int H = cfg.num_heads, K = cfg.head_dim, W = cfg.short_conv_kernel_size;
   const int64_t P = cfg.projection_size();
@@ -95,9 +98,9 @@ LayerResult run_layer_case(models::KimiDeltaAttention& layer, const io::KimiLine
   const std::vector<int32_t> slots = pools.req_to_token_pool.get_recurrent_indices(reqs);
   const bool has_init = !c.initial_recurrent_state.empty() || !c.initial_conv_state.empty();
   if (has_init)
-    pool.set_linear_recurrent_layer_cache(id, slots,
-                                          c.initial_recurrent_state.empty() ? nullptr : c.initial_recurrent_state.data(),
-                                          c.initial_conv_state.empty() ? nullptr : c.initial_conv_state.data());
+    pool.set_linear_recurrent_layer_cache(
+        id, slots, c.initial_recurrent_state.empty() ? nullptr : c.initial_recurrent_state.data(),
+        c.initial_conv_state.empty() ? nullptr : c.initial_conv_state.data());
 
   layers::attention::linear::KDAAttnBackend backend(kernel);
   LayerResult res;
@@ -146,7 +149,8 @@ LayerResult run_layer_case(models::KimiDeltaAttention& layer, const io::KimiLine
     fb.attn_backend = &backend;
     backend.init_forward_metadata(fb, active_slots);
     layer.forward(x.data(), B, fb, pool, y.data());
-    for (int64_t r = 0; r < B; ++r) std::memcpy(res.out.data() + rows[r] * D, y.data() + r * D, sizeof(float) * D);
+    for (int64_t r = 0; r < B; ++r)
+      std::memcpy(res.out.data() + rows[r] * D, y.data() + r * D, sizeof(float) * D);
   }
 
   res.recurrent_state.resize(static_cast<size_t>(N * H * K * K));

@@ -11,9 +11,9 @@ namespace kda::runtime {
 
 namespace {
 
-constexpr double kFp32Tol = 1e-5;      // atol = rtol (spec, fp32)
-constexpr double kBf16RelL2 = 5e-3;    // bf16: against out_bf16, and prefill -> decode invariance
-constexpr double kBf16VsF64 = 1.25;    // bf16: x the reference bf16 output's own error vs float64
+constexpr double kFp32Tol = 1e-5;    // atol = rtol (spec, fp32)
+constexpr double kBf16RelL2 = 5e-3;  // bf16: against out_bf16, and prefill -> decode invariance
+constexpr double kBf16VsF64 = 1.25;  // bf16: x the reference bf16 output's own error vs float64
 
 // Worst |a - b| / (atol + rtol |b|); infinite when a value is NaN or Inf.
 double max_err_ratio(const std::vector<float>& a, const std::vector<float>& b) {
@@ -39,7 +39,8 @@ double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-std::vector<float> need(const io::NpzArchive& npz, const std::string& key, const std::filesystem::path& file) {
+std::vector<float> need(const io::NpzArchive& npz, const std::string& key,
+                        const std::filesystem::path& file) {
   auto it = npz.find(key);
   if (it == npz.end()) throw std::runtime_error(file.string() + " has no '" + key + "' array");
   return it->second.to_f32();
@@ -56,7 +57,8 @@ bool CaseReport::ok() const {
 }
 
 std::vector<std::filesystem::path> list_cases(const std::filesystem::path& dir) {
-  if (!std::filesystem::is_directory(dir)) throw std::runtime_error("dump folder " + dir.string() + " does not exist");
+  if (!std::filesystem::is_directory(dir))
+    throw std::runtime_error("dump folder " + dir.string() + " does not exist");
   std::vector<std::filesystem::path> out;
   for (const auto& e : std::filesystem::directory_iterator(dir))
     if (e.path().extension() == ".npz" && e.path().filename() != "weights.npz") out.push_back(e.path());
@@ -65,7 +67,8 @@ std::vector<std::filesystem::path> list_cases(const std::filesystem::path& dir) 
 }
 
 CaseReport verify_case(models::KimiDeltaAttention& layer, const io::KimiLinearConfig& cfg,
-                       const std::filesystem::path& case_file, kernels::KernelImpl kernel, int invariance_tail) {
+                       const std::filesystem::path& case_file, kernels::KernelImpl kernel,
+                       int invariance_tail) {
   const io::NpzArchive npz = io::read_npz(case_file);
   const LayerCase c = LayerCase::from_npz(npz, cfg);
   CaseReport rep;
@@ -86,7 +89,8 @@ CaseReport verify_case(models::KimiDeltaAttention& layer, const io::KimiLinearCo
     add(rep, "conv state vs reference", m, max_err_ratio(full.conv_state, conv_ref), 1.0);
     add(rep, "out, " + inv + " vs out_fp32", m, max_err_ratio(tail.out, out_f64), 1.0);
     add(rep, "invariance: out", m, max_err_ratio(tail.out, full.out), 1.0);
-    add(rep, "invariance: recurrent state", m, max_err_ratio(tail.recurrent_state, full.recurrent_state), 1.0);
+    add(rep, "invariance: recurrent state", m, max_err_ratio(tail.recurrent_state, full.recurrent_state),
+        1.0);
     add(rep, "invariance: conv state", m, max_err_ratio(tail.conv_state, full.conv_state), 1.0);
   } else {
     const auto out_bf16 = need(npz, "out_bf16", case_file);
@@ -96,7 +100,8 @@ CaseReport verify_case(models::KimiDeltaAttention& layer, const io::KimiLinearCo
         kBf16VsF64 * rel_l2(out_bf16, out_f64));
     add(rep, "out, " + inv + " vs out_bf16", m, rel_l2(tail.out, out_bf16), kBf16RelL2);
     add(rep, "invariance: out", m, rel_l2(tail.out, full.out), kBf16RelL2);
-    add(rep, "invariance: recurrent state", m, rel_l2(tail.recurrent_state, full.recurrent_state), kBf16RelL2);
+    add(rep, "invariance: recurrent state", m, rel_l2(tail.recurrent_state, full.recurrent_state),
+        kBf16RelL2);
     add(rep, "invariance: conv state", m, rel_l2(tail.conv_state, full.conv_state), kBf16RelL2);
     // The dumps hold no bf16 states, only float64 ones. The recurrent state is driven by bf16-rounded
     // k, v and gates, so it is held to the float64 state by the rule the output meets against

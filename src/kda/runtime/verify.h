@@ -35,6 +35,7 @@ std::vector<std::filesystem::path> list_cases(const std::filesystem::path& dir);
 // Runs one case with `layer` (built for `precision`) and checks it. invariance_tail is the decode tail
 // of the invariance check (8 in the spec).
 CaseReport verify_case(models::KimiDeltaAttention& layer, const io::KimiLinearConfig& cfg,
-                       const std::filesystem::path& case_file, kernels::KernelImpl kernel, int invariance_tail = 8);
+                       const std::filesystem::path& case_file, kernels::KernelImpl kernel,
+                       int invariance_tail = 8);
 
 }  // namespace kda::runtime

@@ -109,7 +109,8 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   const ForwardMode mode = forward_batch.forward_mode;
   if (mode != md.forward_mode)
     throw std::invalid_argument(std::string("forward mode ") + model_executor::to_string(mode) +
-                                " differs from the batch metadata's " + model_executor::to_string(md.forward_mode));
+                                " differs from the batch metadata's " +
+                                model_executor::to_string(md.forward_mode));
   check_mode_supported(mode);
   const int64_t T = md.num_tokens();
   if (forward_batch.num_tokens() != T)
@@ -126,7 +127,8 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   if (qkv_stride < layer.conv_dim() || a_stride < H * K || b_stride < H)
     throw std::invalid_argument("LinearRecurrentAttnBackend::forward: row strides smaller than the widths");
 
-  mem_cache::LinearRecurrentLayerCache cache = recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id());
+  mem_cache::LinearRecurrentLayerCache cache =
+      recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id());
   if (cache.recurrent_slot_elems != H * K * V ||
       cache.conv_slot_elems != static_cast<int64_t>(p.conv_kernel - 1) * layer.conv_dim())
     throw std::invalid_argument("state pool layer " + std::to_string(layer.layer_id()) +
@@ -137,9 +139,11 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
     const int32_t s = md.recurrent_indices[i];
     if (s == -1) continue;
     if (s < 0 || s >= cache.num_slots)
-      throw std::invalid_argument("recurrent index " + std::to_string(s) + " of request " + std::to_string(i) +
-                                  " is outside the pool's " + std::to_string(cache.num_slots) + " slots");
-    if (seen[s]++) throw std::invalid_argument("recurrent slot " + std::to_string(s) + " appears twice in one batch");
+      throw std::invalid_argument("recurrent index " + std::to_string(s) + " of request " +
+                                  std::to_string(i) + " is outside the pool's " +
+                                  std::to_string(cache.num_slots) + " slots");
+    if (seen[s]++)
+      throw std::invalid_argument("recurrent slot " + std::to_string(s) + " appears twice in one batch");
   }
 
   const bool decode = mode == ForwardMode::DECODE;
@@ -204,7 +208,9 @@ kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) c
   return a;
 }
 
-void KDAAttnBackend::dispatch_chunk(const LinearRecurrentDispatch& d) { kernels::chunk_kda(kernel_args(d), kernel_); }
+void KDAAttnBackend::dispatch_chunk(const LinearRecurrentDispatch& d) {
+  kernels::chunk_kda(kernel_args(d), kernel_);
+}
 
 void KDAAttnBackend::dispatch_recurrent(const LinearRecurrentDispatch& d) {
   kernels::fused_recurrent_kda(kernel_args(d), kernel_);

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the build, the tests and the lint need -- only those that are missing.
+set -euo pipefail
+PKGS=(build-essential cmake ninja-build pkg-config git
+      libdnnl-dev nlohmann-json3-dev libzip-dev libcli11-dev
+      libgtest-dev libgmock-dev libbenchmark-dev
+      pre-commit clang-format cppcheck)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi

@@ -1,0 +1,406 @@
+// The layer, backend and forward modes through the full stack: mixed batches, chunked prefill,
+// padded rows, IDLE / DUMMY_FIRST / speculative modes, bad checkpoints and bad inputs, ServerArgs,
+// and the full Kimi-Linear shape.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "kda/io/config.h"
+#include "kda/io/npy.h"
+#include "kda/io/safetensors.h"
+#include "kda/layers/attention/linear/kda_backend.h"
+#include "kda/mem_cache/memory_pool.h"
+#include "kda/models/kimi_linear.h"
+#include "kda/runtime/layer_runner.h"
+#include "kda/server_args.h"
+#include "support/test_support.h"
+
+namespace kda {
+namespace {
+
+namespace fs = std::filesystem;
+using layers::attention::linear::KDAAttnBackend;
+using mem_cache::MemoryPools;
+using model_executor::ForwardBatch;
+using model_executor::ForwardMode;
+using ::testing::HasSubstr;
+
+constexpr double kTol = 1e-5;
+
+// The mini dump's layer and a pool sized for `slots` requests.
+struct Stack {
+  io::KimiLinearConfig cfg;
+  std::unique_ptr<models::KimiDeltaAttention> layer;
+  std::unique_ptr<MemoryPools> pools;
+  KDAAttnBackend backend;
+
+  explicit Stack(int64_t slots, Precision p = Precision::FP32,
+                 kernels::KernelImpl kernel = kernels::KernelImpl::Auto)
+      : cfg(io::load_config(testing::dumps_dir())), backend(kernel) {
+    const io::Checkpoint ckpt(testing::dumps_dir());
+    layer = models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, 0, p);
+    init_pools(slots, p);
+  }
+  Stack(const io::KimiLinearConfig& c, const models::KdaLayerWeights& w, int64_t slots,
+        kernels::KernelImpl kernel)
+      : cfg(c), backend(kernel) {
+    layer = std::make_unique<models::KimiDeltaAttention>(cfg, 0, w, Precision::FP32);
+    init_pools(slots, Precision::FP32);
+  }
+  void init_pools(int64_t slots, Precision p) {
+    mem_cache::RecurrentStatePoolConfig pc;
+    pc.layer_ids = {0};
+    pc.size = slots;
+    pc.num_heads = cfg.num_heads;
+    pc.head_k_dim = cfg.head_dim;
+    pc.head_v_dim = cfg.head_dim;
+    pc.conv_kernel = cfg.short_conv_kernel_size;
+    pc.conv_dim = 3 * cfg.projection_size();
+    pc.conv_dtype = p;
+    pools = std::make_unique<MemoryPools>(pc, slots);
+  }
+  int64_t D() const { return cfg.hidden_size; }
+
+  // Runs one batch; returns the output rows.
+  std::vector<float> step(ForwardBatch fb, const std::vector<float>& x) {
+    fb.attn_backend = &backend;
+    const auto slots = pools->req_to_token_pool.get_recurrent_indices(fb.req_pool_indices);
+    backend.init_forward_metadata(fb, slots);
+    std::vector<float> y(x.size());
+    layer->forward(x.data(), static_cast<int64_t>(x.size()) / D(), fb, pools->recurrent_state_pool, y.data());
+    return y;
+  }
+  std::vector<float> states(int32_t req) {
+    const int32_t slot = pools->req_to_token_pool.slot_of(req);
+    const auto& pc = pools->recurrent_state_pool.config();
+    std::vector<float> rec(static_cast<size_t>(pc.num_heads) * pc.head_k_dim * pc.head_v_dim);
+    std::vector<float> conv(static_cast<size_t>((pc.conv_kernel - 1) * pc.conv_dim));
+    const int32_t s[1] = {slot};
+    pools->recurrent_state_pool.read_linear_recurrent_layer_cache(0, s, rec.data(), conv.data());
+    rec.insert(rec.end(), conv.begin(), conv.end());
+    return rec;
+  }
+};
+
+std::vector<float> rows(const std::vector<float>& x, int64_t D, int64_t from, int64_t n) {
+  return std::vector<float>(x.begin() + from * D, x.begin() + (from + n) * D);
+}
+
+void expect_close(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  EXPECT_LE(testing::max_error_ratio(a.data(), b.data(), a.size(), kTol, kTol), 1.0) << what;
+}
+
+TEST(Layer, MixedBatchEqualsRequestsRunAlone) {
+  const int64_t D = 256;
+  const auto xa = testing::random_normal(70 * D, 1);  // a fresh 70-token prefill
+  const auto xb = testing::random_normal(21 * D, 2);  // 20-token prompt, then one decode token
+  const auto xc = testing::random_normal(34 * D, 3);  // 33-token prompt, then one decode token
+
+  // Alone: each request on its own pool.
+  std::vector<float> ya, yb, yc, sa, sb, sc;
+  {
+    Stack s(4);
+    const auto r = s.pools->req_to_token_pool.alloc(1);
+    ya = s.step(ForwardBatch::extend(r, {70}, {0}), xa);
+    sa = s.states(r[0]);
+  }
+  for (auto [x, y, st, n] : {std::tuple{&xb, &yb, &sb, 20}, std::tuple{&xc, &yc, &sc, 33}}) {
+    Stack s(4);
+    const auto r = s.pools->req_to_token_pool.alloc(1);
+    *y = s.step(ForwardBatch::extend(r, {n}, {0}), rows(*x, D, 0, n));
+    const auto last = s.step(ForwardBatch::decode(r), rows(*x, D, n, 1));
+    y->insert(y->end(), last.begin(), last.end());
+    *st = s.states(r[0]);
+  }
+
+  // Together: B and C prefill, then one EXTEND batch holding A's whole prompt and B's and C's decode
+  // tokens as 1-token segments (what --enable-mixed-chunk produces).
+  Stack s(8);
+  const auto r = s.pools->req_to_token_pool.alloc(3);
+  std::vector<float> x = rows(xb, D, 0, 20);
+  const auto c20 = rows(xc, D, 0, 33);
+  x.insert(x.end(), c20.begin(), c20.end());
+  const auto pre = s.step(ForwardBatch::extend({r[1], r[2]}, {20, 33}, {0, 0}), x);
+  std::vector<float> mx = xa;
+  for (const auto* src : {&xb, &xc}) {
+    const int64_t n = static_cast<int64_t>(src->size()) / D;
+    const auto last = rows(*src, D, n - 1, 1);
+    mx.insert(mx.end(), last.begin(), last.end());
+  }
+  const auto y = s.step(ForwardBatch::extend({r[0], r[1], r[2]}, {70, 1, 1}, {0, 20, 33}), mx);
+
+  expect_close(rows(y, D, 0, 70), ya, "prefill segment");
+  std::vector<float> yb_mixed = rows(pre, D, 0, 20), yc_mixed = rows(pre, D, 20, 33);
+  const auto b1 = rows(y, D, 70, 1), c1 = rows(y, D, 71, 1);
+  yb_mixed.insert(yb_mixed.end(), b1.begin(), b1.end());
+  yc_mixed.insert(yc_mixed.end(), c1.begin(), c1.end());
+  expect_close(yb_mixed, yb, "request B");
+  expect_close(yc_mixed, yc, "request C");
+  expect_close(s.states(r[0]), sa, "state A");
+  expect_close(s.states(r[1]), sb, "state B");
+  expect_close(s.states(r[2]), sc, "state C");
+}
+
+TEST(Layer, ChunkedPrefillKeepsItsSlotAcrossSteps) {
+  const int64_t D = 256;
+  const auto x = testing::random_normal(150 * D, 7);
+  Stack one(2), chunked(2);
+  const auto r1 = one.pools->req_to_token_pool.alloc(1);
+  const auto y1 = one.step(ForwardBatch::extend(r1, {150}, {0}), x);
+  const auto r2 = chunked.pools->req_to_token_pool.alloc(1);
+  const int32_t slot = chunked.pools->req_to_token_pool.slot_of(r2[0]);
+  std::vector<float> y2;
+  int32_t done = 0;
+  for (int32_t len : {64, 1, 0, 45, 40}) {  // chunk sizes a token budget could produce
+    const auto y = chunked.step(ForwardBatch::extend(r2, {len}, {done}), rows(x, D, done, len));
+    y2.insert(y2.end(), y.begin(), y.end());
+    done += len;
+    EXPECT_EQ(chunked.pools->req_to_token_pool.slot_of(r2[0]), slot);
+  }
+  expect_close(y2, y1, "chunked prefill output");
+  expect_close(chunked.states(r2[0]), one.states(r1[0]), "chunked prefill state");
+}
+
+TEST(Layer, PaddedRowGivesZerosAndTouchesNoSlot) {
+  const int64_t D = 256;
+  Stack s(3);
+  const auto r = s.pools->req_to_token_pool.alloc(2);
+  s.step(ForwardBatch::extend(r, {5, 9}, {0, 0}), testing::random_normal(14 * D, 11));
+  const auto before0 = s.states(r[0]), before1 = s.states(r[1]);
+  const auto y = s.step(ForwardBatch::extend({r[0], -1}, {3, 4}, {5, 0}), testing::random_normal(7 * D, 12));
+  for (int64_t i = 3 * D; i < 7 * D; ++i) ASSERT_EQ(y[i], 0.0f) << "padded row output " << i;
+  EXPECT_NE(s.states(r[0]), before0);  // the real request moved on
+  EXPECT_EQ(s.states(r[1]), before1);  // nobody else's slot changed
+}
+
+TEST(Layer, IdleAndDummyFirstGiveZerosAndTouchNoState) {
+  const int64_t D = 256;
+  Stack s(2);
+  const auto r = s.pools->req_to_token_pool.alloc(1);
+  s.step(ForwardBatch::extend(r, {10}, {0}), testing::random_normal(10 * D, 5));
+  const auto before = s.states(r[0]);
+  for (ForwardMode m : {ForwardMode::IDLE, ForwardMode::DUMMY_FIRST}) {
+    auto fb = ForwardBatch::extend(r, {4}, {10});
+    fb.forward_mode = m;
+    const auto y = s.step(fb, testing::random_normal(4 * D, 6));
+    for (float v : y) ASSERT_EQ(v, 0.0f) << model_executor::to_string(m);
+    EXPECT_EQ(s.states(r[0]), before) << model_executor::to_string(m);
+    // The backend alone answers these modes with zeros too.
+    std::vector<float> o(4 * 512, 1.0f), qkv(4 * 1536, 1.0f), a(4 * 512), b(4 * 4);
+    fb.attn_backend = &s.backend;
+    s.layer->attn()(fb, qkv.data(), 1536, a.data(), 512, b.data(), 4, s.pools->recurrent_state_pool,
+                    o.data());
+    for (float v : o) ASSERT_EQ(v, 0.0f);
+  }
+  auto idle = ForwardBatch::extend({}, {}, {});
+  idle.forward_mode = ForwardMode::IDLE;
+  EXPECT_TRUE(s.step(idle, {}).empty());
+}
+
+TEST(Layer, SpeculativeModesAreRefused) {
+  const int64_t D = 256;
+  Stack s(2);
+  const auto r = s.pools->req_to_token_pool.alloc(1);
+  const auto before = s.states(r[0]);
+  for (ForwardMode m : {ForwardMode::DRAFT_EXTEND, ForwardMode::TARGET_VERIFY}) {
+    auto fb = ForwardBatch::extend(r, {2}, {0});
+    fb.forward_mode = m;
+    try {
+      s.step(fb, testing::random_normal(2 * D, 1));
+      ADD_FAILURE() << "no error for " << model_executor::to_string(m);
+    } catch (const std::runtime_error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("not supported"));
+      EXPECT_THAT(e.what(), HasSubstr(model_executor::to_string(m)));
+    }
+    std::vector<float> y(2 * D);
+    fb.attn_backend = &s.backend;
+    EXPECT_THROW(s.layer->forward(y.data(), 2, fb, s.pools->recurrent_state_pool, y.data()),
+                 std::runtime_error);
+  }
+  EXPECT_EQ(s.states(r[0]), before);
+}
+
+TEST(Layer, BadBatchesAreErrorsThatChangeNothing) {
+  const int64_t D = 256;
+  Stack s(3);
+  const auto r = s.pools->req_to_token_pool.alloc(2);
+  s.step(ForwardBatch::extend(r, {6, 6}, {0, 0}), testing::random_normal(12 * D, 2));
+  const auto b0 = s.states(r[0]), b1 = s.states(r[1]);
+  const auto x = testing::random_normal(4 * D, 3);
+  auto fb = ForwardBatch::extend(r, {2, 2}, {6, 6});
+  fb.attn_backend = &s.backend;
+  std::vector<float> y(4 * D);
+  // A slot outside the pool.
+  const int32_t bad_slots[2] = {1, 99};
+  s.backend.init_forward_metadata(fb, bad_slots);
+  EXPECT_THROW(s.layer->forward(x.data(), 4, fb, s.pools->recurrent_state_pool, y.data()),
+               std::invalid_argument);
+  // The same slot twice.
+  const int32_t dup[2] = {1, 1};
+  s.backend.init_forward_metadata(fb, dup);
+  EXPECT_THROW(s.layer->forward(x.data(), 4, fb, s.pools->recurrent_state_pool, y.data()),
+               std::invalid_argument);
+  // Rows unlike the batch's token count.
+  EXPECT_THROW(s.layer->forward(x.data(), 3, fb, s.pools->recurrent_state_pool, y.data()),
+               std::invalid_argument);
+  // DECODE with a 2-token row; negative lengths.
+  auto dec = ForwardBatch::decode(r);
+  dec.extend_seq_lens[0] = 2;
+  EXPECT_THROW(dec.validate(), std::invalid_argument);
+  EXPECT_THROW(ForwardBatch::extend(r, {-1, 5}, {0, 0}).validate(), std::invalid_argument);
+  // A free request index.
+  EXPECT_THROW(s.pools->req_to_token_pool.get_recurrent_indices(std::vector<int32_t>{r[0], 5}),
+               std::exception);
+  EXPECT_EQ(s.states(r[0]), b0);
+  EXPECT_EQ(s.states(r[1]), b1);
+}
+
+TEST(Layer, BadCaseInputsAreClearErrors) {
+  const auto cfg = io::load_config(testing::dumps_dir());
+  io::NpzArchive npz;
+  std::vector<float> hs(10 * 256, 0.5f);
+  npz["hidden_states"] = io::NpyArray::from_f32({10, 256}, hs.data());
+  const int32_t bad_cu[4] = {0, 6, 4, 10};
+  npz["cu_seqlens"] = io::NpyArray::from_i32({4}, bad_cu);
+  try {
+    runtime::LayerCase::from_npz(npz, cfg);
+    ADD_FAILURE() << "non-monotonic cu_seqlens accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("not monotonic"));
+  }
+  const int32_t short_cu[3] = {0, 4, 9};
+  npz["cu_seqlens"] = io::NpyArray::from_i32({3}, short_cu);
+  EXPECT_THROW(runtime::LayerCase::from_npz(npz, cfg), std::invalid_argument);
+  npz.erase("cu_seqlens");
+  std::vector<float> wide(10 * 300, 0.5f);
+  npz["hidden_states"] = io::NpyArray::from_f32({10, 300}, wide.data());
+  try {
+    runtime::LayerCase::from_npz(npz, cfg);
+    ADD_FAILURE() << "wrong hidden size accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("hidden_size is 256"));
+  }
+  npz["hidden_states"] = io::NpyArray::from_f32({10, 256}, hs.data());
+  std::vector<float> st(2 * 4 * 128 * 128);
+  npz["initial_recurrent_state"] = io::NpyArray::from_f32({2, 4, 128, 128}, st.data());
+  EXPECT_THROW(runtime::LayerCase::from_npz(npz, cfg), std::invalid_argument);  // 2 states, 1 sequence
+}
+
+// A copy of the mini checkpoint with one change, for the bad-checkpoint tests.
+fs::path mini_checkpoint_with(const std::string& tag,
+                              const std::function<void(std::map<std::string, io::F32Tensor>&)>& edit,
+                              const std::string& config_text = "") {
+  const io::Checkpoint ckpt(testing::dumps_dir());
+  const auto dir = testing::make_temp_dir(tag);
+  std::map<std::string, io::F32Tensor> t;
+  const io::SafetensorsFile f(testing::dumps_dir() / "model.safetensors");
+  for (const auto& name : f.names()) {
+    const auto& v = ckpt.get(name);
+    t[name] = {v.shape, ckpt.load_f32(name, v.shape)};
+  }
+  edit(t);
+  io::write_safetensors_f32(dir / "model.safetensors", t);
+  if (config_text.empty()) {
+    fs::copy_file(testing::dumps_dir() / "config.json", dir / "config.json");
+  } else {
+    std::ofstream(dir / "config.json") << config_text;
+  }
+  return dir;
+}
+
+std::string load_error(const fs::path& dir, int layer) {
+  try {
+    const auto cfg = io::load_config(dir);
+    const io::Checkpoint ckpt(dir);
+    models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, layer, Precision::FP32);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Layer, BadCheckpointsAreClearErrors) {
+  const std::string pre = "model.layers.0.self_attn.";
+  auto missing = mini_checkpoint_with("missing", [&](auto& t) { t.erase(pre + "g_b_proj.weight"); });
+  EXPECT_THAT(load_error(missing, 0), HasSubstr("missing tensor 'model.layers.0.self_attn.g_b_proj.weight'"));
+  auto shape = mini_checkpoint_with("shape", [&](auto& t) { t[pre + "o_proj.weight"].shape = {512, 256}; });
+  EXPECT_THAT(load_error(shape, 0), HasSubstr("o_proj.weight"));
+  EXPECT_THAT(load_error(shape, 0), HasSubstr("[256, 512]"));
+  auto same = mini_checkpoint_with("same", [](auto&) {});
+  EXPECT_EQ(load_error(same, 0), "");
+  EXPECT_THAT(load_error(same, 1), HasSubstr("outside"));
+  // A two-layer model whose layer 1 is full attention: asking for it as KDA is an error.
+  auto cfg = io::load_config(testing::dumps_dir());
+  const std::string two =
+      R"({"hidden_size":256,"num_hidden_layers":2,"rms_norm_eps":1e-5,"linear_attn_config":{"num_heads":4,)"
+      R"("head_dim":128,"short_conv_kernel_size":4,"kda_layers":[1],"full_attn_layers":[2]}})";
+  auto mla = mini_checkpoint_with(
+      "mla", [](auto&) {}, two);
+  EXPECT_THAT(load_error(mla, 1), HasSubstr("not a KDA layer"));
+  // A config whose hidden size disagrees with the tensors.
+  const std::string wide =
+      R"({"hidden_size":384,"num_hidden_layers":1,"rms_norm_eps":1e-5,"linear_attn_config":{"num_heads":4,)"
+      R"("head_dim":128,"short_conv_kernel_size":4,"kda_layers":[1]}})";
+  auto w = mini_checkpoint_with(
+      "wide", [](auto&) {}, wide);
+  EXPECT_THAT(load_error(w, 0), HasSubstr("q_proj.weight"));
+}
+
+TEST(ServerArgs, RecurrentModelDisablesRadixCacheAndRefusesSpeculation) {
+  ServerArgs a;
+  a.enable_mixed_chunk = true;
+  a.check_server_args(true);
+  EXPECT_TRUE(a.disable_radix_cache);
+  EXPECT_TRUE(a.enable_mixed_chunk);
+  ServerArgs plain;
+  plain.check_server_args(false);
+  EXPECT_FALSE(plain.disable_radix_cache);
+  ServerArgs spec;
+  spec.speculative_algorithm = "EAGLE";
+  try {
+    spec.check_server_args(true);
+    ADD_FAILURE() << "speculative decoding accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("EAGLE"));
+    EXPECT_THAT(e.what(), HasSubstr("not supported"));
+  }
+}
+
+// The real Kimi-Linear shape (hidden 2304, 32 heads x 128) with synthetic weights: EXTEND vs
+// prefill -> decode, and the reference vs the optimized kernels, through the full stack.
+TEST(Layer, FullKimiShapeInvarianceAndKernelsAgree) {
+  io::KimiLinearConfig cfg;
+  cfg.hidden_size = 2304;
+  cfg.rms_norm_eps = 1e-5;
+  cfg.num_hidden_layers = 1;
+  cfg.num_heads = 32;
+  cfg.head_dim = 128;
+  cfg.short_conv_kernel_size = 4;
+  cfg.kda_layers = {1};
+  const auto w = models::KdaLayerWeights::synthetic(cfg, 42);
+  runtime::LayerCase c;
+  c.D = 2304;
+  c.cu_seqlens = {0, 70, 71, 100};
+  c.N = 3;
+  c.T = 100;
+  c.hidden_states = testing::random_normal(c.T * c.D, 9);
+  Stack opt(cfg, w, 4, kernels::KernelImpl::Auto), naive(cfg, w, 4, kernels::KernelImpl::Naive);
+  const auto full = runtime::run_layer_case(*opt.layer, cfg, c, 0, kernels::KernelImpl::Auto);
+  const auto tail = runtime::run_layer_case(*opt.layer, cfg, c, 8, kernels::KernelImpl::Auto);
+  const auto ref = runtime::run_layer_case(*naive.layer, cfg, c, 0, kernels::KernelImpl::Naive);
+  double mag = 0;
+  for (float v : full.out) mag = std::max(mag, static_cast<double>(std::fabs(v)));
+  EXPECT_GT(mag, 1e-3);  // the synthetic layer does produce a signal
+  expect_close(tail.out, full.out, "invariance out");
+  expect_close(tail.recurrent_state, full.recurrent_state, "invariance recurrent state");
+  expect_close(tail.conv_state, full.conv_state, "invariance conv state");
+  expect_close(full.out, ref.out, "optimized vs naive out");
+  expect_close(full.recurrent_state, ref.recurrent_state, "optimized vs naive state");
+}
+
+}  // namespace
+}  // namespace kda
