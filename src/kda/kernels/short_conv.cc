@@ -1,0 +1,253 @@
+#include "kda/kernels/short_conv.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kda::kernels {
+namespace {
+
+// Channels per work item: W rows of x, the history and the weights of one block stay in L1.
+constexpr int64_t kBlock = 256;
+// Tokens per work item, so that one long sequence still spreads over every thread.
+constexpr int64_t kTimeChunk = 128;
+// Below this many outputs a parallel region costs more than it saves.
+constexpr int64_t kMinParallelWork = 1 << 14;
+
+enum class Mode { kExtend, kDecode };
+
+inline float load_state(float v) { return v; }
+inline float load_state(bf16_t v) { return bf16_to_f32(v); }
+inline void store_state(float v, float* d) { *d = v; }
+inline void store_state(float v, bf16_t* d) { *d = f32_to_bf16(v); }
+
+template <class StateT>
+void validate(const ShortConvArgs<StateT>& a, Mode mode) {
+  const std::string fn = mode == Mode::kExtend ? "short_conv_extend" : "short_conv_decode";
+  auto fail = [&](const std::string& msg) { throw std::invalid_argument(fn + ": " + msg); };
+  auto s = [](auto v) { return std::to_string(v); };
+  if (a.W < 1) fail("W must be >= 1, got " + s(a.W));
+  if (a.T < 0 || a.C < 0 || a.N < 0)
+    fail("T, C and N must be >= 0, got " + s(a.T) + ", " + s(a.C) + ", " + s(a.N));
+  if (a.x_stride < a.C) fail("x_stride (" + s(a.x_stride) + ") must be >= C (" + s(a.C) + ")");
+  if (a.T > 0 && a.C > 0 && (!a.x || !a.y || !a.weight)) fail("x, weight and y must not be null");
+
+  if (mode == Mode::kDecode) {
+    if (a.T != a.N) fail("decode takes one token per sequence, but T = " + s(a.T) + " and N = " + s(a.N));
+  } else if (!a.cu_seqlens) {
+    if (a.N != 1) fail("cu_seqlens is null (one sequence of T tokens) but N = " + s(a.N));
+  } else {
+    const int32_t* cu = a.cu_seqlens;
+    if (cu[0] != 0) fail("cu_seqlens[0] must be 0, got " + s(cu[0]));
+    for (int64_t i = 0; i < a.N; ++i) {
+      if (cu[i + 1] < cu[i]) {
+        fail("cu_seqlens must be non-decreasing, but cu_seqlens[" + s(i) + "] = " + s(cu[i]) +
+             " > cu_seqlens[" + s(i + 1) + "] = " + s(cu[i + 1]));
+      }
+    }
+    if (cu[a.N] != a.T) fail("cu_seqlens[N] = " + s(cu[a.N]) + " must equal T = " + s(a.T));
+  }
+
+  if (a.state) {
+    if (!a.indices) {
+      if (a.N > a.num_slots) {
+        fail("indices is null (sequence i uses slot i) but N = " + s(a.N) +
+             " > num_slots = " + s(a.num_slots));
+      }
+      return;
+    }
+    // Two sequences on one slot would race on it and leave it to whichever wrote last.
+    std::vector<std::pair<int32_t, int64_t>> used;  // (slot, sequence)
+    for (int64_t i = 0; i < a.N; ++i) {
+      const int32_t idx = a.indices[i];
+      if (idx == -1) continue;
+      if (idx < 0 || idx >= a.num_slots) {
+        fail("indices[" + s(i) + "] = " + s(idx) + " is neither -1 nor a slot in [0, " + s(a.num_slots) +
+             ")");
+      }
+      used.emplace_back(idx, i);
+    }
+    std::sort(used.begin(), used.end());
+    for (size_t k = 1; k < used.size(); ++k) {
+      if (used[k].first == used[k - 1].first) {
+        fail("slot " + s(used[k].first) + " is named by sequences " + s(used[k - 1].second) + " and " +
+             s(used[k].second));
+      }
+    }
+  } else if (a.indices) {
+    for (int64_t i = 0; i < a.N; ++i) {
+      if (a.indices[i] < -1) fail("indices[" + s(i) + "] = " + s(a.indices[i]) + " is negative but not -1");
+    }
+  }
+}
+
+// exp(x) in a form `omp simd` vectorises (glibc's expf only vectorises under -ffast-math): Cody-Waite
+// reduction x = n ln2 + r, |r| <= ln2/2, and Cephes' expf polynomial: within 1.5 ulp of exp, silu within
+// 2e-7 relative. x is clamped to where 2^n is a normal float, so silu(z < -87) is ~1e-36 instead of
+// z e^z: zero at any tolerance. NaN propagates.
+inline float exp_simd(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const float t = std::fma(x, 1.44269504088896341f, shifter);
+  const float n = t - shifter;
+  float r = std::fma(n, -0.693359375f, x);  // ln2 split in two so that n * ln2_hi is exact
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r) + 1.0f;
+  const int32_t two_n = (std::bit_cast<int32_t>(t) - 0x4B400000 + 127) << 23;
+  return p * std::bit_cast<float>(two_n);
+}
+
+// Outputs of tokens [t0, t1) of the sequence starting at bos, channels [c0, c0 + nc). `wt` is the
+// weight transposed to [W, C]; `st` is the sequence's slot (null: zero history), read only when
+// `read_state`; `hist` is scratch for (W-1) * kBlock floats.
+template <class StateT>
+void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int64_t t0, int64_t t1,
+               const StateT* st, bool read_state, int64_t c0, int64_t nc, float* hist) {
+  const int W = a.W;
+  const int64_t H = W - 1;  // history rows
+  if (t0 - bos < H) {       // only the first W-1 tokens of a sequence see the slot
+    for (int64_t r = 0; r < H; ++r) {
+      float* h = hist + r * kBlock;
+      if (st && read_state) {
+        const StateT* src = st + r * a.C + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) h[c] = load_state(src[c]);
+      } else {
+        std::fill(h, h + nc, 0.0f);
+      }
+    }
+  }
+  alignas(64) float acc[kBlock];
+  for (int64_t t = t0; t < t1; ++t) {
+    std::fill(acc, acc + nc, 0.0f);
+    // Taps in a fixed order with an exact fma each: extend and decode give the same bits.
+    for (int i = 0; i < W; ++i) {
+      const int64_t p = t - bos + i - H;  // position in the sequence; < 0 lies in the history
+      const float* src = p < 0 ? hist + (H + p) * kBlock : a.x + (bos + p) * a.x_stride + c0;
+      const float* w = wt + i * a.C + c0;
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) acc[c] = std::fma(w[c], src[c], acc[c]);
+    }
+    float* y = a.y + t * a.C + c0;
+    if (a.round_output_bf16) {
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) y[c] = round_bf16(acc[c] / (1.0f + exp_simd(-acc[c])));
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) y[c] = acc[c] / (1.0f + exp_simd(-acc[c]));
+    }
+  }
+}
+
+// The slot after a segment of `len` > 0 tokens: its last W-1 raw inputs. Row r is position len + r of
+// (old history ++ segment); taking rows in increasing order reads old row len + r > r before it is
+// overwritten, so the shift is done in place.
+template <class StateT>
+void write_state(const ShortConvArgs<StateT>& a, int64_t bos, int64_t len, StateT* st, bool read_state,
+                 int64_t c0, int64_t nc) {
+  const int64_t H = a.W - 1;
+  for (int64_t r = 0; r < H; ++r) {
+    const int64_t q = len + r;
+    StateT* dst = st + r * a.C + c0;
+    if (q < H) {
+      if (read_state) {
+        const StateT* src = st + q * a.C + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) dst[c] = src[c];
+      } else {
+        std::fill(dst, dst + nc, StateT{0});  // the zero history the segment saw
+      }
+    } else {
+      const float* src = a.x + (bos + q - H) * a.x_stride + c0;
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) store_state(src[c], dst + c);
+    }
+  }
+}
+
+template <class StateT>
+void run(const ShortConvArgs<StateT>& a, Mode mode) {
+  validate(a, mode);
+  if (a.C == 0 || a.N == 0) return;
+  const int64_t H = a.W - 1;
+  auto seq_start = [&](int64_t i) -> int64_t {
+    if (mode == Mode::kDecode) return i;
+    return a.cu_seqlens ? a.cu_seqlens[i] : 0;
+  };
+  auto seq_end = [&](int64_t i) -> int64_t {
+    if (mode == Mode::kDecode) return i + 1;
+    return a.cu_seqlens ? a.cu_seqlens[i + 1] : a.T;
+  };
+  auto slot_of = [&](int64_t i) -> int64_t { return a.indices ? a.indices[i] : i; };
+  auto reads_state = [&](int64_t i) { return !a.has_initial_state || a.has_initial_state[i] != 0; };
+
+  struct Range {
+    int64_t seq, t0, t1;
+  };
+  std::vector<Range> ranges;
+  std::vector<int64_t> long_seqs;  // split over several time chunks: slot written after the barrier
+  ranges.reserve(a.N + a.T / kTimeChunk);
+  for (int64_t i = 0; i < a.N; ++i) {
+    const int64_t bos = seq_start(i), eos = seq_end(i);
+    for (int64_t t0 = bos; t0 < eos; t0 += kTimeChunk)
+      ranges.push_back({i, t0, std::min(eos, t0 + kTimeChunk)});
+    if (eos - bos > kTimeChunk) long_seqs.push_back(i);
+  }
+  const int64_t nb = (a.C + kBlock - 1) / kBlock;
+  const int64_t out_items = static_cast<int64_t>(ranges.size()) * nb;
+  const int64_t state_items = a.state && H > 0 ? static_cast<int64_t>(long_seqs.size()) * nb : 0;
+  std::vector<float> wt(a.W * a.C);  // [W, C]: tap i of consecutive channels contiguous for simd
+
+#pragma omp parallel if (a.T * a.C * a.W >= kMinParallelWork)
+  {
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < a.C; ++c) {
+      for (int i = 0; i < a.W; ++i) wt[i * a.C + c] = a.weight[c * a.W + i];
+    }
+    std::vector<float> hist(H * kBlock);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < out_items; ++it) {
+      const Range& r = ranges[it / nb];
+      const int64_t c0 = (it % nb) * kBlock, nc = std::min(kBlock, a.C - c0);
+      const int64_t slot = slot_of(r.seq);
+      if (slot < 0) {  // padded row: zero output, slot untouched
+        for (int64_t t = r.t0; t < r.t1; ++t) std::fill(a.y + t * a.C + c0, a.y + t * a.C + c0 + nc, 0.0f);
+        continue;
+      }
+      StateT* st = a.state ? a.state + slot * H * a.C : nullptr;
+      const int64_t bos = seq_start(r.seq), eos = seq_end(r.seq);
+      conv_rows(a, wt.data(), bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data());
+      // A segment in one item: nothing else touches these channels of its slot, so write it now
+      // while they are in cache.
+      if (st && r.t0 == bos && r.t1 == eos) write_state(a, bos, eos - bos, st, reads_state(r.seq), c0, nc);
+    }
+    // A longer segment reads its slot in its first time chunk; the rewrite waits for the barrier
+    // above so that it cannot race with that read. Empty segments have no range: slot unchanged.
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < state_items; ++it) {
+      const int64_t i = long_seqs[it / nb], c0 = (it % nb) * kBlock, nc = std::min(kBlock, a.C - c0);
+      const int64_t slot = slot_of(i), bos = seq_start(i);
+      if (slot < 0) continue;
+      write_state(a, bos, seq_end(i) - bos, a.state + slot * H * a.C, reads_state(i), c0, nc);
+    }
+  }
+}
+
+}  // namespace
+
+void short_conv_extend(const ShortConvArgs<float>& a) { run(a, Mode::kExtend); }
+void short_conv_extend(const ShortConvArgs<bf16_t>& a) { run(a, Mode::kExtend); }
+void short_conv_decode(const ShortConvArgs<float>& a) { run(a, Mode::kDecode); }
+void short_conv_decode(const ShortConvArgs<bf16_t>& a) { run(a, Mode::kDecode); }
+
+}  // namespace kda::kernels

@@ -1,0 +1,282 @@
+#include "kda/mem_cache/memory_pool.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace kda::mem_cache {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// Rejects a list naming one slot (or request) twice: freeing or writing it twice is a caller bug.
+void check_unique(std::span<const int32_t> ids, const char* what) {
+  std::vector<int32_t> sorted(ids.begin(), ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end())
+    throw std::invalid_argument(std::string(what) + " " + str(*dup) + " is listed twice");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------
+// RecurrentStatePool
+
+RecurrentStatePool::RecurrentStatePool(const RecurrentStatePoolConfig& cfg) : cfg_(cfg) {
+  auto positive = [](int64_t v, const char* field) {
+    if (v <= 0) {
+      throw std::invalid_argument(std::string("RecurrentStatePoolConfig.") + field + " must be > 0, got " +
+                                  str(v));
+    }
+  };
+  positive(cfg.size, "size");
+  if (cfg.size >= INT32_MAX) {  // slots are int32 indices
+    throw std::invalid_argument("RecurrentStatePoolConfig.size must be < 2^31 - 1, got " + str(cfg.size));
+  }
+  positive(cfg.num_heads, "num_heads");
+  positive(cfg.head_k_dim, "head_k_dim");
+  positive(cfg.head_v_dim, "head_v_dim");
+  positive(cfg.conv_dim, "conv_dim");
+  if (cfg.conv_kernel < 1) {
+    throw std::invalid_argument("RecurrentStatePoolConfig.conv_kernel must be >= 1, got " +
+                                str(cfg.conv_kernel));
+  }
+  if (cfg.layer_ids.empty())
+    throw std::invalid_argument("RecurrentStatePoolConfig.layer_ids must not be empty");
+  for (size_t i = 0; i < cfg.layer_ids.size(); ++i) {
+    const int id = cfg.layer_ids[i];
+    if (id < 0)
+      throw std::invalid_argument("RecurrentStatePoolConfig.layer_ids has a negative id " + str(id));
+    for (size_t j = 0; j < i; ++j) {
+      if (cfg.layer_ids[j] == id) {
+        throw std::invalid_argument("RecurrentStatePoolConfig.layer_ids lists layer " + str(id) + " twice");
+      }
+    }
+  }
+
+  rec_slot_ = static_cast<int64_t>(cfg.num_heads) * cfg.head_k_dim * cfg.head_v_dim;
+  conv_slot_ = static_cast<int64_t>(cfg.conv_kernel - 1) * cfg.conv_dim;
+  const int64_t rows = static_cast<int64_t>(cfg.layer_ids.size()) * (cfg.size + 1);
+  recurrent_.assign(rows * rec_slot_, 0.0f);
+  if (cfg.conv_dtype == Precision::BF16) {
+    conv_bf16_.assign(rows * conv_slot_, bf16_t{0});
+  } else {
+    conv_f32_.assign(rows * conv_slot_, 0.0f);
+  }
+  allocated_.assign(cfg.size + 1, 0);
+  // Pushed high to low so that the first allocations hand out 1, 2, 3, ...
+  free_slots_.reserve(cfg.size);
+  for (int64_t s = cfg.size; s >= 1; --s) free_slots_.push_back(static_cast<int32_t>(s));
+}
+
+size_t RecurrentStatePool::bytes() const {
+  return recurrent_.size() * sizeof(float) + conv_f32_.size() * sizeof(float) +
+         conv_bf16_.size() * sizeof(bf16_t);
+}
+
+std::vector<int32_t> RecurrentStatePool::alloc(int64_t n) {
+  if (n < 0) throw std::invalid_argument("RecurrentStatePool::alloc: n must be >= 0, got " + str(n));
+  if (n > available()) {
+    throw std::runtime_error("recurrent state pool exhausted: asked for " + str(n) + " slots, " +
+                             str(available()) + " of " + str(cfg_.size) + " free");
+  }
+  std::vector<int32_t> out;
+  out.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t s = free_slots_.back();
+    free_slots_.pop_back();
+    allocated_[s] = 1;
+    clear_slot(s);  // a reused slot must not leak its previous request's state
+    out.push_back(s);
+  }
+  return out;
+}
+
+void RecurrentStatePool::free(std::span<const int32_t> slots) {
+  for (const int32_t s : slots) check_slot(s, "RecurrentStatePool::free");
+  check_unique(slots, "RecurrentStatePool::free: slot");
+  // Pushed in reverse so that a following alloc(slots.size()) hands them back in the same order.
+  for (auto it = slots.rbegin(); it != slots.rend(); ++it) {
+    allocated_[*it] = 0;
+    free_slots_.push_back(*it);
+  }
+}
+
+bool RecurrentStatePool::is_allocated(int32_t slot) const {
+  return slot >= 1 && slot <= cfg_.size && allocated_[slot] != 0;
+}
+
+void RecurrentStatePool::check_slot(int32_t slot, const char* what) const {
+  if (slot == 0) throw std::invalid_argument(std::string(what) + ": slot 0 is reserved");
+  if (slot < 0 || slot > cfg_.size) {
+    throw std::invalid_argument(std::string(what) + ": slot " + str(slot) + " is out of range [1, " +
+                                str(cfg_.size) + "]");
+  }
+  if (!allocated_[slot])
+    throw std::invalid_argument(std::string(what) + ": slot " + str(slot) + " is not allocated");
+}
+
+void RecurrentStatePool::clear_slot(int32_t slot) {
+  const int64_t rows = cfg_.size + 1;
+  for (int64_t l = 0; l < num_layers(); ++l) {
+    const int64_t row = l * rows + slot;
+    std::fill_n(recurrent_.begin() + row * rec_slot_, rec_slot_, 0.0f);
+    if (!conv_f32_.empty()) std::fill_n(conv_f32_.begin() + row * conv_slot_, conv_slot_, 0.0f);
+    if (!conv_bf16_.empty()) std::fill_n(conv_bf16_.begin() + row * conv_slot_, conv_slot_, bf16_t{0});
+  }
+}
+
+void RecurrentStatePool::copy_slot(int32_t src, int32_t dst) {
+  check_slot(src, "RecurrentStatePool::copy_slot (src)");
+  check_slot(dst, "RecurrentStatePool::copy_slot (dst)");
+  if (src == dst)
+    throw std::invalid_argument("RecurrentStatePool::copy_slot: src and dst are both slot " + str(src));
+  const int64_t rows = cfg_.size + 1;
+  for (int64_t l = 0; l < num_layers(); ++l) {
+    const int64_t s = l * rows + src, d = l * rows + dst;
+    std::copy_n(recurrent_.begin() + s * rec_slot_, rec_slot_, recurrent_.begin() + d * rec_slot_);
+    if (!conv_f32_.empty())
+      std::copy_n(conv_f32_.begin() + s * conv_slot_, conv_slot_, conv_f32_.begin() + d * conv_slot_);
+    if (!conv_bf16_.empty()) {
+      std::copy_n(conv_bf16_.begin() + s * conv_slot_, conv_slot_, conv_bf16_.begin() + d * conv_slot_);
+    }
+  }
+}
+
+int RecurrentStatePool::layer_index(int layer_id) const {
+  for (size_t i = 0; i < cfg_.layer_ids.size(); ++i) {
+    if (cfg_.layer_ids[i] == layer_id) return static_cast<int>(i);
+  }
+  std::string ids;
+  for (const int id : cfg_.layer_ids) ids += (ids.empty() ? "" : ", ") + str(id);
+  throw std::invalid_argument("RecurrentStatePool: layer " + str(layer_id) +
+                              " has no recurrent state (KDA layer ids: " + ids + ")");
+}
+
+LinearRecurrentLayerCache RecurrentStatePool::get_linear_recurrent_layer_cache(int layer_id) {
+  const int64_t l = layer_index(layer_id);
+  const int64_t rows = cfg_.size + 1;
+  LinearRecurrentLayerCache c;
+  c.layer_id = layer_id;
+  c.recurrent = recurrent_.data() + l * rows * rec_slot_;
+  if (!conv_f32_.empty()) c.conv_f32 = conv_f32_.data() + l * rows * conv_slot_;
+  if (!conv_bf16_.empty()) c.conv_bf16 = conv_bf16_.data() + l * rows * conv_slot_;
+  c.num_slots = rows;
+  c.recurrent_slot_elems = rec_slot_;
+  c.conv_slot_elems = conv_slot_;
+  return c;
+}
+
+void RecurrentStatePool::set_linear_recurrent_layer_cache(int layer_id, std::span<const int32_t> slots,
+                                                          const float* recurrent, const float* conv) {
+  const int64_t l = layer_index(layer_id);
+  for (const int32_t s : slots) check_slot(s, "RecurrentStatePool::set_linear_recurrent_layer_cache");
+  check_unique(slots, "RecurrentStatePool::set_linear_recurrent_layer_cache: slot");
+  const int64_t rows = cfg_.size + 1;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t row = l * rows + slots[i];
+    if (recurrent) std::copy_n(recurrent + i * rec_slot_, rec_slot_, recurrent_.begin() + row * rec_slot_);
+    if (!conv) continue;
+    if (!conv_f32_.empty())
+      std::copy_n(conv + i * conv_slot_, conv_slot_, conv_f32_.begin() + row * conv_slot_);
+    if (!conv_bf16_.empty())
+      f32_to_bf16_array(conv + i * conv_slot_, conv_bf16_.data() + row * conv_slot_, conv_slot_);
+  }
+}
+
+void RecurrentStatePool::read_linear_recurrent_layer_cache(int layer_id, std::span<const int32_t> slots,
+                                                           float* recurrent, float* conv) const {
+  const int64_t l = layer_index(layer_id);
+  for (const int32_t s : slots) check_slot(s, "RecurrentStatePool::read_linear_recurrent_layer_cache");
+  const int64_t rows = cfg_.size + 1;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t row = l * rows + slots[i];
+    if (recurrent) std::copy_n(recurrent_.begin() + row * rec_slot_, rec_slot_, recurrent + i * rec_slot_);
+    if (!conv) continue;
+    if (!conv_f32_.empty())
+      std::copy_n(conv_f32_.begin() + row * conv_slot_, conv_slot_, conv + i * conv_slot_);
+    if (!conv_bf16_.empty())
+      bf16_to_f32_array(conv_bf16_.data() + row * conv_slot_, conv + i * conv_slot_, conv_slot_);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// HybridReqToTokenPool
+
+HybridReqToTokenPool::HybridReqToTokenPool(int64_t max_requests, RecurrentStatePool& recurrent_pool)
+    : max_requests_(max_requests), rec_(&recurrent_pool) {
+  if (max_requests <= 0) {
+    throw std::invalid_argument("HybridReqToTokenPool: max_requests must be > 0, got " + str(max_requests));
+  }
+  req_to_slot_.assign(max_requests, -1);
+  // Pushed high to low so that the first allocations hand out 0, 1, 2, ...
+  free_reqs_.reserve(max_requests);
+  for (int64_t r = max_requests - 1; r >= 0; --r) free_reqs_.push_back(static_cast<int32_t>(r));
+}
+
+std::vector<int32_t> HybridReqToTokenPool::alloc(int64_t n) {
+  if (n < 0) throw std::invalid_argument("HybridReqToTokenPool::alloc: n must be >= 0, got " + str(n));
+  if (n > available()) {
+    throw std::runtime_error("request pool exhausted: asked for " + str(n) + " requests, " +
+                             str(available()) + " of " + str(max_requests_) + " free");
+  }
+  // The request indices are checked above and the slot alloc is all or nothing itself, so either both
+  // pools hand out n or neither changes.
+  std::vector<int32_t> slots = rec_->alloc(n);
+  std::vector<int32_t> reqs;
+  reqs.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t r = free_reqs_.back();
+    free_reqs_.pop_back();
+    req_to_slot_[r] = slots[i];
+    reqs.push_back(r);
+  }
+  return reqs;
+}
+
+void HybridReqToTokenPool::free(std::span<const int32_t> req_pool_indices) {
+  for (const int32_t r : req_pool_indices) check_req(r);
+  check_unique(req_pool_indices, "HybridReqToTokenPool::free: request");
+  std::vector<int32_t> slots;
+  slots.reserve(req_pool_indices.size());
+  for (const int32_t r : req_pool_indices) slots.push_back(req_to_slot_[r]);
+  rec_->free(slots);  // validates the slots too; throws before anything here changes
+  for (auto it = req_pool_indices.rbegin(); it != req_pool_indices.rend(); ++it) {
+    req_to_slot_[*it] = -1;
+    free_reqs_.push_back(*it);
+  }
+}
+
+int32_t HybridReqToTokenPool::fork(int32_t parent_req_pool_index) {
+  check_req(parent_req_pool_index);
+  const int32_t child = alloc(1)[0];
+  rec_->copy_slot(req_to_slot_[parent_req_pool_index], req_to_slot_[child]);
+  return child;
+}
+
+std::vector<int32_t> HybridReqToTokenPool::get_recurrent_indices(
+    std::span<const int32_t> req_pool_indices) const {
+  std::vector<int32_t> out;
+  out.reserve(req_pool_indices.size());
+  for (const int32_t r : req_pool_indices) out.push_back(slot_of(r));
+  return out;
+}
+
+int32_t HybridReqToTokenPool::slot_of(int32_t req_pool_index) const {
+  if (req_pool_index == -1) return -1;
+  check_req(req_pool_index);
+  return req_to_slot_[req_pool_index];
+}
+
+void HybridReqToTokenPool::check_req(int32_t r) const {
+  if (r < 0 || r >= max_requests_) {
+    throw std::invalid_argument("HybridReqToTokenPool: request index " + str(r) + " is out of range [0, " +
+                                str(max_requests_) + ")");
+  }
+  if (req_to_slot_[r] < 0)
+    throw std::invalid_argument("HybridReqToTokenPool: request index " + str(r) + " is not allocated");
+}
+
+}  // namespace kda::mem_cache
