@@ -24,4 +24,11 @@ struct RunOptions {
 };
 int run_run(const RunOptions& o);
 
+struct BenchOptions {
+  int threads = 0;  // 0: OpenMP's default
+  bool json = false;
+  bool skip_naive = false;
+};
+int run_bench(const BenchOptions& o);
+
 }  // namespace kda::cli

@@ -32,10 +32,17 @@ int main(int argc, char** argv) {
   run->add_option("--kernel", ro.kernel, "auto | naive | optimized")
       ->check(CLI::IsMember({"auto", "naive", "optimized"}));
 
+  kda::cli::BenchOptions bo;
+  auto* bench = app.add_subcommand("bench", "kernels and layer against same-run GEMM / memcpy ceilings");
+  bench->add_option("--threads", bo.threads, "OpenMP threads (default: all)")->check(CLI::NonNegativeNumber);
+  bench->add_flag("--json", bo.json, "print the results as JSON");
+  bench->add_flag("--skip-naive", bo.skip_naive, "do not time the reference kernels");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (verify->parsed()) return kda::cli::run_verify(vo);
     if (run->parsed()) return kda::cli::run_run(ro);
+    if (bench->parsed()) return kda::cli::run_bench(bo);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kda: error: %s\n", e.what());
     return 2;

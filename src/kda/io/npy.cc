@@ -402,15 +402,17 @@ std::vector<uint8_t> serialize_npy(const NpyArray& a) {
   const bool v1 = h.size() <= std::numeric_limits<uint16_t>::max();
   if (!v1) h = padded(12);
 
-  std::vector<uint8_t> out;
-  out.reserve((v1 ? 10 : 12) + h.size() + a.bytes.size());
-  out.insert(out.end(), kMagic, kMagic + kMagicLen);
-  out.push_back(v1 ? 1 : 2);
-  out.push_back(0);
+  // Sized once and filled with memcpy (GCC 12 misreports vector::insert of a small array here).
+  const size_t prefix = v1 ? 10 : 12;
+  std::vector<uint8_t> out(prefix + h.size() + a.bytes.size());
+  std::memcpy(out.data(), kMagic, kMagicLen);
+  out[kMagicLen] = v1 ? 1 : 2;
+  out[kMagicLen + 1] = 0;
   const uint32_t len = static_cast<uint32_t>(h.size());
-  for (int i = 0; i < (v1 ? 2 : 4); ++i) out.push_back(static_cast<uint8_t>(len >> (8 * i)));
-  out.insert(out.end(), h.begin(), h.end());
-  out.insert(out.end(), a.bytes.begin(), a.bytes.end());
+  for (size_t i = 0; i < prefix - kMagicLen - 2; ++i)
+    out[kMagicLen + 2 + i] = static_cast<uint8_t>(len >> (8 * i));
+  std::memcpy(out.data() + prefix, h.data(), h.size());
+  if (!a.bytes.empty()) std::memcpy(out.data() + prefix + h.size(), a.bytes.data(), a.bytes.size());
   return out;
 }
 

@@ -1,0 +1,318 @@
+// kda bench: the kernels and the layer measured against ceilings taken in the same process (oneDNN
+// GEMM rates, memcpy bandwidth), so that results read as ratios on a shared, noisy machine.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kda/cli/commands.h"
+#include "kda/kernels/kda/kda.h"
+#include "kda/layers/attention/linear/kda_backend.h"
+#include "kda/layers/linear.h"
+#include "kda/mem_cache/memory_pool.h"
+#include "kda/models/kimi_linear.h"
+
+namespace kda::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Best wall time of fn over repetitions (at least min_reps, until min_seconds have passed).
+double best_seconds(const std::function<void()>& fn, int min_reps = 3, double min_seconds = 0.5) {
+  fn();  // warm-up: page faults, primitive creation, caches
+  double best = INFINITY, total = 0.0;
+  for (int r = 0; r < min_reps || total < min_seconds; ++r) {
+    const auto t0 = Clock::now();
+    fn();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    best = std::min(best, s);
+    total += s;
+    if (r > 200) break;
+  }
+  return best;
+}
+
+std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+double gemm_gflops(Precision p, int64_t M, int64_t N, int64_t K) {
+  layers::Linear lin(K, N, randn(static_cast<size_t>(N * K), 1, 0.02f), p);
+  auto x = randn(static_cast<size_t>(M * K), 2);
+  if (p == Precision::BF16) round_bf16_inplace(x.data(), x.size());
+  std::vector<float> y(static_cast<size_t>(M * N));
+  const double s = best_seconds([&] { lin.forward(x.data(), M, y.data()); });
+  return 2.0 * M * N * K / s / 1e9;
+}
+
+// Bytes read + written per second by memcpy over `bytes` (both directions counted, as the state
+// bandwidth of the recurrent kernel counts the state read and written once).
+double copy_gbps(size_t bytes) {
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  const int nt = omp_get_max_threads();
+  const double s = best_seconds(
+      [&] {
+#pragma omp parallel num_threads(nt)
+        {
+          const size_t part = (bytes + nt - 1) / nt;
+          const size_t lo = std::min(bytes, part * omp_get_thread_num());
+          const size_t hi = std::min(bytes, lo + part);
+          std::memcpy(b.data() + lo, a.data() + lo, hi - lo);
+        }
+      },
+      3, 1.0);
+  return 2.0 * bytes / s / 1e9;
+}
+
+struct KdaInputs {
+  std::vector<float> q, k, v, g, beta, o;
+  std::vector<int32_t> cu;
+};
+
+KdaInputs make_inputs(int64_t seqs, int64_t len, int H, int K) {
+  const int64_t T = seqs * len;
+  KdaInputs in;
+  in.q = randn(T * H * K, 3);
+  in.k = randn(T * H * K, 4);
+  in.v = randn(T * H * K, 5);
+  in.g = randn(T * H * K, 6);  // raw gate: the kernel applies A_log / dt_bias / softplus
+  in.beta.resize(T * H);
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> u(0.05f, 0.95f);
+  for (auto& b : in.beta) b = u(rng);
+  in.o.resize(T * H * K);
+  in.cu.resize(seqs + 1);
+  for (int64_t i = 0; i <= seqs; ++i) in.cu[i] = static_cast<int32_t>(i * len);
+  return in;
+}
+
+kernels::KdaArgs args_for(KdaInputs& in, int64_t T, int64_t N, int H, int K, const std::vector<float>& A_log,
+                          const std::vector<float>& dt_bias, float* state, const int32_t* idx,
+                          int64_t slots) {
+  kernels::KdaArgs a;
+  a.q = in.q.data();
+  a.k = in.k.data();
+  a.v = in.v.data();
+  a.g = in.g.data();
+  a.beta = in.beta.data();
+  a.T = T;
+  a.H = H;
+  a.K = K;
+  a.V = K;
+  a.cu_seqlens = in.cu.data();
+  a.N = N;
+  a.use_qk_l2norm_in_kernel = true;
+  a.use_gate_in_kernel = true;
+  a.A_log = A_log.data();
+  a.dt_bias = dt_bias.data();
+  a.state = state;
+  a.state_indices = idx;
+  a.num_state_slots = slots;
+  a.o = in.o.data();
+  return a;
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& o) {
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  const int threads = omp_get_max_threads();
+  const int H = 32, K = 128;
+  const int64_t D = 2304, P = H * K;
+  nlohmann::json j;
+  auto say = [&](const char* fmt, auto... args) {
+    if (!o.json) std::printf(fmt, args...);
+    std::fflush(stdout);
+  };
+  say("kda bench: %d threads\n", threads);
+
+  // Ceilings.
+  const double g32 = gemm_gflops(Precision::FP32, 1024, 4096, 2304);
+  const double g16 = gemm_gflops(Precision::BF16, 1024, 4096, 2304);
+  const double cp = copy_gbps(size_t{512} << 20);
+  j["threads"] = threads;
+  j["ceilings"] = {{"gemm_f32_gflops", g32}, {"gemm_bf16_gflops", g16}, {"copy_gbps", cp}};
+  say("\nceilings: oneDNN GEMM 1024x4096x2304 fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s; memcpy 512 MiB %.1f GB/s "
+      "(read + write)\n",
+      g32, g16, cp);
+
+  std::vector<float> A_log(H), dt_bias(P);
+  for (int h = 0; h < H; ++h) A_log[h] = std::log(1.0f + h * 0.4f);
+  for (auto& d : dt_bias) d = 0.1f;
+
+  // chunk_kda.
+  j["kernels"] = nlohmann::json::array();
+  say("\n%-22s %6s %8s %12s %10s %10s %16s\n", "kernel", "seqs", "tokens", "us/token", "GFLOP/s", "% GEMM",
+      "naive us/token");
+  for (auto [seqs, len] : {std::pair<int64_t, int64_t>{1, 4096}, {16, 256}}) {
+    const int64_t T = seqs * len;
+    auto in = make_inputs(seqs, len, H, K);
+    std::vector<float> state(static_cast<size_t>(seqs) * H * K * K, 0.0f);
+    std::vector<int32_t> idx(seqs);
+    std::iota(idx.begin(), idx.end(), 0);
+    auto a = args_for(in, T, seqs, H, K, A_log, dt_bias, state.data(), idx.data(), seqs);
+    a.has_initial_state = nullptr;
+    const double s = best_seconds([&] { kernels::chunk_kda(a, kernels::KernelImpl::Optimized); });
+    const double sn =
+        o.skip_naive ? NAN : best_seconds([&] { kernels::chunk_kda(a, kernels::KernelImpl::Naive); }, 1, 0.0);
+    const double flops = (6.0 * K * K + 3.0 * 64 * K + 64.0 * 64) * H * T;
+    const double gf = flops / s / 1e9;
+    j["kernels"].push_back({{"op", "chunk_kda"},
+                            {"seqs", seqs},
+                            {"tokens", T},
+                            {"us_per_token", s / T * 1e6},
+                            {"gflops", gf},
+                            {"naive_us_per_token", sn / T * 1e6}});
+    say("%-22s %6lld %8lld %12.2f %10.1f %9.0f%% %16.2f\n", "chunk_kda", static_cast<long long>(seqs),
+        static_cast<long long>(T), s / T * 1e6, gf, 100 * gf / g32, sn / T * 1e6);
+  }
+
+  // fused_recurrent_kda: states spread over a pool larger than the caches.
+  say("\n%-22s %6s %12s %10s %10s %16s\n", "kernel", "batch", "us/call", "GB/s", "% memcpy", "naive us/call");
+  const int64_t pool_slots = 256;  // 256 x 2 MiB = 512 MiB
+  std::vector<float> pool(static_cast<size_t>(pool_slots) * H * K * K, 0.01f);
+  for (int64_t B : {int64_t{1}, int64_t{64}}) {
+    auto in = make_inputs(B, 1, H, K);
+    std::vector<int32_t> idx(pool_slots);
+    std::iota(idx.begin(), idx.end(), 0);
+    std::shuffle(idx.begin(), idx.end(), std::mt19937_64(11));
+    idx.resize(B);
+    auto a = args_for(in, B, B, H, K, A_log, dt_bias, pool.data(), idx.data(), pool_slots);
+    // Rotate over disjoint slot sets so that no call finds its states in cache from the previous one.
+    std::vector<std::vector<int32_t>> sets;
+    for (int r = 0; r < 4; ++r) {
+      std::vector<int32_t> s(pool_slots);
+      std::iota(s.begin(), s.end(), 0);
+      std::shuffle(s.begin(), s.end(), std::mt19937_64(100 + r));
+      s.resize(B);
+      sets.push_back(s);
+    }
+    size_t which = 0;
+    auto call = [&](kernels::KernelImpl impl) {
+      a.state_indices = sets[which++ % sets.size()].data();
+      kernels::fused_recurrent_kda(a, impl);
+    };
+    const double s = best_seconds([&] { call(kernels::KernelImpl::Optimized); }, 20, 0.5);
+    const double sn = o.skip_naive ? NAN : best_seconds([&] { call(kernels::KernelImpl::Naive); }, 3, 0.2);
+    const double bytes = 2.0 * B * H * K * K * sizeof(float);
+    const double gbps = bytes / s / 1e9;
+    j["kernels"].push_back({{"op", "fused_recurrent_kda"},
+                            {"batch", B},
+                            {"us_per_call", s * 1e6},
+                            {"gbps", gbps},
+                            {"naive_us_per_call", sn * 1e6}});
+    say("%-22s %6lld %12.1f %10.1f %9.0f%% %16.1f\n", "fused_recurrent_kda", static_cast<long long>(B),
+        s * 1e6, gbps, 100 * gbps / cp, sn * 1e6);
+  }
+  pool.clear();
+  pool.shrink_to_fit();
+
+  // The full layer, fp32 and bf16.
+  io::KimiLinearConfig cfg;
+  cfg.hidden_size = D;
+  cfg.rms_norm_eps = 1e-5;
+  cfg.num_hidden_layers = 1;
+  cfg.num_heads = H;
+  cfg.head_dim = K;
+  cfg.short_conv_kernel_size = 4;
+  cfg.kda_layers = {1};
+  const auto w = models::KdaLayerWeights::synthetic(cfg, 1234);
+  j["layer"] = nlohmann::json::array();
+  say("\n%-6s %-7s %8s %14s %16s %8s %22s\n", "layer", "mode", "size", "time", "GEMMs alone", "ratio",
+      "state bytes/step");
+  for (Precision p : {Precision::FP32, Precision::BF16}) {
+    models::KimiDeltaAttention layer(cfg, 0, w, p);
+    layers::attention::linear::KDAAttnBackend backend;
+    const int64_t n_slots = 80;
+    mem_cache::RecurrentStatePoolConfig pc{.layer_ids = {0},
+                                           .size = n_slots,
+                                           .num_heads = H,
+                                           .head_k_dim = K,
+                                           .head_v_dim = K,
+                                           .conv_kernel = 4,
+                                           .conv_dim = 3 * P,
+                                           .conv_dtype = p};
+    mem_cache::MemoryPools pools(pc, n_slots);
+    // The same GEMMs the layer runs, alone.
+    layers::Linear proj(D, 3 * P + 2 * K + H, randn((3 * P + 2 * K + H) * D, 1, 0.02f), p);
+    layers::Linear fb(K, P, randn(P * K, 2, 0.02f), p), gb(K, P, randn(P * K, 3, 0.02f), p);
+    layers::Linear op(P, D, randn(D * P, 4, 0.02f), p);
+    std::vector<float> gx, gy, gf, gz;
+    auto gemms = [&](int64_t M) {
+      gx.resize(M * P);
+      gy.resize(M * (3 * P + 2 * K + H));
+      gf.resize(M * P);
+      gz.resize(M * D);
+      proj.forward(gx.data(), M, gy.data());
+      fb.forward(gy.data(), M, 3 * P + 2 * K + H, gf.data(), P);
+      gb.forward(gy.data(), M, 3 * P + 2 * K + H, gf.data(), P);
+      op.forward(gf.data(), M, gz.data());
+    };
+    // EXTEND of 4096 tokens (one new request).
+    {
+      const int64_t T = 4096;
+      const auto x = randn(T * D, 21);
+      std::vector<float> y(T * D);
+      const auto reqs = pools.req_to_token_pool.alloc(1);
+      const auto slots = pools.req_to_token_pool.get_recurrent_indices(reqs);
+      auto fbatch = model_executor::ForwardBatch::extend(reqs, {static_cast<int32_t>(T)}, {0});
+      fbatch.attn_backend = &backend;
+      backend.init_forward_metadata(fbatch, slots);
+      const double s = best_seconds(
+          [&] { layer.forward(x.data(), T, fbatch, pools.recurrent_state_pool, y.data()); }, 2, 1.0);
+      const double sg = best_seconds([&] { gemms(T); }, 2, 0.5);
+      pools.req_to_token_pool.free(reqs);
+      j["layer"].push_back({{"precision", to_string(p)},
+                            {"mode", "extend"},
+                            {"tokens", T},
+                            {"us_per_token", s / T * 1e6},
+                            {"gemm_us_per_token", sg / T * 1e6}});
+      say("%-6s %-7s %8lld %11.2f us/tok %13.2f us/tok %8.2f\n", to_string(p), "extend",
+          static_cast<long long>(T), s / T * 1e6, sg / T * 1e6, s / sg);
+    }
+    // DECODE step at batch 64.
+    {
+      const int64_t B = 64;
+      const auto x = randn(B * D, 22);
+      std::vector<float> y(B * D);
+      const auto reqs = pools.req_to_token_pool.alloc(B);
+      const auto slots = pools.req_to_token_pool.get_recurrent_indices(reqs);
+      auto fbatch = model_executor::ForwardBatch::decode(reqs);
+      fbatch.attn_backend = &backend;
+      backend.init_forward_metadata(fbatch, slots);
+      const double s = best_seconds(
+          [&] { layer.forward(x.data(), B, fbatch, pools.recurrent_state_pool, y.data()); }, 5, 0.5);
+      const double sg = best_seconds([&] { gemms(B); }, 5, 0.3);
+      const size_t conv_elem = p == Precision::BF16 ? 2 : 4;
+      const double state_bytes = 2.0 * B * (double(H) * K * K * 4 + 3.0 * P * 3 * conv_elem);
+      pools.req_to_token_pool.free(reqs);
+      j["layer"].push_back({{"precision", to_string(p)},
+                            {"mode", "decode"},
+                            {"batch", B},
+                            {"ms_per_step", s * 1e3},
+                            {"gemm_ms_per_step", sg * 1e3},
+                            {"state_bytes_per_step", state_bytes}});
+      const double bound = sg + state_bytes / (cp * 1e9);
+      say("%-6s %-7s %8lld %11.3f ms    %10.3f ms     %8.2f %22.0f  (vs GEMMs + state/memcpy: %.2f)\n",
+          to_string(p), "decode", static_cast<long long>(B), s * 1e3, sg * 1e3, s / sg, state_bytes,
+          s / bound);
+    }
+  }
+  if (o.json) std::printf("%s\n", j.dump(2).c_str());
+  return 0;
+}
+
+}  // namespace kda::cli

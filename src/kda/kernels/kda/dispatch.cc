@@ -1,0 +1,131 @@
+// Argument validation and the kernel dispatcher (RFC §4.2).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kda/kernels/kda/kda.h"
+
+namespace kda::kernels {
+namespace {
+
+[[noreturn]] void fail(const std::string& what) { throw std::invalid_argument("kda: " + what); }
+
+std::string str(int64_t x) { return std::to_string(x); }
+
+}  // namespace
+
+void validate_kda_args(const KdaArgs& a) {
+  if (a.H <= 0 || a.K <= 0 || a.V <= 0) {
+    fail("H, K and V must be positive (H=" + str(a.H) + ", K=" + str(a.K) + ", V=" + str(a.V) + ")");
+  }
+  if (a.T < 0) fail("T must be >= 0 (T=" + str(a.T) + ")");
+  if (a.N < 0) fail("N must be >= 0 (N=" + str(a.N) + ")");
+  if (!std::isfinite(a.scale)) fail("scale must be finite");
+
+  // Token tensors are only dereferenced when there are tokens.
+  if (a.T > 0) {
+    const std::pair<const void*, const char*> required[] = {{a.q, "q"}, {a.k, "k"},       {a.v, "v"},
+                                                            {a.g, "g"}, {a.beta, "beta"}, {a.o, "o"}};
+    for (const auto& [p, name] : required) {
+      if (p == nullptr) fail(std::string(name) + " is null with T=" + str(a.T) + " > 0");
+    }
+  }
+  if (a.use_gate_in_kernel && a.A_log == nullptr) fail("use_gate_in_kernel requires A_log");
+
+  if (a.cu_seqlens != nullptr) {
+    if (a.N < 1) fail("cu_seqlens needs N >= 1 (N=" + str(a.N) + ")");
+    const int32_t* cu = a.cu_seqlens;
+    if (cu[0] != 0) fail("cu_seqlens[0] must be 0 (got " + str(cu[0]) + ")");
+    for (int64_t i = 1; i <= a.N; ++i) {
+      if (cu[i] < cu[i - 1]) {
+        fail("non-monotonic cu_seqlens at index " + str(i) + ": " + str(cu[i - 1]) + " > " + str(cu[i]));
+      }
+    }
+    if (cu[a.N] != a.T)
+      fail("cu_seqlens[N] != T (cu_seqlens[" + str(a.N) + "]=" + str(cu[a.N]) + ", T=" + str(a.T) + ")");
+  } else if (a.N == 0) {
+    if (a.T != 0) fail("N=0 sequences but T=" + str(a.T) + " tokens");
+  } else if (a.T % a.N != 0) {
+    fail("T not divisible by N without cu_seqlens (T=" + str(a.T) + ", N=" + str(a.N) + ")");
+  }
+
+  // Slot indices. -1 (padded row) is always allowed; without a pool the other indices are never used,
+  // so they are not range-checked, but anything below -1 is a caller bug either way.
+  if (a.state_indices != nullptr) {
+    for (int64_t i = 0; i < a.N; ++i) {
+      const int32_t s = a.state_indices[i];
+      if (s < -1 || (a.state != nullptr && s >= a.num_state_slots)) {
+        fail("state index out of range: state_indices[" + str(i) + "]=" + str(s) + " not in [0, " +
+             str(a.num_state_slots) + ") and not -1");
+      }
+    }
+  }
+  if (a.state == nullptr) return;
+  if (a.num_state_slots < 0) fail("num_state_slots must be >= 0");
+  if (a.state_indices == nullptr) {
+    if (a.N > a.num_state_slots) {
+      fail("state index out of range: N=" + str(a.N) + " sequences map to slots 0..N-1 but the pool has " +
+           str(a.num_state_slots) + " slots");
+    }
+    return;
+  }
+  // Two sequences on one slot would race on (and double-update) the same state.
+  std::vector<std::pair<int32_t, int64_t>> used;
+  used.reserve(static_cast<size_t>(a.N));
+  for (int64_t i = 0; i < a.N; ++i) {
+    if (a.state_indices[i] >= 0) used.emplace_back(a.state_indices[i], i);
+  }
+  std::sort(used.begin(), used.end());
+  for (size_t j = 1; j < used.size(); ++j) {
+    if (used[j].first == used[j - 1].first) {
+      fail("duplicate state slot " + str(used[j].first) + " used by sequences " + str(used[j - 1].second) +
+           " and " + str(used[j].second));
+    }
+  }
+}
+
+KernelImpl parse_kernel_impl(std::string_view s) {
+  if (s == "auto") return KernelImpl::Auto;
+  if (s == "naive") return KernelImpl::Naive;
+  if (s == "optimized") return KernelImpl::Optimized;
+  throw std::invalid_argument("kda: unknown kernel implementation '" + std::string(s) +
+                              "' (expected auto, naive or optimized)");
+}
+
+const char* to_string(KernelImpl k) {
+  switch (k) {
+    case KernelImpl::Auto:
+      return "auto";
+    case KernelImpl::Naive:
+      return "naive";
+    case KernelImpl::Optimized:
+      return "optimized";
+  }
+  return "unknown";
+}
+
+// The optimized kernels take every valid shape (their loops run over any K and V), so Auto and Optimized
+// both pick them; the reference stays reachable through KernelImpl::Naive.
+void chunk_kda(const KdaArgs& a, KernelImpl impl) {
+  validate_kda_args(a);
+  if (impl == KernelImpl::Naive) {
+    chunk_kda_naive(a);
+  } else {
+    chunk_kda_opt(a);
+  }
+}
+
+void fused_recurrent_kda(const KdaArgs& a, KernelImpl impl) {
+  validate_kda_args(a);
+  if (impl == KernelImpl::Naive) {
+    fused_recurrent_kda_naive(a);
+  } else {
+    fused_recurrent_kda_opt(a);
+  }
+}
+
+}  // namespace kda::kernels

@@ -1,0 +1,619 @@
+// KDA kernels (chunk_kda / fused_recurrent_kda, naive and optimized) against a float64 per-token
+// recurrence written here from the spec (steps 3, 5, 6), plus the pool semantics and the dispatcher.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/kernels/kda/kda.h"
+#include "support/test_support.h"
+
+namespace kda::kernels {
+namespace {
+
+using ::kda::testing::max_error_ratio;
+using ::kda::testing::random_normal;
+using ::kda::testing::random_uniform;
+
+constexpr double kAtol = 1e-5;
+constexpr double kRtol = 1e-5;
+
+// ---------------------------------------------------------------------------------------------------
+// Worst error ratios seen per kernel, printed once at the end of the run.
+
+struct Worst {
+  double out = 0.0;
+  double state = 0.0;
+};
+Worst g_worst[4];
+const char* const kKernelNames[4] = {"chunk/naive", "chunk/opt", "recurrent/naive", "recurrent/opt"};
+
+class WorstEnvironment : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    for (int i = 0; i < 4; ++i) {
+      std::printf("[ worst    ] %-16s output %.3f  state %.3f  (of the 1e-5 + 1e-5|b| bound)\n",
+                  kKernelNames[i], g_worst[i].out, g_worst[i].state);
+    }
+  }
+};
+[[maybe_unused]] ::testing::Environment* const g_env =
+    ::testing::AddGlobalTestEnvironment(new WorstEnvironment);
+
+// ---------------------------------------------------------------------------------------------------
+// Problems.
+
+enum class GateKind { kRealistic, kStrong };
+
+struct Problem {
+  int64_t T = 0;
+  int H = 2, K = 64, V = 64;
+  std::vector<int32_t> cu;  // empty: no cu_seqlens (N equal segments)
+  int64_t N = 1;
+  std::vector<int32_t> idx;       // empty: sequence i <-> slot i
+  std::vector<uint8_t> has_init;  // empty: all true
+  int64_t slots = 0;              // 0: no pool
+  bool l2 = false, gate = false, out_final = true;
+  float scale = 0.0f;
+  std::vector<float> q, k, v, g, beta, A_log, dt_bias, pool;
+
+  KdaArgs args(float* o, float* state) const {
+    KdaArgs a;
+    a.q = q.data();
+    a.k = k.data();
+    a.v = v.data();
+    a.g = g.data();
+    a.beta = beta.data();
+    a.T = T;
+    a.H = H;
+    a.K = K;
+    a.V = V;
+    a.cu_seqlens = cu.empty() ? nullptr : cu.data();
+    a.N = N;
+    a.scale = scale;
+    a.use_qk_l2norm_in_kernel = l2;
+    a.use_gate_in_kernel = gate;
+    a.A_log = gate ? A_log.data() : nullptr;
+    a.dt_bias = gate && !dt_bias.empty() ? dt_bias.data() : nullptr;
+    a.state = state;
+    a.state_indices = idx.empty() ? nullptr : idx.data();
+    a.num_state_slots = slots;
+    a.has_initial_state = has_init.empty() ? nullptr : has_init.data();
+    a.output_final_state = out_final;
+    a.o = o;
+    return a;
+  }
+  size_t state_size() const { return static_cast<size_t>(slots) * H * K * V; }
+};
+
+// Fills the tensors of `p` (shape fields already set). q, k are either raw (l2norm in kernel) or l2
+// normalised here; g is the raw gate input f (gate in kernel) or a log-space decay.
+void fill(Problem& p, uint64_t seed, GateKind kind = GateKind::kRealistic) {
+  const size_t tk = static_cast<size_t>(p.T) * p.H * p.K;
+  p.q = random_normal(tk, seed + 1);
+  p.k = random_normal(tk, seed + 2);
+  p.v = random_normal(static_cast<size_t>(p.T) * p.H * p.V, seed + 3);
+  p.beta = random_uniform(static_cast<size_t>(p.T) * p.H, seed + 4, 0.01f, 0.99f);
+  if (!p.l2) {
+    for (size_t row = 0; row < tk; row += p.K) {
+      for (std::vector<float>* x : {&p.q, &p.k}) {
+        float ss = 0.0f;
+        for (int d = 0; d < p.K; ++d) ss += (*x)[row + d] * (*x)[row + d];
+        const float r = 1.0f / std::sqrt(ss);
+        for (int d = 0; d < p.K; ++d) (*x)[row + d] *= r;
+      }
+    }
+  }
+  std::mt19937_64 rng(seed + 5);
+  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+  std::normal_distribution<float> nrm(0.0f, 1.0f);
+  p.g.resize(tk);
+  if (p.gate) {
+    // Raw gate f; -exp(A_log) * softplus(f + dt_bias) then spans roughly -1e-4 .. -5 (realistic) or
+    // reaches -1e3 on the heads with a large A_log (strong).
+    p.A_log = random_uniform(p.H, seed + 6, -4.0f, 0.5f);
+    p.dt_bias = random_uniform(static_cast<size_t>(p.H) * p.K, seed + 7, -3.0f, 1.0f);
+    for (auto& x : p.g) x = nrm(rng);
+    if (kind == GateKind::kStrong) {
+      for (int h = 0; h < p.H; h += 2) p.A_log[h] = 6.0f;  // exp = 403
+      for (auto& x : p.g) x = uni(rng) < 0.2f ? 2.0f + 2.0f * uni(rng) : -6.0f + nrm(rng);
+    }
+  } else if (kind == GateKind::kRealistic) {
+    // g = -exp(u) * softplus(z): a mix of slow (-1e-4) and fast (-3) channels.
+    for (auto& x : p.g) {
+      const float z = nrm(rng) - 1.0f;
+      x = -std::exp(-6.0f + 6.5f * uni(rng)) * std::log1p(std::exp(z));
+    }
+  } else {
+    // Forget spikes: every third channel takes g in [-1000, -100] on 30% of the tokens, the rest decays
+    // slowly, so small differences after a spike carry the result.
+    for (size_t i = 0; i < tk; ++i) {
+      const int d = static_cast<int>(i % p.K);
+      p.g[i] = (d % 3 == 0 && uni(rng) < 0.3f) ? -100.0f - 900.0f * uni(rng) : -0.1f * uni(rng);
+    }
+  }
+  if (p.slots > 0) p.pool = random_normal(p.state_size(), seed + 8, 0.3f);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Float64 ground truth: the per-token recurrence, with the pool semantics of kda.h.
+
+struct Reference {
+  std::vector<float> o;
+  std::vector<float> pool;
+};
+
+Reference reference(const Problem& p) {
+  const int H = p.H, K = p.K, V = p.V;
+  const double scale = p.scale > 0.0f ? p.scale : 1.0 / std::sqrt(static_cast<double>(K));
+  Reference ref;
+  ref.o.assign(static_cast<size_t>(p.T) * H * V, 0.0f);
+  ref.pool = p.pool;
+  std::vector<double> S(static_cast<size_t>(K) * V), q(K), k(K), g(K), u(V);
+  for (int64_t i = 0; i < p.N; ++i) {
+    const int64_t bos = p.cu.empty() ? i * (p.T / p.N) : p.cu[i];
+    const int64_t eos = p.cu.empty() ? (i + 1) * (p.T / p.N) : p.cu[i + 1];
+    const int64_t slot = p.idx.empty() ? i : p.idx[i];
+    if (slot < 0) continue;  // padded row: zero output (already), nothing read or written
+    const bool init = p.slots > 0 && (p.has_init.empty() || p.has_init[i] != 0);
+    for (int h = 0; h < H; ++h) {
+      const size_t base = ((slot * H) + h) * static_cast<size_t>(K) * V;
+      for (size_t x = 0; x < S.size(); ++x) S[x] = init ? p.pool[base + x] : 0.0;
+      for (int64_t t = bos; t < eos; ++t) {
+        const size_t off = (t * H + h) * static_cast<size_t>(K);
+        double sq = 0.0, sk = 0.0;
+        for (int d = 0; d < K; ++d) {
+          q[d] = p.q[off + d];
+          k[d] = p.k[off + d];
+          sq += q[d] * q[d];
+          sk += k[d] * k[d];
+        }
+        if (p.l2) {
+          for (int d = 0; d < K; ++d) {
+            q[d] /= std::sqrt(sq + 1e-6);
+            k[d] /= std::sqrt(sk + 1e-6);
+          }
+        }
+        for (int d = 0; d < K; ++d) {
+          if (p.gate) {
+            const double z =
+                static_cast<double>(p.g[off + d]) + (p.dt_bias.empty() ? 0.0 : p.dt_bias[h * K + d]);
+            const double sp = z > 20.0 ? z : std::log1p(std::exp(z));
+            g[d] = -std::exp(static_cast<double>(p.A_log[h])) * sp;
+          } else {
+            g[d] = p.g[off + d];
+          }
+        }
+        const double b = p.beta[t * H + h];
+        const float* vt = p.v.data() + (t * H + h) * V;
+        for (int d = 0; d < K; ++d) {
+          const double e = std::exp(g[d]);
+          for (int x = 0; x < V; ++x) S[d * V + x] *= e;
+        }
+        for (int x = 0; x < V; ++x) {
+          double acc = 0.0;
+          for (int d = 0; d < K; ++d) acc += S[d * V + x] * k[d];
+          u[x] = vt[x] - acc;
+        }
+        for (int d = 0; d < K; ++d) {
+          for (int x = 0; x < V; ++x) S[d * V + x] += b * k[d] * u[x];
+        }
+        for (int x = 0; x < V; ++x) {
+          double acc = 0.0;
+          for (int d = 0; d < K; ++d) acc += S[d * V + x] * q[d];
+          ref.o[(t * H + h) * V + x] = static_cast<float>(scale * acc);
+        }
+      }
+      if (p.slots > 0 && p.out_final) {
+        for (size_t x = 0; x < S.size(); ++x) ref.pool[base + x] = static_cast<float>(S[x]);
+      }
+    }
+  }
+  return ref;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Runs the four kernels through the dispatcher and checks each against the reference: outputs and
+// final states within tolerance, padded rows exactly zero, slots not written bit-for-bit unchanged.
+
+bool all_finite(const std::vector<float>& x) {
+  return std::all_of(x.begin(), x.end(), [](float f) { return std::isfinite(f); });
+}
+
+void check_all_kernels(const Problem& p, const std::string& label) {
+  SCOPED_TRACE(label);
+  const Reference ref = reference(p);
+  const size_t n_o = static_cast<size_t>(p.T) * p.H * p.V;
+  const size_t slot_size = static_cast<size_t>(p.H) * p.K * p.V;
+
+  std::vector<bool> written(p.slots, false);
+  if (p.out_final) {
+    for (int64_t i = 0; i < p.N && p.slots > 0; ++i) {
+      const int64_t s = p.idx.empty() ? i : p.idx[i];
+      if (s >= 0) written[s] = true;
+    }
+  }
+
+  using Fn = std::function<void(const KdaArgs&)>;
+  const Fn kernels[4] = {
+      [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Naive); },
+      [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Optimized); },
+      [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Naive); },
+      [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Optimized); },
+  };
+  std::string line = label + ":";
+  for (int kk = 0; kk < 4; ++kk) {
+    SCOPED_TRACE(kKernelNames[kk]);
+    std::vector<float> o(n_o, 7.0f);  // garbage: every row must be written
+    std::vector<float> pool = p.pool;
+    kernels[kk](p.args(o.data(), pool.empty() ? nullptr : pool.data()));
+
+    EXPECT_TRUE(all_finite(o));
+    const double eo = max_error_ratio(o.data(), ref.o.data(), n_o, kAtol, kRtol);
+    EXPECT_LE(eo, 1.0) << "output";
+    const double es =
+        pool.empty() ? 0.0 : max_error_ratio(pool.data(), ref.pool.data(), pool.size(), kAtol, kRtol);
+    EXPECT_LE(es, 1.0) << "final state";
+    EXPECT_TRUE(all_finite(pool));
+    g_worst[kk].out = std::max(g_worst[kk].out, eo);
+    g_worst[kk].state = std::max(g_worst[kk].state, es);
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " %s %.3f/%.3f", kKernelNames[kk], eo, es);
+    line += buf;
+
+    for (int64_t s = 0; s < p.slots; ++s) {
+      if (written[s]) continue;
+      EXPECT_EQ(0, std::memcmp(pool.data() + s * slot_size, p.pool.data() + s * slot_size,
+                               slot_size * sizeof(float)))
+          << "slot " << s << " is not named by any sequence (or not kept) and must stay untouched";
+    }
+    for (int64_t i = 0; i < p.N && !p.idx.empty(); ++i) {
+      if (p.idx[i] >= 0) continue;
+      const int64_t bos = p.cu.empty() ? i * (p.T / p.N) : p.cu[i];
+      const int64_t eos = p.cu.empty() ? (i + 1) * (p.T / p.N) : p.cu[i + 1];
+      for (size_t x = bos * p.H * p.V; x < static_cast<size_t>(eos) * p.H * p.V; ++x) {
+        ASSERT_EQ(o[x], 0.0f) << "padded sequence " << i << " output element " << x;
+      }
+    }
+  }
+  std::printf("[ error    ] %s\n", line.c_str());
+}
+
+std::string flags_label(bool l2, bool gate) {
+  return std::string(l2 ? "l2norm" : "prenorm") + (gate ? "+gate" : "+g");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Correctness.
+
+TEST(KdaKernels, SingleSequenceLengths) {
+  for (int64_t T : {0, 1, 63, 64, 65, 1000}) {
+    for (int f = 0; f < 4; ++f) {
+      Problem p;
+      p.T = T;
+      p.H = 2;
+      p.K = 64;
+      p.V = 48;
+      p.slots = 1;
+      p.l2 = f & 1;
+      p.gate = f & 2;
+      fill(p, 100 + T * 4 + f);
+      check_all_kernels(p, "T=" + std::to_string(T) + " " + flags_label(p.l2, p.gate));
+    }
+  }
+}
+
+TEST(KdaKernels, VarlenPoolSlotsAndPadding) {
+  for (int f = 0; f < 4; ++f) {
+    Problem p;
+    p.cu = {0, 0, 1, 1, 66, 130, 131, 300};
+    p.N = 7;
+    p.T = 300;
+    p.H = 3;
+    p.K = 32;
+    p.V = 64;
+    // Slots out of order, a padded 1-token row (-1), two zero-length rows (slot 3 keeps its state;
+    // slot 1 has no initial state, so its final state is zero), slots 2, 4 and 7 never named.
+    p.idx = {3, -1, 1, 5, 0, 6, 8};
+    p.has_init = {1, 1, 0, 1, 1, 0, 1};
+    p.slots = 9;
+    p.l2 = f & 1;
+    p.gate = f & 2;
+    fill(p, 200 + f);
+    check_all_kernels(p, "varlen " + flags_label(p.l2, p.gate));
+  }
+}
+
+TEST(KdaKernels, NoFinalStateLeavesPoolUntouched) {
+  Problem p;
+  p.cu = {0, 70, 71, 200};
+  p.N = 3;
+  p.T = 200;
+  p.idx = {2, 0, 1};
+  p.slots = 3;
+  p.out_final = false;
+  p.l2 = true;
+  fill(p, 300);
+  check_all_kernels(p, "output_final_state=false");
+}
+
+TEST(KdaKernels, NoPool) {
+  Problem p;
+  p.T = 130;
+  p.N = 2;  // two sequences of 65 without cu_seqlens
+  p.idx = {0, -1};
+  p.gate = true;
+  p.scale = 0.25f;
+  fill(p, 400);
+  check_all_kernels(p, "no pool, explicit scale");
+}
+
+TEST(KdaKernels, OddHeadSizes) {
+  for (auto [K, V] : {std::pair{40, 24}, std::pair{17, 5}, std::pair{128, 80}}) {
+    Problem p;
+    p.cu = {0, 1, 100, 170};
+    p.N = 3;
+    p.T = 170;
+    p.H = 2;
+    p.K = K;
+    p.V = V;
+    p.slots = 4;
+    p.idx = {1, 3, 0};
+    p.l2 = true;
+    p.gate = true;
+    fill(p, 500 + K);
+    check_all_kernels(p, "K=" + std::to_string(K) + " V=" + std::to_string(V));
+  }
+}
+
+TEST(KdaKernels, Decode) {
+  // N sequences of one token each (T == N, no cu_seqlens), slots permuted, one padded row.
+  Problem p;
+  p.T = 8;
+  p.N = 8;
+  p.H = 4;
+  p.K = 128;
+  p.V = 128;
+  p.slots = 10;
+  p.idx = {9, 0, -1, 4, 2, 7, 1, 5};
+  p.has_init = {1, 1, 1, 0, 1, 1, 1, 1};
+  p.l2 = true;
+  p.gate = true;
+  fill(p, 600);
+  check_all_kernels(p, "decode");
+}
+
+TEST(KdaKernels, StrongGates) {
+  for (int f = 0; f < 4; ++f) {
+    Problem p;
+    p.cu = {0, 37, 300};
+    p.N = 2;
+    p.T = 300;
+    p.H = 2;
+    p.K = 64;
+    p.V = 64;
+    p.slots = 2;
+    p.l2 = f & 1;
+    p.gate = f & 2;
+    fill(p, 700 + f, GateKind::kStrong);
+    check_all_kernels(p, "strong gates " + flags_label(p.l2, p.gate));
+  }
+}
+
+TEST(KdaKernels, KimiLinearShape) {
+  Problem p;
+  p.cu = {0, 100, 256};
+  p.N = 2;
+  p.T = 256;
+  p.H = 32;
+  p.K = 128;
+  p.V = 128;
+  p.slots = 3;
+  p.idx = {2, 0};
+  p.l2 = true;
+  p.gate = true;
+  fill(p, 800);
+  check_all_kernels(p, "H=32 K=V=128 T=256");
+}
+
+TEST(KdaKernels, PrefillThenDecodeMatchesOnePrefill) {
+  // 100 tokens by chunk_kda then 5 tokens one by one by fused_recurrent_kda, against 105 at once.
+  Problem p;
+  p.T = 105;
+  p.H = 2;
+  p.K = 64;
+  p.V = 64;
+  p.slots = 1;
+  p.l2 = true;
+  p.gate = true;
+  fill(p, 900);
+  const Reference ref = reference(p);
+
+  std::vector<float> pool = p.pool, o(static_cast<size_t>(p.T) * p.H * p.V, 7.0f);
+  Problem pre = p;
+  pre.T = 100;
+  chunk_kda(pre.args(o.data(), pool.data()));
+  for (int64_t t = 100; t < 105; ++t) {
+    const size_t ok = t * p.H * p.K, ov = t * p.H * p.V;
+    KdaArgs a = p.args(o.data() + ov, pool.data());
+    a.q += ok;
+    a.k += ok;
+    a.g += ok;
+    a.v += ov;
+    a.beta += t * p.H;
+    a.T = 1;
+    fused_recurrent_kda(a);
+  }
+  EXPECT_LE(max_error_ratio(o.data(), ref.o.data(), o.size(), kAtol, kRtol), 1.0);
+  EXPECT_LE(max_error_ratio(pool.data(), ref.pool.data(), pool.size(), kAtol, kRtol), 1.0);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Dispatcher.
+
+TEST(KdaDispatch, ParseAndPrint) {
+  for (KernelImpl k : {KernelImpl::Auto, KernelImpl::Naive, KernelImpl::Optimized}) {
+    EXPECT_EQ(parse_kernel_impl(to_string(k)), k);
+  }
+  EXPECT_THROW(parse_kernel_impl("fast"), std::invalid_argument);
+}
+
+TEST(KdaDispatch, SelectsTheRequestedKernel) {
+  Problem p;
+  p.T = 130;
+  p.slots = 1;
+  p.l2 = true;
+  p.gate = true;
+  fill(p, 1000);
+  const size_t n_o = static_cast<size_t>(p.T) * p.H * p.V;
+  auto run = [&](const std::function<void(const KdaArgs&)>& fn) {
+    std::vector<float> o(n_o), pool = p.pool;
+    fn(p.args(o.data(), pool.data()));
+    o.insert(o.end(), pool.begin(), pool.end());
+    return o;
+  };
+  const auto naive = run(chunk_kda_naive);
+  const auto opt = run(chunk_kda_opt);
+  ASSERT_NE(naive, opt);  // the two kernels round differently, so bitwise equality identifies them
+  EXPECT_EQ(run([](const KdaArgs& a) { chunk_kda(a, KernelImpl::Naive); }), naive);
+  EXPECT_EQ(run([](const KdaArgs& a) { chunk_kda(a, KernelImpl::Optimized); }), opt);
+  EXPECT_EQ(run([](const KdaArgs& a) { chunk_kda(a); }), opt);
+
+  const auto rnaive = run(fused_recurrent_kda_naive);
+  const auto ropt = run(fused_recurrent_kda_opt);
+  ASSERT_NE(rnaive, ropt);
+  EXPECT_EQ(run([](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Naive); }), rnaive);
+  EXPECT_EQ(run([](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Optimized); }), ropt);
+  EXPECT_EQ(run([](const KdaArgs& a) { fused_recurrent_kda(a); }), ropt);
+}
+
+// Each malformed call must throw std::invalid_argument whose message contains `what`, through both
+// dispatchers and every implementation, before touching the pool or the output.
+void expect_rejected(const Problem& p, const std::string& what,
+                     const std::function<void(KdaArgs&)>& edit = {}) {
+  SCOPED_TRACE(what);
+  const size_t n_o = static_cast<size_t>(p.T) * p.H * p.V;
+  for (KernelImpl impl : {KernelImpl::Auto, KernelImpl::Naive, KernelImpl::Optimized}) {
+    for (bool chunk : {true, false}) {
+      std::vector<float> o(n_o, 7.0f), pool = p.pool;
+      KdaArgs a = p.args(o.data(), pool.empty() ? nullptr : pool.data());
+      if (edit) edit(a);
+      try {
+        chunk ? chunk_kda(a, impl) : fused_recurrent_kda(a, impl);
+        ADD_FAILURE() << "no exception";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << "message: " << e.what();
+      }
+      EXPECT_EQ(pool, p.pool) << "the pool changed";
+      EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 7.0f; })) << "the output changed";
+    }
+  }
+}
+
+TEST(KdaDispatch, ValidationErrors) {
+  Problem base;
+  base.cu = {0, 10, 30, 40};
+  base.N = 3;
+  base.T = 40;
+  base.H = 2;
+  base.K = 16;
+  base.V = 16;
+  base.slots = 4;
+  base.idx = {0, 2, 3};
+  fill(base, 1100);
+
+  {
+    Problem p = base;
+    p.cu = {0, 30, 10, 40};
+    expect_rejected(p, "non-monotonic cu_seqlens at index 2: 30 > 10");
+  }
+  {
+    Problem p = base;
+    p.cu = {0, 10, 30, 39};
+    expect_rejected(p, "cu_seqlens[N] != T");
+  }
+  {
+    Problem p = base;
+    p.cu = {1, 10, 30, 40};
+    expect_rejected(p, "cu_seqlens[0] must be 0");
+  }
+  {
+    Problem p = base;
+    p.idx = {0, 4, 3};
+    expect_rejected(p, "state index out of range");
+    p.idx = {0, -2, 3};
+    expect_rejected(p, "state index out of range");
+  }
+  {
+    Problem p = base;
+    p.idx = {3, 2, 3};
+    expect_rejected(p, "duplicate state slot 3 used by sequences 0 and 2");
+  }
+  {
+    Problem p = base;
+    p.cu.clear();
+    p.N = 3;
+    p.T = 40;
+    expect_rejected(p, "T not divisible by N");
+  }
+  expect_rejected(base, "use_gate_in_kernel requires A_log", [](KdaArgs& a) {
+    a.use_gate_in_kernel = true;
+    a.A_log = nullptr;
+  });
+  expect_rejected(base, "q is null", [](KdaArgs& a) { a.q = nullptr; });
+  expect_rejected(base, "H, K and V must be positive", [](KdaArgs& a) { a.K = 0; });
+  expect_rejected(base, "T must be >= 0", [](KdaArgs& a) { a.T = -1; });
+  expect_rejected(base, "state index out of range", [](KdaArgs& a) {
+    a.state_indices = nullptr;  // sequences 0..2 on a 2-slot pool
+    a.num_state_slots = 2;
+  });
+
+  // Accepted: a padded row may share nothing; -1 twice is fine; no pool with any indices.
+  Problem ok = base;
+  ok.idx = {-1, 1, -1};
+  std::vector<float> o(static_cast<size_t>(ok.T) * ok.H * ok.V), pool = ok.pool;
+  EXPECT_NO_THROW(chunk_kda(ok.args(o.data(), pool.data())));
+  EXPECT_NO_THROW(fused_recurrent_kda(ok.args(o.data(), nullptr)));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Timing (not run by default): ./test_kernels --gtest_also_run_disabled_tests --gtest_filter='*Timing*'
+
+TEST(KdaKernels, DISABLED_TimingKimiShapeT4096) {
+  Problem p;
+  p.T = 4096;
+  p.H = 32;
+  p.K = 128;
+  p.V = 128;
+  p.slots = 1;
+  p.l2 = true;
+  p.gate = true;
+  fill(p, 1200);
+  std::vector<float> o(static_cast<size_t>(p.T) * p.H * p.V);
+  auto time = [&](const char* name, const std::function<void(const KdaArgs&)>& fn, int reps) {
+    double best = 1e30;
+    for (int r = 0; r < reps; ++r) {
+      std::vector<float> pool = p.pool;
+      const auto t0 = std::chrono::steady_clock::now();
+      fn(p.args(o.data(), pool.data()));
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::printf("[ timing   ] %-16s %8.3f s  (%.1f GFLOP/s at 6K^2+3CK+C^2 per head-token)\n", name, best,
+                p.T * p.H * (6.0 * p.K * p.K + 3.0 * 64 * p.K + 64.0 * 64) / best * 1e-9);
+  };
+  time("chunk/naive", chunk_kda_naive, 1);
+  time("chunk/opt", chunk_kda_opt, 5);
+  time("recurrent/naive", fused_recurrent_kda_naive, 1);
+  time("recurrent/opt", fused_recurrent_kda_opt, 3);
+}
+
+}  // namespace
+}  // namespace kda::kernels
