@@ -29,6 +29,12 @@ struct KdaArgs {
   int H = 0;
   int K = 0;
   int V = 0;
+  // Elements between consecutive tokens' rows, so q/k/v can be column slices of one [T, 3P] conv output
+  // and g a slice of a wider projection output. 0 means dense: H*K for q, k and g, H*V for v.
+  int64_t q_stride = 0;
+  int64_t k_stride = 0;
+  int64_t v_stride = 0;
+  int64_t g_stride = 0;
 
   // Sequence boundaries [N+1], int32, cu_seqlens[0] == 0, non-decreasing, cu_seqlens[N] == T.
   // Null means N sequences of T / N tokens each (N == 1: one sequence; decode: N sequences of 1).
