@@ -4,6 +4,7 @@ set -euo pipefail
 PKGS=(build-essential cmake ninja-build pkg-config git
       libdnnl-dev nlohmann-json3-dev libzip-dev libcli11-dev
       libgtest-dev libgmock-dev libbenchmark-dev
+      libopenmpi-dev openmpi-bin
       pre-commit clang-format cppcheck)
 missing=()
 for p in "${PKGS[@]}"; do

@@ -10,6 +10,7 @@ struct VerifyOptions {
   std::string precision = "all";  // fp32 | bf16 | all
   std::string kernel = "auto";
   bool json = false;
+  int tp = 1;  // tensor-parallel ranks (under mpirun -np tp)
 };
 int run_verify(const VerifyOptions& o);
 
@@ -21,6 +22,7 @@ struct RunOptions {
   std::string precision = "fp32";
   int decode_tail = 0;
   std::string kernel = "auto";
+  int tp = 1;  // tensor-parallel ranks (under mpirun -np tp)
 };
 int run_run(const RunOptions& o);
 

@@ -4,6 +4,7 @@
 #include <exception>
 
 #include "kda/cli/commands.h"
+#include "kda/distributed/mpi_communicator.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"kda: Kimi Delta Attention inference component (CPU)"};
@@ -18,6 +19,7 @@ int main(int argc, char** argv) {
   verify->add_option("--kernel", vo.kernel, "auto | naive | optimized")
       ->check(CLI::IsMember({"auto", "naive", "optimized"}));
   verify->add_flag("--json", vo.json, "print the results as JSON");
+  verify->add_option("--tp", vo.tp, "tensor-parallel ranks (start with mpirun -np N)")->check(CLI::PositiveNumber);
 
   kda::cli::RunOptions ro;
   auto* run = app.add_subcommand("run", "run one KDA layer of a checkpoint on a case");
@@ -29,6 +31,7 @@ int main(int argc, char** argv) {
   run->add_option("--precision", ro.precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
   run->add_option("--decode-tail", ro.decode_tail, "run each sequence's last K tokens as DECODE steps")
       ->check(CLI::NonNegativeNumber);
+  run->add_option("--tp", ro.tp, "tensor-parallel ranks (start with mpirun -np N)")->check(CLI::PositiveNumber);
   run->add_option("--kernel", ro.kernel, "auto | naive | optimized")
       ->check(CLI::IsMember({"auto", "naive", "optimized"}));
 
@@ -45,6 +48,7 @@ int main(int argc, char** argv) {
     if (bench->parsed()) return kda::cli::run_bench(bo);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kda: error: %s\n", e.what());
+    kda::distributed::abort_other_ranks(2);
     return 2;
   }
   return 1;

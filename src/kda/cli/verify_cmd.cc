@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kda/cli/commands.h"
+#include "kda/distributed/parallel.h"
 #include "kda/io/config.h"
 #include "kda/io/safetensors.h"
 #include "kda/runtime/verify.h"
@@ -20,13 +21,20 @@ int run_verify(const VerifyOptions& o) {
   if (cases.empty()) throw std::runtime_error("no case files (*.npz) in " + o.dumps);
   const auto layer_ids = cfg.kda_layer_ids();
   if (layer_ids.empty()) throw std::runtime_error(o.dumps + "/config.json lists no KDA layer");
+  models::check_tensor_parallel(cfg, o.tp);
+  // Under --tp every rank runs its shard; rank 0 reports (all ranks hold the whole results).
+  auto par = distributed::make_parallel_context(o.tp, 1);
+  // The other ranks hold the same results: only rank 0 prints.
+  if (!par.is_root() && !std::freopen("/dev/null", "w", stdout))
+    throw std::runtime_error("cannot silence stdout");
 
   nlohmann::json jcases = nlohmann::json::array();
   nlohmann::json worst = nlohmann::json::object();
   bool all_ok = true;
   int failed = 0, total = 0;
   for (Precision p : precisions) {
-    auto layer = models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, layer_ids.front(), p);
+    auto layer =
+        models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, layer_ids.front(), p, par.tensor_parallel());
     double worst_ratio = 0.0;  // worst value/limit over every check of this precision
     for (const auto& file : cases) {
       const auto rep = runtime::verify_case(*layer, cfg, file, kernel);

@@ -313,22 +313,50 @@ uint16_t load_u16(const uint8_t* p) {
 
 }  // namespace
 
+namespace {
+
+// Converts n consecutive elements starting at element `first` of a mapped tensor into fp32.
+void convert_f32(const TensorView& v, size_t first, size_t n, float* out) {
+  switch (v.dtype) {
+    case StDType::F32:
+      if (n) std::memcpy(out, v.data + 4 * first, n * sizeof(float));
+      break;
+    case StDType::BF16:
+      for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load_u16(v.data + 2 * (first + i)));
+      break;
+    case StDType::F16:
+      for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(load_u16(v.data + 2 * (first + i)));
+      break;
+  }
+}
+
+}  // namespace
+
 std::vector<float> Checkpoint::load_f32(const std::string& name,
                                         const std::vector<int64_t>& expected_shape) const {
   const TensorView& v = check_shape(get(name), expected_shape);
-  const size_t n = static_cast<size_t>(v.numel());
-  std::vector<float> out(n);
-  switch (v.dtype) {
-    case StDType::F32:
-      if (n) std::memcpy(out.data(), v.data, n * sizeof(float));
-      break;
-    case StDType::BF16:
-      for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load_u16(v.data + 2 * i));
-      break;
-    case StDType::F16:
-      for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(load_u16(v.data + 2 * i));
-      break;
-  }
+  std::vector<float> out(static_cast<size_t>(v.numel()));
+  convert_f32(v, 0, out.size(), out.data());
+  return out;
+}
+
+std::vector<float> Checkpoint::load_f32_slice(const std::string& name,
+                                              const std::vector<int64_t>& expected_shape, int dim,
+                                              int64_t begin, int64_t end) const {
+  const TensorView& v = check_shape(get(name), expected_shape);
+  if (dim < 0 || dim >= static_cast<int>(v.shape.size()) || begin < 0 || end < begin || end > v.shape[dim])
+    throw std::runtime_error("tensor '" + name + "' of shape " + shape_str(v.shape) + ": cannot take [" +
+                             std::to_string(begin) + ", " + std::to_string(end) + ") of dimension " +
+                             std::to_string(dim));
+  // [outer, shape[dim], inner] -> [outer, end - begin, inner]: only the slice is read from the mapping.
+  size_t outer = 1, inner = 1;
+  for (int d = 0; d < dim; ++d) outer *= static_cast<size_t>(v.shape[d]);
+  for (size_t d = dim + 1; d < v.shape.size(); ++d) inner *= static_cast<size_t>(v.shape[d]);
+  const size_t run = static_cast<size_t>(end - begin) * inner,
+               extent = static_cast<size_t>(v.shape[dim]) * inner;
+  std::vector<float> out(outer * run);
+  for (size_t o = 0; o < outer; ++o)
+    convert_f32(v, o * extent + static_cast<size_t>(begin) * inner, run, out.data() + o * run);
   return out;
 }
 

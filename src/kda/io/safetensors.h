@@ -76,6 +76,10 @@ class Checkpoint {
   // Converting loads (F32/BF16/F16 -> fp32 or bf16). `expected_shape` must match exactly, else a
   // std::runtime_error names the tensor, its shape and the expected one.
   std::vector<float> load_f32(const std::string& name, const std::vector<int64_t>& expected_shape) const;
+  // The slice [begin, end) of dimension `dim` (after checking the full shape), converted to fp32;
+  // only the slice's bytes are read from the mapping (tensor-parallel ranks load their shards).
+  std::vector<float> load_f32_slice(const std::string& name, const std::vector<int64_t>& expected_shape,
+                                    int dim, int64_t begin, int64_t end) const;
   std::vector<bf16_t> load_bf16(const std::string& name, const std::vector<int64_t>& expected_shape) const;
 
   const std::filesystem::path& root() const { return root_; }

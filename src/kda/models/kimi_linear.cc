@@ -1,5 +1,6 @@
 #include "kda/models/kimi_linear.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -40,8 +41,16 @@ void check_size(const std::vector<float>& v, size_t n, const char* name) {
 
 }  // namespace
 
+void check_tensor_parallel(const io::KimiLinearConfig& cfg, int tp_size) {
+  if (tp_size < 1) throw std::invalid_argument("--tp must be >= 1, got " + std::to_string(tp_size));
+  if (cfg.num_heads % tp_size != 0)
+    throw std::invalid_argument("tensor parallelism over " + std::to_string(tp_size) +
+                                " ranks cannot split " + std::to_string(cfg.num_heads) +
+                                " heads evenly (num_heads must be divisible by --tp)");
+}
+
 KdaLayerWeights KdaLayerWeights::load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg,
-                                      int layer_idx) {
+                                      int layer_idx, int tp_rank, int tp_size) {
   if (layer_idx < 0 || layer_idx >= cfg.num_hidden_layers)
     throw std::invalid_argument("layer " + std::to_string(layer_idx) + " is outside the model's " +
                                 std::to_string(cfg.num_hidden_layers) + " decoder layers");
@@ -50,27 +59,66 @@ KdaLayerWeights KdaLayerWeights::load(const io::Checkpoint& ckpt, const io::Kimi
         "decoder layer " + std::to_string(layer_idx) +
         " (0-based) is not a KDA layer: linear_attn_config.kda_layers (1-based) does not list " +
         std::to_string(layer_idx + 1));
+  check_tensor_parallel(cfg, tp_size);
   const int64_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K,
                 W = cfg.short_conv_kernel_size;
+  const int64_t h0 = tp_rank * H / tp_size, h1 = (tp_rank + 1) * H / tp_size;  // this rank's heads
+  const int64_t p0 = h0 * K, p1 = h1 * K;                                      // and channels
   const std::string pre = "model.layers." + std::to_string(layer_idx) + ".self_attn.";
-  auto ld = [&](const char* name, std::vector<int64_t> shape) { return ckpt.load_f32(pre + name, shape); };
+  auto full = [&](const char* name, std::vector<int64_t> shape) { return ckpt.load_f32(pre + name, shape); };
+  auto part = [&](const char* name, std::vector<int64_t> shape, int dim, int64_t b, int64_t e) {
+    return ckpt.load_f32_slice(pre + name, shape, dim, b, e);
+  };
   KdaLayerWeights w;
-  w.q_proj = ld("q_proj.weight", {P, D});
-  w.k_proj = ld("k_proj.weight", {P, D});
-  w.v_proj = ld("v_proj.weight", {P, D});
-  w.q_conv1d = ld("q_conv1d.weight", {P, 1, W});
-  w.k_conv1d = ld("k_conv1d.weight", {P, 1, W});
-  w.v_conv1d = ld("v_conv1d.weight", {P, 1, W});
-  w.A_log = ld("A_log", {1, 1, H, 1});
-  w.dt_bias = ld("dt_bias", {P});
-  w.f_a_proj = ld("f_a_proj.weight", {K, D});
-  w.f_b_proj = ld("f_b_proj.weight", {P, K});
-  w.b_proj = ld("b_proj.weight", {H, D});
-  w.g_a_proj = ld("g_a_proj.weight", {K, D});
-  w.g_b_proj = ld("g_b_proj.weight", {P, K});
-  w.o_norm = ld("o_norm.weight", {K});
-  w.o_proj = ld("o_proj.weight", {D, P});
+  w.q_proj = part("q_proj.weight", {P, D}, 0, p0, p1);
+  w.k_proj = part("k_proj.weight", {P, D}, 0, p0, p1);
+  w.v_proj = part("v_proj.weight", {P, D}, 0, p0, p1);
+  w.q_conv1d = part("q_conv1d.weight", {P, 1, W}, 0, p0, p1);
+  w.k_conv1d = part("k_conv1d.weight", {P, 1, W}, 0, p0, p1);
+  w.v_conv1d = part("v_conv1d.weight", {P, 1, W}, 0, p0, p1);
+  w.A_log = part("A_log", {1, 1, H, 1}, 2, h0, h1);
+  w.dt_bias = part("dt_bias", {P}, 0, p0, p1);
+  w.f_a_proj = full("f_a_proj.weight", {K, D});
+  w.f_b_proj = part("f_b_proj.weight", {P, K}, 0, p0, p1);
+  w.b_proj = part("b_proj.weight", {H, D}, 0, h0, h1);
+  w.g_a_proj = full("g_a_proj.weight", {K, D});
+  w.g_b_proj = part("g_b_proj.weight", {P, K}, 0, p0, p1);
+  w.o_norm = full("o_norm.weight", {K});
+  w.o_proj = part("o_proj.weight", {D, P}, 1, p0, p1);
   return w;
+}
+
+KdaLayerWeights KdaLayerWeights::shard(const io::KimiLinearConfig& cfg, int tp_rank, int tp_size) const {
+  check_tensor_parallel(cfg, tp_size);
+  if (tp_rank < 0 || tp_rank >= tp_size)
+    throw std::invalid_argument("tensor-parallel rank " + std::to_string(tp_rank) + " outside [0, " +
+                                std::to_string(tp_size) + ")");
+  const int64_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K;
+  const int64_t h0 = tp_rank * H / tp_size, h1 = (tp_rank + 1) * H / tp_size, p0 = h0 * K, p1 = h1 * K;
+  // Rows [b, e) of a row-major matrix with `cols` columns.
+  auto rows = [](const std::vector<float>& v, int64_t cols, int64_t b, int64_t e) {
+    return std::vector<float>(v.begin() + b * cols, v.begin() + e * cols);
+  };
+  KdaLayerWeights s;
+  const int64_t W = static_cast<int64_t>(q_conv1d.size()) / P;
+  s.q_proj = rows(q_proj, D, p0, p1);
+  s.k_proj = rows(k_proj, D, p0, p1);
+  s.v_proj = rows(v_proj, D, p0, p1);
+  s.q_conv1d = rows(q_conv1d, W, p0, p1);
+  s.k_conv1d = rows(k_conv1d, W, p0, p1);
+  s.v_conv1d = rows(v_conv1d, W, p0, p1);
+  s.A_log = rows(A_log, 1, h0, h1);
+  s.dt_bias = rows(dt_bias, 1, p0, p1);
+  s.f_a_proj = f_a_proj;
+  s.f_b_proj = rows(f_b_proj, K, p0, p1);
+  s.b_proj = rows(b_proj, D, h0, h1);
+  s.g_a_proj = g_a_proj;
+  s.g_b_proj = rows(g_b_proj, K, p0, p1);
+  s.o_norm = o_norm;
+  s.o_proj.resize(static_cast<size_t>(D * (p1 - p0)));
+  for (int64_t d = 0; d < D; ++d)
+    std::copy(o_proj.begin() + d * P + p0, o_proj.begin() + d * P + p1, s.o_proj.begin() + d * (p1 - p0));
+  return s;
 }
 
 KdaLayerWeights KdaLayerWeights::synthetic(const io::KimiLinearConfig& cfg, uint64_t seed) {
@@ -111,8 +159,9 @@ KdaLayerWeights KdaLayerWeights::synthetic(const io::KimiLinearConfig& cfg, uint
 
 namespace {
 
-const KdaLayerWeights& checked(const KdaLayerWeights& w, const io::KimiLinearConfig& cfg) {
-  const size_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K,
+const KdaLayerWeights& checked(const KdaLayerWeights& w, const io::KimiLinearConfig& cfg, int tp_size) {
+  check_tensor_parallel(cfg, tp_size);
+  const size_t D = cfg.hidden_size, H = cfg.num_heads / tp_size, K = cfg.head_dim, P = H * K,
                W = cfg.short_conv_kernel_size;
   check_size(w.q_proj, P * D, "q_proj");
   check_size(w.k_proj, P * D, "k_proj");
@@ -135,16 +184,18 @@ const KdaLayerWeights& checked(const KdaLayerWeights& w, const io::KimiLinearCon
 }  // namespace
 
 KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx,
-                                       const KdaLayerWeights& w, Precision precision)
+                                       const KdaLayerWeights& w, Precision precision,
+                                       distributed::TensorParallel tp)
     : layer_idx_(layer_idx),
       precision_(precision),
+      tp_(tp),
       D_(cfg.hidden_size),
-      H_(cfg.num_heads),
+      H_(cfg.num_heads / std::max(tp.size, 1)),
       K_(cfg.head_dim),
-      P_(cfg.projection_size()),
+      P_(H_ * cfg.head_dim),
       W_(cfg.short_conv_kernel_size),
       eps_(cfg.rms_norm_eps),
-      conv_w_(param(concat({&checked(w, cfg).q_conv1d, &w.k_conv1d, &w.v_conv1d}), precision)),
+      conv_w_(param(concat({&checked(w, cfg, tp.size).q_conv1d, &w.k_conv1d, &w.v_conv1d}), precision)),
       A_log_(param(w.A_log, precision)),
       dt_bias_(param(w.dt_bias, precision)),
       o_norm_w_(param(w.o_norm, precision)),
@@ -166,13 +217,19 @@ KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int laye
           .A_log = A_log_.data(),
           .dt_bias = dt_bias_.data(),
           .round_conv_output_bf16 = precision == Precision::BF16,
-      }) {}
+      }) {
+  if (tp.size > 1 && (!tp.comm || tp.comm->size() != tp.size || tp.comm->rank() != tp.rank))
+    throw std::invalid_argument("KimiDeltaAttention: tensor-parallel rank " + std::to_string(tp.rank) +
+                                " of " + std::to_string(tp.size) +
+                                " needs a communicator of that size and rank");
+}
 
 std::unique_ptr<KimiDeltaAttention> KimiDeltaAttention::from_checkpoint(const io::Checkpoint& ckpt,
                                                                         const io::KimiLinearConfig& cfg,
-                                                                        int layer_idx, Precision precision) {
-  return std::make_unique<KimiDeltaAttention>(cfg, layer_idx, KdaLayerWeights::load(ckpt, cfg, layer_idx),
-                                              precision);
+                                                                        int layer_idx, Precision precision,
+                                                                        distributed::TensorParallel tp) {
+  return std::make_unique<KimiDeltaAttention>(
+      cfg, layer_idx, KdaLayerWeights::load(ckpt, cfg, layer_idx, tp.rank, tp.size), precision, tp);
 }
 
 void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
@@ -187,7 +244,7 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
   const ForwardMode mode = forward_batch.forward_mode;
   if (mode == ForwardMode::IDLE || mode == ForwardMode::DUMMY_FIRST) {
     // Nothing to compute and no state to touch: the backend's answer for these modes is zeros.
-    std::memset(out, 0, sizeof(float) * T * D_);
+    if (T > 0) std::memset(out, 0, sizeof(float) * T * D_);
     return;
   }
   if (mode == ForwardMode::DRAFT_EXTEND || mode == ForwardMode::TARGET_VERIFY)
@@ -237,8 +294,9 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
     for (int64_t d = 0; d < K_; ++d) y[d] = o[d] * inv * o_norm_w_[d] * (1.0f / (1.0f + std::exp(-z[d])));
   }
   maybe_round(ws.y, ws.y.size(), p);
-  // 5. o_proj.
+  // 5. o_proj; under tensor parallelism each rank holds a partial sum over its channels.
   o_proj_.forward(ws.y.data(), T, out);
+  if (tp_.size > 1) tp_.comm->allreduce_sum(out, static_cast<size_t>(T * D_));
   if (p == Precision::BF16) round_bf16_inplace(out, static_cast<size_t>(T * D_));
 }
 

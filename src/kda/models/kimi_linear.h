@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kda/common/precision.h"
+#include "kda/distributed/communicator.h"
 #include "kda/io/config.h"
 #include "kda/io/safetensors.h"
 #include "kda/layers/linear.h"
@@ -22,7 +23,11 @@
 
 namespace kda::models {
 
-// One layer's parameters as fp32 values in the checkpoint's shapes (P = H*K, D = hidden).
+// Throws std::invalid_argument when `tp_size` ranks cannot split the config's heads evenly.
+void check_tensor_parallel(const io::KimiLinearConfig& cfg, int tp_size);
+
+// One layer's parameters as fp32 values in the checkpoint's shapes (P = H*K, D = hidden); a
+// tensor-parallel shard holds H/n heads and P/n channels where the shapes below say H and P.
 struct KdaLayerWeights {
   std::vector<float> q_proj, k_proj, v_proj;        // [P, D]
   std::vector<float> q_conv1d, k_conv1d, v_conv1d;  // [P, 1, W]
@@ -35,10 +40,15 @@ struct KdaLayerWeights {
   std::vector<float> o_proj;                        // [D, P]
 
   // Decoder layer `layer_idx` (0-based) of a checkpoint, keys model.layers.{i}.self_attn.*; every
-  // shape checked against the config. A non-KDA layer is an error.
-  static KdaLayerWeights load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg, int layer_idx);
-  // Seeded synthetic weights at the config's shapes, scaled like a trained layer (for benchmarks and
-  // the serving simulation).
+  // shape checked against the config. A non-KDA layer is an error. With tensor parallelism, rank
+  // tp_rank of tp_size reads only its shard (see shard()) from the memory-mapped checkpoint.
+  static KdaLayerWeights load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg, int layer_idx,
+                              int tp_rank = 0, int tp_size = 1);
+  // Head-sharded tensor parallelism: rank r of n owns heads [r H/n, (r+1) H/n). q/k/v, f_b, g_b and b
+  // are column-parallel (their output rows for those heads), the conv weights and dt_bias are sliced
+  // to the rank's channels, A_log to its heads, f_a, g_a and o_norm are replicated, and o_proj is
+  // row-parallel (its input columns for those channels; the partial outputs are summed across ranks).
+  KdaLayerWeights shard(const io::KimiLinearConfig& cfg, int tp_rank, int tp_size) const;
   static KdaLayerWeights synthetic(const io::KimiLinearConfig& cfg, uint64_t seed);
 };
 
@@ -49,18 +59,22 @@ struct KdaWorkspace {
 
 class KimiDeltaAttention {
  public:
+  // `w` holds this rank's shard (the whole layer when tp.size == 1).
   KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx, const KdaLayerWeights& w,
-                     Precision precision);
+                     Precision precision, distributed::TensorParallel tp = {});
   KimiDeltaAttention(const KimiDeltaAttention&) = delete;
   KimiDeltaAttention& operator=(const KimiDeltaAttention&) = delete;
 
   static std::unique_ptr<KimiDeltaAttention> from_checkpoint(const io::Checkpoint& ckpt,
                                                              const io::KimiLinearConfig& cfg, int layer_idx,
-                                                             Precision precision);
+                                                             Precision precision,
+                                                             distributed::TensorParallel tp = {});
 
   int layer_idx() const { return layer_idx_; }
   Precision precision() const { return precision_; }
   int64_t hidden_size() const { return D_; }
+  int64_t local_heads() const { return H_; }  // heads on this rank
+  const distributed::TensorParallel& tp() const { return tp_; }
   const layers::RadixLinearAttention& attn() const { return attn_; }
 
   // hidden_states [T, D] (already RMS-normed by the decoder layer) -> out [T, D]. T must equal the
@@ -72,6 +86,7 @@ class KimiDeltaAttention {
  private:
   int layer_idx_;
   Precision precision_;
+  distributed::TensorParallel tp_;
   int64_t D_, H_, K_, P_, W_;
   double eps_;
   std::vector<float> conv_w_;  // [3P, W], q||k||v

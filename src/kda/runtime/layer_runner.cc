@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/distributed/shard_layout.h"
 #include "kda/layers/attention/linear/kda_backend.h"
 #include "kda/mem_cache/memory_pool.h"
 
@@ -79,28 +80,36 @@ LayerResult run_layer_case(models::KimiDeltaAttention& layer, const io::KimiLine
     throw std::invalid_argument("hidden_states has width " + std::to_string(c.D) +
                                 " but the layer's hidden size is " + std::to_string(layer.hidden_size()));
   const int64_t N = c.N, D = c.D;
-  const int H = cfg.num_heads, K = cfg.head_dim, W = cfg.short_conv_kernel_size;
-  const int64_t P = cfg.projection_size();
+  const int K = cfg.head_dim, W = cfg.short_conv_kernel_size;
+  const int Hl = static_cast<int>(layer.local_heads());  // this rank's heads (all without TP)
   const int id = layer.layer_idx();
+  const auto& tp = layer.tp();
+  const distributed::StateDims dims{N, cfg.num_heads, K, K, W - 1};
 
+  // The pool holds this rank's heads and channels only.
   mem_cache::RecurrentStatePoolConfig pc;
   pc.layer_ids = {id};
   pc.size = std::max<int64_t>(N, 1);
-  pc.num_heads = H;
+  pc.num_heads = Hl;
   pc.head_k_dim = K;
   pc.head_v_dim = K;
   pc.conv_kernel = W;
-  pc.conv_dim = 3 * P;
+  pc.conv_dim = int64_t{3} * Hl * K;
   pc.conv_dtype = layer.precision();
   mem_cache::MemoryPools pools(pc, pc.size);
   auto& pool = pools.recurrent_state_pool;
   const std::vector<int32_t> reqs = pools.req_to_token_pool.alloc(N);
   const std::vector<int32_t> slots = pools.req_to_token_pool.get_recurrent_indices(reqs);
   const bool has_init = !c.initial_recurrent_state.empty() || !c.initial_conv_state.empty();
-  if (has_init)
-    pool.set_linear_recurrent_layer_cache(
-        id, slots, c.initial_recurrent_state.empty() ? nullptr : c.initial_recurrent_state.data(),
-        c.initial_conv_state.empty() ? nullptr : c.initial_conv_state.data());
+  if (has_init) {
+    std::vector<float> rec = c.initial_recurrent_state, conv = c.initial_conv_state;
+    if (tp.size > 1) {
+      if (!rec.empty()) rec = distributed::shard_recurrent(rec, dims, tp.rank, tp.size);
+      if (!conv.empty()) conv = distributed::shard_conv(conv, dims, tp.rank, tp.size);
+    }
+    pool.set_linear_recurrent_layer_cache(id, slots, rec.empty() ? nullptr : rec.data(),
+                                          conv.empty() ? nullptr : conv.data());
+  }
 
   layers::attention::linear::KDAAttnBackend backend(kernel);
   LayerResult res;
@@ -126,7 +135,8 @@ LayerResult run_layer_case(models::KimiDeltaAttention& layer, const io::KimiLine
     layer.forward(x.data(), Te, fb, pool, y.data());
     int64_t row = 0;
     for (int64_t i = 0; i < N; ++i) {
-      std::memcpy(res.out.data() + c.cu_seqlens[i] * D, y.data() + row * D, sizeof(float) * ext_len[i] * D);
+      if (ext_len[i] > 0)
+        std::memcpy(res.out.data() + c.cu_seqlens[i] * D, y.data() + row * D, sizeof(float) * ext_len[i] * D);
       row += ext_len[i];
     }
   }
@@ -153,9 +163,16 @@ LayerResult run_layer_case(models::KimiDeltaAttention& layer, const io::KimiLine
       std::memcpy(res.out.data() + rows[r] * D, y.data() + r * D, sizeof(float) * D);
   }
 
-  res.recurrent_state.resize(static_cast<size_t>(N * H * K * K));
-  res.conv_state.resize(static_cast<size_t>(N * (W - 1) * 3 * P));
+  res.recurrent_state.resize(static_cast<size_t>(N * Hl * K * K));
+  res.conv_state.resize(static_cast<size_t>(N * (W - 1) * 3 * Hl * K));
   pool.read_linear_recurrent_layer_cache(id, slots, res.recurrent_state.data(), res.conv_state.data());
+  if (tp.size > 1) {  // every rank returns the whole states
+    std::vector<float> rec(res.recurrent_state.size() * tp.size), conv(res.conv_state.size() * tp.size);
+    tp.comm->allgather(res.recurrent_state.data(), res.recurrent_state.size(), rec.data());
+    tp.comm->allgather(res.conv_state.data(), res.conv_state.size(), conv.data());
+    res.recurrent_state = distributed::unshard_recurrent(rec, dims, tp.size);
+    res.conv_state = distributed::unshard_conv(conv, dims, tp.size);
+  }
   return res;
 }
 

@@ -121,7 +121,7 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   const int64_t qd = layer.q_dim(), kd = layer.k_dim(), vd = layer.v_dim();
 
   if (mode == ForwardMode::IDLE || mode == ForwardMode::DUMMY_FIRST) {
-    std::memset(o, 0, sizeof(float) * T * H * V);
+    if (T > 0) std::memset(o, 0, sizeof(float) * T * H * V);
     return;
   }
   if (qkv_stride < layer.conv_dim() || a_stride < H * K || b_stride < H)

@@ -1,0 +1,96 @@
+// Tensor parallelism across processes: `kda run` / `kda verify` started by mpirun with --tp N equal
+// TP 1, and a launch unlike --tp is a clear error before any work.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "kda/distributed/mpi_communicator.h"
+#include "kda/io/npy.h"
+#include "support/test_support.h"
+
+namespace kda {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+struct Result {
+  int code = -1;
+  std::string output;
+};
+
+Result sh(const std::string& cmd) {
+  Result r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// mpirun as CI runs it: oversubscribed (2 cores, up to 4 ranks), allowed as root, no leak checker in
+// the ranks (Open MPI's own allocations would be reported under ASan).
+std::string mpirun(int np) {
+  return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ASAN_OPTIONS=detect_leaks=0 "
+         "OMP_NUM_THREADS=1 mpirun --oversubscribe -np " +
+         std::to_string(np) + " " + KDA_BINARY_PATH;
+}
+
+class Mpi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!distributed::mpi_available()) GTEST_SKIP() << "built without MPI";
+    if (sh("command -v mpirun").code != 0) GTEST_SKIP() << "mpirun not installed";
+  }
+};
+
+TEST_F(Mpi, RunTp2AndTp4EqualTp1) {
+  const auto dir = testing::dumps_dir();
+  const auto tmp = testing::make_temp_dir("mpi_run");
+  const std::string args = " run --model " + dir.string() + " --layer 0 --input " +
+                           (dir / "varlen_initstate.npz").string() + " --decode-tail 8 --output ";
+  const auto ref = sh(std::string(KDA_BINARY_PATH) + args + (tmp / "tp1.npz").string());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const auto want = io::read_npz(tmp / "tp1.npz");
+  for (int tp : {2, 4}) {
+    const auto out = tmp / ("tp" + std::to_string(tp) + ".npz");
+    const auto r = sh(mpirun(tp) + args + out.string() + " --tp " + std::to_string(tp));
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto got = io::read_npz(out);
+    for (const char* key : {"out", "recurrent_state", "conv_state"}) {
+      const auto a = got.at(key).to_f32(), b = want.at(key).to_f32();
+      ASSERT_EQ(a.size(), b.size()) << key;
+      EXPECT_LE(testing::max_error_ratio(a.data(), b.data(), a.size(), 1e-5, 1e-5), 1.0)
+          << key << " at tp " << tp;
+    }
+  }
+}
+
+TEST_F(Mpi, VerifyPassesUnderTp2) {
+  const auto r = sh(mpirun(2) + " verify --dumps " + testing::dumps_dir().string() + " --precision fp32 --tp 2");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("verify: 12 passed, 0 failed"));
+}
+
+TEST_F(Mpi, LaunchUnlikeTpIsAnError) {
+  const auto dir = testing::dumps_dir().string();
+  const std::string args = " run --model " + dir + " --layer 0 --input " + dir + "/T8.npz --output /tmp/kda_x.npz";
+  auto r = sh(mpirun(3) + args + " --tp 2");
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("started with 3 ranks but --tp 2"));
+  r = sh(mpirun(3) + args + " --tp 3");  // 4 heads
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("divisible"));
+}
+
+}  // namespace
+}  // namespace kda
