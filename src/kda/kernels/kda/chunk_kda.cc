@@ -1,177 +1,600 @@
 // chunk_kda_opt: the chunked WY form (spec "Chunked form", C = 64) organised for speed.
 //
-// Work items are (sequence, head) pairs, spread over OpenMP threads; each thread owns one aligned scratch
-// block for its whole lifetime, so nothing is allocated per chunk. Per chunk of L <= 64 rows:
-//   1. load q-hat (scale folded in), k-hat, g (gate fused), beta, v into contiguous rows;
-//   2. forward decays exp(Gamma_r) and reverse decays exp(Gamma_last - Gamma_r), each a running sum;
-//   3. Aqk, Akk in 16x16 sub-blocks: off-diagonal blocks anchored at the query block's first row n,
-//      (x_r * exp(Gamma_r - Gamma_n)) . (k_s * exp(Gamma_n - Gamma_s)) with both factors <= 1; diagonal
-//      blocks from running sums over exactly the rows each pair spans;
-//   4. Vn = T (diag(beta) V - diag(beta)(exp(Gamma) * K) S), T = (I + Akk)^-1 applied by blocked forward
-//      substitution;
-//   5. O = (Q * exp(Gamma)) S + Aqk Vn, written straight into o;
-//   6. S <- diag(exp(Gamma_last)) S + (K * exp(Gamma_last - Gamma))^T Vn, in the pool slot when possible.
-// Steps 4-6 are small GEMMs done by register-tiled loops (4 rows x 64 columns of accumulators) that GCC
-// vectorises for AVX-512; no positive exponent and no difference of cumulative sums is ever formed.
+// Work items are (sequence, group of up to 4 heads), handed to OpenMP threads dynamically (one long
+// sequence still has H / 4 items, so both cores work on it); the heads of a group advance chunk by chunk
+// together, so each token row's pages and cache lines serve all of them. Each thread keeps one aligned
+// scratch buffer across calls, so nothing is allocated per chunk. Per chunk of L <= 64 rows of one head,
+// in blocks of 16 rows:
+//   1. q-hat (scale folded in), k-hat, g (gate fused), exp(g) and beta into contiguous rows;
+//   2. decays. Every decay exp(Gamma_r - Gamma_s), r >= s, is a product of at most three factors, each
+//      <= 1 and each built over exactly the rows it spans: a running product of the per-step factors
+//      exp(g_i) inside one block (at most 15 of them) and, across blocks, exp of a running sum taken at
+//      block boundaries. No positive exponent and no difference of two cumulative sums is ever formed;
+//   3. Aqk and Akk: blocks below the diagonal as products (q_r * rowdecay) . (k_s * coldecay) with the
+//      factors above, diagonal blocks pair by pair (k_s times the running product of exp(g_i));
+//   4. T = (I + Akk)^-1: the 16 x 16 diagonal blocks by forward substitution, the rest as products;
+//   5. R = beta V - (beta K * exp(Gamma)) S, Vn = T R;
+//   6. O = (Q * exp(Gamma)) S + Aqk Vn, written straight into o;
+//   7. S <- diag(exp(Gamma_last)) S + (K * exp(Gamma_last - Gamma))^T Vn, in the pool slot when possible.
+//
+// Steps 3-7 are products C = init + A B run by one register-blocked micro-kernel: kMR rows x 16 kNV
+// columns of accumulators in zmm registers, A broadcast element by element, B rows loaded as vectors.
+// A column strip of B (128 x 48 floats of the state, 24 KB) stays in L1 while all row blocks pass it.
+// While a chunk computes, the next (chunk, head)'s raw input rows are copied into a contiguous block.
+#include <omp.h>
+
 #include <algorithm>
-#include <bit>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
+#include <utility>
+
+#if defined(__AVX512F__)
+// GCC 12 reports its own shuffle / unpack intrinsics (their _mm512_undefined_ps() pass-through operand)
+// as "(may be) used uninitialized" once inlined; the header lines are where the warning is located.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
 
 #include "kda/kernels/kda/kda.h"
+#include "kda/kernels/kda/vec_math.h"
 
 namespace kda::kernels {
 namespace {
 
+using vecmath::exp_approx;
+using vecmath::softplus_approx;
+
 constexpr int kChunk = 64;  // C
-constexpr int kSub = 16;    // sub-chunk for the Aqk / Akk anchoring
+constexpr int kSub = 16;    // block size of the decay anchoring
+constexpr int kBlocks = kChunk / kSub;
+constexpr int kMR = 8;        // micro-tile rows
+constexpr int kNV = 3;        // micro-tile columns, in 16-float vectors
+constexpr int kMaxGroup = 4;  // heads that advance together through a sequence (see process_item)
 
-// expf for the kernel's arguments (always <= 0 here), written so that `omp simd` loops vectorise it:
-// Cephes range reduction + degree-6 polynomial, ~1 ulp. Below -87 the result flushes to 0, which is
-// the right answer for a decay (the channel is forgotten) and keeps 2^n a normal number.
-inline float exp_approx(float x) {
-  const float xc = std::min(std::max(x, -87.5f), 88.0f);
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float pow2n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : p * pow2n;
-}
+// One product term A[M, kd] B[kd, N] of a micro-kernel call. A(i, d) is a[i * lda + d], or with `at`
+// (A stored transposed) a[d * lda + i]; B row d starts at b + d * ldb. `lower`: A is lower triangular
+// with its diagonal, so the rows r0..r0+m-1 of a tile only need the first r0+m columns of A (A must hold
+// zeros above the diagonal inside the tile's rows).
+struct Seg {
+  const float* a;
+  int64_t lda;
+  bool at;
+  const float* b;
+  int64_t ldb;
+  int kd;
+  bool lower;
+};
 
-// softplus(z) = z for z > 20, else log1p(e^z); computed as max(z,0) + log1p(e^-|z|) so that it
-// vectorises: with w = e^-|z| in (0,1], log1p(w) = 2 atanh(s), s = w / (2 + w) <= 1/3, whose odd series
-// is below fp32 resolution after s^15. For z > 20 the correction is < 2.1e-9 and rounds away.
-inline float softplus_approx(float z) {
-  const float w = exp_approx(-std::fabs(z));
-  const float s = w / (2.0f + w);
-  const float s2 = s * s;
-  float p = 1.0f / 15.0f;
-  p = p * s2 + 1.0f / 13.0f;
-  p = p * s2 + 1.0f / 11.0f;
-  p = p * s2 + 1.0f / 9.0f;
-  p = p * s2 + 1.0f / 7.0f;
-  p = p * s2 + 1.0f / 5.0f;
-  p = p * s2 + 1.0f / 3.0f;
-  p = p * s2 + 1.0f;
-  return std::max(z, 0.0f) + 2.0f * s * p;
-}
+// Initial value of C: rows of src scaled by scale[row] (null scale: by 1), or zero when src is null.
+struct Init {
+  const float* src = nullptr;
+  int64_t ld = 0;
+  const float* scale = nullptr;
+};
 
-enum class Op { kSet, kAdd, kSub };
-
-// C[0:MR, 0:NR] (op)= A[0:MR, 0:kd] B[0:kd, 0:NR]; the accumulators are a fixed-size local array that
-// GCC keeps in vector registers (4 x 64 floats = 16 zmm).
-template <int MR, int NR, Op op>
-inline void gemm_tile(int kd, const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
-                      float* __restrict Cm, int64_t ldc) {
-  float acc[MR][NR];
-  for (int i = 0; i < MR; ++i) {
-#pragma omp simd
-    for (int j = 0; j < NR; ++j) acc[i][j] = 0.0f;
-  }
-  for (int d = 0; d < kd; ++d) {
-    const float* __restrict b = B + d * ldb;
-    for (int i = 0; i < MR; ++i) {
-      const float ai = A[i * lda + d];
-#pragma omp simd
-      for (int j = 0; j < NR; ++j) acc[i][j] += ai * b[j];
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    float* __restrict c = Cm + i * ldc;
-#pragma omp simd
-    for (int j = 0; j < NR; ++j) {
-      if constexpr (op == Op::kSet) c[j] = acc[i][j];
-      if constexpr (op == Op::kAdd) c[j] += acc[i][j];
-      if constexpr (op == Op::kSub) c[j] -= acc[i][j];
-    }
-  }
-}
-
-// One NR-wide column strip of C: all rows, 4 at a time, so the strip of B stays in L1 across row blocks.
-template <int NR, Op op>
-inline void gemm_strip(int M, int kd, const float* A, int64_t lda, const float* B, int64_t ldb, float* Cm,
-                       int64_t ldc, bool lower) {
-  int r = 0;
-  for (; r + 4 <= M; r += 4) {
-    const int k = lower ? std::min(kd, r + 4) : kd;
-    gemm_tile<4, NR, op>(k, A + r * lda, lda, B, ldb, Cm + r * ldc, ldc);
-  }
-  for (; r < M; ++r) {
-    const int k = lower ? std::min(kd, r + 1) : kd;
-    gemm_tile<1, NR, op>(k, A + r * lda, lda, B, ldb, Cm + r * ldc, ldc);
-  }
-}
-
-// C[M, N] (op)= A[M, kd] B[kd, N], all row-major with leading dimensions. `lower`: A is lower triangular
-// (zeros above the diagonal), so a block of rows r..r+3 only needs the first r+4 columns of A.
-template <Op op>
-void gemm(int M, int N, int kd, const float* A, int64_t lda, const float* B, int64_t ldb, float* Cm,
-          int64_t ldc, bool lower = false) {
+// dst[0:n] = src[0:n], 16 floats (one vector move) at a time.
+inline void copy_row(float* __restrict dst, const float* __restrict src, int n) {
   int j = 0;
-  for (; j + 64 <= N; j += 64) gemm_strip<64, op>(M, kd, A, lda, B + j, ldb, Cm + j, ldc, lower);
-  for (; j + 16 <= N; j += 16) gemm_strip<16, op>(M, kd, A, lda, B + j, ldb, Cm + j, ldc, lower);
-  for (; j < N; ++j) gemm_strip<1, op>(M, kd, A, lda, B + j, ldb, Cm + j, ldc, lower);
+  for (; j + 16 <= n; j += 16) std::memcpy(dst + j, src + j, 16 * sizeof(float));
+  if (j < n) std::memcpy(dst + j, src + j, (n - j) * sizeof(float));
 }
 
-// One thread's scratch, carved from a single 64-byte aligned allocation.
+// Copies the next chunk's input rows (q, k, g, v of one head) into contiguous staging arrays, a few rows
+// at a time between the micro-tiles of the current chunk, prefetching a few rows ahead of the copy.
+// Token rows are H*K floats apart (more when q/k/v are column slices of a wider output): the hardware
+// prefetchers do not follow them, and rows a multiple of 4 KB apart share L1 sets, so fetching a whole
+// chunk ahead would evict itself; the copy lands the rows in an L2-resident block instead.
+class Stager {
+ public:
+  static constexpr int kMaxStreams = 4;
+  static constexpr int kAhead = 8;  // units (one row of one stream) prefetched ahead of the copy
+
+  void reset() {
+    n_ = 0;
+    total_ = 0;
+    done_ = 0;
+  }
+  // `rows` rows of `width` floats, `stride` floats apart, to dst (row stride `width`). All streams of a
+  // stager have the same number of rows.
+  void add(const float* src, int64_t stride, int rows, int width, float* dst) {
+    streams_[n_++] = {src, stride, width, dst};
+    total_ = rows * n_;
+    for (int u = 0; u < std::min(kAhead, total_); ++u) prefetch(u);
+  }
+  int total() const { return total_; }
+
+  // Copies the next `count` units (all that are left with count >= total()).
+  void issue(int count) {
+    for (; count > 0 && done_ < total_; --count, ++done_) {
+      if (done_ + kAhead < total_) prefetch(done_ + kAhead);
+      const Stream& s = streams_[done_ % n_];
+      const int64_t row = done_ / n_;
+      copy_row(s.dst + row * s.width, s.src + row * s.stride, s.width);
+    }
+  }
+
+ private:
+  struct Stream {
+    const float* src;
+    int64_t stride;
+    int width;
+    float* dst;
+  };
+  void prefetch(int u) const {
+    const Stream& s = streams_[u % n_];
+    const char* p = reinterpret_cast<const char*>(s.src + (u / n_) * s.stride);
+    const char* end = reinterpret_cast<const char*>(s.src + (u / n_) * s.stride + s.width);
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+  }
+
+  Stream streams_[kMaxStreams];
+  int n_ = 0, total_ = 0, done_ = 0;
+};
+
+#if defined(__AVX512F__)
+
+// acc[0:MR, 0:NV] += A[r0:r0+MR, 0:kd] B[0:kd, j0:j0+16NV]; the last vector of each B row is masked.
+template <int MR, int NV, bool AT>
+inline void kloop(const Seg& s, int kd, int r0, int j0, __mmask16 tail, __m512 (&acc)[MR][NV]) {
+  const float* b = s.b + j0;
+  const float* a = AT ? s.a + r0 : s.a + r0 * s.lda;
+  for (int d = 0; d < kd; ++d, b += s.ldb) {
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      bv[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(tail, b + 16 * v) : _mm512_loadu_ps(b + 16 * v);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 ai = _mm512_set1_ps(AT ? a[d * s.lda + i] : a[i * s.lda + d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(ai, bv[v], acc[i][v]);
+    }
+  }
+}
+
+template <int MR, int NV>
+inline void tile(const Seg* segs, int nseg, const Init& init, int r0, int j0, __mmask16 tail, float* c,
+                 int64_t ldc) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    if (init.src != nullptr) {
+      const __m512 sc = _mm512_set1_ps(init.scale != nullptr ? init.scale[r0 + i] : 1.0f);
+      const float* p = init.src + (r0 + i) * init.ld + j0;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const __m512 x = v == NV - 1 ? _mm512_maskz_loadu_ps(tail, p + 16 * v) : _mm512_loadu_ps(p + 16 * v);
+        acc[i][v] = _mm512_mul_ps(sc, x);
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    }
+  }
+  for (int q = 0; q < nseg; ++q) {
+    const Seg& s = segs[q];
+    const int kd = s.lower ? std::min(s.kd, r0 + MR) : s.kd;
+    if (s.at) {
+      kloop<MR, NV, true>(s, kd, r0, j0, tail, acc);
+    } else {
+      kloop<MR, NV, false>(s, kd, r0, j0, tail, acc);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    float* p = c + (r0 + i) * ldc + j0;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      if (v == NV - 1) {
+        _mm512_mask_storeu_ps(p + 16 * v, tail, acc[i][v]);
+      } else {
+        _mm512_storeu_ps(p + 16 * v, acc[i][v]);
+      }
+    }
+  }
+}
+
+// All rows of one column strip [j0, j0 + 16 NV), kMR at a time, then the remainder rows.
+template <int NV>
+void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0, __mmask16 tail, float* c,
+                int64_t ldc, Stager* pf, int pf_lines) {
+  int r0 = 0;
+  for (; r0 + kMR <= M; r0 += kMR) {
+    tile<kMR, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
+    if (pf != nullptr) pf->issue(pf_lines);
+  }
+  static_assert(kMR <= 8, "remainder dispatch below covers up to 7 rows");
+  switch (M - r0) {
+    case 1:
+      tile<1, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
+      break;
+    case 2:
+      tile<2, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
+      break;
+    case 3:
+      tile<3, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
+      break;
+    case 4:
+      tile<4, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
+      break;
+    case 5:
+      tile<5, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
+      break;
+    case 6:
+      tile<6, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
+      break;
+    case 7:
+      tile<7, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
+      break;
+    default:
+      break;
+  }
+}
+
+// C[M, N] = init + sum over segs of A B (C may alias init.src: every tile reads its own init first).
+// This and the steps below are kept out of line: inlined all into one function, GCC 12 compiles the
+// chunk 2x slower.
+// After each full micro-tile, pf (if any) issues pf_lines prefetches.
+[[gnu::noinline]] void gemm(int M, int N, const Seg* segs, int nseg, const Init& init, float* c, int64_t ldc,
+                            Stager* pf = nullptr, int pf_lines = 0) {
+  static_assert(kNV >= 1 && kNV <= 4, "strip dispatch below covers 1..4 vectors");
+  for (int j0 = 0; j0 < N; j0 += 16 * kNV) {
+    const int nw = std::min(16 * kNV, N - j0);
+    const __mmask16 tail = nw % 16 == 0 ? 0xFFFF : static_cast<__mmask16>((1u << (nw % 16)) - 1);
+    switch ((nw + 15) / 16) {
+      case 1:
+        strip_rows<1>(M, segs, nseg, init, j0, tail, c, ldc, pf, pf_lines);
+        break;
+      case 2:
+        if constexpr (kNV >= 2) strip_rows<2>(M, segs, nseg, init, j0, tail, c, ldc, pf, pf_lines);
+        break;
+      case 3:
+        if constexpr (kNV >= 3) strip_rows<3>(M, segs, nseg, init, j0, tail, c, ldc, pf, pf_lines);
+        break;
+      default:
+        if constexpr (kNV >= 4) strip_rows<4>(M, segs, nseg, init, j0, tail, c, ldc, pf, pf_lines);
+        break;
+    }
+  }
+}
+
+#else  // Portable fallback (KDA_NATIVE=OFF on a CPU without AVX-512): the same products, plain loops.
+
+[[gnu::noinline]] void gemm(int M, int N, const Seg* segs, int nseg, const Init& init, float* c, int64_t ldc,
+                            Stager* pf = nullptr, int pf_lines = 0) {
+  if (pf != nullptr) pf->issue(pf->total());
+  float acc[kChunk];  // one row, kChunk columns at a time
+  for (int i = 0; i < M; ++i) {
+    for (int j0 = 0; j0 < N; j0 += kChunk) {
+      const int nw = std::min(kChunk, N - j0);
+      const float sc = init.scale != nullptr ? init.scale[i] : 1.0f;
+      for (int j = 0; j < nw; ++j) acc[j] = init.src != nullptr ? sc * init.src[i * init.ld + j0 + j] : 0.0f;
+      for (int q = 0; q < nseg; ++q) {
+        const Seg& s = segs[q];
+        const int kd = s.lower ? std::min(s.kd, i + 1) : s.kd;
+        for (int d = 0; d < kd; ++d) {
+          const float x = s.at ? s.a[d * s.lda + i] : s.a[i * s.lda + d];
+          const float* b = s.b + d * s.ldb + j0;
+#pragma omp simd
+          for (int j = 0; j < nw; ++j) acc[j] += x * b[j];
+        }
+      }
+      for (int j = 0; j < nw; ++j) c[i * ldc + j0 + j] = acc[j];
+    }
+  }
+}
+
+#endif
+
+#if defined(__AVX512F__)
+
+inline __mmask16 tail_mask(int n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// Lane i of the result is the sum of the 16 lanes of v[i].
+inline __m512 reduce16(const __m512 (&v)[16]) {
+  __m512 a[8];
+  for (int i = 0; i < 8; ++i) {
+    a[i] =
+        _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 b[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] =
+        _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // b[i], 128-bit lane l, element e: a partial sum of v[4i + e]; now sum the four lanes.
+  const __m512 c0 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// dst[d, 0:16] = src[0:16, d] for d < nd (nd <= 16): one 16 x 16 block, src rows lds apart (all 16 rows
+// valid; columns beyond nd are not read), dst rows ldd apart.
+inline void transpose16(const float* src, int64_t lds, int nd, float* dst, int64_t ldd) {
+  const __mmask16 m = tail_mask(nd);
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_ps(m, src + i * lds);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 2; ++j) {
+      const __m512d x = _mm512_castps_pd(t[4 * i + j]), y = _mm512_castps_pd(t[4 * i + j + 2]);
+      r[4 * i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+      r[4 * i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+    }
+  }
+  // r[4i + c], 128-bit lane l: column 4l + c of rows 4i..4i+3. Gather lanes across the four row groups.
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x01lo = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44);  // lanes 0,1 of rows 0-3, 4-7
+    const __m512 x01hi = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);  // lanes 2,3
+    const __m512 x23lo = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512 x23hi = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_f32x4(x01lo, x23lo, 0x88);       // lane 0: column c
+    t[4 + c] = _mm512_shuffle_f32x4(x01lo, x23lo, 0xDD);   // lane 1: column 4 + c
+    t[8 + c] = _mm512_shuffle_f32x4(x01hi, x23hi, 0x88);   // lane 2: column 8 + c
+    t[12 + c] = _mm512_shuffle_f32x4(x01hi, x23hi, 0xDD);  // lane 3: column 12 + c
+  }
+  for (int d = 0; d < nd; ++d) _mm512_storeu_ps(dst + d * ldd, t[d]);
+}
+
+// Pairs (r, s) of one diagonal block, r in [r0, r0 + NR), r >= s: with p = k_s * prod_{s<i<=r} exp(g_i)
+// (running product from s; Pst holds it between calls), Aqk[r, s] = q_r . p and, for r > s,
+// NAkk[r, s] = -beta_r k_r . p.
+template <int NR>
+inline void diag_pairs(int K, int s, int r0, const float* Q, const float* Kh, const float* E, const float* B,
+                       float* Pst, float* Aqk, float* NAkk) {
+  constexpr int C = kChunk;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int d = 0; d < K; d += 16) {
+    const __mmask16 m = tail_mask(K - d);
+    __m512 p = _mm512_maskz_loadu_ps(m, (r0 == s ? Kh + s * K : Pst) + d);
+    for (int i = 0; i < NR; ++i) {
+      const int r = r0 + i;
+      if (r > s) p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(m, E + r * K + d));
+      acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, Q + r * K + d), p, acc[i]);
+      acc[8 + i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, Kh + r * K + d), p, acc[8 + i]);
+    }
+    _mm512_mask_storeu_ps(Pst + d, m, p);
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(acc));
+  for (int i = 0; i < NR; ++i) {
+    const int r = r0 + i;
+    Aqk[r * C + s] = sums[i];
+    if (r > s) NAkk[r * C + s] = -B[r] * sums[8 + i];
+  }
+}
+
+// T_bb = (I - NAkk_bb)^-1 for the four 16 x 16 diagonal blocks of T (row stride C), side by side so that
+// four independent substitution chains hide the FMA latency: T[r, :] = e_r + sum_{j<r} NAkk[r, j] T[j, :].
+// NAkk must be finite in every block (rows beyond the chunk zero).
+inline void invert_diagonal_blocks(const float* NAkk, float* T) {
+  constexpr int C = kChunk;
+  for (int r = 0; r < kSub; ++r) {
+    __m512 t[kBlocks];
+    for (int b = 0; b < kBlocks; ++b) {
+      t[b] = _mm512_maskz_mov_ps(static_cast<__mmask16>(1u << r), _mm512_set1_ps(1.0f));
+    }
+    for (int j = 0; j < r; ++j) {
+      for (int b = 0; b < kBlocks; ++b) {
+        const int o = b * kSub;
+        t[b] = _mm512_fmadd_ps(_mm512_set1_ps(NAkk[(o + r) * C + o + j]), _mm512_load_ps(T + (o + j) * C + o),
+                               t[b]);
+      }
+    }
+    for (int b = 0; b < kBlocks; ++b) _mm512_store_ps(T + (b * kSub + r) * C + b * kSub, t[b]);
+  }
+}
+
+#else  // Portable fallback: the same steps, plain loops.
+
+inline void transpose16(const float* src, int64_t lds, int nd, float* dst, int64_t ldd) {
+  for (int d = 0; d < nd; ++d) {
+    for (int i = 0; i < 16; ++i) dst[d * ldd + i] = src[i * lds + d];
+  }
+}
+
+template <int NR>
+inline void diag_pairs(int K, int s, int r0, const float* Q, const float* Kh, const float* E, const float* B,
+                       float* Pst, float* Aqk, float* NAkk) {
+  constexpr int C = kChunk;
+  if (r0 == s) std::memcpy(Pst, Kh + s * K, K * sizeof(float));
+  for (int i = 0; i < NR; ++i) {
+    const int r = r0 + i;
+    const float* __restrict e = E + r * K;
+    const float* __restrict q = Q + r * K;
+    const float* __restrict k = Kh + r * K;
+    float dq = 0.0f, dk = 0.0f;
+    if (r > s) {
+      for (int d = 0; d < K; ++d) Pst[d] *= e[d];
+    }
+    for (int d = 0; d < K; ++d) {
+      dq += q[d] * Pst[d];
+      dk += k[d] * Pst[d];
+    }
+    Aqk[r * C + s] = dq;
+    if (r > s) NAkk[r * C + s] = -B[r] * dk;
+  }
+}
+
+inline void invert_diagonal_blocks(const float* NAkk, float* T) {
+  constexpr int C = kChunk;
+  for (int b = 0; b < kBlocks; ++b) {
+    const int o = b * kSub;
+    for (int r = 0; r < kSub; ++r) {
+      float* row = T + (o + r) * C + o;
+      for (int x = 0; x < kSub; ++x) row[x] = x == r ? 1.0f : 0.0f;
+      for (int j = 0; j < r; ++j) {
+        const float c = NAkk[(o + r) * C + o + j];
+        for (int x = 0; x <= j; ++x) row[x] += c * T[(o + j) * C + o + x];
+      }
+    }
+  }
+}
+
+#endif
+
+// One diagonal block's pairs: rows [n, n + m).
+void diagonal_block(int K, int n, int m, const float* Q, const float* Kh, const float* E, const float* B,
+                    float* Pst, float* Aqk, float* NAkk) {
+  for (int s = n; s < n + m; ++s) {
+    for (int r0 = s; r0 < n + m; r0 += 8) {
+      switch (std::min(8, n + m - r0)) {
+        case 1:
+          diag_pairs<1>(K, s, r0, Q, Kh, E, B, Pst, Aqk, NAkk);
+          break;
+        case 2:
+          diag_pairs<2>(K, s, r0, Q, Kh, E, B, Pst, Aqk, NAkk);
+          break;
+        case 3:
+          diag_pairs<3>(K, s, r0, Q, Kh, E, B, Pst, Aqk, NAkk);
+          break;
+        case 4:
+          diag_pairs<4>(K, s, r0, Q, Kh, E, B, Pst, Aqk, NAkk);
+          break;
+        case 5:
+          diag_pairs<5>(K, s, r0, Q, Kh, E, B, Pst, Aqk, NAkk);
+          break;
+        case 6:
+          diag_pairs<6>(K, s, r0, Q, Kh, E, B, Pst, Aqk, NAkk);
+          break;
+        case 7:
+          diag_pairs<7>(K, s, r0, Q, Kh, E, B, Pst, Aqk, NAkk);
+          break;
+        default:
+          diag_pairs<8>(K, s, r0, Q, Kh, E, B, Pst, Aqk, NAkk);
+          break;
+      }
+    }
+  }
+}
+
+// A 64-byte aligned buffer that only grows; one per thread (thread_local), so steady-state calls do no
+// heap allocation (OpenMP's worker threads persist, and so do their buffers).
+class Buffer {
+ public:
+  float* get(size_t n) {
+    if (n > cap_) {
+      const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
+      mem_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+      if (!mem_) throw std::bad_alloc();
+      cap_ = n;
+    }
+    return mem_.get();
+  }
+
+ private:
+  std::unique_ptr<float, decltype(&std::free)> mem_{nullptr, &std::free};
+  size_t cap_ = 0;
+};
+
+thread_local Buffer tl_scratch;
+
+// One thread's working arrays, carved from its buffer. Rows are [C, K] unless noted. Arrays that are
+// never live at the same time share memory (the scratch stays well inside L2, next to the states).
 struct Scratch {
-  std::unique_ptr<float, decltype(&std::free)> mem{nullptr, &std::free};
-  float* S = nullptr;     // [K, V] private state when the pool slot cannot be updated in place
-  float* Q = nullptr;     // [C, K] scale * q-hat
-  float* Kh = nullptr;    // [C, K] k-hat
-  float* G = nullptr;     // [C, K] log-space gate
-  float* Qf = nullptr;    // [C, K] Q * exp(Gamma)
-  float* Wf = nullptr;    // [C, K] beta * k-hat * exp(Gamma)
-  float* KrT = nullptr;   // [K, C] (k-hat * exp(Gamma_last - Gamma))^T
-  float* KcT = nullptr;   // [K, C] (k-hat_s * exp(Gamma_n - Gamma_s))^T for s < n
-  float* Xa = nullptr;    // [kSub, K] row factors q * exp(Gamma_r - Gamma_n)
-  float* Ka = nullptr;    // [kSub, K] row factors k * exp(Gamma_r - Gamma_n)
+  float* S = nullptr;   // [kMaxGroup, K, V] private states when the pool slots cannot be updated in place
+  float* Q = nullptr;   // scale * q-hat
+  float* Kh = nullptr;  // k-hat
+  float* G = nullptr;   // log-space gate g
+  float* E = nullptr;   // exp(g)
+  float* Xq = nullptr;  // q_r * exp(Gamma_r - Gamma_n), n the block's first row; then Q * exp(Gamma) (Qf)
+  float* Xk = nullptr;  // -beta_r k_r * exp(Gamma_r - Gamma_n); then -beta K * exp(Gamma) (Wn)
+  // k_s * exp(Gamma_e - Gamma_s), e the block's last row; then K * exp(Gamma_last - Gamma) (Kr)
+  float* Kc = nullptr;
+  float* KcT = nullptr;  // [K, C] Kc transposed (step 3)
+  float* Bn = nullptr;   // [K, C] KcT times the block-to-block decays of one query block (step 3)
+  float* X = nullptr;    // [kSub, C] (step 4)
+  float* R = nullptr;    // [C, V] (step 5)
+  float* Vn = nullptr;   // [C, V] (steps 5-7)
+  float* fa = nullptr;   // [kBlocks, K] exp(Gamma_n), n the first row of each block
+  float* ra = nullptr;   // [kBlocks, K] exp(Gamma_last - Gamma_e), e the last row of each block
+  // [kBlocks, K] exp(Gamma_n - Gamma_e') for one query block n and the earlier blocks' last rows e'
+  float* M = nullptr;
   float* acc = nullptr;   // [K] running sums
+  float* P = nullptr;     // [K] running products
   float* last = nullptr;  // [K] exp(Gamma_last)
   float* Aqk = nullptr;   // [C, C]
-  float* Akk = nullptr;   // [C, C]
-  float* Vn = nullptr;    // [C, V]
+  float* NAkk = nullptr;  // [C, C] -Akk
+  float* T = nullptr;     // [C, C] (I + Akk)^-1
   float* B = nullptr;     // [C] beta
+  // Staged raw input rows of the (chunk, head) named by staged_t0 / staged_h (see Stager). They are
+  // written during steps 5-7, when Q, Kh and G are dead, and read in place by the next load_chunk.
+  float* sq = nullptr;  // = Q
+  float* sk = nullptr;  // = Kh
+  float* sg = nullptr;  // = G
+  float* sv = nullptr;  // [C, V]
+  int64_t staged_t0 = -1;
+  int staged_h = -1;
 
-  Scratch(int K, int V) {
-    const size_t K_ = K, V_ = V, C = kChunk;
-    const size_t sizes[] = {K_ * V_,   C * K_,    C * K_, C * K_, C * K_, C * K_, K_ * C, K_ * C,
-                            kSub * K_, kSub * K_, K_,     K_,     C * C,  C * C,  C * V_, C};
-    float** ptrs[] = {&S, &Q, &Kh, &G, &Qf, &Wf, &KrT, &KcT, &Xa, &Ka, &acc, &last, &Aqk, &Akk, &Vn, &B};
+  Scratch(int K, int V, int group) {
+    const size_t K_ = K, V_ = V, C = kChunk, CK = C * K_, NB = kBlocks;
+    const size_t r1 = std::max(K_ * C, C * V_), r2 = std::max({K_ * C, C * V_, kSub * C});
+    float* r1p = nullptr;
+    float* r2p = nullptr;
+    const size_t sizes[] = {group * K_ * V_, CK,      CK, CK, CK, CK,    CK,    CK,    r1, r2,    NB * K_,
+                            NB * K_,         NB * K_, K_, K_, K_, C * C, C * C, C * C, C,  C * V_};
+    float** ptrs[] = {&S,  &Q, &Kh,  &G, &E,    &Xq,  &Xk,   &Kc, &r1p, &r2p, &fa,
+                      &ra, &M, &acc, &P, &last, &Aqk, &NAkk, &T,  &B,   &sv};
+    static_assert(std::size(sizes) == std::size(ptrs));
     size_t total = 0;
     for (size_t n : sizes) total += (n + 15) / 16 * 16;  // keep every array 64-byte aligned
-    mem.reset(static_cast<float*>(std::aligned_alloc(64, total * sizeof(float))));
-    if (!mem) throw std::bad_alloc();
-    float* p = mem.get();
+    float* p = tl_scratch.get(total);
     for (size_t i = 0; i < std::size(sizes); ++i) {
       *ptrs[i] = p;
       p += (sizes[i] + 15) / 16 * 16;
     }
+    KcT = Vn = r1p;
+    Bn = X = R = r2p;
+    sq = Q;
+    sk = Kh;
+    sg = G;
   }
 };
 
-// Steps 1-2: rows of the chunk starting at token c0, and every per-row decay.
-void load_chunk(const KdaArgs& a, int h, int64_t c0, int L, float scale, Scratch& w) {
+// Row strides of the inputs (elements between consecutive tokens).
+struct Strides {
+  int64_t q, k, v, g;
+};
+
+// Where a chunk's raw rows are read from: the inputs, or the staging arrays.
+struct Rows {
+  const float *q, *k, *g, *v;
+  int64_t lq, lk, lg, lv;
+};
+
+// Step 1: rows of the chunk starting at token c0.
+[[gnu::noinline]] void load_chunk(const KdaArgs& a, const Rows& in, int h, int64_t c0, int L, float scale,
+                                  Scratch& w) {
   const int K = a.K, H = a.H;
   const float neg_a = a.use_gate_in_kernel ? -std::exp(a.A_log[h]) : 0.0f;
   const float* bias = (a.use_gate_in_kernel && a.dt_bias != nullptr) ? a.dt_bias + h * K : nullptr;
+  // The staged rows are Q, Kh, G themselves (q == Q, ...): every loop reads element d before writing it.
   for (int r = 0; r < L; ++r) {
-    const int64_t off = ((c0 + r) * H + h) * K;
-    const float* __restrict q = a.q + off;
-    const float* __restrict k = a.k + off;
-    const float* __restrict g = a.g + off;
-    float* __restrict Q = w.Q + r * K;
-    float* __restrict Kh = w.Kh + r * K;
-    float* __restrict G = w.G + r * K;
+    const float* q = in.q + r * in.lq;
+    const float* k = in.k + r * in.lk;
+    const float* g = in.g + r * in.lg;
+    float* Q = w.Q + r * K;
+    float* Kh = w.Kh + r * K;
+    float* G = w.G + r * K;
+    float* __restrict E = w.E + r * K;
     float rq = scale, rk = 1.0f;
     if (a.use_qk_l2norm_in_kernel) {
       float sq = 0.0f, sk = 0.0f;
@@ -189,211 +612,311 @@ void load_chunk(const KdaArgs& a, int h, int64_t c0, int L, float scale, Scratch
       Kh[d] = k[d] * rk;
     }
     if (!a.use_gate_in_kernel) {
-      std::memcpy(G, g, K * sizeof(float));
-    } else if (bias != nullptr) {
 #pragma omp simd
-      for (int d = 0; d < K; ++d) G[d] = neg_a * softplus_approx(g[d] + bias[d]);
+      for (int d = 0; d < K; ++d) {
+        G[d] = g[d];
+        E[d] = exp_approx(g[d]);
+      }
     } else {
 #pragma omp simd
-      for (int d = 0; d < K; ++d) G[d] = neg_a * softplus_approx(g[d]);
+      for (int d = 0; d < K; ++d) {
+        const float x = neg_a * softplus_approx(g[d] + (bias != nullptr ? bias[d] : 0.0f));
+        G[d] = x;
+        E[d] = exp_approx(x);
+      }
     }
     w.B[r] = a.beta[(c0 + r) * H + h];
   }
+}
 
+// Step 2: in-block decays and the block anchors.
+[[gnu::noinline]] void decays(int K, int L, Scratch& w) {
+  float* __restrict P = w.P;
+  for (int n = 0; n < L; n += kSub) {
+    const int e = std::min(n + kSub, L) - 1;
+    // Row factors from the block's first row: P = prod_{n<i<=r} exp(g_i).
+    for (int r = n; r <= e; ++r) {
+      const float* __restrict E = w.E + r * K;
+      const float* __restrict Q = w.Q + r * K;
+      const float* __restrict Kh = w.Kh + r * K;
+      float* __restrict Xq = w.Xq + r * K;
+      float* __restrict Xk = w.Xk + r * K;
+      const float nb = -w.B[r];
+      const bool first = r == n;
+#pragma omp simd
+      for (int d = 0; d < K; ++d) {
+        const float p = first ? 1.0f : P[d] * E[d];
+        P[d] = p;
+        Xq[d] = Q[d] * p;
+        Xk[d] = nb * Kh[d] * p;
+      }
+    }
+    // Column factors to the block's last row: P = prod_{s<i<=e} exp(g_i).
+    for (int s = e; s >= n; --s) {
+      const float* __restrict E = w.E + (s + 1) * K;  // only read for s < e
+      const float* __restrict Kh = w.Kh + s * K;
+      float* __restrict Kc = w.Kc + s * K;
+      const bool first = s == e;
+#pragma omp simd
+      for (int d = 0; d < K; ++d) {
+        const float p = first ? 1.0f : P[d] * E[d];
+        P[d] = p;
+        Kc[d] = Kh[d] * p;
+      }
+    }
+  }
+  // Anchors, running sums over whole rows: forward from the chunk start to each block's first row (and
+  // to the last row), backward from the chunk end to each block's last row (exclusive).
   float* __restrict acc = w.acc;
-  // Forward running sum from the chunk start: Qf = Q exp(Gamma_r), Wf = beta k exp(Gamma_r).
 #pragma omp simd
   for (int d = 0; d < K; ++d) acc[d] = 0.0f;
   for (int r = 0; r < L; ++r) {
     const float* __restrict G = w.G + r * K;
-    const float* __restrict Q = w.Q + r * K;
-    const float* __restrict Kh = w.Kh + r * K;
-    float* __restrict Qf = w.Qf + r * K;
-    float* __restrict Wf = w.Wf + r * K;
-    const float b = w.B[r];
 #pragma omp simd
-    for (int d = 0; d < K; ++d) {
-      acc[d] += G[d];
-      const float e = exp_approx(acc[d]);
-      Qf[d] = Q[d] * e;
-      Wf[d] = b * Kh[d] * e;
+    for (int d = 0; d < K; ++d) acc[d] += G[d];
+    if (r % kSub == 0) {
+      float* __restrict fa = w.fa + (r / kSub) * K;
+#pragma omp simd
+      for (int d = 0; d < K; ++d) fa[d] = exp_approx(acc[d]);
     }
   }
 #pragma omp simd
   for (int d = 0; d < K; ++d) w.last[d] = exp_approx(acc[d]);
-    // Reverse running sum from the chunk end: KrT[d][r] = k_r[d] exp(sum_{r<i<=last} g_i[d]).
 #pragma omp simd
   for (int d = 0; d < K; ++d) acc[d] = 0.0f;
   for (int r = L - 1; r >= 0; --r) {
+    if (r == L - 1 || r % kSub == kSub - 1) {
+      float* __restrict ra = w.ra + (r / kSub) * K;
+#pragma omp simd
+      for (int d = 0; d < K; ++d) ra[d] = exp_approx(acc[d]);
+    }
     const float* __restrict G = w.G + r * K;
-    const float* __restrict Kh = w.Kh + r * K;
-    float* __restrict KrT = w.KrT + r;
+#pragma omp simd
+    for (int d = 0; d < K; ++d) acc[d] += G[d];
+  }
+}
+
+// Step 3: Aqk (lower, with diagonal; scale already in Q) and NAkk = -Akk (strictly lower, times beta_r).
+[[gnu::noinline]] void build_attention(int K, int L, Scratch& w) {
+  constexpr int C = kChunk;
+  // The lower-triangular product Aqk Vn reads whole micro-tile rows: zeros above the diagonal. NAkk rows
+  // beyond the chunk must be finite for invert_diagonal_blocks.
+  std::memset(w.Aqk, 0, sizeof(float) * L * C);
+  std::memset(w.NAkk, 0, sizeof(float) * C * C);
+  // Key side of the blocks below the diagonal, transposed: every block but the last.
+  const int nkey = (L - 1) / kSub * kSub;
+  for (int s = 0; s < nkey; s += kSub) {
+    for (int d = 0; d < K; d += 16)
+      transpose16(w.Kc + s * K + d, K, std::min(16, K - d), w.KcT + d * C + s, C);
+  }
+  float* __restrict acc = w.acc;
+  for (int n = kSub; n < L; n += kSub) {
+    const int m = std::min(kSub, L - n);  // rows n..n+m-1
+    const int b = n / kSub;
+    // Block-to-block decays exp(sum_{e'<i<=n} g_i) for the earlier blocks' last rows e' = n-1, n-17, ...,
+    // a running sum from row n down, over exactly the rows it spans.
+    {
+      const float* __restrict G = w.G + n * K;
+#pragma omp simd
+      for (int d = 0; d < K; ++d) acc[d] = G[d];
+    }
+    for (int j = b - 1; j >= 0; --j) {
+      if (j < b - 1) {
+        for (int r = (j + 1) * kSub; r < (j + 2) * kSub; ++r) {
+          const float* __restrict G = w.G + r * K;
+#pragma omp simd
+          for (int d = 0; d < K; ++d) acc[d] += G[d];
+        }
+      }
+      float* __restrict Mj = w.M + j * K;
+#pragma omp simd
+      for (int d = 0; d < K; ++d) Mj[d] = exp_approx(acc[d]);
+    }
+    for (int d = 0; d < K; ++d) {
+      const float* __restrict src = w.KcT + d * C;
+      float* __restrict dst = w.Bn + d * C;
+      for (int j = 0; j < b; ++j) {
+        const float f = w.M[j * K + d];
+#pragma omp simd
+        for (int x = 0; x < kSub; ++x) dst[j * kSub + x] = src[j * kSub + x] * f;
+      }
+    }
+    const Seg sq{w.Xq + n * K, K, false, w.Bn, C, K, false};
+    gemm(m, n, &sq, 1, Init{}, w.Aqk + n * C, C);
+    const Seg sk{w.Xk + n * K, K, false, w.Bn, C, K, false};
+    gemm(m, n, &sk, 1, Init{}, w.NAkk + n * C, C);
+  }
+  for (int n = 0; n < L; n += kSub) {
+    diagonal_block(K, n, std::min(kSub, L - n), w.Q, w.Kh, w.E, w.B, w.P, w.Aqk, w.NAkk);
+  }
+}
+
+// Turns Xq, Xk, Kc into Qf = Q exp(Gamma), Wn = -beta K exp(Gamma), Kr = K exp(Gamma_last - Gamma).
+[[gnu::noinline]] void apply_anchors(int K, int L, Scratch& w) {
+  for (int r = 0; r < L; ++r) {
+    const float* __restrict fa = w.fa + (r / kSub) * K;
+    const float* __restrict ra = w.ra + (r / kSub) * K;
+    float* __restrict Xq = w.Xq + r * K;
+    float* __restrict Xk = w.Xk + r * K;
+    float* __restrict Kc = w.Kc + r * K;
 #pragma omp simd
     for (int d = 0; d < K; ++d) {
-      KrT[d * kChunk] = Kh[d] * exp_approx(acc[d]);
-      acc[d] += G[d];
+      Xq[d] *= fa[d];
+      Xk[d] *= fa[d];
+      Kc[d] *= ra[d];
     }
   }
 }
 
-// Step 3: Aqk (lower, with diagonal; scale already in Q) and Akk (strictly lower, times beta_r).
-void build_attention(int K, int L, Scratch& w) {
+// Step 4: T = (I + Akk)^-1 = (I - NAkk)^-1. Diagonal blocks by substitution; then block row i:
+// T[i, :i] = T_ii (NAkk[i, :i] T[:i, :i]). Every row of T is zero beyond its diagonal, which the
+// lower-triangular product T R relies on.
+[[gnu::noinline]] void invert(int L, Scratch& w) {
   constexpr int C = kChunk;
-  // Zero the upper parts: the 4-row GEMM tiles over Aqk read a little above the diagonal.
-  std::memset(w.Aqk, 0, sizeof(float) * L * C);
-  std::memset(w.Akk, 0, sizeof(float) * L * C);
-  float* __restrict acc = w.acc;
-  for (int n = 0; n < L; n += kSub) {
-    const int m = std::min(kSub, L - n);  // rows n..n+m-1
-    if (n > 0) {
-      // Row factors exp(Gamma_r - Gamma_n) = exp(sum_{n<i<=r} g_i), accumulated from n.
-      std::memcpy(w.Xa, w.Q + n * K, K * sizeof(float));  // row n itself: decay 1
-      std::memcpy(w.Ka, w.Kh + n * K, K * sizeof(float));
-#pragma omp simd
-      for (int d = 0; d < K; ++d) acc[d] = 0.0f;
-      for (int i = 1; i < m; ++i) {
-        const float* __restrict G = w.G + (n + i) * K;
-        const float* __restrict Q = w.Q + (n + i) * K;
-        const float* __restrict Kh = w.Kh + (n + i) * K;
-        float* __restrict Xa = w.Xa + i * K;
-        float* __restrict Ka = w.Ka + i * K;
-#pragma omp simd
-        for (int d = 0; d < K; ++d) {
-          acc[d] += G[d];
-          const float e = exp_approx(acc[d]);
-          Xa[d] = Q[d] * e;
-          Ka[d] = Kh[d] * e;
-        }
-      }
-      // Column factors exp(Gamma_n - Gamma_s) = exp(sum_{s<i<=n} g_i), accumulated from n down to s.
-#pragma omp simd
-      for (int d = 0; d < K; ++d) acc[d] = 0.0f;
-      for (int s = n - 1; s >= 0; --s) {
-        const float* __restrict G = w.G + (s + 1) * K;
-        const float* __restrict Kh = w.Kh + s * K;
-        float* __restrict KcT = w.KcT + s;
-#pragma omp simd
-        for (int d = 0; d < K; ++d) {
-          acc[d] += G[d];
-          KcT[d * C] = Kh[d] * exp_approx(acc[d]);
-        }
-      }
-      gemm<Op::kSet>(m, n, K, w.Xa, K, w.KcT, C, w.Aqk + n * C, C);
-      gemm<Op::kSet>(m, n, K, w.Ka, K, w.KcT, C, w.Akk + n * C, C);
-      for (int i = 0; i < m; ++i) {
-        const float b = w.B[n + i];
-        float* __restrict row = w.Akk + (n + i) * C;
-#pragma omp simd
-        for (int s = 0; s < n; ++s) row[s] *= b;
-      }
-    }
-    // Diagonal block: exp(sum_{s<i<=r} g_i) accumulated from s, pair by pair.
-    for (int s = n; s < n + m; ++s) {
-      const float* __restrict ks = w.Kh + s * K;
-      const float* __restrict qs = w.Q + s * K;
-      float dqs = 0.0f;
-#pragma omp simd reduction(+ : dqs)
-      for (int d = 0; d < K; ++d) {
-        dqs += qs[d] * ks[d];
-        acc[d] = 0.0f;
-      }
-      w.Aqk[s * C + s] = dqs;
-      for (int r = s + 1; r < n + m; ++r) {
-        const float* __restrict G = w.G + r * K;
-        const float* __restrict Q = w.Q + r * K;
-        const float* __restrict kr = w.Kh + r * K;
-        float dq = 0.0f, dk = 0.0f;
-#pragma omp simd reduction(+ : dq, dk)
-        for (int d = 0; d < K; ++d) {
-          acc[d] += G[d];
-          const float e = ks[d] * exp_approx(acc[d]);
-          dq += Q[d] * e;
-          dk += kr[d] * e;
-        }
-        w.Aqk[r * C + s] = dq;
-        w.Akk[r * C + s] = w.B[r] * dk;
-      }
-    }
+  std::memset(w.T, 0, sizeof(float) * C * C);
+  invert_diagonal_blocks(w.NAkk, w.T);
+  for (int n = kSub; n < L; n += kSub) {
+    const int m = std::min(kSub, L - n);
+    const Seg sx{w.NAkk + n * C, C, false, w.T, C, n, false};
+    gemm(m, n, &sx, 1, Init{}, w.X, C);
+    const Seg st{w.T + n * C + n, C, false, w.X, C, m, true};
+    gemm(m, n, &st, 1, Init{}, w.T + n * C, C);
   }
 }
 
-void process_item(const KdaArgs& a, int64_t i, int h, float scale, Scratch& w) {
+// Token range [bos, eos) of sequence i.
+std::pair<int64_t, int64_t> segment(const KdaArgs& a, int64_t i) {
+  if (a.cu_seqlens != nullptr) return {a.cu_seqlens[i], a.cu_seqlens[i + 1]};
+  return {i * (a.T / a.N), (i + 1) * (a.T / a.N)};
+}
+
+// Queues the rows [t0, t0 + rows) of head h (q, k, g, v) for staging.
+void plan_stage(const KdaArgs& a, const Strides& st, int h, int64_t t0, int rows, Scratch& w, Stager& pf) {
+  const int K = a.K, V = a.V;
+  pf.add(a.q + t0 * st.q + h * K, st.q, rows, K, w.sq);
+  pf.add(a.k + t0 * st.k + h * K, st.k, rows, K, w.sk);
+  pf.add(a.g + t0 * st.g + h * K, st.g, rows, K, w.sg);
+  pf.add(a.v + t0 * st.v + h * V, st.v, rows, V, w.sv);
+  w.staged_t0 = t0;
+  w.staged_h = h;
+}
+
+// A chunk's next unit of work on this thread, staged while the chunk computes.
+struct Next {
+  int64_t t0 = -1;
+  int h = 0;
+  int rows = 0;
+};
+
+// Steps 1-7 for rows [c0, c0 + L) of head h, state S updated in place.
+void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L, float* S, const Next& next,
+                   float scale, Scratch& w) {
+  const int K = a.K, V = a.V;
+  constexpr int C = kChunk;
+  const int64_t ldo = static_cast<int64_t>(a.H) * V;
+  Rows in{a.q + c0 * st.q + h * K,
+          a.k + c0 * st.k + h * K,
+          a.g + c0 * st.g + h * K,
+          a.v + c0 * st.v + h * V,
+          st.q,
+          st.k,
+          st.g,
+          st.v};
+  if (w.staged_t0 == c0 && w.staged_h == h) in = Rows{w.sq, w.sk, w.sg, w.sv, K, K, K, V};
+  load_chunk(a, in, h, c0, L, scale, w);
+  decays(K, L, w);
+  build_attention(K, L, w);
+  apply_anchors(K, L, w);
+  invert(L, w);
+
+  // Step 5: R = beta V + Wn S, Vn = T R.
+  const Seg s_r{w.Xk, K, false, S, V, K, false};
+  gemm(L, V, &s_r, 1, Init{in.v, in.lv, w.B}, w.R, V);
+
+  // The next unit is staged during the rest of the chunk (R has read this chunk's staged v; Q, Kh, G are
+  // dead), spread over the full micro-tiles.
+  Stager pf;
+  if (next.t0 >= 0) plan_stage(a, st, next.h, next.t0, next.rows, w, pf);
+  const int tiles = (2 * (L / kMR) + K / kMR) * ((V + 16 * kNV - 1) / (16 * kNV));
+  const int pf_units = tiles > 0 ? (pf.total() + tiles - 1) / tiles : pf.total();
+
+  const Seg s_vn{w.T, C, false, w.R, V, L, true};
+  gemm(L, V, &s_vn, 1, Init{}, w.Vn, V, &pf, pf_units);
+
+  // Step 6: O = Qf S + Aqk Vn.
+  const Seg s_o[2] = {{w.Xq, K, false, S, V, K, false}, {w.Aqk, C, false, w.Vn, V, L, true}};
+  gemm(L, V, s_o, 2, Init{}, a.o + c0 * ldo + h * V, ldo, &pf, pf_units);
+
+  // Step 7: S <- diag(exp(Gamma_last)) S + Kr^T Vn (Kr read transposed: A(d, r) = Kr[r, d]).
+  const Seg s_s{w.Kc, K, true, w.Vn, V, L, false};
+  gemm(K, V, &s_s, 1, Init{S, V, w.last}, S, V, &pf, pf_units);
+  pf.issue(pf.total());
+}
+
+// First chunk of work item `item` (sequence item / groups, heads of group item % groups), or none.
+Next first_unit(const KdaArgs& a, int64_t item, int64_t groups, int group) {
+  Next n;
+  if (item < 0) return n;
+  const int64_t i = item / groups;
+  const auto [bos, eos] = segment(a, i);
+  const int64_t slot = a.state_indices != nullptr ? a.state_indices[i] : i;
+  if (slot < 0 || eos <= bos) return n;
+  n.t0 = bos;
+  n.h = static_cast<int>(item % groups) * group;
+  n.rows = static_cast<int>(std::min<int64_t>(kChunk, eos - bos));
+  return n;
+}
+
+// One work item: sequence i, heads [h0, h1). The heads advance chunk by chunk together, so that each
+// token row's pages and cache lines serve all of them while they are hot. next_item is the item this
+// thread runs next (-1: none), whose first chunk is staged during the last chunk of this one.
+void process_item(const KdaArgs& a, const Strides& st, int64_t i, int h0, int h1, int64_t next_item,
+                  int64_t groups, int group, float scale, Scratch& w) {
   const int K = a.K, V = a.V, H = a.H;
   constexpr int C = kChunk;
-  int64_t bos, eos;
-  if (a.cu_seqlens != nullptr) {
-    bos = a.cu_seqlens[i];
-    eos = a.cu_seqlens[i + 1];
-  } else {
-    bos = i * (a.T / a.N);
-    eos = bos + a.T / a.N;
-  }
+  const auto [bos, eos] = segment(a, i);
   const int64_t slot = a.state_indices != nullptr ? a.state_indices[i] : i;
   const int64_t ldo = static_cast<int64_t>(H) * V;
   if (slot < 0) {  // padded row: zero output, the pool is not touched
-    for (int64_t t = bos; t < eos; ++t) std::memset(a.o + t * ldo + h * V, 0, V * sizeof(float));
+    for (int64_t t = bos; t < eos; ++t) std::memset(a.o + t * ldo + h0 * V, 0, (h1 - h0) * V * sizeof(float));
     return;
   }
 
-  // The state lives in the pool slot when the final state is kept there; otherwise in scratch.
+  // Each head's state lives in its pool slot when the final state is kept there; otherwise in scratch.
   const size_t kv = static_cast<size_t>(K) * V;
   const bool has_init = a.state != nullptr && (a.has_initial_state == nullptr || a.has_initial_state[i] != 0);
-  float* pool = a.state != nullptr ? a.state + (slot * H + h) * kv : nullptr;
-  float* S = w.S;
-  if (pool != nullptr && a.output_final_state) {
-    S = pool;
-    if (!has_init) std::memset(S, 0, kv * sizeof(float));
-  } else if (has_init) {
-    std::memcpy(S, pool, kv * sizeof(float));
-  } else {
-    std::memset(S, 0, kv * sizeof(float));
+  const bool in_place = a.state != nullptr && a.output_final_state;
+  float* states[kMaxGroup];
+  for (int h = h0; h < h1; ++h) {
+    float* pool = a.state != nullptr ? a.state + (slot * H + h) * kv : nullptr;
+    float* S = in_place ? pool : w.S + (h - h0) * kv;
+    if (!has_init) {
+      std::memset(S, 0, kv * sizeof(float));
+    } else if (S != pool) {
+      std::memcpy(S, pool, kv * sizeof(float));
+    }
+    states[h - h0] = S;
   }
 
   for (int64_t c0 = bos; c0 < eos; c0 += C) {
     const int L = static_cast<int>(std::min<int64_t>(C, eos - c0));
-    load_chunk(a, h, c0, L, scale, w);
-    build_attention(K, L, w);
-
-    // Step 4: Vn = beta v - Wf S, then Vn <- (I + Akk)^-1 Vn: rows of earlier sub-blocks enter as one
-    // GEMM per sub-block, rows inside a sub-block by plain forward substitution.
-    for (int r = 0; r < L; ++r) {
-      const float* __restrict v = a.v + ((c0 + r) * H + h) * V;
-      float* __restrict vn = w.Vn + r * V;
-      const float b = w.B[r];
-#pragma omp simd
-      for (int x = 0; x < V; ++x) vn[x] = b * v[x];
-    }
-    gemm<Op::kSub>(L, V, K, w.Wf, K, S, V, w.Vn, V);
-    for (int n = 0; n < L; n += kSub) {
-      const int m = std::min(kSub, L - n);
-      if (n > 0) gemm<Op::kSub>(m, V, n, w.Akk + n * C, C, w.Vn, V, w.Vn + n * V, V);
-      for (int r = n + 1; r < n + m; ++r) {
-        float* __restrict vr = w.Vn + r * V;
-        for (int j = n; j < r; ++j) {
-          const float c = w.Akk[r * C + j];
-          const float* __restrict vj = w.Vn + j * V;
-#pragma omp simd
-          for (int x = 0; x < V; ++x) vr[x] -= c * vj[x];
-        }
+    for (int h = h0; h < h1; ++h) {
+      Next next;
+      if (h + 1 < h1) {
+        next = {c0, h + 1, L};
+      } else if (c0 + C < eos) {
+        next = {c0 + C, h0, static_cast<int>(std::min<int64_t>(C, eos - c0 - C))};
+      } else {
+        next = first_unit(a, next_item, groups, group);
       }
+      process_chunk(a, st, h, c0, L, states[h - h0], next, scale, w);
     }
-
-    // Step 5: O = Qf S + Aqk Vn.
-    float* o = a.o + c0 * ldo + h * V;
-    gemm<Op::kSet>(L, V, K, w.Qf, K, S, V, o, ldo);
-    gemm<Op::kAdd>(L, V, L, w.Aqk, C, w.Vn, V, o, ldo, /*lower=*/true);
-
-    // Step 6: S <- diag(exp(Gamma_last)) S + KrT Vn.
-    for (int d = 0; d < K; ++d) {
-      float* __restrict row = S + d * V;
-      const float e = w.last[d];
-#pragma omp simd
-      for (int x = 0; x < V; ++x) row[x] *= e;
-    }
-    gemm<Op::kAdd>(K, V, L, w.KrT, C, w.Vn, V, S, V);
   }
 
-  if (pool != nullptr && a.output_final_state && S != pool) std::memcpy(pool, S, kv * sizeof(float));
+  if (in_place) return;
+  for (int h = h0; h < h1 && a.state != nullptr && a.output_final_state; ++h) {
+    std::memcpy(a.state + (slot * H + h) * kv, states[h - h0], kv * sizeof(float));
+  }
 }
 
 }  // namespace
@@ -402,13 +925,28 @@ void chunk_kda_opt(const KdaArgs& a) {
   const float scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.K));
   const int64_t N = a.N;
   const int H = a.H;
+  const int64_t hk = static_cast<int64_t>(H) * a.K, hv = static_cast<int64_t>(H) * a.V;
+  const Strides st{a.q_stride > 0 ? a.q_stride : hk, a.k_stride > 0 ? a.k_stride : hk,
+                   a.v_stride > 0 ? a.v_stride : hv, a.g_stride > 0 ? a.g_stride : hk};
+  // Work items are (sequence, group of heads), handed out dynamically (varlen segments make them very
+  // uneven) and one ahead: a thread claims its next item when it starts the current one, so that it can
+  // stage its inputs. Groups of up to kMaxGroup heads while that leaves several items per thread.
+  const int threads = omp_get_max_threads();
+  int group = kMaxGroup;
+  while (group > 1 && N * ((H + group - 1) / group) < 4 * threads) group /= 2;
+  const int64_t groups = (H + group - 1) / group;
+  const int64_t items = N * groups;
+  std::atomic<int64_t> counter{0};
 #pragma omp parallel
   {
-    Scratch w(a.K, a.V);
-    // Dynamic: varlen segments make (sequence, head) items very uneven.
-#pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int64_t i = 0; i < N; ++i) {
-      for (int h = 0; h < H; ++h) process_item(a, i, h, scale, w);
+    Scratch w(a.K, a.V, group);
+    int64_t cur = counter.fetch_add(1, std::memory_order_relaxed);
+    while (cur < items) {
+      const int64_t next = counter.fetch_add(1, std::memory_order_relaxed);
+      const int h0 = static_cast<int>(cur % groups) * group;
+      process_item(a, st, cur / groups, h0, std::min(H, h0 + group), next < items ? next : -1, groups, group,
+                   scale, w);
+      cur = next;
     }
   }
 }
