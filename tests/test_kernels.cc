@@ -457,6 +457,110 @@ TEST(KdaKernels, PrefillThenDecodeMatchesOnePrefill) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Row strides: the same values laid out as column slices of wider rows must give bit-identical results.
+
+// Output and final pool of `fn` on p's inputs, dense or strided. Strided: q, k and v are column slices of
+// one [T, 2P + H*V + 5] row (as the layer's conv output q||k||v, with an odd pad so that rows are not
+// 64-byte aligned), and g starts at column 3 of a [T, P + 7] row (a slice of a wider projection output).
+std::vector<float> run_layout(const Problem& p, const std::function<void(const KdaArgs&)>& fn, bool strided) {
+  const int64_t P = static_cast<int64_t>(p.H) * p.K, Pv = static_cast<int64_t>(p.H) * p.V;
+  const int64_t qkv_w = 2 * P + Pv + 5, g_w = P + 7, g_off = 3;
+  std::vector<float> qkv(static_cast<size_t>(p.T * qkv_w), NAN), g(static_cast<size_t>(p.T * g_w), NAN);
+  for (int64_t t = 0; t < p.T; ++t) {
+    std::copy_n(p.q.begin() + t * P, P, qkv.begin() + t * qkv_w);
+    std::copy_n(p.k.begin() + t * P, P, qkv.begin() + t * qkv_w + P);
+    std::copy_n(p.v.begin() + t * Pv, Pv, qkv.begin() + t * qkv_w + 2 * P);
+    std::copy_n(p.g.begin() + t * P, P, g.begin() + t * g_w + g_off);
+  }
+  std::vector<float> o(static_cast<size_t>(p.T) * Pv, 7.0f), pool = p.pool;
+  KdaArgs a = p.args(o.data(), pool.empty() ? nullptr : pool.data());
+  if (strided) {
+    a.q = qkv.data();
+    a.k = qkv.data() + P;
+    a.v = qkv.data() + 2 * P;
+    a.g = g.data() + g_off;
+    a.q_stride = a.k_stride = a.v_stride = qkv_w;
+    a.g_stride = g_w;
+  }
+  fn(a);
+  o.insert(o.end(), pool.begin(), pool.end());
+  return o;
+}
+
+// Problems that cover varlen with padding and initial-state flags, decode, and V with and without a
+// partial 64-column strip, with each combination of the l2norm / gate flags.
+std::vector<Problem> stride_problems() {
+  std::vector<Problem> out;
+  for (int f = 0; f < 4; ++f) {
+    Problem p;
+    p.cu = {0, 1, 70, 70, 150};
+    p.N = 4;
+    p.T = 150;
+    p.H = 3;
+    p.K = 32;
+    p.V = 48;
+    p.idx = {2, 0, -1, 3};
+    p.has_init = {1, 0, 1, 1};
+    p.slots = 4;
+    p.l2 = f & 1;
+    p.gate = f & 2;
+    fill(p, 1300 + f);
+    out.push_back(p);
+  }
+  Problem d;  // decode
+  d.T = 5;
+  d.N = 5;
+  d.H = 2;
+  d.K = 64;
+  d.V = 80;
+  d.idx = {4, 1, 0, -1, 2};
+  d.slots = 5;
+  d.l2 = true;
+  d.gate = true;
+  fill(d, 1310);
+  out.push_back(d);
+  return out;
+}
+
+void expect_strided_matches_dense(const char* name, const std::function<void(const KdaArgs&)>& fn) {
+  SCOPED_TRACE(name);
+  int n = 0;
+  for (const Problem& p : stride_problems()) {
+    SCOPED_TRACE("problem " + std::to_string(n++));
+    const auto dense = run_layout(p, fn, false);
+    const auto strided = run_layout(p, fn, true);
+    ASSERT_EQ(dense.size(), strided.size());
+    EXPECT_TRUE(all_finite(strided));
+    EXPECT_EQ(0, std::memcmp(dense.data(), strided.data(), dense.size() * sizeof(float)))
+        << "strided inputs must give bit-identical outputs and final states";
+  }
+}
+
+TEST(KdaStrides, NaiveAndRecurrentMatchDense) {
+  expect_strided_matches_dense("chunk/naive", [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Naive); });
+  expect_strided_matches_dense("recurrent/naive",
+                               [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Naive); });
+  expect_strided_matches_dense("recurrent/opt",
+                               [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Optimized); });
+}
+
+// chunk_kda_opt on its own, so that its stride support shows separately.
+TEST(KdaStrides, ChunkOptMatchesDense) {
+  expect_strided_matches_dense("chunk/opt", [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Optimized); });
+}
+
+// The strided call is also right, not only self-consistent: against the float64 reference.
+TEST(KdaStrides, RecurrentOptStridedWithinTolerance) {
+  for (const Problem& p : stride_problems()) {
+    const Reference ref = reference(p);
+    const auto got = run_layout(p, fused_recurrent_kda_opt, true);
+    const size_t n_o = static_cast<size_t>(p.T) * p.H * p.V;
+    EXPECT_LE(max_error_ratio(got.data(), ref.o.data(), n_o, kAtol, kRtol), 1.0);
+    EXPECT_LE(max_error_ratio(got.data() + n_o, ref.pool.data(), ref.pool.size(), kAtol, kRtol), 1.0);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Dispatcher.
 
 TEST(KdaDispatch, ParseAndPrint) {
@@ -571,6 +675,11 @@ TEST(KdaDispatch, ValidationErrors) {
   expect_rejected(base, "q is null", [](KdaArgs& a) { a.q = nullptr; });
   expect_rejected(base, "H, K and V must be positive", [](KdaArgs& a) { a.K = 0; });
   expect_rejected(base, "T must be >= 0", [](KdaArgs& a) { a.T = -1; });
+  // Strides: 0 or at least a dense row (H*K = 32 for q, k, g; H*V = 32 for v).
+  expect_rejected(base, "q_stride must be 0 (dense) or >= 32 (got 31)", [](KdaArgs& a) { a.q_stride = 31; });
+  expect_rejected(base, "k_stride must be 0 (dense) or >= 32 (got -1)", [](KdaArgs& a) { a.k_stride = -1; });
+  expect_rejected(base, "v_stride must be 0 (dense) or >= 32 (got 16)", [](KdaArgs& a) { a.v_stride = 16; });
+  expect_rejected(base, "g_stride must be 0 (dense) or >= 32 (got 1)", [](KdaArgs& a) { a.g_stride = 1; });
   expect_rejected(base, "state index out of range", [](KdaArgs& a) {
     a.state_indices = nullptr;  // sequences 0..2 on a 2-slot pool
     a.num_state_slots = 2;

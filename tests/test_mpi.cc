@@ -76,14 +76,16 @@ TEST_F(Mpi, RunTp2AndTp4EqualTp1) {
 }
 
 TEST_F(Mpi, VerifyPassesUnderTp2) {
-  const auto r = sh(mpirun(2) + " verify --dumps " + testing::dumps_dir().string() + " --precision fp32 --tp 2");
+  const auto r =
+      sh(mpirun(2) + " verify --dumps " + testing::dumps_dir().string() + " --precision fp32 --tp 2");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("verify: 12 passed, 0 failed"));
 }
 
 TEST_F(Mpi, LaunchUnlikeTpIsAnError) {
   const auto dir = testing::dumps_dir().string();
-  const std::string args = " run --model " + dir + " --layer 0 --input " + dir + "/T8.npz --output /tmp/kda_x.npz";
+  const std::string args =
+      " run --model " + dir + " --layer 0 --input " + dir + "/T8.npz --output /tmp/kda_x.npz";
   auto r = sh(mpirun(3) + args + " --tp 2");
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.output, HasSubstr("started with 3 ranks but --tp 2"));

@@ -76,13 +76,14 @@ INSTANTIATE_TEST_SUITE_P(Mini, TpCase,
                                                               "single_T128_initstate"),
                                             ::testing::Values(2, 4), ::testing::Values(0, 8)),
                          [](const auto& i) {
-                           return std::get<0>(i.param) + "_tp" + std::to_string(std::get<1>(i.param)) + "_tail" +
-                                  std::to_string(std::get<2>(i.param));
+                           return std::get<0>(i.param) + "_tp" + std::to_string(std::get<1>(i.param)) +
+                                  "_tail" + std::to_string(std::get<2>(i.param));
                          });
 
 TEST(TensorParallel, Bf16MatchesTp1) {
   Mini m;
-  const auto c = runtime::LayerCase::from_npz(io::read_npz(testing::dumps_dir() / "varlen_initstate.npz"), m.cfg);
+  const auto c =
+      runtime::LayerCase::from_npz(io::read_npz(testing::dumps_dir() / "varlen_initstate.npz"), m.cfg);
   const auto ref = run_tp(m, c, 1, 8, Precision::BF16).front();
   const auto got = run_tp(m, c, 2, 8, Precision::BF16);
   // bf16 rounds after the all-reduce; the partial sums differ in order only.
@@ -91,7 +92,8 @@ TEST(TensorParallel, Bf16MatchesTp1) {
 
 TEST(TensorParallel, InvarianceHoldsUnderTp) {
   Mini m;
-  const auto c = runtime::LayerCase::from_npz(io::read_npz(testing::dumps_dir() / "varlen_initstate.npz"), m.cfg);
+  const auto c =
+      runtime::LayerCase::from_npz(io::read_npz(testing::dumps_dir() / "varlen_initstate.npz"), m.cfg);
   const auto full = run_tp(m, c, 2, 0);
   const auto tail = run_tp(m, c, 2, 8);
   expect_close(tail[0].out, full[0].out, "invariance out");
@@ -123,7 +125,7 @@ TEST(TensorParallel, ShardsHoldOnlyTheirSlices) {
   for (int tp : {2, 4})
     for (int r = 0; r < tp; ++r) {
       const auto a = models::KdaLayerWeights::load(m.ckpt, m.cfg, 0, r, tp);  // read from the mapping
-      const auto b = full.shard(m.cfg, r, tp);                               // sliced in memory
+      const auto b = full.shard(m.cfg, r, tp);                                // sliced in memory
       EXPECT_EQ(a.q_proj, b.q_proj);
       EXPECT_EQ(a.o_proj, b.o_proj);
       EXPECT_EQ(a.A_log, b.A_log);

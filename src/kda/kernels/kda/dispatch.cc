@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -35,6 +36,18 @@ void validate_kda_args(const KdaArgs& a) {
     }
   }
   if (a.use_gate_in_kernel && a.A_log == nullptr) fail("use_gate_in_kernel requires A_log");
+
+  // Row strides: 0 (dense) or at least a dense row, so that tokens' rows never overlap.
+  const int64_t qk_row = static_cast<int64_t>(a.H) * a.K, v_row = static_cast<int64_t>(a.H) * a.V;
+  const std::tuple<int64_t, int64_t, const char*> strides[] = {{a.q_stride, qk_row, "q_stride"},
+                                                               {a.k_stride, qk_row, "k_stride"},
+                                                               {a.v_stride, v_row, "v_stride"},
+                                                               {a.g_stride, qk_row, "g_stride"}};
+  for (const auto& [stride, row, name] : strides) {
+    if (stride != 0 && stride < row) {
+      fail(std::string(name) + " must be 0 (dense) or >= " + str(row) + " (got " + str(stride) + ")");
+    }
+  }
 
   if (a.cu_seqlens != nullptr) {
     if (a.N < 1) fail("cu_seqlens needs N >= 1 (N=" + str(a.N) + ")");

@@ -33,13 +33,25 @@ float effective_scale(const KdaArgs& a) {
 
 float softplus(float z) { return z > 20.0f ? z : std::log1p(std::exp(z)); }
 
+// Row strides (elements between consecutive tokens), 0 meaning dense.
+int64_t qk_dense(const KdaArgs& a) { return static_cast<int64_t>(a.H) * a.K; }
+int64_t q_stride(const KdaArgs& a) { return a.q_stride > 0 ? a.q_stride : qk_dense(a); }
+int64_t k_stride(const KdaArgs& a) { return a.k_stride > 0 ? a.k_stride : qk_dense(a); }
+int64_t g_stride(const KdaArgs& a) { return a.g_stride > 0 ? a.g_stride : qk_dense(a); }
+int64_t v_stride(const KdaArgs& a) { return a.v_stride > 0 ? a.v_stride : static_cast<int64_t>(a.H) * a.V; }
+
+// Row of v for token t, head h.
+const float* v_row(const KdaArgs& a, int64_t t, int h) { return a.v + t * v_stride(a) + h * a.V; }
+
 // q-hat, k-hat and the log-space gate g of token t, head h (spec steps 3 and 5; no scale yet).
 void load_token(const KdaArgs& a, int64_t t, int h, float* q, float* k, float* g) {
   const int K = a.K;
-  const int64_t off = (t * a.H + h) * K;
+  const float* qt = a.q + t * q_stride(a) + h * K;
+  const float* kt = a.k + t * k_stride(a) + h * K;
+  const float* gt = a.g + t * g_stride(a) + h * K;
   for (int d = 0; d < K; ++d) {
-    q[d] = a.q[off + d];
-    k[d] = a.k[off + d];
+    q[d] = qt[d];
+    k[d] = kt[d];
   }
   if (a.use_qk_l2norm_in_kernel) {
     float sq = 0.0f, sk = 0.0f;
@@ -57,9 +69,9 @@ void load_token(const KdaArgs& a, int64_t t, int h, float* q, float* k, float* g
   for (int d = 0; d < K; ++d) {
     if (a.use_gate_in_kernel) {
       const float bias = a.dt_bias != nullptr ? a.dt_bias[h * K + d] : 0.0f;
-      g[d] = -std::exp(a.A_log[h]) * softplus(a.g[off + d] + bias);
+      g[d] = -std::exp(a.A_log[h]) * softplus(gt[d] + bias);
     } else {
-      g[d] = a.g[off + d];
+      g[d] = gt[d];
     }
   }
 }
@@ -104,7 +116,7 @@ void fused_recurrent_kda_naive(const KdaArgs& a) {
       for (int64_t t = sg.bos; t < sg.eos; ++t) {
         load_token(a, t, h, q.data(), k.data(), g.data());
         const float b = a.beta[t * H + h];
-        const float* vt = a.v + (t * H + h) * V;
+        const float* vt = v_row(a, t, h);
         // S <- diag(exp(g)) S
         for (int d = 0; d < K; ++d) {
           const float e = std::exp(g[d]);
@@ -160,7 +172,8 @@ void chunk_kda_naive(const KdaArgs& a) {
           const int64_t t = c0 + r;
           load_token(a, t, h, &Q[r * K], &Kh[r * K], &G[r * K]);
           B[r] = a.beta[t * H + h];
-          for (int j = 0; j < V; ++j) Vc[r * V + j] = a.v[(t * H + h) * V + j];
+          const float* vt = v_row(a, t, h);
+          for (int j = 0; j < V; ++j) Vc[r * V + j] = vt[j];
         }
 
         // Forward decays exp(Gamma_r): a running sum from the chunk start.
