@@ -1,6 +1,7 @@
 // The kda CLI's subcommands; main.cc parses the options (CLI11) and calls these.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace kda::cli {
@@ -32,5 +33,28 @@ struct BenchOptions {
   bool skip_naive = false;
 };
 int run_bench(const BenchOptions& o);
+
+// kda simulate (src/kda/serving/simulate.h). The defaults are the README's main job; they are sized to
+// finish in about a minute on 2 cores while still filling the pool and reusing slots.
+struct SimulateCliOptions {
+  std::string model;  // empty: synthetic Kimi-Linear-48B-A3B KDA layers
+  int layers = 0;     // 0: all KDA layers
+  std::string precision = "bf16";
+  std::string kernel = "auto";
+  int64_t requests = 32;
+  std::string prompt_len = "8:48";
+  int64_t output_len = 16;
+  std::string trace;
+  uint64_t seed = 0;
+  int64_t token_budget = 4096;
+  int64_t max_batch = 64;
+  bool mixed = false;
+  std::string state_memory = "1GiB";
+  int64_t parallel_samples = 1;
+  int64_t check = 2;
+  std::string outputs;
+  bool json = false;
+};
+int run_simulate(const SimulateCliOptions& o);
 
 }  // namespace kda::cli

@@ -19,7 +19,8 @@ int main(int argc, char** argv) {
   verify->add_option("--kernel", vo.kernel, "auto | naive | optimized")
       ->check(CLI::IsMember({"auto", "naive", "optimized"}));
   verify->add_flag("--json", vo.json, "print the results as JSON");
-  verify->add_option("--tp", vo.tp, "tensor-parallel ranks (start with mpirun -np N)")->check(CLI::PositiveNumber);
+  verify->add_option("--tp", vo.tp, "tensor-parallel ranks (start with mpirun -np N)")
+      ->check(CLI::PositiveNumber);
 
   kda::cli::RunOptions ro;
   auto* run = app.add_subcommand("run", "run one KDA layer of a checkpoint on a case");
@@ -31,7 +32,8 @@ int main(int argc, char** argv) {
   run->add_option("--precision", ro.precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
   run->add_option("--decode-tail", ro.decode_tail, "run each sequence's last K tokens as DECODE steps")
       ->check(CLI::NonNegativeNumber);
-  run->add_option("--tp", ro.tp, "tensor-parallel ranks (start with mpirun -np N)")->check(CLI::PositiveNumber);
+  run->add_option("--tp", ro.tp, "tensor-parallel ranks (start with mpirun -np N)")
+      ->check(CLI::PositiveNumber);
   run->add_option("--kernel", ro.kernel, "auto | naive | optimized")
       ->check(CLI::IsMember({"auto", "naive", "optimized"}));
 
@@ -41,11 +43,47 @@ int main(int argc, char** argv) {
   bench->add_flag("--json", bo.json, "print the results as JSON");
   bench->add_flag("--skip-naive", bo.skip_naive, "do not time the reference kernels");
 
+  kda::cli::SimulateCliOptions so;
+  auto* sim = app.add_subcommand(
+      "simulate", "a serving scheduler driving a stack of KDA layers with continuous batching (main job)");
+  sim->add_option("--model", so.model,
+                  "checkpoint folder (default: synthetic Kimi-Linear-48B-A3B KDA layers)");
+  sim->add_option("--layers", so.layers, "the first N KDA layers (default: all)");
+  sim->add_option("--precision", so.precision, "fp32 | bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  sim->add_option("--kernel", so.kernel, "auto | naive | optimized")
+      ->check(CLI::IsMember({"auto", "naive", "optimized"}))
+      ->capture_default_str();
+  auto* reqs =
+      sim->add_option("--requests", so.requests, "number of generated requests")->capture_default_str();
+  auto* plen = sim->add_option("--prompt-len", so.prompt_len, "prompt lengths MIN:MAX (uniform)")
+                   ->capture_default_str();
+  auto* olen =
+      sim->add_option("--output-len", so.output_len, "decode steps per request")->capture_default_str();
+  sim->add_option("--trace", so.trace, "JSON list of {prompt_len, output_len, arrival_step}")
+      ->excludes(reqs)
+      ->excludes(plen)
+      ->excludes(olen);
+  sim->add_option("--seed", so.seed, "seed of weights, workload and inputs")->capture_default_str();
+  sim->add_option("--token-budget", so.token_budget, "tokens per step (chunked prefill)")
+      ->capture_default_str();
+  sim->add_option("--max-batch", so.max_batch, "decode rows per step")->capture_default_str();
+  sim->add_flag("--mixed", so.mixed, "prefill chunks and decodes in one EXTEND batch");
+  sim->add_option("--state-memory", so.state_memory, "bytes for the state pool (e.g. 2GiB, 512MiB)")
+      ->capture_default_str();
+  sim->add_option("--parallel-samples", so.parallel_samples, "continuations forked per request after prefill")
+      ->capture_default_str();
+  sim->add_option("--check", so.check, "requests re-run alone and compared (0: off)")->capture_default_str();
+  sim->add_option("--outputs", so.outputs, ".npz of every request's last-layer outputs");
+  sim->add_flag("--json", so.json, "print the summary as JSON");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (verify->parsed()) return kda::cli::run_verify(vo);
     if (run->parsed()) return kda::cli::run_run(ro);
     if (bench->parsed()) return kda::cli::run_bench(bo);
+    if (sim->parsed()) return kda::cli::run_simulate(so);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kda: error: %s\n", e.what());
     kda::distributed::abort_other_ranks(2);

@@ -1,0 +1,130 @@
+// kda simulate: options -> serving::SimulateOptions (through ServerArgs), SIGINT handling, the
+// progress display, and the summary (text or JSON).
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <string>
+
+#include "kda/cli/commands.h"
+#include "kda/serving/progress.h"
+#include "kda/serving/simulate.h"
+#include "kda/serving/trace.h"
+
+namespace kda::cli {
+
+namespace {
+
+std::atomic<bool> g_stop{false};  // lock-free: a store from a signal handler is safe
+static_assert(std::atomic<bool>::is_always_lock_free);
+
+extern "C" void on_sigint(int) { g_stop.store(true); }
+
+// Ctrl-C asks for a stop after the current step; SA_RESETHAND makes a second Ctrl-C end the process.
+void install_sigint() {
+  struct sigaction sa = {};
+  sa.sa_handler = on_sigint;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESETHAND;
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+std::string mib(double bytes) {
+  char buf[32];
+  if (bytes >= 1024.0 * 1024 * 1024)
+    std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / (1024.0 * 1024 * 1024));
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / (1024.0 * 1024));
+  return buf;
+}
+
+void print_summary(const serving::SimulateResult& r) {
+  const auto& s = r.serve;
+  const double wall = s.wall_s > 0 ? s.wall_s : 1e-9;
+  std::printf("\nkda simulate: %d KDA layer%s (%s, %s, hidden %lld), built in %.1f s%s\n", r.layers,
+              r.layers == 1 ? "" : "s", r.model.c_str(), to_string(r.precision),
+              static_cast<long long>(r.hidden), r.build_s, s.interrupted ? "  [INTERRUPTED]" : "");
+  std::printf(
+      "  requests      %lld of %lld completed (parallel samples %d); %lld steps: %lld extend, %lld decode, "
+      "%lld mixed\n",
+      static_cast<long long>(s.requests_completed), static_cast<long long>(r.requests), r.parallel_samples,
+      static_cast<long long>(s.steps), static_cast<long long>(s.extend_steps),
+      static_cast<long long>(s.decode_steps), static_cast<long long>(s.mixed_steps));
+  std::printf("  prefill       %lld tokens, %.1f tok/s\n", static_cast<long long>(s.prefill_tokens),
+              static_cast<double>(s.prefill_tokens) / wall);
+  std::printf("  decode        %lld tokens, %.1f tok/s\n", static_cast<long long>(s.decode_tokens),
+              static_cast<double>(s.decode_tokens) / wall);
+  std::printf("  wall          %.1f s serving\n", s.wall_s);
+  std::printf("  step latency  p50 %.1f ms, p99 %.1f ms\n", r.step_ms_p50, r.step_ms_p99);
+  std::printf("  state pool    %lld slots x %s = %s; peak %lld slots in use, %lld slot reuses\n",
+              static_cast<long long>(r.pool_slots), mib(static_cast<double>(r.slot_bytes)).c_str(),
+              mib(static_cast<double>(r.pool_bytes)).c_str(), static_cast<long long>(s.peak_slots),
+              static_cast<long long>(s.slot_reuses));
+  std::printf("  scheduler     token budget %lld, max batch %lld, mixed %s, radix cache %s\n",
+              static_cast<long long>(r.token_budget), static_cast<long long>(r.max_batch),
+              r.mixed ? "on" : "off", r.radix_cache_disabled ? "disabled (recurrent state)" : "enabled");
+  if (r.check) {
+    std::string ids;
+    for (const auto id : r.check->request_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+    std::printf("  self-check    %zu request(s) alone [%s]: worst %s = %.3g (<= 1 passes)  %s\n",
+                r.check->request_ids.size(), ids.c_str(), r.check->metric.c_str(), r.check->worst_ratio,
+                r.check->ok ? "PASS" : "FAIL");
+  } else {
+    std::printf("  self-check    %s\n", s.interrupted ? "skipped (interrupted)" : "off (--check 0)");
+  }
+}
+
+}  // namespace
+
+int run_simulate(const SimulateCliOptions& o) {
+  serving::SimulateOptions so;
+  so.model_dir = o.model;
+  so.layers = o.layers;
+  so.precision = parse_precision(o.precision);
+  so.kernel = o.kernel;
+  so.seed = o.seed;
+  if (!o.trace.empty()) {
+    so.requests = serving::load_trace(o.trace);
+  } else {
+    if (o.output_len < 0 || o.output_len > INT32_MAX)
+      throw std::invalid_argument("--output-len must be in 0..2^31-1, got " + std::to_string(o.output_len));
+    so.requests = serving::make_workload(o.requests, serving::parse_len_range(o.prompt_len, "--prompt-len"),
+                                         static_cast<int32_t>(o.output_len), o.seed);
+  }
+  so.server_args.chunked_prefill_size = o.token_budget;
+  so.server_args.enable_mixed_chunk = o.mixed;
+  so.max_batch = o.max_batch;
+  so.state_memory = serving::parse_byte_size(o.state_memory, "--state-memory");
+  if (o.parallel_samples < 1 || o.parallel_samples > 4096)
+    throw std::invalid_argument("--parallel-samples must be in 1..4096, got " +
+                                std::to_string(o.parallel_samples));
+  so.parallel_samples = static_cast<int32_t>(o.parallel_samples);
+  so.check = o.check;
+  so.outputs_path = o.outputs;
+
+  // With --json, stdout carries only the JSON: progress and phase lines go to stderr.
+  std::FILE* info = o.json ? stderr : stdout;
+  serving::Progress progress(info, isatty(fileno(info)) != 0);
+  so.progress = [&](const serving::ProgressInfo& p) { progress.update(p); };
+  so.log = [&](const std::string& line) {
+    progress.finish();  // a bar in flight ends its line first
+    std::fprintf(info, "kda simulate: %s\n", line.c_str());
+    std::fflush(info);
+  };
+  g_stop.store(false);
+  so.stop = &g_stop;
+  install_sigint();
+
+  const auto r = serving::run_simulation(so);
+  progress.finish();
+  if (o.json)
+    std::printf("%s\n", serving::to_json(r).dump(2).c_str());
+  else
+    print_summary(r);
+  if (!o.outputs.empty() && !o.json) std::printf("  outputs       %s\n", o.outputs.c_str());
+  if (r.serve.interrupted) return 130;
+  return r.ok() ? 0 : 1;
+}
+
+}  // namespace kda::cli

@@ -1,0 +1,57 @@
+// The serving loop: the scheduler picks each step's batch, the engine builds its inputs, runs the
+// model step and hands the outputs back (to the sequences, and as the next decode inputs). Used for
+// the simulation itself and for the self-check's runs of single requests.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "kda/serving/model_runner.h"
+#include "kda/serving/request.h"
+#include "kda/serving/scheduler.h"
+
+namespace kda::serving {
+
+struct ProgressInfo {
+  int64_t tokens_done = 0, tokens_total = 0;
+  int64_t requests_done = 0, requests_total = 0;
+  int64_t steps = 0;
+  double elapsed_s = 0.0;
+};
+
+struct ServeOptions {
+  SchedulerOptions scheduler;
+  uint64_t seed = 0;
+  // Per request (workload index): keep its sequences' outputs. Empty: keep none.
+  std::vector<uint8_t> keep;
+  // Checked before every step: when set, the loop stops after the step in flight (SIGINT).
+  const std::atomic<bool>* stop = nullptr;
+  std::function<void(const ProgressInfo&)> progress;  // after every step
+};
+
+// One continuation's last-layer outputs for every token it processed: [prompt_len + decoded, D].
+struct SequenceOutput {
+  int64_t request_id = 0;
+  int32_t sample = 0;  // sample index that seeded its decode noise (request's sample_base + j)
+  int32_t prompt_len = 0;
+  std::vector<float> rows;
+};
+
+struct ServeResult {
+  int64_t hidden = 0;
+  int64_t steps = 0, extend_steps = 0, decode_steps = 0, mixed_steps = 0;
+  int64_t prefill_tokens = 0, decode_tokens = 0;
+  int64_t requests_completed = 0;
+  int64_t peak_slots = 0, slot_reuses = 0;
+  double wall_s = 0.0;
+  std::vector<double> step_ms;
+  bool interrupted = false;
+  // Indexed like Scheduler::sequences() ([request * n + sample]); rows empty unless kept.
+  std::vector<SequenceOutput> outputs;
+};
+
+ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests, const ServeOptions& opt);
+
+}  // namespace kda::serving

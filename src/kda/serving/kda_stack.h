@@ -1,0 +1,69 @@
+// KdaStack: the KDA layers of a Kimi-Linear decoder as one model, with the decoder's residual stream
+//   h <- h + KDA_l(RMSNorm_l(h))      for each KDA layer l, in decoder order
+// (the MLA and MoE parts of the decoder are not modelled). The stack owns its layers, their input
+// RMSNorm weights and one KdaWorkspace shared by every layer; it holds no state and no backend: the
+// states live in the RecurrentStatePool and the backend (with its per-step metadata) comes with the
+// ForwardBatch, as in the decoder. The scheduler only sees forward() and the pool geometry, so a later
+// tensor-parallel stack can swap the layer implementation behind the same interface.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "kda/common/precision.h"
+#include "kda/io/config.h"
+#include "kda/mem_cache/memory_pool.h"
+#include "kda/model_executor/forward_batch_info.h"
+#include "kda/models/kimi_linear.h"
+
+namespace kda::serving {
+
+// The Kimi-Linear-48B-A3B geometry (kda-numerics.md): hidden 2304, 27 decoder layers of which 20 are
+// KDA, 32 heads x 128, conv 4, rms_norm_eps 1e-5.
+io::KimiLinearConfig kimi_linear_48b_config();
+
+class KdaStack {
+ public:
+  // The first `num_layers` KDA layers of `cfg` (0: all) with seeded synthetic weights, layer l seeded
+  // with seed + 1000 * (l + 1); RMSNorm weights are ones.
+  static std::unique_ptr<KdaStack> synthetic(const io::KimiLinearConfig& cfg, int num_layers,
+                                             Precision precision, uint64_t seed);
+  // The first `num_layers` KDA layers of a checkpoint folder (0: all). Only those layers' tensors are
+  // read from the memory-mapped checkpoint; model.layers.{i}.input_layernorm.weight when present.
+  static std::unique_ptr<KdaStack> from_checkpoint(const std::filesystem::path& dir, int num_layers,
+                                                   Precision precision);
+
+  // Throws std::invalid_argument when num_layers is outside 0..(the config's KDA layer count).
+  static std::vector<int> select_layers(const io::KimiLinearConfig& cfg, int num_layers);
+
+  const io::KimiLinearConfig& config() const { return cfg_; }
+  Precision precision() const { return precision_; }
+  int64_t hidden_size() const { return cfg_.hidden_size; }
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  const std::vector<int>& layer_ids() const { return layer_ids_; }
+
+  // Pool geometry for `slots` usable slots: every layer's recurrent state and conv state.
+  mem_cache::RecurrentStatePoolConfig pool_config(int64_t slots) const;
+  // Bytes one slot holds over all layers (recurrent fp32 + conv in the precision's conv dtype).
+  static int64_t slot_bytes(const io::KimiLinearConfig& cfg, int num_layers, Precision precision);
+
+  // x [T, D] -> out [T, D], the residual stream after the last layer. The backend's metadata for
+  // this batch must be initialised (once, for all layers) before the call.
+  void forward(const float* x, int64_t T, const model_executor::ForwardBatch& fb,
+               mem_cache::RecurrentStatePool& pool, float* out);
+
+ private:
+  KdaStack(const io::KimiLinearConfig& cfg, Precision precision) : cfg_(cfg), precision_(precision) {}
+
+  io::KimiLinearConfig cfg_;
+  Precision precision_;
+  std::vector<int> layer_ids_;  // decoder layer ids (0-based), in order
+  std::vector<std::unique_ptr<models::KimiDeltaAttention>> layers_;
+  std::vector<std::vector<float>> norm_w_;  // [layer][D]
+  models::KdaWorkspace ws_;                 // shared by every layer: one layer runs at a time
+  std::vector<float> normed_, attn_out_;    // [T, D] scratch
+};
+
+}  // namespace kda::serving

@@ -1,0 +1,115 @@
+// The scheduler of the serving simulation: which sequences run in each step, and the slot lifecycle
+// (admission, fork, free). It does no compute; the driver runs the batches it hands out.
+//
+// Policy (sglang-like):
+//   - Requests are admitted in arrival order (FIFO, no overtaking) when the pool has a slot for them:
+//     a request with n parallel samples needs n free slots, one taken at admission and n - 1 reserved
+//     for its forks. So a fork never waits on a pool full of parents waiting to fork (which could
+//     deadlock); the request waits at admission instead. A full pool makes requests wait, never evicts.
+//   - Chunked prefill: each step's prompt tokens fit the token budget; requests already in prefill
+//     continue first, then new ones are admitted while budget and slots remain.
+//   - Decodes are batched (at most max_batch rows), round-robin when more sequences decode than fit.
+//   - Without mixed batches a step is either EXTEND (prefill chunks) or DECODE. Prefill goes first, as
+//     in sglang, but after max_prefill_streak EXTEND steps in a row with decodes waiting, one DECODE
+//     step runs, so decodes never starve behind a long stream of prompts.
+//   - With mixed batches, decodes (as 1-token EXTEND segments with prefix > 0, counted in the token
+//     budget) and prefill chunks share one EXTEND step; a step with no prefill work is a DECODE step.
+//   - Parallel samples: continuation 0 is the request itself; when its prompt is done, continuations
+//     1..n-1 are forked from it (HybridReqToTokenPool::fork, i.e. copy_slot) and all n decode.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <utility>
+#include <vector>
+
+#include "kda/mem_cache/memory_pool.h"
+#include "kda/model_executor/forward_batch_info.h"
+#include "kda/serving/request.h"
+
+namespace kda::serving {
+
+struct SchedulerOptions {
+  int64_t token_budget = 4096;  // tokens per step (prefill; in mixed steps decodes count too)
+  int64_t max_batch = 64;       // decode rows per step
+  bool mixed = false;
+  int32_t parallel_samples = 1;
+  int max_prefill_streak = 4;
+};
+
+struct BatchRow {
+  int64_t seq = 0;      // index into Scheduler::sequences()
+  int32_t start = 0;    // first position this step runs (= tokens processed before)
+  int32_t len = 0;      // tokens this step runs
+  bool decode = false;  // a decode token (else prompt tokens)
+};
+
+struct ScheduledBatch {
+  model_executor::ForwardMode mode = model_executor::ForwardMode::EXTEND;
+  std::vector<BatchRow> rows;
+  int64_t prefill_tokens = 0, decode_tokens = 0;
+  bool empty() const { return rows.empty(); }
+  int64_t num_tokens() const { return prefill_tokens + decode_tokens; }
+};
+
+struct StepEvents {
+  std::vector<std::pair<int64_t, int64_t>> forks;  // (parent seq, child seq): child starts as a copy
+  std::vector<int64_t> finished;                   // sequences that finished in this step
+};
+
+class Scheduler {
+ public:
+  // `pool` must outlive the scheduler. Throws std::invalid_argument for options it cannot serve
+  // (a request needing more slots than the pool has, budget or batch < 1).
+  Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOptions& options,
+            mem_cache::HybridReqToTokenPool& pool);
+
+  bool done() const { return finished_requests_ == static_cast<int64_t>(requests_.size()); }
+  int64_t step() const { return step_; }
+
+  // The next step's batch (admitting requests, which takes slots). Empty when nothing can run before
+  // a later arrival: call skip_to_next_arrival() then.
+  ScheduledBatch schedule();
+  // The ForwardBatch of a scheduled batch (request pool indices, lengths, prefixes).
+  model_executor::ForwardBatch forward_batch(const ScheduledBatch& b) const;
+  // After the batch ran: advances positions, forks finished prompts, frees finished sequences.
+  StepEvents complete(const ScheduledBatch& b);
+  // Idle until the next arrival; false when no request is left to arrive.
+  bool skip_to_next_arrival();
+
+  const std::vector<Sequence>& sequences() const { return seqs_; }
+  int64_t seq_index(int64_t request, int32_t sample) const { return request * n_ + sample; }
+  int32_t parallel_samples() const { return n_; }
+
+  int64_t finished_requests() const { return finished_requests_; }
+  int64_t peak_slots() const { return peak_slots_; }
+  int64_t slot_reuses() const { return slot_reuses_; }
+  int64_t slots_in_use() const;
+
+ private:
+  int32_t slots_needed(int64_t request) const;
+  bool can_admit(int64_t request) const;
+  int32_t take_slot(int32_t req_pool_index);  // bookkeeping after an alloc / fork; returns the slot
+  void fill_prefill(ScheduledBatch& b, int64_t budget);
+  void take_decodes(ScheduledBatch& b, int64_t limit);
+  void finish(int64_t seq, StepEvents& ev);
+
+  std::vector<RequestSpec> requests_;
+  SchedulerOptions opt_;
+  int32_t n_;
+  mem_cache::HybridReqToTokenPool* pool_;
+  std::vector<Sequence> seqs_;          // [request * n + sample]
+  std::vector<int64_t> arrival_order_;  // requests by (arrival_step, index)
+  size_t next_arrival_ = 0;             // into arrival_order_
+  std::deque<int64_t> waiting_;         // arrived, not admitted (requests)
+  std::vector<int64_t> prefilling_;     // sequences in prefill, in admission order
+  std::deque<int64_t> decode_queue_;    // sequences ready to decode, round-robin
+  std::vector<int32_t> unfinished_;     // per request: continuations not finished
+  std::vector<uint8_t> slot_used_;      // per slot: handed out before (slot reuse count)
+  int64_t reserved_ = 0;                // slots promised to forks of admitted requests
+  int64_t step_ = 0;
+  int prefill_streak_ = 0;
+  int64_t finished_requests_ = 0, peak_slots_ = 0, slot_reuses_ = 0;
+};
+
+}  // namespace kda::serving

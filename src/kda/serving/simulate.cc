@@ -1,0 +1,325 @@
+#include "kda/serving/simulate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <random>
+#include <stdexcept>
+
+#include "kda/io/npy.h"
+#include "kda/kernels/kda/kda.h"
+#include "kda/serving/kda_stack.h"
+#include "kda/serving/model_runner.h"
+#include "kda/serving/trace.h"
+
+namespace kda::serving {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// What the options resolve to, all of it computed (and checked) before any work.
+struct Plan {
+  io::KimiLinearConfig cfg;
+  int layers = 0;
+  kernels::KernelImpl kernel = kernels::KernelImpl::Auto;
+  ServerArgs server_args;
+  SchedulerOptions sched;
+  int64_t slot_bytes = 0, slots = 0;
+  std::vector<int64_t> check_requests;  // workload indices
+};
+
+int32_t slots_for(const RequestSpec& r, int32_t n) { return r.output_len > 0 ? n : 1; }
+
+Plan make_plan(const SimulateOptions& o) {
+  validate_workload(o.requests);
+  Plan p;
+  p.server_args = o.server_args;
+  if (p.server_args.chunked_prefill_size < 1)
+    throw std::invalid_argument("--token-budget must be >= 1, got " +
+                                std::to_string(p.server_args.chunked_prefill_size));
+  p.server_args.check_server_args(/*model_has_recurrent_state=*/true);
+  if (o.max_batch < 1)
+    throw std::invalid_argument("--max-batch must be >= 1, got " + std::to_string(o.max_batch));
+  if (o.parallel_samples < 1)
+    throw std::invalid_argument("--parallel-samples must be >= 1, got " + std::to_string(o.parallel_samples));
+  const int64_t R = static_cast<int64_t>(o.requests.size());
+  if (o.check < 0 || o.check > R)
+    throw std::invalid_argument("--check " + std::to_string(o.check) + ": must be in 0.." +
+                                std::to_string(R) + " (the number of requests)");
+  if (o.state_memory < 1)
+    throw std::invalid_argument("--state-memory must be positive, got " + std::to_string(o.state_memory));
+  p.kernel = kernels::parse_kernel_impl(o.kernel);
+  if (!o.model_dir.empty()) {
+    if (!std::filesystem::is_directory(o.model_dir))
+      throw std::invalid_argument("--model " + o.model_dir + ": not a directory");
+    p.cfg = io::load_config(o.model_dir);
+  } else {
+    p.cfg = o.synthetic_config.value_or(kimi_linear_48b_config());
+  }
+  p.layers = static_cast<int>(KdaStack::select_layers(p.cfg, o.layers).size());
+  p.slot_bytes = KdaStack::slot_bytes(p.cfg, p.layers, o.precision);
+  const int64_t budget_slots = o.state_memory / p.slot_bytes;
+  if (budget_slots < 1)
+    throw std::invalid_argument("--state-memory " + std::to_string(o.state_memory) +
+                                " bytes is too small for one state slot: a slot needs " +
+                                std::to_string(p.slot_bytes) + " bytes (" + std::to_string(p.layers) +
+                                " layers x (recurrent + conv state))");
+  int64_t need = 0, total = 0;
+  for (const auto& r : o.requests) {
+    need = std::max<int64_t>(need, slots_for(r, o.parallel_samples));
+    total += slots_for(r, o.parallel_samples);
+  }
+  if (budget_slots < need)
+    throw std::invalid_argument("--state-memory " + std::to_string(o.state_memory) + " bytes holds " +
+                                std::to_string(budget_slots) + " state slots, but a request with " +
+                                std::to_string(o.parallel_samples) + " parallel samples needs " +
+                                std::to_string(need));
+  // More slots than the workload has sequences could never be used: do not allocate them.
+  p.slots = std::min(budget_slots, total);
+  if (!o.outputs_path.empty()) {
+    const auto parent = std::filesystem::absolute(o.outputs_path).parent_path();
+    if (!std::filesystem::is_directory(parent))
+      throw std::invalid_argument("--outputs " + o.outputs_path + ": folder " + parent.string() +
+                                  " does not exist");
+  }
+  p.sched.token_budget = p.server_args.chunked_prefill_size;
+  p.sched.max_batch = o.max_batch;
+  p.sched.mixed = p.server_args.enable_mixed_chunk;
+  p.sched.parallel_samples = o.parallel_samples;
+
+  // The requests to re-run alone: a seeded draw (Fisher-Yates on the raw stream, portable).
+  std::vector<int64_t> idx(static_cast<size_t>(R));
+  for (int64_t i = 0; i < R; ++i) idx[i] = i;
+  std::mt19937_64 rng(o.seed ^ 0xc4ec4ULL);
+  for (int64_t i = R - 1; i > 0; --i) std::swap(idx[i], idx[rng() % static_cast<uint64_t>(i + 1)]);
+  p.check_requests.assign(idx.begin(), idx.begin() + o.check);
+  std::sort(p.check_requests.begin(), p.check_requests.end());
+  return p;
+}
+
+double ratio_of(const std::vector<float>& a, const std::vector<float>& b, Precision p) {
+  if (a.size() != b.size() || a.empty()) return std::numeric_limits<double>::infinity();
+  if (p == Precision::FP32) {  // spec: elementwise |a - b| <= 1e-5 + 1e-5 |b|
+    double worst = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
+      if (!std::isfinite(d)) return std::numeric_limits<double>::infinity();
+      worst = std::max(worst, d / (1e-5 + 1e-5 * std::fabs(static_cast<double>(b[i]))));
+    }
+    return worst;
+  }
+  double num = 0.0, den = 0.0;  // spec: relative L2 <= 5e-3
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  const double rel = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+  return std::isfinite(rel) ? rel / 5e-3 : std::numeric_limits<double>::infinity();
+}
+
+// Each sampled request alone on a fresh pool: its whole prompt in one EXTEND, then DECODE steps of
+// its own continuations only. Every token must match the batched run at the spec's tolerance.
+CheckReport self_check(const SimulateOptions& o, const Plan& p, KdaStack& stack, const ServeResult& batched,
+                       bool* interrupted) {
+  CheckReport rep;
+  rep.metric = o.precision == Precision::FP32 ? "max_err_ratio" : "rel_l2/5e-3";
+  const auto t0 = Clock::now();
+  const int32_t n = o.parallel_samples;
+  for (const int64_t r : p.check_requests) {
+    RequestSpec spec = o.requests[r];
+    spec.arrival_step = 0;
+    rep.request_ids.push_back(spec.id);
+    ModelRunner alone(stack, slots_for(spec, n), p.kernel);
+    ServeOptions so;
+    so.scheduler.token_budget = spec.prompt_len;
+    so.scheduler.max_batch = n;
+    so.scheduler.parallel_samples = n;
+    so.seed = o.seed;
+    so.keep = {1};
+    so.stop = o.stop;
+    const ServeResult ar = serve(alone, {spec}, so);
+    if (ar.interrupted) {
+      *interrupted = true;
+      break;
+    }
+    for (int32_t j = 0; j < n; ++j) {
+      const double ratio = ratio_of(batched.outputs[r * n + j].rows, ar.outputs[j].rows, o.precision);
+      rep.worst_ratio = std::max(rep.worst_ratio, ratio);
+    }
+  }
+  rep.ok = rep.worst_ratio <= 1.0;
+  rep.wall_s = seconds_since(t0);
+  return rep;
+}
+
+void write_outputs(const std::string& path, const ServeResult& s, int32_t n) {
+  io::NpzArchive npz;
+  for (const auto& q : s.outputs) {
+    if (q.rows.empty()) continue;
+    const int64_t tokens = static_cast<int64_t>(q.rows.size()) / s.hidden;
+    npz[output_key(q, n)] = io::NpyArray::from_f32({tokens, s.hidden}, q.rows.data());
+  }
+  io::write_npz(path, npz);
+}
+
+}  // namespace
+
+std::string output_key(const SequenceOutput& s, int32_t parallel_samples) {
+  std::string k = "req_" + std::to_string(s.request_id);
+  if (parallel_samples > 1) k += "_s" + std::to_string(s.sample);
+  return k;
+}
+
+int64_t parse_byte_size(const std::string& text, const std::string& option) {
+  size_t used = 0;
+  double v = 0.0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0)
+    throw std::invalid_argument(option + " '" + text + "': not a size (e.g. 2GiB, 512MiB, 1073741824)");
+  std::string unit = text.substr(used);
+  double mult = 0.0;
+  if (unit.empty() || unit == "B")
+    mult = 1.0;
+  else if (unit == "K" || unit == "KiB")
+    mult = 1024.0;
+  else if (unit == "M" || unit == "MiB")
+    mult = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB")
+    mult = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "TiB")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  else
+    throw std::invalid_argument(option + " '" + text + "': unknown unit '" + unit +
+                                "' (B, K/KiB, M/MiB, G/GiB, T/TiB)");
+  const double bytes = v * mult;
+  if (!(bytes >= 1.0) || bytes > 9.0e18)
+    throw std::invalid_argument(option + " '" + text + "': must be between 1 byte and 8 EiB");
+  return static_cast<int64_t>(bytes);
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const double rank = std::ceil(p / 100.0 * static_cast<double>(v.size()));
+  const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(v.size()))) - 1;
+  return v[i];
+}
+
+SimulateResult run_simulation(const SimulateOptions& o) {
+  const Plan p = make_plan(o);  // every option checked before any work
+  auto log = [&](const std::string& s) {
+    if (o.log) o.log(s);
+  };
+  SimulateResult res;
+  res.model = o.model_dir.empty() ? "synthetic" : o.model_dir;
+  res.precision = o.precision;
+  res.layers = p.layers;
+  res.hidden = p.cfg.hidden_size;
+  res.mixed = p.sched.mixed;
+  res.radix_cache_disabled = p.server_args.disable_radix_cache;
+  res.token_budget = p.sched.token_budget;
+  res.max_batch = p.sched.max_batch;
+  res.parallel_samples = o.parallel_samples;
+  res.requests = static_cast<int64_t>(o.requests.size());
+  res.slot_bytes = p.slot_bytes;
+  res.pool_slots = p.slots;
+
+  log("building " + std::to_string(p.layers) + (p.layers == 1 ? " KDA layer (" : " KDA layers (") +
+      res.model + ", " + to_string(o.precision) + ", hidden " + std::to_string(p.cfg.hidden_size) + ", " +
+      std::to_string(p.cfg.num_heads) + " heads x " + std::to_string(p.cfg.head_dim) + ")");
+  const auto t0 = Clock::now();
+  auto stack = o.model_dir.empty() ? KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed)
+                                   : KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision);
+  res.build_s = seconds_since(t0);
+
+  ServeOptions so;
+  so.scheduler = p.sched;
+  so.seed = o.seed;
+  so.stop = o.stop;
+  so.progress = o.progress;
+  const bool keep_all = o.keep_outputs || !o.outputs_path.empty();
+  so.keep.assign(o.requests.size(), keep_all ? 1 : 0);
+  for (const int64_t r : p.check_requests) so.keep[r] = 1;
+  {
+    ModelRunner runner(*stack, p.slots, p.kernel);  // freed before the check's small pools
+    res.pool_bytes = static_cast<int64_t>(runner.pools().recurrent_state_pool.bytes());
+    log("state pool: " + std::to_string(p.slots) + " slots x " + std::to_string(p.slot_bytes) + " bytes; " +
+        std::to_string(res.requests) + " requests");
+    res.serve = serve(runner, o.requests, so);
+  }
+  res.step_ms_p50 = percentile(res.serve.step_ms, 50);
+  res.step_ms_p99 = percentile(res.serve.step_ms, 99);
+  if (!o.outputs_path.empty()) write_outputs(o.outputs_path, res.serve, o.parallel_samples);
+  if (o.check > 0 && !res.serve.interrupted) {
+    log("self-check: re-running " + std::to_string(o.check) + " request(s) alone on a fresh pool");
+    bool interrupted = false;
+    CheckReport rep = self_check(o, p, *stack, res.serve, &interrupted);
+    if (interrupted)
+      res.serve.interrupted = true;
+    else
+      res.check = rep;
+  }
+  if (!keep_all)  // the check's rows were only kept for the comparison
+    for (auto& q : res.serve.outputs) std::vector<float>().swap(q.rows);
+  return res;
+}
+
+nlohmann::json to_json(const SimulateResult& r) {
+  const auto& s = r.serve;
+  const double wall = s.wall_s > 0 ? s.wall_s : 1e-9;
+  nlohmann::json j = {
+      {"requests_completed", s.requests_completed},
+      {"prefill_tokens", s.prefill_tokens},
+      {"decode_tokens", s.decode_tokens},
+      {"prefill_tok_s", static_cast<double>(s.prefill_tokens) / wall},
+      {"decode_tok_s", static_cast<double>(s.decode_tokens) / wall},
+      {"step_ms_p50", r.step_ms_p50},
+      {"step_ms_p99", r.step_ms_p99},
+      {"pool_bytes", r.pool_bytes},
+      {"peak_slots", s.peak_slots},
+      {"slot_reuses", s.slot_reuses},
+      {"requests", r.requests},
+      {"pool_slots", r.pool_slots},
+      {"slot_bytes", r.slot_bytes},
+      {"steps", s.steps},
+      {"extend_steps", s.extend_steps},
+      {"decode_steps", s.decode_steps},
+      {"mixed_steps", s.mixed_steps},
+      {"wall_s", s.wall_s},
+      {"build_s", r.build_s},
+      {"interrupted", s.interrupted},
+      {"model", r.model},
+      {"precision", to_string(r.precision)},
+      {"layers", r.layers},
+      {"hidden", r.hidden},
+      {"mixed", r.mixed},
+      {"token_budget", r.token_budget},
+      {"max_batch", r.max_batch},
+      {"parallel_samples", r.parallel_samples},
+      {"radix_cache_disabled", r.radix_cache_disabled},
+      {"ok", r.ok()},
+  };
+  if (r.check) {
+    j["check_worst_error_ratio"] = r.check->worst_ratio;
+    j["check_metric"] = r.check->metric;
+    j["check_requests"] = r.check->request_ids;
+    j["check_ok"] = r.check->ok;
+    j["check_s"] = r.check->wall_s;
+  } else {
+    j["check_worst_error_ratio"] = nullptr;
+  }
+  return j;
+}
+
+}  // namespace kda::serving

@@ -1,0 +1,99 @@
+// kda simulate as a library: a serving engine's scheduler driving a stack of KDA layers with
+// continuous batching, its statistics, the --outputs archive and the self-check.
+//
+// Everything the options can get wrong is checked before any work (no model is built, no pool
+// allocated): each error is a std::invalid_argument naming the option.
+//
+// A request runs its prompt_len prompt tokens (EXTEND, chunked by the token budget), then output_len
+// decode tokens per continuation, each fed from its previous last-layer output (inputs.h). With
+// --parallel-samples n the request itself is continuation 0 and keeps its slot; continuations 1..n-1
+// are forked from it after the prompt. Outputs (--outputs, SimulateResult): per continuation, the
+// last-layer output (the residual stream after the last KDA layer) of every token it processed,
+// [prompt_len + output_len, hidden] float32, key "req_<id>" (n = 1) or "req_<id>_s<j>" (n > 1, the
+// prompt rows repeated in every continuation).
+//
+// The pool holds min(state_memory / slot bytes, the workload's sequence count) slots: more could
+// never be in use at once.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kda/common/precision.h"
+#include "kda/io/config.h"
+#include "kda/server_args.h"
+#include "kda/serving/engine.h"
+#include "kda/serving/request.h"
+
+namespace kda::serving {
+
+struct SimulateOptions {
+  // Model: a checkpoint folder, or (empty) seeded synthetic weights at `synthetic_config`'s shapes
+  // (default: Kimi-Linear-48B-A3B).
+  std::string model_dir;
+  std::optional<io::KimiLinearConfig> synthetic_config;
+  int layers = 0;  // the first N KDA layers; 0: all
+  Precision precision = Precision::BF16;
+  std::string kernel = "auto";  // auto | naive | optimized
+  uint64_t seed = 0;            // weights, workload and inputs
+
+  std::vector<RequestSpec> requests;  // the workload: make_workload() or load_trace()
+  // Token budget per step = server_args.chunked_prefill_size; mixed batches = enable_mixed_chunk.
+  ServerArgs server_args;
+  int64_t max_batch = 64;
+  int64_t state_memory = int64_t{2} << 30;  // bytes for the recurrent state pool
+  int32_t parallel_samples = 1;
+  int64_t check = 0;          // requests re-run alone and compared
+  bool keep_outputs = false;  // SimulateResult::outputs holds every sequence's rows
+  std::string outputs_path;   // .npz of every sequence's rows (empty: none)
+
+  const std::atomic<bool>* stop = nullptr;            // SIGINT: stop after the current step
+  std::function<void(const ProgressInfo&)> progress;  // after every step of the main run
+  std::function<void(const std::string&)> log;        // phase lines (model built, check...)
+};
+
+struct CheckReport {
+  std::vector<int64_t> request_ids;  // the requests re-run alone
+  std::string metric;                // "max_err_ratio" (fp32) or "rel_l2/5e-3" (bf16)
+  double worst_ratio = 0.0;          // worst over every continuation; <= 1 passes
+  bool ok = true;
+  double wall_s = 0.0;
+};
+
+struct SimulateResult {
+  std::string model;  // "synthetic" or the checkpoint folder
+  Precision precision = Precision::BF16;
+  int layers = 0;
+  int64_t hidden = 0;
+  bool mixed = false, radix_cache_disabled = false;
+  int64_t token_budget = 0, max_batch = 0;
+  int32_t parallel_samples = 1;
+  int64_t requests = 0;
+  int64_t slot_bytes = 0, pool_slots = 0, pool_bytes = 0;
+  double build_s = 0.0;
+  ServeResult serve;
+  double step_ms_p50 = 0.0, step_ms_p99 = 0.0;
+  std::optional<CheckReport> check;  // absent when --check 0 or interrupted
+  bool ok() const { return !check || check->ok; }
+};
+
+// Output archive key of a sequence: "req_<id>" with one sample per request, else "req_<id>_s<j>".
+std::string output_key(const SequenceOutput& s, int32_t parallel_samples);
+
+// "2GiB", "512MiB", "64M", "1073741824": bytes (binary units; B, K/KiB, M/MiB, G/GiB, T/TiB).
+int64_t parse_byte_size(const std::string& text, const std::string& option);
+
+SimulateResult run_simulation(const SimulateOptions& options);
+
+double percentile(std::vector<double> v, double p);  // nearest-rank, p in [0, 100]
+// The --json summary. prefill_tok_s / decode_tok_s are tokens over the serving loop's wall time (model
+// build and self-check excluded); step_ms_* cover every model step (all layers); pool_bytes is what
+// the pool allocated; check_worst_error_ratio is null without a check.
+nlohmann::json to_json(const SimulateResult& r);
+
+}  // namespace kda::serving
