@@ -21,12 +21,6 @@ void check_mode_supported(ForwardMode m) {
                              " (speculative decoding) is not supported by the KDA backend");
 }
 
-// Copies columns [col, col + width) of a [T, stride] matrix into a dense [T, width] one.
-void copy_columns(const float* src, int64_t stride, int64_t col, int64_t width, int64_t T, float* dst) {
-#pragma omp parallel for schedule(static) if (T * width > (1 << 16))
-  for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * width, src + t * stride + col, sizeof(float) * width);
-}
-
 }  // namespace
 
 LinearRecurrentAttnBackendMetadata LinearRecurrentAttnBackend::get_forward_metadata(
@@ -118,7 +112,7 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
                                 " tokens but its metadata " + std::to_string(T));
   const auto& p = layer.params();
   const int64_t H = p.num_v_heads, K = p.head_k_dim, V = p.head_v_dim;
-  const int64_t qd = layer.q_dim(), kd = layer.k_dim(), vd = layer.v_dim();
+  const int64_t qd = layer.q_dim(), kd = layer.k_dim();
 
   if (mode == ForwardMode::IDLE || mode == ForwardMode::DUMMY_FIRST) {
     if (T > 0) std::memset(o, 0, sizeof(float) * T * H * V);
@@ -134,7 +128,7 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
     throw std::invalid_argument("state pool layer " + std::to_string(layer.layer_id()) +
                                 " has a slot shape unlike the layer's (heads, dims or conv width differ)");
   // Every slot is checked before any state is touched, so a bad index leaves the pool as it was.
-  std::vector<uint8_t> seen(cache.num_slots, 0);
+  seen_.assign(static_cast<size_t>(cache.num_slots), 0);
   for (size_t i = 0; i < md.recurrent_indices.size(); ++i) {
     const int32_t s = md.recurrent_indices[i];
     if (s == -1) continue;
@@ -142,7 +136,7 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
       throw std::invalid_argument("recurrent index " + std::to_string(s) + " of request " +
                                   std::to_string(i) + " is outside the pool's " +
                                   std::to_string(cache.num_slots) + " slots");
-    if (seen[s]++)
+    if (seen_[s]++)
       throw std::invalid_argument("recurrent slot " + std::to_string(s) + " appears twice in one batch");
   }
 
@@ -150,18 +144,8 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   conv_out_.resize(static_cast<size_t>(T * layer.conv_dim()));
   run_conv(layer, mixed_qkv, qkv_stride, T, cache, decode);
 
-  q_.resize(static_cast<size_t>(T * qd));
-  k_.resize(static_cast<size_t>(T * kd));
-  v_.resize(static_cast<size_t>(T * vd));
-  copy_columns(conv_out_.data(), layer.conv_dim(), 0, qd, T, q_.data());
-  copy_columns(conv_out_.data(), layer.conv_dim(), qd, kd, T, k_.data());
-  copy_columns(conv_out_.data(), layer.conv_dim(), qd + kd, vd, T, v_.data());
-  const float* a_dense = a;
-  if (a_stride != H * K) {
-    a_.resize(static_cast<size_t>(T * H * K));
-    copy_columns(a, a_stride, 0, H * K, T, a_.data());
-    a_dense = a_.data();
-  }
+  // q, k and v are read in place as column slices of the conv output, and the gate as a slice of the
+  // caller's projection output: the kernels take row strides, so nothing is copied.
   beta_.resize(static_cast<size_t>(T * H));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h) beta_[t * H + h] = 1.0f / (1.0f + std::exp(-b[t * b_stride + h]));
@@ -169,10 +153,12 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   LinearRecurrentDispatch d;
   d.layer = &layer;
   d.metadata = &md;
-  d.q = q_.data();
-  d.k = k_.data();
-  d.v = v_.data();
-  d.a = a_dense;
+  d.q = conv_out_.data();
+  d.k = conv_out_.data() + qd;
+  d.v = conv_out_.data() + qd + kd;
+  d.qkv_stride = layer.conv_dim();
+  d.a = a;
+  d.a_stride = a_stride;
   d.beta = beta_.data();
   d.cache = cache;
   d.o = o;
@@ -186,7 +172,9 @@ kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) c
   a.q = d.q;
   a.k = d.k;
   a.v = d.v;
+  a.q_stride = a.k_stride = a.v_stride = d.qkv_stride;
   a.g = d.a;
+  a.g_stride = d.a_stride;
   a.beta = d.beta;
   a.T = md.num_tokens();
   a.H = p.num_v_heads;

@@ -35,10 +35,13 @@ struct LinearRecurrentAttnBackendMetadata {
 struct LinearRecurrentDispatch {
   const RadixLinearAttention* layer = nullptr;
   const LinearRecurrentAttnBackendMetadata* metadata = nullptr;
-  const float* q = nullptr;  // [T, H*K] after conv + silu
+  // Column slices of the conv output [T, qkv_stride] (after conv + silu): q [T, H*K], k, v.
+  const float* q = nullptr;
   const float* k = nullptr;
   const float* v = nullptr;
-  const float* a = nullptr;     // [T, H*K] raw forget gate (contiguous)
+  int64_t qkv_stride = 0;
+  const float* a = nullptr;  // [T, a_stride]: the raw forget gate in the first H*K columns
+  int64_t a_stride = 0;
   const float* beta = nullptr;  // [T, H] sigmoid(b), fp32
   mem_cache::LinearRecurrentLayerCache cache;
   float* o = nullptr;  // [T, H*V]
@@ -73,7 +76,8 @@ class LinearRecurrentAttnBackend {
   bool has_metadata_ = false;
   // Scratch reused across layers and steps (grown, never shrunk).
   std::vector<float> conv_out_;
-  std::vector<float> q_, k_, v_, a_, beta_;
+  std::vector<float> beta_;
+  std::vector<uint8_t> seen_;  // slot check
 };
 
 // KDA: binds the dispatches to the chunk_kda / fused_recurrent_kda kernels (optimized by default, the
