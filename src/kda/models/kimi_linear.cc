@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/kda/vec_math.h"
 
 namespace kda::models {
 
@@ -274,26 +275,41 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
   f_b_.forward(fa, T, n_proj, ws.f.data(), P_);
   g_b_.forward(ga, T, n_proj, ws.z.data(), P_);
   maybe_round(ws.f, ws.f.size(), p);
-  maybe_round(ws.z, ws.z.size(), p);
   // 3. conv + kernel through the backend.
   ws.o.resize(static_cast<size_t>(T * P_));
   attn_(forward_batch, ws.proj.data(), n_proj, ws.f.data(), P_, b, n_proj, pool, ws.o.data());
-  maybe_round(ws.o, ws.o.size(), p);
-  // 4. gated RMS norm per (token, head): y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(z).
+  // 4. gated RMS norm per (token, head): y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). The bf16
+  // rounding points of z and of the kernel output o are applied as they are read here (one pass over
+  // the data instead of three); y's is the bf16 conversion o_proj makes of its input.
   ws.y.resize(static_cast<size_t>(T * P_));
   const int64_t rows = T * H_;
   const float eps = static_cast<float>(eps_);
+  const bool bf16 = p == Precision::BF16;
+  const int K = static_cast<int>(K_);
 #pragma omp parallel for schedule(static) if (rows > 256)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* o = ws.o.data() + r * K_;
-    const float* z = ws.z.data() + r * K_;
-    float* y = ws.y.data() + r * K_;
+    float* o = ws.o.data() + r * K;
+    const float* z = ws.z.data() + r * K;
+    float* y = ws.y.data() + r * K;
     float ss = 0.0f;
-    for (int64_t d = 0; d < K_; ++d) ss += o[d] * o[d];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K_) + eps);
-    for (int64_t d = 0; d < K_; ++d) y[d] = o[d] * inv * o_norm_w_[d] * (1.0f / (1.0f + std::exp(-z[d])));
+    if (bf16) {
+#pragma omp simd reduction(+ : ss)
+      for (int d = 0; d < K; ++d) {
+        o[d] = round_bf16(o[d]);
+        ss += o[d] * o[d];
+      }
+    } else {
+#pragma omp simd reduction(+ : ss)
+      for (int d = 0; d < K; ++d) ss += o[d] * o[d];
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+    const float* w = o_norm_w_.data();
+#pragma omp simd
+    for (int d = 0; d < K; ++d) {
+      const float zd = bf16 ? round_bf16(z[d]) : z[d];
+      y[d] = o[d] * inv * w[d] / (1.0f + kernels::vecmath::exp_approx(-zd));
+    }
   }
-  maybe_round(ws.y, ws.y.size(), p);
   // 5. o_proj; under tensor parallelism each rank holds a partial sum over its channels.
   o_proj_.forward(ws.y.data(), T, out);
   if (tp_.size > 1) tp_.comm->allreduce_sum(out, static_cast<size_t>(T * D_));
