@@ -17,22 +17,8 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-struct Result {
-  int code = -1;
-  std::string output;  // stdout and stderr
-};
-
-Result run_kda(const std::string& args) {
-  const std::string cmd = std::string(KDA_BINARY_PATH) + " " + args + " 2>&1";
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+testing::CommandResult run_kda(const std::string& args) {
+  return testing::run_command(std::string(KDA_BINARY_PATH) + " " + args + " 2>&1");
 }
 
 TEST(Cli, RunWritesOutputsThatMatchTheReference) {

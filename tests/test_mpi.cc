@@ -20,22 +20,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-struct Result {
-  int code = -1;
-  std::string output;
-};
-
-Result sh(const std::string& cmd) {
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+testing::CommandResult sh(const std::string& cmd) { return testing::run_command(cmd + " 2>&1"); }
 
 // mpirun as CI runs it: oversubscribed (2 cores, up to 4 ranks), allowed as root, no leak checker in
 // the ranks (Open MPI's own allocations would be reported under ASan).

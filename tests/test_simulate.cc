@@ -357,17 +357,9 @@ struct CliResult {
 };
 
 CliResult run_kda(const std::string& args, bool with_stderr) {
-  const std::string cmd =
-      std::string(KDA_BINARY_PATH) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
-  CliResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  const auto r = testing::run_command(std::string(KDA_BINARY_PATH) + " " + args +
+                                      (with_stderr ? " 2>&1" : " 2>/dev/null"));
+  return {r.code, r.output};
 }
 
 TEST(SimulateCli, OneRealShapeLayerPrintsJson) {

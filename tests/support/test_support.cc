@@ -1,9 +1,12 @@
 #include "support/test_support.h"
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdio>
 
 namespace kda::testing {
 
@@ -50,6 +53,18 @@ double rel_l2(const float* a, const float* b, size_t n) {
     den += static_cast<double>(b[i]) * b[i];
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+CommandResult run_command(const std::string& cmd) {
+  CommandResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
 }
 
 }  // namespace kda::testing

@@ -21,4 +21,11 @@ std::vector<float> random_uniform(size_t n, uint64_t seed, float lo, float hi);
 double max_error_ratio(const float* a, const float* b, size_t n, double atol, double rtol);
 double rel_l2(const float* a, const float* b, size_t n);
 
+// Runs a shell command; its exit code and what it printed on stdout (add " 2>&1" for stderr too).
+struct CommandResult {
+  int code = -1;
+  std::string output;
+};
+CommandResult run_command(const std::string& cmd);
+
 }  // namespace kda::testing

@@ -44,6 +44,7 @@
 #endif
 
 #include "kda/kernels/kda/kda.h"
+#include "kda/kernels/kda/scratch.h"
 #include "kda/kernels/kda/vec_math.h"
 
 namespace kda::kernels {
@@ -486,26 +487,7 @@ void diagonal_block(int K, int n, int m, const float* Q, const float* Kh, const 
   }
 }
 
-// A 64-byte aligned buffer that only grows; one per thread (thread_local), so steady-state calls do no
-// heap allocation (OpenMP's worker threads persist, and so do their buffers).
-class Buffer {
- public:
-  float* get(size_t n) {
-    if (n > cap_) {
-      const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
-      mem_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
-      if (!mem_) throw std::bad_alloc();
-      cap_ = n;
-    }
-    return mem_.get();
-  }
-
- private:
-  std::unique_ptr<float, decltype(&std::free)> mem_{nullptr, &std::free};
-  size_t cap_ = 0;
-};
-
-thread_local Buffer tl_scratch;
+thread_local ScratchBuffer tl_scratch;
 
 // One thread's working arrays, carved from its buffer. Rows are [C, K] unless noted. Arrays that are
 // never live at the same time share memory (the scratch stays well inside L2, next to the states).

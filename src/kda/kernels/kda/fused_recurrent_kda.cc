@@ -28,6 +28,8 @@
 #endif
 
 #include "kda/kernels/kda/kda.h"
+#include "kda/kernels/kda/scratch.h"
+#include "kda/kernels/kda/vec_math.h"
 
 namespace kda::kernels {
 namespace {
@@ -35,58 +37,11 @@ namespace {
 constexpr int kStrip = 64;    // state columns per strip
 constexpr int kTokBlock = 8;  // tokens whose q, k, exp(g) are prepared at once (prefill through here)
 
-// Same vectorisable expf / softplus as chunk_kda.cc (kept file-local so each kernel inlines them).
-inline float exp_approx(float x) {
-  const float xc = std::min(std::max(x, -87.5f), 88.0f);
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float pow2n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : p * pow2n;
-}
+using vecmath::exp_approx;
+using vecmath::softplus_approx;
 
-inline float softplus_approx(float z) {
-  const float w = exp_approx(-std::fabs(z));
-  const float s = w / (2.0f + w);
-  const float s2 = s * s;
-  float p = 1.0f / 15.0f;
-  p = p * s2 + 1.0f / 13.0f;
-  p = p * s2 + 1.0f / 11.0f;
-  p = p * s2 + 1.0f / 9.0f;
-  p = p * s2 + 1.0f / 7.0f;
-  p = p * s2 + 1.0f / 5.0f;
-  p = p * s2 + 1.0f / 3.0f;
-  p = p * s2 + 1.0f;
-  return std::max(z, 0.0f) + 2.0f * s * p;
-}
-
-// A 64-byte aligned buffer that only grows. One per thread (thread_local), so steady-state calls do no
-// heap allocation; OpenMP's worker threads persist, and so do their buffers.
-class Buffer {
- public:
-  float* get(size_t n) {
-    if (n > cap_) {
-      const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
-      mem_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
-      if (!mem_) throw std::bad_alloc();
-      cap_ = n;
-    }
-    return mem_.get();
-  }
-
- private:
-  std::unique_ptr<float, decltype(&std::free)> mem_{nullptr, &std::free};
-  size_t cap_ = 0;
-};
-
-thread_local Buffer tl_prep;   // [kTokBlock][4][Kp]: scale q-hat, k-hat, exp(g), k-hat exp(g)
-thread_local Buffer tl_state;  // [K, V] private state, when the slot is not updated in place
+thread_local ScratchBuffer tl_prep;   // [kTokBlock][4][Kp]: scale q-hat, k-hat, exp(g), k-hat exp(g)
+thread_local ScratchBuffer tl_state;  // [K, V] private state, when the slot is not updated in place
 
 // One token's inputs for the strip kernel, columns relative to the strip start.
 struct Tok {
