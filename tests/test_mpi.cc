@@ -67,6 +67,30 @@ TEST_F(Mpi, VerifyPassesUnderTp2) {
   EXPECT_THAT(r.output, HasSubstr("verify: 12 passed, 0 failed"));
 }
 
+// The serving driver under --tp 2: the same schedule on half the heads per rank gives every request
+// the outputs of a TP 1 run (fp32, elementwise tolerance), and rank 0 reports a pool of half the bytes.
+TEST_F(Mpi, SimulateTp2EqualsTp1) {
+  const auto tmp = testing::make_temp_dir("mpi_sim");
+  const std::string args =
+      " simulate --layers 2 --requests 5 --prompt-len 4:40 --output-len 3 --precision fp32 --token-budget 50 "
+      "--mixed --check 1 --json --outputs ";
+  const auto one = sh(std::string(KDA_BINARY_PATH) + args + (tmp / "tp1.npz").string() + " 2>/dev/null");
+  ASSERT_EQ(one.code, 0) << one.output;
+  const auto two = sh(mpirun(2) + args + (tmp / "tp2.npz").string() + " --tp 2 2>/dev/null");
+  ASSERT_EQ(two.code, 0) << two.output;
+  const auto a = io::read_npz(tmp / "tp1.npz"), b = io::read_npz(tmp / "tp2.npz");
+  ASSERT_EQ(a.size(), 5u);
+  ASSERT_EQ(b.size(), a.size());
+  for (const auto& [key, arr] : a) {
+    ASSERT_TRUE(b.count(key)) << key;
+    const auto x = b.at(key).to_f32(), y = arr.to_f32();
+    ASSERT_EQ(x.size(), y.size()) << key;
+    EXPECT_LE(testing::max_error_ratio(x.data(), y.data(), x.size(), 1e-5, 1e-5), 1.0) << key;
+  }
+  EXPECT_THAT(one.output, HasSubstr("\"pool_bytes\": 26935296"));
+  EXPECT_THAT(two.output, HasSubstr("\"pool_bytes\": 13467648"));
+}
+
 TEST_F(Mpi, LaunchUnlikeTpIsAnError) {
   const auto dir = testing::dumps_dir().string();
   const std::string args =

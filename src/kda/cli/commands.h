@@ -54,6 +54,7 @@ struct SimulateCliOptions {
   int64_t check = 2;
   std::string outputs;
   bool json = false;
+  int tp = 1;  // tensor-parallel ranks (under mpirun -np tp)
 };
 int run_simulate(const SimulateCliOptions& o);
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kda/cli/commands.h"
+#include "kda/distributed/parallel.h"
 #include "kda/serving/progress.h"
 #include "kda/serving/simulate.h"
 #include "kda/serving/trace.h"
@@ -102,16 +103,22 @@ int run_simulate(const SimulateCliOptions& o) {
   so.parallel_samples = static_cast<int32_t>(o.parallel_samples);
   so.check = o.check;
   so.outputs_path = o.outputs;
+  // Under --tp every rank runs the same schedule on its shard; rank 0 alone reports and writes.
+  auto par = distributed::make_parallel_context(o.tp, 1);
+  so.tp = par.tensor_parallel();
+  const bool root = par.is_root();
+  if (!root && !std::freopen("/dev/null", "w", stdout)) throw std::runtime_error("cannot silence stdout");
 
   // With --json, stdout carries only the JSON: progress and phase lines go to stderr.
   std::FILE* info = o.json ? stderr : stdout;
   serving::Progress progress(info, isatty(fileno(info)) != 0);
-  so.progress = [&](const serving::ProgressInfo& p) { progress.update(p); };
-  so.log = [&](const std::string& line) {
-    progress.finish();  // a bar in flight ends its line first
-    std::fprintf(info, "kda simulate: %s\n", line.c_str());
-    std::fflush(info);
-  };
+  if (root) so.progress = [&](const serving::ProgressInfo& p) { progress.update(p); };
+  if (root)
+    so.log = [&](const std::string& line) {
+      progress.finish();  // a bar in flight ends its line first
+      std::fprintf(info, "kda simulate: %s\n", line.c_str());
+      std::fflush(info);
+    };
   g_stop.store(false);
   so.stop = &g_stop;
   install_sigint();

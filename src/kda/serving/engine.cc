@@ -42,7 +42,9 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
   std::vector<float> x, y;
   const auto t_start = Clock::now();
   while (!sched.done()) {
-    if (opt.stop && opt.stop->load()) {
+    bool stop = opt.stop && opt.stop->load();
+    if (opt.agree_stop) stop = opt.agree_stop(stop);
+    if (stop) {
       res.interrupted = true;
       break;
     }

@@ -28,6 +28,9 @@ struct ServeOptions {
   std::vector<uint8_t> keep;
   // Checked before every step: when set, the loop stops after the step in flight (SIGINT).
   const std::atomic<bool>* stop = nullptr;
+  // Under tensor parallelism every rank must stop at the same step: the local stop request goes
+  // through this (an OR over the ranks) before each step. Null: the local request alone.
+  std::function<bool(bool)> agree_stop;
   std::function<void(const ProgressInfo&)> progress;  // after every step
 };
 

@@ -34,8 +34,10 @@ std::vector<int> KdaStack::select_layers(const io::KimiLinearConfig& cfg, int nu
 }
 
 std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, int num_layers,
-                                              Precision precision, uint64_t seed) {
-  std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision));
+                                              Precision precision, uint64_t seed,
+                                              distributed::TensorParallel tp) {
+  models::check_tensor_parallel(cfg, tp.size);
+  std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp));
   s->layer_ids_ = select_layers(cfg, num_layers);
   const int L = static_cast<int>(s->layer_ids_.size());
   s->layers_.resize(L);
@@ -46,8 +48,9 @@ std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, i
 #pragma omp parallel for schedule(dynamic, 1)
   for (int l = 0; l < L; ++l) {
     try {
-      const auto w = models::KdaLayerWeights::synthetic(cfg, seed + 1000ULL * static_cast<uint64_t>(l + 1));
-      s->layers_[l] = std::make_unique<models::KimiDeltaAttention>(cfg, s->layer_ids_[l], w, precision);
+      auto w = models::KdaLayerWeights::synthetic(cfg, seed + 1000ULL * static_cast<uint64_t>(l + 1));
+      if (tp.size > 1) w = w.shard(cfg, tp.rank, tp.size);  // the same weights as TP 1, this rank's part
+      s->layers_[l] = std::make_unique<models::KimiDeltaAttention>(cfg, s->layer_ids_[l], w, precision, tp);
     } catch (...) {
 #pragma omp critical
       err = std::current_exception();
@@ -58,13 +61,14 @@ std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, i
 }
 
 std::unique_ptr<KdaStack> KdaStack::from_checkpoint(const std::filesystem::path& dir, int num_layers,
-                                                    Precision precision) {
+                                                    Precision precision, distributed::TensorParallel tp) {
   const auto cfg = io::load_config(dir);
-  std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision));
+  models::check_tensor_parallel(cfg, tp.size);
+  std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp));
   s->layer_ids_ = select_layers(cfg, num_layers);
   const io::Checkpoint ckpt(dir);  // memory-mapped: only the tensors read below are touched
   for (const int id : s->layer_ids_) {
-    s->layers_.push_back(models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, id, precision));
+    s->layers_.push_back(models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, id, precision, tp));
     const std::string key = "model.layers." + std::to_string(id) + ".input_layernorm.weight";
     s->norm_w_.push_back(ckpt.contains(key) ? ckpt.load_f32(key, {cfg.hidden_size})
                                             : std::vector<float>(static_cast<size_t>(cfg.hidden_size), 1.0f));
@@ -83,11 +87,11 @@ mem_cache::RecurrentStatePoolConfig KdaStack::pool_config(int64_t slots) const {
   mem_cache::RecurrentStatePoolConfig pc;
   pc.layer_ids = layer_ids_;
   pc.size = slots;
-  pc.num_heads = cfg_.num_heads;
+  pc.num_heads = cfg_.num_heads / tp_.size;
   pc.head_k_dim = cfg_.head_dim;
   pc.head_v_dim = cfg_.head_dim;
   pc.conv_kernel = cfg_.short_conv_kernel_size;
-  pc.conv_dim = 3 * static_cast<int64_t>(cfg_.projection_size());
+  pc.conv_dim = 3 * static_cast<int64_t>(cfg_.projection_size()) / tp_.size;
   pc.conv_dtype = precision_;  // bf16 mode keeps the conv state in bf16 (spec, "Precision modes")
   return pc;
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kda/common/precision.h"
+#include "kda/distributed/communicator.h"
 #include "kda/io/config.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
@@ -28,12 +29,14 @@ class KdaStack {
  public:
   // The first `num_layers` KDA layers of `cfg` (0: all) with seeded synthetic weights, layer l seeded
   // with seed + 1000 * (l + 1); RMSNorm weights are ones.
+  // With tensor parallelism (tp.size > 1) each layer holds this rank's shard of the same weights.
   static std::unique_ptr<KdaStack> synthetic(const io::KimiLinearConfig& cfg, int num_layers,
-                                             Precision precision, uint64_t seed);
+                                             Precision precision, uint64_t seed,
+                                             distributed::TensorParallel tp = {});
   // The first `num_layers` KDA layers of a checkpoint folder (0: all). Only those layers' tensors are
   // read from the memory-mapped checkpoint; model.layers.{i}.input_layernorm.weight when present.
   static std::unique_ptr<KdaStack> from_checkpoint(const std::filesystem::path& dir, int num_layers,
-                                                   Precision precision);
+                                                   Precision precision, distributed::TensorParallel tp = {});
 
   // Throws std::invalid_argument when num_layers is outside 0..(the config's KDA layer count).
   static std::vector<int> select_layers(const io::KimiLinearConfig& cfg, int num_layers);
@@ -44,7 +47,8 @@ class KdaStack {
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const std::vector<int>& layer_ids() const { return layer_ids_; }
 
-  // Pool geometry for `slots` usable slots: every layer's recurrent state and conv state.
+  // Pool geometry for `slots` usable slots: every layer's recurrent state and conv state (this rank's
+  // heads and channels under tensor parallelism).
   mem_cache::RecurrentStatePoolConfig pool_config(int64_t slots) const;
   // Bytes one slot holds over all layers (recurrent fp32 + conv in the precision's conv dtype).
   static int64_t slot_bytes(const io::KimiLinearConfig& cfg, int num_layers, Precision precision);
@@ -55,10 +59,12 @@ class KdaStack {
                mem_cache::RecurrentStatePool& pool, float* out);
 
  private:
-  KdaStack(const io::KimiLinearConfig& cfg, Precision precision) : cfg_(cfg), precision_(precision) {}
+  KdaStack(const io::KimiLinearConfig& cfg, Precision precision, distributed::TensorParallel tp)
+      : cfg_(cfg), precision_(precision), tp_(tp) {}
 
   io::KimiLinearConfig cfg_;
   Precision precision_;
+  distributed::TensorParallel tp_;
   std::vector<int> layer_ids_;  // decoder layer ids (0-based), in order
   std::vector<std::unique_ptr<models::KimiDeltaAttention>> layers_;
   std::vector<std::vector<float>> norm_w_;  // [layer][D]

@@ -63,6 +63,7 @@ Plan make_plan(const SimulateOptions& o) {
     p.cfg = o.synthetic_config.value_or(kimi_linear_48b_config());
   }
   p.layers = static_cast<int>(KdaStack::select_layers(p.cfg, o.layers).size());
+  models::check_tensor_parallel(p.cfg, o.tp.size);
   p.slot_bytes = KdaStack::slot_bytes(p.cfg, p.layers, o.precision);
   const int64_t budget_slots = o.state_memory / p.slot_bytes;
   if (budget_slots < 1)
@@ -144,6 +145,7 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, KdaStack& stack,
     so.seed = o.seed;
     so.keep = {1};
     so.stop = o.stop;
+    if (o.tp.size > 1) so.agree_stop = [&o](bool v) { return o.tp.comm->allreduce_or(v); };
     const ServeResult ar = serve(alone, {spec}, so);
     if (ar.interrupted) {
       *interrupted = true;
@@ -239,14 +241,15 @@ SimulateResult run_simulation(const SimulateOptions& o) {
       res.model + ", " + to_string(o.precision) + ", hidden " + std::to_string(p.cfg.hidden_size) + ", " +
       std::to_string(p.cfg.num_heads) + " heads x " + std::to_string(p.cfg.head_dim) + ")");
   const auto t0 = Clock::now();
-  auto stack = o.model_dir.empty() ? KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed)
-                                   : KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision);
+  auto stack = o.model_dir.empty() ? KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed, o.tp)
+                                   : KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision, o.tp);
   res.build_s = seconds_since(t0);
 
   ServeOptions so;
   so.scheduler = p.sched;
   so.seed = o.seed;
   so.stop = o.stop;
+  if (o.tp.size > 1) so.agree_stop = [&o](bool v) { return o.tp.comm->allreduce_or(v); };
   so.progress = o.progress;
   const bool keep_all = o.keep_outputs || !o.outputs_path.empty();
   so.keep.assign(o.requests.size(), keep_all ? 1 : 0);
@@ -260,7 +263,7 @@ SimulateResult run_simulation(const SimulateOptions& o) {
   }
   res.step_ms_p50 = percentile(res.serve.step_ms, 50);
   res.step_ms_p99 = percentile(res.serve.step_ms, 99);
-  if (!o.outputs_path.empty()) write_outputs(o.outputs_path, res.serve, o.parallel_samples);
+  if (!o.outputs_path.empty() && o.tp.rank == 0) write_outputs(o.outputs_path, res.serve, o.parallel_samples);
   if (o.check > 0 && !res.serve.interrupted) {
     log("self-check: re-running " + std::to_string(o.check) + " request(s) alone on a fresh pool");
     bool interrupted = false;

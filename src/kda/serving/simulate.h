@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kda/common/precision.h"
+#include "kda/distributed/communicator.h"
 #include "kda/io/config.h"
 #include "kda/server_args.h"
 #include "kda/serving/engine.h"
@@ -51,6 +52,10 @@ struct SimulateOptions {
   int64_t check = 0;          // requests re-run alone and compared
   bool keep_outputs = false;  // SimulateResult::outputs holds every sequence's rows
   std::string outputs_path;   // .npz of every sequence's rows (empty: none)
+
+  // Tensor parallelism: this rank's place in its group (size 1: none). Every rank of the group runs the
+  // same schedule on its shard of every layer; the outputs are whole on every rank.
+  distributed::TensorParallel tp;
 
   const std::atomic<bool>* stop = nullptr;            // SIGINT: stop after the current step
   std::function<void(const ProgressInfo&)> progress;  // after every step of the main run
