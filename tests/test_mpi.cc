@@ -91,6 +91,38 @@ TEST_F(Mpi, SimulateTp2EqualsTp1) {
   EXPECT_THAT(two.output, HasSubstr("\"pool_bytes\": 13467648"));
 }
 
+// Data-parallel attention: DP 2 x TP 1 and DP 2 x TP 2 serve the same workload (requests split over the
+// groups, each group with its own pool) with the per-request outputs of a single-process run.
+TEST_F(Mpi, SimulateDp2EqualsOneGroup) {
+  const auto tmp = testing::make_temp_dir("mpi_dp");
+  const std::string args =
+      " simulate --layers 2 --requests 5 --prompt-len 4:40 --output-len 3 --precision fp32 --token-budget 50 "
+      "--mixed --check 2 --json --outputs ";
+  const auto one = sh(std::string(KDA_BINARY_PATH) + args + (tmp / "dp1.npz").string() + " 2>/dev/null");
+  ASSERT_EQ(one.code, 0) << one.output;
+  const auto a = io::read_npz(tmp / "dp1.npz");
+  ASSERT_EQ(a.size(), 5u);
+  for (auto [np, flags] : {std::pair{2, " --dp 2"}, std::pair{4, " --dp 2 --tp 2"}}) {
+    const auto out = tmp / ("dp_" + std::to_string(np) + ".npz");
+    const auto r = sh(mpirun(np) + args + out.string() + flags + " 2>/dev/null");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("\"requests_completed\": 5"));
+    EXPECT_THAT(r.output, HasSubstr("\"check_ok\": true"));
+    const auto b = io::read_npz(out);
+    ASSERT_EQ(b.size(), a.size()) << flags;
+    for (const auto& [key, arr] : a) {
+      ASSERT_TRUE(b.count(key)) << key << flags;
+      const auto x = b.at(key).to_f32(), y = arr.to_f32();
+      ASSERT_EQ(x.size(), y.size()) << key << flags;
+      EXPECT_LE(testing::max_error_ratio(x.data(), y.data(), x.size(), 1e-5, 1e-5), 1.0) << key << flags;
+    }
+  }
+  const auto bad =
+      sh(mpirun(2) + " simulate --layers 1 --requests 1 --prompt-len 4:8 --output-len 1 --check 0 --dp 2");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_THAT(bad.output, HasSubstr("at least as many requests"));
+}
+
 TEST_F(Mpi, LaunchUnlikeTpIsAnError) {
   const auto dir = testing::dumps_dir().string();
   const std::string args =

@@ -54,7 +54,8 @@ struct SimulateCliOptions {
   int64_t check = 2;
   std::string outputs;
   bool json = false;
-  int tp = 1;  // tensor-parallel ranks (under mpirun -np tp)
+  int tp = 1;  // tensor-parallel ranks (under mpirun -np tp * dp)
+  int dp = 1;  // data-parallel groups
 };
 int run_simulate(const SimulateCliOptions& o);
 

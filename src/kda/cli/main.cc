@@ -75,8 +75,9 @@ int main(int argc, char** argv) {
   sim->add_option("--parallel-samples", so.parallel_samples, "continuations forked per request after prefill")
       ->capture_default_str();
   sim->add_option("--check", so.check, "requests re-run alone and compared (0: off)")->capture_default_str();
-  sim->add_option("--tp", so.tp, "tensor-parallel ranks (start with mpirun -np N)")
+  sim->add_option("--tp", so.tp, "tensor-parallel ranks per group (start with mpirun -np N*M)")
       ->check(CLI::PositiveNumber);
+  sim->add_option("--dp", so.dp, "data-parallel groups owning disjoint requests")->check(CLI::PositiveNumber);
   sim->add_option("--outputs", so.outputs, ".npz of every request's last-layer outputs");
   sim->add_flag("--json", so.json, "print the summary as JSON");
 

@@ -103,9 +103,13 @@ int run_simulate(const SimulateCliOptions& o) {
   so.parallel_samples = static_cast<int32_t>(o.parallel_samples);
   so.check = o.check;
   so.outputs_path = o.outputs;
-  // Under --tp every rank runs the same schedule on its shard; rank 0 alone reports and writes.
-  auto par = distributed::make_parallel_context(o.tp, 1);
+  // Under --tp every rank of a group runs the same schedule on its shard; under --dp the groups serve
+  // disjoint requests. World rank 0 alone reports and writes.
+  auto par = distributed::make_parallel_context(o.tp, o.dp);
   so.tp = par.tensor_parallel();
+  so.dp = par.dp;
+  so.dp_rank = par.dp_rank;
+  so.world = par.world.get();
   const bool root = par.is_root();
   if (!root && !std::freopen("/dev/null", "w", stdout)) throw std::runtime_error("cannot silence stdout");
 

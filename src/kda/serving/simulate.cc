@@ -218,7 +218,117 @@ double percentile(std::vector<double> v, double p) {
   return v[i];
 }
 
+namespace {
+
+// The summed counters of a ServeResult, by the names pack() and unpack_into() use.
+constexpr std::pair<const char*, int64_t ServeResult::*> kCounters[] = {
+    {"steps", &ServeResult::steps},
+    {"extend_steps", &ServeResult::extend_steps},
+    {"decode_steps", &ServeResult::decode_steps},
+    {"mixed_steps", &ServeResult::mixed_steps},
+    {"prefill_tokens", &ServeResult::prefill_tokens},
+    {"decode_tokens", &ServeResult::decode_tokens},
+    {"requests_completed", &ServeResult::requests_completed},
+    {"peak_slots", &ServeResult::peak_slots},
+    {"slot_reuses", &ServeResult::slot_reuses},
+};
+
+// One group's result as bytes (statistics and kept outputs), for the gather to world rank 0.
+std::vector<uint8_t> pack(const SimulateResult& r) {
+  const auto& s = r.serve;
+  nlohmann::json j = {{"wall_s", s.wall_s},
+                      {"step_ms", s.step_ms},
+                      {"interrupted", s.interrupted},
+                      {"has_check", r.check.has_value()}};
+  for (const auto& [name, field] : kCounters) j[name] = s.*field;
+  if (r.check)
+    j["check"] = {{"ids", r.check->request_ids},
+                  {"metric", r.check->metric},
+                  {"worst", r.check->worst_ratio},
+                  {"ok", r.check->ok},
+                  {"wall_s", r.check->wall_s}};
+  nlohmann::json outs = nlohmann::json::array();
+  for (const auto& q : s.outputs)
+    outs.push_back({{"id", q.request_id}, {"sample", q.sample}, {"prompt", q.prompt_len}, {"rows", q.rows}});
+  j["outputs"] = outs;
+  return nlohmann::json::to_cbor(j);
+}
+
+// Adds one group's packed result into `m`.
+void unpack_into(const std::vector<uint8_t>& bytes, SimulateResult& m) {
+  const auto j = nlohmann::json::from_cbor(bytes);
+  auto& s = m.serve;
+  for (const auto& [name, field] : kCounters) s.*field += j.at(name).get<int64_t>();
+  s.wall_s = std::max(s.wall_s, j.at("wall_s").get<double>());  // the groups run side by side
+  const auto ms = j.at("step_ms").get<std::vector<double>>();
+  s.step_ms.insert(s.step_ms.end(), ms.begin(), ms.end());
+  s.interrupted = s.interrupted || j.at("interrupted").get<bool>();
+  if (j.at("has_check").get<bool>()) {
+    const auto& c = j.at("check");
+    if (!m.check) m.check = CheckReport{{}, c.at("metric").get<std::string>(), 0.0, true, 0.0};
+    const auto ids = c.at("ids").get<std::vector<int64_t>>();
+    m.check->request_ids.insert(m.check->request_ids.end(), ids.begin(), ids.end());
+    m.check->worst_ratio = std::max(m.check->worst_ratio, c.at("worst").get<double>());
+    m.check->ok = m.check->ok && c.at("ok").get<bool>();
+    m.check->wall_s = std::max(m.check->wall_s, c.at("wall_s").get<double>());
+  }
+  for (const auto& q : j.at("outputs"))
+    s.outputs.push_back({q.at("id").get<int64_t>(), q.at("sample").get<int32_t>(),
+                         q.at("prompt").get<int32_t>(), q.at("rows").get<std::vector<float>>()});
+}
+
+SimulateResult run_group(const SimulateOptions& o);
+
+// Each group serves its share of the workload; world rank 0 merges what the groups report.
+SimulateResult run_data_parallel(const SimulateOptions& o) {
+  make_plan(o);  // the whole workload and every option, checked before any work
+  const int64_t R = static_cast<int64_t>(o.requests.size());
+  if (o.dp > R)
+    throw std::invalid_argument("--dp " + std::to_string(o.dp) + " needs at least as many requests (" +
+                                std::to_string(R) + ")");
+  if (!o.world) throw std::invalid_argument("data parallelism needs a world communicator");
+  SimulateOptions g = o;
+  g.dp = 1;
+  g.requests.clear();
+  for (int64_t i = o.dp_rank; i < R; i += o.dp) g.requests.push_back(o.requests[i]);
+  const int64_t share = static_cast<int64_t>(g.requests.size());
+  g.check = std::min<int64_t>(share, (o.check + o.dp - 1 - o.dp_rank) / o.dp);  // the checks split too
+  g.outputs_path.clear();
+  g.keep_outputs = o.keep_outputs || !o.outputs_path.empty();
+  SimulateResult mine = run_group(g);
+
+  // Only a group's first tensor-parallel rank reports (its ranks hold the same results).
+  const auto all = o.world->allgather_bytes(o.tp.rank == 0 ? pack(mine) : std::vector<uint8_t>{});
+  SimulateResult m = mine;
+  m.requests = R;
+  m.serve = ServeResult{};
+  m.serve.hidden = mine.serve.hidden;
+  m.check.reset();
+  for (const auto& b : all)
+    if (!b.empty()) unpack_into(b, m);
+  std::sort(m.serve.outputs.begin(), m.serve.outputs.end(),
+            [](const SequenceOutput& a, const SequenceOutput& b) {
+              return a.request_id != b.request_id ? a.request_id < b.request_id : a.sample < b.sample;
+            });
+  if (m.check) std::sort(m.check->request_ids.begin(), m.check->request_ids.end());
+  m.step_ms_p50 = percentile(m.serve.step_ms, 50);
+  m.step_ms_p99 = percentile(m.serve.step_ms, 99);
+  if (!o.outputs_path.empty() && o.world->rank() == 0)
+    write_outputs(o.outputs_path, m.serve, o.parallel_samples);
+  if (!o.keep_outputs)
+    for (auto& q : m.serve.outputs) std::vector<float>().swap(q.rows);
+  return m;
+}
+
+}  // namespace
+
 SimulateResult run_simulation(const SimulateOptions& o) {
+  return o.dp > 1 ? run_data_parallel(o) : run_group(o);
+}
+
+namespace {
+
+SimulateResult run_group(const SimulateOptions& o) {
   const Plan p = make_plan(o);  // every option checked before any work
   auto log = [&](const std::string& s) {
     if (o.log) o.log(s);
@@ -277,6 +387,8 @@ SimulateResult run_simulation(const SimulateOptions& o) {
     for (auto& q : res.serve.outputs) std::vector<float>().swap(q.rows);
   return res;
 }
+
+}  // namespace
 
 nlohmann::json to_json(const SimulateResult& r) {
   const auto& s = r.serve;

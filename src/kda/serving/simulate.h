@@ -56,6 +56,12 @@ struct SimulateOptions {
   // Tensor parallelism: this rank's place in its group (size 1: none). Every rank of the group runs the
   // same schedule on its shard of every layer; the outputs are whole on every rank.
   distributed::TensorParallel tp;
+  // Data-parallel attention: `dp` groups of ranks own disjoint requests (workload index i goes to group
+  // i % dp), each group with its own pool and slots. `world` spans every rank of every group; rank 0 of
+  // the world gathers the groups' statistics and outputs. dp == 1: one group, `world` unused.
+  int dp = 1;
+  int dp_rank = 0;
+  distributed::Communicator* world = nullptr;
 
   const std::atomic<bool>* stop = nullptr;            // SIGINT: stop after the current step
   std::function<void(const ProgressInfo&)> progress;  // after every step of the main run
