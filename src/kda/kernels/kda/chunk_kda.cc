@@ -578,16 +578,7 @@ struct Rows {
     float* G = w.G + r * K;
     float* __restrict E = w.E + r * K;
     float rq = scale, rk = 1.0f;
-    if (a.use_qk_l2norm_in_kernel) {
-      float sq = 0.0f, sk = 0.0f;
-#pragma omp simd reduction(+ : sq, sk)
-      for (int d = 0; d < K; ++d) {
-        sq += q[d] * q[d];
-        sk += k[d] * k[d];
-      }
-      rq = scale / std::sqrt(sq + 1e-6f);
-      rk = 1.0f / std::sqrt(sk + 1e-6f);
-    }
+    if (a.use_qk_l2norm_in_kernel) vecmath::l2norm_factors(q, k, K, scale, rq, rk);
 #pragma omp simd
     for (int d = 0; d < K; ++d) {
       Q[d] = q[d] * rq;

@@ -238,16 +238,7 @@ void prepare_token(const KdaArgs& a, int64_t t, int h, float scale, int Kp, floa
   std::memcpy(k, a.k + t * ks + h * K, K * sizeof(float));
   const float* __restrict gt = a.g + t * gs + h * K;
   float rq = scale, rk = 1.0f;
-  if (a.use_qk_l2norm_in_kernel) {
-    float sq = 0.0f, sk = 0.0f;
-#pragma omp simd reduction(+ : sq, sk)
-    for (int d = 0; d < K; ++d) {
-      sq += q[d] * q[d];
-      sk += k[d] * k[d];
-    }
-    rq = scale / std::sqrt(sq + 1e-6f);
-    rk = 1.0f / std::sqrt(sk + 1e-6f);
-  }
+  if (a.use_qk_l2norm_in_kernel) vecmath::l2norm_factors(q, k, K, scale, rq, rk);
   if (a.use_gate_in_kernel) {
     const float neg_a = -std::exp(a.A_log[h]);
     const float* bias = a.dt_bias != nullptr ? a.dt_bias + h * K : nullptr;

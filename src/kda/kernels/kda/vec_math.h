@@ -47,4 +47,17 @@ inline float softplus_approx(float z) {
   return std::max(z, 0.0f) + 2.0f * s * p;
 }
 
+// The factors of use_qk_l2norm_in_kernel, eps inside the sqrt (spec step 5): q-hat = q * rq with
+// rq = scale / sqrt(|q|^2 + 1e-6) (the attention scale folded in), k-hat = k * rk.
+inline void l2norm_factors(const float* q, const float* k, int K, float scale, float& rq, float& rk) {
+  float sq = 0.0f, sk = 0.0f;
+#pragma omp simd reduction(+ : sq, sk)
+  for (int d = 0; d < K; ++d) {
+    sq += q[d] * q[d];
+    sk += k[d] * k[d];
+  }
+  rq = scale / std::sqrt(sq + 1e-6f);
+  rk = 1.0f / std::sqrt(sk + 1e-6f);
+}
+
 }  // namespace kda::kernels::vecmath
