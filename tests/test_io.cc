@@ -24,6 +24,34 @@ namespace kda::io {
 namespace {
 
 namespace fs = std::filesystem;
+
+// round_bf16 (32-bit lanes, for simd loops) is the value f32_to_bf16 stores, bit for bit: ties to even,
+// carries into the exponent, overflow to inf, infinities, signed zeros, subnormals and NaNs.
+TEST(Bf16, RoundEqualsConvertAndBackOnEveryExponent) {
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+  };
+  auto check = [&](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    ASSERT_EQ(bits(round_bf16(f)), bits(bf16_to_f32(f32_to_bf16(f)))) << std::hex << u;
+  };
+  for (uint32_t hi = 0; hi < 0x10000u; ++hi) {  // every sign, exponent and bf16 mantissa
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) check(hi << 16 | lo);
+  }
+  uint32_t x = 12345;
+  for (int i = 0; i < 1000000; ++i) {  // and random low halves
+    x = x * 1664525u + 1013904223u;
+    check(x);
+  }
+  std::vector<float> v = {1.0f + 1.0f / 256, -3.0f, 0.0f, -0.0f, 1e-40f, 65504.0f};
+  for (int i = 0; i < 300; ++i) v.push_back(static_cast<float>(i) * 0.7071f - 100.0f);
+  std::vector<float> r = v;
+  round_bf16_inplace(r.data(), r.size());
+  for (size_t i = 0; i < v.size(); ++i) EXPECT_EQ(bits(r[i]), bits(round_bf16(v[i]))) << i;
+}
 using ::testing::HasSubstr;
 
 // The message of the std::runtime_error `fn` throws; fails the test if it throws nothing.

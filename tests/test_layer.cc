@@ -12,6 +12,7 @@
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
 #include "kda/layers/attention/linear/kda_backend.h"
+#include "kda/layers/linear.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/models/kimi_linear.h"
 #include "kda/runtime/layer_runner.h"
@@ -27,6 +28,37 @@ using mem_cache::MemoryPools;
 using model_executor::ForwardBatch;
 using model_executor::ForwardMode;
 using ::testing::HasSubstr;
+
+// Linear: y = x W^T against a float64 product (fp32), and in bf16 the float input (converted on the way
+// in) and the same values handed in as bf16 give the same bits; row strides on both sides.
+TEST(Linear, Fp32AndBf16InputsAndStrides) {
+  const int64_t M = 37, in = 70, out = 45, ldx = 80, ldy = 50;
+  const auto w = testing::random_normal(out * in, 1, 0.1f);
+  auto x = testing::random_normal(M * ldx, 2);
+  layers::Linear f32(in, out, w, Precision::FP32);
+  std::vector<float> y(M * ldy, -3.0f);
+  f32.forward(x.data(), M, ldx, y.data(), ldy);
+  double worst = 0.0;
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t o = 0; o < out; ++o) {
+      double ref = 0.0;
+      for (int64_t d = 0; d < in; ++d) ref += static_cast<double>(x[i * ldx + d]) * w[o * in + d];
+      worst = std::max(worst, std::abs(y[i * ldy + o] - ref) / (1e-5 + 1e-5 * std::abs(ref)));
+    }
+    for (int64_t o = out; o < ldy; ++o) ASSERT_EQ(y[i * ldy + o], -3.0f);  // padding untouched
+  }
+  EXPECT_LE(worst, 1.0);
+
+  layers::Linear b16(in, out, w, Precision::BF16);
+  std::vector<float> ya(M * ldy), yb(M * ldy);
+  b16.forward(x.data(), M, ldx, ya.data(), ldy);
+  std::vector<bf16_t> xb(M * ldx);
+  for (size_t i = 0; i < x.size(); ++i) xb[i] = f32_to_bf16(x[i]);
+  b16.forward(xb.data(), M, ldx, yb.data(), ldy);
+  EXPECT_EQ(0, std::memcmp(ya.data(), yb.data(), ya.size() * sizeof(float)));
+  EXPECT_THROW(f32.forward(xb.data(), M, ldx, yb.data(), ldy), std::invalid_argument);
+  EXPECT_THROW(b16.forward(xb.data(), M, in - 1, yb.data(), ldy), std::invalid_argument);
+}
 
 constexpr double kTol = 1e-5;
 

@@ -298,6 +298,75 @@ TEST(ShortConv, RoundOutputIsRoundedFp32Result) {
   EXPECT_TRUE(same_bits(pool0, pool1));
 }
 
+// The bf16 mode's input rounding point applied by the conv as it reads x gives the bits of a conv over
+// pre-rounded inputs: outputs and the state written back (an fp32 state shows whether the rounded value
+// is what is kept), for the model's W = 4 and a generic W, extend and then one decode step.
+template <class S>
+void check_round_input(int W) {
+  SCOPED_TRACE("W=" + std::to_string(W));
+  Problem p = make_problem({6, 1, 40, 2}, 300, W, 310, 61);
+  p.num_slots = 4;
+  p.indices = {2, 0, 3, 1};
+  p.init = {1, 1, 0, 1};
+  Problem pre = p;
+  for (float& v : pre.x) v = round_bf16(v);
+  Problem d = make_problem({1, 1, 1, 1}, 300, W, 310, 63);
+  d.num_slots = 4;
+  d.indices = p.indices;
+  Problem dpre = d;
+  for (float& v : dpre.x) v = round_bf16(v);
+  for (const bool out_round : {false, true}) {
+    p.round = pre.round = d.round = dpre.round = out_round;
+    // A state the bf16 mode wrote holds bf16 values, whichever its storage type.
+    std::vector<S> pool_a = random_pool<S>(4 * (W - 1) * 300, 62);
+    for (S& v : pool_a) v = from_f32<S>(round_bf16(to_f32(v)));
+    std::vector<S> pool_b = pool_a;
+    std::vector<float> ya(p.T * p.C, NAN), yb(p.T * p.C, NAN);
+    auto a = args_of(p, pool_a.data(), ya.data());
+    a.round_input_bf16 = true;
+    short_conv_extend(a);
+    short_conv_extend(args_of(pre, pool_b.data(), yb.data()));
+    EXPECT_TRUE(same_bits(ya, yb));
+    EXPECT_TRUE(same_bits(pool_a, pool_b));
+    std::vector<float> da(4 * 300), db(4 * 300);
+    auto ad = args_of(d, pool_a.data(), da.data());
+    ad.round_input_bf16 = true;
+    short_conv_decode(ad);
+    short_conv_decode(args_of(dpre, pool_b.data(), db.data()));
+    EXPECT_TRUE(same_bits(da, db));
+    EXPECT_TRUE(same_bits(pool_a, pool_b));
+  }
+}
+
+TEST(ShortConv, RoundInputEqualsPreRoundedInput) {
+  check_round_input<float>(4);
+  check_round_input<float>(3);
+  check_round_input<bf16_t>(4);
+}
+
+// Few sequences over many channels: the work is split over channel spans as well as time chunks.
+// Outputs into a padded row stride leave the padding as it was.
+TEST(ShortConv, ChannelSpansAndPaddedOutputStride) {
+  Problem p = make_problem({5, 2}, 3000, 4, 3008, 71);
+  p.num_slots = 2;
+  std::vector<float> pool = random_pool<float>(2 * 3 * 3000, 72), expect_pool = pool;
+  const std::vector<float> expect = reference(p, expect_pool.data());
+  const int64_t ys = 3000 + 17;
+  std::vector<float> y(p.T * ys, -7.0f);
+  auto a = args_of(p, pool.data(), y.data());
+  a.y_stride = ys;
+  short_conv_extend(a);
+  std::vector<float> dense(p.T * p.C);
+  for (int64_t t = 0; t < p.T; ++t) {
+    std::copy(y.begin() + t * ys, y.begin() + t * ys + p.C, dense.begin() + t * p.C);
+    for (int64_t c = p.C; c < ys; ++c) ASSERT_EQ(y[t * ys + c], -7.0f);
+  }
+  EXPECT_LE(max_error_ratio(dense.data(), expect.data(), dense.size(), 1e-6, 1e-6), 1.0);
+  EXPECT_TRUE(same_bits(pool, expect_pool));
+  a.y_stride = p.C - 1;
+  EXPECT_THROW(short_conv_extend(a), std::invalid_argument);
+}
+
 TEST(ShortConv, ValidationErrorsLeavePoolUnchanged) {
   const Problem good = make_problem({3, 2, 4}, 10, 4, 12, 51);
   std::vector<float> pool = random_pool<float>(5 * 3 * 10, 52);

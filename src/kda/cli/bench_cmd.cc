@@ -125,36 +125,27 @@ kernels::KdaArgs args_for(KdaInputs& in, int64_t T, int64_t N, int H, int K, con
   return a;
 }
 
-}  // namespace
-
-int run_bench(const BenchOptions& o) {
-  if (o.threads > 0) omp_set_num_threads(o.threads);
-  const int threads = omp_get_max_threads();
-  const int H = 32, K = 128;
-  const int64_t D = 2304, P = H * K;
-  nlohmann::json j;
-  auto say = [&](const char* fmt, auto... args) {
-    if (!o.json) std::printf(fmt, args...);
+// Prints to stdout unless the results go out as JSON.
+struct Say {
+  bool quiet = false;
+  template <typename... A>
+  void operator()(const char* fmt, A... args) const {
+    if (!quiet) std::printf(fmt, args...);
     std::fflush(stdout);
-  };
-  say("kda bench: %d threads\n", threads);
+  }
+};
 
-  // Ceilings.
-  const double g32 = gemm_gflops(Precision::FP32, 1024, 4096, 2304);
-  const double g16 = gemm_gflops(Precision::BF16, 1024, 4096, 2304);
-  const double cp = copy_gbps(size_t{512} << 20);
-  j["threads"] = threads;
-  j["ceilings"] = {{"gemm_f32_gflops", g32}, {"gemm_bf16_gflops", g16}, {"copy_gbps", cp}};
-  say("\nceilings: oneDNN GEMM 1024x4096x2304 fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s; memcpy 512 MiB %.1f GB/s "
-      "(read + write)\n",
-      g32, g16, cp);
+constexpr int kH = 32, kK = 128;
+constexpr int64_t kD = 2304, kP = int64_t{kH} * kK;
 
+void bench_kernels(const BenchOptions& o, double g32, double cp, nlohmann::json& j, const Say& say) {
+  const int H = kH, K = kK;
+  const int64_t P = kP;
   std::vector<float> A_log(H), dt_bias(P);
   for (int h = 0; h < H; ++h) A_log[h] = std::log(1.0f + h * 0.4f);
   for (auto& d : dt_bias) d = 0.1f;
 
   // chunk_kda.
-  j["kernels"] = nlohmann::json::array();
   say("\n%-22s %6s %8s %12s %10s %10s %16s\n", "kernel", "seqs", "tokens", "us/token", "GFLOP/s", "% GEMM",
       "naive us/token");
   for (auto [seqs, len] : {std::pair<int64_t, int64_t>{1, 4096}, {16, 256}}) {
@@ -219,7 +210,10 @@ int run_bench(const BenchOptions& o) {
   }
   pool.clear();
   pool.shrink_to_fit();
-
+}
+void bench_layer(double cp, nlohmann::json& j, const Say& say) {
+  const int H = kH, K = kK;
+  const int64_t D = kD, P = kP;
   // The full layer, fp32 and bf16.
   io::KimiLinearConfig cfg;
   cfg.hidden_size = D;
@@ -230,7 +224,6 @@ int run_bench(const BenchOptions& o) {
   cfg.short_conv_kernel_size = 4;
   cfg.kda_layers = {1};
   const auto w = models::KdaLayerWeights::synthetic(cfg, 1234);
-  j["layer"] = nlohmann::json::array();
   say("\n%-6s %-7s %8s %14s %16s %8s %22s\n", "layer", "mode", "size", "time", "GEMMs alone", "ratio",
       "state bytes/step");
   for (Precision p : {Precision::FP32, Precision::BF16}) {
@@ -251,15 +244,21 @@ int run_bench(const BenchOptions& o) {
     layers::Linear fb(K, P, randn(P * K, 2, 0.02f), p), gb(K, P, randn(P * K, 3, 0.02f), p);
     layers::Linear op(P, D, randn(D * P, 4, 0.02f), p);
     std::vector<float> gx, gy, gf, gz;
+    std::vector<bf16_t> gf16;
     auto gemms = [&](int64_t M) {
-      gx.resize(M * P);
+      gx.resize(M * D);
       gy.resize(M * (3 * P + 2 * K + H));
       gf.resize(M * P);
       gz.resize(M * D);
       proj.forward(gx.data(), M, gy.data());
       fb.forward(gy.data(), M, 3 * P + 2 * K + H, gf.data(), P);
       gb.forward(gy.data(), M, 3 * P + 2 * K + H, gf.data(), P);
-      op.forward(gf.data(), M, gz.data());
+      if (p == Precision::BF16) {  // the layer hands o_proj its input as bf16 already
+        gf16.resize(M * P);
+        op.forward(gf16.data(), M, P, gz.data(), D);
+      } else {
+        op.forward(gf.data(), M, gz.data());
+      }
     };
     // EXTEND of 4096 tokens (one new request).
     {
@@ -311,6 +310,31 @@ int run_bench(const BenchOptions& o) {
           s / bound);
     }
   }
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& o) {
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  const int threads = omp_get_max_threads();
+  nlohmann::json j;
+  const Say say{o.json};
+  say("kda bench: %d threads\n", threads);
+
+  // Ceilings.
+  const double g32 = gemm_gflops(Precision::FP32, 1024, 4096, 2304);
+  const double g16 = gemm_gflops(Precision::BF16, 1024, 4096, 2304);
+  const double cp = copy_gbps(size_t{512} << 20);
+  j["threads"] = threads;
+  j["ceilings"] = {{"gemm_f32_gflops", g32}, {"gemm_bf16_gflops", g16}, {"copy_gbps", cp}};
+  say("\nceilings: oneDNN GEMM 1024x4096x2304 fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s; memcpy 512 MiB %.1f GB/s "
+      "(read + write)\n",
+      g32, g16, cp);
+
+  j["kernels"] = nlohmann::json::array();
+  j["layer"] = nlohmann::json::array();
+  if (o.only != "layer") bench_kernels(o, g32, cp, j, say);
+  if (o.only != "kernels") bench_layer(cp, j, say);
   if (o.json) std::printf("%s\n", j.dump(2).c_str());
   return 0;
 }

@@ -31,6 +31,7 @@ struct BenchOptions {
   int threads = 0;  // 0: OpenMP's default
   bool json = false;
   bool skip_naive = false;
+  std::string only = "all";  // all | kernels | layer (the ceilings always run: every row is a ratio)
 };
 int run_bench(const BenchOptions& o);
 

@@ -42,6 +42,8 @@ int main(int argc, char** argv) {
   bench->add_option("--threads", bo.threads, "OpenMP threads (default: all)")->check(CLI::NonNegativeNumber);
   bench->add_flag("--json", bo.json, "print the results as JSON");
   bench->add_flag("--skip-naive", bo.skip_naive, "do not time the reference kernels");
+  bench->add_option("--only", bo.only, "all | kernels | layer (ceilings are always measured)")
+      ->check(CLI::IsMember({"all", "kernels", "layer"}));
 
   kda::cli::SimulateCliOptions so;
   auto* sim = app.add_subcommand(

@@ -2,8 +2,13 @@
 
 namespace kda {
 
+namespace {
+// Passes over more than this many values are split over the threads (each part a contiguous run).
+constexpr size_t kParallelMin = size_t{1} << 16;
+}  // namespace
+
 void round_bf16_inplace(float* x, size_t n) {
-#pragma omp simd
+#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
   for (size_t i = 0; i < n; ++i) x[i] = round_bf16(x[i]);
 }
 

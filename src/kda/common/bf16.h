@@ -25,8 +25,18 @@ inline float bf16_to_f32(bf16_t h) {
   return f;
 }
 
-// fp32 -> nearest bf16 -> fp32: the value a bf16 tensor would hold.
-inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+// fp32 -> nearest bf16 -> fp32: the value a bf16 tensor would hold (bf16_to_f32(f32_to_bf16(f)), NaN
+// included). Written in 32-bit lanes so that simd loops do not pack to 16 bits and back.
+inline float round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t quiet_nan = (u | 0x00400000u) & 0xffff0000u;
+  const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+  float out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+}
 
 void round_bf16_inplace(float* x, size_t n);
 void f32_to_bf16_array(const float* src, bf16_t* dst, size_t n);

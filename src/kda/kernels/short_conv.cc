@@ -1,5 +1,7 @@
 #include "kda/kernels/short_conv.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -11,10 +13,12 @@
 namespace kda::kernels {
 namespace {
 
-// Channels per work item: W rows of x, the history and the weights of one block stay in L1.
+// Channels per inner block: one block of one token is one pass of the simd loop.
 constexpr int64_t kBlock = 256;
-// Tokens per work item, so that one long sequence still spreads over every thread.
-constexpr int64_t kTimeChunk = 128;
+// Tokens per work item. An item covers every channel of its tokens (or a share of them when there are
+// few items), so each token row is read as one contiguous stream and the W-1 rows before it are still
+// in cache; items are small enough that one long sequence spreads over every thread.
+constexpr int64_t kTimeChunk = 32;
 // Below this many outputs a parallel region costs more than it saves.
 constexpr int64_t kMinParallelWork = 1 << 14;
 
@@ -34,6 +38,8 @@ void validate(const ShortConvArgs<StateT>& a, Mode mode) {
   if (a.T < 0 || a.C < 0 || a.N < 0)
     fail("T, C and N must be >= 0, got " + s(a.T) + ", " + s(a.C) + ", " + s(a.N));
   if (a.x_stride < a.C) fail("x_stride (" + s(a.x_stride) + ") must be >= C (" + s(a.C) + ")");
+  if (a.y_stride != 0 && a.y_stride < a.C)
+    fail("y_stride (" + s(a.y_stride) + ") must be 0 (= C) or >= C (" + s(a.C) + ")");
   if (a.T > 0 && a.C > 0 && (!a.x || !a.y || !a.weight)) fail("x, weight and y must not be null");
 
   if (mode == Mode::kDecode) {
@@ -107,9 +113,71 @@ inline float exp_simd(float x) {
   return p * std::bit_cast<float>(two_n);
 }
 
+template <class StateT>
+int64_t y_stride(const ShortConvArgs<StateT>& a) {
+  return a.y_stride > 0 ? a.y_stride : a.C;
+}
+
+inline float maybe_round(float v, bool round) { return round ? round_bf16(v) : v; }
+
+// y[c] = silu(sum_i w[i * C + c] * src[i][c]) for c < n. The taps run in a fixed order with an exact fma
+// each (starting from 0), so extend and decode give the same bits. The model's W = 4 has a loop of its
+// own with the rounding choices fixed at compile time, which the compiler turns into straight simd code.
+template <bool kRoundIn, bool kRoundOut>
+void conv_token4(const float* const* src, const float* wt, int64_t C, int64_t n, float* __restrict y) {
+  const float* __restrict s0 = src[0];
+  const float* __restrict s1 = src[1];
+  const float* __restrict s2 = src[2];
+  const float* __restrict s3 = src[3];
+  const float* __restrict w0 = wt;
+  const float* __restrict w1 = wt + C;
+  const float* __restrict w2 = wt + 2 * C;
+  const float* __restrict w3 = wt + 3 * C;
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) {
+    float x0 = s0[c], x1 = s1[c], x2 = s2[c], x3 = s3[c];
+    if constexpr (kRoundIn) {
+      x0 = round_bf16(x0);
+      x1 = round_bf16(x1);
+      x2 = round_bf16(x2);
+      x3 = round_bf16(x3);
+    }
+    float acc = std::fma(w0[c], x0, 0.0f);
+    acc = std::fma(w1[c], x1, acc);
+    acc = std::fma(w2[c], x2, acc);
+    acc = std::fma(w3[c], x3, acc);
+    float v = acc / (1.0f + exp_simd(-acc));
+    if constexpr (kRoundOut) v = round_bf16(v);
+    y[c] = v;
+  }
+}
+
+void conv_token(const float* const* src, const float* wt, int64_t C, int W, int64_t n, bool round_in,
+                bool round_out, float* __restrict y) {
+  if (W == 4) {
+    if (round_in && round_out) return conv_token4<true, true>(src, wt, C, n, y);
+    if (round_in) return conv_token4<true, false>(src, wt, C, n, y);
+    if (round_out) return conv_token4<false, true>(src, wt, C, n, y);
+    return conv_token4<false, false>(src, wt, C, n, y);
+  }
+  alignas(64) float acc[kBlock];
+  for (int64_t c0 = 0; c0 < n; c0 += kBlock) {
+    const int64_t m = std::min(kBlock, n - c0);
+    std::fill(acc, acc + m, 0.0f);
+    for (int i = 0; i < W; ++i) {
+      const float* s = src[i] + c0;
+      const float* w = wt + i * C + c0;
+#pragma omp simd
+      for (int64_t c = 0; c < m; ++c) acc[c] = std::fma(w[c], maybe_round(s[c], round_in), acc[c]);
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < m; ++c) y[c0 + c] = maybe_round(acc[c] / (1.0f + exp_simd(-acc[c])), round_out);
+  }
+}
+
 // Outputs of tokens [t0, t1) of the sequence starting at bos, channels [c0, c0 + nc). `wt` is the
 // weight transposed to [W, C]; `st` is the sequence's slot (null: zero history), read only when
-// `read_state`; `hist` is scratch for (W-1) * kBlock floats.
+// `read_state`; `hist` is scratch for (W-1) * nc floats.
 template <class StateT>
 void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int64_t t0, int64_t t1,
                const StateT* st, bool read_state, int64_t c0, int64_t nc, float* hist) {
@@ -117,7 +185,7 @@ void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int
   const int64_t H = W - 1;  // history rows
   if (t0 - bos < H) {       // only the first W-1 tokens of a sequence see the slot
     for (int64_t r = 0; r < H; ++r) {
-      float* h = hist + r * kBlock;
+      float* h = hist + r * nc;
       if (st && read_state) {
         const StateT* src = st + r * a.C + c0;
 #pragma omp simd
@@ -127,25 +195,20 @@ void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int
       }
     }
   }
-  alignas(64) float acc[kBlock];
+  std::vector<const float*> taps_heap;
+  const float* taps_fixed[8];
+  const float** taps = taps_fixed;
+  if (W > 8) {
+    taps_heap.resize(W);
+    taps = taps_heap.data();
+  }
   for (int64_t t = t0; t < t1; ++t) {
-    std::fill(acc, acc + nc, 0.0f);
-    // Taps in a fixed order with an exact fma each: extend and decode give the same bits.
     for (int i = 0; i < W; ++i) {
       const int64_t p = t - bos + i - H;  // position in the sequence; < 0 lies in the history
-      const float* src = p < 0 ? hist + (H + p) * kBlock : a.x + (bos + p) * a.x_stride + c0;
-      const float* w = wt + i * a.C + c0;
-#pragma omp simd
-      for (int64_t c = 0; c < nc; ++c) acc[c] = std::fma(w[c], src[c], acc[c]);
+      taps[i] = p < 0 ? hist + (H + p) * nc : a.x + (bos + p) * a.x_stride + c0;
     }
-    float* y = a.y + t * a.C + c0;
-    if (a.round_output_bf16) {
-#pragma omp simd
-      for (int64_t c = 0; c < nc; ++c) y[c] = round_bf16(acc[c] / (1.0f + exp_simd(-acc[c])));
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < nc; ++c) y[c] = acc[c] / (1.0f + exp_simd(-acc[c]));
-    }
+    float* y = a.y + t * y_stride(a) + c0;
+    conv_token(taps, wt + c0, a.C, W, nc, a.round_input_bf16, a.round_output_bf16, y);
   }
 }
 
@@ -170,7 +233,7 @@ void write_state(const ShortConvArgs<StateT>& a, int64_t bos, int64_t len, State
     } else {
       const float* src = a.x + (bos + q - H) * a.x_stride + c0;
 #pragma omp simd
-      for (int64_t c = 0; c < nc; ++c) store_state(src[c], dst + c);
+      for (int64_t c = 0; c < nc; ++c) store_state(maybe_round(src[c], a.round_input_bf16), dst + c);
     }
   }
 }
@@ -194,39 +257,56 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
   struct Range {
     int64_t seq, t0, t1;
   };
-  std::vector<Range> ranges;
-  std::vector<int64_t> long_seqs;  // split over several time chunks: slot written after the barrier
-  ranges.reserve(a.N + a.T / kTimeChunk);
+  // Scratch kept per calling thread, so steady-state calls do not allocate.
+  thread_local std::vector<Range> ranges;
+  thread_local std::vector<int64_t> long_seqs;  // over several time chunks: slot written after the barrier
+  thread_local std::vector<float> wt;           // [W, C]: tap i of consecutive channels contiguous for simd
+  ranges.clear();
+  long_seqs.clear();
   for (int64_t i = 0; i < a.N; ++i) {
     const int64_t bos = seq_start(i), eos = seq_end(i);
     for (int64_t t0 = bos; t0 < eos; t0 += kTimeChunk)
       ranges.push_back({i, t0, std::min(eos, t0 + kTimeChunk)});
     if (eos - bos > kTimeChunk) long_seqs.push_back(i);
   }
+  // Channel spans: whole rows unless there are too few ranges to keep every thread busy.
   const int64_t nb = (a.C + kBlock - 1) / kBlock;
-  const int64_t out_items = static_cast<int64_t>(ranges.size()) * nb;
+  const int64_t want_items = 8 * static_cast<int64_t>(omp_get_max_threads());
+  const int64_t n_ranges = static_cast<int64_t>(ranges.size());
+  const int64_t n_spans =
+      std::clamp<int64_t>((want_items + n_ranges - 1) / std::max<int64_t>(n_ranges, 1), 1, nb);
+  const int64_t span = (nb + n_spans - 1) / n_spans * kBlock;
+  const int64_t spans = (a.C + span - 1) / span;
+  const int64_t out_items = n_ranges * spans;
   const int64_t state_items = a.state && H > 0 ? static_cast<int64_t>(long_seqs.size()) * nb : 0;
-  std::vector<float> wt(a.W * a.C);  // [W, C]: tap i of consecutive channels contiguous for simd
+  wt.resize(static_cast<size_t>(a.W * a.C));
+  Range* rg = ranges.data();
+  const int64_t* ls = long_seqs.data();
+  float* wtp = wt.data();
 
 #pragma omp parallel if (a.T * a.C * a.W >= kMinParallelWork)
   {
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < a.C; ++c) {
-      for (int i = 0; i < a.W; ++i) wt[i * a.C + c] = a.weight[c * a.W + i];
+      for (int i = 0; i < a.W; ++i) wtp[i * a.C + c] = a.weight[c * a.W + i];
     }
-    std::vector<float> hist(H * kBlock);
+    thread_local std::vector<float> hist;
+    hist.resize(static_cast<size_t>(H * span));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < out_items; ++it) {
-      const Range& r = ranges[it / nb];
-      const int64_t c0 = (it % nb) * kBlock, nc = std::min(kBlock, a.C - c0);
+      const Range& r = rg[it / spans];
+      const int64_t c0 = (it % spans) * span, nc = std::min(span, a.C - c0);
       const int64_t slot = slot_of(r.seq);
       if (slot < 0) {  // padded row: zero output, slot untouched
-        for (int64_t t = r.t0; t < r.t1; ++t) std::fill(a.y + t * a.C + c0, a.y + t * a.C + c0 + nc, 0.0f);
+        for (int64_t t = r.t0; t < r.t1; ++t) {
+          float* y = a.y + t * y_stride(a) + c0;
+          std::fill(y, y + nc, 0.0f);
+        }
         continue;
       }
       StateT* st = a.state ? a.state + slot * H * a.C : nullptr;
       const int64_t bos = seq_start(r.seq), eos = seq_end(r.seq);
-      conv_rows(a, wt.data(), bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data());
+      conv_rows(a, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data());
       // A segment in one item: nothing else touches these channels of its slot, so write it now
       // while they are in cache.
       if (st && r.t0 == bos && r.t1 == eos) write_state(a, bos, eos - bos, st, reads_state(r.seq), c0, nc);
@@ -235,7 +315,7 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
     // above so that it cannot race with that read. Empty segments have no range: slot unchanged.
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < state_items; ++it) {
-      const int64_t i = long_seqs[it / nb], c0 = (it % nb) * kBlock, nc = std::min(kBlock, a.C - c0);
+      const int64_t i = ls[it / nb], c0 = (it % nb) * kBlock, nc = std::min(kBlock, a.C - c0);
       const int64_t slot = slot_of(i), bos = seq_start(i);
       if (slot < 0) continue;
       write_state(a, bos, seq_end(i) - bos, a.state + slot * H * a.C, reads_state(i), c0, nc);

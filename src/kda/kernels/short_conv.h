@@ -31,8 +31,12 @@ struct ShortConvArgs {
   const int32_t* indices = nullptr;  // [N]; null: sequence i <-> slot i; -1: padded row
   int64_t num_slots = 0;
   const uint8_t* has_initial_state = nullptr;  // [N]; null = all true; false: zero history, slot not read
-  bool round_output_bf16 = false;  // round each output (after silu) to bf16, as the bf16 mode does
-  float* y = nullptr;              // [T, C]
+  // The bf16 mode's rounding points: each input (the raw projections, so the state keeps rounded values
+  // too) and each output (after silu) rounded to bf16.
+  bool round_input_bf16 = false;
+  bool round_output_bf16 = false;
+  float* y = nullptr;    // [T, y_stride]
+  int64_t y_stride = 0;  // 0: C
 };
 
 // Prefill: varlen segments of any length (0 and 1 included).

@@ -49,32 +49,46 @@ Linear& Linear::operator=(Linear&&) noexcept = default;
 void Linear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
   if (M < 0 || ldx < in_ || ldy < out_) throw std::invalid_argument("Linear::forward: bad M or row strides");
   if (M == 0) return;
+  if (precision_ == Precision::FP32) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    run(x, M, ldx, y, ldy);
+    return;
+  }
+  // Pack the input to dense bf16 rows; in the bf16 mode the values are bf16 already, so the conversion
+  // is exact.
   std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->x_bf16.resize(static_cast<size_t>(M * in_));
+  bf16_t* xb = impl_->x_bf16.data();
+  const int64_t in = in_;
+#pragma omp parallel for schedule(static) if (M * in >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < M; ++i) f32_to_bf16_array(x + i * ldx, xb + i * in, static_cast<size_t>(in));
+  run(xb, M, in_, y, ldy);
+}
+
+void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
+  if (precision_ != Precision::BF16)
+    throw std::invalid_argument("Linear::forward: bf16 input to an fp32 projection");
+  if (M < 0 || ldx < in_ || ldy < out_) throw std::invalid_argument("Linear::forward: bad M or row strides");
+  if (M == 0) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  run(x, M, ldx, y, ldy);
+}
+
+// Caller holds the mutex.
+void Linear::run(const void* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
   const bool bf16 = precision_ == Precision::BF16;
   const auto wdt = bf16 ? memory::data_type::bf16 : memory::data_type::f32;
-  const void* src = x;
-  int64_t src_ld = ldx;
-  if (bf16) {
-    // Pack the input to bf16 (dense rows); the values are bf16 already in the bf16 mode.
-    impl_->x_bf16.resize(static_cast<size_t>(M * in_));
-    for (int64_t i = 0; i < M; ++i) f32_to_bf16_array(x + i * ldx, impl_->x_bf16.data() + i * in_, in_);
-    src = impl_->x_bf16.data();
-    src_ld = in_;
-  }
-  const Impl::Key key{M, src_ld, ldy};
+  memory::desc src_md({M, in_}, wdt, memory::dims{ldx, 1});
+  memory::desc wei_md({in_, out_}, wdt, memory::dims{1, in_});  // W^T view of [out, in]
+  memory::desc dst_md({M, out_}, memory::data_type::f32, memory::dims{ldy, 1});
+  const Impl::Key key{M, ldx, ldy};
   auto it = impl_->prims.find(key);
   if (it == impl_->prims.end()) {
-    memory::desc src_md({M, in_}, wdt, memory::dims{src_ld, 1});
-    memory::desc wei_md({in_, out_}, wdt, memory::dims{1, in_});  // W^T view of [out, in]
-    memory::desc dst_md({M, out_}, memory::data_type::f32, memory::dims{ldy, 1});
     dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, wei_md, dst_md), impl_->engine);
     it = impl_->prims.emplace(key, dnnl::matmul(pd)).first;
   }
-  memory::desc src_md({M, in_}, wdt, memory::dims{src_ld, 1});
-  memory::desc wei_md({in_, out_}, wdt, memory::dims{1, in_});
-  memory::desc dst_md({M, out_}, memory::data_type::f32, memory::dims{ldy, 1});
   void* wptr = bf16 ? static_cast<void*>(impl_->w_bf16.data()) : static_cast<void*>(impl_->w_f32.data());
-  memory src_m(src_md, impl_->engine, const_cast<void*>(src));
+  memory src_m(src_md, impl_->engine, const_cast<void*>(x));
   memory wei_m(wei_md, impl_->engine, wptr);
   memory dst_m(dst_md, impl_->engine, y);
   it->second.execute(impl_->stream,

@@ -26,12 +26,16 @@ class Linear {
   int64_t out_features() const { return out_; }
   Precision precision() const { return precision_; }
 
-  // x: [M, in] with row stride ldx (>= in); y: [M, out] with row stride ldy (>= out).
+  // x: [M, in] with row stride ldx (>= in); y: [M, out] with row stride ldy (>= out). In the bf16
+  // precision x is converted to bf16 (round to nearest even) on the way in.
   void forward(const float* x, int64_t M, float* y) const { forward(x, M, in_, y, out_); }
   void forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
+  // bf16 input as it is, no conversion pass; only in the bf16 precision.
+  void forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
 
  private:
   struct Impl;
+  void run(const void* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
   int64_t in_ = 0, out_ = 0;
   Precision precision_ = Precision::FP32;
   std::unique_ptr<Impl> impl_;

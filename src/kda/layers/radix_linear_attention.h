@@ -21,8 +21,10 @@ class RadixLinearAttention {
     int conv_kernel = 4;
     const float* A_log = nullptr;    // [H]
     const float* dt_bias = nullptr;  // [H * K]
-    // bf16 mode: each conv output (after silu) is rounded to bf16, as an HF bf16 run does.
-    bool round_conv_output_bf16 = false;
+    // bf16 mode, as an HF bf16 run rounds: the raw projections handed in (mixed_qkv and b) are rounded to
+    // bf16 as they are read (the caller need not make a pass over them), and so is each conv output
+    // (after silu). The gate `a` is passed in already rounded.
+    bool bf16_activations = false;
   };
 
   explicit RadixLinearAttention(const Params& p);

@@ -217,7 +217,7 @@ KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int laye
           .conv_kernel = static_cast<int>(W_),
           .A_log = A_log_.data(),
           .dt_bias = dt_bias_.data(),
-          .round_conv_output_bf16 = precision == Precision::BF16,
+          .bf16_activations = precision == Precision::BF16,
       }) {
   if (tp.size > 1 && (!tp.comm || tp.comm->size() != tp.size || tp.comm->rank() != tp.rank))
     throw std::invalid_argument("KimiDeltaAttention: tensor-parallel rank " + std::to_string(tp.rank) +
@@ -255,17 +255,14 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
 
   KdaWorkspace& ws = workspace ? *workspace : own_ws_;
   const Precision p = precision_;
+  const bool bf16 = p == Precision::BF16;
   const int64_t n_proj = 3 * P_ + 2 * K_ + H_;
-  const float* x = hidden_states;
-  if (p == Precision::BF16) {  // rounding point: the layer input
-    ws.x.assign(hidden_states, hidden_states + T * D_);
-    round_bf16_inplace(ws.x.data(), ws.x.size());
-    x = ws.x.data();
-  }
-  // 1. q/k/v, f_a, g_a and b in one GEMM; every one of them is a bf16 rounding point.
+  // 1. q/k/v, f_a, g_a and b in one GEMM. The bf16 rounding points cost no pass of their own: the layer
+  // input's is this GEMM's input conversion (round to nearest even, as round_bf16), f_a's and g_a's are
+  // the conversions f_b and g_b make of their inputs, and q/k/v's and b's are applied by the backend as
+  // it reads them.
   ws.proj.resize(static_cast<size_t>(T * n_proj));
-  proj_.forward(x, T, ws.proj.data());
-  maybe_round(ws.proj, ws.proj.size(), p);
+  proj_.forward(hidden_states, T, ws.proj.data());
   const float* fa = ws.proj.data() + 3 * P_;
   const float* ga = fa + K_;
   const float* b = ga + K_;
@@ -279,41 +276,47 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
   ws.o.resize(static_cast<size_t>(T * P_));
   attn_(forward_batch, ws.proj.data(), n_proj, ws.f.data(), P_, b, n_proj, pool, ws.o.data());
   // 4. gated RMS norm per (token, head): y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). The bf16
-  // rounding points of z and of the kernel output o are applied as they are read here (one pass over
-  // the data instead of three); y's is the bf16 conversion o_proj makes of its input.
-  ws.y.resize(static_cast<size_t>(T * P_));
+  // rounding points of z and of the kernel output o are applied as they are read here, and y's as it is
+  // written: y goes to o_proj as bf16 without a conversion pass.
+  if (bf16)
+    ws.y_bf16.resize(static_cast<size_t>(T * P_));
+  else
+    ws.y.resize(static_cast<size_t>(T * P_));
   const int64_t rows = T * H_;
   const float eps = static_cast<float>(eps_);
-  const bool bf16 = p == Precision::BF16;
   const int K = static_cast<int>(K_);
+  const float* w = o_norm_w_.data();
 #pragma omp parallel for schedule(static) if (rows > 256)
   for (int64_t r = 0; r < rows; ++r) {
-    float* o = ws.o.data() + r * K;
+    const float* o = ws.o.data() + r * K;
     const float* z = ws.z.data() + r * K;
-    float* y = ws.y.data() + r * K;
-    float ss = 0.0f;
     if (bf16) {
+      float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-      for (int d = 0; d < K; ++d) {
-        o[d] = round_bf16(o[d]);
-        ss += o[d] * o[d];
-      }
+      for (int d = 0; d < K; ++d) ss += round_bf16(o[d]) * round_bf16(o[d]);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+      bf16_t* y = ws.y_bf16.data() + r * K;
+#pragma omp simd
+      for (int d = 0; d < K; ++d)
+        y[d] = f32_to_bf16(round_bf16(o[d]) * inv * w[d] /
+                           (1.0f + kernels::vecmath::exp_approx(-round_bf16(z[d]))));
     } else {
+      float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
       for (int d = 0; d < K; ++d) ss += o[d] * o[d];
-    }
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
-    const float* w = o_norm_w_.data();
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+      float* y = ws.y.data() + r * K;
 #pragma omp simd
-    for (int d = 0; d < K; ++d) {
-      const float zd = bf16 ? round_bf16(z[d]) : z[d];
-      y[d] = o[d] * inv * w[d] / (1.0f + kernels::vecmath::exp_approx(-zd));
+      for (int d = 0; d < K; ++d) y[d] = o[d] * inv * w[d] / (1.0f + kernels::vecmath::exp_approx(-z[d]));
     }
   }
   // 5. o_proj; under tensor parallelism each rank holds a partial sum over its channels.
-  o_proj_.forward(ws.y.data(), T, out);
+  if (bf16)
+    o_proj_.forward(ws.y_bf16.data(), T, P_, out, D_);
+  else
+    o_proj_.forward(ws.y.data(), T, out);
   if (tp_.size > 1) tp_.comm->allreduce_sum(out, static_cast<size_t>(T * D_));
-  if (p == Precision::BF16) round_bf16_inplace(out, static_cast<size_t>(T * D_));
+  if (bf16) round_bf16_inplace(out, static_cast<size_t>(T * D_));
 }
 
 }  // namespace kda::models

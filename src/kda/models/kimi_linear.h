@@ -54,7 +54,8 @@ struct KdaLayerWeights {
 
 // Scratch a layer needs per forward; one workspace can serve every layer of a model.
 struct KdaWorkspace {
-  std::vector<float> x, proj, f, z, o, y;
+  std::vector<float> proj, f, z, o, y;
+  std::vector<bf16_t> y_bf16;  // the o_norm output in the bf16 mode, o_proj's input as it is
 };
 
 class KimiDeltaAttention {

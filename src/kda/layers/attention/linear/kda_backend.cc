@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/common/bf16.h"
 #include "kda/kernels/short_conv.h"
 #include "kda/layers/radix_linear_attention.h"
 
@@ -60,6 +61,14 @@ void LinearRecurrentAttnBackend::init_forward_metadata(const ForwardBatch& forwa
   has_metadata_ = true;
 }
 
+// Row stride of the conv output: the channels padded by one cache line when the row would be a multiple of
+// 4 KB, as q|k|v of the model (3 x 4096 floats) is. Rows 4 KB apart share L1 sets, and the kernels read
+// each head's column slice row after row.
+int64_t LinearRecurrentAttnBackend::conv_out_stride(const RadixLinearAttention& layer) {
+  const int64_t c = layer.conv_dim();
+  return (c * sizeof(float)) % 4096 == 0 ? c + 16 : c;
+}
+
 void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, const float* mixed_qkv,
                                           int64_t qkv_stride, int64_t T,
                                           const mem_cache::LinearRecurrentLayerCache& cache, bool decode) {
@@ -77,8 +86,10 @@ void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, con
     args.indices = md.recurrent_indices.data();
     args.num_slots = cache.num_slots;
     args.has_initial_state = md.has_initial_state.data();
-    args.round_output_bf16 = p.round_conv_output_bf16;
+    args.round_input_bf16 = p.bf16_activations;
+    args.round_output_bf16 = p.bf16_activations;
     args.y = conv_out_.data();
+    args.y_stride = conv_out_stride(layer);
   };
   if (cache.conv_f32) {
     kernels::ShortConvArgs<float> args;
@@ -141,14 +152,20 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   }
 
   const bool decode = mode == ForwardMode::DECODE;
-  conv_out_.resize(static_cast<size_t>(T * layer.conv_dim()));
+  const int64_t ys = conv_out_stride(layer);
+  conv_out_.resize(static_cast<size_t>(T * ys));
   run_conv(layer, mixed_qkv, qkv_stride, T, cache, decode);
 
   // q, k and v are read in place as column slices of the conv output, and the gate as a slice of the
   // caller's projection output: the kernels take row strides, so nothing is copied.
   beta_.resize(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) beta_[t * H + h] = 1.0f / (1.0f + std::exp(-b[t * b_stride + h]));
+  const bool round_b = p.bf16_activations;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float bt = round_b ? round_bf16(b[t * b_stride + h]) : b[t * b_stride + h];
+      beta_[t * H + h] = 1.0f / (1.0f + std::exp(-bt));
+    }
+  }
 
   LinearRecurrentDispatch d;
   d.layer = &layer;
@@ -156,7 +173,7 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   d.q = conv_out_.data();
   d.k = conv_out_.data() + qd;
   d.v = conv_out_.data() + qd + kd;
-  d.qkv_stride = layer.conv_dim();
+  d.qkv_stride = ys;
   d.a = a;
   d.a_stride = a_stride;
   d.beta = beta_.data();

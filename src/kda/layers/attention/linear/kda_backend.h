@@ -74,6 +74,8 @@ class LinearRecurrentAttnBackend {
 
   LinearRecurrentAttnBackendMetadata forward_metadata_;
   bool has_metadata_ = false;
+  static int64_t conv_out_stride(const RadixLinearAttention& layer);
+
   // Scratch reused across layers and steps (grown, never shrunk).
   std::vector<float> conv_out_;
   std::vector<float> beta_;
