@@ -177,10 +177,10 @@ void conv_token(const float* const* src, const float* wt, int64_t C, int W, int6
 
 // Outputs of tokens [t0, t1) of the sequence starting at bos, channels [c0, c0 + nc). `wt` is the
 // weight transposed to [W, C]; `st` is the sequence's slot (null: zero history), read only when
-// `read_state`; `hist` is scratch for (W-1) * nc floats.
+// `read_state`; `hist` and `ring` are scratch for (W-1) * nc and W * nc floats.
 template <class StateT>
 void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int64_t t0, int64_t t1,
-               const StateT* st, bool read_state, int64_t c0, int64_t nc, float* hist) {
+               const StateT* st, bool read_state, int64_t c0, int64_t nc, float* hist, float* ring) {
   const int W = a.W;
   const int64_t H = W - 1;  // history rows
   if (t0 - bos < H) {       // only the first W-1 tokens of a sequence see the slot
@@ -202,13 +202,31 @@ void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int
     taps_heap.resize(W);
     taps = taps_heap.data();
   }
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int i = 0; i < W; ++i) {
-      const int64_t p = t - bos + i - H;  // position in the sequence; < 0 lies in the history
-      taps[i] = p < 0 ? hist + (H + p) * nc : a.x + (bos + p) * a.x_stride + c0;
+  // Input row of position p in the sequence (< 0 lies in the history).
+  auto input = [&](int64_t p) { return p < 0 ? hist + (H + p) * nc : a.x + (bos + p) * a.x_stride + c0; };
+  if (!a.round_input_bf16) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int i = 0; i < W; ++i) taps[i] = input(t - bos + i - H);
+      conv_token(taps, wt + c0, a.C, W, nc, false, a.round_output_bf16, a.y + t * y_stride(a) + c0);
     }
+    return;
+  }
+  // Rounded inputs: each is rounded once, into a ring of the last W rows, rather than once per tap.
+  auto ring_row = [&](int64_t p) { return ring + ((p % W + W) % W) * nc; };
+  auto round_into = [](const float* src, float* dst, int64_t n) {
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) dst[c] = round_bf16(src[c]);
+  };
+  for (int64_t p = t0 - bos - H; p < t0 - bos; ++p) round_into(input(p), ring_row(p), nc);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t pt = t - bos;
     float* y = a.y + t * y_stride(a) + c0;
-    conv_token(taps, wt + c0, a.C, W, nc, a.round_input_bf16, a.round_output_bf16, y);
+    for (int64_t b = 0; b < nc; b += kBlock) {  // a block at a time: the new row is used while in L1
+      const int64_t m = std::min(kBlock, nc - b);
+      round_into(input(pt) + b, ring_row(pt) + b, m);
+      for (int i = 0; i < W; ++i) taps[i] = ring_row(pt - H + i) + b;
+      conv_token(taps, wt + c0 + b, a.C, W, m, false, a.round_output_bf16, y + b);
+    }
   }
 }
 
@@ -290,8 +308,9 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
     for (int64_t c = 0; c < a.C; ++c) {
       for (int i = 0; i < a.W; ++i) wtp[i * a.C + c] = a.weight[c * a.W + i];
     }
-    thread_local std::vector<float> hist;
+    thread_local std::vector<float> hist, ring;
     hist.resize(static_cast<size_t>(H * span));
+    ring.resize(static_cast<size_t>(a.W * span));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < out_items; ++it) {
       const Range& r = rg[it / spans];
@@ -306,7 +325,7 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
       }
       StateT* st = a.state ? a.state + slot * H * a.C : nullptr;
       const int64_t bos = seq_start(r.seq), eos = seq_end(r.seq);
-      conv_rows(a, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data());
+      conv_rows(a, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data(), ring.data());
       // A segment in one item: nothing else touches these channels of its slot, so write it now
       // while they are in cache.
       if (st && r.t0 == bos && r.t1 == eos) write_state(a, bos, eos - bos, st, reads_state(r.seq), c0, nc);
