@@ -156,7 +156,7 @@ void bench_kernels(const BenchOptions& o, double g32, double cp, nlohmann::json&
     std::iota(idx.begin(), idx.end(), 0);
     auto a = args_for(in, T, seqs, H, K, A_log, dt_bias, state.data(), idx.data(), seqs);
     a.has_initial_state = nullptr;
-    const double s = best_seconds([&] { kernels::chunk_kda(a, kernels::KernelImpl::Optimized); }, 5, 1.0);
+    const double s = best_seconds([&] { kernels::chunk_kda(a, kernels::KernelImpl::Optimized); }, 5, 2.0);
     const double sn =
         o.skip_naive ? NAN : best_seconds([&] { kernels::chunk_kda(a, kernels::KernelImpl::Naive); }, 1, 0.0);
     const double flops = (6.0 * K * K + 3.0 * 64 * K + 64.0 * 64) * H * T;
