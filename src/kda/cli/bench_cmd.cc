@@ -211,93 +211,139 @@ void bench_kernels(const BenchOptions& o, double g32, double cp, nlohmann::json&
   pool.clear();
   pool.shrink_to_fit();
 }
+// Best wall time of each of fns, run in turns (one call of each per round) for at least min_rounds rounds
+// and min_seconds: on a shared machine the load changes from second to second, and taking turns lets
+// every function meet the same quiet moments, so ratios between them hold.
+std::vector<double> best_interleaved(const std::vector<std::function<void()>>& fns, int min_rounds,
+                                     double min_seconds) {
+  for (const auto& fn : fns) fn();  // warm-up
+  std::vector<double> best(fns.size(), INFINITY);
+  double total = 0.0;
+  for (int r = 0; r < min_rounds || total < min_seconds; ++r) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      const auto t0 = Clock::now();
+      fns[i]();
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      best[i] = std::min(best[i], s);
+      total += s;
+    }
+    if (r > 200) break;
+  }
+  return best;
+}
+
+// One precision's layer with its pool, and the same GEMMs the layer runs, alone.
+struct LayerCase {
+  static constexpr int64_t kSlots = 80;
+  Precision p;
+  models::KimiDeltaAttention layer;
+  layers::attention::linear::KDAAttnBackend backend;
+  mem_cache::MemoryPools pools;
+  layers::Linear proj, fb, gb, op;
+  std::vector<float> gx, gy, gf, gz;
+  std::vector<bf16_t> gf16;
+
+  LayerCase(const io::KimiLinearConfig& cfg, const models::KdaLayerWeights& w, Precision prec)
+      : p(prec),
+        layer(cfg, 0, w, prec),
+        pools(mem_cache::RecurrentStatePoolConfig{.layer_ids = {0},
+                                                  .size = kSlots,
+                                                  .num_heads = kH,
+                                                  .head_k_dim = kK,
+                                                  .head_v_dim = kK,
+                                                  .conv_kernel = 4,
+                                                  .conv_dim = 3 * kP,
+                                                  .conv_dtype = prec},
+              kSlots),
+        proj(kD, n_proj(), randn(n_proj() * kD, 1, 0.02f), prec),
+        fb(kK, kP, randn(kP * kK, 2, 0.02f), prec),
+        gb(kK, kP, randn(kP * kK, 3, 0.02f), prec),
+        op(kP, kD, randn(kD * kP, 4, 0.02f), prec) {}
+
+  static int64_t n_proj() { return 3 * kP + 2 * kK + kH; }
+
+  void gemms(int64_t M) {
+    gx.resize(M * kD);
+    gy.resize(M * n_proj());
+    gf.resize(M * kP);
+    gz.resize(M * kD);
+    proj.forward(gx.data(), M, gy.data());
+    fb.forward(gy.data(), M, n_proj(), gf.data(), kP);
+    gb.forward(gy.data(), M, n_proj(), gf.data(), kP);
+    if (p == Precision::BF16) {  // the layer hands o_proj its input as bf16 already
+      gf16.resize(M * kP);
+      op.forward(gf16.data(), M, kP, gz.data(), kD);
+    } else {
+      op.forward(gf.data(), M, gz.data());
+    }
+  }
+};
+
+// A batch of one mode on a case's pool: requests allocated, metadata set, freed on destruction.
+struct Batch {
+  LayerCase& c;
+  std::vector<int32_t> reqs;
+  model_executor::ForwardBatch fb;
+  std::vector<float> x, y;
+
+  Batch(LayerCase& lc, bool decode, int64_t n, uint64_t seed) : c(lc) {
+    reqs = c.pools.req_to_token_pool.alloc(decode ? n : 1);
+    const auto slots = c.pools.req_to_token_pool.get_recurrent_indices(reqs);
+    fb = decode ? model_executor::ForwardBatch::decode(reqs)
+                : model_executor::ForwardBatch::extend(reqs, {static_cast<int32_t>(n)}, {0});
+    fb.attn_backend = &c.backend;
+    c.backend.init_forward_metadata(fb, slots);
+    x = randn(n * kD, seed);
+    y.resize(n * kD);
+  }
+  ~Batch() { c.pools.req_to_token_pool.free(reqs); }
+  void run() { c.layer.forward(x.data(), fb.num_tokens(), fb, c.pools.recurrent_state_pool, y.data()); }
+};
+
 void bench_layer(double cp, nlohmann::json& j, const Say& say) {
-  const int H = kH, K = kK;
-  const int64_t D = kD, P = kP;
-  // The full layer, fp32 and bf16.
   io::KimiLinearConfig cfg;
-  cfg.hidden_size = D;
+  cfg.hidden_size = kD;
   cfg.rms_norm_eps = 1e-5;
   cfg.num_hidden_layers = 1;
-  cfg.num_heads = H;
-  cfg.head_dim = K;
+  cfg.num_heads = kH;
+  cfg.head_dim = kK;
   cfg.short_conv_kernel_size = 4;
   cfg.kda_layers = {1};
   const auto w = models::KdaLayerWeights::synthetic(cfg, 1234);
+  LayerCase f32(cfg, w, Precision::FP32), b16(cfg, w, Precision::BF16);
   say("\n%-6s %-7s %8s %14s %16s %8s %22s\n", "layer", "mode", "size", "time", "GEMMs alone", "ratio",
       "state bytes/step");
-  for (Precision p : {Precision::FP32, Precision::BF16}) {
-    models::KimiDeltaAttention layer(cfg, 0, w, p);
-    layers::attention::linear::KDAAttnBackend backend;
-    const int64_t n_slots = 80;
-    mem_cache::RecurrentStatePoolConfig pc{.layer_ids = {0},
-                                           .size = n_slots,
-                                           .num_heads = H,
-                                           .head_k_dim = K,
-                                           .head_v_dim = K,
-                                           .conv_kernel = 4,
-                                           .conv_dim = 3 * P,
-                                           .conv_dtype = p};
-    mem_cache::MemoryPools pools(pc, n_slots);
-    // The same GEMMs the layer runs, alone.
-    layers::Linear proj(D, 3 * P + 2 * K + H, randn((3 * P + 2 * K + H) * D, 1, 0.02f), p);
-    layers::Linear fb(K, P, randn(P * K, 2, 0.02f), p), gb(K, P, randn(P * K, 3, 0.02f), p);
-    layers::Linear op(P, D, randn(D * P, 4, 0.02f), p);
-    std::vector<float> gx, gy, gf, gz;
-    std::vector<bf16_t> gf16;
-    auto gemms = [&](int64_t M) {
-      gx.resize(M * D);
-      gy.resize(M * (3 * P + 2 * K + H));
-      gf.resize(M * P);
-      gz.resize(M * D);
-      proj.forward(gx.data(), M, gy.data());
-      fb.forward(gy.data(), M, 3 * P + 2 * K + H, gf.data(), P);
-      gb.forward(gy.data(), M, 3 * P + 2 * K + H, gf.data(), P);
-      if (p == Precision::BF16) {  // the layer hands o_proj its input as bf16 already
-        gf16.resize(M * P);
-        op.forward(gf16.data(), M, P, gz.data(), D);
-      } else {
-        op.forward(gf.data(), M, gz.data());
-      }
-    };
-    // EXTEND of 4096 tokens (one new request).
-    {
-      const int64_t T = 4096;
-      const auto x = randn(T * D, 21);
-      std::vector<float> y(T * D);
-      const auto reqs = pools.req_to_token_pool.alloc(1);
-      const auto slots = pools.req_to_token_pool.get_recurrent_indices(reqs);
-      auto fbatch = model_executor::ForwardBatch::extend(reqs, {static_cast<int32_t>(T)}, {0});
-      fbatch.attn_backend = &backend;
-      backend.init_forward_metadata(fbatch, slots);
-      const double s = best_seconds(
-          [&] { layer.forward(x.data(), T, fbatch, pools.recurrent_state_pool, y.data()); }, 4, 2.5);
-      const double sg = best_seconds([&] { gemms(T); }, 4, 2.0);
-      pools.req_to_token_pool.free(reqs);
-      j["layer"].push_back({{"precision", to_string(p)},
+
+  // EXTEND of 4096 tokens (one new request), both precisions and their GEMMs in turns.
+  const int64_t T = 4096;
+  {
+    Batch e32(f32, false, T, 21), e16(b16, false, T, 21);
+    const auto t = best_interleaved(
+        {[&] { e32.run(); }, [&] { f32.gemms(T); }, [&] { e16.run(); }, [&] { b16.gemms(T); }}, 4, 8.0);
+    for (int i = 0; i < 2; ++i) {
+      const char* prec = to_string(i == 0 ? Precision::FP32 : Precision::BF16);
+      const double s = t[2 * i], sg = t[2 * i + 1];
+      j["layer"].push_back({{"precision", prec},
                             {"mode", "extend"},
                             {"tokens", T},
                             {"us_per_token", s / T * 1e6},
                             {"gemm_us_per_token", sg / T * 1e6}});
-      say("%-6s %-7s %8lld %11.2f us/tok %13.2f us/tok %8.2f\n", to_string(p), "extend",
-          static_cast<long long>(T), s / T * 1e6, sg / T * 1e6, s / sg);
+      say("%-6s %-7s %8lld %11.2f us/tok %13.2f us/tok %8.2f\n", prec, "extend", static_cast<long long>(T),
+          s / T * 1e6, sg / T * 1e6, s / sg);
     }
-    // DECODE step at batch 64.
-    {
-      const int64_t B = 64;
-      const auto x = randn(B * D, 22);
-      std::vector<float> y(B * D);
-      const auto reqs = pools.req_to_token_pool.alloc(B);
-      const auto slots = pools.req_to_token_pool.get_recurrent_indices(reqs);
-      auto fbatch = model_executor::ForwardBatch::decode(reqs);
-      fbatch.attn_backend = &backend;
-      backend.init_forward_metadata(fbatch, slots);
-      const double s = best_seconds(
-          [&] { layer.forward(x.data(), B, fbatch, pools.recurrent_state_pool, y.data()); }, 5, 0.5);
-      const double sg = best_seconds([&] { gemms(B); }, 5, 0.3);
+    say("bf16 extend is %.2fx faster than fp32\n", t[0] / t[2]);
+  }
+  // DECODE step at batch 64.
+  const int64_t B = 64;
+  {
+    Batch d32(f32, true, B, 22), d16(b16, true, B, 22);
+    const auto t = best_interleaved(
+        {[&] { d32.run(); }, [&] { f32.gemms(B); }, [&] { d16.run(); }, [&] { b16.gemms(B); }}, 5, 2.0);
+    for (int i = 0; i < 2; ++i) {
+      const Precision p = i == 0 ? Precision::FP32 : Precision::BF16;
+      const double s = t[2 * i], sg = t[2 * i + 1];
       const size_t conv_elem = p == Precision::BF16 ? 2 : 4;
-      const double state_bytes = 2.0 * B * (double(H) * K * K * 4 + 3.0 * P * 3 * conv_elem);
-      pools.req_to_token_pool.free(reqs);
+      const double state_bytes = 2.0 * B * (double(kH) * kK * kK * 4 + 3.0 * kP * 3 * conv_elem);
       j["layer"].push_back({{"precision", to_string(p)},
                             {"mode", "decode"},
                             {"batch", B},
