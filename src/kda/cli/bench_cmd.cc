@@ -41,6 +41,27 @@ double best_seconds(const std::function<void()>& fn, int min_reps = 3, double mi
   return best;
 }
 
+// Best wall time of each of fns, run in turns (one call of each per round) for at least min_rounds rounds
+// and min_seconds: on a shared machine the load changes from second to second, and taking turns lets
+// every function meet the same quiet moments, so ratios between them hold.
+std::vector<double> best_interleaved(const std::vector<std::function<void()>>& fns, int min_rounds,
+                                     double min_seconds) {
+  for (const auto& fn : fns) fn();  // warm-up
+  std::vector<double> best(fns.size(), INFINITY);
+  double total = 0.0;
+  for (int r = 0; r < min_rounds || total < min_seconds; ++r) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      const auto t0 = Clock::now();
+      fns[i]();
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      best[i] = std::min(best[i], s);
+      total += s;
+    }
+    if (r > 200) break;
+  }
+  return best;
+}
+
 std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.0f) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> d(0.0f, sd);
@@ -49,14 +70,23 @@ std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.0f) {
   return v;
 }
 
-double gemm_gflops(Precision p, int64_t M, int64_t N, int64_t K) {
-  layers::Linear lin(K, N, randn(static_cast<size_t>(N * K), 1, 0.02f), p);
-  auto x = randn(static_cast<size_t>(M * K), 2);
-  if (p == Precision::BF16) round_bf16_inplace(x.data(), x.size());
-  std::vector<float> y(static_cast<size_t>(M * N));
-  const double s = best_seconds([&] { lin.forward(x.data(), M, y.data()); });
-  return 2.0 * M * N * K / s / 1e9;
-}
+// The GEMM ceiling: oneDNN matmul at M x N x K through the same Linear the layer uses.
+struct GemmCeiling {
+  int64_t M, N, K;
+  layers::Linear lin;
+  std::vector<float> x, y;
+  GemmCeiling(Precision p, int64_t m, int64_t n, int64_t k)
+      : M(m),
+        N(n),
+        K(k),
+        lin(k, n, randn(static_cast<size_t>(n * k), 1, 0.02f), p),
+        x(randn(m * k, 2)),
+        y(m * n) {
+    if (p == Precision::BF16) round_bf16_inplace(x.data(), x.size());
+  }
+  void run() { lin.forward(x.data(), M, y.data()); }
+  double gflops(double seconds) const { return 2.0 * M * N * K / seconds / 1e9; }
+};
 
 // Bytes read + written per second by memcpy over `bytes` (both directions counted, as the state
 // bandwidth of the recurrent kernel counts the state read and written once).
@@ -138,39 +168,71 @@ struct Say {
 constexpr int kH = 32, kK = 128;
 constexpr int64_t kD = 2304, kP = int64_t{kH} * kK;
 
-void bench_kernels(const BenchOptions& o, double g32, double cp, nlohmann::json& j, const Say& say) {
-  const int H = kH, K = kK;
-  const int64_t P = kP;
-  std::vector<float> A_log(H), dt_bias(P);
-  for (int h = 0; h < H; ++h) A_log[h] = std::log(1.0f + h * 0.4f);
-  for (auto& d : dt_bias) d = 0.1f;
+// The gate parameters the kernel rows use.
+struct Gate {
+  std::vector<float> A_log, dt_bias;
+  Gate() : A_log(kH), dt_bias(kP, 0.1f) {
+    for (int h = 0; h < kH; ++h) A_log[h] = std::log(1.0f + h * 0.4f);
+  }
+};
 
-  // chunk_kda.
-  say("\n%-22s %6s %8s %12s %10s %10s %16s\n", "kernel", "seqs", "tokens", "us/token", "GFLOP/s", "% GEMM",
-      "naive us/token");
-  for (auto [seqs, len] : {std::pair<int64_t, int64_t>{1, 4096}, {16, 256}}) {
-    const int64_t T = seqs * len;
-    auto in = make_inputs(seqs, len, H, K);
-    std::vector<float> state(static_cast<size_t>(seqs) * H * K * K, 0.0f);
-    std::vector<int32_t> idx(seqs);
+// One chunk_kda row: `seqs` sequences of `len` tokens, zero initial states. Holds pointers into itself:
+// not movable.
+struct ChunkCase {
+  int64_t seqs, T;
+  KdaInputs in;
+  std::vector<float> state;
+  std::vector<int32_t> idx;
+  kernels::KdaArgs a;
+  ChunkCase(int64_t s, int64_t len, const Gate& gate)
+      : seqs(s),
+        T(s * len),
+        in(make_inputs(s, len, kH, kK)),
+        state(static_cast<size_t>(s) * kH * kK * kK),
+        idx(s) {
     std::iota(idx.begin(), idx.end(), 0);
-    auto a = args_for(in, T, seqs, H, K, A_log, dt_bias, state.data(), idx.data(), seqs);
+    a = args_for(in, T, seqs, kH, kK, gate.A_log, gate.dt_bias, state.data(), idx.data(), seqs);
     a.has_initial_state = nullptr;
-    const double s = best_seconds([&] { kernels::chunk_kda(a, kernels::KernelImpl::Optimized); }, 5, 2.0);
-    const double sn =
-        o.skip_naive ? NAN : best_seconds([&] { kernels::chunk_kda(a, kernels::KernelImpl::Naive); }, 1, 0.0);
-    const double flops = (6.0 * K * K + 3.0 * 64 * K + 64.0 * 64) * H * T;
+  }
+  ChunkCase(const ChunkCase&) = delete;
+  ChunkCase& operator=(const ChunkCase&) = delete;
+  void run(kernels::KernelImpl impl) { kernels::chunk_kda(a, impl); }
+};
+
+// chunk_kda rows against the fp32 GEMM ceiling, which is measured in turns with them (see
+// best_interleaved); returns the ceiling in GFLOP/s.
+double bench_chunk(const BenchOptions& o, GemmCeiling& g32, const Gate& gate, nlohmann::json& j,
+                   std::vector<std::string>& lines) {
+  ChunkCase one(1, 4096, gate), many(16, 256, gate);
+  const auto t = best_interleaved({[&] { g32.run(); }, [&] { one.run(kernels::KernelImpl::Optimized); },
+                                   [&] { many.run(kernels::KernelImpl::Optimized); }},
+                                  5, 8.0);
+  const double ceiling = g32.gflops(t[0]);
+  int i = 1;
+  for (ChunkCase* c : {&one, &many}) {
+    const double s = t[i++];
+    const double sn = o.skip_naive ? NAN : best_seconds([&] { c->run(kernels::KernelImpl::Naive); }, 1, 0.0);
+    const double flops = (6.0 * kK * kK + 3.0 * 64 * kK + 64.0 * 64) * kH * c->T;
     const double gf = flops / s / 1e9;
     j["kernels"].push_back({{"op", "chunk_kda"},
-                            {"seqs", seqs},
-                            {"tokens", T},
-                            {"us_per_token", s / T * 1e6},
+                            {"seqs", c->seqs},
+                            {"tokens", c->T},
+                            {"us_per_token", s / c->T * 1e6},
                             {"gflops", gf},
-                            {"naive_us_per_token", sn / T * 1e6}});
-    say("%-22s %6lld %8lld %12.2f %10.1f %9.0f%% %16.2f\n", "chunk_kda", static_cast<long long>(seqs),
-        static_cast<long long>(T), s / T * 1e6, gf, 100 * gf / g32, sn / T * 1e6);
+                            {"naive_us_per_token", sn / c->T * 1e6}});
+    char line[160];
+    std::snprintf(line, sizeof line, "%-22s %6lld %8lld %12.2f %10.1f %9.0f%% %16.2f\n", "chunk_kda",
+                  static_cast<long long>(c->seqs), static_cast<long long>(c->T), s / c->T * 1e6, gf,
+                  100 * gf / ceiling, sn / c->T * 1e6);
+    lines.emplace_back(line);
   }
+  return ceiling;
+}
 
+void bench_recurrent(const BenchOptions& o, double cp, const Gate& gate, nlohmann::json& j, const Say& say) {
+  const int H = kH, K = kK;
+  const std::vector<float>& A_log = gate.A_log;
+  const std::vector<float>& dt_bias = gate.dt_bias;
   // fused_recurrent_kda: states spread over a pool larger than the caches.
   say("\n%-22s %6s %12s %10s %10s %16s\n", "kernel", "batch", "us/call", "GB/s", "% memcpy", "naive us/call");
   const int64_t pool_slots = 256;  // 256 x 2 MiB = 512 MiB
@@ -211,27 +273,6 @@ void bench_kernels(const BenchOptions& o, double g32, double cp, nlohmann::json&
   pool.clear();
   pool.shrink_to_fit();
 }
-// Best wall time of each of fns, run in turns (one call of each per round) for at least min_rounds rounds
-// and min_seconds: on a shared machine the load changes from second to second, and taking turns lets
-// every function meet the same quiet moments, so ratios between them hold.
-std::vector<double> best_interleaved(const std::vector<std::function<void()>>& fns, int min_rounds,
-                                     double min_seconds) {
-  for (const auto& fn : fns) fn();  // warm-up
-  std::vector<double> best(fns.size(), INFINITY);
-  double total = 0.0;
-  for (int r = 0; r < min_rounds || total < min_seconds; ++r) {
-    for (size_t i = 0; i < fns.size(); ++i) {
-      const auto t0 = Clock::now();
-      fns[i]();
-      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-      best[i] = std::min(best[i], s);
-      total += s;
-    }
-    if (r > 200) break;
-  }
-  return best;
-}
-
 // One precision's layer with its pool, and the same GEMMs the layer runs, alone.
 struct LayerCase {
   static constexpr int64_t kSlots = 80;
@@ -367,9 +408,19 @@ int run_bench(const BenchOptions& o) {
   const Say say{o.json};
   say("kda bench: %d threads\n", threads);
 
-  // Ceilings.
-  const double g32 = gemm_gflops(Precision::FP32, 1024, 4096, 2304);
-  const double g16 = gemm_gflops(Precision::BF16, 1024, 4096, 2304);
+  // Ceilings. The fp32 GEMM rate is the chunk kernel's yardstick, so it is measured in turns with it.
+  j["kernels"] = nlohmann::json::array();
+  j["layer"] = nlohmann::json::array();
+  const bool kernels = o.only != "layer";
+  const Gate gate;
+  std::vector<std::string> chunk_lines;
+  double g32 = 0.0;
+  {
+    GemmCeiling c32(Precision::FP32, 1024, 4096, 2304);
+    g32 = kernels ? bench_chunk(o, c32, gate, j, chunk_lines) : c32.gflops(best_seconds([&] { c32.run(); }));
+  }
+  GemmCeiling c16(Precision::BF16, 1024, 4096, 2304);
+  const double g16 = c16.gflops(best_seconds([&] { c16.run(); }));
   const double cp = copy_gbps(size_t{512} << 20);
   j["threads"] = threads;
   j["ceilings"] = {{"gemm_f32_gflops", g32}, {"gemm_bf16_gflops", g16}, {"copy_gbps", cp}};
@@ -377,9 +428,12 @@ int run_bench(const BenchOptions& o) {
       "(read + write)\n",
       g32, g16, cp);
 
-  j["kernels"] = nlohmann::json::array();
-  j["layer"] = nlohmann::json::array();
-  if (o.only != "layer") bench_kernels(o, g32, cp, j, say);
+  if (kernels) {
+    say("\n%-22s %6s %8s %12s %10s %10s %16s\n", "kernel", "seqs", "tokens", "us/token", "GFLOP/s", "% GEMM",
+        "naive us/token");
+    for (const auto& l : chunk_lines) say("%s", l.c_str());
+    bench_recurrent(o, cp, gate, j, say);
+  }
   if (o.only != "kernels") bench_layer(cp, j, say);
   if (o.json) std::printf("%s\n", j.dump(2).c_str());
   return 0;
