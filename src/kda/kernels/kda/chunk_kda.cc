@@ -591,8 +591,19 @@ struct Rows {
         E[d] = exp_approx(g[d]);
       }
     } else {
+      int d0 = 0;
+#if defined(__AVX512F__)
+      const __m512 na = _mm512_set1_ps(neg_a);
+      for (; d0 + 16 <= K; d0 += 16) {
+        __m512 z = _mm512_loadu_ps(g + d0);
+        if (bias != nullptr) z = _mm512_add_ps(z, _mm512_loadu_ps(bias + d0));
+        const __m512 x = _mm512_mul_ps(na, vecmath::softplus16(z));
+        _mm512_storeu_ps(G + d0, x);
+        _mm512_storeu_ps(E + d0, vecmath::exp16(x));
+      }
+#endif
 #pragma omp simd
-      for (int d = 0; d < K; ++d) {
+      for (int d = d0; d < K; ++d) {
         const float x = neg_a * softplus_approx(g[d] + (bias != nullptr ? bias[d] : 0.0f));
         G[d] = x;
         E[d] = exp_approx(x);

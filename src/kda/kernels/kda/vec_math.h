@@ -9,6 +9,10 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace kda::kernels::vecmath {
 
 // expf for the kernels' arguments (a decay: always <= 0 there): Cephes range reduction + degree-6
@@ -46,6 +50,38 @@ inline float softplus_approx(float z) {
   p = p * s2 + 1.0f;
   return std::max(z, 0.0f) + 2.0f * s * p;
 }
+
+#if defined(__AVX512F__)
+// exp_approx on 16 lanes: the same reduction and polynomial, with 2^n applied by vscalefps instead of
+// integer exponent arithmetic (fewer instructions where the gate's two exps per element dominate).
+inline __m512 exp16(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.5f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);  // else 0, as above
+  return _mm512_maskz_scalef_ps(kept, p, n);
+}
+
+// softplus_approx on 16 lanes.
+inline __m512 softplus16(__m512 z) {
+  const __m512 w = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
+  const __m512 s = _mm512_div_ps(w, _mm512_add_ps(_mm512_set1_ps(2.0f), w));
+  const __m512 s2 = _mm512_mul_ps(s, s);
+  __m512 p = _mm512_set1_ps(1.0f / 15.0f);
+  for (const float c : {1.0f / 13.0f, 1.0f / 11.0f, 1.0f / 9.0f, 1.0f / 7.0f, 1.0f / 5.0f, 1.0f / 3.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, s2, _mm512_set1_ps(c));
+  return _mm512_fmadd_ps(_mm512_add_ps(s, s), p, _mm512_max_ps(z, _mm512_setzero_ps()));
+}
+#endif
 
 // The factors of use_qk_l2norm_in_kernel, eps inside the sqrt (spec step 5): q-hat = q * rq with
 // rq = scale / sqrt(|q|^2 + 1e-6) (the attention scale folded in), k-hat = k * rk.
