@@ -122,8 +122,9 @@ inline float maybe_round(float v, bool round) { return round ? round_bf16(v) : v
 
 // y[c] = silu(sum_i w[i * C + c] * src[i][c]) for c < n. The taps run in a fixed order with an exact fma
 // each (starting from 0), so extend and decode give the same bits. The model's W = 4 has a loop of its
-// own with the rounding choices fixed at compile time, which the compiler turns into straight simd code.
-template <bool kRoundIn, bool kRoundOut>
+// own with the output rounding fixed at compile time, which the compiler turns into straight simd code.
+// Inputs arrive already rounded when the bf16 mode asks for it (see conv_rows).
+template <bool kRoundOut>
 void conv_token4(const float* const* src, const float* wt, int64_t C, int64_t n, float* __restrict y) {
   const float* __restrict s0 = src[0];
   const float* __restrict s1 = src[1];
@@ -135,30 +136,21 @@ void conv_token4(const float* const* src, const float* wt, int64_t C, int64_t n,
   const float* __restrict w3 = wt + 3 * C;
 #pragma omp simd
   for (int64_t c = 0; c < n; ++c) {
-    float x0 = s0[c], x1 = s1[c], x2 = s2[c], x3 = s3[c];
-    if constexpr (kRoundIn) {
-      x0 = round_bf16(x0);
-      x1 = round_bf16(x1);
-      x2 = round_bf16(x2);
-      x3 = round_bf16(x3);
-    }
-    float acc = std::fma(w0[c], x0, 0.0f);
-    acc = std::fma(w1[c], x1, acc);
-    acc = std::fma(w2[c], x2, acc);
-    acc = std::fma(w3[c], x3, acc);
+    float acc = std::fma(w0[c], s0[c], 0.0f);
+    acc = std::fma(w1[c], s1[c], acc);
+    acc = std::fma(w2[c], s2[c], acc);
+    acc = std::fma(w3[c], s3[c], acc);
     float v = acc / (1.0f + exp_simd(-acc));
     if constexpr (kRoundOut) v = round_bf16(v);
     y[c] = v;
   }
 }
 
-void conv_token(const float* const* src, const float* wt, int64_t C, int W, int64_t n, bool round_in,
-                bool round_out, float* __restrict y) {
+void conv_token(const float* const* src, const float* wt, int64_t C, int W, int64_t n, bool round_out,
+                float* __restrict y) {
   if (W == 4) {
-    if (round_in && round_out) return conv_token4<true, true>(src, wt, C, n, y);
-    if (round_in) return conv_token4<true, false>(src, wt, C, n, y);
-    if (round_out) return conv_token4<false, true>(src, wt, C, n, y);
-    return conv_token4<false, false>(src, wt, C, n, y);
+    if (round_out) return conv_token4<true>(src, wt, C, n, y);
+    return conv_token4<false>(src, wt, C, n, y);
   }
   alignas(64) float acc[kBlock];
   for (int64_t c0 = 0; c0 < n; c0 += kBlock) {
@@ -168,7 +160,7 @@ void conv_token(const float* const* src, const float* wt, int64_t C, int W, int6
       const float* s = src[i] + c0;
       const float* w = wt + i * C + c0;
 #pragma omp simd
-      for (int64_t c = 0; c < m; ++c) acc[c] = std::fma(w[c], maybe_round(s[c], round_in), acc[c]);
+      for (int64_t c = 0; c < m; ++c) acc[c] = std::fma(w[c], s[c], acc[c]);
     }
 #pragma omp simd
     for (int64_t c = 0; c < m; ++c) y[c0 + c] = maybe_round(acc[c] / (1.0f + exp_simd(-acc[c])), round_out);
@@ -207,7 +199,7 @@ void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int
   if (!a.round_input_bf16) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int i = 0; i < W; ++i) taps[i] = input(t - bos + i - H);
-      conv_token(taps, wt + c0, a.C, W, nc, false, a.round_output_bf16, a.y + t * y_stride(a) + c0);
+      conv_token(taps, wt + c0, a.C, W, nc, a.round_output_bf16, a.y + t * y_stride(a) + c0);
     }
     return;
   }
@@ -225,7 +217,7 @@ void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int
       const int64_t m = std::min(kBlock, nc - b);
       round_into(input(pt) + b, ring_row(pt) + b, m);
       for (int i = 0; i < W; ++i) taps[i] = ring_row(pt - H + i) + b;
-      conv_token(taps, wt + c0 + b, a.C, W, m, false, a.round_output_bf16, y + b);
+      conv_token(taps, wt + c0 + b, a.C, W, m, a.round_output_bf16, y + b);
     }
   }
 }
