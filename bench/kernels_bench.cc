@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/kda/bench_inputs.h"
 #include "kda/kernels/kda/kda.h"
 #include "kda/kernels/short_conv.h"
 
@@ -31,66 +32,16 @@ constexpr int kK = 128;  // K = V
 constexpr int kChunk = 64;
 constexpr int64_t kPoolSlots = 256;  // 256 x 2 MiB = 512 MiB of recurrent states, far beyond the L3
 
-std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using kda::kernels::bench_randn;
 
 // Per-second rate of `per_iteration` units, scaled (1e-9: giga).
 benchmark::Counter rate(double per_iteration, double scale = 1e-9) {
   return benchmark::Counter(per_iteration * scale, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// KDA inputs for `seqs` sequences of `len` tokens, with the gate and l2norm applied in the kernel, as
-// the layer calls it.
-struct KdaInputs {
-  std::vector<float> q, k, v, g, beta, o, A_log, dt_bias;
-  std::vector<int32_t> cu;
-
-  KdaInputs(int64_t seqs, int64_t len) {
-    const size_t T = static_cast<size_t>(seqs * len), P = static_cast<size_t>(kH) * kK;
-    q = randn(T * P, 3);
-    k = randn(T * P, 4);
-    v = randn(T * P, 5);
-    g = randn(T * P, 6);
-    beta.resize(T * kH);
-    std::mt19937_64 rng(7);
-    std::uniform_real_distribution<float> u(0.05f, 0.95f);
-    for (auto& b : beta) b = u(rng);
-    o.resize(T * P);
-    A_log.resize(kH);
-    for (int h = 0; h < kH; ++h) A_log[h] = std::log(1.0f + h * 0.4f);
-    dt_bias.assign(P, 0.1f);
-    cu.resize(seqs + 1);
-    for (int64_t i = 0; i <= seqs; ++i) cu[i] = static_cast<int32_t>(i * len);
-  }
-
-  KdaArgs args(float* state, const int32_t* idx, int64_t slots) {
-    KdaArgs a;
-    a.q = q.data();
-    a.k = k.data();
-    a.v = v.data();
-    a.g = g.data();
-    a.beta = beta.data();
-    a.T = static_cast<int64_t>(beta.size()) / kH;
-    a.H = kH;
-    a.K = kK;
-    a.V = kK;
-    a.cu_seqlens = cu.data();
-    a.N = static_cast<int64_t>(cu.size()) - 1;
-    a.use_qk_l2norm_in_kernel = true;
-    a.use_gate_in_kernel = true;
-    a.A_log = A_log.data();
-    a.dt_bias = dt_bias.data();
-    a.state = state;
-    a.state_indices = idx;
-    a.num_state_slots = slots;
-    a.o = o.data();
-    return a;
-  }
+// KDA inputs at the model's head shape (shared with `kda bench`).
+struct KdaInputs : kda::kernels::KdaBenchInputs {
+  KdaInputs(int64_t seqs, int64_t len) : KdaBenchInputs(seqs, len, kH, kK) {}
 };
 
 // The shared 512 MiB recurrent-state pool, allocated (and faulted in) once for the whole run.
@@ -199,8 +150,8 @@ constexpr int kConvW = 4;
 template <class StateT>
 void BM_ShortConvExtend(benchmark::State& state) {
   const int64_t T = state.range(0);
-  const auto x = randn(static_cast<size_t>(T * kConvC), 21);
-  const auto w = randn(static_cast<size_t>(kConvC * kConvW), 22, 0.5f);
+  const auto x = bench_randn(static_cast<size_t>(T * kConvC), 21);
+  const auto w = bench_randn(static_cast<size_t>(kConvC * kConvW), 22, 0.5f);
   std::vector<float> y(static_cast<size_t>(T * kConvC));
   std::vector<StateT> st(static_cast<size_t>((kConvW - 1) * kConvC));
   const uint8_t no_init = 0;
@@ -232,8 +183,8 @@ BENCHMARK_TEMPLATE(BM_ShortConvExtend, kda::bf16_t)->Arg(4096)->Unit(benchmark::
 template <class StateT>
 void BM_ShortConvDecode(benchmark::State& state) {
   const int64_t B = state.range(0), slots = 256;
-  const auto x = randn(static_cast<size_t>(B * kConvC), 23);
-  const auto w = randn(static_cast<size_t>(kConvC * kConvW), 24, 0.5f);
+  const auto x = bench_randn(static_cast<size_t>(B * kConvC), 23);
+  const auto w = bench_randn(static_cast<size_t>(kConvC * kConvW), 24, 0.5f);
   std::vector<float> y(static_cast<size_t>(B * kConvC));
   std::vector<StateT> pool(static_cast<size_t>(slots * (kConvW - 1) * kConvC));
   std::vector<int32_t> perm(slots);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kda/cli/commands.h"
+#include "kda/kernels/kda/bench_inputs.h"
 #include "kda/kernels/kda/kda.h"
 #include "kda/layers/attention/linear/kda_backend.h"
 #include "kda/layers/linear.h"
@@ -62,13 +63,8 @@ std::vector<double> best_interleaved(const std::vector<std::function<void()>>& f
   return best;
 }
 
-std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using kernels::bench_randn;
+using kernels::KdaBenchInputs;
 
 // The GEMM ceiling: oneDNN matmul at M x N x K through the same Linear the layer uses.
 struct GemmCeiling {
@@ -79,8 +75,8 @@ struct GemmCeiling {
       : M(m),
         N(n),
         K(k),
-        lin(k, n, randn(static_cast<size_t>(n * k), 1, 0.02f), p),
-        x(randn(m * k, 2)),
+        lin(k, n, bench_randn(static_cast<size_t>(n * k), 1, 0.02f), p),
+        x(bench_randn(m * k, 2)),
         y(m * n) {
     if (p == Precision::BF16) round_bf16_inplace(x.data(), x.size());
   }
@@ -107,54 +103,6 @@ double copy_gbps(size_t bytes) {
   return 2.0 * bytes / s / 1e9;
 }
 
-struct KdaInputs {
-  std::vector<float> q, k, v, g, beta, o;
-  std::vector<int32_t> cu;
-};
-
-KdaInputs make_inputs(int64_t seqs, int64_t len, int H, int K) {
-  const int64_t T = seqs * len;
-  KdaInputs in;
-  in.q = randn(T * H * K, 3);
-  in.k = randn(T * H * K, 4);
-  in.v = randn(T * H * K, 5);
-  in.g = randn(T * H * K, 6);  // raw gate: the kernel applies A_log / dt_bias / softplus
-  in.beta.resize(T * H);
-  std::mt19937_64 rng(7);
-  std::uniform_real_distribution<float> u(0.05f, 0.95f);
-  for (auto& b : in.beta) b = u(rng);
-  in.o.resize(T * H * K);
-  in.cu.resize(seqs + 1);
-  for (int64_t i = 0; i <= seqs; ++i) in.cu[i] = static_cast<int32_t>(i * len);
-  return in;
-}
-
-kernels::KdaArgs args_for(KdaInputs& in, int64_t T, int64_t N, int H, int K, const std::vector<float>& A_log,
-                          const std::vector<float>& dt_bias, float* state, const int32_t* idx,
-                          int64_t slots) {
-  kernels::KdaArgs a;
-  a.q = in.q.data();
-  a.k = in.k.data();
-  a.v = in.v.data();
-  a.g = in.g.data();
-  a.beta = in.beta.data();
-  a.T = T;
-  a.H = H;
-  a.K = K;
-  a.V = K;
-  a.cu_seqlens = in.cu.data();
-  a.N = N;
-  a.use_qk_l2norm_in_kernel = true;
-  a.use_gate_in_kernel = true;
-  a.A_log = A_log.data();
-  a.dt_bias = dt_bias.data();
-  a.state = state;
-  a.state_indices = idx;
-  a.num_state_slots = slots;
-  a.o = in.o.data();
-  return a;
-}
-
 // Prints to stdout unless the results go out as JSON.
 struct Say {
   bool quiet = false;
@@ -168,31 +116,18 @@ struct Say {
 constexpr int kH = 32, kK = 128;
 constexpr int64_t kD = 2304, kP = int64_t{kH} * kK;
 
-// The gate parameters the kernel rows use.
-struct Gate {
-  std::vector<float> A_log, dt_bias;
-  Gate() : A_log(kH), dt_bias(kP, 0.1f) {
-    for (int h = 0; h < kH; ++h) A_log[h] = std::log(1.0f + h * 0.4f);
-  }
-};
-
 // One chunk_kda row: `seqs` sequences of `len` tokens, zero initial states. Holds pointers into itself:
 // not movable.
 struct ChunkCase {
   int64_t seqs, T;
-  KdaInputs in;
+  KdaBenchInputs in;
   std::vector<float> state;
   std::vector<int32_t> idx;
   kernels::KdaArgs a;
-  ChunkCase(int64_t s, int64_t len, const Gate& gate)
-      : seqs(s),
-        T(s * len),
-        in(make_inputs(s, len, kH, kK)),
-        state(static_cast<size_t>(s) * kH * kK * kK),
-        idx(s) {
+  ChunkCase(int64_t s, int64_t len)
+      : seqs(s), T(s * len), in(s, len, kH, kK), state(static_cast<size_t>(s) * kH * kK * kK), idx(s) {
     std::iota(idx.begin(), idx.end(), 0);
-    a = args_for(in, T, seqs, kH, kK, gate.A_log, gate.dt_bias, state.data(), idx.data(), seqs);
-    a.has_initial_state = nullptr;
+    a = in.args(state.data(), idx.data(), seqs);
   }
   ChunkCase(const ChunkCase&) = delete;
   ChunkCase& operator=(const ChunkCase&) = delete;
@@ -201,9 +136,9 @@ struct ChunkCase {
 
 // chunk_kda rows against the fp32 GEMM ceiling, which is measured in turns with them (see
 // best_interleaved); returns the ceiling in GFLOP/s.
-double bench_chunk(const BenchOptions& o, GemmCeiling& g32, const Gate& gate, nlohmann::json& j,
+double bench_chunk(const BenchOptions& o, GemmCeiling& g32, nlohmann::json& j,
                    std::vector<std::string>& lines) {
-  ChunkCase one(1, 4096, gate), many(16, 256, gate);
+  ChunkCase one(1, 4096), many(16, 256);
   const auto t = best_interleaved({[&] { g32.run(); }, [&] { one.run(kernels::KernelImpl::Optimized); },
                                    [&] { many.run(kernels::KernelImpl::Optimized); }},
                                   5, 8.0);
@@ -229,21 +164,19 @@ double bench_chunk(const BenchOptions& o, GemmCeiling& g32, const Gate& gate, nl
   return ceiling;
 }
 
-void bench_recurrent(const BenchOptions& o, double cp, const Gate& gate, nlohmann::json& j, const Say& say) {
+void bench_recurrent(const BenchOptions& o, double cp, nlohmann::json& j, const Say& say) {
   const int H = kH, K = kK;
-  const std::vector<float>& A_log = gate.A_log;
-  const std::vector<float>& dt_bias = gate.dt_bias;
   // fused_recurrent_kda: states spread over a pool larger than the caches.
   say("\n%-22s %6s %12s %10s %10s %16s\n", "kernel", "batch", "us/call", "GB/s", "% memcpy", "naive us/call");
   const int64_t pool_slots = 256;  // 256 x 2 MiB = 512 MiB
   std::vector<float> pool(static_cast<size_t>(pool_slots) * H * K * K, 0.01f);
   for (int64_t B : {int64_t{1}, int64_t{64}}) {
-    auto in = make_inputs(B, 1, H, K);
+    KdaBenchInputs in(B, 1, H, K);
     std::vector<int32_t> idx(pool_slots);
     std::iota(idx.begin(), idx.end(), 0);
     std::shuffle(idx.begin(), idx.end(), std::mt19937_64(11));
     idx.resize(B);
-    auto a = args_for(in, B, B, H, K, A_log, dt_bias, pool.data(), idx.data(), pool_slots);
+    auto a = in.args(pool.data(), idx.data(), pool_slots);
     // Rotate over disjoint slot sets so that no call finds its states in cache from the previous one.
     std::vector<std::vector<int32_t>> sets;
     for (int r = 0; r < 4; ++r) {
@@ -296,10 +229,10 @@ struct LayerCase {
                                                   .conv_dim = 3 * kP,
                                                   .conv_dtype = prec},
               kSlots),
-        proj(kD, n_proj(), randn(n_proj() * kD, 1, 0.02f), prec),
-        fb(kK, kP, randn(kP * kK, 2, 0.02f), prec),
-        gb(kK, kP, randn(kP * kK, 3, 0.02f), prec),
-        op(kP, kD, randn(kD * kP, 4, 0.02f), prec) {}
+        proj(kD, n_proj(), bench_randn(n_proj() * kD, 1, 0.02f), prec),
+        fb(kK, kP, bench_randn(kP * kK, 2, 0.02f), prec),
+        gb(kK, kP, bench_randn(kP * kK, 3, 0.02f), prec),
+        op(kP, kD, bench_randn(kD * kP, 4, 0.02f), prec) {}
 
   static int64_t n_proj() { return 3 * kP + 2 * kK + kH; }
 
@@ -334,7 +267,7 @@ struct Batch {
                 : model_executor::ForwardBatch::extend(reqs, {static_cast<int32_t>(n)}, {0});
     fb.attn_backend = &c.backend;
     c.backend.init_forward_metadata(fb, slots);
-    x = randn(n * kD, seed);
+    x = bench_randn(n * kD, seed);
     y.resize(n * kD);
   }
   ~Batch() { c.pools.req_to_token_pool.free(reqs); }
@@ -412,12 +345,11 @@ int run_bench(const BenchOptions& o) {
   j["kernels"] = nlohmann::json::array();
   j["layer"] = nlohmann::json::array();
   const bool kernels = o.only != "layer";
-  const Gate gate;
   std::vector<std::string> chunk_lines;
   double g32 = 0.0;
   {
     GemmCeiling c32(Precision::FP32, 1024, 4096, 2304);
-    g32 = kernels ? bench_chunk(o, c32, gate, j, chunk_lines) : c32.gflops(best_seconds([&] { c32.run(); }));
+    g32 = kernels ? bench_chunk(o, c32, j, chunk_lines) : c32.gflops(best_seconds([&] { c32.run(); }));
   }
   GemmCeiling c16(Precision::BF16, 1024, 4096, 2304);
   const double g16 = c16.gflops(best_seconds([&] { c16.run(); }));
@@ -432,7 +364,7 @@ int run_bench(const BenchOptions& o) {
     say("\n%-22s %6s %8s %12s %10s %10s %16s\n", "kernel", "seqs", "tokens", "us/token", "GFLOP/s", "% GEMM",
         "naive us/token");
     for (const auto& l : chunk_lines) say("%s", l.c_str());
-    bench_recurrent(o, cp, gate, j, say);
+    bench_recurrent(o, cp, j, say);
   }
   if (o.only != "kernels") bench_layer(cp, j, say);
   if (o.json) std::printf("%s\n", j.dump(2).c_str());
