@@ -20,7 +20,8 @@
 // Steps 3-7 are products C = init + A B run by one register-blocked micro-kernel: kMR rows x 16 kNV
 // columns of accumulators in zmm registers, A broadcast element by element, B rows loaded as vectors.
 // A column strip of B (128 x 48 floats of the state, 24 KB) stays in L1 while all row blocks pass it.
-// While a chunk computes, the next (chunk, head)'s raw input rows are copied into a contiguous block.
+// While a chunk computes, step 1 of the next (chunk, head) runs a row at a time between its micro-tiles,
+// each row prefetched a few lines at a time during the tile before (see Stager).
 #include <omp.h>
 
 #include <algorithm>
@@ -88,66 +89,179 @@ inline void copy_row(float* __restrict dst, const float* __restrict src, int n) 
   if (j < n) std::memcpy(dst + j, src + j, (n - j) * sizeof(float));
 }
 
-// Copies the next chunk's input rows (q, k, g, v of one head) into contiguous staging arrays, a few rows
-// at a time between the micro-tiles of the current chunk, prefetching a few rows ahead of the copy.
-// Token rows are H*K floats apart (more when q/k/v are column slices of a wider output): the hardware
-// prefetchers do not follow them, and rows a multiple of 4 KB apart share L1 sets, so fetching a whole
-// chunk ahead would evict itself; the copy lands the rows in an L2-resident block instead.
+// What step 1 needs to know of one head.
+struct HeadPrep {
+  int K = 0;
+  float scale = 1.0f;
+  bool l2norm = false;
+  bool gate = false;            // g is the raw gate f: g = neg_a * softplus(f + bias)
+  float neg_a = 0.0f;           // -exp(A_log[h])
+  const float* bias = nullptr;  // dt_bias + h K, or null
+};
+
+HeadPrep head_prep(const KdaArgs& a, int h, float scale) {
+  HeadPrep p;
+  p.K = a.K;
+  p.scale = scale;
+  p.l2norm = a.use_qk_l2norm_in_kernel;
+  p.gate = a.use_gate_in_kernel;
+  if (p.gate) {
+    p.neg_a = -std::exp(a.A_log[h]);
+    if (a.dt_bias != nullptr) p.bias = a.dt_bias + static_cast<int64_t>(h) * a.K;
+  }
+  return p;
+}
+
+// Step 1 for one token row of one head: Q = scale q-hat, Kh = k-hat, G = g (gate fused), E = exp(g).
+// The norms are summed in a fixed order (16 lanes, then a fixed tree), whatever the rows' alignment.
+inline void prepare_row(const HeadPrep& p, const float* __restrict q, const float* __restrict k,
+                        const float* __restrict g, float* __restrict Q, float* __restrict Kh,
+                        float* __restrict G, float* __restrict E) {
+  const int K = p.K;
+  float rq = p.scale, rk = 1.0f;
+  int d0 = 0;
+#if defined(__AVX512F__)
+  if (p.l2norm) {
+    __m512 sq = _mm512_setzero_ps(), sk = _mm512_setzero_ps();
+    for (int d = 0; d < K; d += 16) {
+      const __mmask16 m =
+          K - d >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - d)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(m, q + d), y = _mm512_maskz_loadu_ps(m, k + d);
+      sq = _mm512_fmadd_ps(x, x, sq);
+      sk = _mm512_fmadd_ps(y, y, sk);
+    }
+    rq = p.scale / std::sqrt(_mm512_reduce_add_ps(sq) + 1e-6f);
+    rk = 1.0f / std::sqrt(_mm512_reduce_add_ps(sk) + 1e-6f);
+  }
+  const __m512 vq = _mm512_set1_ps(rq), vk = _mm512_set1_ps(rk), na = _mm512_set1_ps(p.neg_a);
+  for (; d0 + 16 <= K; d0 += 16) {
+    _mm512_storeu_ps(Q + d0, _mm512_mul_ps(_mm512_loadu_ps(q + d0), vq));
+    _mm512_storeu_ps(Kh + d0, _mm512_mul_ps(_mm512_loadu_ps(k + d0), vk));
+    __m512 x = _mm512_loadu_ps(g + d0);
+    if (p.gate) {
+      if (p.bias != nullptr) x = _mm512_add_ps(x, _mm512_loadu_ps(p.bias + d0));
+      x = _mm512_mul_ps(na, vecmath::softplus16(x));
+    }
+    _mm512_storeu_ps(G + d0, x);
+    _mm512_storeu_ps(E + d0, vecmath::exp16(x));
+  }
+#else
+  if (p.l2norm) vecmath::l2norm_factors(q, k, K, p.scale, rq, rk);
+#endif
+  for (int d = d0; d < K; ++d) {
+    Q[d] = q[d] * rq;
+    Kh[d] = k[d] * rk;
+    const float x = p.gate ? p.neg_a * softplus_approx(g[d] + (p.bias != nullptr ? p.bias[d] : 0.0f)) : g[d];
+    G[d] = x;
+    E[d] = exp_approx(x);
+  }
+}
+
+// Cache lines for a micro-tile to prefetch, one every few steps of its inner loop (see kloop).
+struct PfLines {
+  const char* const* p = nullptr;
+  int n = 0;
+};
+
+// Step 1 of the next (chunk, head) unit, done a row at a time between the micro-tiles of the current
+// chunk: each row of q, k, g of that unit becomes its Q, Kh, G, E row, v is copied to a contiguous
+// block and beta to B, prefetching a few rows ahead. Token rows are H*K floats apart (more when q/k/v
+// are column slices of a wider output): the hardware prefetchers do not follow them, and rows a
+// multiple of 4 KB apart share L1 sets, so fetching a whole chunk ahead would evict itself; rows taken
+// as they arrive land in L2-resident arrays instead, and the next chunk starts from them directly.
 class Stager {
  public:
-  static constexpr int kMaxStreams = 4;
-  static constexpr int kAhead = 8;  // units (one row of one stream) prefetched ahead of the copy
+  // Rows (of all four inputs) prefetched ahead of the one prepared. A row's lines are prefetched a few
+  // at a time over one micro-tile's loop rather than all at once, so that few misses are in flight at
+  // any time (measured: ~2% faster than a burst of the whole row).
+  static constexpr int kAhead = 2;
+  static constexpr int kMaxLines = 64;
 
-  void reset() {
-    n_ = 0;
-    total_ = 0;
+  struct Unit {
+    HeadPrep prep;
+    const float *q, *k, *g, *v, *beta;  // the unit's first row
+    int64_t lq, lk, lg, lv, lbeta;      // row strides
+    int rows, V;
+    float *Q, *Kh, *G, *E, *Vs, *B;  // destinations (row strides K, V, 1)
+  };
+
+  void start(const Unit& u) {
+    u_ = u;
     done_ = 0;
+    for (pr_ = 0; pr_ < std::min(kAhead - 1, u_.rows); ++pr_) {
+      build(pr_);
+      flush();
+    }
+    build(pr_);
   }
-  // `rows` rows of `width` floats, `stride` floats apart, to dst (row stride `width`). All streams of a
-  // stager have the same number of rows.
-  void add(const float* src, int64_t stride, int rows, int width, float* dst) {
-    streams_[n_++] = {src, stride, width, dst};
-    total_ = rows * n_;
-    for (int u = 0; u < std::min(kAhead, total_); ++u) prefetch(u);
-  }
-  int total() const { return total_; }
+  int total() const { return u_.rows; }
+  // The lines the next micro-tile prefetches (it advances the list as it goes).
+  PfLines& lines() { return cur_; }
 
-  // Copies the next `count` units (all that are left with count >= total()).
+  // Prepares the next `count` rows (all that are left with count >= total()).
   void issue(int count) {
-    for (; count > 0 && done_ < total_; --count, ++done_) {
-      if (done_ + kAhead < total_) prefetch(done_ + kAhead);
-      const Stream& s = streams_[done_ % n_];
-      const int64_t row = done_ / n_;
-      copy_row(s.dst + row * s.width, s.src + row * s.stride, s.width);
+    const int K = u_.prep.K;
+    for (; count > 0 && done_ < u_.rows; --count, ++done_) {
+      flush();
+      build(++pr_);
+      const int64_t r = done_;
+      prepare_row(u_.prep, u_.q + r * u_.lq, u_.k + r * u_.lk, u_.g + r * u_.lg, u_.Q + r * K, u_.Kh + r * K,
+                  u_.G + r * K, u_.E + r * K);
+      copy_row(u_.Vs + r * u_.V, u_.v + r * u_.lv, u_.V);
+      u_.B[r] = u_.beta[r * u_.lbeta];
     }
   }
 
  private:
-  struct Stream {
-    const float* src;
-    int64_t stride;
-    int width;
-    float* dst;
-  };
-  void prefetch(int u) const {
-    const Stream& s = streams_[u % n_];
-    const char* p = reinterpret_cast<const char*>(s.src + (u / n_) * s.stride);
-    const char* end = reinterpret_cast<const char*>(s.src + (u / n_) * s.stride + s.width);
-    for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+  // The list for row r (empty past the last row); lines beyond kMaxLines are prefetched at once.
+  void build(int64_t r) {
+    int n = 0;
+    if (r < u_.rows) {
+      const int K = u_.prep.K;
+      const float* rows[4] = {u_.q + r * u_.lq, u_.k + r * u_.lk, u_.g + r * u_.lg, u_.v + r * u_.lv};
+      const int widths[4] = {K, K, K, u_.V};
+      for (int i = 0; i < 4; ++i) {
+        const char* p = reinterpret_cast<const char*>(rows[i]);
+        const char* end = reinterpret_cast<const char*>(rows[i] + widths[i]);
+        for (; p < end; p += 64) {
+          if (n < kMaxLines) {
+            lines_[n++] = p;
+          } else {
+            __builtin_prefetch(p, 0, 3);
+          }
+        }
+      }
+    }
+    cur_ = {lines_, n};
+  }
+  // Prefetches what the tiles left of the current list.
+  void flush() {
+    for (; cur_.n > 0; --cur_.n, ++cur_.p) __builtin_prefetch(*cur_.p, 0, 3);
   }
 
-  Stream streams_[kMaxStreams];
-  int n_ = 0, total_ = 0, done_ = 0;
+  Unit u_{};
+  int done_ = 0;
+  int64_t pr_ = 0;  // the row cur_ prefetches
+  const char* lines_[kMaxLines] = {};
+  PfLines cur_;
 };
 
 #if defined(__AVX512F__)
 
 // acc[0:MR, 0:NV] += A[r0:r0+MR, 0:kd] B[0:kd, j0:j0+16NV]; the last vector of each B row is masked.
-template <int MR, int NV, bool AT>
-inline void kloop(const Seg& s, int kd, int r0, int j0, __mmask16 tail, __m512 (&acc)[MR][NV]) {
+// With PF, every fourth step prefetches the next line of pf's list.
+template <int MR, int NV, bool AT, bool PF>
+inline void kloop(const Seg& s, int kd, int r0, int j0, __mmask16 tail, __m512 (&acc)[MR][NV], PfLines* pf) {
   const float* b = s.b + j0;
   const float* a = AT ? s.a + r0 : s.a + r0 * s.lda;
   for (int d = 0; d < kd; ++d, b += s.ldb) {
+    if constexpr (PF) {
+      if ((d & 3) == 0 && pf->n > 0) {
+        _mm_prefetch(*pf->p, _MM_HINT_T0);
+        ++pf->p;
+        --pf->n;
+      }
+    }
     __m512 bv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
@@ -162,9 +276,9 @@ inline void kloop(const Seg& s, int kd, int r0, int j0, __mmask16 tail, __m512 (
   }
 }
 
-template <int MR, int NV>
+template <int MR, int NV, bool PF = false>
 inline void tile(const Seg* segs, int nseg, const Init& init, int r0, int j0, __mmask16 tail, float* c,
-                 int64_t ldc) {
+                 int64_t ldc, PfLines* pf = nullptr) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
@@ -185,9 +299,9 @@ inline void tile(const Seg* segs, int nseg, const Init& init, int r0, int j0, __
     const Seg& s = segs[q];
     const int kd = s.lower ? std::min(s.kd, r0 + MR) : s.kd;
     if (s.at) {
-      kloop<MR, NV, true>(s, kd, r0, j0, tail, acc);
+      kloop<MR, NV, true, PF>(s, kd, r0, j0, tail, acc, pf);
     } else {
-      kloop<MR, NV, false>(s, kd, r0, j0, tail, acc);
+      kloop<MR, NV, false, PF>(s, kd, r0, j0, tail, acc, pf);
     }
   }
 #pragma GCC unroll 8
@@ -210,8 +324,12 @@ void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0, __mm
                 int64_t ldc, Stager* pf, int pf_lines) {
   int r0 = 0;
   for (; r0 + kMR <= M; r0 += kMR) {
-    tile<kMR, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
-    if (pf != nullptr) pf->issue(pf_lines);
+    if (pf != nullptr) {
+      tile<kMR, NV, true>(segs, nseg, init, r0, j0, tail, c, ldc, &pf->lines());
+      pf->issue(pf_lines);
+    } else {
+      tile<kMR, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
+    }
   }
   static_assert(kMR <= 8, "remainder dispatch below covers up to 7 rows");
   switch (M - r0) {
@@ -244,7 +362,7 @@ void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0, __mm
 // C[M, N] = init + sum over segs of A B (C may alias init.src: every tile reads its own init first).
 // This and the steps below are kept out of line: inlined all into one function, GCC 12 compiles the
 // chunk 2x slower.
-// After each full micro-tile, pf (if any) issues pf_lines prefetches.
+// During and after each full micro-tile, pf (if any) prefetches its next row and prepares pf_lines rows.
 [[gnu::noinline]] void gemm(int M, int N, const Seg* segs, int nseg, const Init& init, float* c, int64_t ldc,
                             Stager* pf = nullptr, int pf_lines = 0) {
   static_assert(kNV >= 1 && kNV <= 4, "strip dispatch below covers 1..4 vectors");
@@ -517,11 +635,8 @@ struct Scratch {
   float* NAkk = nullptr;  // [C, C] -Akk
   float* T = nullptr;     // [C, C] (I + Akk)^-1
   float* B = nullptr;     // [C] beta
-  // Staged raw input rows of the (chunk, head) named by staged_t0 / staged_h (see Stager). They are
-  // written during steps 5-7, when Q, Kh and G are dead, and read in place by the next load_chunk.
-  float* sq = nullptr;  // = Q
-  float* sk = nullptr;  // = Kh
-  float* sg = nullptr;  // = G
+  // The (chunk, head) named by staged_t0 / staged_h has had its step 1 done by the Stager: Q, Kh, G, E
+  // and B hold its rows (written during steps 5-7 of the chunk before, when they are dead) and sv its v.
   float* sv = nullptr;  // [C, V]
   int64_t staged_t0 = -1;
   int staged_h = -1;
@@ -545,9 +660,6 @@ struct Scratch {
     }
     KcT = Vn = r1p;
     Bn = X = R = r2p;
-    sq = Q;
-    sk = Kh;
-    sg = G;
   }
 };
 
@@ -556,60 +668,18 @@ struct Strides {
   int64_t q, k, v, g;
 };
 
-// Where a chunk's raw rows are read from: the inputs, or the staging arrays.
-struct Rows {
-  const float *q, *k, *g, *v;
-  int64_t lq, lk, lg, lv;
-};
-
-// Step 1: rows of the chunk starting at token c0.
-[[gnu::noinline]] void load_chunk(const KdaArgs& a, const Rows& in, int h, int64_t c0, int L, float scale,
+// Step 1 for rows [c0, c0 + L) of head h, read from the inputs.
+[[gnu::noinline]] void load_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L, float scale,
                                   Scratch& w) {
-  const int K = a.K, H = a.H;
-  const float neg_a = a.use_gate_in_kernel ? -std::exp(a.A_log[h]) : 0.0f;
-  const float* bias = (a.use_gate_in_kernel && a.dt_bias != nullptr) ? a.dt_bias + h * K : nullptr;
-  // The staged rows are Q, Kh, G themselves (q == Q, ...): every loop reads element d before writing it.
+  const int K = a.K;
+  const HeadPrep p = head_prep(a, h, scale);
+  const float* q = a.q + c0 * st.q + h * K;
+  const float* k = a.k + c0 * st.k + h * K;
+  const float* g = a.g + c0 * st.g + h * K;
   for (int r = 0; r < L; ++r) {
-    const float* q = in.q + r * in.lq;
-    const float* k = in.k + r * in.lk;
-    const float* g = in.g + r * in.lg;
-    float* Q = w.Q + r * K;
-    float* Kh = w.Kh + r * K;
-    float* G = w.G + r * K;
-    float* __restrict E = w.E + r * K;
-    float rq = scale, rk = 1.0f;
-    if (a.use_qk_l2norm_in_kernel) vecmath::l2norm_factors(q, k, K, scale, rq, rk);
-#pragma omp simd
-    for (int d = 0; d < K; ++d) {
-      Q[d] = q[d] * rq;
-      Kh[d] = k[d] * rk;
-    }
-    if (!a.use_gate_in_kernel) {
-#pragma omp simd
-      for (int d = 0; d < K; ++d) {
-        G[d] = g[d];
-        E[d] = exp_approx(g[d]);
-      }
-    } else {
-      int d0 = 0;
-#if defined(__AVX512F__)
-      const __m512 na = _mm512_set1_ps(neg_a);
-      for (; d0 + 16 <= K; d0 += 16) {
-        __m512 z = _mm512_loadu_ps(g + d0);
-        if (bias != nullptr) z = _mm512_add_ps(z, _mm512_loadu_ps(bias + d0));
-        const __m512 x = _mm512_mul_ps(na, vecmath::softplus16(z));
-        _mm512_storeu_ps(G + d0, x);
-        _mm512_storeu_ps(E + d0, vecmath::exp16(x));
-      }
-#endif
-#pragma omp simd
-      for (int d = d0; d < K; ++d) {
-        const float x = neg_a * softplus_approx(g[d] + (bias != nullptr ? bias[d] : 0.0f));
-        G[d] = x;
-        E[d] = exp_approx(x);
-      }
-    }
-    w.B[r] = a.beta[(c0 + r) * H + h];
+    prepare_row(p, q + r * st.q, k + r * st.k, g + r * st.g, w.Q + r * K, w.Kh + r * K, w.G + r * K,
+                w.E + r * K);
+    w.B[r] = a.beta[(c0 + r) * a.H + h];
   }
 }
 
@@ -683,10 +753,14 @@ struct Rows {
 // Step 3: Aqk (lower, with diagonal; scale already in Q) and NAkk = -Akk (strictly lower, times beta_r).
 [[gnu::noinline]] void build_attention(int K, int L, Scratch& w) {
   constexpr int C = kChunk;
-  // The lower-triangular product Aqk Vn reads whole micro-tile rows: zeros above the diagonal. NAkk rows
-  // beyond the chunk must be finite for invert_diagonal_blocks.
-  std::memset(w.Aqk, 0, sizeof(float) * L * C);
-  std::memset(w.NAkk, 0, sizeof(float) * C * C);
+  // Every entry the later steps read is written below, except two kinds, zeroed here: Aqk above the
+  // diagonal inside the diagonal blocks (the lower-triangular product Aqk Vn reads whole micro-tile rows)
+  // and, in a short chunk, the NAkk rows beyond it (invert_diagonal_blocks works on all four blocks).
+  for (int r = 0; r < L; ++r) {
+    const int n = r / kSub * kSub;
+    std::memset(w.Aqk + r * C + n, 0, sizeof(float) * kSub);
+  }
+  if (L < C) std::memset(w.NAkk + L * C, 0, sizeof(float) * (C - L) * C);
   // Key side of the blocks below the diagonal, transposed: every block but the last.
   const int nkey = (L - 1) / kSub * kSub;
   for (int s = 0; s < nkey; s += kSub) {
@@ -757,7 +831,12 @@ struct Rows {
 // lower-triangular product T R relies on.
 [[gnu::noinline]] void invert(int L, Scratch& w) {
   constexpr int C = kChunk;
-  std::memset(w.T, 0, sizeof(float) * C * C);
+  // invert_diagonal_blocks writes whole 16-column rows of the diagonal blocks and the products below the
+  // blocks left of them; the blocks right of the diagonal are zero (the product X reads T[:n, :n]).
+  for (int r = 0; r < C - kSub; ++r) {
+    const int e = (r / kSub + 1) * kSub;
+    std::memset(w.T + r * C + e, 0, sizeof(float) * (C - e));
+  }
   invert_diagonal_blocks(w.NAkk, w.T);
   for (int n = kSub; n < L; n += kSub) {
     const int m = std::min(kSub, L - n);
@@ -774,13 +853,13 @@ std::pair<int64_t, int64_t> segment(const KdaArgs& a, int64_t i) {
   return {i * (a.T / a.N), (i + 1) * (a.T / a.N)};
 }
 
-// Queues the rows [t0, t0 + rows) of head h (q, k, g, v) for staging.
-void plan_stage(const KdaArgs& a, const Strides& st, int h, int64_t t0, int rows, Scratch& w, Stager& pf) {
+// Starts step 1 of rows [t0, t0 + rows) of head h on the stager.
+void plan_stage(const KdaArgs& a, const Strides& st, int h, int64_t t0, int rows, float scale, Scratch& w,
+                Stager& pf) {
   const int K = a.K, V = a.V;
-  pf.add(a.q + t0 * st.q + h * K, st.q, rows, K, w.sq);
-  pf.add(a.k + t0 * st.k + h * K, st.k, rows, K, w.sk);
-  pf.add(a.g + t0 * st.g + h * K, st.g, rows, K, w.sg);
-  pf.add(a.v + t0 * st.v + h * V, st.v, rows, V, w.sv);
+  pf.start({head_prep(a, h, scale), a.q + t0 * st.q + h * K, a.k + t0 * st.k + h * K, a.g + t0 * st.g + h * K,
+            a.v + t0 * st.v + h * V, a.beta + t0 * a.H + h, st.q, st.k, st.g, st.v, a.H, rows, V, w.Q, w.Kh,
+            w.G, w.E, w.sv, w.B});
   w.staged_t0 = t0;
   w.staged_h = h;
 }
@@ -798,16 +877,14 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
   const int K = a.K, V = a.V;
   constexpr int C = kChunk;
   const int64_t ldo = static_cast<int64_t>(a.H) * V;
-  Rows in{a.q + c0 * st.q + h * K,
-          a.k + c0 * st.k + h * K,
-          a.g + c0 * st.g + h * K,
-          a.v + c0 * st.v + h * V,
-          st.q,
-          st.k,
-          st.g,
-          st.v};
-  if (w.staged_t0 == c0 && w.staged_h == h) in = Rows{w.sq, w.sk, w.sg, w.sv, K, K, K, V};
-  load_chunk(a, in, h, c0, L, scale, w);
+  const float* v = a.v + c0 * st.v + h * V;
+  int64_t lv = st.v;
+  if (w.staged_t0 == c0 && w.staged_h == h) {
+    v = w.sv;
+    lv = V;
+  } else {
+    load_chunk(a, st, h, c0, L, scale, w);
+  }
   decays(K, L, w);
   build_attention(K, L, w);
   apply_anchors(K, L, w);
@@ -815,12 +892,12 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
 
   // Step 5: R = beta V + Wn S, Vn = T R.
   const Seg s_r{w.Xk, K, false, S, V, K, false};
-  gemm(L, V, &s_r, 1, Init{in.v, in.lv, w.B}, w.R, V);
+  gemm(L, V, &s_r, 1, Init{v, lv, w.B}, w.R, V);
 
-  // The next unit is staged during the rest of the chunk (R has read this chunk's staged v; Q, Kh, G are
-  // dead), spread over the full micro-tiles.
+  // Step 1 of the next unit runs during the rest of the chunk (R has read this chunk's v and B; Q, Kh, G,
+  // E are dead), spread over the full micro-tiles.
   Stager pf;
-  if (next.t0 >= 0) plan_stage(a, st, next.h, next.t0, next.rows, w, pf);
+  if (next.t0 >= 0) plan_stage(a, st, next.h, next.t0, next.rows, scale, w, pf);
   const int tiles = (2 * (L / kMR) + K / kMR) * ((V + 16 * kNV - 1) / (16 * kNV));
   const int pf_units = tiles > 0 ? (pf.total() + tiles - 1) / tiles : pf.total();
 
