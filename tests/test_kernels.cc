@@ -13,6 +13,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include "kda/kernels/kda/kda.h"
 #include "support/test_support.h"
 
@@ -407,6 +411,28 @@ TEST(KdaKernels, StrongGates) {
     check_all_kernels(p, "strong gates " + flags_label(p.l2, p.gate));
   }
 }
+
+#if defined(__x86_64__) || defined(__i386__)
+// chunk_kda_opt flushes subnormals (FTZ/DAZ) in its threads; the caller's floating-point mode is what
+// it was before the call, whichever mode that was.
+TEST(KdaKernels, ChunkOptRestoresTheCallersFloatingPointMode) {
+  Problem p;
+  p.T = 200;
+  p.H = 4;
+  p.slots = 1;
+  p.gate = true;
+  fill(p, 750, GateKind::kStrong);
+  std::vector<float> o(static_cast<size_t>(p.T) * p.H * p.V), pool(p.state_size(), 0.0f);
+  const unsigned saved = _mm_getcsr();
+  for (const unsigned mode : {saved & ~0x8040u, saved | 0x8040u, (saved & ~0x8040u) | 0x6000u}) {
+    _mm_setcsr(mode);
+    chunk_kda(p.args(o.data(), pool.data()), KernelImpl::Optimized);
+    const unsigned after = _mm_getcsr();
+    _mm_setcsr(saved);
+    EXPECT_EQ(after & ~0x3Fu, mode & ~0x3Fu) << "MXCSR before " << mode << ", after " << after;
+  }
+}
+#endif
 
 TEST(KdaKernels, KimiLinearShape) {
   Problem p;
