@@ -587,6 +587,79 @@ TEST(KdaStrides, RecurrentOptStridedWithinTolerance) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// bf16 q, k, v (the bf16 mode's conv outputs): every kernel gives, bit for bit, what it gives on fp32
+// inputs holding the same values, dense or as column slices of one padded bf16 [T, 2P + Pv + 5] row.
+
+// Rounds p's q, k, v to bf16 values; returns the outputs and final states of fn on them as fp32
+// (bf16 == false) or as bf16 (a strided slice layout when `strided`).
+std::vector<float> run_bf16_inputs(Problem p, const std::function<void(const KdaArgs&)>& fn, bool bf16,
+                                   bool strided) {
+  for (std::vector<float>* x : {&p.q, &p.k, &p.v}) {
+    for (float& e : *x) e = round_bf16(e);
+  }
+  const int64_t P = static_cast<int64_t>(p.H) * p.K, Pv = static_cast<int64_t>(p.H) * p.V;
+  const int64_t w = strided ? 2 * P + Pv + 5 : 0;
+  std::vector<bf16_t> q(p.q.size()), k(p.k.size()), v(p.v.size()), qkv(static_cast<size_t>(p.T * w), 0x7fc0);
+  f32_to_bf16_array(p.q.data(), q.data(), q.size());
+  f32_to_bf16_array(p.k.data(), k.data(), k.size());
+  f32_to_bf16_array(p.v.data(), v.data(), v.size());
+  for (int64_t t = 0; t < p.T && strided; ++t) {
+    std::copy_n(q.begin() + t * P, P, qkv.begin() + t * w);
+    std::copy_n(k.begin() + t * P, P, qkv.begin() + t * w + P);
+    std::copy_n(v.begin() + t * Pv, Pv, qkv.begin() + t * w + 2 * P);
+  }
+  std::vector<float> o(static_cast<size_t>(p.T) * Pv, 7.0f), pool = p.pool;
+  KdaArgs a = p.args(o.data(), pool.empty() ? nullptr : pool.data());
+  if (bf16) {
+    a.q = a.k = a.v = nullptr;
+    a.q_bf16 = strided ? qkv.data() : q.data();
+    a.k_bf16 = strided ? qkv.data() + P : k.data();
+    a.v_bf16 = strided ? qkv.data() + 2 * P : v.data();
+    if (strided) a.q_stride = a.k_stride = a.v_stride = w;
+  }
+  fn(a);
+  o.insert(o.end(), pool.begin(), pool.end());
+  return o;
+}
+
+TEST(KdaBf16Inputs, EveryKernelMatchesFp32InputsOfTheSameValues) {
+  std::vector<Problem> problems = stride_problems();
+  Problem big;  // several work items per thread and a guided tail, K = V = 128
+  big.cu = {0, 100, 256};
+  big.N = 2;
+  big.T = 256;
+  big.H = 32;
+  big.K = 128;
+  big.V = 128;
+  big.slots = 3;
+  big.idx = {2, 0};
+  big.l2 = true;
+  big.gate = true;
+  fill(big, 1400);
+  problems.push_back(big);
+  const std::pair<const char*, std::function<void(const KdaArgs&)>> kernels[] = {
+      {"chunk/naive", [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Naive); }},
+      {"chunk/opt", [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Optimized); }},
+      {"recurrent/naive", [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Naive); }},
+      {"recurrent/opt", [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Optimized); }}};
+  for (const auto& [name, fn] : kernels) {
+    SCOPED_TRACE(name);
+    int n = 0;
+    for (const Problem& p : problems) {
+      SCOPED_TRACE("problem " + std::to_string(n++));
+      const auto f32 = run_bf16_inputs(p, fn, false, false);
+      EXPECT_TRUE(all_finite(f32));
+      for (const bool strided : {false, true}) {
+        const auto b16 = run_bf16_inputs(p, fn, true, strided);
+        ASSERT_EQ(f32.size(), b16.size());
+        EXPECT_EQ(0, std::memcmp(f32.data(), b16.data(), f32.size() * sizeof(float)))
+            << (strided ? "strided" : "dense") << " bf16 inputs differ from fp32 inputs of the same values";
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Dispatcher.
 
 TEST(KdaDispatch, ParseAndPrint) {
@@ -686,6 +759,15 @@ TEST(KdaDispatch, ValidationErrors) {
     Problem p = base;
     p.idx = {3, 2, 3};
     expect_rejected(p, "duplicate state slot 3 used by sequences 0 and 2");
+  }
+  {
+    std::vector<bf16_t> b(base.q.size());
+    expect_rejected(base, "q, k, v are given both as fp32 and as bf16",
+                    [&](KdaArgs& a) { a.k_bf16 = b.data(); });
+    expect_rejected(base, "v_bf16 is null with T=40", [&](KdaArgs& a) {
+      a.q = a.k = a.v = nullptr;
+      a.q_bf16 = a.k_bf16 = b.data();
+    });
   }
   {
     Problem p = base;

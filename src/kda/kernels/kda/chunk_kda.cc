@@ -32,6 +32,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -117,9 +118,37 @@ HeadPrep head_prep(const KdaArgs& a, int h, float scale) {
   return p;
 }
 
+// q, k, v elements as fp32, from fp32 or bf16 inputs (a bf16 value is the top half of its fp32).
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16_t x) { return bf16_to_f32(x); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 maskz_load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 maskz_load16(__mmask16 m, const bf16_t* p) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// dst[0:n] = src[0:n] as fp32.
+inline void widen_row(float* __restrict dst, const bf16_t* __restrict src, int n) {
+  int j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16(src + j));
+#endif
+  for (; j < n; ++j) dst[j] = bf16_to_f32(src[j]);
+}
+
 // Step 1 for one token row of one head: Q = scale q-hat, Kh = k-hat, G = g (gate fused), E = exp(g).
 // The norms are summed in a fixed order (16 lanes, then a fixed tree), whatever the rows' alignment.
-inline void prepare_row(const HeadPrep& p, const float* __restrict q, const float* __restrict k,
+// In is float, or bf16_t for the bf16 mode's q and k.
+template <class In>
+inline void prepare_row(const HeadPrep& p, const In* __restrict q, const In* __restrict k,
                         const float* __restrict g, float* __restrict Q, float* __restrict Kh,
                         float* __restrict G, float* __restrict E) {
   const int K = p.K;
@@ -131,7 +160,7 @@ inline void prepare_row(const HeadPrep& p, const float* __restrict q, const floa
     for (int d = 0; d < K; d += 16) {
       const __mmask16 m =
           K - d >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - d)) - 1);
-      const __m512 x = _mm512_maskz_loadu_ps(m, q + d), y = _mm512_maskz_loadu_ps(m, k + d);
+      const __m512 x = maskz_load16(m, q + d), y = maskz_load16(m, k + d);
       sq = _mm512_fmadd_ps(x, x, sq);
       sk = _mm512_fmadd_ps(y, y, sk);
     }
@@ -140,8 +169,8 @@ inline void prepare_row(const HeadPrep& p, const float* __restrict q, const floa
   }
   const __m512 vq = _mm512_set1_ps(rq), vk = _mm512_set1_ps(rk), na = _mm512_set1_ps(p.neg_a);
   for (; d0 + 16 <= K; d0 += 16) {
-    _mm512_storeu_ps(Q + d0, _mm512_mul_ps(_mm512_loadu_ps(q + d0), vq));
-    _mm512_storeu_ps(Kh + d0, _mm512_mul_ps(_mm512_loadu_ps(k + d0), vk));
+    _mm512_storeu_ps(Q + d0, _mm512_mul_ps(load16(q + d0), vq));
+    _mm512_storeu_ps(Kh + d0, _mm512_mul_ps(load16(k + d0), vk));
     __m512 x = _mm512_loadu_ps(g + d0);
     if (p.gate) {
       if (p.bias != nullptr) x = _mm512_add_ps(x, _mm512_loadu_ps(p.bias + d0));
@@ -151,11 +180,19 @@ inline void prepare_row(const HeadPrep& p, const float* __restrict q, const floa
     _mm512_storeu_ps(E + d0, vecmath::exp16(x));
   }
 #else
-  if (p.l2norm) vecmath::l2norm_factors(q, k, K, p.scale, rq, rk);
+  if (p.l2norm) {
+    float sq = 0.0f, sk = 0.0f;
+    for (int d = 0; d < K; ++d) {
+      sq += to_f32(q[d]) * to_f32(q[d]);
+      sk += to_f32(k[d]) * to_f32(k[d]);
+    }
+    rq = p.scale / std::sqrt(sq + 1e-6f);
+    rk = 1.0f / std::sqrt(sk + 1e-6f);
+  }
 #endif
   for (int d = d0; d < K; ++d) {
-    Q[d] = q[d] * rq;
-    Kh[d] = k[d] * rk;
+    Q[d] = to_f32(q[d]) * rq;
+    Kh[d] = to_f32(k[d]) * rk;
     const float x = p.gate ? p.neg_a * softplus_approx(g[d] + (p.bias != nullptr ? p.bias[d] : 0.0f)) : g[d];
     G[d] = x;
     E[d] = exp_approx(x);
@@ -184,8 +221,10 @@ class Stager {
 
   struct Unit {
     HeadPrep prep;
-    const float *q, *k, *g, *v, *beta;  // the unit's first row
-    int64_t lq, lk, lg, lv, lbeta;      // row strides
+    bool bf16;                      // q, k, v are bf16 (else fp32)
+    const void *q, *k, *v;          // the unit's first row
+    const float *g, *beta;          //
+    int64_t lq, lk, lg, lv, lbeta;  // row strides, in elements
     int rows, V;
     float *Q, *Kh, *G, *E, *Vs, *B;  // destinations (row strides K, V, 1)
   };
@@ -210,9 +249,19 @@ class Stager {
       flush();
       build(++pr_);
       const int64_t r = done_;
-      prepare_row(u_.prep, u_.q + r * u_.lq, u_.k + r * u_.lk, u_.g + r * u_.lg, u_.Q + r * K, u_.Kh + r * K,
-                  u_.G + r * K, u_.E + r * K);
-      copy_row(u_.Vs + r * u_.V, u_.v + r * u_.lv, u_.V);
+      if (u_.bf16) {
+        const auto* q = static_cast<const bf16_t*>(u_.q);
+        const auto* k = static_cast<const bf16_t*>(u_.k);
+        prepare_row(u_.prep, q + r * u_.lq, k + r * u_.lk, u_.g + r * u_.lg, u_.Q + r * K, u_.Kh + r * K,
+                    u_.G + r * K, u_.E + r * K);
+        widen_row(u_.Vs + r * u_.V, static_cast<const bf16_t*>(u_.v) + r * u_.lv, u_.V);
+      } else {
+        const auto* q = static_cast<const float*>(u_.q);
+        const auto* k = static_cast<const float*>(u_.k);
+        prepare_row(u_.prep, q + r * u_.lq, k + r * u_.lk, u_.g + r * u_.lg, u_.Q + r * K, u_.Kh + r * K,
+                    u_.G + r * K, u_.E + r * K);
+        copy_row(u_.Vs + r * u_.V, static_cast<const float*>(u_.v) + r * u_.lv, u_.V);
+      }
       u_.B[r] = u_.beta[r * u_.lbeta];
     }
   }
@@ -223,11 +272,14 @@ class Stager {
     int n = 0;
     if (r < u_.rows) {
       const int K = u_.prep.K;
-      const float* rows[4] = {u_.q + r * u_.lq, u_.k + r * u_.lk, u_.g + r * u_.lg, u_.v + r * u_.lv};
-      const int widths[4] = {K, K, K, u_.V};
+      const int64_t e = u_.bf16 ? 2 : 4;  // bytes per q, k, v element
+      const char* rows[4] = {
+          static_cast<const char*>(u_.q) + r * u_.lq * e, static_cast<const char*>(u_.k) + r * u_.lk * e,
+          reinterpret_cast<const char*>(u_.g + r * u_.lg), static_cast<const char*>(u_.v) + r * u_.lv * e};
+      const int64_t bytes[4] = {K * e, K * e, K * 4, u_.V * e};
       for (int i = 0; i < 4; ++i) {
-        const char* p = reinterpret_cast<const char*>(rows[i]);
-        const char* end = reinterpret_cast<const char*>(rows[i] + widths[i]);
+        const char* p = rows[i];
+        const char* end = rows[i] + bytes[i];
         for (; p < end; p += 64) {
           if (n < kMaxLines) {
             lines_[n++] = p;
@@ -674,17 +726,32 @@ struct Strides {
 };
 
 // Step 1 for rows [c0, c0 + L) of head h, read from the inputs.
-[[gnu::noinline]] void load_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L, float scale,
-                                  Scratch& w) {
+// bf16 v rows are widened into w.sv.
+template <class In>
+void load_rows(const KdaArgs& a, const Strides& st, const In* q, const In* k, int h, int64_t c0, int L,
+               float scale, Scratch& w) {
   const int K = a.K;
   const HeadPrep p = head_prep(a, h, scale);
-  const float* q = a.q + c0 * st.q + h * K;
-  const float* k = a.k + c0 * st.k + h * K;
+  q += c0 * st.q + h * K;
+  k += c0 * st.k + h * K;
   const float* g = a.g + c0 * st.g + h * K;
   for (int r = 0; r < L; ++r) {
     prepare_row(p, q + r * st.q, k + r * st.k, g + r * st.g, w.Q + r * K, w.Kh + r * K, w.G + r * K,
                 w.E + r * K);
     w.B[r] = a.beta[(c0 + r) * a.H + h];
+  }
+  if constexpr (std::is_same_v<In, bf16_t>) {
+    const bf16_t* v = a.v_bf16 + c0 * st.v + static_cast<int64_t>(h) * a.V;
+    for (int r = 0; r < L; ++r) widen_row(w.sv + r * a.V, v + r * st.v, a.V);
+  }
+}
+
+[[gnu::noinline]] void load_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L, float scale,
+                                  Scratch& w) {
+  if (a.q_bf16 != nullptr) {
+    load_rows(a, st, a.q_bf16, a.k_bf16, h, c0, L, scale, w);
+  } else {
+    load_rows(a, st, a.q, a.k, h, c0, L, scale, w);
   }
 }
 
@@ -862,9 +929,29 @@ std::pair<int64_t, int64_t> segment(const KdaArgs& a, int64_t i) {
 void plan_stage(const KdaArgs& a, const Strides& st, int h, int64_t t0, int rows, float scale, Scratch& w,
                 Stager& pf) {
   const int K = a.K, V = a.V;
-  pf.start({head_prep(a, h, scale), a.q + t0 * st.q + h * K, a.k + t0 * st.k + h * K, a.g + t0 * st.g + h * K,
-            a.v + t0 * st.v + h * V, a.beta + t0 * a.H + h, st.q, st.k, st.g, st.v, a.H, rows, V, w.Q, w.Kh,
-            w.G, w.E, w.sv, w.B});
+  const bool bf16 = a.q_bf16 != nullptr;
+  const int64_t e = bf16 ? 2 : 4;  // bytes per q, k, v element
+  const auto at = [&](const void* base, int64_t elems) { return static_cast<const char*>(base) + elems * e; };
+  pf.start({head_prep(a, h, scale),
+            bf16,
+            at(bf16 ? static_cast<const void*>(a.q_bf16) : a.q, t0 * st.q + h * K),
+            at(bf16 ? static_cast<const void*>(a.k_bf16) : a.k, t0 * st.k + h * K),
+            at(bf16 ? static_cast<const void*>(a.v_bf16) : a.v, t0 * st.v + static_cast<int64_t>(h) * V),
+            a.g + t0 * st.g + h * K,
+            a.beta + t0 * a.H + h,
+            st.q,
+            st.k,
+            st.g,
+            st.v,
+            a.H,
+            rows,
+            V,
+            w.Q,
+            w.Kh,
+            w.G,
+            w.E,
+            w.sv,
+            w.B});
   w.staged_t0 = t0;
   w.staged_h = h;
 }
@@ -882,13 +969,15 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
   const int K = a.K, V = a.V;
   constexpr int C = kChunk;
   const int64_t ldo = static_cast<int64_t>(a.H) * V;
-  const float* v = a.v + c0 * st.v + h * V;
-  int64_t lv = st.v;
-  if (w.staged_t0 == c0 && w.staged_h == h) {
-    v = w.sv;
-    lv = V;
-  } else {
+  // This chunk's v rows: in place (fp32 inputs), or staged / widened into sv.
+  const float* v = w.sv;
+  int64_t lv = V;
+  if (w.staged_t0 != c0 || w.staged_h != h) {
     load_chunk(a, st, h, c0, L, scale, w);
+    if (a.q_bf16 == nullptr) {
+      v = a.v + c0 * st.v + h * V;
+      lv = st.v;
+    }
   }
   decays(K, L, w);
   build_attention(K, L, w);

@@ -27,10 +27,19 @@ void validate_kda_args(const KdaArgs& a) {
   if (a.N < 0) fail("N must be >= 0 (N=" + str(a.N) + ")");
   if (!std::isfinite(a.scale)) fail("scale must be finite");
 
+  // q, k, v in one precision: all fp32 or all bf16.
+  const bool any_f32 = a.q || a.k || a.v, any_bf16 = a.q_bf16 || a.k_bf16 || a.v_bf16;
+  if (any_f32 && any_bf16) fail("q, k, v are given both as fp32 and as bf16: set one of the two");
   // Token tensors are only dereferenced when there are tokens.
   if (a.T > 0) {
-    const std::pair<const void*, const char*> required[] = {{a.q, "q"}, {a.k, "k"},       {a.v, "v"},
-                                                            {a.g, "g"}, {a.beta, "beta"}, {a.o, "o"}};
+    const bool bf16 = any_bf16;
+    const std::pair<const void*, const char*> required[] = {
+        {bf16 ? static_cast<const void*>(a.q_bf16) : a.q, bf16 ? "q_bf16" : "q"},
+        {bf16 ? static_cast<const void*>(a.k_bf16) : a.k, bf16 ? "k_bf16" : "k"},
+        {bf16 ? static_cast<const void*>(a.v_bf16) : a.v, bf16 ? "v_bf16" : "v"},
+        {a.g, "g"},
+        {a.beta, "beta"},
+        {a.o, "o"}};
     for (const auto& [p, name] : required) {
       if (p == nullptr) fail(std::string(name) + " is null with T=" + str(a.T) + " > 0");
     }
@@ -99,6 +108,30 @@ void validate_kda_args(const KdaArgs& a) {
            " and " + str(used[j].second));
     }
   }
+}
+
+KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf) {
+  if (a.q_bf16 == nullptr) return a;
+  const int64_t qk = static_cast<int64_t>(a.H) * a.K, vr = static_cast<int64_t>(a.H) * a.V;
+  buf.resize(static_cast<size_t>(a.T * (2 * qk + vr)));
+  float* q = buf.data();
+  float* k = q + a.T * qk;
+  float* v = k + a.T * qk;
+  const auto widen = [&](const bf16_t* src, int64_t stride, int64_t row, float* dst) {
+    const int64_t ld = stride > 0 ? stride : row;
+    for (int64_t t = 0; t < a.T; ++t)
+      bf16_to_f32_array(src + t * ld, dst + t * row, static_cast<size_t>(row));
+  };
+  widen(a.q_bf16, a.q_stride, qk, q);
+  widen(a.k_bf16, a.k_stride, qk, k);
+  widen(a.v_bf16, a.v_stride, vr, v);
+  KdaArgs w = a;
+  w.q = q;
+  w.k = k;
+  w.v = v;
+  w.q_bf16 = w.k_bf16 = w.v_bf16 = nullptr;
+  w.q_stride = w.k_stride = w.v_stride = 0;
+  return w;
 }
 
 KernelImpl parse_kernel_impl(std::string_view s) {

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -314,7 +315,10 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
 
 }  // namespace
 
-void fused_recurrent_kda_opt(const KdaArgs& a) {
+void fused_recurrent_kda_opt(const KdaArgs& args) {
+  // bf16 q, k, v (not what the layer hands this kernel: its decode conv output is fp32) read as fp32.
+  thread_local std::vector<float> widened;
+  const KdaArgs a = with_f32_inputs(args, widened);
   const float scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.K));
   const int H = a.H;
   // Static, contiguous ranges: the items cost the same (decode) and each thread knows its next state.

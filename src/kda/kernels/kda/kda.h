@@ -12,6 +12,9 @@
 
 #include <cstdint>
 #include <string_view>
+#include <vector>
+
+#include "kda/common/bf16.h"
 
 namespace kda::kernels {
 
@@ -35,6 +38,13 @@ struct KdaArgs {
   int64_t k_stride = 0;
   int64_t v_stride = 0;
   int64_t g_stride = 0;
+
+  // Or q, k and v as bf16 (the bf16 mode's conv outputs, which are bf16 values): set all three instead
+  // of q, k, v, same strides (in elements). chunk_kda_opt reads them as they are (half the bytes of
+  // fp32); the other kernels work on fp32 copies (see with_f32_inputs).
+  const bf16_t* q_bf16 = nullptr;
+  const bf16_t* k_bf16 = nullptr;
+  const bf16_t* v_bf16 = nullptr;
 
   // Sequence boundaries [N+1], int32, cu_seqlens[0] == 0, non-decreasing, cu_seqlens[N] == T.
   // Null means N sequences of T / N tokens each (N == 1: one sequence; decode: N sequences of 1).
@@ -62,6 +72,10 @@ struct KdaArgs {
 // Checks shapes, cu_seqlens, slot indices (in range, or -1, no slot twice) and flags. Throws
 // std::invalid_argument naming what is wrong; nothing is read from or written to the pool before.
 void validate_kda_args(const KdaArgs& a);
+
+// bf16 q, k, v widened: `a` itself when its q, k, v are fp32, else a copy of `a` whose q, k, v point at
+// dense fp32 rows written into `buf`.
+KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf);
 
 // Reference kernels: plain loops, fp32, written for clarity (fla's naive.py).
 void chunk_kda_naive(const KdaArgs& a);

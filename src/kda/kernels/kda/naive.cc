@@ -100,7 +100,9 @@ void zero_output_rows(const KdaArgs& a, const Segment& sg) {
 
 }  // namespace
 
-void fused_recurrent_kda_naive(const KdaArgs& a) {
+void fused_recurrent_kda_naive(const KdaArgs& args) {
+  std::vector<float> widened;  // bf16 q, k, v read as fp32
+  const KdaArgs a = with_f32_inputs(args, widened);
   const int K = a.K, V = a.V, H = a.H;
   const float scale = effective_scale(a);
   std::vector<float> S(static_cast<size_t>(K) * V), q(K), k(K), g(K), u(V);
@@ -145,7 +147,9 @@ void fused_recurrent_kda_naive(const KdaArgs& a) {
   }
 }
 
-void chunk_kda_naive(const KdaArgs& a) {
+void chunk_kda_naive(const KdaArgs& args) {
+  std::vector<float> widened;  // bf16 q, k, v read as fp32
+  const KdaArgs a = with_f32_inputs(args, widened);
   const int K = a.K, V = a.V, H = a.H;
   const float scale = effective_scale(a);
   constexpr int C = kChunk;
