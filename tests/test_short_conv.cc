@@ -1,5 +1,5 @@
 // Short convolution (spec step 2) against a float64 reference written here: varlen, state shifting,
-// padded rows, decode == extend, bf16 state, validation.
+// padded rows, decode == extend, bf16 state, bf16 output, validation.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -365,6 +365,133 @@ TEST(ShortConv, ChannelSpansAndPaddedOutputStride) {
   EXPECT_TRUE(same_bits(pool, expect_pool));
   a.y_stride = p.C - 1;
   EXPECT_THROW(short_conv_extend(a), std::invalid_argument);
+}
+
+// bf16 outputs (y_bf16) are the fp32 outputs with round_output_bf16, converted: f32_to_bf16 of them, bit
+// for bit. One call is run both ways on copies of the pool, the bf16 one with round_output_bf16 as given
+// (implied either way), into a padded row stride. The padding keeps a signalling-NaN sentinel that
+// f32_to_bf16 never produces, so an element left unwritten cannot pass; both pools must end the same.
+constexpr bf16_t kUnwritten = 0x7fa5;
+
+template <class S>
+void expect_bf16_output_matches(const Problem& p, bool decode, bool round_in, bool round_flag, int64_t ys,
+                                std::vector<S>& pool_f, std::vector<S>& pool_b) {
+  std::vector<float> yf(p.T * ys, NAN);
+  std::vector<bf16_t> yb(p.T * ys, kUnwritten);
+  Problem pf = p, pb = p;
+  pf.round = true;
+  pb.round = round_flag;
+  auto af = args_of(pf, pool_f.data(), yf.data());
+  auto ab = args_of(pb, pool_b.data(), static_cast<float*>(nullptr));
+  ab.y_bf16 = yb.data();
+  for (auto* a : {&af, &ab}) {
+    a->round_input_bf16 = round_in;
+    a->y_stride = ys;
+    decode ? short_conv_decode(*a) : short_conv_extend(*a);
+  }
+  for (int64_t t = 0; t < p.T; ++t) {
+    for (int64_t c = 0; c < p.C; ++c) {
+      ASSERT_EQ(yb[t * ys + c], f32_to_bf16(yf[t * ys + c])) << "t " << t << " c " << c;
+    }
+    for (int64_t c = p.C; c < ys; ++c) ASSERT_EQ(yb[t * ys + c], kUnwritten) << "t " << t << " c " << c;
+  }
+  EXPECT_TRUE(same_bits(pool_f, pool_b));
+}
+
+// Extend over a varlen batch (a 0-length segment, a padded row, segments shorter than W-1 and one over
+// several time chunks), then one decode step with a padded row, each in both output types.
+template <class S>
+void check_bf16_output_varlen(int W, bool round_in, bool round_flag, uint64_t seed) {
+  SCOPED_TRACE("W=" + std::to_string(W) + " round_in=" + std::to_string(round_in) +
+               " round_flag=" + std::to_string(round_flag));
+  const int64_t C = 300, ys = C + 5, H = W - 1;  // two channel blocks, the second partial
+  Problem p = make_problem({5, 0, 1, 2, 70, 3}, C, W, 310, seed);
+  p.num_slots = 7;
+  p.indices = {3, 0, 6, -1, 1, 2};
+  p.init = {1, 0, 1, 1, 0, 1};
+  std::vector<S> pool_f = random_pool<S>(p.num_slots * H * C, seed + 1), pool_b = pool_f;
+  expect_bf16_output_matches(p, /*decode=*/false, round_in, round_flag, ys, pool_f, pool_b);
+  Problem d = make_problem({1, 1, 1, 1, 1, 1}, C, W, 310, seed + 2);
+  d.cu.clear();
+  d.num_slots = p.num_slots;
+  d.indices = {-1, 0, 6, 3, 1, 2};
+  expect_bf16_output_matches(d, /*decode=*/true, round_in, round_flag, ys, pool_f, pool_b);
+
+  // The padded rows are zeros (+0) in bf16 too.
+  std::vector<bf16_t> yb(p.T * C, kUnwritten);
+  auto a = args_of(p, pool_b.data(), static_cast<float*>(nullptr));
+  a.y_bf16 = yb.data();
+  short_conv_extend(a);
+  for (int64_t t = p.cu[3]; t < p.cu[4]; ++t) {
+    for (int64_t c = 0; c < C; ++c) ASSERT_EQ(yb[t * C + c], 0) << "t " << t << " c " << c;
+  }
+}
+
+TEST(ShortConv, Bf16OutputIsRoundedFp32OutputVarlen) {
+  uint64_t seed = 91;
+  for (const int W : {4, 3, 5}) {
+    for (const bool round_in : {false, true}) {
+      for (const bool round_flag : {false, true}) {
+        check_bf16_output_varlen<float>(W, round_in, round_flag, seed += 3);
+        check_bf16_output_varlen<bf16_t>(W, round_in, round_flag, seed += 3);
+      }
+    }
+  }
+}
+
+// Few tokens over many channels: outputs split over channel spans, extend then decode.
+template <class S>
+void check_bf16_output_channel_spans(int W, bool round_in, uint64_t seed) {
+  SCOPED_TRACE("W=" + std::to_string(W) + " round_in=" + std::to_string(round_in));
+  const int64_t C = 3000, ys = C + 17, H = W - 1;
+  Problem p = make_problem({5, 2}, C, W, 3008, seed);
+  p.num_slots = 2;
+  std::vector<S> pool_f = random_pool<S>(2 * H * C, seed + 1), pool_b = pool_f;
+  expect_bf16_output_matches(p, /*decode=*/false, round_in, /*round_flag=*/false, ys, pool_f, pool_b);
+  Problem d = make_problem({1, 1}, C, W, 3008, seed + 2);
+  d.cu.clear();
+  d.num_slots = 2;
+  d.indices = {1, 0};
+  expect_bf16_output_matches(d, /*decode=*/true, round_in, /*round_flag=*/false, ys, pool_f, pool_b);
+}
+
+TEST(ShortConv, Bf16OutputIsRoundedFp32OutputChannelSpans) {
+  for (const bool round_in : {false, true}) {
+    check_bf16_output_channel_spans<float>(4, round_in, 131);
+    check_bf16_output_channel_spans<float>(3, round_in, 134);
+    check_bf16_output_channel_spans<bf16_t>(4, round_in, 137);
+    check_bf16_output_channel_spans<bf16_t>(5, round_in, 140);
+  }
+}
+
+// Both outputs or neither: rejected before any output or slot is written, extend and decode.
+TEST(ShortConv, ValidationWantsExactlyOneOutput) {
+  Problem p = make_problem({3, 2}, 10, 4, 12, 151);
+  p.num_slots = 2;
+  std::vector<float> pool = random_pool<float>(2 * 3 * 10, 152);
+  const std::vector<float> before = pool;
+  std::vector<float> y(p.T * p.C, 1.0f);
+  std::vector<bf16_t> yb(p.T * p.C, 0x3f80);
+  const std::vector<float> y0 = y;
+  const std::vector<bf16_t> yb0 = yb;
+  for (const bool decode : {false, true}) {
+    Problem q = p;
+    if (decode) q.T = q.N;
+    for (const bool both : {true, false}) {
+      auto a = args_of(q, pool.data(), both ? y.data() : nullptr);
+      a.y_bf16 = both ? yb.data() : nullptr;
+      const std::string needle = both ? "y and y_bf16 are both set" : "y and y_bf16 are both null";
+      try {
+        decode ? short_conv_decode(a) : short_conv_extend(a);
+        ADD_FAILURE() << "no exception for '" << needle << "'";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+      EXPECT_TRUE(same_bits(pool, before)) << needle;
+      EXPECT_TRUE(same_bits(y, y0)) << needle;
+      EXPECT_TRUE(same_bits(yb, yb0)) << needle;
+    }
+  }
 }
 
 TEST(ShortConv, ValidationErrorsLeavePoolUnchanged) {

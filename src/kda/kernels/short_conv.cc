@@ -7,6 +7,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -40,7 +41,11 @@ void validate(const ShortConvArgs<StateT>& a, Mode mode) {
   if (a.x_stride < a.C) fail("x_stride (" + s(a.x_stride) + ") must be >= C (" + s(a.C) + ")");
   if (a.y_stride != 0 && a.y_stride < a.C)
     fail("y_stride (" + s(a.y_stride) + ") must be 0 (= C) or >= C (" + s(a.C) + ")");
-  if (a.T > 0 && a.C > 0 && (!a.x || !a.y || !a.weight)) fail("x, weight and y must not be null");
+  if (a.T > 0 && a.C > 0) {
+    if (!a.x || !a.weight) fail("x and weight must not be null");
+    if (a.y && a.y_bf16) fail("y and y_bf16 are both set: set exactly one of the two outputs");
+    if (!a.y && !a.y_bf16) fail("y and y_bf16 are both null: set exactly one of the two outputs");
+  }
 
   if (mode == Mode::kDecode) {
     if (a.T != a.N) fail("decode takes one token per sequence, but T = " + s(a.T) + " and N = " + s(a.N));
@@ -120,12 +125,20 @@ int64_t y_stride(const ShortConvArgs<StateT>& a) {
 
 inline float maybe_round(float v, bool round) { return round ? round_bf16(v) : v; }
 
+// An output as stored: fp32, rounded to a bf16 value when asked, or the bits of that same rounding
+// (always rounded). Shifting round_bf16's 32-bit lanes keeps the simd loops branch-free; it equals
+// f32_to_bf16, NaN included.
+inline void store_out(float v, bool round, float* d) { *d = maybe_round(v, round); }
+inline void store_out(float v, bool /*round*/, bf16_t* d) {
+  *d = static_cast<bf16_t>(std::bit_cast<uint32_t>(round_bf16(v)) >> 16);
+}
+
 // y[c] = silu(sum_i w[i * C + c] * src[i][c]) for c < n. The taps run in a fixed order with an exact fma
 // each (starting from 0), so extend and decode give the same bits. The model's W = 4 has a loop of its
 // own with the output rounding fixed at compile time, which the compiler turns into straight simd code.
-// Inputs arrive already rounded when the bf16 mode asks for it (see conv_rows).
-template <bool kRoundOut>
-void conv_token4(const float* const* src, const float* wt, int64_t C, int64_t n, float* __restrict y) {
+// Inputs arrive already rounded when the bf16 mode asks for it (see conv_rows). OutT: float or bf16_t.
+template <bool kRoundOut, class OutT>
+void conv_token4(const float* const* src, const float* wt, int64_t C, int64_t n, OutT* __restrict y) {
   const float* __restrict s0 = src[0];
   const float* __restrict s1 = src[1];
   const float* __restrict s2 = src[2];
@@ -140,17 +153,20 @@ void conv_token4(const float* const* src, const float* wt, int64_t C, int64_t n,
     acc = std::fma(w1[c], s1[c], acc);
     acc = std::fma(w2[c], s2[c], acc);
     acc = std::fma(w3[c], s3[c], acc);
-    float v = acc / (1.0f + exp_simd(-acc));
-    if constexpr (kRoundOut) v = round_bf16(v);
-    y[c] = v;
+    store_out(acc / (1.0f + exp_simd(-acc)), kRoundOut, y + c);
   }
 }
 
+template <class OutT>
 void conv_token(const float* const* src, const float* wt, int64_t C, int W, int64_t n, bool round_out,
-                float* __restrict y) {
+                OutT* __restrict y) {
   if (W == 4) {
-    if (round_out) return conv_token4<true>(src, wt, C, n, y);
-    return conv_token4<false>(src, wt, C, n, y);
+    if constexpr (std::is_same_v<OutT, bf16_t>) {
+      return conv_token4<true>(src, wt, C, n, y);  // bf16 outputs are rounded whatever round_out says
+    } else {
+      if (round_out) return conv_token4<true>(src, wt, C, n, y);
+      return conv_token4<false>(src, wt, C, n, y);
+    }
   }
   alignas(64) float acc[kBlock];
   for (int64_t c0 = 0; c0 < n; c0 += kBlock) {
@@ -163,16 +179,17 @@ void conv_token(const float* const* src, const float* wt, int64_t C, int W, int6
       for (int64_t c = 0; c < m; ++c) acc[c] = std::fma(w[c], s[c], acc[c]);
     }
 #pragma omp simd
-    for (int64_t c = 0; c < m; ++c) y[c0 + c] = maybe_round(acc[c] / (1.0f + exp_simd(-acc[c])), round_out);
+    for (int64_t c = 0; c < m; ++c) store_out(acc[c] / (1.0f + exp_simd(-acc[c])), round_out, y + c0 + c);
   }
 }
 
-// Outputs of tokens [t0, t1) of the sequence starting at bos, channels [c0, c0 + nc). `wt` is the
-// weight transposed to [W, C]; `st` is the sequence's slot (null: zero history), read only when
-// `read_state`; `hist` and `ring` are scratch for (W-1) * nc and W * nc floats.
-template <class StateT>
-void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int64_t t0, int64_t t1,
-               const StateT* st, bool read_state, int64_t c0, int64_t nc, float* hist, float* ring) {
+// Outputs of tokens [t0, t1) of the sequence starting at bos, channels [c0, c0 + nc), into `out`
+// (a.y or a.y_bf16). `wt` is the weight transposed to [W, C]; `st` is the sequence's slot (null: zero
+// history), read only when `read_state`; `hist` and `ring` are scratch for (W-1) * nc and W * nc floats.
+template <class StateT, class OutT>
+void conv_rows(const ShortConvArgs<StateT>& a, OutT* out, const float* wt, int64_t bos, int64_t t0,
+               int64_t t1, const StateT* st, bool read_state, int64_t c0, int64_t nc, float* hist,
+               float* ring) {
   const int W = a.W;
   const int64_t H = W - 1;  // history rows
   if (t0 - bos < H) {       // only the first W-1 tokens of a sequence see the slot
@@ -199,7 +216,7 @@ void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int
   if (!a.round_input_bf16) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int i = 0; i < W; ++i) taps[i] = input(t - bos + i - H);
-      conv_token(taps, wt + c0, a.C, W, nc, a.round_output_bf16, a.y + t * y_stride(a) + c0);
+      conv_token(taps, wt + c0, a.C, W, nc, a.round_output_bf16, out + t * y_stride(a) + c0);
     }
     return;
   }
@@ -212,7 +229,7 @@ void conv_rows(const ShortConvArgs<StateT>& a, const float* wt, int64_t bos, int
   for (int64_t p = t0 - bos - H; p < t0 - bos; ++p) round_into(input(p), ring_row(p), nc);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t pt = t - bos;
-    float* y = a.y + t * y_stride(a) + c0;
+    OutT* y = out + t * y_stride(a) + c0;
     for (int64_t b = 0; b < nc; b += kBlock) {  // a block at a time: the new row is used while in L1
       const int64_t m = std::min(kBlock, nc - b);
       round_into(input(pt) + b, ring_row(pt) + b, m);
@@ -310,14 +327,23 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
       const int64_t slot = slot_of(r.seq);
       if (slot < 0) {  // padded row: zero output, slot untouched
         for (int64_t t = r.t0; t < r.t1; ++t) {
-          float* y = a.y + t * y_stride(a) + c0;
-          std::fill(y, y + nc, 0.0f);
+          const int64_t o = t * y_stride(a) + c0;
+          if (a.y_bf16) {
+            std::fill(a.y_bf16 + o, a.y_bf16 + o + nc, bf16_t{0});
+          } else {
+            std::fill(a.y + o, a.y + o + nc, 0.0f);
+          }
         }
         continue;
       }
       StateT* st = a.state ? a.state + slot * H * a.C : nullptr;
       const int64_t bos = seq_start(r.seq), eos = seq_end(r.seq);
-      conv_rows(a, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data(), ring.data());
+      if (a.y_bf16) {
+        conv_rows(a, a.y_bf16, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data(),
+                  ring.data());
+      } else {
+        conv_rows(a, a.y, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data(), ring.data());
+      }
       // A segment in one item: nothing else touches these channels of its slot, so write it now
       // while they are in cache.
       if (st && r.t0 == bos && r.t1 == eos) write_state(a, bos, eos - bos, st, reads_state(r.seq), c0, nc);

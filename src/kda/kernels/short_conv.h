@@ -7,7 +7,7 @@
 // state holds its last W-1 raw inputs, shifted through from the old state when the segment is shorter
 // than W-1. States live in a pool [num_slots, W-1, C] of fp32 (fp32 mode) or bf16 (bf16 mode); a
 // sequence reads and writes slot indices[i] in place; index -1 is a padded row: zero output, no slot
-// read or written.
+// read or written. Outputs are fp32 or bf16 (y or y_bf16).
 #pragma once
 
 #include <cstdint>
@@ -32,11 +32,16 @@ struct ShortConvArgs {
   int64_t num_slots = 0;
   const uint8_t* has_initial_state = nullptr;  // [N]; null = all true; false: zero history, slot not read
   // The bf16 mode's rounding points: each input (the raw projections, so the state keeps rounded values
-  // too) and each output (after silu) rounded to bf16.
+  // too) and each output (after silu) rounded to bf16. round_output_bf16 only applies to y: y_bf16
+  // implies it.
   bool round_input_bf16 = false;
   bool round_output_bf16 = false;
-  float* y = nullptr;    // [T, y_stride]
-  int64_t y_stride = 0;  // 0: C
+  // The output, exactly one of the two (when T > 0 and C > 0): fp32, or bf16 for the bf16 mode, whose
+  // consumers read bf16 anyway, at half the bytes. y_bf16 holds f32_to_bf16 of what y would hold with
+  // round_output_bf16, bit for bit.
+  float* y = nullptr;        // [T, y_stride]
+  bf16_t* y_bf16 = nullptr;  // [T, y_stride]
+  int64_t y_stride = 0;      // elements, of whichever output is set; 0: C
 };
 
 // Prefill: varlen segments of any length (0 and 1 included).
