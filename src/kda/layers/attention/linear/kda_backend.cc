@@ -61,17 +61,18 @@ void LinearRecurrentAttnBackend::init_forward_metadata(const ForwardBatch& forwa
   has_metadata_ = true;
 }
 
-// Row stride of the conv output: the channels padded by one cache line when the row would be a multiple of
-// 4 KB, as q|k|v of the model (3 x 4096 floats) is. Rows 4 KB apart share L1 sets, and the kernels read
-// each head's column slice row after row.
-int64_t LinearRecurrentAttnBackend::conv_out_stride(const RadixLinearAttention& layer) {
+// Row stride of the conv output, in elements of elem_bytes: the channels padded by one cache line when
+// the row would be a multiple of 4 KB, as q|k|v of the model (3 x 4096 channels) is. Rows 4 KB apart
+// share L1 sets, and the kernels read each head's column slice row after row.
+int64_t LinearRecurrentAttnBackend::conv_out_stride(const RadixLinearAttention& layer, int64_t elem_bytes) {
   const int64_t c = layer.conv_dim();
-  return (c * sizeof(float)) % 4096 == 0 ? c + 16 : c;
+  return (c * elem_bytes) % 4096 == 0 ? c + 64 / elem_bytes : c;
 }
 
 void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, const float* mixed_qkv,
                                           int64_t qkv_stride, int64_t T,
-                                          const mem_cache::LinearRecurrentLayerCache& cache, bool decode) {
+                                          const mem_cache::LinearRecurrentLayerCache& cache, bool decode,
+                                          bool bf16_out) {
   const auto& p = layer.params();
   const auto& md = forward_metadata_;
   auto fill = [&](auto& args) {
@@ -88,8 +89,13 @@ void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, con
     args.has_initial_state = md.has_initial_state.data();
     args.round_input_bf16 = p.bf16_activations;
     args.round_output_bf16 = p.bf16_activations;
-    args.y = conv_out_.data();
-    args.y_stride = conv_out_stride(layer);
+    if (bf16_out) {
+      args.y_bf16 = conv_out_bf16_.data();
+      args.y_stride = conv_out_stride(layer, sizeof(bf16_t));
+    } else {
+      args.y = conv_out_.data();
+      args.y_stride = conv_out_stride(layer, sizeof(float));
+    }
   };
   if (cache.conv_f32) {
     kernels::ShortConvArgs<float> args;
@@ -152,9 +158,17 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   }
 
   const bool decode = mode == ForwardMode::DECODE;
-  const int64_t ys = conv_out_stride(layer);
-  conv_out_.resize(static_cast<size_t>(T * ys));
-  run_conv(layer, mixed_qkv, qkv_stride, T, cache, decode);
+  // The bf16 mode's conv output is bf16 values (the spec rounds it there): in EXTEND it is stored as
+  // bf16, half the bytes written by the conv and read by chunk_kda. DECODE keeps fp32 rows (a batch of
+  // single tokens; fused_recurrent_kda reads fp32).
+  const bool bf16_out = p.bf16_activations && !decode;
+  const int64_t ys = conv_out_stride(layer, bf16_out ? sizeof(bf16_t) : sizeof(float));
+  if (bf16_out) {
+    conv_out_bf16_.resize(static_cast<size_t>(T * ys));
+  } else {
+    conv_out_.resize(static_cast<size_t>(T * ys));
+  }
+  run_conv(layer, mixed_qkv, qkv_stride, T, cache, decode, bf16_out);
 
   // q, k and v are read in place as column slices of the conv output, and the gate as a slice of the
   // caller's projection output: the kernels take row strides, so nothing is copied.
@@ -170,9 +184,15 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   LinearRecurrentDispatch d;
   d.layer = &layer;
   d.metadata = &md;
-  d.q = conv_out_.data();
-  d.k = conv_out_.data() + qd;
-  d.v = conv_out_.data() + qd + kd;
+  if (bf16_out) {
+    d.q_bf16 = conv_out_bf16_.data();
+    d.k_bf16 = conv_out_bf16_.data() + qd;
+    d.v_bf16 = conv_out_bf16_.data() + qd + kd;
+  } else {
+    d.q = conv_out_.data();
+    d.k = conv_out_.data() + qd;
+    d.v = conv_out_.data() + qd + kd;
+  }
   d.qkv_stride = ys;
   d.a = a;
   d.a_stride = a_stride;
@@ -189,6 +209,9 @@ kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) c
   a.q = d.q;
   a.k = d.k;
   a.v = d.v;
+  a.q_bf16 = d.q_bf16;
+  a.k_bf16 = d.k_bf16;
+  a.v_bf16 = d.v_bf16;
   a.q_stride = a.k_stride = a.v_stride = d.qkv_stride;
   a.g = d.a;
   a.g_stride = d.a_stride;

@@ -13,6 +13,7 @@
 #include <span>
 #include <vector>
 
+#include "kda/common/bf16.h"
 #include "kda/kernels/kda/kda.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
@@ -35,10 +36,14 @@ struct LinearRecurrentAttnBackendMetadata {
 struct LinearRecurrentDispatch {
   const RadixLinearAttention* layer = nullptr;
   const LinearRecurrentAttnBackendMetadata* metadata = nullptr;
-  // Column slices of the conv output [T, qkv_stride] (after conv + silu): q [T, H*K], k, v.
+  // Column slices of the conv output [T, qkv_stride] (after conv + silu): q [T, H*K], k, v; fp32, or bf16
+  // (q_bf16, k_bf16, v_bf16 instead) where the bf16 mode keeps its EXTEND conv output in bf16.
   const float* q = nullptr;
   const float* k = nullptr;
   const float* v = nullptr;
+  const bf16_t* q_bf16 = nullptr;
+  const bf16_t* k_bf16 = nullptr;
+  const bf16_t* v_bf16 = nullptr;
   int64_t qkv_stride = 0;
   const float* a = nullptr;  // [T, a_stride]: the raw forget gate in the first H*K columns
   int64_t a_stride = 0;
@@ -70,14 +75,15 @@ class LinearRecurrentAttnBackend {
 
  private:
   void run_conv(const RadixLinearAttention& layer, const float* mixed_qkv, int64_t qkv_stride, int64_t T,
-                const mem_cache::LinearRecurrentLayerCache& cache, bool decode);
+                const mem_cache::LinearRecurrentLayerCache& cache, bool decode, bool bf16_out);
 
   LinearRecurrentAttnBackendMetadata forward_metadata_;
   bool has_metadata_ = false;
-  static int64_t conv_out_stride(const RadixLinearAttention& layer);
+  static int64_t conv_out_stride(const RadixLinearAttention& layer, int64_t elem_bytes);
 
   // Scratch reused across layers and steps (grown, never shrunk).
   std::vector<float> conv_out_;
+  std::vector<bf16_t> conv_out_bf16_;  // the bf16 mode's EXTEND conv output
   std::vector<float> beta_;
   std::vector<uint8_t> seen_;  // slot check
 };
