@@ -1,7 +1,7 @@
 // chunk_kda_opt: the chunked WY form (spec "Chunked form", C = 64) organised for speed.
 //
-// Work items are (sequence, group of up to 4 heads, single heads at the end), handed to OpenMP threads
-// dynamically (one long sequence still has H / 4 items, so both cores work on it); the heads of a group
+// Work items are (sequence, group of up to 4 heads), handed to OpenMP threads dynamically (one long
+// sequence still has H / 4 items, so both cores work on it); the heads of a group
 // advance chunk by chunk together, so each token row's pages and cache lines serve all of them. Each thread
 // keeps one aligned scratch buffer across calls, so nothing is allocated per chunk. Per chunk of L <= 64 rows
 // of one head, in blocks of 16 rows:
@@ -1101,25 +1101,16 @@ void process_item(const KdaArgs& a, const Strides& st, int64_t i, int h0, int h1
   }
 }
 
-// The call's work items in the order they are handed out: each sequence's heads in groups of `group`,
-// except that no item takes more than 1 / (2 threads) of the heads left in the whole call (guided
-// scheduling), so the last items are single heads and a thread that runs slower than the others (the
-// host's other load) holds up the end of the call by one head, not by a group. Measured on one
-// 4096-token sequence with one of the 2 threads sharing its core: 25.5 us/token against 28.7 with
-// groups of 4 to the end; the same speed when both threads run alike. The list is the calling
+// The call's work items in the order they are handed out: each sequence's heads in groups of `group`.
+// (Items that shrink to single heads at the end of a call -- guided scheduling -- cut the time by ~5%
+// when one of 2 threads ran at half speed, but cost ~4% when both run alike: single heads share no
+// token rows while staging. Measured on one 4096-token sequence; not taken.) The list is the calling
 // thread's, reused across calls.
-const std::vector<WorkItem>& plan_items(int64_t N, int H, int group, int threads) {
+const std::vector<WorkItem>& plan_items(int64_t N, int H, int group) {
   thread_local std::vector<WorkItem> list;
   list.clear();
-  int64_t left = N * H;
   for (int64_t i = 0; i < N; ++i) {
-    for (int h = 0; h < H;) {
-      const int64_t guided = std::max<int64_t>(1, (left + 2 * threads - 1) / (2 * threads));
-      const int n = static_cast<int>(std::min<int64_t>({group, H - h, guided}));
-      list.push_back({i, h, h + n});
-      h += n;
-      left -= n;
-    }
+    for (int h = 0; h < H; h += group) list.push_back({i, h, std::min(H, h + group)});
   }
   return list;
 }
@@ -1157,7 +1148,7 @@ void chunk_kda_opt(const KdaArgs& a) {
   const int threads = omp_get_max_threads();
   int group = kMaxGroup;
   while (group > 1 && N * ((H + group - 1) / group) < 4 * threads) group /= 2;
-  const std::vector<WorkItem>& list = plan_items(N, H, group, threads);
+  const std::vector<WorkItem>& list = plan_items(N, H, group);
   const auto items = static_cast<int64_t>(list.size());
   const WorkItem* plan = list.data();
   std::atomic<int64_t> counter{0};
