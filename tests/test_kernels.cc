@@ -434,7 +434,9 @@ TEST(KdaKernels, ChunkOptRestoresTheCallersFloatingPointMode) {
 }
 #endif
 
-TEST(KdaKernels, KimiLinearShape) {
+// The model's head shape, two sequences (100 and 156 tokens) in slots out of order: several work items
+// per thread in chunk_kda_opt.
+Problem kimi_shape_problem(uint64_t seed) {
   Problem p;
   p.cu = {0, 100, 256};
   p.N = 2;
@@ -446,9 +448,11 @@ TEST(KdaKernels, KimiLinearShape) {
   p.idx = {2, 0};
   p.l2 = true;
   p.gate = true;
-  fill(p, 800);
-  check_all_kernels(p, "H=32 K=V=128 T=256");
+  fill(p, seed);
+  return p;
 }
+
+TEST(KdaKernels, KimiLinearShape) { check_all_kernels(kimi_shape_problem(800), "H=32 K=V=128 T=256"); }
 
 TEST(KdaKernels, PrefillThenDecodeMatchesOnePrefill) {
   // 100 tokens by chunk_kda then 5 tokens one by one by fused_recurrent_kda, against 105 at once.
@@ -624,19 +628,7 @@ std::vector<float> run_bf16_inputs(Problem p, const std::function<void(const Kda
 
 TEST(KdaBf16Inputs, EveryKernelMatchesFp32InputsOfTheSameValues) {
   std::vector<Problem> problems = stride_problems();
-  Problem big;  // several work items per thread and a guided tail, K = V = 128
-  big.cu = {0, 100, 256};
-  big.N = 2;
-  big.T = 256;
-  big.H = 32;
-  big.K = 128;
-  big.V = 128;
-  big.slots = 3;
-  big.idx = {2, 0};
-  big.l2 = true;
-  big.gate = true;
-  fill(big, 1400);
-  problems.push_back(big);
+  problems.push_back(kimi_shape_problem(1400));
   const std::pair<const char*, std::function<void(const KdaArgs&)>> kernels[] = {
       {"chunk/naive", [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Naive); }},
       {"chunk/opt", [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Optimized); }},
