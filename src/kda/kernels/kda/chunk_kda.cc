@@ -1,10 +1,10 @@
 // chunk_kda_opt: the chunked WY form (spec "Chunked form", C = 64) organised for speed.
 //
 // Work items are (sequence, group of up to 4 heads), handed to OpenMP threads dynamically (one long
-// sequence still has H / 4 items, so both cores work on it); the heads of a group
-// advance chunk by chunk together, so each token row's pages and cache lines serve all of them. Each thread
-// keeps one aligned scratch buffer across calls, so nothing is allocated per chunk. Per chunk of L <= 64 rows
-// of one head, in blocks of 16 rows:
+// sequence still has H / 4 items, so both cores work on it); the heads of a group advance chunk by chunk
+// together, so each token row's pages and cache lines serve all of them. Each thread keeps one aligned
+// scratch buffer across calls, so nothing is allocated per chunk. Per chunk of L <= 64 rows of one head,
+// in blocks of 16 rows:
 //   1. q-hat (scale folded in), k-hat, g (gate fused), exp(g) and beta into contiguous rows;
 //   2. decays. Every decay exp(Gamma_r - Gamma_s), r >= s, is a product of at most three factors, each
 //      <= 1 and each built over exactly the rows it spans: a running product of the per-step factors
@@ -34,7 +34,6 @@
 #include <new>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #if defined(__AVX512F__)
 // GCC 12 reports its own shuffle / unpack intrinsics (their _mm512_undefined_ps() pass-through operand)
@@ -221,9 +220,9 @@ class Stager {
 
   struct Unit {
     HeadPrep prep;
-    bool bf16;                      // q, k, v are bf16 (else fp32)
-    const void *q, *k, *v;          // the unit's first row
-    const float *g, *beta;          //
+    bool bf16;              // q, k, v are bf16 (else fp32)
+    const void *q, *k, *v;  // the unit's first row
+    const float *g, *beta;
     int64_t lq, lk, lg, lv, lbeta;  // row strides, in elements
     int rows, V;
     float *Q, *Kh, *G, *E, *Vs, *B;  // destinations (row strides K, V, 1)
@@ -1008,21 +1007,16 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
   pf.issue(pf.total());
 }
 
-// A work item: sequence seq, heads [h0, h1).
-struct WorkItem {
-  int64_t seq;
-  int h0, h1;
-};
-
-// First chunk of work item `it`, or none.
-Next first_unit(const KdaArgs& a, const WorkItem* it) {
+// First chunk of work item `item` (sequence item / groups, heads of group item % groups), or none.
+Next first_unit(const KdaArgs& a, int64_t item, int64_t groups, int group) {
   Next n;
-  if (it == nullptr) return n;
-  const auto [bos, eos] = segment(a, it->seq);
-  const int64_t slot = a.state_indices != nullptr ? a.state_indices[it->seq] : it->seq;
+  if (item < 0) return n;
+  const int64_t i = item / groups;
+  const auto [bos, eos] = segment(a, i);
+  const int64_t slot = a.state_indices != nullptr ? a.state_indices[i] : i;
   if (slot < 0 || eos <= bos) return n;
   n.t0 = bos;
-  n.h = it->h0;
+  n.h = static_cast<int>(item % groups) * group;
   n.rows = static_cast<int>(std::min<int64_t>(kChunk, eos - bos));
   return n;
 }
@@ -1033,7 +1027,6 @@ Next first_unit(const KdaArgs& a, const WorkItem* it) {
 struct Claim {
   std::atomic<int64_t>* counter;
   int64_t items;
-  const WorkItem* list;
   int64_t next = 0;  // the claimed item, when `claimed` (>= items: none left)
   bool claimed = false;
 
@@ -1049,8 +1042,8 @@ struct Claim {
 // One work item: sequence i, heads [h0, h1). The heads advance chunk by chunk together, so that each
 // token row's pages and cache lines serve all of them while they are hot. The item this thread runs
 // next is claimed at the last chunk of this one, whose first chunk is staged during it.
-void process_item(const KdaArgs& a, const Strides& st, int64_t i, int h0, int h1, Claim& claim, float scale,
-                  Scratch& w) {
+void process_item(const KdaArgs& a, const Strides& st, int64_t i, int h0, int h1, Claim& claim,
+                  int64_t groups, int group, float scale, Scratch& w) {
   const int K = a.K, V = a.V, H = a.H;
   constexpr int C = kChunk;
   const auto [bos, eos] = segment(a, i);
@@ -1086,10 +1079,7 @@ void process_item(const KdaArgs& a, const Strides& st, int64_t i, int h0, int h1
       } else if (c0 + C < eos) {
         next = {c0 + C, h0, static_cast<int>(std::min<int64_t>(C, eos - c0 - C))};
       } else {
-        {
-          const int64_t n = claim.get();
-          next = first_unit(a, n >= 0 ? claim.list + n : nullptr);
-        }
+        next = first_unit(a, claim.get(), groups, group);
       }
       process_chunk(a, st, h, c0, L, states[h - h0], next, scale, w);
     }
@@ -1099,20 +1089,6 @@ void process_item(const KdaArgs& a, const Strides& st, int64_t i, int h0, int h1
   for (int h = h0; h < h1 && a.state != nullptr && a.output_final_state; ++h) {
     std::memcpy(a.state + (slot * H + h) * kv, states[h - h0], kv * sizeof(float));
   }
-}
-
-// The call's work items in the order they are handed out: each sequence's heads in groups of `group`.
-// (Items that shrink to single heads at the end of a call -- guided scheduling -- cut the time by ~5%
-// when one of 2 threads ran at half speed, but cost ~4% when both run alike: single heads share no
-// token rows while staging. Measured on one 4096-token sequence; not taken.) The list is the calling
-// thread's, reused across calls.
-const std::vector<WorkItem>& plan_items(int64_t N, int H, int group) {
-  thread_local std::vector<WorkItem> list;
-  list.clear();
-  for (int64_t i = 0; i < N; ++i) {
-    for (int h = 0; h < H; h += group) list.push_back({i, h, std::min(H, h + group)});
-  }
-  return list;
 }
 
 // Flush-to-zero and denormals-are-zero for the lifetime of the object, on the calling thread. The decays
@@ -1141,16 +1117,16 @@ void chunk_kda_opt(const KdaArgs& a) {
   const Strides st{a.q_stride > 0 ? a.q_stride : hk, a.k_stride > 0 ? a.k_stride : hk,
                    a.v_stride > 0 ? a.v_stride : hv, a.g_stride > 0 ? a.g_stride : hk};
   // Work items are (sequence, group of heads), handed out dynamically (varlen segments make them very
-  // uneven; see Claim) in the order plan_items lists them. Groups of up to kMaxGroup heads while that
-  // leaves several items per thread (smaller groups balance better between threads that run at
-  // different speeds, but lose more to staging: for one 4096-token sequence on 2 threads, groups of 4
-  // measured ~15% faster than groups of 2).
+  // uneven; see Claim). Groups of up to kMaxGroup heads while that leaves several items per thread
+  // (smaller groups balance better between threads that run at different speeds, but lose more to
+  // staging: for one 4096-token sequence on 2 threads, groups of 4 measured ~15% faster than groups
+  // of 2; so did items shrinking to single heads at the end of a call, by ~4%, though they were ~5%
+  // faster when one of the threads ran at half speed).
   const int threads = omp_get_max_threads();
   int group = kMaxGroup;
   while (group > 1 && N * ((H + group - 1) / group) < 4 * threads) group /= 2;
-  const std::vector<WorkItem>& list = plan_items(N, H, group);
-  const auto items = static_cast<int64_t>(list.size());
-  const WorkItem* plan = list.data();
+  const int64_t groups = (H + group - 1) / group;
+  const int64_t items = N * groups;
   std::atomic<int64_t> counter{0};
 #pragma omp parallel
   {
@@ -1158,9 +1134,9 @@ void chunk_kda_opt(const KdaArgs& a) {
     Scratch w(a.K, a.V, group);
     int64_t cur = counter.fetch_add(1, std::memory_order_relaxed);
     while (cur < items) {
-      Claim claim{&counter, items, plan};
-      const WorkItem& it = plan[cur];
-      process_item(a, st, it.seq, it.h0, it.h1, claim, scale, w);
+      Claim claim{&counter, items};
+      const int h0 = static_cast<int>(cur % groups) * group;
+      process_item(a, st, cur / groups, h0, std::min(H, h0 + group), claim, groups, group, scale, w);
       cur = claim.claimed ? claim.next : counter.fetch_add(1, std::memory_order_relaxed);
     }
   }
