@@ -32,7 +32,6 @@
 #include <cstring>
 #include <memory>
 #include <new>
-#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__)
@@ -135,6 +134,7 @@ inline __m512 maskz_load16(__mmask16 m, const bf16_t* p) {
 #endif
 
 // dst[0:n] = src[0:n] as fp32.
+inline void widen_row(float* __restrict dst, const float* __restrict src, int n) { copy_row(dst, src, n); }
 inline void widen_row(float* __restrict dst, const bf16_t* __restrict src, int n) {
   int j = 0;
 #if defined(__AVX512F__)
@@ -243,29 +243,29 @@ class Stager {
 
   // Prepares the next `count` rows (all that are left with count >= total()).
   void issue(int count) {
-    const int K = u_.prep.K;
     for (; count > 0 && done_ < u_.rows; --count, ++done_) {
       flush();
       build(++pr_);
-      const int64_t r = done_;
       if (u_.bf16) {
-        const auto* q = static_cast<const bf16_t*>(u_.q);
-        const auto* k = static_cast<const bf16_t*>(u_.k);
-        prepare_row(u_.prep, q + r * u_.lq, k + r * u_.lk, u_.g + r * u_.lg, u_.Q + r * K, u_.Kh + r * K,
-                    u_.G + r * K, u_.E + r * K);
-        widen_row(u_.Vs + r * u_.V, static_cast<const bf16_t*>(u_.v) + r * u_.lv, u_.V);
+        prepare<bf16_t>(done_);
       } else {
-        const auto* q = static_cast<const float*>(u_.q);
-        const auto* k = static_cast<const float*>(u_.k);
-        prepare_row(u_.prep, q + r * u_.lq, k + r * u_.lk, u_.g + r * u_.lg, u_.Q + r * K, u_.Kh + r * K,
-                    u_.G + r * K, u_.E + r * K);
-        copy_row(u_.Vs + r * u_.V, static_cast<const float*>(u_.v) + r * u_.lv, u_.V);
+        prepare<float>(done_);
       }
-      u_.B[r] = u_.beta[r * u_.lbeta];
     }
   }
 
  private:
+  // Row r of the unit; In is the type of q, k, v.
+  template <class In>
+  void prepare(int64_t r) {
+    const int K = u_.prep.K;
+    const auto* q = static_cast<const In*>(u_.q) + r * u_.lq;
+    const auto* k = static_cast<const In*>(u_.k) + r * u_.lk;
+    prepare_row(u_.prep, q, k, u_.g + r * u_.lg, u_.Q + r * K, u_.Kh + r * K, u_.G + r * K, u_.E + r * K);
+    widen_row(u_.Vs + r * u_.V, static_cast<const In*>(u_.v) + r * u_.lv, u_.V);
+    u_.B[r] = u_.beta[r * u_.lbeta];
+  }
+
   // The list for row r (empty past the last row); lines beyond kMaxLines are prefetched at once.
   void build(int64_t r) {
     int n = 0;
@@ -692,7 +692,8 @@ struct Scratch {
   float* T = nullptr;     // [C, C] (I + Akk)^-1
   float* B = nullptr;     // [C] beta
   // The (chunk, head) named by staged_t0 / staged_h has had its step 1 done by the Stager: Q, Kh, G, E
-  // and B hold its rows (written during steps 5-7 of the chunk before, when they are dead) and sv its v.
+  // and B hold its rows and sv its v (written during steps 5-7 of the chunk before, when they are dead,
+  // or at the start of a work item's first chunk).
   float* sv = nullptr;  // [C, V]
   int64_t staged_t0 = -1;
   int staged_h = -1;
@@ -723,36 +724,6 @@ struct Scratch {
 struct Strides {
   int64_t q, k, v, g;
 };
-
-// Step 1 for rows [c0, c0 + L) of head h, read from the inputs.
-// bf16 v rows are widened into w.sv.
-template <class In>
-void load_rows(const KdaArgs& a, const Strides& st, const In* q, const In* k, int h, int64_t c0, int L,
-               float scale, Scratch& w) {
-  const int K = a.K;
-  const HeadPrep p = head_prep(a, h, scale);
-  q += c0 * st.q + h * K;
-  k += c0 * st.k + h * K;
-  const float* g = a.g + c0 * st.g + h * K;
-  for (int r = 0; r < L; ++r) {
-    prepare_row(p, q + r * st.q, k + r * st.k, g + r * st.g, w.Q + r * K, w.Kh + r * K, w.G + r * K,
-                w.E + r * K);
-    w.B[r] = a.beta[(c0 + r) * a.H + h];
-  }
-  if constexpr (std::is_same_v<In, bf16_t>) {
-    const bf16_t* v = a.v_bf16 + c0 * st.v + static_cast<int64_t>(h) * a.V;
-    for (int r = 0; r < L; ++r) widen_row(w.sv + r * a.V, v + r * st.v, a.V);
-  }
-}
-
-[[gnu::noinline]] void load_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L, float scale,
-                                  Scratch& w) {
-  if (a.q_bf16 != nullptr) {
-    load_rows(a, st, a.q_bf16, a.k_bf16, h, c0, L, scale, w);
-  } else {
-    load_rows(a, st, a.q, a.k, h, c0, L, scale, w);
-  }
-}
 
 // Step 2: in-block decays and the block anchors.
 [[gnu::noinline]] void decays(int K, int L, Scratch& w) {
@@ -968,15 +939,11 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
   const int K = a.K, V = a.V;
   constexpr int C = kChunk;
   const int64_t ldo = static_cast<int64_t>(a.H) * V;
-  // This chunk's v rows: in place (fp32 inputs), or staged / widened into sv.
-  const float* v = w.sv;
-  int64_t lv = V;
+  // Step 1: done by the stager during the chunk before, or now (the first chunk of a work item).
   if (w.staged_t0 != c0 || w.staged_h != h) {
-    load_chunk(a, st, h, c0, L, scale, w);
-    if (a.q_bf16 == nullptr) {
-      v = a.v + c0 * st.v + h * V;
-      lv = st.v;
-    }
+    Stager now;
+    plan_stage(a, st, h, c0, L, scale, w, now);
+    now.issue(now.total());
   }
   decays(K, L, w);
   build_attention(K, L, w);
@@ -985,7 +952,7 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
 
   // Step 5: R = beta V + Wn S, Vn = T R.
   const Seg s_r{w.Xk, K, false, S, V, K, false};
-  gemm(L, V, &s_r, 1, Init{v, lv, w.B}, w.R, V);
+  gemm(L, V, &s_r, 1, Init{w.sv, V, w.B}, w.R, V);
 
   // Step 1 of the next unit runs during the rest of the chunk (R has read this chunk's v and B; Q, Kh, G,
   // E are dead), spread over the full micro-tiles.
