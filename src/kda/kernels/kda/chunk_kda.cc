@@ -57,6 +57,7 @@ namespace {
 
 using vecmath::exp_approx;
 using vecmath::softplus_approx;
+using vecmath::to_f32;
 
 constexpr int kChunk = 64;  // C
 constexpr int kSub = 16;    // block size of the decay anchoring
@@ -115,10 +116,6 @@ HeadPrep head_prep(const KdaArgs& a, int h, float scale) {
   }
   return p;
 }
-
-// q, k, v elements as fp32, from fp32 or bf16 inputs (a bf16 value is the top half of its fp32).
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16_t x) { return bf16_to_f32(x); }
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -179,15 +176,7 @@ inline void prepare_row(const HeadPrep& p, const In* __restrict q, const In* __r
     _mm512_storeu_ps(E + d0, vecmath::exp16(x));
   }
 #else
-  if (p.l2norm) {
-    float sq = 0.0f, sk = 0.0f;
-    for (int d = 0; d < K; ++d) {
-      sq += to_f32(q[d]) * to_f32(q[d]);
-      sk += to_f32(k[d]) * to_f32(k[d]);
-    }
-    rq = p.scale / std::sqrt(sq + 1e-6f);
-    rk = 1.0f / std::sqrt(sk + 1e-6f);
-  }
+  if (p.l2norm) vecmath::l2norm_factors(q, k, K, p.scale, rq, rk);
 #endif
   for (int d = d0; d < K; ++d) {
     Q[d] = to_f32(q[d]) * rq;

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kda/common/bf16.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -83,14 +85,19 @@ inline __m512 softplus16(__m512 z) {
 }
 #endif
 
+// q, k, v elements as fp32, from fp32 or bf16 inputs (a bf16 value is the top half of its fp32).
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16_t x) { return bf16_to_f32(x); }
+
 // The factors of use_qk_l2norm_in_kernel, eps inside the sqrt (spec step 5): q-hat = q * rq with
-// rq = scale / sqrt(|q|^2 + 1e-6) (the attention scale folded in), k-hat = k * rk.
-inline void l2norm_factors(const float* q, const float* k, int K, float scale, float& rq, float& rk) {
+// rq = scale / sqrt(|q|^2 + 1e-6) (the attention scale folded in), k-hat = k * rk. In: float or bf16_t.
+template <class In>
+void l2norm_factors(const In* q, const In* k, int K, float scale, float& rq, float& rk) {
   float sq = 0.0f, sk = 0.0f;
 #pragma omp simd reduction(+ : sq, sk)
   for (int d = 0; d < K; ++d) {
-    sq += q[d] * q[d];
-    sk += k[d] * k[d];
+    sq += to_f32(q[d]) * to_f32(q[d]);
+    sk += to_f32(k[d]) * to_f32(k[d]);
   }
   rq = scale / std::sqrt(sq + 1e-6f);
   rk = 1.0f / std::sqrt(sk + 1e-6f);
