@@ -6,6 +6,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kda/common/bf16.h"
 #include "kda/kernels/kda/vec_math.h"
@@ -38,6 +39,28 @@ void check_size(const std::vector<float>& v, size_t n, const char* name) {
   if (v.size() != n)
     throw std::invalid_argument(std::string("KdaLayerWeights: ") + name + " has " + std::to_string(v.size()) +
                                 " values, expected " + std::to_string(n));
+}
+
+// One (token, head) row of the gated RMS norm: y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). kBf16
+// applies the bf16 mode's rounding points: o and z as they are read, y as it is written (as bf16, the
+// input o_proj takes, so no conversion pass follows).
+template <bool kBf16>
+void gated_norm_row(const float* o, const float* z, const float* w, int K, float eps,
+                    std::conditional_t<kBf16, bf16_t, float>* y) {
+  const auto rd = [](float x) { return kBf16 ? round_bf16(x) : x; };
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int d = 0; d < K; ++d) ss += rd(o[d]) * rd(o[d]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+#pragma omp simd
+  for (int d = 0; d < K; ++d) {
+    const float v = rd(o[d]) * inv * w[d] / (1.0f + kernels::vecmath::exp_approx(-rd(z[d])));
+    if constexpr (kBf16) {
+      y[d] = f32_to_bf16(v);
+    } else {
+      y[d] = v;
+    }
+  }
 }
 
 }  // namespace
@@ -291,23 +314,9 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
     const float* o = ws.o.data() + r * K;
     const float* z = ws.z.data() + r * K;
     if (bf16) {
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int d = 0; d < K; ++d) ss += round_bf16(o[d]) * round_bf16(o[d]);
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
-      bf16_t* y = ws.y_bf16.data() + r * K;
-#pragma omp simd
-      for (int d = 0; d < K; ++d)
-        y[d] = f32_to_bf16(round_bf16(o[d]) * inv * w[d] /
-                           (1.0f + kernels::vecmath::exp_approx(-round_bf16(z[d]))));
+      gated_norm_row<true>(o, z, w, K, eps, ws.y_bf16.data() + r * K);
     } else {
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int d = 0; d < K; ++d) ss += o[d] * o[d];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
-      float* y = ws.y.data() + r * K;
-#pragma omp simd
-      for (int d = 0; d < K; ++d) y[d] = o[d] * inv * w[d] / (1.0f + kernels::vecmath::exp_approx(-z[d]));
+      gated_norm_row<false>(o, z, w, K, eps, ws.y.data() + r * K);
     }
   }
   // 5. o_proj; under tensor parallelism each rank holds a partial sum over its channels.
