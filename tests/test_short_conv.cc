@@ -464,58 +464,37 @@ TEST(ShortConv, Bf16OutputIsRoundedFp32OutputChannelSpans) {
   }
 }
 
-// Both outputs or neither: rejected before any output or slot is written, extend and decode.
-TEST(ShortConv, ValidationWantsExactlyOneOutput) {
-  Problem p = make_problem({3, 2}, 10, 4, 12, 151);
-  p.num_slots = 2;
-  std::vector<float> pool = random_pool<float>(2 * 3 * 10, 152);
-  const std::vector<float> before = pool;
-  std::vector<float> y(p.T * p.C, 1.0f);
-  std::vector<bf16_t> yb(p.T * p.C, 0x3f80);
-  const std::vector<float> y0 = y;
-  const std::vector<bf16_t> yb0 = yb;
-  for (const bool decode : {false, true}) {
-    Problem q = p;
-    if (decode) q.T = q.N;
-    for (const bool both : {true, false}) {
-      auto a = args_of(q, pool.data(), both ? y.data() : nullptr);
-      a.y_bf16 = both ? yb.data() : nullptr;
-      const std::string needle = both ? "y and y_bf16 are both set" : "y and y_bf16 are both null";
-      try {
-        decode ? short_conv_decode(a) : short_conv_extend(a);
-        ADD_FAILURE() << "no exception for '" << needle << "'";
-      } catch (const std::invalid_argument& e) {
-        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-      }
-      EXPECT_TRUE(same_bits(pool, before)) << needle;
-      EXPECT_TRUE(same_bits(y, y0)) << needle;
-      EXPECT_TRUE(same_bits(yb, yb0)) << needle;
-    }
-  }
-}
-
 TEST(ShortConv, ValidationErrorsLeavePoolUnchanged) {
   const Problem good = make_problem({3, 2, 4}, 10, 4, 12, 51);
   std::vector<float> pool = random_pool<float>(5 * 3 * 10, 52);
   const std::vector<float> before = pool;
   std::vector<float> y(good.T * good.C, 1.0f);
+  std::vector<bf16_t> yb(good.T * good.C, 0x3f80);
+  const std::vector<float> y0 = y;
+  const std::vector<bf16_t> yb0 = yb;
+  // `outputs` edits the arguments' outputs (y set, y_bf16 null unless it says otherwise).
   auto expect_rejected = [&](const std::function<void(Problem&)>& mutate, const std::string& needle,
-                             bool decode = false) {
+                             bool decode = false,
+                             const std::function<void(ShortConvArgs<float>&)>& outputs = {}) {
     Problem p = good;
     p.num_slots = 5;
     p.indices = {4, 0, 2};
     mutate(p);
+    auto a = args_of(p, pool.data(), y.data());
+    if (outputs) outputs(a);
     try {
       if (decode) {
-        short_conv_decode(args_of(p, pool.data(), y.data()));
+        short_conv_decode(a);
       } else {
-        short_conv_extend(args_of(p, pool.data(), y.data()));
+        short_conv_extend(a);
       }
       ADD_FAILURE() << "no exception for '" << needle << "'";
     } catch (const std::invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
     EXPECT_TRUE(same_bits(pool, before)) << needle;
+    EXPECT_TRUE(same_bits(y, y0)) << needle;
+    EXPECT_TRUE(same_bits(yb, yb0)) << needle;
   };
   expect_rejected([](Problem& p) { p.cu = {0, 4, 3, 9}; }, "non-decreasing");
   expect_rejected([](Problem& p) { p.cu = {1, 3, 5, 9}; }, "cu_seqlens[0]");
@@ -540,6 +519,16 @@ TEST(ShortConv, ValidationErrorsLeavePoolUnchanged) {
         p.indices = {1, 1, -1};
       },
       "slot 1 is named", /*decode=*/true);
+  // Exactly one output, y or y_bf16, extend and decode.
+  for (const bool decode : {false, true}) {
+    auto as_decode = [decode](Problem& p) {
+      if (decode) p.T = p.N;
+    };
+    expect_rejected(as_decode, "y and y_bf16 are both set", decode,
+                    [&](ShortConvArgs<float>& a) { a.y_bf16 = yb.data(); });
+    expect_rejected(as_decode, "y and y_bf16 are both null", decode,
+                    [](ShortConvArgs<float>& a) { a.y = nullptr; });
+  }
 }
 
 // W = 1 with unit weights is silu itself: checks it over the whole range, the saturated ends included.
