@@ -29,35 +29,45 @@ using model_executor::ForwardBatch;
 using model_executor::ForwardMode;
 using ::testing::HasSubstr;
 
-// Linear: y = x W^T against a float64 product (fp32), and in bf16 the float input (converted on the way
-// in) and the same values handed in as bf16 give the same bits; row strides on both sides.
-TEST(Linear, Fp32AndBf16InputsAndStrides) {
-  const int64_t M = 37, in = 70, out = 45, ldx = 80, ldy = 50;
+// Linear: y = x W^T against a float64 product of the values it multiplies (the bf16 precision rounds x
+// and W to bf16 and accumulates in fp32), for several row counts and dense and strided rows in an order
+// that makes the weight change layout (strided rows take another matmul kernel than dense ones); in bf16
+// the float input (converted on the way in) and the same values handed in as bf16 give the same bits.
+TEST(Linear, Fp32AndBf16InputsRowCountsAndStrides) {
+  const int64_t in = 70, out = 45, ldy = 50;
   const auto w = testing::random_normal(out * in, 1, 0.1f);
-  auto x = testing::random_normal(M * ldx, 2);
-  layers::Linear f32(in, out, w, Precision::FP32);
-  std::vector<float> y(M * ldy, -3.0f);
-  f32.forward(x.data(), M, ldx, y.data(), ldy);
-  double worst = 0.0;
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t o = 0; o < out; ++o) {
-      double ref = 0.0;
-      for (int64_t d = 0; d < in; ++d) ref += static_cast<double>(x[i * ldx + d]) * w[o * in + d];
-      worst = std::max(worst, std::abs(y[i * ldy + o] - ref) / (1e-5 + 1e-5 * std::abs(ref)));
+  for (const Precision p : {Precision::FP32, Precision::BF16}) {
+    const layers::Linear lin(in, out, w, p);
+    const auto round = [&](float v) { return p == Precision::BF16 ? round_bf16(v) : v; };
+    for (const auto& [M, ldx] : std::vector<std::pair<int64_t, int64_t>>{
+             {37, 80}, {37, in}, {1, in}, {5, 80}, {64, in}, {300, 90}, {37, 80}}) {
+      SCOPED_TRACE(std::string(to_string(p)) + " M=" + std::to_string(M) + " ldx=" + std::to_string(ldx));
+      const auto x = testing::random_normal(M * ldx, 2 + M);
+      std::vector<float> y(M * ldy, -3.0f);
+      lin.forward(x.data(), M, ldx, y.data(), ldy);
+      double worst = 0.0;
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t o = 0; o < out; ++o) {
+          double ref = 0.0;
+          for (int64_t d = 0; d < in; ++d)
+            ref += static_cast<double>(round(x[i * ldx + d])) * round(w[o * in + d]);
+          worst = std::max(worst, std::abs(y[i * ldy + o] - ref) / (1e-5 + 1e-5 * std::abs(ref)));
+        }
+        for (int64_t o = out; o < ldy; ++o) ASSERT_EQ(y[i * ldy + o], -3.0f);  // padding untouched
+      }
+      EXPECT_LE(worst, 1.0);
+      std::vector<bf16_t> xb(M * ldx);
+      for (size_t i = 0; i < x.size(); ++i) xb[i] = f32_to_bf16(x[i]);
+      std::vector<float> yb(M * ldy, -3.0f);
+      if (p == Precision::FP32) {
+        EXPECT_THROW(lin.forward(xb.data(), M, ldx, yb.data(), ldy), std::invalid_argument);
+        continue;
+      }
+      lin.forward(xb.data(), M, ldx, yb.data(), ldy);
+      EXPECT_EQ(0, std::memcmp(y.data(), yb.data(), y.size() * sizeof(float)));
+      EXPECT_THROW(lin.forward(xb.data(), M, in - 1, yb.data(), ldy), std::invalid_argument);
     }
-    for (int64_t o = out; o < ldy; ++o) ASSERT_EQ(y[i * ldy + o], -3.0f);  // padding untouched
   }
-  EXPECT_LE(worst, 1.0);
-
-  layers::Linear b16(in, out, w, Precision::BF16);
-  std::vector<float> ya(M * ldy), yb(M * ldy);
-  b16.forward(x.data(), M, ldx, ya.data(), ldy);
-  std::vector<bf16_t> xb(M * ldx);
-  for (size_t i = 0; i < x.size(); ++i) xb[i] = f32_to_bf16(x[i]);
-  b16.forward(xb.data(), M, ldx, yb.data(), ldy);
-  EXPECT_EQ(0, std::memcmp(ya.data(), yb.data(), ya.size() * sizeof(float)));
-  EXPECT_THROW(f32.forward(xb.data(), M, ldx, yb.data(), ldy), std::invalid_argument);
-  EXPECT_THROW(b16.forward(xb.data(), M, in - 1, yb.data(), ldy), std::invalid_argument);
 }
 
 constexpr double kTol = 1e-5;

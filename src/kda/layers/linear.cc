@@ -1,5 +1,6 @@
 #include "kda/layers/linear.h"
 
+#include <algorithm>
 #include <cstring>
 #include <dnnl.hpp>
 #include <mutex>
@@ -13,19 +14,43 @@ using dnnl::memory;
 struct Linear::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   mutable dnnl::stream stream{engine};
-  std::vector<float> w_f32;    // [out, in]
-  std::vector<bf16_t> w_bf16;  // [out, in]
-  // One primitive per (M, ldx, ldy): created on first use, reused after.
+  // The weight, in the layout(s) oneDNN's matmul asks for, reordered from the W^T view of [out, in] once:
+  // with a plain layout that its kernel does not take, every call repacks W, which costs 5-8% at
+  // M = 4096 and up to 3x at the decode sizes (M = 1..64), where the GEMM is one pass over W. The first
+  // is the layout for dense input rows at a mid-sized M; a call shape that wants another (strided rows
+  // take a plain-layout kernel) gets a copy, or replaces it while no primitive uses it yet.
+  std::vector<dnnl::memory> w;
+  // One primitive per (M, ldx, ldy): created on first use, reused after, with the weight memory it takes.
   struct Key {
     int64_t m, ldx, ldy;
     bool operator<(const Key& o) const {
       return m != o.m ? m < o.m : (ldx != o.ldx ? ldx < o.ldx : ldy < o.ldy);
     }
   };
-  mutable std::map<Key, dnnl::matmul> prims;
+  struct Prim {
+    dnnl::matmul matmul;
+    memory::desc src_md, dst_md;
+    dnnl::memory w;
+  };
+  mutable std::map<Key, Prim> prims;
   mutable std::vector<bf16_t> x_bf16;  // bf16 input scratch
   mutable std::mutex mu;
 };
+
+namespace {
+
+memory::desc plain_weight_md(int64_t in, int64_t out, memory::data_type dt) {
+  return memory::desc({in, out}, dt, memory::dims{1, in});  // W^T view of [out, in]
+}
+
+dnnl::matmul::primitive_desc matmul_pd(const dnnl::engine& eng, int64_t M, int64_t in, int64_t out,
+                                       int64_t ldx, int64_t ldy, const memory::desc& w_md) {
+  const memory::desc src_md({M, in}, w_md.data_type(), memory::dims{ldx, 1});
+  const memory::desc dst_md({M, out}, memory::data_type::f32, memory::dims{ldy, 1});
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_md, w_md, dst_md), eng);
+}
+
+}  // namespace
 
 Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
                Precision precision)
@@ -34,12 +59,20 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
   if (static_cast<int64_t>(weight.size()) != in_ * out_)
     throw std::invalid_argument("Linear: weight has " + std::to_string(weight.size()) + " values, expected " +
                                 std::to_string(out_) + " x " + std::to_string(in_));
-  if (precision_ == Precision::FP32) {
-    impl_->w_f32 = weight;
-  } else {
-    impl_->w_bf16.resize(weight.size());
-    f32_to_bf16_array(weight.data(), impl_->w_bf16.data(), weight.size());
+  const auto dt = precision_ == Precision::BF16 ? memory::data_type::bf16 : memory::data_type::f32;
+  std::vector<bf16_t> w_bf16;
+  void* plain = const_cast<float*>(weight.data());
+  if (precision_ == Precision::BF16) {
+    w_bf16.resize(weight.size());
+    f32_to_bf16_array(weight.data(), w_bf16.data(), weight.size());
+    plain = w_bf16.data();
   }
+  Impl& im = *impl_;
+  const memory::desc any_md({in_, out_}, dt, memory::format_tag::any);
+  im.w.emplace_back(matmul_pd(im.engine, 256, in_, out_, in_, out_, any_md).weights_desc(), im.engine);
+  memory src(plain_weight_md(in_, out_, dt), im.engine, plain);
+  dnnl::reorder(src, im.w[0]).execute(im.stream, src, im.w[0]);
+  im.stream.wait();
 }
 
 Linear::~Linear() = default;
@@ -76,24 +109,31 @@ void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t 
 
 // Caller holds the mutex.
 void Linear::run(const void* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
-  const bool bf16 = precision_ == Precision::BF16;
-  const auto wdt = bf16 ? memory::data_type::bf16 : memory::data_type::f32;
-  memory::desc src_md({M, in_}, wdt, memory::dims{ldx, 1});
-  memory::desc wei_md({in_, out_}, wdt, memory::dims{1, in_});  // W^T view of [out, in]
-  memory::desc dst_md({M, out_}, memory::data_type::f32, memory::dims{ldy, 1});
+  Impl& im = *impl_;
   const Impl::Key key{M, ldx, ldy};
-  auto it = impl_->prims.find(key);
-  if (it == impl_->prims.end()) {
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, wei_md, dst_md), impl_->engine);
-    it = impl_->prims.emplace(key, dnnl::matmul(pd)).first;
+  auto it = im.prims.find(key);
+  if (it == im.prims.end()) {
+    // Let matmul pick W's layout for this shape; the same for every M seen so far.
+    const memory::desc any_md({in_, out_}, im.w[0].get_desc().data_type(), memory::format_tag::any);
+    const auto pd = matmul_pd(im.engine, M, in_, out_, ldx, ldy, any_md);
+    auto same = [&](const memory& m) { return m.get_desc() == pd.weights_desc(); };
+    auto w = std::find_if(im.w.begin(), im.w.end(), same);
+    if (w == im.w.end()) {
+      memory copy(pd.weights_desc(), im.engine);
+      dnnl::reorder(im.w[0], copy).execute(im.stream, im.w[0], copy);
+      im.stream.wait();
+      if (im.prims.empty()) im.w.clear();
+      im.w.push_back(copy);
+      w = im.w.end() - 1;
+    }
+    Impl::Prim p{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(), *w};
+    it = im.prims.emplace(key, std::move(p)).first;
   }
-  void* wptr = bf16 ? static_cast<void*>(impl_->w_bf16.data()) : static_cast<void*>(impl_->w_f32.data());
-  memory src_m(src_md, impl_->engine, const_cast<void*>(x));
-  memory wei_m(wei_md, impl_->engine, wptr);
-  memory dst_m(dst_md, impl_->engine, y);
-  it->second.execute(impl_->stream,
-                     {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, wei_m}, {DNNL_ARG_DST, dst_m}});
-  impl_->stream.wait();
+  const Impl::Prim& p = it->second;
+  memory src_m(p.src_md, im.engine, const_cast<void*>(x));
+  memory dst_m(p.dst_md, im.engine, y);
+  p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, p.w}, {DNNL_ARG_DST, dst_m}});
+  im.stream.wait();
 }
 
 }  // namespace kda::layers
