@@ -66,6 +66,22 @@ TEST(Linear, Fp32AndBf16InputsRowCountsAndStrides) {
       lin.forward(xb.data(), M, ldx, yb.data(), ldy);
       EXPECT_EQ(0, std::memcmp(y.data(), yb.data(), y.size() * sizeof(float)));
       EXPECT_THROW(lin.forward(xb.data(), M, in - 1, yb.data(), ldy), std::invalid_argument);
+      // bf16 output, from fp32 and from bf16 input: the fp32 output rounded to nearest even, bit for bit.
+      std::vector<bf16_t> o1(M * ldy, 7), o2(M * ldy, 7);
+      lin.forward(x.data(), M, ldx, o1.data(), ldy);
+      lin.forward(xb.data(), M, ldx, o2.data(), ldy);
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t o = 0; o < ldy; ++o) {
+          const bf16_t want = o < out ? f32_to_bf16(y[i * ldy + o]) : bf16_t{7};
+          ASSERT_EQ(o1[i * ldy + o], want) << i << "," << o;
+          ASSERT_EQ(o2[i * ldy + o], want) << i << "," << o;
+        }
+      }
+    }
+    if (p == Precision::FP32) {  // bf16 outputs only in the bf16 precision
+      std::vector<float> x(in);
+      std::vector<bf16_t> yb(out);
+      EXPECT_THROW(lin.forward(x.data(), 1, in, yb.data(), out), std::invalid_argument);
     }
   }
 }

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 namespace kda::layers {
 
@@ -20,11 +21,13 @@ struct Linear::Impl {
   // is the layout for dense input rows at a mid-sized M; a call shape that wants another (strided rows
   // take a plain-layout kernel) gets a copy, or replaces it while no primitive uses it yet.
   std::vector<dnnl::memory> w;
-  // One primitive per (M, ldx, ldy): created on first use, reused after, with the weight memory it takes.
+  // One primitive per (M, ldx, ldy, output type): created on first use, reused after, with the weight memory
+  // it takes.
   struct Key {
     int64_t m, ldx, ldy;
+    bool y_bf16;
     bool operator<(const Key& o) const {
-      return m != o.m ? m < o.m : (ldx != o.ldx ? ldx < o.ldx : ldy < o.ldy);
+      return std::tie(m, ldx, ldy, y_bf16) < std::tie(o.m, o.ldx, o.ldy, o.y_bf16);
     }
   };
   struct Prim {
@@ -44,9 +47,10 @@ memory::desc plain_weight_md(int64_t in, int64_t out, memory::data_type dt) {
 }
 
 dnnl::matmul::primitive_desc matmul_pd(const dnnl::engine& eng, int64_t M, int64_t in, int64_t out,
-                                       int64_t ldx, int64_t ldy, const memory::desc& w_md) {
+                                       int64_t ldx, int64_t ldy, bool y_bf16, const memory::desc& w_md) {
   const memory::desc src_md({M, in}, w_md.data_type(), memory::dims{ldx, 1});
-  const memory::desc dst_md({M, out}, memory::data_type::f32, memory::dims{ldy, 1});
+  const auto ydt = y_bf16 ? memory::data_type::bf16 : memory::data_type::f32;
+  const memory::desc dst_md({M, out}, ydt, memory::dims{ldy, 1});
   return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_md, w_md, dst_md), eng);
 }
 
@@ -69,7 +73,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
   }
   Impl& im = *impl_;
   const memory::desc any_md({in_, out_}, dt, memory::format_tag::any);
-  im.w.emplace_back(matmul_pd(im.engine, 256, in_, out_, in_, out_, any_md).weights_desc(), im.engine);
+  im.w.emplace_back(matmul_pd(im.engine, 256, in_, out_, in_, out_, false, any_md).weights_desc(), im.engine);
   memory src(plain_weight_md(in_, out_, dt), im.engine, plain);
   dnnl::reorder(src, im.w[0]).execute(im.stream, src, im.w[0]);
   im.stream.wait();
@@ -79,43 +83,64 @@ Linear::~Linear() = default;
 Linear::Linear(Linear&&) noexcept = default;
 Linear& Linear::operator=(Linear&&) noexcept = default;
 
-void Linear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
+void Linear::check(int64_t M, int64_t ldx, int64_t ldy, bool bf16_io) const {
+  if (bf16_io && precision_ != Precision::BF16)
+    throw std::invalid_argument("Linear::forward: bf16 input or output for an fp32 projection");
   if (M < 0 || ldx < in_ || ldy < out_) throw std::invalid_argument("Linear::forward: bad M or row strides");
-  if (M == 0) return;
-  if (precision_ == Precision::FP32) {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    run(x, M, ldx, y, ldy);
-    return;
-  }
-  // Pack the input to dense bf16 rows; in the bf16 mode the values are bf16 already, so the conversion
-  // is exact.
-  std::lock_guard<std::mutex> lock(impl_->mu);
+}
+
+// Packs fp32 rows to dense bf16 rows in the scratch; in the bf16 mode the values are bf16 already, so the
+// conversion is exact. Caller holds the mutex.
+const bf16_t* Linear::to_bf16(const float* x, int64_t M, int64_t ldx) const {
   impl_->x_bf16.resize(static_cast<size_t>(M * in_));
   bf16_t* xb = impl_->x_bf16.data();
   const int64_t in = in_;
 #pragma omp parallel for schedule(static) if (M * in >= (int64_t{1} << 16))
   for (int64_t i = 0; i < M; ++i) f32_to_bf16_array(x + i * ldx, xb + i * in, static_cast<size_t>(in));
-  run(xb, M, in_, y, ldy);
+  return xb;
+}
+
+void Linear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
+  check(M, ldx, ldy, false);
+  if (M == 0) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (precision_ == Precision::FP32) {
+    run(x, M, ldx, y, false, ldy);
+  } else {
+    run(to_bf16(x, M, ldx), M, in_, y, false, ldy);
+  }
 }
 
 void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
-  if (precision_ != Precision::BF16)
-    throw std::invalid_argument("Linear::forward: bf16 input to an fp32 projection");
-  if (M < 0 || ldx < in_ || ldy < out_) throw std::invalid_argument("Linear::forward: bad M or row strides");
+  check(M, ldx, ldy, true);
   if (M == 0) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
-  run(x, M, ldx, y, ldy);
+  run(x, M, ldx, y, false, ldy);
+}
+
+void Linear::forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const {
+  check(M, ldx, ldy, true);
+  if (M == 0) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  run(to_bf16(x, M, ldx), M, in_, y, true, ldy);
+}
+
+void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const {
+  check(M, ldx, ldy, true);
+  if (M == 0) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  run(x, M, ldx, y, true, ldy);
 }
 
 // Caller holds the mutex.
-void Linear::run(const void* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
+void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, int64_t ldy) const {
   Impl& im = *impl_;
-  const Impl::Key key{M, ldx, ldy};
+  const Impl::Key key{M, ldx, ldy, y_bf16};
   auto it = im.prims.find(key);
   if (it == im.prims.end()) {
     // Let matmul pick W's layout for this shape; the same for every M seen so far.
     const memory::desc any_md({in_, out_}, im.w[0].get_desc().data_type(), memory::format_tag::any);
-    const auto pd = matmul_pd(im.engine, M, in_, out_, ldx, ldy, any_md);
+    const auto pd = matmul_pd(im.engine, M, in_, out_, ldx, ldy, y_bf16, any_md);
     auto same = [&](const memory& m) { return m.get_desc() == pd.weights_desc(); };
     auto w = std::find_if(im.w.begin(), im.w.end(), same);
     if (w == im.w.end()) {

@@ -1,8 +1,9 @@
 // A bias-free linear projection y = x W^T through oneDNN matmul (W [out, in] as checkpoints store it).
 //
-// fp32: fp32 weights, fp32 in and out. bf16: bf16 weights and inputs (inputs are converted here; they
-// are already bf16 values in the bf16 mode), fp32 accumulation and output; rounding the output to bf16
-// is the caller's rounding point. Primitives are created once per row count M and reused.
+// fp32: fp32 weights, fp32 in and out. bf16: bf16 weights and inputs (fp32 inputs are converted here;
+// they are already bf16 values in the bf16 mode), fp32 accumulation, and an fp32 output or a bf16 one
+// (rounded to nearest even by the GEMM as it stores, for a caller whose next step is a bf16 rounding
+// point: half the bytes written and read back). Primitives are created once per row count M and reused.
 #pragma once
 
 #include <cstdint>
@@ -32,10 +33,15 @@ class Linear {
   void forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
   // bf16 input as it is, no conversion pass; only in the bf16 precision.
   void forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
+  // bf16 output; only in the bf16 precision.
+  void forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
+  void forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
 
  private:
   struct Impl;
-  void run(const void* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
+  void check(int64_t M, int64_t ldx, int64_t ldy, bool bf16_io) const;
+  const bf16_t* to_bf16(const float* x, int64_t M, int64_t ldx) const;
+  void run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, int64_t ldy) const;
   int64_t in_ = 0, out_ = 0;
   Precision precision_ = Precision::FP32;
   std::unique_ptr<Impl> impl_;
