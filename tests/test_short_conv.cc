@@ -1,5 +1,5 @@
 // Short convolution (spec step 2) against a float64 reference written here: varlen, state shifting,
-// padded rows, decode == extend, bf16 state, bf16 output, validation.
+// padded rows, decode == extend, bf16 state, bf16 input, bf16 output, validation.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -7,6 +7,8 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kda/kernels/short_conv.h"
@@ -464,6 +466,140 @@ TEST(ShortConv, Bf16OutputIsRoundedFp32OutputChannelSpans) {
   }
 }
 
+// bf16 inputs (x_bf16) give the bits of fp32 inputs (x) holding the same values: outputs (fp32 or bf16,
+// into a padded row stride whose padding must stay as it was) and the pool. round_f / round_b are the two
+// calls' round_input_bf16: rounding a bf16 value is exact, so they may differ where the history is bf16
+// values (any bf16 state, or an fp32 state the bf16 mode wrote); an fp32 state holding other values is
+// run with equal flags.
+template <class S, class OutT>
+void expect_bf16_input_matches(const Problem& p, bool decode, bool round_f, bool round_b, int64_t ys,
+                               std::vector<S>& pool_f, std::vector<S>& pool_b) {
+  std::vector<bf16_t> xb(p.x.size());
+  for (size_t i = 0; i < xb.size(); ++i) {
+    xb[i] = f32_to_bf16(p.x[i]);
+    ASSERT_EQ(bf16_to_f32(xb[i]), p.x[i]) << "x must hold bf16 values";
+  }
+  std::vector<OutT> yf(p.T * ys, from_f32<OutT>(-7.0f)), yb = yf;
+  auto af = args_of(p, pool_f.data(), static_cast<float*>(nullptr));
+  auto ab = args_of(p, pool_b.data(), static_cast<float*>(nullptr));
+  ab.x = nullptr;
+  ab.x_bf16 = xb.data();
+  af.round_input_bf16 = round_f;
+  ab.round_input_bf16 = round_b;
+  for (auto [a, y] : {std::pair{&af, &yf}, std::pair{&ab, &yb}}) {
+    if constexpr (std::is_same_v<OutT, float>) {
+      a->y = y->data();
+    } else {
+      a->y_bf16 = y->data();
+    }
+    a->y_stride = ys;
+    decode ? short_conv_decode(*a) : short_conv_extend(*a);
+  }
+  EXPECT_TRUE(same_bits(yf, yb));
+  EXPECT_TRUE(same_bits(pool_f, pool_b));
+}
+
+// Problem whose x holds bf16 values.
+Problem make_bf16_problem(const std::vector<int32_t>& lens, int64_t C, int W, int64_t x_stride,
+                          uint64_t seed) {
+  Problem p = make_problem(lens, C, W, x_stride, seed);
+  for (float& v : p.x) v = round_bf16(v);
+  return p;
+}
+
+// Extend over a varlen batch (a 0-length segment, a padded row, segments shorter than W-1 and one over
+// several time chunks), then one decode step with a padded row; then few sequences over many channels
+// (channel spans), extend and decode. Each call with fp32 and with bf16 x on copies of one pool.
+template <class S, class OutT>
+void check_bf16_input(int W, bool round_f, bool round_b, uint64_t seed) {
+  SCOPED_TRACE("W=" + std::to_string(W) + " round_f=" + std::to_string(round_f) +
+               " round_b=" + std::to_string(round_b));
+  const int64_t H = W - 1;
+  // A pool of bf16 values unless both calls round alike (see expect_bf16_input_matches).
+  auto pool_of = [&](int64_t n, uint64_t s) {
+    std::vector<S> pool = random_pool<S>(n, s);
+    if (round_f != round_b) {
+      for (S& v : pool) v = from_f32<S>(round_bf16(to_f32(v)));
+    }
+    return pool;
+  };
+  {
+    const int64_t C = 300, ys = C + 5;  // two channel blocks, the second partial
+    Problem p = make_bf16_problem({5, 0, 1, 2, 70, 3}, C, W, 310, seed);
+    p.num_slots = 7;
+    p.indices = {3, 0, 6, -1, 1, 2};
+    p.init = {1, 0, 1, 1, 0, 1};
+    p.round = round_f;  // round_output_bf16 (y only), both calls
+    std::vector<S> pool_f = pool_of(p.num_slots * H * C, seed + 1), pool_b = pool_f;
+    expect_bf16_input_matches<S, OutT>(p, /*decode=*/false, round_f, round_b, ys, pool_f, pool_b);
+    Problem d = make_bf16_problem({1, 1, 1, 1, 1, 1}, C, W, 310, seed + 2);
+    d.cu.clear();
+    d.num_slots = p.num_slots;
+    d.indices = {-1, 0, 6, 3, 1, 2};
+    d.round = round_b;
+    expect_bf16_input_matches<S, OutT>(d, /*decode=*/true, round_f, round_b, ys, pool_f, pool_b);
+  }
+  {
+    const int64_t C = 3000, ys = C + 17;
+    Problem p = make_bf16_problem({5, 2}, C, W, 3008, seed + 3);
+    p.num_slots = 2;
+    std::vector<S> pool_f = pool_of(2 * H * C, seed + 4), pool_b = pool_f;
+    expect_bf16_input_matches<S, OutT>(p, /*decode=*/false, round_f, round_b, ys, pool_f, pool_b);
+    Problem d = make_bf16_problem({1, 1}, C, W, 3008, seed + 5);
+    d.cu.clear();
+    d.num_slots = 2;
+    d.indices = {1, 0};
+    expect_bf16_input_matches<S, OutT>(d, /*decode=*/true, round_f, round_b, ys, pool_f, pool_b);
+  }
+}
+
+TEST(ShortConv, Bf16InputIsFp32InputOfSameValues) {
+  uint64_t seed = 151;
+  for (const int W : {4, 3, 5, 1}) {
+    for (const bool round_f : {false, true}) {
+      for (const bool round_b : {false, true}) {
+        check_bf16_input<float, float>(W, round_f, round_b, seed += 6);
+        check_bf16_input<float, bf16_t>(W, round_f, round_b, seed += 6);
+        check_bf16_input<bf16_t, float>(W, round_f, round_b, seed += 6);
+        check_bf16_input<bf16_t, bf16_t>(W, round_f, round_b, seed += 6);
+      }
+    }
+  }
+}
+
+// The conv state keeps bf16 inputs as given: exact in a bf16 state, widened in an fp32 one.
+template <class S>
+void check_bf16_input_state() {
+  const int64_t C = 40, W = 4, H = W - 1;
+  Problem p = make_bf16_problem({7, 2}, C, W, 44, 171);
+  p.num_slots = 2;
+  p.init = {1, 1};
+  std::vector<bf16_t> xb(p.x.size());
+  for (size_t i = 0; i < xb.size(); ++i) xb[i] = f32_to_bf16(p.x[i]);
+  std::vector<S> pool = random_pool<S>(2 * H * C, 172);
+  const std::vector<S> old = pool;
+  std::vector<bf16_t> y(p.T * C);
+  auto a = args_of(p, pool.data(), static_cast<float*>(nullptr));
+  a.x = nullptr;
+  a.x_bf16 = xb.data();
+  a.y_bf16 = y.data();
+  short_conv_extend(a);
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t r = 0; r < H; ++r) {  // slot 0: x4, x5, x6
+      ASSERT_EQ(pool[r * C + c], from_f32<S>(bf16_to_f32(xb[(4 + r) * p.x_stride + c])));
+    }
+    // slot 1: [old2, x7, x8]
+    ASSERT_EQ(pool[H * C + c], old[H * C + 2 * C + c]);
+    ASSERT_EQ(pool[H * C + C + c], from_f32<S>(bf16_to_f32(xb[7 * p.x_stride + c])));
+    ASSERT_EQ(pool[H * C + 2 * C + c], from_f32<S>(bf16_to_f32(xb[8 * p.x_stride + c])));
+  }
+}
+
+TEST(ShortConv, Bf16InputStateKeepsInputs) {
+  check_bf16_input_state<float>();
+  check_bf16_input_state<bf16_t>();
+}
+
 TEST(ShortConv, ValidationErrorsLeavePoolUnchanged) {
   const Problem good = make_problem({3, 2, 4}, 10, 4, 12, 51);
   std::vector<float> pool = random_pool<float>(5 * 3 * 10, 52);
@@ -472,16 +608,18 @@ TEST(ShortConv, ValidationErrorsLeavePoolUnchanged) {
   std::vector<bf16_t> yb(good.T * good.C, 0x3f80);
   const std::vector<float> y0 = y;
   const std::vector<bf16_t> yb0 = yb;
-  // `outputs` edits the arguments' outputs (y set, y_bf16 null unless it says otherwise).
+  const std::vector<bf16_t> xb(good.T * good.x_stride, 0x3f80);
+  // `edit` edits the arguments' inputs and outputs (x and y set, x_bf16 and y_bf16 null unless it says
+  // otherwise).
   auto expect_rejected = [&](const std::function<void(Problem&)>& mutate, const std::string& needle,
                              bool decode = false,
-                             const std::function<void(ShortConvArgs<float>&)>& outputs = {}) {
+                             const std::function<void(ShortConvArgs<float>&)>& edit = {}) {
     Problem p = good;
     p.num_slots = 5;
     p.indices = {4, 0, 2};
     mutate(p);
     auto a = args_of(p, pool.data(), y.data());
-    if (outputs) outputs(a);
+    if (edit) edit(a);
     try {
       if (decode) {
         short_conv_decode(a);
@@ -519,15 +657,27 @@ TEST(ShortConv, ValidationErrorsLeavePoolUnchanged) {
         p.indices = {1, 1, -1};
       },
       "slot 1 is named", /*decode=*/true);
-  // Exactly one output, y or y_bf16, extend and decode.
+  // Exactly one input, x or x_bf16, and one output, y or y_bf16, extend and decode.
   for (const bool decode : {false, true}) {
     auto as_decode = [decode](Problem& p) {
       if (decode) p.T = p.N;
     };
+    expect_rejected(as_decode, "x and x_bf16 are both set", decode,
+                    [&](ShortConvArgs<float>& a) { a.x_bf16 = xb.data(); });
+    expect_rejected(as_decode, "x and x_bf16 are both null", decode,
+                    [](ShortConvArgs<float>& a) { a.x = nullptr; });
+    expect_rejected(as_decode, "weight must not be null", decode,
+                    [](ShortConvArgs<float>& a) { a.weight = nullptr; });
     expect_rejected(as_decode, "y and y_bf16 are both set", decode,
                     [&](ShortConvArgs<float>& a) { a.y_bf16 = yb.data(); });
     expect_rejected(as_decode, "y and y_bf16 are both null", decode,
                     [](ShortConvArgs<float>& a) { a.y = nullptr; });
+    // bf16 input, so its validation is the same.
+    expect_rejected(as_decode, "y and y_bf16 are both null", decode, [&](ShortConvArgs<float>& a) {
+      a.x = nullptr;
+      a.x_bf16 = xb.data();
+      a.y = nullptr;
+    });
   }
 }
 

@@ -25,8 +25,10 @@ constexpr int64_t kMinParallelWork = 1 << 14;
 
 enum class Mode { kExtend, kDecode };
 
-inline float load_state(float v) { return v; }
-inline float load_state(bf16_t v) { return bf16_to_f32(v); }
+// A stored value, state or input, as fp32. In a simd loop the bf16 one is a zero-extension and a shift
+// per 16 lanes, so bf16 rows are read natively rather than through a widened copy.
+inline float load_f32(float v) { return v; }
+inline float load_f32(bf16_t v) { return bf16_to_f32(v); }
 inline void store_state(float v, float* d) { *d = v; }
 inline void store_state(float v, bf16_t* d) { *d = f32_to_bf16(v); }
 
@@ -42,7 +44,9 @@ void validate(const ShortConvArgs<StateT>& a, Mode mode) {
   if (a.y_stride != 0 && a.y_stride < a.C)
     fail("y_stride (" + s(a.y_stride) + ") must be 0 (= C) or >= C (" + s(a.C) + ")");
   if (a.T > 0 && a.C > 0) {
-    if (!a.x || !a.weight) fail("x and weight must not be null");
+    if (!a.weight) fail("weight must not be null");
+    if (a.x && a.x_bf16) fail("x and x_bf16 are both set: set exactly one of the two inputs");
+    if (!a.x && !a.x_bf16) fail("x and x_bf16 are both null: set exactly one of the two inputs");
     if (a.y && a.y_bf16) fail("y and y_bf16 are both set: set exactly one of the two outputs");
     if (!a.y && !a.y_bf16) fail("y and y_bf16 are both null: set exactly one of the two outputs");
   }
@@ -136,29 +140,30 @@ inline void store_out(float v, bool /*round*/, bf16_t* d) {
 // y[c] = silu(sum_i w[i * C + c] * src[i][c]) for c < n. The taps run in a fixed order with an exact fma
 // each (starting from 0), so extend and decode give the same bits. The model's W = 4 has a loop of its
 // own with the output rounding fixed at compile time, which the compiler turns into straight simd code.
-// Inputs arrive already rounded when the bf16 mode asks for it (see conv_rows). OutT: float or bf16_t.
-template <bool kRoundOut, class OutT>
-void conv_token4(const float* const* src, const float* wt, int64_t C, int64_t n, OutT* __restrict y) {
-  const float* __restrict s0 = src[0];
-  const float* __restrict s1 = src[1];
-  const float* __restrict s2 = src[2];
-  const float* __restrict s3 = src[3];
+// Inputs arrive already rounded when the bf16 mode asks for it (see conv_rows). InT and OutT: float or
+// bf16_t.
+template <bool kRoundOut, class InT, class OutT>
+void conv_token4(const InT* const* src, const float* wt, int64_t C, int64_t n, OutT* __restrict y) {
+  const InT* __restrict s0 = src[0];
+  const InT* __restrict s1 = src[1];
+  const InT* __restrict s2 = src[2];
+  const InT* __restrict s3 = src[3];
   const float* __restrict w0 = wt;
   const float* __restrict w1 = wt + C;
   const float* __restrict w2 = wt + 2 * C;
   const float* __restrict w3 = wt + 3 * C;
 #pragma omp simd
   for (int64_t c = 0; c < n; ++c) {
-    float acc = std::fma(w0[c], s0[c], 0.0f);
-    acc = std::fma(w1[c], s1[c], acc);
-    acc = std::fma(w2[c], s2[c], acc);
-    acc = std::fma(w3[c], s3[c], acc);
+    float acc = std::fma(w0[c], load_f32(s0[c]), 0.0f);
+    acc = std::fma(w1[c], load_f32(s1[c]), acc);
+    acc = std::fma(w2[c], load_f32(s2[c]), acc);
+    acc = std::fma(w3[c], load_f32(s3[c]), acc);
     store_out(acc / (1.0f + exp_simd(-acc)), kRoundOut, y + c);
   }
 }
 
-template <class OutT>
-void conv_token(const float* const* src, const float* wt, int64_t C, int W, int64_t n, bool round_out,
+template <class InT, class OutT>
+void conv_token(const InT* const* src, const float* wt, int64_t C, int W, int64_t n, bool round_out,
                 OutT* __restrict y) {
   if (W == 4) {
     if constexpr (std::is_same_v<OutT, bf16_t>) {
@@ -173,68 +178,110 @@ void conv_token(const float* const* src, const float* wt, int64_t C, int W, int6
     const int64_t m = std::min(kBlock, n - c0);
     std::fill(acc, acc + m, 0.0f);
     for (int i = 0; i < W; ++i) {
-      const float* s = src[i] + c0;
+      const InT* s = src[i] + c0;
       const float* w = wt + i * C + c0;
 #pragma omp simd
-      for (int64_t c = 0; c < m; ++c) acc[c] = std::fma(w[c], s[c], acc[c]);
+      for (int64_t c = 0; c < m; ++c) acc[c] = std::fma(w[c], load_f32(s[c]), acc[c]);
     }
 #pragma omp simd
     for (int64_t c = 0; c < m; ++c) store_out(acc[c] / (1.0f + exp_simd(-acc[c])), round_out, y + c0 + c);
   }
 }
 
+// W tap pointers, on the stack for W <= 8.
+template <class T>
+struct Taps {
+  explicit Taps(int W) {
+    if (W > 8) {
+      heap.resize(W);
+      p = heap.data();
+    }
+  }
+  Taps(const Taps&) = delete;
+  Taps& operator=(const Taps&) = delete;
+  const T* fixed[8] = {};
+  std::vector<const T*> heap;
+  const T** p = fixed;
+};
+
 // Outputs of tokens [t0, t1) of the sequence starting at bos, channels [c0, c0 + nc), into `out`
-// (a.y or a.y_bf16). `wt` is the weight transposed to [W, C]; `st` is the sequence's slot (null: zero
-// history), read only when `read_state`; `hist` and `ring` are scratch for (W-1) * nc and W * nc floats.
-template <class StateT, class OutT>
-void conv_rows(const ShortConvArgs<StateT>& a, OutT* out, const float* wt, int64_t bos, int64_t t0,
-               int64_t t1, const StateT* st, bool read_state, int64_t c0, int64_t nc, float* hist,
+// (a.y or a.y_bf16), from `x` (a.x or a.x_bf16). `wt` is the weight transposed to [W, C]; `st` is the
+// sequence's slot (null: zero history), read only when `read_state`; `hist` and `ring` are scratch for
+// (W-1) * nc floats (2 (W-1) * nc for bf16 x) and W * nc floats.
+template <class StateT, class InT, class OutT>
+void conv_rows(const ShortConvArgs<StateT>& a, const InT* x, OutT* out, const float* wt, int64_t bos,
+               int64_t t0, int64_t t1, const StateT* st, bool read_state, int64_t c0, int64_t nc, float* hist,
                float* ring) {
+  constexpr bool kBf16In = std::is_same_v<InT, bf16_t>;
   const int W = a.W;
   const int64_t H = W - 1;  // history rows
-  if (t0 - bos < H) {       // only the first W-1 tokens of a sequence see the slot
+  const InT* xs = x + bos * a.x_stride + c0;
+  auto x_row = [&](int64_t p) { return xs + p * a.x_stride; };  // position p >= 0 of the sequence
+  if (t0 - bos < H) {  // only the first W-1 tokens of a sequence see the slot
     for (int64_t r = 0; r < H; ++r) {
       float* h = hist + r * nc;
       if (st && read_state) {
         const StateT* src = st + r * a.C + c0;
+        // Rounded like every input when asked, so that bf16 x sees the history fp32 x would.
 #pragma omp simd
-        for (int64_t c = 0; c < nc; ++c) h[c] = load_state(src[c]);
+        for (int64_t c = 0; c < nc; ++c) h[c] = maybe_round(load_f32(src[c]), a.round_input_bf16);
       } else {
         std::fill(h, h + nc, 0.0f);
       }
     }
-  }
-  std::vector<const float*> taps_heap;
-  const float* taps_fixed[8];
-  const float** taps = taps_fixed;
-  if (W > 8) {
-    taps_heap.resize(W);
-    taps = taps_heap.data();
-  }
-  // Input row of position p in the sequence (< 0 lies in the history).
-  auto input = [&](int64_t p) { return p < 0 ? hist + (H + p) * nc : a.x + (bos + p) * a.x_stride + c0; };
-  if (!a.round_input_bf16) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int i = 0; i < W; ++i) taps[i] = input(t - bos + i - H);
-      conv_token(taps, wt + c0, a.C, W, nc, a.round_output_bf16, out + t * y_stride(a) + c0);
-    }
-    return;
-  }
-  // Rounded inputs: each is rounded once, into a ring of the last W rows, rather than once per tap.
-  auto ring_row = [&](int64_t p) { return ring + ((p % W + W) % W) * nc; };
-  auto round_into = [](const float* src, float* dst, int64_t n) {
+    if constexpr (kBf16In) {
+      // The taps of these tokens mix history and segment rows; widening the segment's first rows after
+      // the history gives them one type (at most W-1 rows: the rest read x natively).
+      for (int64_t p = 0; p < std::min(H, t1 - bos); ++p) {
+        const bf16_t* src = x_row(p);
+        float* h = hist + (H + p) * nc;
 #pragma omp simd
-    for (int64_t c = 0; c < n; ++c) dst[c] = round_bf16(src[c]);
+        for (int64_t c = 0; c < nc; ++c) h[c] = load_f32(src[c]);
+      }
+    }
+  }
+  // Input row of position p as fp32 (< 0 lies in the history); for bf16 x, only p < W-1.
+  auto input = [&](int64_t p) -> const float* {
+    if constexpr (!kBf16In) {
+      if (p >= 0) return x_row(p);
+    }
+    return hist + (H + p) * nc;
   };
-  for (int64_t p = t0 - bos - H; p < t0 - bos; ++p) round_into(input(p), ring_row(p), nc);
+  if constexpr (!kBf16In) {
+    if (a.round_input_bf16) {
+      // Rounded inputs: each is rounded once, into a ring of the last W rows, rather than once per tap.
+      auto ring_row = [&](int64_t p) { return ring + ((p % W + W) % W) * nc; };
+      auto round_into = [](const float* src, float* dst, int64_t n) {
+#pragma omp simd
+        for (int64_t c = 0; c < n; ++c) dst[c] = round_bf16(src[c]);
+      };
+      Taps<float> taps(W);
+      for (int64_t p = t0 - bos - H; p < t0 - bos; ++p) round_into(input(p), ring_row(p), nc);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t pt = t - bos;
+        OutT* y = out + t * y_stride(a) + c0;
+        for (int64_t b = 0; b < nc; b += kBlock) {  // a block at a time: the new row is used while in L1
+          const int64_t m = std::min(kBlock, nc - b);
+          round_into(input(pt) + b, ring_row(pt) + b, m);
+          for (int i = 0; i < W; ++i) taps.p[i] = ring_row(pt - H + i) + b;
+          conv_token(taps.p, wt + c0 + b, a.C, W, m, a.round_output_bf16, y + b);
+        }
+      }
+      return;
+    }
+  }
+  // Unrounded inputs, or bf16 ones, which rounding leaves as they are.
+  Taps<float> head_taps(W);
+  Taps<InT> taps(W);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t pt = t - bos;
     OutT* y = out + t * y_stride(a) + c0;
-    for (int64_t b = 0; b < nc; b += kBlock) {  // a block at a time: the new row is used while in L1
-      const int64_t m = std::min(kBlock, nc - b);
-      round_into(input(pt) + b, ring_row(pt) + b, m);
-      for (int i = 0; i < W; ++i) taps[i] = ring_row(pt - H + i) + b;
-      conv_token(taps, wt + c0 + b, a.C, W, m, a.round_output_bf16, y + b);
+    if (pt < H) {
+      for (int i = 0; i < W; ++i) head_taps.p[i] = input(pt - H + i);
+      conv_token(head_taps.p, wt + c0, a.C, W, nc, a.round_output_bf16, y);
+    } else {
+      for (int i = 0; i < W; ++i) taps.p[i] = x_row(pt - H + i);
+      conv_token(taps.p, wt + c0, a.C, W, nc, a.round_output_bf16, y);
     }
   }
 }
@@ -242,9 +289,9 @@ void conv_rows(const ShortConvArgs<StateT>& a, OutT* out, const float* wt, int64
 // The slot after a segment of `len` > 0 tokens: its last W-1 raw inputs. Row r is position len + r of
 // (old history ++ segment); taking rows in increasing order reads old row len + r > r before it is
 // overwritten, so the shift is done in place.
-template <class StateT>
-void write_state(const ShortConvArgs<StateT>& a, int64_t bos, int64_t len, StateT* st, bool read_state,
-                 int64_t c0, int64_t nc) {
+template <class StateT, class InT>
+void write_state(const ShortConvArgs<StateT>& a, const InT* x, int64_t bos, int64_t len, StateT* st,
+                 bool read_state, int64_t c0, int64_t nc) {
   const int64_t H = a.W - 1;
   for (int64_t r = 0; r < H; ++r) {
     const int64_t q = len + r;
@@ -258,9 +305,10 @@ void write_state(const ShortConvArgs<StateT>& a, int64_t bos, int64_t len, State
         std::fill(dst, dst + nc, StateT{0});  // the zero history the segment saw
       }
     } else {
-      const float* src = a.x + (bos + q - H) * a.x_stride + c0;
+      const InT* src = x + (bos + q - H) * a.x_stride + c0;
 #pragma omp simd
-      for (int64_t c = 0; c < nc; ++c) store_state(maybe_round(src[c], a.round_input_bf16), dst + c);
+      for (int64_t c = 0; c < nc; ++c)
+        store_state(maybe_round(load_f32(src[c]), a.round_input_bf16), dst + c);
     }
   }
 }
@@ -318,7 +366,7 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
       for (int i = 0; i < a.W; ++i) wtp[i * a.C + c] = a.weight[c * a.W + i];
     }
     thread_local std::vector<float> hist, ring;
-    hist.resize(static_cast<size_t>(H * span));
+    hist.resize(static_cast<size_t>((a.x_bf16 ? 2 : 1) * H * span));
     ring.resize(static_cast<size_t>(a.W * span));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < out_items; ++it) {
@@ -338,15 +386,18 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
       }
       StateT* st = a.state ? a.state + slot * H * a.C : nullptr;
       const int64_t bos = seq_start(r.seq), eos = seq_end(r.seq);
-      if (a.y_bf16) {
-        conv_rows(a, a.y_bf16, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data(),
-                  ring.data());
+      auto rows = [&](const auto* x, auto* out) {
+        conv_rows(a, x, out, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data(), ring.data());
+        // A segment in one item: nothing else touches these channels of its slot, so write it now
+        // while they are in cache.
+        if (st && r.t0 == bos && r.t1 == eos)
+          write_state(a, x, bos, eos - bos, st, reads_state(r.seq), c0, nc);
+      };
+      if (a.x_bf16) {
+        a.y_bf16 ? rows(a.x_bf16, a.y_bf16) : rows(a.x_bf16, a.y);
       } else {
-        conv_rows(a, a.y, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data(), ring.data());
+        a.y_bf16 ? rows(a.x, a.y_bf16) : rows(a.x, a.y);
       }
-      // A segment in one item: nothing else touches these channels of its slot, so write it now
-      // while they are in cache.
-      if (st && r.t0 == bos && r.t1 == eos) write_state(a, bos, eos - bos, st, reads_state(r.seq), c0, nc);
     }
     // A longer segment reads its slot in its first time chunk; the rewrite waits for the barrier
     // above so that it cannot race with that read. Empty segments have no range: slot unchanged.
@@ -355,7 +406,12 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
       const int64_t i = ls[it / nb], c0 = (it % nb) * kBlock, nc = std::min(kBlock, a.C - c0);
       const int64_t slot = slot_of(i), bos = seq_start(i);
       if (slot < 0) continue;
-      write_state(a, bos, seq_end(i) - bos, a.state + slot * H * a.C, reads_state(i), c0, nc);
+      StateT* st = a.state + slot * H * a.C;
+      if (a.x_bf16) {
+        write_state(a, a.x_bf16, bos, seq_end(i) - bos, st, reads_state(i), c0, nc);
+      } else {
+        write_state(a, a.x, bos, seq_end(i) - bos, st, reads_state(i), c0, nc);
+      }
     }
   }
 }

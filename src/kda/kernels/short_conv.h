@@ -7,7 +7,7 @@
 // state holds its last W-1 raw inputs, shifted through from the old state when the segment is shorter
 // than W-1. States live in a pool [num_slots, W-1, C] of fp32 (fp32 mode) or bf16 (bf16 mode); a
 // sequence reads and writes slot indices[i] in place; index -1 is a padded row: zero output, no slot
-// read or written. Outputs are fp32 or bf16 (y or y_bf16).
+// read or written. Inputs are fp32 or bf16 (x or x_bf16), outputs fp32 or bf16 (y or y_bf16).
 #pragma once
 
 #include <cstdint>
@@ -18,8 +18,16 @@ namespace kda::kernels {
 
 template <class StateT>
 struct ShortConvArgs {
-  const float* x = nullptr;  // [T, x_stride]: channel c of token t at x[t * x_stride + c]
-  int64_t x_stride = 0;      // >= C (the layer passes its fused projection output)
+  // The input, exactly one of the two (when T > 0 and C > 0): fp32, or bf16 for the bf16 mode, whose
+  // projections are bf16 values anyway, at half the bytes (the conv is bound on reading them). x_bf16
+  // gives the bits of x holding the same values widened, with the same round_input_bf16, outputs and
+  // state alike (a bf16 state keeps the inputs exactly, an fp32 one widened). Rounding a bf16 value is
+  // exact, so the flag then only matters for history read from an fp32 state holding values that are not
+  // bf16 (the bf16 mode never writes such).
+  const float* x = nullptr;        // [T, x_stride]: channel c of token t at x[t * x_stride + c]
+  const bf16_t* x_bf16 = nullptr;  // [T, x_stride]
+  int64_t x_stride = 0;            // elements, of whichever input is set; >= C (the layer passes its
+                                   // fused projection output)
   int64_t T = 0;
   int64_t C = 0;
   const float* weight = nullptr;  // [C, W]
