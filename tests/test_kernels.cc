@@ -11,6 +11,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -591,41 +592,97 @@ TEST(KdaStrides, RecurrentOptStridedWithinTolerance) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// bf16 q, k, v (the bf16 mode's conv outputs): every kernel gives, bit for bit, what it gives on fp32
-// inputs holding the same values, dense or as column slices of one padded bf16 [T, 2P + Pv + 5] row.
+// bf16 q, k, v (the bf16 mode's conv outputs) and / or bf16 g: every kernel gives, bit for bit, what it
+// gives on fp32 inputs holding the same values, dense or in the stride tests' layout (q, k, v column
+// slices of one padded [T, 2P + Pv + 5] row, g from column 3 of a [T, P + 7] row).
 
-// Rounds p's q, k, v to bf16 values; returns the outputs and final states of fn on them as fp32
-// (bf16 == false) or as bf16 (a strided slice layout when `strided`).
-std::vector<float> run_bf16_inputs(Problem p, const std::function<void(const KdaArgs&)>& fn, bool bf16,
-                                   bool strided) {
-  for (std::vector<float>* x : {&p.q, &p.k, &p.v}) {
+// x as E (float, or bf16_t for a value that is already a bf16 one).
+template <class E>
+E as(float x) {
+  if constexpr (std::is_same_v<E, bf16_t>) {
+    return f32_to_bf16(x);
+  } else {
+    return x;
+  }
+}
+
+// x's [T, n] rows as E, row t at dst + t * ld.
+template <class E>
+void put_rows(const std::vector<float>& x, int64_t n, E* dst, int64_t ld) {
+  for (int64_t t = 0; t < static_cast<int64_t>(x.size()) / n; ++t) {
+    for (int64_t j = 0; j < n; ++j) dst[t * ld + j] = as<E>(x[t * n + j]);
+  }
+}
+
+// Points a's q, k, v (as fp32 or bf16 by the type) at p's, laid out in buf; NaN in the padding.
+template <class E>
+void lay_out_qkv(const Problem& p, bool strided, std::vector<E>& buf, KdaArgs& a) {
+  const int64_t P = static_cast<int64_t>(p.H) * p.K, Pv = static_cast<int64_t>(p.H) * p.V;
+  const int64_t w = 2 * P + Pv + (strided ? 5 : 0);
+  buf.assign(static_cast<size_t>(p.T * w), as<E>(NAN));
+  E* q = buf.data();
+  E* k = strided ? q + P : q + p.T * P;
+  E* v = strided ? q + 2 * P : k + p.T * P;
+  put_rows(p.q, P, q, strided ? w : P);
+  put_rows(p.k, P, k, strided ? w : P);
+  put_rows(p.v, Pv, v, strided ? w : Pv);
+  a.q = a.k = a.v = nullptr;
+  a.q_bf16 = a.k_bf16 = a.v_bf16 = nullptr;
+  if constexpr (std::is_same_v<E, bf16_t>) {
+    a.q_bf16 = q;
+    a.k_bf16 = k;
+    a.v_bf16 = v;
+  } else {
+    a.q = q;
+    a.k = k;
+    a.v = v;
+  }
+  a.q_stride = a.k_stride = a.v_stride = strided ? w : 0;
+}
+
+// Likewise g.
+template <class E>
+void lay_out_g(const Problem& p, bool strided, std::vector<E>& buf, KdaArgs& a) {
+  const int64_t P = static_cast<int64_t>(p.H) * p.K, w = strided ? P + 7 : P, off = strided ? 3 : 0;
+  buf.assign(static_cast<size_t>(p.T * w), as<E>(NAN));
+  put_rows(p.g, P, buf.data() + off, w);
+  a.g = nullptr;
+  a.g_bf16 = nullptr;
+  if constexpr (std::is_same_v<E, bf16_t>) {
+    a.g_bf16 = buf.data() + off;
+  } else {
+    a.g = buf.data() + off;
+  }
+  a.g_stride = strided ? w : 0;
+}
+
+// Rounds p's q, k, v and g to bf16 values; returns the outputs and final states of fn on them, q, k, v
+// as bf16 when qkv_bf16 (else fp32) and g as bf16 when g_bf16, in the strided layout when `strided`.
+std::vector<float> run_bf16_inputs(Problem p, const std::function<void(const KdaArgs&)>& fn, bool qkv_bf16,
+                                   bool g_bf16, bool strided) {
+  for (std::vector<float>* x : {&p.q, &p.k, &p.v, &p.g}) {
     for (float& e : *x) e = round_bf16(e);
   }
-  const int64_t P = static_cast<int64_t>(p.H) * p.K, Pv = static_cast<int64_t>(p.H) * p.V;
-  const int64_t w = strided ? 2 * P + Pv + 5 : 0;
-  std::vector<bf16_t> q(p.q.size()), k(p.k.size()), v(p.v.size()), qkv(static_cast<size_t>(p.T * w), 0x7fc0);
-  f32_to_bf16_array(p.q.data(), q.data(), q.size());
-  f32_to_bf16_array(p.k.data(), k.data(), k.size());
-  f32_to_bf16_array(p.v.data(), v.data(), v.size());
-  for (int64_t t = 0; t < p.T && strided; ++t) {
-    std::copy_n(q.begin() + t * P, P, qkv.begin() + t * w);
-    std::copy_n(k.begin() + t * P, P, qkv.begin() + t * w + P);
-    std::copy_n(v.begin() + t * Pv, Pv, qkv.begin() + t * w + 2 * P);
-  }
-  std::vector<float> o(static_cast<size_t>(p.T) * Pv, 7.0f), pool = p.pool;
+  std::vector<float> o(static_cast<size_t>(p.T) * p.H * p.V, 7.0f), pool = p.pool, qkv32, g32;
+  std::vector<bf16_t> qkv16, g16;
   KdaArgs a = p.args(o.data(), pool.empty() ? nullptr : pool.data());
-  if (bf16) {
-    a.q = a.k = a.v = nullptr;
-    a.q_bf16 = strided ? qkv.data() : q.data();
-    a.k_bf16 = strided ? qkv.data() + P : k.data();
-    a.v_bf16 = strided ? qkv.data() + 2 * P : v.data();
-    if (strided) a.q_stride = a.k_stride = a.v_stride = w;
+  if (qkv_bf16) {
+    lay_out_qkv(p, strided, qkv16, a);
+  } else {
+    lay_out_qkv(p, strided, qkv32, a);
+  }
+  if (g_bf16) {
+    lay_out_g(p, strided, g16, a);
+  } else {
+    lay_out_g(p, strided, g32, a);
   }
   fn(a);
   o.insert(o.end(), pool.begin(), pool.end());
   return o;
 }
 
+// Every combination of q, k, v and g precisions, dense and strided (all fp32 strided is KdaStrides'),
+// with and without the gate in the kernel and l2norm (stride_problems covers the four flag pairs).
 TEST(KdaBf16Inputs, EveryKernelMatchesFp32InputsOfTheSameValues) {
   std::vector<Problem> problems = stride_problems();
   problems.push_back(kimi_shape_problem(1400));
@@ -639,13 +696,19 @@ TEST(KdaBf16Inputs, EveryKernelMatchesFp32InputsOfTheSameValues) {
     int n = 0;
     for (const Problem& p : problems) {
       SCOPED_TRACE("problem " + std::to_string(n++));
-      const auto f32 = run_bf16_inputs(p, fn, false, false);
+      const auto f32 = run_bf16_inputs(p, fn, false, false, false);
       EXPECT_TRUE(all_finite(f32));
       for (const bool strided : {false, true}) {
-        const auto b16 = run_bf16_inputs(p, fn, true, strided);
-        ASSERT_EQ(f32.size(), b16.size());
-        EXPECT_EQ(0, std::memcmp(f32.data(), b16.data(), f32.size() * sizeof(float)))
-            << (strided ? "strided" : "dense") << " bf16 inputs differ from fp32 inputs of the same values";
+        for (const bool qkv_bf16 : {false, true}) {
+          for (const bool g_bf16 : {false, true}) {
+            if (!qkv_bf16 && !g_bf16) continue;
+            const auto b16 = run_bf16_inputs(p, fn, qkv_bf16, g_bf16, strided);
+            ASSERT_EQ(f32.size(), b16.size());
+            EXPECT_EQ(0, std::memcmp(f32.data(), b16.data(), f32.size() * sizeof(float)))
+                << (strided ? "strided" : "dense") << " inputs, q/k/v " << (qkv_bf16 ? "bf16" : "fp32")
+                << ", g " << (g_bf16 ? "bf16" : "fp32") << ", differ from fp32 inputs of the same values";
+          }
+        }
       }
     }
   }
@@ -760,6 +823,15 @@ TEST(KdaDispatch, ValidationErrors) {
       a.q = a.k = a.v = nullptr;
       a.q_bf16 = a.k_bf16 = b.data();
     });
+    // g: exactly one of g, g_bf16, whatever q, k, v are.
+    expect_rejected(base, "g is given both as fp32 (g) and as bf16 (g_bf16)",
+                    [&](KdaArgs& a) { a.g_bf16 = b.data(); });
+    expect_rejected(base, "g is given both as fp32 (g) and as bf16 (g_bf16)", [&](KdaArgs& a) {
+      a.q = a.k = a.v = nullptr;
+      a.q_bf16 = a.k_bf16 = a.v_bf16 = b.data();
+      a.g_bf16 = b.data();
+    });
+    expect_rejected(base, "g (or g_bf16) is null with T=40", [](KdaArgs& a) { a.g = nullptr; });
   }
   {
     Problem p = base;

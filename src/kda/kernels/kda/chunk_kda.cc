@@ -5,7 +5,8 @@
 // together, so each token row's pages and cache lines serve all of them. Each thread keeps one aligned
 // scratch buffer across calls, so nothing is allocated per chunk. Per chunk of L <= 64 rows of one head,
 // in blocks of 16 rows:
-//   1. q-hat (scale folded in), k-hat, g (gate fused), exp(g) and beta into contiguous rows;
+//   1. q-hat (scale folded in), k-hat, g (gate fused), exp(g) and beta into contiguous fp32 rows (q, k,
+//      v and g are read as they come, fp32 or bf16);
 //   2. decays. Every decay exp(Gamma_r - Gamma_s), r >= s, is a product of at most three factors, each
 //      <= 1 and each built over exactly the rows it spans: a running product of the per-step factors
 //      exp(g_i) inside one block (at most 15 of them) and, across blocks, exp of a running sum taken at
@@ -142,10 +143,11 @@ inline void widen_row(float* __restrict dst, const bf16_t* __restrict src, int n
 
 // Step 1 for one token row of one head: Q = scale q-hat, Kh = k-hat, G = g (gate fused), E = exp(g).
 // The norms are summed in a fixed order (16 lanes, then a fixed tree), whatever the rows' alignment.
-// In is float, or bf16_t for the bf16 mode's q and k.
-template <class In>
+// In (q and k) and GIn (g) are each float, or bf16_t for bf16 inputs; a bf16 value widens exactly, so
+// the rows are those of fp32 inputs holding the same values.
+template <class In, class GIn>
 inline void prepare_row(const HeadPrep& p, const In* __restrict q, const In* __restrict k,
-                        const float* __restrict g, float* __restrict Q, float* __restrict Kh,
+                        const GIn* __restrict g, float* __restrict Q, float* __restrict Kh,
                         float* __restrict G, float* __restrict E) {
   const int K = p.K;
   float rq = p.scale, rk = 1.0f;
@@ -167,7 +169,7 @@ inline void prepare_row(const HeadPrep& p, const In* __restrict q, const In* __r
   for (; d0 + 16 <= K; d0 += 16) {
     _mm512_storeu_ps(Q + d0, _mm512_mul_ps(load16(q + d0), vq));
     _mm512_storeu_ps(Kh + d0, _mm512_mul_ps(load16(k + d0), vk));
-    __m512 x = _mm512_loadu_ps(g + d0);
+    __m512 x = load16(g + d0);
     if (p.gate) {
       if (p.bias != nullptr) x = _mm512_add_ps(x, _mm512_loadu_ps(p.bias + d0));
       x = _mm512_mul_ps(na, vecmath::softplus16(x));
@@ -181,7 +183,8 @@ inline void prepare_row(const HeadPrep& p, const In* __restrict q, const In* __r
   for (int d = d0; d < K; ++d) {
     Q[d] = to_f32(q[d]) * rq;
     Kh[d] = to_f32(k[d]) * rk;
-    const float x = p.gate ? p.neg_a * softplus_approx(g[d] + (p.bias != nullptr ? p.bias[d] : 0.0f)) : g[d];
+    const float gd = to_f32(g[d]);
+    const float x = p.gate ? p.neg_a * softplus_approx(gd + (p.bias != nullptr ? p.bias[d] : 0.0f)) : gd;
     G[d] = x;
     E[d] = exp_approx(x);
   }
@@ -209,9 +212,10 @@ class Stager {
 
   struct Unit {
     HeadPrep prep;
-    bool bf16;              // q, k, v are bf16 (else fp32)
-    const void *q, *k, *v;  // the unit's first row
-    const float *g, *beta;
+    bool bf16;                  // q, k, v are bf16 (else fp32)
+    bool g_bf16;                // g is bf16 (else fp32)
+    const void *q, *k, *v, *g;  // the unit's first row
+    const float* beta;
     int64_t lq, lk, lg, lv, lbeta;  // row strides, in elements
     int rows, V;
     float *Q, *Kh, *G, *E, *Vs, *B;  // destinations (row strides K, V, 1)
@@ -236,21 +240,22 @@ class Stager {
       flush();
       build(++pr_);
       if (u_.bf16) {
-        prepare<bf16_t>(done_);
+        u_.g_bf16 ? prepare<bf16_t, bf16_t>(done_) : prepare<bf16_t, float>(done_);
       } else {
-        prepare<float>(done_);
+        u_.g_bf16 ? prepare<float, bf16_t>(done_) : prepare<float, float>(done_);
       }
     }
   }
 
  private:
-  // Row r of the unit; In is the type of q, k, v.
-  template <class In>
+  // Row r of the unit; In is the type of q, k, v, GIn that of g.
+  template <class In, class GIn>
   void prepare(int64_t r) {
     const int K = u_.prep.K;
     const auto* q = static_cast<const In*>(u_.q) + r * u_.lq;
     const auto* k = static_cast<const In*>(u_.k) + r * u_.lk;
-    prepare_row(u_.prep, q, k, u_.g + r * u_.lg, u_.Q + r * K, u_.Kh + r * K, u_.G + r * K, u_.E + r * K);
+    const auto* g = static_cast<const GIn*>(u_.g) + r * u_.lg;
+    prepare_row(u_.prep, q, k, g, u_.Q + r * K, u_.Kh + r * K, u_.G + r * K, u_.E + r * K);
     widen_row(u_.Vs + r * u_.V, static_cast<const In*>(u_.v) + r * u_.lv, u_.V);
     u_.B[r] = u_.beta[r * u_.lbeta];
   }
@@ -260,11 +265,11 @@ class Stager {
     int n = 0;
     if (r < u_.rows) {
       const int K = u_.prep.K;
-      const int64_t e = u_.bf16 ? 2 : 4;  // bytes per q, k, v element
+      const int64_t e = u_.bf16 ? 2 : 4, eg = u_.g_bf16 ? 2 : 4;  // bytes per q, k, v element; per g element
       const char* rows[4] = {
           static_cast<const char*>(u_.q) + r * u_.lq * e, static_cast<const char*>(u_.k) + r * u_.lk * e,
-          reinterpret_cast<const char*>(u_.g + r * u_.lg), static_cast<const char*>(u_.v) + r * u_.lv * e};
-      const int64_t bytes[4] = {K * e, K * e, K * 4, u_.V * e};
+          static_cast<const char*>(u_.g) + r * u_.lg * eg, static_cast<const char*>(u_.v) + r * u_.lv * e};
+      const int64_t bytes[4] = {K * e, K * e, K * eg, u_.V * e};
       for (int i = 0; i < 4; ++i) {
         const char* p = rows[i];
         const char* end = rows[i] + bytes[i];
@@ -888,15 +893,18 @@ std::pair<int64_t, int64_t> segment(const KdaArgs& a, int64_t i) {
 void plan_stage(const KdaArgs& a, const Strides& st, int h, int64_t t0, int rows, float scale, Scratch& w,
                 Stager& pf) {
   const int K = a.K, V = a.V;
-  const bool bf16 = a.q_bf16 != nullptr;
-  const int64_t e = bf16 ? 2 : 4;  // bytes per q, k, v element
-  const auto at = [&](const void* base, int64_t elems) { return static_cast<const char*>(base) + elems * e; };
+  const bool bf16 = a.q_bf16 != nullptr, g_bf16 = a.g_bf16 != nullptr;
+  const int64_t e = bf16 ? 2 : 4, eg = g_bf16 ? 2 : 4;  // bytes per q, k, v element; per g element
+  const auto at = [](const void* base, int64_t elems, int64_t bytes) {
+    return static_cast<const char*>(base) + elems * bytes;
+  };
   pf.start({head_prep(a, h, scale),
             bf16,
-            at(bf16 ? static_cast<const void*>(a.q_bf16) : a.q, t0 * st.q + h * K),
-            at(bf16 ? static_cast<const void*>(a.k_bf16) : a.k, t0 * st.k + h * K),
-            at(bf16 ? static_cast<const void*>(a.v_bf16) : a.v, t0 * st.v + static_cast<int64_t>(h) * V),
-            a.g + t0 * st.g + h * K,
+            g_bf16,
+            at(bf16 ? static_cast<const void*>(a.q_bf16) : a.q, t0 * st.q + h * K, e),
+            at(bf16 ? static_cast<const void*>(a.k_bf16) : a.k, t0 * st.k + h * K, e),
+            at(bf16 ? static_cast<const void*>(a.v_bf16) : a.v, t0 * st.v + static_cast<int64_t>(h) * V, e),
+            at(g_bf16 ? static_cast<const void*>(a.g_bf16) : a.g, t0 * st.g + h * K, eg),
             a.beta + t0 * a.H + h,
             st.q,
             st.k,

@@ -30,6 +30,8 @@ void validate_kda_args(const KdaArgs& a) {
   // q, k, v in one precision: all fp32 or all bf16.
   const bool any_f32 = a.q || a.k || a.v, any_bf16 = a.q_bf16 || a.k_bf16 || a.v_bf16;
   if (any_f32 && any_bf16) fail("q, k, v are given both as fp32 and as bf16: set one of the two");
+  // g in either precision, independently of q, k, v.
+  if (a.g && a.g_bf16) fail("g is given both as fp32 (g) and as bf16 (g_bf16): set one of the two");
   // Token tensors are only dereferenced when there are tokens.
   if (a.T > 0) {
     const bool bf16 = any_bf16;
@@ -37,7 +39,7 @@ void validate_kda_args(const KdaArgs& a) {
         {bf16 ? static_cast<const void*>(a.q_bf16) : a.q, bf16 ? "q_bf16" : "q"},
         {bf16 ? static_cast<const void*>(a.k_bf16) : a.k, bf16 ? "k_bf16" : "k"},
         {bf16 ? static_cast<const void*>(a.v_bf16) : a.v, bf16 ? "v_bf16" : "v"},
-        {a.g, "g"},
+        {a.g_bf16 ? static_cast<const void*>(a.g_bf16) : a.g, "g (or g_bf16)"},
         {a.beta, "beta"},
         {a.o, "o"}};
     for (const auto& [p, name] : required) {
@@ -111,26 +113,33 @@ void validate_kda_args(const KdaArgs& a) {
 }
 
 KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf) {
-  if (a.q_bf16 == nullptr) return a;
+  const bool qkv = a.q_bf16 != nullptr, g = a.g_bf16 != nullptr;
+  if (!qkv && !g) return a;
   const int64_t qk = static_cast<int64_t>(a.H) * a.K, vr = static_cast<int64_t>(a.H) * a.V;
-  buf.resize(static_cast<size_t>(a.T * (2 * qk + vr)));
-  float* q = buf.data();
-  float* k = q + a.T * qk;
-  float* v = k + a.T * qk;
-  const auto widen = [&](const bf16_t* src, int64_t stride, int64_t row, float* dst) {
+  buf.resize(static_cast<size_t>(a.T * ((qkv ? 2 * qk + vr : 0) + (g ? qk : 0))));
+  float* next = buf.data();
+  // Dense fp32 copy of src's [T, row] rows (stride 0: dense), the next part of buf.
+  const auto widen = [&](const bf16_t* src, int64_t stride, int64_t row) {
+    float* dst = next;
+    next += a.T * row;
     const int64_t ld = stride > 0 ? stride : row;
     for (int64_t t = 0; t < a.T; ++t)
       bf16_to_f32_array(src + t * ld, dst + t * row, static_cast<size_t>(row));
+    return dst;
   };
-  widen(a.q_bf16, a.q_stride, qk, q);
-  widen(a.k_bf16, a.k_stride, qk, k);
-  widen(a.v_bf16, a.v_stride, vr, v);
   KdaArgs w = a;
-  w.q = q;
-  w.k = k;
-  w.v = v;
-  w.q_bf16 = w.k_bf16 = w.v_bf16 = nullptr;
-  w.q_stride = w.k_stride = w.v_stride = 0;
+  if (qkv) {
+    w.q = widen(a.q_bf16, a.q_stride, qk);
+    w.k = widen(a.k_bf16, a.k_stride, qk);
+    w.v = widen(a.v_bf16, a.v_stride, vr);
+    w.q_bf16 = w.k_bf16 = w.v_bf16 = nullptr;
+    w.q_stride = w.k_stride = w.v_stride = 0;
+  }
+  if (g) {
+    w.g = widen(a.g_bf16, a.g_stride, qk);
+    w.g_bf16 = nullptr;
+    w.g_stride = 0;
+  }
   return w;
 }
 

@@ -316,7 +316,7 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
 }  // namespace
 
 void fused_recurrent_kda_opt(const KdaArgs& args) {
-  // bf16 q, k, v (not what the layer hands this kernel: its decode conv output is fp32) read as fp32.
+  // bf16 q, k, v or g (not what the layer hands this kernel: its decode conv output is fp32) read as fp32.
   thread_local std::vector<float> widened;
   const KdaArgs a = with_f32_inputs(args, widened);
   const float scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.K));

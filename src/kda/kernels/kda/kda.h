@@ -45,6 +45,10 @@ struct KdaArgs {
   const bf16_t* q_bf16 = nullptr;
   const bf16_t* k_bf16 = nullptr;
   const bf16_t* v_bf16 = nullptr;
+  // And / or g as bf16, whatever the precision of q, k, v: set g_bf16 instead of g (exactly one of the
+  // two), same layout and g_stride. Like q_bf16, k_bf16, v_bf16: read as it is by chunk_kda_opt,
+  // widened to fp32 for the other kernels.
+  const bf16_t* g_bf16 = nullptr;
 
   // Sequence boundaries [N+1], int32, cu_seqlens[0] == 0, non-decreasing, cu_seqlens[N] == T.
   // Null means N sequences of T / N tokens each (N == 1: one sequence; decode: N sequences of 1).
@@ -73,8 +77,8 @@ struct KdaArgs {
 // std::invalid_argument naming what is wrong; nothing is read from or written to the pool before.
 void validate_kda_args(const KdaArgs& a);
 
-// bf16 q, k, v widened: `a` itself when its q, k, v are fp32, else a copy of `a` whose q, k, v point at
-// dense fp32 rows written into `buf`.
+// bf16 inputs widened: `a` itself when its q, k, v and g are fp32, else a copy of `a` whose bf16 ones
+// (q, k, v and/or g) are replaced by dense fp32 rows written into `buf`.
 KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf);
 
 // Reference kernels: plain loops, fp32, written for clarity (fla's naive.py).

@@ -101,7 +101,7 @@ void zero_output_rows(const KdaArgs& a, const Segment& sg) {
 }  // namespace
 
 void fused_recurrent_kda_naive(const KdaArgs& args) {
-  std::vector<float> widened;  // bf16 q, k, v read as fp32
+  std::vector<float> widened;  // bf16 q, k, v, g read as fp32
   const KdaArgs a = with_f32_inputs(args, widened);
   const int K = a.K, V = a.V, H = a.H;
   const float scale = effective_scale(a);
@@ -148,7 +148,7 @@ void fused_recurrent_kda_naive(const KdaArgs& args) {
 }
 
 void chunk_kda_naive(const KdaArgs& args) {
-  std::vector<float> widened;  // bf16 q, k, v read as fp32
+  std::vector<float> widened;  // bf16 q, k, v, g read as fp32
   const KdaArgs a = with_f32_inputs(args, widened);
   const int K = a.K, V = a.V, H = a.H;
   const float scale = effective_scale(a);
