@@ -13,6 +13,7 @@
 #include "kda/io/safetensors.h"
 #include "kda/layers/attention/linear/kda_backend.h"
 #include "kda/layers/linear.h"
+#include "kda/layers/radix_linear_attention.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/models/kimi_linear.h"
 #include "kda/runtime/layer_runner.h"
@@ -233,6 +234,97 @@ TEST(Layer, PaddedRowGivesZerosAndTouchesNoSlot) {
   for (int64_t i = 3 * D; i < 7 * D; ++i) ASSERT_EQ(y[i], 0.0f) << "padded row output " << i;
   EXPECT_NE(s.states(r[0]), before0);  // the real request moved on
   EXPECT_EQ(s.states(r[1]), before1);  // nobody else's slot changed
+}
+
+// The backend takes each raw projection as fp32 or bf16: bf16 rows give the same bits as fp32 rows of
+// the same values (the bf16 mode's inputs are bf16 values), EXTEND and then DECODE, outputs and states,
+// optimized and reference kernels; a pair with both or neither set is an error that changes nothing.
+TEST(Backend, Bf16InputsEqualFp32InputsOfTheSameValues) {
+  const int H = 2, K = 16, W = 4;
+  const int64_t P = H * K, C = 3 * P, Tx = 70;
+  const auto conv_w = testing::random_uniform(C * W, 1, -0.5f, 0.5f);
+  const auto A_log = testing::random_uniform(H, 2, -1.0f, 1.0f);
+  const auto dt_bias = testing::random_uniform(P, 3, -0.5f, 0.5f);
+  const layers::RadixLinearAttention layer({.layer_id = 0,
+                                            .num_q_heads = H,
+                                            .num_k_heads = H,
+                                            .num_v_heads = H,
+                                            .head_q_dim = K,
+                                            .head_k_dim = K,
+                                            .head_v_dim = K,
+                                            .conv_weights = conv_w.data(),
+                                            .conv_kernel = W,
+                                            .A_log = A_log.data(),
+                                            .dt_bias = dt_bias.data(),
+                                            .bf16_activations = true});
+  // Rows of [qkv | a | b] with padding columns, bf16 values, as fp32 and as bf16.
+  const int64_t ld = C + P + H + 5;
+  const auto rows_of = [&](int64_t T, uint64_t seed) {
+    auto v = testing::random_normal(T * ld, seed);
+    for (auto& x : v) x = round_bf16(x);
+    std::vector<bf16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = f32_to_bf16(v[i]);
+    return std::pair{v, b};
+  };
+  for (const auto impl : {kernels::KernelImpl::Optimized, kernels::KernelImpl::Naive}) {
+    SCOPED_TRACE(kernels::to_string(impl));
+    KDAAttnBackend backend(impl);
+    mem_cache::RecurrentStatePoolConfig pc{.layer_ids = {0},
+                                           .size = 2,
+                                           .num_heads = H,
+                                           .head_k_dim = K,
+                                           .head_v_dim = K,
+                                           .conv_kernel = W,
+                                           .conv_dim = C,
+                                           .conv_dtype = Precision::BF16};
+    MemoryPools pools(pc, 2);
+    const auto reqs = pools.req_to_token_pool.alloc(2);  // request 0 takes fp32 rows, request 1 bf16 rows
+    const auto state = [&](int i) {
+      std::vector<float> rec(H * K * K), conv((W - 1) * C);
+      const int32_t slot[1] = {pools.req_to_token_pool.slot_of(reqs[i])};
+      pools.recurrent_state_pool.read_linear_recurrent_layer_cache(0, slot, rec.data(), conv.data());
+      rec.insert(rec.end(), conv.begin(), conv.end());
+      return rec;
+    };
+    const auto run = [&](int i, bool decode, int64_t T,
+                         const layers::attention::linear::LinearAttnInputs& in) {
+      const std::vector<int32_t> r = {reqs[i]};
+      auto fb = decode ? ForwardBatch::decode(r) : ForwardBatch::extend(r, {static_cast<int32_t>(T)}, {0});
+      fb.attn_backend = &backend;
+      backend.init_forward_metadata(fb, pools.req_to_token_pool.get_recurrent_indices(r));
+      std::vector<float> o(T * P, -1.0f);
+      layer(fb, in, pools.recurrent_state_pool, o.data());
+      return o;
+    };
+    for (const bool decode : {false, true}) {
+      const int64_t T = decode ? 1 : Tx;
+      const auto [f, b] = rows_of(T, decode ? 5 : 4);
+      const auto o32 = run(0, decode, T,
+                           {.mixed_qkv = f.data(),
+                            .qkv_stride = ld,
+                            .a = f.data() + C,
+                            .a_stride = ld,
+                            .b = f.data() + C + P,
+                            .b_stride = ld});
+      const layers::attention::linear::LinearAttnInputs in16{.mixed_qkv_bf16 = b.data(),
+                                                             .qkv_stride = ld,
+                                                             .a_bf16 = b.data() + C,
+                                                             .a_stride = ld,
+                                                             .b_bf16 = b.data() + C + P,
+                                                             .b_stride = ld};
+      EXPECT_EQ(run(1, decode, T, in16), o32) << (decode ? "decode" : "extend");
+      EXPECT_EQ(state(1), state(0)) << (decode ? "decode" : "extend");
+      // Both or neither of a pair: an error, nothing changed.
+      const auto before = state(1);
+      auto both = in16;
+      both.a = f.data() + C;
+      EXPECT_THROW(run(1, decode, T, both), std::invalid_argument);
+      auto neither = in16;
+      neither.b_bf16 = nullptr;
+      EXPECT_THROW(run(1, decode, T, neither), std::invalid_argument);
+      EXPECT_EQ(state(1), before);
+    }
+  }
 }
 
 TEST(Layer, IdleAndDummyFirstGiveZerosAndTouchNoState) {

@@ -215,7 +215,7 @@ struct LayerCase {
   mem_cache::MemoryPools pools;
   layers::Linear proj, fb, gb, op;
   std::vector<float> gx, gy, gf, gz;
-  std::vector<bf16_t> gf16;
+  std::vector<bf16_t> gy16, gf16;
 
   LayerCase(const io::KimiLinearConfig& cfg, const models::KdaLayerWeights& w, Precision prec)
       : p(prec),
@@ -236,18 +236,24 @@ struct LayerCase {
 
   static int64_t n_proj() { return 3 * kP + 2 * kK + kH; }
 
+  // The layer's GEMMs on its shapes; in bf16 with its bf16 outputs and inputs.
   void gemms(int64_t M) {
+    const int64_t np = n_proj(), fa = 3 * kP, ga = fa + kK;
     gx.resize(M * kD);
-    gy.resize(M * n_proj());
-    gf.resize(M * kP);
     gz.resize(M * kD);
-    proj.forward(gx.data(), M, gy.data());
-    fb.forward(gy.data(), M, n_proj(), gf.data(), kP);
-    gb.forward(gy.data(), M, n_proj(), gf.data(), kP);
-    if (p == Precision::BF16) {  // the layer hands o_proj its input as bf16 already
+    if (p == Precision::BF16) {
+      gy16.resize(M * np);
       gf16.resize(M * kP);
+      proj.forward(gx.data(), M, kD, gy16.data(), np);
+      fb.forward(gy16.data() + fa, M, np, gf16.data(), kP);
+      gb.forward(gy16.data() + ga, M, np, gf16.data(), kP);
       op.forward(gf16.data(), M, kP, gz.data(), kD);
     } else {
+      gy.resize(M * np);
+      gf.resize(M * kP);
+      proj.forward(gx.data(), M, gy.data());
+      fb.forward(gy.data() + fa, M, np, gf.data(), kP);
+      gb.forward(gy.data() + ga, M, np, gf.data(), kP);
       op.forward(gf.data(), M, gz.data());
     }
   }

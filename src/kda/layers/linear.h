@@ -41,6 +41,7 @@ class Linear {
   struct Impl;
   void check(int64_t M, int64_t ldx, int64_t ldy, bool bf16_io) const;
   const bf16_t* to_bf16(const float* x, int64_t M, int64_t ldx) const;
+  const bf16_t* dense(const bf16_t* x, int64_t M, int64_t ldx) const;
   void run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, int64_t ldy) const;
   int64_t in_ = 0, out_ = 0;
   Precision precision_ = Precision::FP32;

@@ -24,11 +24,23 @@ void RadixLinearAttention::operator()(const model_executor::ForwardBatch& forwar
                                       const float* mixed_qkv, int64_t qkv_stride, const float* a,
                                       int64_t a_stride, const float* b, int64_t b_stride,
                                       mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) const {
+  (*this)(forward_batch,
+          attention::linear::LinearAttnInputs{.mixed_qkv = mixed_qkv,
+                                              .qkv_stride = qkv_stride,
+                                              .a = a,
+                                              .a_stride = a_stride,
+                                              .b = b,
+                                              .b_stride = b_stride},
+          recurrent_state_pool, o);
+}
+
+void RadixLinearAttention::operator()(const model_executor::ForwardBatch& forward_batch,
+                                      const attention::linear::LinearAttnInputs& in,
+                                      mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) const {
   if (!forward_batch.attn_backend)
     throw std::invalid_argument("ForwardBatch has no attn_backend (layer " + std::to_string(p_.layer_id) +
                                 ")");
-  forward_batch.attn_backend->forward(*this, forward_batch, mixed_qkv, qkv_stride, a, a_stride, b, b_stride,
-                                      recurrent_state_pool, o);
+  forward_batch.attn_backend->forward(*this, forward_batch, in, recurrent_state_pool, o);
 }
 
 }  // namespace kda::layers

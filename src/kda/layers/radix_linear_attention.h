@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kda/layers/attention/linear/kda_backend.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
 
@@ -21,9 +22,9 @@ class RadixLinearAttention {
     int conv_kernel = 4;
     const float* A_log = nullptr;    // [H]
     const float* dt_bias = nullptr;  // [H * K]
-    // bf16 mode, as an HF bf16 run rounds: the raw projections handed in (mixed_qkv and b) are rounded to
-    // bf16 as they are read (the caller need not make a pass over them), and so is each conv output
-    // (after silu). The gate `a` is passed in already rounded.
+    // bf16 mode, as an HF bf16 run rounds: raw projections handed in as fp32 (mixed_qkv and b) are rounded
+    // to bf16 as they are read (the caller need not make a pass over them; bf16 ones are bf16 already),
+    // and so is each conv output (after silu). The gate `a` is passed in already rounded.
     bool bf16_activations = false;
   };
 
@@ -43,6 +44,10 @@ class RadixLinearAttention {
   //   o: [T, Hv * Dv] kernel output
   void operator()(const model_executor::ForwardBatch& forward_batch, const float* mixed_qkv,
                   int64_t qkv_stride, const float* a, int64_t a_stride, const float* b, int64_t b_stride,
+                  mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) const;
+  // The same with each projection fp32 or bf16 (see LinearAttnInputs).
+  void operator()(const model_executor::ForwardBatch& forward_batch,
+                  const attention::linear::LinearAttnInputs& in,
                   mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) const;
 
  private:

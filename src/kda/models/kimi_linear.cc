@@ -31,10 +31,6 @@ std::vector<float> param(const std::vector<float>& v, Precision p) {
   return out;
 }
 
-void maybe_round(std::vector<float>& v, size_t n, Precision p) {
-  if (p == Precision::BF16) round_bf16_inplace(v.data(), n);
-}
-
 void check_size(const std::vector<float>& v, size_t n, const char* name) {
   if (v.size() != n)
     throw std::invalid_argument(std::string("KdaLayerWeights: ") + name + " has " + std::to_string(v.size()) +
@@ -42,11 +38,11 @@ void check_size(const std::vector<float>& v, size_t n, const char* name) {
 }
 
 // One (token, head) row of the gated RMS norm: y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). kBf16
-// applies the bf16 mode's rounding points: o and z as they are read, y as it is written (as bf16, the
-// input o_proj takes, so no conversion pass follows).
+// applies the bf16 mode's rounding points: o as it is read, y as it is written (as bf16, the input
+// o_proj takes, so no conversion pass follows); z comes as bf16.
 template <bool kBf16>
-void gated_norm_row(const float* o, const float* z, const float* w, int K, float eps,
-                    std::conditional_t<kBf16, bf16_t, float>* y) {
+void gated_norm_row(const float* o, const std::conditional_t<kBf16, bf16_t, float>* z, const float* w, int K,
+                    float eps, std::conditional_t<kBf16, bf16_t, float>* y) {
   const auto rd = [](float x) { return kBf16 ? round_bf16(x) : x; };
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -54,7 +50,8 @@ void gated_norm_row(const float* o, const float* z, const float* w, int K, float
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
 #pragma omp simd
   for (int d = 0; d < K; ++d) {
-    const float v = rd(o[d]) * inv * w[d] / (1.0f + kernels::vecmath::exp_approx(-rd(z[d])));
+    const float v =
+        rd(o[d]) * inv * w[d] / (1.0f + kernels::vecmath::exp_approx(-kernels::vecmath::to_f32(z[d])));
     if constexpr (kBf16) {
       y[d] = f32_to_bf16(v);
     } else {
@@ -277,30 +274,42 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
   if (T == 0) return;
 
   KdaWorkspace& ws = workspace ? *workspace : own_ws_;
-  const Precision p = precision_;
-  const bool bf16 = p == Precision::BF16;
+  const bool bf16 = precision_ == Precision::BF16;
   const int64_t n_proj = 3 * P_ + 2 * K_ + H_;
-  // 1. q/k/v, f_a, g_a and b in one GEMM. The bf16 rounding points cost no pass of their own: the layer
-  // input's is this GEMM's input conversion (round to nearest even, as round_bf16), f_a's and g_a's are
-  // the conversions f_b and g_b make of their inputs, and q/k/v's and b's are applied by the backend as
-  // it reads them.
-  ws.proj.resize(static_cast<size_t>(T * n_proj));
-  proj_.forward(hidden_states, T, ws.proj.data());
-  const float* fa = ws.proj.data() + 3 * P_;
-  const float* ga = fa + K_;
-  const float* b = ga + K_;
-  // 2. the gate bottlenecks: f = W_fb (W_fa x), z = W_gb (W_ga x).
-  ws.f.resize(static_cast<size_t>(T * P_));
-  ws.z.resize(static_cast<size_t>(T * P_));
-  f_b_.forward(fa, T, n_proj, ws.f.data(), P_);
-  g_b_.forward(ga, T, n_proj, ws.z.data(), P_);
-  maybe_round(ws.f, ws.f.size(), p);
+  // 1. q/k/v, f_a, g_a and b in one GEMM. In the bf16 mode its input conversion is the layer input's
+  // rounding point (round to nearest even), and it writes bf16: each of its outputs is a rounding point.
+  // 2. The gate bottlenecks f = W_fb (W_fa x), z = W_gb (W_ga x), in the bf16 mode bf16 in and out.
   // 3. conv + kernel through the backend.
   ws.o.resize(static_cast<size_t>(T * P_));
-  attn_(forward_batch, ws.proj.data(), n_proj, ws.f.data(), P_, b, n_proj, pool, ws.o.data());
+  if (bf16) {
+    ws.proj_bf16.resize(static_cast<size_t>(T * n_proj));
+    ws.f_bf16.resize(static_cast<size_t>(T * P_));
+    ws.z_bf16.resize(static_cast<size_t>(T * P_));
+    bf16_t* pr = ws.proj_bf16.data();
+    proj_.forward(hidden_states, T, D_, pr, n_proj);
+    f_b_.forward(pr + 3 * P_, T, n_proj, ws.f_bf16.data(), P_);
+    g_b_.forward(pr + 3 * P_ + K_, T, n_proj, ws.z_bf16.data(), P_);
+    attn_(forward_batch,
+          {.mixed_qkv_bf16 = pr,
+           .qkv_stride = n_proj,
+           .a_bf16 = ws.f_bf16.data(),
+           .a_stride = P_,
+           .b_bf16 = pr + 3 * P_ + 2 * K_,
+           .b_stride = n_proj},
+          pool, ws.o.data());
+  } else {
+    ws.proj.resize(static_cast<size_t>(T * n_proj));
+    ws.f.resize(static_cast<size_t>(T * P_));
+    ws.z.resize(static_cast<size_t>(T * P_));
+    float* pr = ws.proj.data();
+    proj_.forward(hidden_states, T, pr);
+    f_b_.forward(pr + 3 * P_, T, n_proj, ws.f.data(), P_);
+    g_b_.forward(pr + 3 * P_ + K_, T, n_proj, ws.z.data(), P_);
+    attn_(forward_batch, pr, n_proj, ws.f.data(), P_, pr + 3 * P_ + 2 * K_, n_proj, pool, ws.o.data());
+  }
   // 4. gated RMS norm per (token, head): y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). The bf16
-  // rounding points of z and of the kernel output o are applied as they are read here, and y's as it is
-  // written: y goes to o_proj as bf16 without a conversion pass.
+  // rounding point of the kernel output o is applied as it is read here, and y's as it is written: y goes
+  // to o_proj as bf16 without a conversion pass.
   if (bf16)
     ws.y_bf16.resize(static_cast<size_t>(T * P_));
   else
@@ -312,11 +321,10 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
 #pragma omp parallel for schedule(static) if (rows > 256)
   for (int64_t r = 0; r < rows; ++r) {
     const float* o = ws.o.data() + r * K;
-    const float* z = ws.z.data() + r * K;
     if (bf16) {
-      gated_norm_row<true>(o, z, w, K, eps, ws.y_bf16.data() + r * K);
+      gated_norm_row<true>(o, ws.z_bf16.data() + r * K, w, K, eps, ws.y_bf16.data() + r * K);
     } else {
-      gated_norm_row<false>(o, z, w, K, eps, ws.y.data() + r * K);
+      gated_norm_row<false>(o, ws.z.data() + r * K, w, K, eps, ws.y.data() + r * K);
     }
   }
   // 5. o_proj; under tensor parallelism each rank holds a partial sum over its channels.

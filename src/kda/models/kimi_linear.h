@@ -55,7 +55,8 @@ struct KdaLayerWeights {
 // Scratch a layer needs per forward; one workspace can serve every layer of a model.
 struct KdaWorkspace {
   std::vector<float> proj, f, z, o, y;
-  std::vector<bf16_t> y_bf16;  // the o_norm output in the bf16 mode, o_proj's input as it is
+  // The bf16 mode's projections, f, z and o_norm output: bf16 values (rounding points), stored as bf16.
+  std::vector<bf16_t> proj_bf16, f_bf16, z_bf16, y_bf16;
 };
 
 class KimiDeltaAttention {

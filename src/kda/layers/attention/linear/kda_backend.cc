@@ -69,15 +69,15 @@ int64_t LinearRecurrentAttnBackend::conv_out_stride(const RadixLinearAttention& 
   return (c * elem_bytes) % 4096 == 0 ? c + 64 / elem_bytes : c;
 }
 
-void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, const float* mixed_qkv,
-                                          int64_t qkv_stride, int64_t T,
-                                          const mem_cache::LinearRecurrentLayerCache& cache, bool decode,
-                                          bool bf16_out) {
+void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, const LinearAttnInputs& in,
+                                          int64_t T, const mem_cache::LinearRecurrentLayerCache& cache,
+                                          bool decode, bool bf16_out) {
   const auto& p = layer.params();
   const auto& md = forward_metadata_;
   auto fill = [&](auto& args) {
-    args.x = mixed_qkv;
-    args.x_stride = qkv_stride;
+    args.x = in.mixed_qkv;
+    args.x_bf16 = in.mixed_qkv_bf16;
+    args.x_stride = in.qkv_stride;
     args.T = T;
     args.C = layer.conv_dim();
     args.weight = p.conv_weights;
@@ -111,8 +111,7 @@ void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, con
 }
 
 void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, const ForwardBatch& forward_batch,
-                                         const float* mixed_qkv, int64_t qkv_stride, const float* a,
-                                         int64_t a_stride, const float* b, int64_t b_stride,
+                                         const LinearAttnInputs& in,
                                          mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) {
   if (!has_metadata_)
     throw std::logic_error("LinearRecurrentAttnBackend::forward before init_forward_metadata for this batch");
@@ -135,8 +134,18 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
     if (T > 0) std::memset(o, 0, sizeof(float) * T * H * V);
     return;
   }
-  if (qkv_stride < layer.conv_dim() || a_stride < H * K || b_stride < H)
+  if (in.qkv_stride < layer.conv_dim() || in.a_stride < H * K || in.b_stride < H)
     throw std::invalid_argument("LinearRecurrentAttnBackend::forward: row strides smaller than the widths");
+  const auto one_of = [&](const void* f32, const void* b16, const char* name) {
+    if ((f32 != nullptr) == (b16 != nullptr))
+      throw std::invalid_argument(std::string("LinearRecurrentAttnBackend::forward: ") + name + " needs " +
+                                  (f32 != nullptr ? "fp32 or bf16 rows, not both" : "its fp32 or bf16 rows"));
+  };
+  if (T > 0) {
+    one_of(in.mixed_qkv, in.mixed_qkv_bf16, "mixed_qkv");
+    one_of(in.a, in.a_bf16, "the forget gate a");
+    one_of(in.b, in.b_bf16, "the beta logits b");
+  }
 
   mem_cache::LinearRecurrentLayerCache cache =
       recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id());
@@ -168,7 +177,7 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   } else {
     conv_out_.resize(static_cast<size_t>(T * ys));
   }
-  run_conv(layer, mixed_qkv, qkv_stride, T, cache, decode, bf16_out);
+  run_conv(layer, in, T, cache, decode, bf16_out);
 
   // q, k and v are read in place as column slices of the conv output, and the gate as a slice of the
   // caller's projection output: the kernels take row strides, so nothing is copied.
@@ -176,7 +185,9 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   const bool round_b = p.bf16_activations;
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < H; ++h) {
-      const float bt = round_b ? round_bf16(b[t * b_stride + h]) : b[t * b_stride + h];
+      const int64_t i = t * in.b_stride + h;
+      float bt = in.b_bf16 != nullptr ? bf16_to_f32(in.b_bf16[i]) : in.b[i];
+      if (round_b) bt = round_bf16(bt);
       beta_[t * H + h] = 1.0f / (1.0f + std::exp(-bt));
     }
   }
@@ -194,8 +205,9 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
     d.v = conv_out_.data() + qd + kd;
   }
   d.qkv_stride = ys;
-  d.a = a;
-  d.a_stride = a_stride;
+  d.a = in.a;
+  d.a_bf16 = in.a_bf16;
+  d.a_stride = in.a_stride;
   d.beta = beta_.data();
   d.cache = cache;
   d.o = o;
@@ -214,6 +226,7 @@ kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) c
   a.v_bf16 = d.v_bf16;
   a.q_stride = a.k_stride = a.v_stride = d.qkv_stride;
   a.g = d.a;
+  a.g_bf16 = d.a_bf16;
   a.g_stride = d.a_stride;
   a.beta = d.beta;
   a.T = md.num_tokens();

@@ -32,6 +32,25 @@ struct LinearRecurrentAttnBackendMetadata {
   int64_t num_tokens() const { return cu_q_lens.empty() ? 0 : cu_q_lens.back(); }
 };
 
+// The raw projections a layer hands its backend, token-major. Each of the three is fp32 or bf16: exactly
+// one pointer of each pair is set. The bf16 mode's projections are bf16 values (rounding points of the
+// spec), and handing them over as bf16 halves what the GEMMs write and the conv and the kernel read.
+struct LinearAttnInputs {
+  // [T, qkv_stride]: raw pre-conv projections q||k||v in the first conv_dim() columns
+  const float* mixed_qkv = nullptr;
+  const bf16_t* mixed_qkv_bf16 = nullptr;
+  int64_t qkv_stride = 0;
+  // [T, a_stride]: the raw forget gate f in the first H*K columns (the kernel applies A_log, dt_bias and
+  // softplus)
+  const float* a = nullptr;
+  const bf16_t* a_bf16 = nullptr;
+  int64_t a_stride = 0;
+  // [T, b_stride]: beta logits in the first H columns (sigmoid applied in the backend)
+  const float* b = nullptr;
+  const bf16_t* b_bf16 = nullptr;
+  int64_t b_stride = 0;
+};
+
 // The arguments a dispatch hands to a kernel, prepared by the base class.
 struct LinearRecurrentDispatch {
   const RadixLinearAttention* layer = nullptr;
@@ -45,7 +64,8 @@ struct LinearRecurrentDispatch {
   const bf16_t* k_bf16 = nullptr;
   const bf16_t* v_bf16 = nullptr;
   int64_t qkv_stride = 0;
-  const float* a = nullptr;  // [T, a_stride]: the raw forget gate in the first H*K columns
+  const float* a = nullptr;        // [T, a_stride]: the raw forget gate in the first H*K columns
+  const bf16_t* a_bf16 = nullptr;  // or as bf16
   int64_t a_stride = 0;
   const float* beta = nullptr;  // [T, H] sigmoid(b), fp32
   mem_cache::LinearRecurrentLayerCache cache;
@@ -64,17 +84,29 @@ class LinearRecurrentAttnBackend {
                              std::span<const int32_t> recurrent_indices);
   const LinearRecurrentAttnBackendMetadata& forward_metadata() const { return forward_metadata_; }
 
-  // See RadixLinearAttention::operator() for the argument layouts.
+  // o: [T, Hv * Dv] kernel output.
+  void forward(const RadixLinearAttention& layer, const model_executor::ForwardBatch& forward_batch,
+               const LinearAttnInputs& in, mem_cache::RecurrentStatePool& recurrent_state_pool, float* o);
+  // fp32 inputs.
   void forward(const RadixLinearAttention& layer, const model_executor::ForwardBatch& forward_batch,
                const float* mixed_qkv, int64_t qkv_stride, const float* a, int64_t a_stride, const float* b,
-               int64_t b_stride, mem_cache::RecurrentStatePool& recurrent_state_pool, float* o);
+               int64_t b_stride, mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) {
+    forward(layer, forward_batch,
+            LinearAttnInputs{.mixed_qkv = mixed_qkv,
+                             .qkv_stride = qkv_stride,
+                             .a = a,
+                             .a_stride = a_stride,
+                             .b = b,
+                             .b_stride = b_stride},
+            recurrent_state_pool, o);
+  }
 
  protected:
   virtual void dispatch_chunk(const LinearRecurrentDispatch& d) = 0;
   virtual void dispatch_recurrent(const LinearRecurrentDispatch& d) = 0;
 
  private:
-  void run_conv(const RadixLinearAttention& layer, const float* mixed_qkv, int64_t qkv_stride, int64_t T,
+  void run_conv(const RadixLinearAttention& layer, const LinearAttnInputs& in, int64_t T,
                 const mem_cache::LinearRecurrentLayerCache& cache, bool decode, bool bf16_out);
 
   LinearRecurrentAttnBackendMetadata forward_metadata_;
