@@ -91,16 +91,35 @@ inline float to_f32(bf16_t x) { return bf16_to_f32(x); }
 
 // The factors of use_qk_l2norm_in_kernel, eps inside the sqrt (spec step 5): q-hat = q * rq with
 // rq = scale / sqrt(|q|^2 + 1e-6) (the attention scale folded in), k-hat = k * rk. In: float or bf16_t.
+// The squares are summed in 16 lanes, then a fixed tree, so that fp32 and bf16 rows of the same values
+// give the same bits: an `omp simd` reduction leaves the order to the vectoriser, which chose
+// differently for the two types.
 template <class In>
 void l2norm_factors(const In* q, const In* k, int K, float scale, float& rq, float& rk) {
-  float sq = 0.0f, sk = 0.0f;
-#pragma omp simd reduction(+ : sq, sk)
-  for (int d = 0; d < K; ++d) {
-    sq += to_f32(q[d]) * to_f32(q[d]);
-    sk += to_f32(k[d]) * to_f32(k[d]);
+  constexpr int W = 16;
+  float sq[W] = {}, sk[W] = {};
+  int d0 = 0;
+  for (; d0 + W <= K; d0 += W) {
+#pragma omp simd
+    for (int i = 0; i < W; ++i) {
+      const float x = to_f32(q[d0 + i]), y = to_f32(k[d0 + i]);
+      sq[i] += x * x;
+      sk[i] += y * y;
+    }
   }
-  rq = scale / std::sqrt(sq + 1e-6f);
-  rk = 1.0f / std::sqrt(sk + 1e-6f);
+  for (int i = 0; d0 + i < K; ++i) {
+    const float x = to_f32(q[d0 + i]), y = to_f32(k[d0 + i]);
+    sq[i] += x * x;
+    sk[i] += y * y;
+  }
+  for (int w = W / 2; w > 0; w /= 2) {
+    for (int i = 0; i < w; ++i) {
+      sq[i] += sq[i + w];
+      sk[i] += sk[i + w];
+    }
+  }
+  rq = scale / std::sqrt(sq[0] + 1e-6f);
+  rk = 1.0f / std::sqrt(sk[0] + 1e-6f);
 }
 
 }  // namespace kda::kernels::vecmath
