@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace kda::layers {
 
@@ -112,36 +113,32 @@ const bf16_t* Linear::dense(const bf16_t* x, int64_t M, int64_t ldx) const {
   return xb;
 }
 
-void Linear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
-  check(M, ldx, ldy, false);
+template <class X, class Y>
+void Linear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const {
+  constexpr bool x16 = std::is_same_v<X, bf16_t>, y16 = std::is_same_v<Y, bf16_t>;
+  check(M, ldx, ldy, x16 || y16);
   if (M == 0) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (precision_ == Precision::FP32) {
-    run(x, M, ldx, y, false, ldy);
+  if constexpr (x16) {
+    run(dense(x, M, ldx), M, in_, y, y16, ldy);
+  } else if (precision_ == Precision::FP32) {
+    run(x, M, ldx, y, y16, ldy);
   } else {
-    run(to_bf16(x, M, ldx), M, in_, y, false, ldy);
+    run(to_bf16(x, M, ldx), M, in_, y, y16, ldy);
   }
 }
 
+void Linear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
+  forward_as(x, M, ldx, y, ldy);
+}
 void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
-  check(M, ldx, ldy, true);
-  if (M == 0) return;
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  run(dense(x, M, ldx), M, in_, y, false, ldy);
+  forward_as(x, M, ldx, y, ldy);
 }
-
 void Linear::forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const {
-  check(M, ldx, ldy, true);
-  if (M == 0) return;
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  run(to_bf16(x, M, ldx), M, in_, y, true, ldy);
+  forward_as(x, M, ldx, y, ldy);
 }
-
 void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const {
-  check(M, ldx, ldy, true);
-  if (M == 0) return;
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  run(dense(x, M, ldx), M, in_, y, true, ldy);
+  forward_as(x, M, ldx, y, ldy);
 }
 
 // Caller holds the mutex.

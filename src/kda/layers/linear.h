@@ -39,6 +39,8 @@ class Linear {
 
  private:
   struct Impl;
+  template <class X, class Y>
+  void forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
   void check(int64_t M, int64_t ldx, int64_t ldy, bool bf16_io) const;
   const bf16_t* to_bf16(const float* x, int64_t M, int64_t ldx) const;
   const bf16_t* dense(const bf16_t* x, int64_t M, int64_t ldx) const;

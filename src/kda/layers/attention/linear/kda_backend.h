@@ -49,6 +49,16 @@ struct LinearAttnInputs {
   const float* b = nullptr;
   const bf16_t* b_bf16 = nullptr;
   int64_t b_stride = 0;
+
+  static LinearAttnInputs fp32(const float* mixed_qkv, int64_t qkv_stride, const float* a, int64_t a_stride,
+                               const float* b, int64_t b_stride) {
+    return {.mixed_qkv = mixed_qkv,
+            .qkv_stride = qkv_stride,
+            .a = a,
+            .a_stride = a_stride,
+            .b = b,
+            .b_stride = b_stride};
+  }
 };
 
 // The arguments a dispatch hands to a kernel, prepared by the base class.
@@ -91,13 +101,7 @@ class LinearRecurrentAttnBackend {
   void forward(const RadixLinearAttention& layer, const model_executor::ForwardBatch& forward_batch,
                const float* mixed_qkv, int64_t qkv_stride, const float* a, int64_t a_stride, const float* b,
                int64_t b_stride, mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) {
-    forward(layer, forward_batch,
-            LinearAttnInputs{.mixed_qkv = mixed_qkv,
-                             .qkv_stride = qkv_stride,
-                             .a = a,
-                             .a_stride = a_stride,
-                             .b = b,
-                             .b_stride = b_stride},
+    forward(layer, forward_batch, LinearAttnInputs::fp32(mixed_qkv, qkv_stride, a, a_stride, b, b_stride),
             recurrent_state_pool, o);
   }
 
