@@ -25,7 +25,7 @@ void RadixLinearAttention::operator()(const model_executor::ForwardBatch& forwar
                                       int64_t a_stride, const float* b, int64_t b_stride,
                                       mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) const {
   (*this)(forward_batch,
-          attention::linear::LinearAttnInputs::fp32(mixed_qkv, qkv_stride, a, a_stride, b, b_stride),
+          attention::linear::LinearAttnInputs::of(mixed_qkv, qkv_stride, a, a_stride, b, b_stride),
           recurrent_state_pool, o);
 }
 

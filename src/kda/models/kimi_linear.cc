@@ -280,32 +280,25 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
   // rounding point (round to nearest even), and it writes bf16: each of its outputs is a rounding point.
   // 2. The gate bottlenecks f = W_fb (W_fa x), z = W_gb (W_ga x), in the bf16 mode bf16 in and out.
   // 3. conv + kernel through the backend.
+  // Activations are fp32 or (bf16 mode) bf16 values stored as bf16: half the bytes written and read.
   ws.o.resize(static_cast<size_t>(T * P_));
-  if (bf16) {
-    ws.proj_bf16.resize(static_cast<size_t>(T * n_proj));
-    ws.f_bf16.resize(static_cast<size_t>(T * P_));
-    ws.z_bf16.resize(static_cast<size_t>(T * P_));
-    bf16_t* pr = ws.proj_bf16.data();
+  const auto project_and_attend = [&](auto& proj, auto& f, auto& z) {
+    proj.resize(static_cast<size_t>(T * n_proj));
+    f.resize(static_cast<size_t>(T * P_));
+    z.resize(static_cast<size_t>(T * P_));
+    auto* pr = proj.data();
     proj_.forward(hidden_states, T, D_, pr, n_proj);
-    f_b_.forward(pr + 3 * P_, T, n_proj, ws.f_bf16.data(), P_);
-    g_b_.forward(pr + 3 * P_ + K_, T, n_proj, ws.z_bf16.data(), P_);
+    f_b_.forward(pr + 3 * P_, T, n_proj, f.data(), P_);
+    g_b_.forward(pr + 3 * P_ + K_, T, n_proj, z.data(), P_);
     attn_(forward_batch,
-          {.mixed_qkv_bf16 = pr,
-           .qkv_stride = n_proj,
-           .a_bf16 = ws.f_bf16.data(),
-           .a_stride = P_,
-           .b_bf16 = pr + 3 * P_ + 2 * K_,
-           .b_stride = n_proj},
+          layers::attention::linear::LinearAttnInputs::of(pr, n_proj, f.data(), P_, pr + 3 * P_ + 2 * K_,
+                                                          n_proj),
           pool, ws.o.data());
+  };
+  if (bf16) {
+    project_and_attend(ws.proj_bf16, ws.f_bf16, ws.z_bf16);
   } else {
-    ws.proj.resize(static_cast<size_t>(T * n_proj));
-    ws.f.resize(static_cast<size_t>(T * P_));
-    ws.z.resize(static_cast<size_t>(T * P_));
-    float* pr = ws.proj.data();
-    proj_.forward(hidden_states, T, pr);
-    f_b_.forward(pr + 3 * P_, T, n_proj, ws.f.data(), P_);
-    g_b_.forward(pr + 3 * P_ + K_, T, n_proj, ws.z.data(), P_);
-    attn_(forward_batch, pr, n_proj, ws.f.data(), P_, pr + 3 * P_ + 2 * K_, n_proj, pool, ws.o.data());
+    project_and_attend(ws.proj, ws.f, ws.z);
   }
   // 4. gated RMS norm per (token, head): y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). The bf16
   // rounding point of the kernel output o is applied as it is read here, and y's as it is written: y goes

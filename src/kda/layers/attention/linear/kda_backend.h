@@ -50,13 +50,23 @@ struct LinearAttnInputs {
   const bf16_t* b_bf16 = nullptr;
   int64_t b_stride = 0;
 
-  static LinearAttnInputs fp32(const float* mixed_qkv, int64_t qkv_stride, const float* a, int64_t a_stride,
-                               const float* b, int64_t b_stride) {
+  // All three fp32, or all three bf16.
+  static LinearAttnInputs of(const float* mixed_qkv, int64_t qkv_stride, const float* a, int64_t a_stride,
+                             const float* b, int64_t b_stride) {
     return {.mixed_qkv = mixed_qkv,
             .qkv_stride = qkv_stride,
             .a = a,
             .a_stride = a_stride,
             .b = b,
+            .b_stride = b_stride};
+  }
+  static LinearAttnInputs of(const bf16_t* mixed_qkv, int64_t qkv_stride, const bf16_t* a, int64_t a_stride,
+                             const bf16_t* b, int64_t b_stride) {
+    return {.mixed_qkv_bf16 = mixed_qkv,
+            .qkv_stride = qkv_stride,
+            .a_bf16 = a,
+            .a_stride = a_stride,
+            .b_bf16 = b,
             .b_stride = b_stride};
   }
 };
@@ -101,7 +111,7 @@ class LinearRecurrentAttnBackend {
   void forward(const RadixLinearAttention& layer, const model_executor::ForwardBatch& forward_batch,
                const float* mixed_qkv, int64_t qkv_stride, const float* a, int64_t a_stride, const float* b,
                int64_t b_stride, mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) {
-    forward(layer, forward_batch, LinearAttnInputs::fp32(mixed_qkv, qkv_stride, a, a_stride, b, b_stride),
+    forward(layer, forward_batch, LinearAttnInputs::of(mixed_qkv, qkv_stride, a, a_stride, b, b_stride),
             recurrent_state_pool, o);
   }
 
