@@ -87,6 +87,35 @@ TEST(Linear, Fp32AndBf16InputsRowCountsAndStrides) {
   }
 }
 
+// A serving engine calls with a new row count at almost every step: the primitives kept stay bounded
+// (least recently used dropped), and a shape whose primitive was dropped still computes right.
+TEST(Linear, PrimitiveCacheStaysBoundedOverManyRowCounts) {
+  const int64_t in = 16, out = 8;
+  const auto w = testing::random_normal(out * in, 1, 0.1f);
+  const layers::Linear lin(in, out, w, Precision::FP32);
+  const auto check_rows = [&](int64_t M) {
+    const auto x = testing::random_normal(M * in, 100 + M);
+    std::vector<float> y(M * out);
+    lin.forward(x.data(), M, y.data());
+    for (int64_t i = 0; i < M; ++i) {
+      for (int64_t o = 0; o < out; ++o) {
+        double ref = 0.0;
+        for (int64_t d = 0; d < in; ++d) ref += static_cast<double>(x[i * in + d]) * w[o * in + d];
+        ASSERT_NEAR(y[i * out + o], ref, 1e-5 + 1e-5 * std::abs(ref)) << "M=" << M;
+      }
+    }
+  };
+  const int64_t shapes = layers::Linear::kMaxPrimitives + 20;
+  for (int64_t M = 1; M <= shapes; ++M) {
+    check_rows(M);
+    EXPECT_EQ(lin.cached_primitives(),
+              static_cast<size_t>(std::min<int64_t>(M, layers::Linear::kMaxPrimitives)));
+  }
+  check_rows(1);       // dropped long ago
+  check_rows(shapes);  // still kept
+  EXPECT_EQ(lin.cached_primitives(), layers::Linear::kMaxPrimitives);
+}
+
 constexpr double kTol = 1e-5;
 
 // The mini dump's layer and a pool sized for `slots` requests.

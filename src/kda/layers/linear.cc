@@ -23,7 +23,8 @@ struct Linear::Impl {
   // take a plain-layout kernel) gets a copy, or replaces it while no primitive uses it yet.
   std::vector<dnnl::memory> w;
   // One primitive per (M, ldx, ldy, output type): created on first use, reused after, with the weight memory
-  // it takes.
+  // it takes. A serving engine calls with a new M at almost every step, so the least recently used is
+  // dropped beyond kMaxPrimitives (oneDNN's own primitive cache makes re-creating a recent one cheap).
   struct Key {
     int64_t m, ldx, ldy;
     bool y_bf16;
@@ -35,8 +36,10 @@ struct Linear::Impl {
     dnnl::matmul matmul;
     memory::desc src_md, dst_md;
     dnnl::memory w;
+    uint64_t last_use = 0;
   };
   mutable std::map<Key, Prim> prims;
+  mutable uint64_t calls = 0;
   mutable std::vector<bf16_t> x_bf16;  // bf16 input scratch
   mutable std::mutex mu;
 };
@@ -141,6 +144,11 @@ void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t
   forward_as(x, M, ldx, y, ldy);
 }
 
+size_t Linear::cached_primitives() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->prims.size();
+}
+
 // Caller holds the mutex.
 void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, int64_t ldy) const {
   Impl& im = *impl_;
@@ -160,10 +168,15 @@ void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, in
       im.w.push_back(copy);
       w = im.w.end() - 1;
     }
+    if (im.prims.size() >= kMaxPrimitives) {
+      auto older = [](const auto& a, const auto& b) { return a.second.last_use < b.second.last_use; };
+      im.prims.erase(std::min_element(im.prims.begin(), im.prims.end(), older));
+    }
     Impl::Prim p{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(), *w};
     it = im.prims.emplace(key, std::move(p)).first;
   }
-  const Impl::Prim& p = it->second;
+  Impl::Prim& p = it->second;
+  p.last_use = ++im.calls;
   memory src_m(p.src_md, im.engine, const_cast<void*>(x));
   memory dst_m(p.dst_md, im.engine, y);
   p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, p.w}, {DNNL_ARG_DST, dst_m}});

@@ -37,6 +37,11 @@ class Linear {
   void forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
   void forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
 
+  // Matmul primitives kept for reuse: one per call shape, at most kMaxPrimitives (least recently used
+  // dropped first).
+  static constexpr size_t kMaxPrimitives = 64;
+  size_t cached_primitives() const;
+
  private:
   struct Impl;
   template <class X, class Y>
