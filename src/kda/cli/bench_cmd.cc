@@ -268,25 +268,23 @@ struct LayerCase {
 
   static int64_t n_proj() { return 3 * kP + 2 * kK + kH; }
 
-  // The layer's GEMMs on its shapes; in bf16 with its bf16 outputs and inputs.
+  // The layer's GEMMs on its shapes, on the layer's activation arrays: fp32, or bf16 in the bf16 mode.
   void gemms(int64_t M) {
     const int64_t np = n_proj(), fa = 3 * kP, ga = fa + kK;
     gx.resize(M * kD);
     gz.resize(M * kD);
+    const auto run = [&](auto& y, auto& f) {
+      y.resize(M * np);
+      f.resize(M * kP);
+      proj.forward(gx.data(), M, kD, y.data(), np);
+      fb.forward(y.data() + fa, M, np, f.data(), kP);
+      gb.forward(y.data() + ga, M, np, f.data(), kP);
+      op.forward(f.data(), M, kP, gz.data(), kD);
+    };
     if (p == Precision::BF16) {
-      gy16.resize(M * np);
-      gf16.resize(M * kP);
-      proj.forward(gx.data(), M, kD, gy16.data(), np);
-      fb.forward(gy16.data() + fa, M, np, gf16.data(), kP);
-      gb.forward(gy16.data() + ga, M, np, gf16.data(), kP);
-      op.forward(gf16.data(), M, kP, gz.data(), kD);
+      run(gy16, gf16);
     } else {
-      gy.resize(M * np);
-      gf.resize(M * kP);
-      proj.forward(gx.data(), M, gy.data());
-      fb.forward(gy.data() + fa, M, np, gf.data(), kP);
-      gb.forward(gy.data() + ga, M, np, gf.data(), kP);
-      op.forward(gf.data(), M, gz.data());
+      run(gy, gf);
     }
   }
 };

@@ -50,9 +50,11 @@ memory::desc plain_weight_md(int64_t in, int64_t out, memory::data_type dt) {
   return memory::desc({in, out}, dt, memory::dims{1, in});  // W^T view of [out, in]
 }
 
+// The matmul for one call shape, W's layout left to oneDNN (format `any`): wdt is the type of W and x.
 dnnl::matmul::primitive_desc matmul_pd(const dnnl::engine& eng, int64_t M, int64_t in, int64_t out,
-                                       int64_t ldx, int64_t ldy, bool y_bf16, const memory::desc& w_md) {
-  const memory::desc src_md({M, in}, w_md.data_type(), memory::dims{ldx, 1});
+                                       int64_t ldx, int64_t ldy, memory::data_type wdt, bool y_bf16) {
+  const memory::desc src_md({M, in}, wdt, memory::dims{ldx, 1});
+  const memory::desc w_md({in, out}, wdt, memory::format_tag::any);
   const auto ydt = y_bf16 ? memory::data_type::bf16 : memory::data_type::f32;
   const memory::desc dst_md({M, out}, ydt, memory::dims{ldy, 1});
   return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_md, w_md, dst_md), eng);
@@ -76,8 +78,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
     plain = w_bf16.data();
   }
   Impl& im = *impl_;
-  const memory::desc any_md({in_, out_}, dt, memory::format_tag::any);
-  im.w.emplace_back(matmul_pd(im.engine, 256, in_, out_, in_, out_, false, any_md).weights_desc(), im.engine);
+  im.w.emplace_back(matmul_pd(im.engine, 256, in_, out_, in_, out_, dt, false).weights_desc(), im.engine);
   memory src(plain_weight_md(in_, out_, dt), im.engine, plain);
   dnnl::reorder(src, im.w[0]).execute(im.stream, src, im.w[0]);
   im.stream.wait();
@@ -156,8 +157,7 @@ void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, in
   auto it = im.prims.find(key);
   if (it == im.prims.end()) {
     // Let matmul pick W's layout for this shape; the same for every M seen so far.
-    const memory::desc any_md({in_, out_}, im.w[0].get_desc().data_type(), memory::format_tag::any);
-    const auto pd = matmul_pd(im.engine, M, in_, out_, ldx, ldy, y_bf16, any_md);
+    const auto pd = matmul_pd(im.engine, M, in_, out_, ldx, ldy, im.w[0].get_desc().data_type(), y_bf16);
     auto same = [&](const memory& m) { return m.get_desc() == pd.weights_desc(); };
     auto w = std::find_if(im.w.begin(), im.w.end(), same);
     if (w == im.w.end()) {

@@ -3,7 +3,8 @@
 // fp32: fp32 weights, fp32 in and out. bf16: bf16 weights and inputs (fp32 inputs are converted here;
 // they are already bf16 values in the bf16 mode), fp32 accumulation, and an fp32 output or a bf16 one
 // (rounded to nearest even by the GEMM as it stores, for a caller whose next step is a bf16 rounding
-// point: half the bytes written and read back). Primitives are created once per row count M and reused.
+// point: half the bytes written and read back). W is reordered once, at construction, into the layout
+// oneDNN's matmul asks for; a primitive is created per call shape and reused (kMaxPrimitives kept).
 #pragma once
 
 #include <cstdint>

@@ -85,7 +85,7 @@ inline __m512 softplus16(__m512 z) {
 }
 #endif
 
-// q, k, v elements as fp32, from fp32 or bf16 inputs (a bf16 value is the top half of its fp32).
+// An input element as fp32, from fp32 or bf16 (a bf16 value is the top half of its fp32).
 inline float to_f32(float x) { return x; }
 inline float to_f32(bf16_t x) { return bf16_to_f32(x); }
 
