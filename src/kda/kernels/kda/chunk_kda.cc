@@ -22,7 +22,7 @@
 // columns of accumulators in zmm registers, A broadcast element by element, B rows loaded as vectors.
 // A column strip of B (128 x 48 floats of the state, 24 KB) stays in L1 while all row blocks pass it.
 // While a chunk computes, step 1 of the next (chunk, head) runs a row at a time between its micro-tiles,
-// each row prefetched a few lines at a time during the tile before (see Stager).
+// each row prefetched a line at a time during the tiles before, at the pace of their work (see Stager).
 #include <omp.h>
 
 #include <algorithm>
@@ -190,7 +190,12 @@ inline void prepare_row(const HeadPrep& p, const In* __restrict q, const In* __r
   }
 }
 
-// Cache lines for a micro-tile to prefetch, one every few steps of its inner loop (see kloop).
+// Steps of a micro-tile's inner loop per line it prefetches. One token row of one head is 32 lines of
+// fp32 inputs, staged over ~96 steps (~1200 cycles of FMAs); a chunk's steps 5-7 have ~7900 steps of
+// full micro-tiles, more than the 64 rows need.
+constexpr int kPfEvery = 3;
+
+// Cache lines for a micro-tile to prefetch, one every kPfEvery steps of its inner loop (see kloop).
 struct PfLines {
   const char* const* p = nullptr;
   int n = 0;
@@ -204,9 +209,9 @@ struct PfLines {
 // as they arrive land in L2-resident arrays instead, and the next chunk starts from them directly.
 class Stager {
  public:
-  // Rows (of all four inputs) prefetched ahead of the one prepared. A row's lines are prefetched a few
-  // at a time over one micro-tile's loop rather than all at once, so that few misses are in flight at
-  // any time (measured: ~2% faster than a burst of the whole row).
+  // Rows (of all four inputs) prefetched ahead of the one prepared. A row's lines are prefetched one at
+  // a time over the micro-tiles' loops (see kloop) rather than all at once, so that few misses are in
+  // flight at any time (measured: ~2% faster than a burst of the whole row).
   static constexpr int kAhead = 2;
   static constexpr int kMaxLines = 64;
 
@@ -230,24 +235,34 @@ class Stager {
     }
     build(pr_);
   }
-  int total() const { return u_.rows; }
   // The lines the next micro-tile prefetches (it advances the list as it goes).
   PfLines& lines() { return cur_; }
 
-  // Prepares the next `count` rows (all that are left with count >= total()).
-  void issue(int count) {
-    for (; count > 0 && done_ < u_.rows; --count, ++done_) {
-      flush();
-      build(++pr_);
-      if (u_.bf16) {
-        u_.g_bf16 ? prepare<bf16_t, bf16_t>(done_) : prepare<bf16_t, float>(done_);
-      } else {
-        u_.g_bf16 ? prepare<float, bf16_t>(done_) : prepare<float, float>(done_);
-      }
-    }
+  // After a micro-tile: prepares a row once the tiles have prefetched every line of the row after it.
+  // Rows are thus prepared at the pace of the tiles' work (a short tile of a triangular product
+  // prefetches few lines), never sooner than one row's worth of tile work after their own lines were
+  // requested: enough for a miss to memory even on a loaded machine (preparing a row after a fixed
+  // count of tiles read it too soon after short ones, and step 1 stalled on its loads).
+  void tile_done() {
+    while (cur_.n == 0 && done_ < u_.rows) step();
+  }
+  // Prepares every row left.
+  void finish() {
+    while (done_ < u_.rows) step();
   }
 
  private:
+  void step() {
+    flush();
+    build(++pr_);
+    if (u_.bf16) {
+      u_.g_bf16 ? prepare<bf16_t, bf16_t>(done_) : prepare<bf16_t, float>(done_);
+    } else {
+      u_.g_bf16 ? prepare<float, bf16_t>(done_) : prepare<float, float>(done_);
+    }
+    ++done_;
+  }
+
   // Row r of the unit; In is the type of q, k, v, GIn that of g.
   template <class In, class GIn>
   void prepare(int64_t r) {
@@ -299,17 +314,21 @@ class Stager {
 #if defined(__AVX512F__)
 
 // acc[0:MR, 0:NV] += A[r0:r0+MR, 0:kd] B[0:kd, j0:j0+16NV]; the last vector of each B row is masked.
-// With PF, every fourth step prefetches the next line of pf's list.
+// With PF, every kPfEvery-th step prefetches the next line of pf's list.
 template <int MR, int NV, bool AT, bool PF>
 inline void kloop(const Seg& s, int kd, int r0, int j0, __mmask16 tail, __m512 (&acc)[MR][NV], PfLines* pf) {
   const float* b = s.b + j0;
   const float* a = AT ? s.a + r0 : s.a + r0 * s.lda;
+  int countdown = 1;
   for (int d = 0; d < kd; ++d, b += s.ldb) {
     if constexpr (PF) {
-      if ((d & 3) == 0 && pf->n > 0) {
-        _mm_prefetch(*pf->p, _MM_HINT_T0);
-        ++pf->p;
-        --pf->n;
+      if (--countdown == 0) {
+        countdown = kPfEvery;
+        if (pf->n > 0) {
+          _mm_prefetch(*pf->p, _MM_HINT_T0);
+          ++pf->p;
+          --pf->n;
+        }
       }
     }
     __m512 bv[NV];
@@ -371,12 +390,12 @@ inline void tile(const Seg* segs, int nseg, const Init& init, int r0, int j0, __
 // All rows of one column strip [j0, j0 + 16 NV), kMR at a time, then the remainder rows.
 template <int NV>
 void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0, __mmask16 tail, float* c,
-                int64_t ldc, Stager* pf, int pf_lines) {
+                int64_t ldc, Stager* pf) {
   int r0 = 0;
   for (; r0 + kMR <= M; r0 += kMR) {
     if (pf != nullptr) {
       tile<kMR, NV, true>(segs, nseg, init, r0, j0, tail, c, ldc, &pf->lines());
-      pf->issue(pf_lines);
+      pf->tile_done();
     } else {
       tile<kMR, NV>(segs, nseg, init, r0, j0, tail, c, ldc);
     }
@@ -412,25 +431,25 @@ void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0, __mm
 // C[M, N] = init + sum over segs of A B (C may alias init.src: every tile reads its own init first).
 // This and the steps below are kept out of line: inlined all into one function, GCC 12 compiles the
 // chunk 2x slower.
-// During and after each full micro-tile, pf (if any) prefetches its next row and prepares pf_lines rows.
+// During each full micro-tile pf (if any) prefetches its next lines, and after it prepares the rows due.
 [[gnu::noinline]] void gemm(int M, int N, const Seg* segs, int nseg, const Init& init, float* c, int64_t ldc,
-                            Stager* pf = nullptr, int pf_lines = 0) {
+                            Stager* pf = nullptr) {
   static_assert(kNV >= 1 && kNV <= 4, "strip dispatch below covers 1..4 vectors");
   for (int j0 = 0; j0 < N; j0 += 16 * kNV) {
     const int nw = std::min(16 * kNV, N - j0);
     const __mmask16 tail = nw % 16 == 0 ? 0xFFFF : static_cast<__mmask16>((1u << (nw % 16)) - 1);
     switch ((nw + 15) / 16) {
       case 1:
-        strip_rows<1>(M, segs, nseg, init, j0, tail, c, ldc, pf, pf_lines);
+        strip_rows<1>(M, segs, nseg, init, j0, tail, c, ldc, pf);
         break;
       case 2:
-        if constexpr (kNV >= 2) strip_rows<2>(M, segs, nseg, init, j0, tail, c, ldc, pf, pf_lines);
+        if constexpr (kNV >= 2) strip_rows<2>(M, segs, nseg, init, j0, tail, c, ldc, pf);
         break;
       case 3:
-        if constexpr (kNV >= 3) strip_rows<3>(M, segs, nseg, init, j0, tail, c, ldc, pf, pf_lines);
+        if constexpr (kNV >= 3) strip_rows<3>(M, segs, nseg, init, j0, tail, c, ldc, pf);
         break;
       default:
-        if constexpr (kNV >= 4) strip_rows<4>(M, segs, nseg, init, j0, tail, c, ldc, pf, pf_lines);
+        if constexpr (kNV >= 4) strip_rows<4>(M, segs, nseg, init, j0, tail, c, ldc, pf);
         break;
     }
   }
@@ -439,8 +458,8 @@ void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0, __mm
 #else  // Portable fallback (KDA_NATIVE=OFF on a CPU without AVX-512): the same products, plain loops.
 
 [[gnu::noinline]] void gemm(int M, int N, const Seg* segs, int nseg, const Init& init, float* c, int64_t ldc,
-                            Stager* pf = nullptr, int pf_lines = 0) {
-  if (pf != nullptr) pf->issue(pf->total());
+                            Stager* pf = nullptr) {
+  if (pf != nullptr) pf->finish();
   float acc[kChunk];  // one row, kChunk columns at a time
   for (int i = 0; i < M; ++i) {
     for (int j0 = 0; j0 < N; j0 += kChunk) {
@@ -940,7 +959,7 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
   if (w.staged_t0 != c0 || w.staged_h != h) {
     Stager now;
     plan_stage(a, st, h, c0, L, scale, w, now);
-    now.issue(now.total());
+    now.finish();
   }
   decays(K, L, w);
   build_attention(K, L, w);
@@ -955,20 +974,18 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
   // E are dead), spread over the full micro-tiles.
   Stager pf;
   if (next.t0 >= 0) plan_stage(a, st, next.h, next.t0, next.rows, scale, w, pf);
-  const int tiles = (2 * (L / kMR) + K / kMR) * ((V + 16 * kNV - 1) / (16 * kNV));
-  const int pf_units = tiles > 0 ? (pf.total() + tiles - 1) / tiles : pf.total();
 
   const Seg s_vn{w.T, C, false, w.R, V, L, true};
-  gemm(L, V, &s_vn, 1, Init{}, w.Vn, V, &pf, pf_units);
+  gemm(L, V, &s_vn, 1, Init{}, w.Vn, V, &pf);
 
   // Step 6: O = Qf S + Aqk Vn.
   const Seg s_o[2] = {{w.Xq, K, false, S, V, K, false}, {w.Aqk, C, false, w.Vn, V, L, true}};
-  gemm(L, V, s_o, 2, Init{}, a.o + c0 * ldo + h * V, ldo, &pf, pf_units);
+  gemm(L, V, s_o, 2, Init{}, a.o + c0 * ldo + h * V, ldo, &pf);
 
   // Step 7: S <- diag(exp(Gamma_last)) S + Kr^T Vn (Kr read transposed: A(d, r) = Kr[r, d]).
   const Seg s_s{w.Kc, K, true, w.Vn, V, L, false};
-  gemm(K, V, &s_s, 1, Init{S, V, w.last}, S, V, &pf, pf_units);
-  pf.issue(pf.total());
+  gemm(K, V, &s_s, 1, Init{S, V, w.last}, S, V, &pf);
+  pf.finish();
 }
 
 // First chunk of work item `item` (sequence item / groups, heads of group item % groups), or none.
