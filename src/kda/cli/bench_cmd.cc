@@ -132,6 +132,37 @@ double copy_gbps(size_t bytes) {
   return 2.0 * bytes / s / 1e9;
 }
 
+// The cores' fp32 multiply-add peak: every thread runs independent chains of 16-wide FMAs on registers
+// for ~0.3 s. It tells which kind of host a run landed on: this VM has been seen on hosts that retire
+// two 512-bit FMAs per cycle and on hosts that retire one (the same code then runs at half the rate),
+// so absolute times only compare between runs on the same kind.
+double fma_peak_gflops() {
+  using v16 = float __attribute__((vector_size(64)));
+  constexpr int kChains = 16;
+  constexpr int64_t kIters = 1 << 24;
+  const int nt = omp_get_max_threads();
+  double best = INFINITY;
+  float sink = 0.0f;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+#pragma omp parallel num_threads(nt) reduction(+ : sink)
+    {
+      v16 acc[kChains];
+      const float seed = 1.0f + 1e-3f * static_cast<float>(omp_get_thread_num());
+      for (int c = 0; c < kChains; ++c) acc[c] = v16{} + seed * static_cast<float>(c);
+      const v16 m = v16{} + 0.999f, a = v16{} + 1e-3f;
+      for (int64_t i = 0; i < kIters; ++i) {
+#pragma GCC unroll 16
+        for (int c = 0; c < kChains; ++c) acc[c] = acc[c] * m + a;  // contracted to one FMA
+      }
+      for (int c = 0; c < kChains; ++c) sink += acc[c][0];
+    }
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  if (sink == 0.0f) std::fprintf(stderr, " ");  // keeps the loop's result alive
+  return 2.0 * 16 * kChains * static_cast<double>(kIters) * nt / best / 1e9;
+}
+
 // Prints to stdout unless the results go out as JSON.
 struct Say {
   bool quiet = false;
@@ -393,8 +424,10 @@ int run_bench(const BenchOptions& o) {
   GemmCeiling c16(Precision::BF16, 1024, 4096, 2304);
   const double g16 = c16.gflops(best_seconds([&] { c16.run(); }));
   const double cp = copy_gbps(size_t{512} << 20);
+  const double fma = fma_peak_gflops();
   j["threads"] = threads;
-  j["ceilings"] = {{"gemm_f32_gflops", g32}, {"gemm_bf16_gflops", g16}, {"copy_gbps", cp}};
+  j["ceilings"] = {
+      {"gemm_f32_gflops", g32}, {"gemm_bf16_gflops", g16}, {"copy_gbps", cp}, {"fma_peak_f32_gflops", fma}};
   if (!std::isnan(plain32)) j["ceilings"]["gemm_f32_plain_call_gflops"] = plain32;
   say("\nceilings: oneDNN GEMM 1024x4096x2304 with pre-packed weights (as the layer runs it) fp32 %.1f "
       "GFLOP/s, "
@@ -404,6 +437,9 @@ int run_bench(const BenchOptions& o) {
     say("(for reference: the fp32 GEMM as a plain call that repacks W each time, as BLAS does: %.1f "
         "GFLOP/s)\n",
         plain32);
+  say("(the cores' fp32 FMA peak, registers only: %.1f GFLOP/s, %.1f per thread; the GEMM runs at %.0f%% of "
+      "it)\n",
+      fma, fma / threads, 100 * g32 / fma);
 
   if (kernels) {
     say("\n%-22s %6s %8s %12s %10s %10s %16s\n", "kernel", "seqs", "tokens", "us/token", "GFLOP/s", "% GEMM",
