@@ -14,16 +14,8 @@
 #include <random>
 #include <vector>
 
-#if defined(__AVX512F__)
-// GCC 12 reports _mm512_reduce_add_ps's own pass-through operand as used uninitialized once inlined.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
-
 #include "kda/cli/commands.h"
+#include "kda/kernels/kda/avx512.h"
 #include "kda/kernels/kda/bench_inputs.h"
 #include "kda/kernels/kda/kda.h"
 #include "kda/layers/attention/linear/kda_backend.h"

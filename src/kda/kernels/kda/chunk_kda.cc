@@ -35,20 +35,11 @@
 #include <new>
 #include <utility>
 
-#if defined(__AVX512F__)
-// GCC 12 reports its own shuffle / unpack intrinsics (their _mm512_undefined_ps() pass-through operand)
-// as "(may be) used uninitialized" once inlined; the header lines are where the warning is located.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
-
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr
 #endif
 
+#include "kda/kernels/kda/avx512.h"
 #include "kda/kernels/kda/kda.h"
 #include "kda/kernels/kda/scratch.h"
 #include "kda/kernels/kda/vec_math.h"
