@@ -1,6 +1,7 @@
 // <immintrin.h> for AVX-512 code. GCC 12 reports its own shuffle / unpack / reduce intrinsics (their
 // _mm512_undefined_ps() pass-through operand) as "(may be) used uninitialized" once inlined; the header
-// lines are where the warning is located, so it is silenced around the include only.
+// lines are where the warning is located, so it is silenced around the include only. Every file of the
+// project takes the header from here, so the silencing does not depend on which include comes first.
 #pragma once
 
 #if defined(__AVX512F__)

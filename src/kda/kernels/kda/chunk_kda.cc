@@ -182,8 +182,8 @@ inline void prepare_row(const HeadPrep& p, const In* __restrict q, const In* __r
 }
 
 // Steps of a micro-tile's inner loop per line it prefetches. One token row of one head is 32 lines of
-// fp32 inputs, staged over ~96 steps (~1200 cycles of FMAs); a chunk's steps 5-7 have ~7900 steps of
-// full micro-tiles, more than the 64 rows need.
+// fp32 inputs, staged over ~96 steps of 24 FMAs each; at C = 64, K = V = 128 the full micro-tiles of a
+// chunk's steps 5-7 have ~7900 steps, more than the 64 rows need.
 constexpr int kPfEvery = 3;
 
 // Cache lines for a micro-tile to prefetch, one every kPfEvery steps of its inner loop (see kloop).

@@ -24,10 +24,7 @@
 #include <new>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+#include "kda/kernels/kda/avx512.h"
 #include "kda/kernels/kda/kda.h"
 #include "kda/kernels/kda/scratch.h"
 #include "kda/kernels/kda/vec_math.h"

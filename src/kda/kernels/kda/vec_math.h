@@ -10,10 +10,7 @@
 #include <cstdint>
 
 #include "kda/common/bf16.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "kda/kernels/kda/avx512.h"
 
 namespace kda::kernels::vecmath {
 
