@@ -26,6 +26,7 @@
 
 #include "kda/kernels/kda/avx512.h"
 #include "kda/kernels/kda/kda.h"
+#include "kda/kernels/kda/prepare.h"
 #include "kda/kernels/kda/scratch.h"
 #include "kda/kernels/kda/vec_math.h"
 
@@ -35,10 +36,7 @@ namespace {
 constexpr int kStrip = 64;    // state columns per strip
 constexpr int kTokBlock = 8;  // tokens whose q, k, exp(g) are prepared at once (prefill through here)
 
-using vecmath::exp_approx;
-using vecmath::softplus_approx;
-
-thread_local ScratchBuffer tl_prep;   // [kTokBlock][4][Kp]: scale q-hat, k-hat, exp(g), k-hat exp(g)
+thread_local ScratchBuffer tl_prep;   // [kTokBlock][5][Kp]: scale q-hat, k-hat, exp(g), k-hat exp(g), g
 thread_local ScratchBuffer tl_state;  // [K, V] private state, when the slot is not updated in place
 
 // One token's inputs for the strip kernel, columns relative to the strip start.
@@ -220,41 +218,25 @@ Item item_of(const KdaArgs& a, int64_t i, int h) {
   return it;
 }
 
-// q-hat (times scale), k-hat, exp(g) and k-hat exp(g) of token t, head h, into p[0..4*Kp). The rows are
-// copied into aligned scratch first, so the norms' summation order does not depend on the input's
-// alignment (strided and dense inputs give bit-identical results).
-void prepare_token(const KdaArgs& a, int64_t t, int h, float scale, int Kp, float* __restrict p) {
+// q-hat (times scale), k-hat, exp(g) and k-hat exp(g) of token t, head h, into p[0..4*Kp); g itself
+// (which the recurrence does not use) into p[4*Kp..5*Kp).
+void prepare_token(const KdaArgs& a, const prep::HeadPrep& hp, int64_t t, int h, int Kp,
+                   float* __restrict p) {
   const int K = a.K;
   const int64_t qs = a.q_stride > 0 ? a.q_stride : static_cast<int64_t>(a.H) * K;
   const int64_t ks = a.k_stride > 0 ? a.k_stride : static_cast<int64_t>(a.H) * K;
   const int64_t gs = a.g_stride > 0 ? a.g_stride : static_cast<int64_t>(a.H) * K;
-  float* __restrict q = p;
   float* __restrict k = p + Kp;
   float* __restrict e = p + 2 * Kp;
   float* __restrict ke = p + 3 * Kp;
-  std::memcpy(q, a.q + t * qs + h * K, K * sizeof(float));
-  std::memcpy(k, a.k + t * ks + h * K, K * sizeof(float));
-  const float* __restrict gt = a.g + t * gs + h * K;
-  float rq = scale, rk = 1.0f;
-  if (a.use_qk_l2norm_in_kernel) vecmath::l2norm_factors(q, k, K, scale, rq, rk);
-  if (a.use_gate_in_kernel) {
-    const float neg_a = -std::exp(a.A_log[h]);
-    const float* bias = a.dt_bias != nullptr ? a.dt_bias + h * K : nullptr;
+  prep::prepare_row(hp, a.q + t * qs + h * K, a.k + t * ks + h * K, a.g + t * gs + h * K, p, k, p + 4 * Kp,
+                    e);
 #pragma omp simd
-    for (int d = 0; d < K; ++d) e[d] = exp_approx(neg_a * softplus_approx(gt[d] + (bias ? bias[d] : 0.0f)));
-  } else {
-#pragma omp simd
-    for (int d = 0; d < K; ++d) e[d] = exp_approx(gt[d]);
-  }
-#pragma omp simd
-  for (int d = 0; d < K; ++d) {
-    q[d] *= rq;
-    k[d] *= rk;
-    ke[d] = k[d] * e[d];
-  }
+  for (int d = 0; d < K; ++d) ke[d] = k[d] * e[d];
 }
 
 void process_item(const KdaArgs& a, int h, float scale, const Item& it, const Item* next) {
+  const prep::HeadPrep hp = prep::head_prep(a, h, scale);
   const int K = a.K, V = a.V, H = a.H;
   if (it.padded) {  // zero output, the pool is not touched
     for (int64_t t = it.bos; t < it.eos; ++t) std::memset(a.o + (t * H + h) * V, 0, V * sizeof(float));
@@ -269,7 +251,7 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
   if (it.eos == it.bos) return;
 
   const int Kp = (K + 15) / 16 * 16;
-  float* prep = tl_prep.get(static_cast<size_t>(kTokBlock) * 4 * Kp);
+  float* rows = tl_prep.get(static_cast<size_t>(kTokBlock) * 5 * Kp);
   const int64_t vs = a.v_stride > 0 ? a.v_stride : static_cast<int64_t>(H) * V;
   // Prefetch only what will come from the pool: the next strip of this slot, then the next head's.
   const float* next_pool =
@@ -279,8 +261,8 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
     Tok tok[kTokBlock];
     for (int r = 0; r < nt; ++r) {
       const int64_t t = t0 + r;
-      float* p = prep + static_cast<size_t>(r) * 4 * Kp;
-      prepare_token(a, t, h, scale, Kp, p);
+      float* p = rows + static_cast<size_t>(r) * 5 * Kp;
+      prepare_token(a, hp, t, h, Kp, p);
       tok[r] = {
           p, p + Kp, p + 2 * Kp, p + 3 * Kp, a.v + t * vs + h * V, a.o + (t * H + h) * V, a.beta[t * H + h]};
     }
