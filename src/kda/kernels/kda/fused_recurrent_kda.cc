@@ -4,10 +4,11 @@
 //   y = S^T (k * exp(g))                          the decay folded into the key, S not written
 //   S <- diag(exp(g)) S + k (beta (v - y))^T,  o = S^T (scale q-hat)
 // Every column of S evolves on its own (column j only meets v[j], u[j], o[j]), so the state is walked in
-// strips of 64 columns (K x 64 fp32 = 32 KB at K = 128, smaller than the 48 KB L1D): both passes, for
-// every token of a block, run on a strip while it is (mostly, see pass 2) in L1, and the state is read
-// from and written to memory once per call.
-// While a strip is worked on, the next one (or the next head's first one) is prefetched.
+// strips of 64 columns (K x 64 fp32 = 32 KB at K = 128; the L1D is 48 KB on Zen 5, 32 KB on Zen 4):
+// both passes, for every token of a block, run on a strip while it is (partly, see pass 2) in L1, and
+// the state is read from and written to memory once per call.
+// While a strip is worked on, the next one (or the next head's first one) is prefetched, when the
+// states come from memory (see kCacheResidentBytes).
 //
 // Work items are (sequence, head) pairs, split into one contiguous range per OpenMP thread so that each
 // thread knows which state it reads next and can prefetch it. The state is updated in its pool slot in
@@ -35,6 +36,14 @@ namespace {
 
 constexpr int kStrip = 64;    // state columns per strip
 constexpr int kTokBlock = 8;  // tokens whose q, k, exp(g) are prepared at once (prefill through here)
+// States of a call that total at most this much (half of the 32 MB L3 of a Zen 4 / Zen 5 CCD) are most
+// likely in the last-level cache, where the previous step left them, and are not prefetched: from
+// there the hardware prefetchers keep up, and a strip fills the L1 as it is (32 KB on Zen 4, where its
+// rows fold 16 deep onto the 8-way sets), so the next strip brought in early only evicts the current
+// one's rows before pass 2 reads them. Measured on Zen 4 (interleaved runs, 2 threads) at batch 1
+// (2 MB of states, in L3): 40.5 us with the prefetch into L1, 37.2 without (into L2 only: in between).
+// At batch 64 (128 MB, from memory) the prefetch into L1 pays: 6.69 ms with it, 7.07 without.
+constexpr int64_t kCacheResidentBytes = int64_t{16} << 20;
 
 thread_local ScratchBuffer tl_prep;   // [kTokBlock][5][Kp]: scale q-hat, k-hat, exp(g), k-hat exp(g), g
 thread_local ScratchBuffer tl_state;  // [K, V] private state, when the slot is not updated in place
@@ -105,9 +114,9 @@ inline void strip_token(const float* src, int64_t lds, float* dst, int64_t ldd, 
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NV; ++n) acc[r][n] = _mm512_setzero_ps();
   // Pass 2 walks the rows backwards. At V = 128 a strip puts 16 lines (the rows d, d+8, ...) in each
-  // L1 set it touches, which has 12 ways: after pass 1 only the last rows are still in L1, so pass 2
-  // starts with them (backwards: 3/4 of its loads hit L1; forwards: few do, LRU evicts each row just
-  // before it is needed). Measured: 1.2 us vs 1.5 us per head with the state in L2.
+  // L1 set it touches, which has 12 ways (8 on Zen 4): after pass 1 only the last rows are in L1, so
+  // pass 2 starts with them (backwards: 3/4 of its loads hit L1 on Zen 5, 1/2 on Zen 4; forwards: few
+  // do, LRU evicts each row just before it is needed). Measured: 1.2 us vs 1.5 us per head in L2.
   auto row_of = [K](int i) { return K - 1 - i; };
   int i = 0;
   for (; i + R <= K; i += R) {
@@ -235,7 +244,7 @@ void prepare_token(const KdaArgs& a, const prep::HeadPrep& hp, int64_t t, int h,
   for (int d = 0; d < K; ++d) ke[d] = k[d] * e[d];
 }
 
-void process_item(const KdaArgs& a, int h, float scale, const Item& it, const Item* next) {
+void process_item(const KdaArgs& a, int h, float scale, const Item& it, const Item* next, bool prefetch) {
   const prep::HeadPrep hp = prep::head_prep(a, h, scale);
   const int K = a.K, V = a.V, H = a.H;
   if (it.padded) {  // zero output, the pool is not touched
@@ -254,8 +263,9 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
   float* rows = tl_prep.get(static_cast<size_t>(kTokBlock) * 5 * Kp);
   const int64_t vs = a.v_stride > 0 ? a.v_stride : static_cast<int64_t>(H) * V;
   // Prefetch only what will come from the pool: the next strip of this slot, then the next head's.
+  const bool prefetch_own = prefetch && it.has_init;
   const float* next_pool =
-      (next != nullptr && next->has_init && next->eos > next->bos) ? next->pool : nullptr;
+      (prefetch && next != nullptr && next->has_init && next->eos > next->bos) ? next->pool : nullptr;
   for (int64_t t0 = it.bos; t0 < it.eos; t0 += kTokBlock) {
     const int nt = static_cast<int>(std::min<int64_t>(kTokBlock, it.eos - t0));
     Tok tok[kTokBlock];
@@ -273,7 +283,7 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
       const float* pf = nullptr;
       int lines = 0;
       if (j0 + kStrip < V) {
-        if (first_block && it.has_init) {
+        if (first_block && prefetch_own) {
           pf = it.pool + j0 + kStrip;
           lines = (std::min(kStrip, V - j0 - kStrip) + 15) / 16;
         }
@@ -303,6 +313,7 @@ void fused_recurrent_kda_opt(const KdaArgs& args) {
   // Static, contiguous ranges: the items cost the same (decode) and each thread knows its next state.
   const int64_t items = a.N * H;
   if (items == 0) return;
+  const bool prefetch = items * a.K * a.V * static_cast<int64_t>(sizeof(float)) > kCacheResidentBytes;
 #pragma omp parallel if (items > 1)
   {
     const int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();
@@ -313,7 +324,7 @@ void fused_recurrent_kda_opt(const KdaArgs& args) {
         Item next;
         const bool has_next = x + 1 < hi;
         if (has_next) next = item_of(a, (x + 1) / H, static_cast<int>((x + 1) % H));
-        process_item(a, static_cast<int>(x % H), scale, cur, has_next ? &next : nullptr);
+        process_item(a, static_cast<int>(x % H), scale, cur, has_next ? &next : nullptr, prefetch);
         cur = next;
       }
     }
