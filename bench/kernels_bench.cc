@@ -120,6 +120,31 @@ BENCHMARK_CAPTURE(BM_FusedRecurrentKda, naive, KernelImpl::Naive)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 
+// The same with the states in memory, as in a model where other layers and the layer's own weights
+// pass through the caches between two steps on a slot: every call takes fresh slots from the 512 MiB
+// pool, and says so (StateLocality::Memory, as the layer's backend does), so the kernel prefetches.
+void BM_FusedRecurrentKdaFromMemory(benchmark::State& state) {
+  const int64_t B = state.range(0);
+  KdaInputs in(B, 1);
+  std::vector<int32_t> perm(kPoolSlots);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(12));
+  const int64_t n_sets = kPoolSlots / B;
+  KdaArgs a = in.args(state_pool().data(), perm.data(), kPoolSlots);
+  a.state_locality = KdaArgs::StateLocality::Memory;
+  int64_t which = 0;
+  for (auto _ : state) {
+    a.state_indices = perm.data() + (which++ % n_sets) * B;
+    kda::kernels::fused_recurrent_kda(a, KernelImpl::Optimized);
+    benchmark::ClobberMemory();
+  }
+  const double bytes = 2.0 * B * kH * kK * kK * sizeof(float);
+  state.SetItemsProcessed(state.iterations() * B);
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * bytes));
+  state.counters["GB/s"] = rate(bytes);
+}
+BENCHMARK(BM_FusedRecurrentKdaFromMemory)->Arg(1)->Arg(8)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
 // memcpy over 512 MiB on all OpenMP threads, as `kda bench` takes its ceiling.
 void BM_MemcpyReference(benchmark::State& state) {
   const size_t bytes = size_t{512} << 20;

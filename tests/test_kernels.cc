@@ -396,6 +396,39 @@ TEST(KdaKernels, Decode) {
   check_all_kernels(p, "decode");
 }
 
+// The state-locality hint only decides whether fused_recurrent_kda_opt prefetches: every setting
+// gives the same bits, with the prefetch (Memory) and without (Cache; Auto at this size).
+TEST(KdaKernels, RecurrentStateLocalityLeavesResultsUnchanged) {
+  Problem p;
+  p.T = 6;
+  p.N = 6;
+  p.H = 3;
+  p.K = 128;
+  p.V = 160;  // a full strip and a partial one
+  p.slots = 8;
+  p.idx = {5, 0, -1, 3, 7, 1};
+  p.has_init = {1, 0, 1, 1, 1, 1};
+  p.l2 = true;
+  p.gate = true;
+  fill(p, 650);
+  using Loc = KdaArgs::StateLocality;
+  std::vector<float> o0, pool0;
+  for (Loc loc : {Loc::Auto, Loc::Cache, Loc::Memory}) {
+    std::vector<float> o(static_cast<size_t>(p.T) * p.H * p.V, -1.0f), pool = p.pool;
+    KdaArgs a = p.args(o.data(), pool.data());
+    a.state_locality = loc;
+    fused_recurrent_kda(a, KernelImpl::Optimized);
+    if (loc == Loc::Auto) {
+      o0 = o;
+      pool0 = pool;
+      EXPECT_NE(pool0, p.pool);
+      continue;
+    }
+    EXPECT_EQ(o, o0) << static_cast<int>(loc);
+    EXPECT_EQ(pool, pool0) << static_cast<int>(loc);
+  }
+}
+
 TEST(KdaKernels, StrongGates) {
   for (int f = 0; f < 4; ++f) {
     Problem p;

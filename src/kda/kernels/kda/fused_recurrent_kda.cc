@@ -8,7 +8,7 @@
 // both passes, for every token of a block, run on a strip while it is (partly, see pass 2) in L1, and
 // the state is read from and written to memory once per call.
 // While a strip is worked on, the next one (or the next head's first one) is prefetched, when the
-// states come from memory (see kCacheResidentBytes).
+// states come from memory (see KdaArgs::state_locality).
 //
 // Work items are (sequence, head) pairs, split into one contiguous range per OpenMP thread so that each
 // thread knows which state it reads next and can prefetch it. The state is updated in its pool slot in
@@ -36,13 +36,13 @@ namespace {
 
 constexpr int kStrip = 64;    // state columns per strip
 constexpr int kTokBlock = 8;  // tokens whose q, k, exp(g) are prepared at once (prefill through here)
-// States of a call that total at most this much (half of the 32 MB L3 of a Zen 4 / Zen 5 CCD) are most
-// likely in the last-level cache, where the previous step left them, and are not prefetched: from
-// there the hardware prefetchers keep up, and a strip fills the L1 as it is (32 KB on Zen 4, where its
-// rows fold 16 deep onto the 8-way sets), so the next strip brought in early only evicts the current
-// one's rows before pass 2 reads them. Measured on Zen 4 (interleaved runs, 2 threads) at batch 1
-// (2 MB of states, in L3): 40.5 us with the prefetch into L1, 37.2 without (into L2 only: in between).
-// At batch 64 (128 MB, from memory) the prefetch into L1 pays: 6.69 ms with it, 7.07 without.
+// States in the last-level cache are not prefetched: from there the hardware prefetchers keep up, and
+// the software prefetches of the next strip only compete with the current strip's misses. States in
+// memory are: the prefetch runs a strip ahead of the hardware's. Measured on Zen 4 (interleaved runs, 2
+// threads): batch 1, states in L3: 40.5 us with the prefetch, 37.2 without; batch 1, states in memory:
+// 115-118 us with, 121-123 without; batch 64 (128 MB, in memory): 6.69 ms with, 7.07 without.
+// With StateLocality::Auto, a call whose states total at most this much (half of the 32 MB L3 of a
+// Zen 4 / Zen 5 CCD) is taken to find them in the cache.
 constexpr int64_t kCacheResidentBytes = int64_t{16} << 20;
 
 thread_local ScratchBuffer tl_prep;   // [kTokBlock][5][Kp]: scale q-hat, k-hat, exp(g), k-hat exp(g), g
@@ -313,7 +313,10 @@ void fused_recurrent_kda_opt(const KdaArgs& args) {
   // Static, contiguous ranges: the items cost the same (decode) and each thread knows its next state.
   const int64_t items = a.N * H;
   if (items == 0) return;
-  const bool prefetch = items * a.K * a.V * static_cast<int64_t>(sizeof(float)) > kCacheResidentBytes;
+  using Loc = KdaArgs::StateLocality;
+  const bool prefetch = a.state_locality == Loc::Memory ||
+                        (a.state_locality == Loc::Auto &&
+                         items * a.K * a.V * static_cast<int64_t>(sizeof(float)) > kCacheResidentBytes);
 #pragma omp parallel if (items > 1)
   {
     const int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();

@@ -71,6 +71,13 @@ struct KdaArgs {
   bool output_final_state = true;  // write the final state back into the sequence's slot
 
   float* o = nullptr;  // [T, H, V] output
+
+  // Where the slots' states most likely are when the call starts; it steers fused_recurrent_kda_opt's
+  // prefetching only (results are the same whatever it says). Auto: in the last-level cache when the
+  // call's states total at most 16 MiB, else in memory -- a guess from the call alone. A caller that
+  // knows what ran since the last call on these slots (a layer's projections, other layers) says so.
+  enum class StateLocality : uint8_t { Auto, Cache, Memory };
+  StateLocality state_locality = StateLocality::Auto;
 };
 
 // Checks shapes, cu_seqlens, slot indices (in range, or -1, no slot twice) and flags. Throws

@@ -246,6 +246,10 @@ kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) c
   a.has_initial_state = md.has_initial_state.data();
   a.output_final_state = true;
   a.o = d.o;
+  // Between two steps on a request's slot the layer streams its projection weights (tens of MB at
+  // the checkpoint's shapes, more than a last-level cache) and other layers run: the states come from
+  // memory, however few the call touches.
+  a.state_locality = kernels::KdaArgs::StateLocality::Memory;
   return a;
 }
 
