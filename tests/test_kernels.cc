@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -379,38 +380,35 @@ TEST(KdaKernels, OddHeadSizes) {
   }
 }
 
-TEST(KdaKernels, Decode) {
-  // N sequences of one token each (T == N, no cu_seqlens), slots permuted, one padded row.
+// A decode batch: one token for each of idx.size() sequences (T == N, no cu_seqlens) in `slots` pool
+// slots, K = 128, l2norm and gate in the kernel.
+Problem decode_problem(int H, int V, int64_t slots, std::vector<int32_t> idx, std::vector<uint8_t> has_init,
+                       uint64_t seed) {
   Problem p;
-  p.T = 8;
-  p.N = 8;
-  p.H = 4;
+  p.T = p.N = static_cast<int64_t>(idx.size());
+  p.H = H;
   p.K = 128;
-  p.V = 128;
-  p.slots = 10;
-  p.idx = {9, 0, -1, 4, 2, 7, 1, 5};
-  p.has_init = {1, 1, 1, 0, 1, 1, 1, 1};
+  p.V = V;
+  p.slots = slots;
+  p.idx = std::move(idx);
+  p.has_init = std::move(has_init);
   p.l2 = true;
   p.gate = true;
-  fill(p, 600);
+  fill(p, seed);
+  return p;
+}
+
+TEST(KdaKernels, Decode) {
+  // Slots permuted, one padded row, one sequence without an initial state.
+  const Problem p = decode_problem(4, 128, 10, {9, 0, -1, 4, 2, 7, 1, 5}, {1, 1, 1, 0, 1, 1, 1, 1}, 600);
   check_all_kernels(p, "decode");
 }
 
 // The state-locality hint only decides whether fused_recurrent_kda_opt prefetches: every setting
 // gives the same bits, with the prefetch (Memory) and without (Cache; Auto at this size).
 TEST(KdaKernels, RecurrentStateLocalityLeavesResultsUnchanged) {
-  Problem p;
-  p.T = 6;
-  p.N = 6;
-  p.H = 3;
-  p.K = 128;
-  p.V = 160;  // a full strip and a partial one
-  p.slots = 8;
-  p.idx = {5, 0, -1, 3, 7, 1};
-  p.has_init = {1, 0, 1, 1, 1, 1};
-  p.l2 = true;
-  p.gate = true;
-  fill(p, 650);
+  // V = 160: two full strips of 64 columns and a partial one.
+  const Problem p = decode_problem(3, 160, 8, {5, 0, -1, 3, 7, 1}, {1, 0, 1, 1, 1, 1}, 650);
   using Loc = KdaArgs::StateLocality;
   std::vector<float> o0, pool0;
   for (Loc loc : {Loc::Auto, Loc::Cache, Loc::Memory}) {
