@@ -90,14 +90,18 @@ BENCHMARK_CAPTURE(BM_ChunkKda, naive, KernelImpl::Naive)
 // the 512 MiB pool and the calls rotate over disjoint slot sets, so that no call finds its states in
 // cache from the previous one.
 
-void BM_FusedRecurrentKda(benchmark::State& state, KernelImpl impl) {
+// Calls on batches of `state.range(0)` slots from the pool, a shuffle of its slots (seeded) cut into
+// consecutive sets; the calls rotate over the first min(max_sets, all) of them.
+void run_recurrent(benchmark::State& state, KernelImpl impl, int64_t max_sets, uint64_t seed,
+                   KdaArgs::StateLocality locality) {
   const int64_t B = state.range(0);
   KdaInputs in(B, 1);
   std::vector<int32_t> perm(kPoolSlots);
   std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(11));
-  const int64_t n_sets = std::min<int64_t>(4, kPoolSlots / B);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(seed));
+  const int64_t n_sets = std::min<int64_t>(max_sets, kPoolSlots / B);
   KdaArgs a = in.args(state_pool().data(), perm.data(), kPoolSlots);
+  a.state_locality = locality;
   int64_t which = 0;
   for (auto _ : state) {
     a.state_indices = perm.data() + (which++ % n_sets) * B;
@@ -108,6 +112,10 @@ void BM_FusedRecurrentKda(benchmark::State& state, KernelImpl impl) {
   state.SetItemsProcessed(state.iterations() * B);
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * bytes));
   state.counters["GB/s"] = rate(bytes);
+}
+
+void BM_FusedRecurrentKda(benchmark::State& state, KernelImpl impl) {
+  run_recurrent(state, impl, 4, 11, KdaArgs::StateLocality::Auto);
 }
 BENCHMARK_CAPTURE(BM_FusedRecurrentKda, optimized, KernelImpl::Optimized)
     ->Arg(1)
@@ -124,24 +132,7 @@ BENCHMARK_CAPTURE(BM_FusedRecurrentKda, naive, KernelImpl::Naive)
 // pass through the caches between two steps on a slot: every call takes fresh slots from the 512 MiB
 // pool, and says so (StateLocality::Memory, as the layer's backend does), so the kernel prefetches.
 void BM_FusedRecurrentKdaFromMemory(benchmark::State& state) {
-  const int64_t B = state.range(0);
-  KdaInputs in(B, 1);
-  std::vector<int32_t> perm(kPoolSlots);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(12));
-  const int64_t n_sets = kPoolSlots / B;
-  KdaArgs a = in.args(state_pool().data(), perm.data(), kPoolSlots);
-  a.state_locality = KdaArgs::StateLocality::Memory;
-  int64_t which = 0;
-  for (auto _ : state) {
-    a.state_indices = perm.data() + (which++ % n_sets) * B;
-    kda::kernels::fused_recurrent_kda(a, KernelImpl::Optimized);
-    benchmark::ClobberMemory();
-  }
-  const double bytes = 2.0 * B * kH * kK * kK * sizeof(float);
-  state.SetItemsProcessed(state.iterations() * B);
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * bytes));
-  state.counters["GB/s"] = rate(bytes);
+  run_recurrent(state, KernelImpl::Optimized, kPoolSlots, 12, KdaArgs::StateLocality::Memory);
 }
 BENCHMARK(BM_FusedRecurrentKdaFromMemory)->Arg(1)->Arg(8)->Unit(benchmark::kMicrosecond)->UseRealTime();
 

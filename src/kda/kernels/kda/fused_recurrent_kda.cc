@@ -245,7 +245,6 @@ void prepare_token(const KdaArgs& a, const prep::HeadPrep& hp, int64_t t, int h,
 }
 
 void process_item(const KdaArgs& a, int h, float scale, const Item& it, const Item* next, bool prefetch) {
-  const prep::HeadPrep hp = prep::head_prep(a, h, scale);
   const int K = a.K, V = a.V, H = a.H;
   if (it.padded) {  // zero output, the pool is not touched
     for (int64_t t = it.bos; t < it.eos; ++t) std::memset(a.o + (t * H + h) * V, 0, V * sizeof(float));
@@ -259,6 +258,7 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
   if (!it.has_init) std::memset(dst, 0, kv * sizeof(float));
   if (it.eos == it.bos) return;
 
+  const prep::HeadPrep hp = prep::head_prep(a, h, scale);
   const int Kp = (K + 15) / 16 * 16;
   float* rows = tl_prep.get(static_cast<size_t>(kTokBlock) * 5 * Kp);
   const int64_t vs = a.v_stride > 0 ? a.v_stride : static_cast<int64_t>(H) * V;
