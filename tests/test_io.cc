@@ -676,6 +676,15 @@ TEST(Config, RejectsBadConfigs) {
   j["rms_norm_eps"] = -1.0;
   EXPECT_THAT(err(j), HasSubstr("rms_norm_eps"));
 
+  // Another architecture's config, or none named.
+  j = config_48b();
+  j["model_type"] = "deepseek_v3";
+  EXPECT_THAT(err(j), HasSubstr("cfg.json: field 'model_type' must be \"kimi_linear\", got \"deepseek_v3\""));
+  j.erase("model_type");
+  EXPECT_THAT(err(j), HasSubstr("cfg.json: field 'model_type' is missing"));
+  j["model_type"] = 7;
+  EXPECT_THAT(err(j), HasSubstr("'model_type' must be"));
+
   // full_attn_layers may be absent.
   j = config_48b();
   j["linear_attn_config"].erase("full_attn_layers");

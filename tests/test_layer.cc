@@ -18,6 +18,7 @@
 #include "kda/models/kimi_linear.h"
 #include "kda/runtime/layer_runner.h"
 #include "kda/server_args.h"
+#include "support/layer_reference.h"
 #include "support/test_support.h"
 
 namespace kda {
@@ -471,18 +472,18 @@ TEST(Layer, BadCaseInputsAreClearErrors) {
 
 // A copy of the mini checkpoint with one change, for the bad-checkpoint tests.
 fs::path mini_checkpoint_with(const std::string& tag,
-                              const std::function<void(std::map<std::string, io::F32Tensor>&)>& edit,
+                              const std::function<void(std::map<std::string, io::StTensor>&)>& edit,
                               const std::string& config_text = "") {
   const io::Checkpoint ckpt(testing::dumps_dir());
   const auto dir = testing::make_temp_dir(tag);
-  std::map<std::string, io::F32Tensor> t;
+  std::map<std::string, io::StTensor> t;
   const io::SafetensorsFile f(testing::dumps_dir() / "model.safetensors");
   for (const auto& name : f.names()) {
     const auto& v = ckpt.get(name);
     t[name] = {v.shape, ckpt.load_f32(name, v.shape)};
   }
   edit(t);
-  io::write_safetensors_f32(dir / "model.safetensors", t);
+  io::write_safetensors(dir / "model.safetensors", t);
   if (config_text.empty()) {
     fs::copy_file(testing::dumps_dir() / "config.json", dir / "config.json");
   } else {
@@ -515,18 +516,65 @@ TEST(Layer, BadCheckpointsAreClearErrors) {
   // A two-layer model whose layer 1 is full attention: asking for it as KDA is an error.
   auto cfg = io::load_config(testing::dumps_dir());
   const std::string two =
-      R"({"hidden_size":256,"num_hidden_layers":2,"rms_norm_eps":1e-5,"linear_attn_config":{"num_heads":4,)"
+      R"({"model_type":"kimi_linear","hidden_size":256,"num_hidden_layers":2,"rms_norm_eps":1e-5,)"
+      R"("linear_attn_config":{"num_heads":4,)"
       R"("head_dim":128,"short_conv_kernel_size":4,"kda_layers":[1],"full_attn_layers":[2]}})";
   auto mla = mini_checkpoint_with(
       "mla", [](auto&) {}, two);
   EXPECT_THAT(load_error(mla, 1), HasSubstr("not a KDA layer"));
   // A config whose hidden size disagrees with the tensors.
   const std::string wide =
-      R"({"hidden_size":384,"num_hidden_layers":1,"rms_norm_eps":1e-5,"linear_attn_config":{"num_heads":4,)"
+      R"({"model_type":"kimi_linear","hidden_size":384,"num_hidden_layers":1,"rms_norm_eps":1e-5,)"
+      R"("linear_attn_config":{"num_heads":4,)"
       R"("head_dim":128,"short_conv_kernel_size":4,"kda_layers":[1]}})";
   auto w = mini_checkpoint_with(
       "wide", [](auto&) {}, wide);
   EXPECT_THAT(load_error(w, 0), HasSubstr("q_proj.weight"));
+}
+
+// The likely layout of the released checkpoint: BF16 weights beside F32 A_log and dt_bias. Both modes
+// use A_log and dt_bias as stored: fp32 matches a float64 reference of exactly the loaded values, and
+// bf16 matches the dumps' out_bf16, which was computed from the bf16-rounded weights with A_log and
+// dt_bias unrounded -- the values this checkpoint holds -- and equals bf16 on the F32 checkpoint bit for bit.
+TEST(Layer, Bf16CheckpointKeepsF32GateParameters) {
+  const std::string pre = "model.layers.0.self_attn.";
+  const auto dir = mini_checkpoint_with("bf16_ckpt", [&](auto& t) {
+    for (auto& [name, tensor] : t)
+      if (name != pre + "A_log" && name != pre + "dt_bias") tensor.dtype = io::StDType::BF16;
+  });
+  const auto cfg = io::load_config(dir);
+  const io::Checkpoint ckpt(dir), f32_ckpt(testing::dumps_dir());
+  ASSERT_EQ(ckpt.get(pre + "q_proj.weight").dtype, io::StDType::BF16);
+  ASSERT_EQ(ckpt.get(pre + "A_log").dtype, io::StDType::F32);
+  const auto w = models::KdaLayerWeights::load(ckpt, cfg, 0, 0, 1);
+  // The stored gate parameters are off the bf16 grid, so rounding them would change the result.
+  int off_grid = 0;
+  for (float v : w.dt_bias) off_grid += round_bf16(v) != v;
+  ASSERT_GT(off_grid, static_cast<int>(w.dt_bias.size()) / 2);
+  for (const char* name : {"varlen_initstate", "T65", "unbalanced_5_17_1_41"}) {
+    SCOPED_TRACE(name);
+    const auto npz = io::read_npz(testing::dumps_dir() / (std::string(name) + ".npz"));
+    const auto c = runtime::LayerCase::from_npz(npz, cfg);
+    const auto ref = testing::reference_layer(cfg, w, c.hidden_states, c.cu_seqlens,
+                                              c.initial_recurrent_state, c.initial_conv_state);
+    const std::vector<float> ref_out(ref.out.begin(), ref.out.end()),
+        ref_state(ref.recurrent_state.begin(), ref.recurrent_state.end()),
+        ref_conv(ref.conv_state.begin(), ref.conv_state.end());
+    const auto fp32 = models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, 0, Precision::FP32);
+    const auto r32 = runtime::run_layer_case(*fp32, cfg, c, 0, kernels::KernelImpl::Auto);
+    EXPECT_LE(testing::max_error_ratio(r32.out.data(), ref_out.data(), ref_out.size(), kTol, kTol), 1.0);
+    EXPECT_LE(
+        testing::max_error_ratio(r32.recurrent_state.data(), ref_state.data(), ref_state.size(), kTol, kTol),
+        1.0);
+    EXPECT_LE(testing::max_error_ratio(r32.conv_state.data(), ref_conv.data(), ref_conv.size(), kTol, kTol),
+              1.0);
+    const auto bf16 = models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, 0, Precision::BF16);
+    const auto r16 = runtime::run_layer_case(*bf16, cfg, c, 0, kernels::KernelImpl::Auto);
+    const auto out_bf16 = npz.at("out_bf16").to_f32();
+    EXPECT_LE(testing::rel_l2(r16.out.data(), out_bf16.data(), out_bf16.size()), 5e-3);
+    const auto bf16_of_f32 = models::KimiDeltaAttention::from_checkpoint(f32_ckpt, cfg, 0, Precision::BF16);
+    EXPECT_EQ(runtime::run_layer_case(*bf16_of_f32, cfg, c, 0, kernels::KernelImpl::Auto).out, r16.out);
+  }
 }
 
 TEST(ServerArgs, RecurrentModelDisablesRadixCacheAndRefusesSpeculation) {

@@ -91,6 +91,11 @@ KimiLinearConfig parse_config(const std::string& json_text, const std::string& w
   if (!j.is_object()) throw std::runtime_error(what + ": config is not a JSON object");
 
   const FieldReader r(what);
+  // Other architectures' configs have fields of the same names (hidden_size, num_hidden_layers) and
+  // would otherwise load as a KDA layer of the wrong shapes.
+  const json& model_type = r.require(j, "model_type", "model_type");
+  if (!model_type.is_string() || model_type.get<std::string>() != "kimi_linear")
+    r.fail("model_type", "must be \"kimi_linear\", got " + model_type.dump());
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   KimiLinearConfig c;
   c.hidden_size = r.positive_int(j, "hidden_size", "hidden_size");

@@ -384,18 +384,20 @@ std::vector<bf16_t> Checkpoint::load_bf16(const std::string& name,
   return out;
 }
 
-void write_safetensors_f32(const std::filesystem::path& path,
-                           const std::map<std::string, F32Tensor>& tensors) {
+void write_safetensors(const std::filesystem::path& path, const std::map<std::string, StTensor>& tensors) {
   json header = json::object();
   size_t offset = 0;
   for (const auto& [name, t] : tensors) {
     int64_t n = 1;
     for (int64_t d : t.shape) n *= d;
     if (n != static_cast<int64_t>(t.values.size()))
-      throw std::runtime_error("write_safetensors_f32: tensor '" + name + "' has " +
+      throw std::runtime_error("write_safetensors: tensor '" + name + "' has " +
                                std::to_string(t.values.size()) + " values for shape " + shape_str(t.shape));
-    const size_t bytes = t.values.size() * sizeof(float);
-    header[name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    if (t.dtype == StDType::F16)
+      throw std::runtime_error("write_safetensors: tensor '" + name + "': F16 is not written (F32, BF16)");
+    const size_t bytes = t.values.size() * (t.dtype == StDType::F32 ? sizeof(float) : sizeof(bf16_t));
+    header[name] = {
+        {"dtype", to_string(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();
@@ -405,9 +407,17 @@ void write_safetensors_f32(const std::filesystem::path& path,
   const uint64_t n = text.size();
   out.write(reinterpret_cast<const char*>(&n), sizeof n);
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const auto& [name, t] : tensors)
-    out.write(reinterpret_cast<const char*>(t.values.data()),
-              static_cast<std::streamsize>(t.values.size() * sizeof(float)));
+  for (const auto& [name, t] : tensors) {
+    if (t.dtype == StDType::F32) {
+      out.write(reinterpret_cast<const char*>(t.values.data()),
+                static_cast<std::streamsize>(t.values.size() * sizeof(float)));
+    } else {
+      std::vector<bf16_t> b(t.values.size());
+      f32_to_bf16_array(t.values.data(), b.data(), b.size());
+      out.write(reinterpret_cast<const char*>(b.data()),
+                static_cast<std::streamsize>(b.size() * sizeof(bf16_t)));
+    }
+  }
   if (!out) throw std::runtime_error("cannot write " + path.string());
 }
 

@@ -50,15 +50,16 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-// Writes F32 tensors (name -> {shape, values}) as one .safetensors file, tensors in name order. Used to
-// make checkpoints for tests and tools; throws std::runtime_error when a size is off or the file
-// cannot be written.
-struct F32Tensor {
+// Writes tensors (name -> {shape, values, dtype stored}) as one .safetensors file, tensors in name order;
+// BF16 stores each value rounded to nearest even. Used to make checkpoints for tests and tools; throws
+// std::runtime_error when a size is off, the dtype is F16 (not written), or the file cannot be written.
+struct StTensor {
   std::vector<int64_t> shape;
   std::vector<float> values;
+  StDType dtype = StDType::F32;
 };
-void write_safetensors_f32(const std::filesystem::path& path,
-                           const std::map<std::string, F32Tensor>& tensors);
+void write_safetensors(const std::filesystem::path& path,
+                           const std::map<std::string, StTensor>& tensors);
 
 // A checkpoint: a directory holding model.safetensors or model.safetensors.index.json (shards mapped
 // lazily, only when one of their tensors is asked for), or a path to a single .safetensors file.

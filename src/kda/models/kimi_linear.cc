@@ -24,7 +24,9 @@ std::vector<float> concat(std::initializer_list<const std::vector<float>*> parts
   return out;
 }
 
-// bf16 mode rounds every parameter to bf16, as an HF bf16 load does (BF16 checkpoints stay as they are).
+// bf16 mode rounds a parameter to bf16, as an HF bf16 load does (BF16 checkpoints stay as they are).
+// A_log and dt_bias do not come through here: the HF model creates them as fp32 parameters, so a bf16 load
+// keeps the checkpoint's values unrounded (spec, "Precision modes").
 std::vector<float> param(const std::vector<float>& v, Precision p) {
   std::vector<float> out = v;
   if (p == Precision::BF16) round_bf16_inplace(out.data(), out.size());
@@ -217,8 +219,8 @@ KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int laye
       W_(cfg.short_conv_kernel_size),
       eps_(cfg.rms_norm_eps),
       conv_w_(param(concat({&checked(w, cfg, tp.size).q_conv1d, &w.k_conv1d, &w.v_conv1d}), precision)),
-      A_log_(param(w.A_log, precision)),
-      dt_bias_(param(w.dt_bias, precision)),
+      A_log_(w.A_log),
+      dt_bias_(w.dt_bias),
       o_norm_w_(param(w.o_norm, precision)),
       proj_(D_, 3 * P_ + 2 * K_ + H_,
             concat({&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.g_a_proj, &w.b_proj}), precision),
