@@ -58,8 +58,7 @@ struct StTensor {
   std::vector<float> values;
   StDType dtype = StDType::F32;
 };
-void write_safetensors(const std::filesystem::path& path,
-                           const std::map<std::string, StTensor>& tensors);
+void write_safetensors(const std::filesystem::path& path, const std::map<std::string, StTensor>& tensors);
 
 // A checkpoint: a directory holding model.safetensors or model.safetensors.index.json (shards mapped
 // lazily, only when one of their tensors is asked for), or a path to a single .safetensors file.
