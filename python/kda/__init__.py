@@ -1,0 +1,9 @@
+"""kda: Kimi Delta Attention on the CPU.
+
+``kda.ops`` holds fla's ``chunk_kda`` / ``fused_recurrent_kda`` (same signatures); the package root holds
+the serving component under the RFC's names.
+"""
+
+from ._kda import get_num_threads, set_num_threads
+
+__all__ = ["get_num_threads", "set_num_threads"]

@@ -1,0 +1,15 @@
+// The pieces of the _kda extension module: each registers its functions and classes.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace kda::python {
+
+namespace py = pybind11;
+
+// The thread count kda.set_num_threads() chose (0: OpenMP's default), applied to the calling thread at
+// the start of every call into the kernels: OpenMP keeps the count per thread, and an engine's Python
+// threads would otherwise each run with the default.
+void apply_num_threads();
+
+}  // namespace kda::python
