@@ -5,7 +5,9 @@ PKGS=(build-essential cmake ninja-build pkg-config git
       libdnnl-dev nlohmann-json3-dev libzip-dev libcli11-dev
       libgtest-dev libgmock-dev libbenchmark-dev
       libopenmpi-dev openmpi-bin
-      pre-commit clang-format cppcheck)
+      pre-commit clang-format cppcheck
+      python3 python3-dev python3-venv python3-pip python3-setuptools pybind11-dev python3-pybind11 libdlpack-dev
+      python3-numpy python3-torch python3-pytest)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
