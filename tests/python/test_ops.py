@@ -298,6 +298,17 @@ def test_fla_defaults_accepted():
     assert spec_excess(o, ref) <= 0
 
 
+def test_autograd_tensors_and_parameters():
+    """Tensors that require grad and nn.Parameter (a subclass: the general DLPack path) are read as they
+    are; the outputs carry no graph."""
+    q, k, v, g, beta, extra = make_inputs(1, 5, 2, 8, 4, gate="in_kernel")
+    ref, _ = chunk_kda(q, k, v, g, beta, **extra)
+    q.requires_grad_(True)
+    extra = {n: torch.nn.Parameter(x) for n, x in extra.items() if n != "use_gate_in_kernel"}
+    o, _ = chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, **extra)
+    assert torch.equal(o, ref) and not o.requires_grad
+
+
 def test_gil_released_during_kernel():
     """A second Python thread runs while one long kernel call is in flight. The counter thread sleeps
     between increments (so it never holds the GIL for long); a call that kept the GIL would let it
