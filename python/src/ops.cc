@@ -15,6 +15,7 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -216,7 +217,10 @@ void advise_huge_pages(void* p, size_t bytes) {
 struct OpCall {
   bool chunk = true;
   std::deque<TensorView> views;  // a deque: references to its elements stay valid as it grows
-  std::vector<float> beta_buf, alog_buf, dtb_buf, o_buf;
+  std::vector<float> beta_buf, alog_buf, dtb_buf;
+  // The fp32 o of a bf16 call: uninitialized (the kernel writes every element), unlike a vector.
+  std::unique_ptr<float[]> o_buf;
+  size_t o_n = 0;
   std::vector<int32_t> cu_buf, idx_buf;
   std::vector<uint8_t> no_initial;
   KdaArgs a;
@@ -412,8 +416,10 @@ void prepare(OpCall& c, const OpInputs& in) {
   const bool bf16_out = v.dtype == DType::BF16;
   c.o = new_output(torch_out, {B, T, H, V}, bf16_out);
   if (bf16_out) {
-    c.o_buf.resize(static_cast<size_t>(B * T * H * V));
-    a.o = c.o_buf.data();
+    c.o_n = static_cast<size_t>(B * T * H * V);
+    c.o_buf.reset(new float[c.o_n]);
+    a.o = c.o_buf.get();
+    advise_huge_pages(a.o, c.o_n * sizeof(float));
     c.o_bf16 = static_cast<bf16_t*>(data_of(c.o, torch_out));
   } else {
     a.o = static_cast<float*>(data_of(c.o, torch_out));
@@ -436,7 +442,7 @@ void run(OpCall& c) {
   kernels::validate_kda_args(c.a);
   if (c.state_src != nullptr) std::memcpy(c.a.state, c.state_src, c.state_n * sizeof(float));
   kernel(c);
-  if (c.o_bf16 != nullptr) f32_to_bf16_array(c.o_buf.data(), c.o_bf16, c.o_buf.size());
+  if (c.o_bf16 != nullptr) f32_to_bf16_array(c.o_buf.get(), c.o_bf16, c.o_n);
 }
 
 OpInputs inputs(py::handle q, py::handle k, py::handle v, py::handle g, py::handle beta, py::object scale,
