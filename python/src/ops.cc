@@ -5,6 +5,7 @@
 // validate_kda_args (cu_seqlens, slot indices) inside the dispatcher, which runs before the kernel
 // touches the pool. Until then only buffers this call allocated exist, so a refused call leaves every
 // input, output and pool tensor as it was.
+#include <dlpack/dlpack.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <sys/mman.h>
@@ -12,10 +13,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -109,8 +112,120 @@ const float* as_f32_param(const TensorView& t, int64_t n, const std::string& wha
   return buf.data();
 }
 
+// Large fresh outputs: first-touch page faults of 4 KiB pages cost about as much as a third of a
+// 64 MiB write (measured: 21 ms of 27 ms), paid on every call because big blocks come straight from
+// mmap. Transparent huge pages (where the system allows them on request) cut the faults 512-fold.
+void advise_huge_pages(void* p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < 2 * kHuge) return;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // a hint: failure is harmless
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// Big torch outputs (a prefill's o: 64 MiB at 4096 tokens x 32 x 128) come from a cache of at most
+// kMaxFree blocks that earlier outputs gave back when torch freed them. Even on huge pages, a fresh
+// block costs the kernel zeroing it (about 3.5 ms of a 190 ms 4096-token call); a returned block is
+// already mapped. Smaller outputs take torch.empty. The cache holds at most kMaxFree blocks idle.
+class BlockCache {
+ public:
+  static constexpr size_t kMin = size_t{8} << 20, kAlign = size_t{2} << 20, kMaxFree = 2;
+  void* get(size_t& bytes) {
+    bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < free_.size(); ++i) {
+        if (free_[i].second >= bytes && free_[i].second <= 2 * bytes) {
+          void* p = free_[i].first;
+          bytes = free_[i].second;
+          free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
+          return p;
+        }
+      }
+    }
+    void* p = std::aligned_alloc(kAlign, bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    advise_huge_pages(p, bytes);
+    return p;
+  }
+  // From whatever thread frees the tensor, with or without the GIL: no Python here.
+  void put(void* p, size_t bytes) {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      if (free_.size() < kMaxFree) {
+        free_.emplace_back(p, bytes);
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<void*, size_t>> free_;
+};
+
+BlockCache& block_cache() {
+  static auto* cache = new BlockCache;  // leaked: tensors may be freed during interpreter shutdown
+  return *cache;
+}
+
+struct CachedOutput {
+  DLManagedTensor m{};
+  int64_t shape[8] = {};
+  size_t bytes = 0;
+};
+
+py::object cached_torch_output(const std::vector<int64_t>& shape, bool bf16, size_t bytes) {
+  static auto* from_dlpack = new py::object(py::module_::import("torch").attr("_C").attr("_from_dlpack"));
+  auto* h = new CachedOutput;
+  h->bytes = bytes;
+  void* data = nullptr;
+  try {
+    data = block_cache().get(h->bytes);
+  } catch (...) {
+    delete h;
+    throw;
+  }
+  DLTensor& t = h->m.dl_tensor;
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = static_cast<int32_t>(shape.size());
+  t.dtype = bf16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+  for (size_t i = 0; i < shape.size(); ++i) h->shape[i] = shape[i];
+  t.shape = h->shape;
+  t.strides = nullptr;  // row-major
+  t.byte_offset = 0;
+  h->m.manager_ctx = h;
+  h->m.deleter = [](DLManagedTensor* m) {
+    auto* c = static_cast<CachedOutput*>(m->manager_ctx);
+    block_cache().put(c->m.dl_tensor.data, c->bytes);
+    delete c;
+  };
+  // An unconsumed capsule (from_dlpack failed) still hands the block back.
+  PyObject* cap = PyCapsule_New(&h->m, "dltensor", [](PyObject* c) {
+    if (PyCapsule_IsValid(c, "dltensor")) {
+      auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
+      m->deleter(m);
+    }
+  });
+  if (cap == nullptr) {
+    h->m.deleter(&h->m);
+    throw py::error_already_set();
+  }
+  return (*from_dlpack)(py::reinterpret_steal<py::object>(cap));
+}
+
 py::object new_output(bool torch, const std::vector<int64_t>& shape, bool bf16) {
+  size_t bytes = bf16 ? 2 : 4;
+  for (const int64_t d : shape) bytes *= static_cast<size_t>(d);
   if (torch) {
+    if (bytes >= BlockCache::kMin && shape.size() <= 8) return cached_torch_output(shape, bf16, bytes);
     // Looked up once; leaked so that no Python object is released after the interpreter is gone.
     static auto* torch_empty = new py::object(py::module_::import("torch").attr("empty"));
     static auto* f32 = new py::object(py::module_::import("torch").attr("float32"));
@@ -194,22 +309,6 @@ TensorView view_of(py::handle obj, const char* name) {
   v.data = PyLong_AsVoidPtr(ptr.ptr());
   v.keep = py::reinterpret_borrow<py::object>(obj);  // the caller's tensor owns the memory
   return v;
-}
-
-// Large fresh outputs: first-touch page faults of 4 KiB pages cost about as much as a third of a
-// 64 MiB write (measured: 21 ms of 27 ms), paid on every call because big blocks come straight from
-// mmap. Transparent huge pages (where the system allows them on request) cut the faults 512-fold.
-void advise_huge_pages(void* p, size_t bytes) {
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < 2 * kHuge) return;
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // a hint: failure is harmless
-#else
-  (void)p;
-  (void)bytes;
-#endif
 }
 
 // One prepared call: the views it borrows, the buffers it owns, the kernel arguments pointing into

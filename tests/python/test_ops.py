@@ -315,6 +315,22 @@ def test_autograd_tensors_and_parameters():
     assert torch.equal(o, ref) and not o.requires_grad
 
 
+def test_big_outputs_from_the_block_cache():
+    """Outputs of 8 MiB and more come from blocks that freed outputs gave back: live outputs never
+    share memory, a reused block holds exactly the new result, and the tensors behave as torch's own."""
+    q, k, v, g, beta, _ = make_inputs(1, 4096, 4, 16, 128, spikes=False)
+    o1, _ = fused_recurrent_kda(q, k, v, g, beta)
+    o2, _ = fused_recurrent_kda(q, k, v, g, beta)
+    assert o1.data_ptr() != o2.data_ptr() and torch.equal(o1, o2)
+    ref, ptr = o1.clone(), o1.data_ptr()
+    o1.fill_(float("nan"))
+    del o1
+    o3, _ = fused_recurrent_kda(q, k, v, g, beta)
+    assert o3.data_ptr() == ptr and torch.equal(o3, ref)
+    o3 += 1
+    assert o3.is_contiguous() and o3.dtype == torch.float32 and o3.numpy().shape == (1, 4096, 4, 128)
+
+
 def test_gil_released_during_kernel():
     """A second Python thread runs while one long kernel call is in flight. The counter thread sleeps
     between increments (so it never holds the GIL for long); a call that kept the GIL would let it
