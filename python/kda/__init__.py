@@ -4,6 +4,7 @@
 the serving component under the RFC's names.
 """
 
+from . import ops
 from ._kda import get_num_threads, set_num_threads
 
-__all__ = ["get_num_threads", "set_num_threads"]
+__all__ = ["get_num_threads", "ops", "set_num_threads"]

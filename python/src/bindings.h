@@ -12,4 +12,7 @@ namespace py = pybind11;
 // threads would otherwise each run with the default.
 void apply_num_threads();
 
+// kda.ops (ops.cc): the kernels behind fla's chunk_kda / fused_recurrent_kda.
+void register_ops(py::module_& m);
+
 }  // namespace kda::python

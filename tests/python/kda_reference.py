@@ -1,0 +1,79 @@
+"""Float64 references and tolerance checks shared by the Python tests (NumPy only).
+
+kda_recurrence is the plain per-token recurrence of /work/shared/spec/kda-numerics.md (step 6), in
+float64, with fla's conventions: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], states
+[N, H, K, V]; cu_seqlens splits the single batch row into N sequences.
+"""
+
+import numpy as np
+
+
+def to_f64(x):
+    """A torch tensor (any dtype) or array-like as a float64 NumPy array."""
+    if hasattr(x, "detach"):
+        x = x.detach().float().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def softplus(z):
+    # fla's / the spec's softplus: z for z > 20, else log1p(exp(z)).
+    return np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
+
+
+def kda_gate(f, A_log, dt_bias=None):
+    """g = -exp(A_log[h]) * softplus(f + dt_bias[h*K + d]) for f [..., H, K]."""
+    f = to_f64(f)
+    H, K = f.shape[-2:]
+    z = f + (0 if dt_bias is None else to_f64(dt_bias).reshape(H, K))
+    return -np.exp(to_f64(A_log).reshape(H, 1)) * softplus(z)
+
+
+def kda_recurrence(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
+                   A_log=None, dt_bias=None, state_indices=None):
+    """Returns (o [B, T, H, V], final states [N, H, K, V]) in float64.
+
+    g is the log-space gate, or the raw gate f when A_log is given (use_gate_in_kernel). With
+    state_indices, initial_state is a pool and sequence i starts from slot state_indices[i] (-1: a
+    padded row, zero output, final state left zero)."""
+    q, k, v, g, beta = (to_f64(x) for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if A_log is not None:
+        g = kda_gate(g, A_log, dt_bias)
+    if use_qk_l2norm:
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    q = q * (K ** -0.5 if scale is None else scale)
+    if cu_seqlens is None:
+        bounds = [(b, 0, T) for b in range(B)]
+    else:
+        cu = [int(x) for x in np.asarray(to_f64(cu_seqlens))]
+        bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    o = np.zeros((B, T, H, V))
+    final = np.zeros((len(bounds), H, K, V))
+    h0 = None if initial_state is None else to_f64(initial_state)
+    for i, (b, t0, t1) in enumerate(bounds):
+        slot = i if state_indices is None else int(state_indices[i])
+        if slot < 0:
+            continue
+        S = np.zeros((H, K, V)) if h0 is None else h0[slot].copy()
+        for t in range(t0, t1):
+            S *= np.exp(g[b, t])[:, :, None]
+            u = v[b, t] - np.einsum("hkv,hk->hv", S, k[b, t])
+            S += beta[b, t][:, None, None] * k[b, t][:, :, None] * u[:, None, :]
+            o[b, t] = np.einsum("hkv,hk->hv", S, q[b, t])
+        final[i] = S
+    return o, final
+
+
+def spec_excess(a, ref, atol=1e-5, rtol=1e-5):
+    """max(|a - ref| - (atol + rtol |ref|)): <= 0 means within the spec's fp32 tolerance."""
+    a, ref = to_f64(a), to_f64(ref)
+    if a.size == 0:
+        return -1.0
+    return float(np.max(np.abs(a - ref) - (atol + rtol * np.abs(ref))))
+
+
+def rel_l2(a, ref):
+    a, ref = to_f64(a), to_f64(ref)
+    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-300))
