@@ -12,4 +12,7 @@ namespace py = pybind11;
 // threads would otherwise each run with the default.
 void apply_num_threads();
 
+// The serving component under the RFC's names (component.cc).
+void register_component(py::module_& m);
+
 }  // namespace kda::python

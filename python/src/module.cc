@@ -37,4 +37,5 @@ PYBIND11_MODULE(_kda, m) {
         return n > 0 ? n : omp_get_max_threads();
       },
       "Threads a kda call uses.");
+  register_component(m);
 }
