@@ -383,6 +383,7 @@ void register_component(py::module_& m) {
             auto p = prefix_lens.is_none() ? std::vector<int32_t>(r.size(), 0)
                                            : to_i32(prefix_lens, "extend_prefix_lens");
             b.fb = ForwardBatch::extend(std::move(r), std::move(s), std::move(p));
+            b.fb.validate();
             return b;
           },
           py::arg("req_pool_indices"), py::arg("extend_seq_lens"), py::arg("extend_prefix_lens") = py::none(),
@@ -392,6 +393,7 @@ void register_component(py::module_& m) {
           [](const py::object& reqs) {
             PyForwardBatch b;
             b.fb = ForwardBatch::decode(to_i32(reqs, "req_pool_indices"));
+            b.fb.validate();
             return b;
           },
           py::arg("req_pool_indices"), "A DECODE batch: one token per request.")

@@ -1,0 +1,17 @@
+"""Where the tests find the built package and binary (to merge into conftest.py).
+
+The build's python dir goes on sys.path: $KDA_PYTHONPATH, else <repo>/build/python. The kda binary:
+$KDA_BINARY, else <repo>/build/kda.
+"""
+
+import os
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PYTHONPATH = pathlib.Path(os.environ.get("KDA_PYTHONPATH") or REPO / "build" / "python")
+BINARY = pathlib.Path(os.environ.get("KDA_BINARY") or REPO / "build" / "kda")
+DUMPS = REPO / "tests" / "data" / "kda_dumps"
+
+if str(PYTHONPATH) not in sys.path:
+    sys.path.insert(0, str(PYTHONPATH))
