@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -76,13 +77,21 @@ Precision precision_of(const std::string& s) { return parse_precision(s); }
 
 // ---- KDAAttnBackend and ForwardBatch ----
 
+// The backend and a lock: a layer forward runs without the GIL and uses the backend's metadata and
+// scratch, so forwards (and init_forward_metadata) on one backend from several Python threads take turns.
+struct PyBackend {
+  explicit PyBackend(kernels::KernelImpl k) : be(k) {}
+  KDAAttnBackend be;
+  std::mutex mu;
+};
+
 struct PyForwardBatch {
   ForwardBatch fb;
-  std::shared_ptr<KDAAttnBackend> backend;  // the shared backend (fb.attn_backend points at it)
+  std::shared_ptr<PyBackend> backend;  // the shared backend (fb.attn_backend points at it)
 
-  void set_backend(std::shared_ptr<KDAAttnBackend> b) {
+  void set_backend(std::shared_ptr<PyBackend> b) {
     backend = std::move(b);
-    fb.attn_backend = backend.get();
+    fb.attn_backend = backend ? &backend->be : nullptr;
   }
 };
 
@@ -158,6 +167,7 @@ const float* f32_block(const py::object& obj, const char* name, const std::vecto
 // ---- KimiDeltaAttention ----
 
 struct PyLayer {
+  std::mutex mu;                               // the layer's own workspace: one forward at a time
   std::shared_ptr<io::Checkpoint> checkpoint;  // the memory-mapped checkpoint the layer was loaded from
   KimiLinearConfig cfg;
   std::unique_ptr<models::KimiDeltaAttention> layer;
@@ -186,26 +196,28 @@ py::object layer_call(PyLayer& self, const py::object& hidden_states, PyForwardB
     throw py::value_error("hidden_states has " + std::to_string(T) + " rows for a batch of " +
                           std::to_string(fb.num_tokens()) + " tokens");
   const bool computes = fb.forward_mode == ForwardMode::EXTEND || fb.forward_mode == ForwardMode::DECODE;
-  if (computes) {
-    if (!batch.backend)
-      throw py::value_error(
-          "forward_batch has no attn_backend: call KDAAttnBackend.init_forward_metadata(forward_batch, "
-          "pools) "
-          "once per batch first");
-    const auto& md = batch.backend->forward_metadata();
+  if (computes && !batch.backend)
+    throw py::value_error(
+        "forward_batch has no attn_backend: call KDAAttnBackend.init_forward_metadata(forward_batch, pools) "
+        "once per batch first");
+  (void)pool.get_linear_recurrent_layer_cache(layer.layer_idx());  // the layer is in the pool
+  std::shared_ptr<PyBackend> backend = batch.backend;
+  // Under the backend's lock (its metadata may change under another thread's init_forward_metadata).
+  const auto check_metadata = [&] {
+    if (!computes) return;
+    const auto& md = backend->be.forward_metadata();
     if (md.forward_mode != fb.forward_mode || md.num_tokens() != fb.num_tokens() ||
         static_cast<int64_t>(md.recurrent_indices.size()) != fb.batch_size())
-      throw py::value_error(
+      throw std::invalid_argument(
           "the backend's forward metadata is not this batch's: call "
           "KDAAttnBackend.init_forward_metadata(forward_batch, pools) for it first");
-    (void)pool.get_linear_recurrent_layer_cache(layer.layer_idx());  // the layer is in the pool
     for (size_t i = 0; i < md.recurrent_indices.size(); ++i) {
       const int32_t s = md.recurrent_indices[i];
       if (s != -1 && !pool.is_allocated(s))
-        throw py::value_error("request " + std::to_string(i) + " of the batch maps to recurrent slot " +
-                              std::to_string(s) + ", which is not allocated in the pool");
+        throw std::invalid_argument("request " + std::to_string(i) + " of the batch maps to recurrent slot " +
+                                    std::to_string(s) + ", which is not allocated in the pool");
     }
-  }
+  };
 
   // The input as contiguous fp32 rows: the caller's memory when it is so, else a converted copy.
   std::vector<float> xbuf;
@@ -240,6 +252,10 @@ py::object layer_call(PyLayer& self, const py::object& hidden_states, PyForwardB
   }
   {
     py::gil_scoped_release release;
+    std::unique_lock<std::mutex> backend_lock;
+    if (backend) backend_lock = std::unique_lock<std::mutex>(backend->mu);
+    const std::lock_guard<std::mutex> layer_lock(self.mu);
+    check_metadata();
     layer.forward(xin, T, fb, pool, yout);
     if (x.dtype == DType::BF16) f32_to_bf16_array(ybuf.data(), y.ptr<bf16_t>(), ybuf.size());
   }
@@ -260,9 +276,7 @@ std::string config_repr(const KimiLinearConfig& c) {
 std::shared_ptr<PyLayer> layer_from_pretrained(const fs::path& path, int layer_idx,
                                                const std::string& precision,
                                                std::optional<KimiLinearConfig> config,
-                                               std::shared_ptr<io::Checkpoint> checkpoint,
-                                               const std::string& kernel) {
-  (void)kernels::parse_kernel_impl(kernel);
+                                               std::shared_ptr<io::Checkpoint> checkpoint) {
   const Precision p = precision_of(precision);
   auto r = std::make_shared<PyLayer>();
   r->cfg = config ? *config : io::load_config(path);
@@ -329,35 +343,44 @@ void register_component(py::module_& m) {
       });
   m.attr("KDAAttnBackendMetadata") = m.attr("LinearRecurrentAttnBackendMetadata");
 
-  py::class_<KDAAttnBackend, std::shared_ptr<KDAAttnBackend>>(
+  py::class_<PyBackend, std::shared_ptr<PyBackend>>(
       m, "KDAAttnBackend",
       "The KDA linear-attention backend: one instance per model runner, shared by every KDA layer. "
       "Holds no weights and no pool; its forward metadata is computed once per batch.")
       .def(py::init([](const std::string& kernel) {
-             return std::make_shared<KDAAttnBackend>(kernels::parse_kernel_impl(kernel));
+             return std::make_shared<PyBackend>(kernels::parse_kernel_impl(kernel));
            }),
            py::arg("kernel") = "auto",
            "kernel: 'auto' (optimized, falling back to the reference), 'naive', "
            "'optimized'.")
-      .def_property_readonly("kernel", [](const KDAAttnBackend& b) { return kernels::to_string(b.kernel()); })
+      .def_property_readonly("kernel", [](const PyBackend& b) { return kernels::to_string(b.be.kernel()); })
       .def(
           "get_forward_metadata",
-          [](const KDAAttnBackend& b, const PyForwardBatch& fb, const py::object& idx) {
-            return b.get_forward_metadata(fb.fb, recurrent_indices_of(fb, idx));
+          [](const PyBackend& b, const PyForwardBatch& fb, const py::object& idx) {
+            return b.be.get_forward_metadata(fb.fb, recurrent_indices_of(fb, idx));
           },
           py::arg("forward_batch"), py::arg("recurrent_indices"),
           "The batch's metadata, without storing it. recurrent_indices: [B] slots, or a MemoryPools / "
           "HybridReqToTokenPool whose get_recurrent_indices(req_pool_indices) gives them.")
       .def(
           "init_forward_metadata",
-          [](const std::shared_ptr<KDAAttnBackend>& b, PyForwardBatch& fb, const py::object& idx) {
-            b->init_forward_metadata(fb.fb, recurrent_indices_of(fb, idx));
+          [](const std::shared_ptr<PyBackend>& b, PyForwardBatch& fb, const py::object& idx) {
+            const auto indices = recurrent_indices_of(fb, idx);
+            {
+              py::gil_scoped_release release;  // a forward on this backend may hold its lock
+              const std::lock_guard<std::mutex> lock(b->mu);
+              b->be.init_forward_metadata(fb.fb, indices);
+            }
             fb.set_backend(b);
           },
           py::arg("forward_batch"), py::arg("recurrent_indices"),
           "Per batch, before the first layer: stores the metadata and sets forward_batch.attn_backend to "
           "this backend. recurrent_indices as in get_forward_metadata.")
-      .def_property_readonly("forward_metadata", &KDAAttnBackend::forward_metadata);
+      .def_property_readonly("forward_metadata", [](PyBackend& b) {
+        py::gil_scoped_release release;
+        const std::lock_guard<std::mutex> lock(b.mu);
+        return b.be.forward_metadata();  // a copy
+      });
 
   py::class_<PyForwardBatch>(m, "ForwardBatch",
                              "What one model step runs: per request (in token order) its req_pool_index "
@@ -415,7 +438,7 @@ void register_component(py::module_& m) {
           })
       .def_property(
           "attn_backend", [](const PyForwardBatch& b) { return b.backend; },
-          [](PyForwardBatch& b, std::shared_ptr<KDAAttnBackend> be) { b.set_backend(std::move(be)); })
+          [](PyForwardBatch& b, std::shared_ptr<PyBackend> be) { b.set_backend(std::move(be)); })
       .def_property_readonly("batch_size", [](const PyForwardBatch& b) { return b.fb.batch_size(); })
       .def_property_readonly("num_tokens", [](const PyForwardBatch& b) { return b.fb.num_tokens(); })
       .def("validate", [](const PyForwardBatch& b) { b.fb.validate(); })
@@ -581,7 +604,7 @@ void register_component(py::module_& m) {
                                                 "One KDA layer of Kimi-Linear (models/kimi_linear).")
       .def_static("from_pretrained", &layer_from_pretrained, py::arg("path"), py::arg("layer"),
                   py::arg("precision") = "fp32", py::arg("config") = py::none(),
-                  py::arg("checkpoint") = py::none(), py::arg("kernel") = "auto",
+                  py::arg("checkpoint") = py::none(),
                   "Decoder layer `layer` (0-based, a KDA layer) of the checkpoint at `path` (config.json and "
                   "model.safetensors or its index), memory-mapped; precision 'fp32' or 'bf16'. A Checkpoint "
                   "passed in is shared (several layers, one mapping).")

@@ -365,3 +365,35 @@ def test_readme_example(monkeypatch, capsys):
     monkeypatch.chdir(kda_paths.REPO)
     exec(compile(README_EXAMPLE, "README_EXAMPLE", "exec"), {})
     assert capsys.readouterr().out.strip() == "(64, 256) (4, 128, 128)"
+
+
+def test_threads_share_a_layer(config, layers):
+    """The forward runs without the GIL; calls on one layer from several threads take turns and agree."""
+    import threading
+
+    layer = layers["fp32"]
+    x = load_case("T64")["hidden_states"]
+
+    def run():
+        pools, req = fresh_request(config)
+        backend = kda.KDAAttnBackend()
+        outs = []
+        for lo, hi in ((0, 32), (32, 64)):
+            fb = kda.ForwardBatch.extend([req], [hi - lo], [lo])
+            backend.init_forward_metadata(fb, pools)
+            outs.append(layer(x[lo:hi], fb, pools))
+        return np.concatenate(outs)
+
+    want = run()
+    results = [None] * 4
+
+    def worker(i):
+        results[i] = run()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        assert np.array_equal(r, want)
