@@ -3,7 +3,6 @@ bit for bit against `kda run` on the vendored dumps, the pools and their zero-co
 change nothing, prefill + decode against one EXTEND, and torch bf16 input."""
 
 import gc
-import os
 import subprocess
 
 import kda_paths  # noqa: F401  (puts the built package on sys.path)
@@ -24,7 +23,9 @@ def config():
 @pytest.fixture(scope="module")
 def layers():
     ckpt = kda.Checkpoint(MINI)  # one mapping shared by both precisions
-    return {p: kda.KimiDeltaAttention.from_pretrained(MINI, LAYER, precision=p, checkpoint=ckpt) for p in ("fp32", "bf16")}
+    return {
+        p: kda.KimiDeltaAttention.from_pretrained(MINI, LAYER, precision=p, checkpoint=ckpt) for p in ("fp32", "bf16")
+    }
 
 
 def load_case(name):
@@ -44,7 +45,7 @@ def run_like_kda_run(layer, config, case, decode_tail):
     """runtime/layer_runner.cc's run_layer_case from Python: one EXTEND of each sequence's first T_i - k_i
     tokens, then DECODE steps of the last k_i."""
     x, cu = case["hidden_states"], case["cu_seqlens"].astype(np.int64)
-    N, D = len(cu) - 1, x.shape[1]
+    N = len(cu) - 1
     pools = make_pools(config, max(N, 1), layer.precision)
     reqs = pools.req_to_token_pool.alloc(N)
     slots = pools.req_to_token_pool.get_recurrent_indices(reqs)
@@ -74,17 +75,16 @@ def run_like_kda_run(layer, config, case, decode_tail):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize(
-    "case,decode_tail", [("varlen_initstate", 0), ("varlen_initstate", 3), ("unbalanced_5_17_1_41", 2), ("T65", 0)]
+    "case,decode_tail",
+    [("varlen_initstate", 0), ("varlen_initstate", 3), ("unbalanced_5_17_1_41", 2), ("T65", 0)],
 )
 def test_equals_kda_run_bit_for_bit(layers, config, tmp_path, case, decode_tail, precision):
-    if not kda_paths.BINARY.exists():
-        pytest.skip(f"no kda binary at {kda_paths.BINARY} (set KDA_BINARY)")
+    assert kda_paths.BINARY.exists(), f"no kda binary at {kda_paths.BINARY} (build it, or set KDA_BINARY)"
     out_npz = tmp_path / "out.npz"
-    subprocess.run(
-        [str(kda_paths.BINARY), "run", "--model", str(MINI), "--layer", str(LAYER), "--input", str(MINI / f"{case}.npz"),
-         "--output", str(out_npz), "--precision", precision, "--decode-tail", str(decode_tail)],
-        check=True, capture_output=True, env={**os.environ},
-    )  # fmt: skip
+    cmd = [str(kda_paths.BINARY), "run", "--model", str(MINI), "--layer", str(LAYER)]
+    cmd += ["--input", str(MINI / f"{case}.npz"), "--output", str(out_npz)]
+    cmd += ["--precision", precision, "--decode-tail", str(decode_tail)]
+    subprocess.run(cmd, check=True, capture_output=True)
     with np.load(out_npz) as ref:
         out, rec, conv = run_like_kda_run(layers[precision], config, load_case(case), decode_tail)
         assert out.dtype == np.float32
@@ -274,7 +274,7 @@ def test_prefill_then_decode_equals_one_extend(config, layers):
     pools = make_pools(config, 2, "fp32")
     reqs = pools.req_to_token_pool.alloc(2)
     outs = [[], []]
-    # Chunked prefill: 6 then 4 tokens of each, then one decode step per remaining token (a shrinking batch).
+    # Chunked prefill: 6 then 4 tokens of each, then a decode step per remaining token (a shrinking batch).
     done = 0
     for n in (6, 4):
         fb = kda.ForwardBatch.extend(reqs, [n, n], [done, done])
@@ -292,7 +292,8 @@ def test_prefill_then_decode_equals_one_extend(config, layers):
             outs[i].append(y[row : row + 1])
     for i in range(2):
         assert within_fp32_tolerance(np.concatenate(outs[i]), ref[i])
-    slots, slots_whole = pools.req_to_token_pool.get_recurrent_indices(reqs), whole.req_to_token_pool.get_recurrent_indices(r_whole)
+    slots = pools.req_to_token_pool.get_recurrent_indices(reqs)
+    slots_whole = whole.req_to_token_pool.get_recurrent_indices(r_whole)
     for got, want in zip(
         pools.recurrent_state_pool.read_linear_recurrent_layer_cache(LAYER, slots),
         whole.recurrent_state_pool.read_linear_recurrent_layer_cache(LAYER, slots_whole),
