@@ -6,5 +6,35 @@ the serving component under the RFC's names.
 
 from . import ops
 from ._kda import get_num_threads, set_num_threads
+from .component import (
+    Checkpoint,
+    ForwardBatch,
+    ForwardMode,
+    HybridReqToTokenPool,
+    KDAAttnBackend,
+    KDAAttnBackendMetadata,
+    KimiDeltaAttention,
+    KimiLinearConfig,
+    LinearRecurrentAttnBackendMetadata,
+    MemoryPools,
+    RecurrentStatePool,
+    RecurrentStatePoolConfig,
+)
 
-__all__ = ["get_num_threads", "ops", "set_num_threads"]
+__all__ = [
+    "Checkpoint",
+    "ForwardBatch",
+    "ForwardMode",
+    "HybridReqToTokenPool",
+    "KDAAttnBackend",
+    "KDAAttnBackendMetadata",
+    "KimiDeltaAttention",
+    "KimiLinearConfig",
+    "LinearRecurrentAttnBackendMetadata",
+    "MemoryPools",
+    "RecurrentStatePool",
+    "RecurrentStatePoolConfig",
+    "get_num_threads",
+    "ops",
+    "set_num_threads",
+]

@@ -15,4 +15,7 @@ void apply_num_threads();
 // kda.ops (ops.cc): the kernels behind fla's chunk_kda / fused_recurrent_kda.
 void register_ops(py::module_& m);
 
+// The serving component under the RFC's names (component.cc).
+void register_component(py::module_& m);
+
 }  // namespace kda::python

@@ -38,4 +38,5 @@ PYBIND11_MODULE(_kda, m) {
       },
       "Threads a kda call uses.");
   register_ops(m);
+  register_component(m);
 }

@@ -1,9 +1,8 @@
-"""Puts the built kda package on sys.path: $KDA_PYTHONPATH if set, else <repo>/build/python."""
+"""Puts the built kda package on sys.path (kda_paths) and this folder, for the shared helpers."""
 
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_PKG = os.environ.get("KDA_PYTHONPATH") or os.path.join(_HERE, "..", "..", "build", "python")
-sys.path.insert(0, os.path.abspath(_PKG))
-sys.path.insert(0, _HERE)  # shared helpers (kda_reference)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kda_paths, kda_reference
+
+import kda_paths  # noqa: E402,F401  (sets sys.path up for `import kda`)

@@ -1,0 +1,18 @@
+"""Where the tests find the package and the binary.
+
+The build's python dir goes on sys.path: $KDA_PYTHONPATH, else <repo>/build/python; KDA_PYTHONPATH=-
+tests the kda installed in the interpreter's environment (pip install) instead. The kda binary:
+$KDA_BINARY, else <repo>/build/kda.
+"""
+
+import os
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PYTHONPATH = pathlib.Path(os.environ.get("KDA_PYTHONPATH") or REPO / "build" / "python")
+BINARY = pathlib.Path(os.environ.get("KDA_BINARY") or REPO / "build" / "kda")
+DUMPS = REPO / "tests" / "data" / "kda_dumps"
+
+if os.environ.get("KDA_PYTHONPATH") != "-" and str(PYTHONPATH) not in sys.path:
+    sys.path.insert(0, str(PYTHONPATH))
