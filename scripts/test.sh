@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every test and the lint: the Release suite, the same suite under AddressSanitizer +
+# Every test and the lint: the Release suite, the kernel tests of a build without the AVX-512 copies
+# (the portable and AVX2 paths are what runs there), the suite under AddressSanitizer +
 # UndefinedBehaviorSanitizer, and pre-commit (clang-format, cppcheck).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,15 @@ echo "== Release build + tests"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$JOBS"
 ctest --test-dir build --output-on-failure -j "$JOBS"
+
+echo "== kernel tests without AVX-512 (KDA_ENABLE_AVX512=OFF)"
+cmake -S . -B build-portable -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_ENABLE_AVX512=OFF -DKDA_BUILD_BENCH=OFF \
+  -DKDA_BUILD_PYTHON=OFF >/dev/null
+PORTABLE_TESTS=(test_kernels test_chunk_kda_blocks test_short_conv test_vec_math)
+cmake --build build-portable -j "$JOBS" --target "${PORTABLE_TESTS[@]}"
+for t in "${PORTABLE_TESTS[@]}"; do build-portable/"$t" --gtest_brief=1; done
+# And the AVX2 build's portable copy alone, as on a CPU without AVX2 (KDA_ISA caps the choice).
+KDA_ISA=portable build-portable/test_short_conv --gtest_brief=1
 
 echo "== ASan + UBSan build + tests"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_SANITIZE=ON -DKDA_BUILD_BENCH=OFF >/dev/null

@@ -56,8 +56,8 @@ int main(int argc, char** argv) {
   sim->add_option("--precision", so.precision, "fp32 | bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
-  sim->add_option("--kernel", so.kernel, "auto | naive | optimized")
-      ->check(CLI::IsMember({"auto", "naive", "optimized"}))
+  sim->add_option("--kernel", so.kernel, "auto | naive | optimized | portable | avx2 | avx512")
+      ->check(CLI::IsMember({"auto", "naive", "optimized", "portable", "avx2", "avx512"}))
       ->capture_default_str();
   auto* reqs =
       sim->add_option("--requests", so.requests, "number of generated requests")->capture_default_str();
