@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Every test and the lint: the Release suite, the same suite under AddressSanitizer +
-# UndefinedBehaviorSanitizer, and pre-commit (clang-format, cppcheck).
+# Every test and the lint: the Release suite (GoogleTest and the outside program built against an
+# install), the Python tests (pytest) on the build tree and on a pip install in a venv, the kernel tests
+# of a build without the AVX-512 copies (the portable and AVX2 paths are what runs there), the suite
+# under AddressSanitizer + UndefinedBehaviorSanitizer, and pre-commit (clang-format, cppcheck).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
@@ -10,12 +12,33 @@ echo "== lint (pre-commit)"
 pre-commit run --all-files --show-diff-on-failure
 
 echo "== Release build + tests"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+# Debian's interpreter: NumPy, PyTorch and pytest come from Debian's packages.
+PY=/usr/bin/python3
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$PY >/dev/null
 cmake --build build -j "$JOBS"
 ctest --test-dir build --output-on-failure -j "$JOBS"
 
+echo "== Python tests (pytest, build/python)"
+KDA_PYTHONPATH=build/python KDA_BINARY=build/kda $PY -m pytest -q tests/python
+
+echo "== pip install --no-build-isolation . into a venv (offline), pytest on the installed package"
+rm -rf build-venv
+$PY -m venv --system-site-packages build-venv
+build-venv/bin/pip install -q --no-build-isolation --no-index .
+KDA_PYTHONPATH=- KDA_BINARY=build/kda build-venv/bin/python -m pytest -q tests/python
+
+echo "== kernel tests without AVX-512 (KDA_ENABLE_AVX512=OFF)"
+cmake -S . -B build-portable -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_ENABLE_AVX512=OFF -DKDA_BUILD_BENCH=OFF \
+  -DKDA_BUILD_PYTHON=OFF >/dev/null
+PORTABLE_TESTS=(test_kernels test_chunk_kda_blocks test_short_conv test_vec_math)
+cmake --build build-portable -j "$JOBS" --target "${PORTABLE_TESTS[@]}"
+for t in "${PORTABLE_TESTS[@]}"; do build-portable/"$t" --gtest_brief=1; done
+# And the AVX2 build's portable copy alone, as on a CPU without AVX2 (KDA_ISA caps the choice).
+KDA_ISA=portable build-portable/test_short_conv --gtest_brief=1
+
 echo "== ASan + UBSan build + tests"
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_SANITIZE=ON -DKDA_BUILD_BENCH=OFF >/dev/null
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_SANITIZE=ON -DKDA_BUILD_BENCH=OFF \
+  -DKDA_BUILD_PYTHON=OFF >/dev/null
 cmake --build build-asan -j "$JOBS"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$JOBS"

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kda/kernels/kda/impl.h"
 #include "kda/kernels/kda/kda.h"
 #include "support/test_support.h"
 

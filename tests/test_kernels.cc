@@ -6,8 +6,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -19,6 +21,8 @@
 #include <xmmintrin.h>
 #endif
 
+#include "kda/common/isa.h"
+#include "kda/kernels/kda/impl.h"
 #include "kda/kernels/kda/kda.h"
 #include "support/test_support.h"
 
@@ -39,15 +43,57 @@ struct Worst {
   double out = 0.0;
   double state = 0.0;
 };
-Worst g_worst[4];
-const char* const kKernelNames[4] = {"chunk/naive", "chunk/opt", "recurrent/naive", "recurrent/opt"};
+
+// Every kernel this build and CPU run: the references, and each available ISA's copy of the optimized
+// ones, forced (KernelImpl::Portable / Avx2 / Avx512), so that every path is checked on every problem.
+struct NamedKernel {
+  std::string name;
+  std::function<void(const KdaArgs&)> fn;
+};
+
+KernelImpl impl_of(Isa isa) {
+  switch (isa) {
+    case Isa::Avx2:
+      return KernelImpl::Avx2;
+    case Isa::Avx512:
+      return KernelImpl::Avx512;
+    default:
+      return KernelImpl::Portable;
+  }
+}
+
+std::vector<Isa> available_isas() {
+  std::vector<Isa> v;
+  for (Isa isa : {Isa::Portable, Isa::Avx2, Isa::Avx512}) {
+    if (isa_available(isa)) v.push_back(isa);
+  }
+  return v;
+}
+
+const std::vector<NamedKernel>& all_kernels() {
+  static const std::vector<NamedKernel> ks = [] {
+    std::vector<NamedKernel> v = {
+        {"chunk/naive", [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Naive); }},
+        {"recurrent/naive", [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Naive); }}};
+    for (Isa isa : available_isas()) {
+      const KernelImpl impl = impl_of(isa);
+      v.push_back({std::string("chunk/") + to_string(isa), [impl](const KdaArgs& a) { chunk_kda(a, impl); }});
+      v.push_back({std::string("recurrent/") + to_string(isa),
+                   [impl](const KdaArgs& a) { fused_recurrent_kda(a, impl); }});
+    }
+    return v;
+  }();
+  return ks;
+}
+
+std::map<std::string, Worst> g_worst;
 
 class WorstEnvironment : public ::testing::Environment {
  public:
   void TearDown() override {
-    for (int i = 0; i < 4; ++i) {
-      std::printf("[ worst    ] %-16s output %.3f  state %.3f  (of the 1e-5 + 1e-5|b| bound)\n",
-                  kKernelNames[i], g_worst[i].out, g_worst[i].state);
+    for (const auto& k : all_kernels()) {
+      std::printf("[ worst    ] %-18s output %.3f  state %.3f  (of the 1e-5 + 1e-5|b| bound)\n",
+                  k.name.c_str(), g_worst[k.name].out, g_worst[k.name].state);
     }
   }
 };
@@ -248,19 +294,12 @@ void check_all_kernels(const Problem& p, const std::string& label) {
     }
   }
 
-  using Fn = std::function<void(const KdaArgs&)>;
-  const Fn kernels[4] = {
-      [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Naive); },
-      [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Optimized); },
-      [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Naive); },
-      [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Optimized); },
-  };
   std::string line = label + ":";
-  for (int kk = 0; kk < 4; ++kk) {
-    SCOPED_TRACE(kKernelNames[kk]);
+  for (const auto& kernel : all_kernels()) {
+    SCOPED_TRACE(kernel.name);
     std::vector<float> o(n_o, 7.0f);  // garbage: every row must be written
     std::vector<float> pool = p.pool;
-    kernels[kk](p.args(o.data(), pool.empty() ? nullptr : pool.data()));
+    kernel.fn(p.args(o.data(), pool.empty() ? nullptr : pool.data()));
 
     EXPECT_TRUE(all_finite(o));
     const double eo = max_error_ratio(o.data(), ref.o.data(), n_o, kAtol, kRtol);
@@ -269,10 +308,11 @@ void check_all_kernels(const Problem& p, const std::string& label) {
         pool.empty() ? 0.0 : max_error_ratio(pool.data(), ref.pool.data(), pool.size(), kAtol, kRtol);
     EXPECT_LE(es, 1.0) << "final state";
     EXPECT_TRUE(all_finite(pool));
-    g_worst[kk].out = std::max(g_worst[kk].out, eo);
-    g_worst[kk].state = std::max(g_worst[kk].state, es);
+    Worst& w = g_worst[kernel.name];
+    w.out = std::max(w.out, eo);
+    w.state = std::max(w.state, es);
     char buf[64];
-    std::snprintf(buf, sizeof(buf), " %s %.3f/%.3f", kKernelNames[kk], eo, es);
+    std::snprintf(buf, sizeof(buf), " %s %.3f/%.3f", kernel.name.c_str(), eo, es);
     line += buf;
 
     for (int64_t s = 0; s < p.slots; ++s) {
@@ -717,12 +757,7 @@ std::vector<float> run_bf16_inputs(Problem p, const std::function<void(const Kda
 TEST(KdaBf16Inputs, EveryKernelMatchesFp32InputsOfTheSameValues) {
   std::vector<Problem> problems = stride_problems();
   problems.push_back(kimi_shape_problem(1400));
-  const std::pair<const char*, std::function<void(const KdaArgs&)>> kernels[] = {
-      {"chunk/naive", [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Naive); }},
-      {"chunk/opt", [](const KdaArgs& a) { chunk_kda(a, KernelImpl::Optimized); }},
-      {"recurrent/naive", [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Naive); }},
-      {"recurrent/opt", [](const KdaArgs& a) { fused_recurrent_kda(a, KernelImpl::Optimized); }}};
-  for (const auto& [name, fn] : kernels) {
+  for (const auto& [name, fn] : all_kernels()) {
     SCOPED_TRACE(name);
     int n = 0;
     for (const Problem& p : problems) {
@@ -749,10 +784,99 @@ TEST(KdaBf16Inputs, EveryKernelMatchesFp32InputsOfTheSameValues) {
 // Dispatcher.
 
 TEST(KdaDispatch, ParseAndPrint) {
-  for (KernelImpl k : {KernelImpl::Auto, KernelImpl::Naive, KernelImpl::Optimized}) {
+  for (KernelImpl k : {KernelImpl::Auto, KernelImpl::Naive, KernelImpl::Optimized, KernelImpl::Portable,
+                       KernelImpl::Avx2, KernelImpl::Avx512}) {
     EXPECT_EQ(parse_kernel_impl(to_string(k)), k);
   }
   EXPECT_THROW(parse_kernel_impl("fast"), std::invalid_argument);
+  for (Isa isa : {Isa::Portable, Isa::Avx2, Isa::Avx512}) EXPECT_EQ(parse_isa(to_string(isa)), isa);
+  EXPECT_THROW(parse_isa("sse"), std::invalid_argument);
+}
+
+// Auto and Optimized name the fastest available copy, a forced ISA itself; the portable copy is always
+// there, and best_isa() is the last available one (ascending order).
+TEST(KdaDispatch, KernelNames) {
+  const auto isas = available_isas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.front(), Isa::Portable);
+  if (std::getenv("KDA_ISA") == nullptr) {
+    EXPECT_EQ(best_isa(), isas.back());  // else capped
+  }
+  EXPECT_STREQ(kernel_name(KernelImpl::Naive), "naive");
+  EXPECT_STREQ(kernel_name(KernelImpl::Auto), to_string(best_isa()));
+  EXPECT_STREQ(kernel_name(KernelImpl::Optimized), to_string(best_isa()));
+  for (Isa isa : isas) EXPECT_STREQ(kernel_name(impl_of(isa)), to_string(isa));
+  EXPECT_EQ(isa_available(Isa::Avx512), isa_compiled(Isa::Avx512) && isa_supported_by_cpu(Isa::Avx512));
+}
+
+// Forcing a copy that the build or the CPU lacks is an error naming it, before anything is touched.
+TEST(KdaDispatch, ForcingAnUnavailableIsaThrows) {
+  int checked = 0;
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    if (isa_available(isa)) continue;
+    ++checked;
+    Problem p;
+    p.T = 20;
+    p.slots = 1;
+    fill(p, 1200);
+    const size_t n_o = static_cast<size_t>(p.T) * p.H * p.V;
+    std::vector<float> o(n_o, 7.0f), pool = p.pool;
+    for (bool chunk : {true, false}) {
+      try {
+        const KdaArgs a = p.args(o.data(), pool.data());
+        chunk ? chunk_kda(a, impl_of(isa)) : fused_recurrent_kda(a, impl_of(isa));
+        ADD_FAILURE() << "no exception for " << to_string(isa);
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find(to_string(isa)), std::string::npos) << e.what();
+      }
+    }
+    EXPECT_THROW(kernel_name(impl_of(isa)), std::invalid_argument);
+    EXPECT_EQ(pool, p.pool);
+    EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 7.0f; }));
+  }
+  if (checked == 0) GTEST_SKIP() << "every ISA is available here";
+}
+
+// The copies against each other on random problems of many shapes (head sizes below, at and above a
+// vector, odd ones, varlen, decode): within twice the reference tolerance of the portable copy, whose
+// loops are the plain form of the same algorithm.
+TEST(KdaDispatch, IsaCopiesAgree) {
+  const auto isas = available_isas();
+  if (isas.size() < 2) GTEST_SKIP() << "only the portable copy runs here";
+  std::mt19937_64 rng(77);
+  for (int trial = 0; trial < 12; ++trial) {
+    Problem p;
+    const int dims[] = {1, 7, 16, 33, 64, 100, 128};
+    p.K = dims[rng() % 7];
+    p.V = dims[rng() % 7];
+    p.H = 1 + static_cast<int>(rng() % 3);
+    p.N = 1 + static_cast<int64_t>(rng() % 3);
+    p.cu = {0};
+    for (int64_t i = 0; i < p.N; ++i) p.cu.push_back(p.cu.back() + static_cast<int32_t>(rng() % 90));
+    p.T = p.cu.back();
+    p.slots = p.N;
+    p.l2 = rng() % 2 == 0;
+    p.gate = rng() % 2 == 0;
+    fill(p, 1300 + trial);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": H=" + std::to_string(p.H) +
+                 " K=" + std::to_string(p.K) + " V=" + std::to_string(p.V) + " T=" + std::to_string(p.T));
+    const size_t n_o = static_cast<size_t>(p.T) * p.H * p.V;
+    for (bool chunk : {true, false}) {
+      auto run = [&](Isa isa) {
+        std::vector<float> o(n_o), pool = p.pool;
+        const KdaArgs a = p.args(o.data(), pool.data());
+        chunk ? chunk_kda(a, impl_of(isa)) : fused_recurrent_kda(a, impl_of(isa));
+        o.insert(o.end(), pool.begin(), pool.end());
+        return o;
+      };
+      const auto base = run(Isa::Portable);
+      for (size_t i = 1; i < isas.size(); ++i) {
+        const auto got = run(isas[i]);
+        EXPECT_LE(max_error_ratio(got.data(), base.data(), got.size(), 2 * kAtol, 2 * kRtol), 1.0)
+            << (chunk ? "chunk " : "recurrent ") << to_string(isas[i]) << " vs portable";
+      }
+    }
+  }
 }
 
 TEST(KdaDispatch, SelectsTheRequestedKernel) {

@@ -1,16 +1,19 @@
 // The kernels' exp and softplus approximations (kernels/kda/vec_math.h), scalar and 16-lane, against
 // float64 libm over the ranges the gate sends through them, and at the edges the comments promise:
 // 0 below -87 (a forgotten channel, never a subnormal), inf above the fp32 range, softplus(z) = z for
-// large z.
+// large z. The scalar functions are the portable copy's (those of the other copies are the same C++);
+// the 16-lane ones the AVX-512 copy's, where the build has it and the CPU runs it.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "kda/common/isa.h"
 #include "kda/kernels/kda/vec_math.h"
+#include "support/vec_math_lanes.h"
 
-namespace kda::kernels::vecmath {
+namespace kda::kernels::portable::vecmath {
 namespace {
 
 // Points spread over [lo, hi], both ends included.
@@ -24,19 +27,16 @@ double rel_err(double got, double want) { return std::fabs(got - want) / std::fa
 
 double softplus64(double z) { return z > 0 ? z + std::log1p(std::exp(-z)) : std::log1p(std::exp(z)); }
 
-#if defined(__AVX512F__)
-// f applied to xs 16 at a time (the tail lanes padded with 0 and dropped).
-template <class F>
-std::vector<float> lanes(const std::vector<float>& xs, F f) {
+#if defined(KDA_TEST_AVX512_LANES)
+bool have_lanes() { return isa_available(Isa::Avx512); }
+// f (one of vec_math_lanes.h) applied to xs.
+std::vector<float> lanes(const std::vector<float>& xs, void (*f)(const float*, float*, size_t)) {
   std::vector<float> out(xs.size());
-  for (size_t i = 0; i < xs.size(); i += 16) {
-    float in[16] = {}, res[16];
-    for (size_t j = 0; j < 16 && i + j < xs.size(); ++j) in[j] = xs[i + j];
-    _mm512_storeu_ps(res, f(_mm512_loadu_ps(in)));
-    for (size_t j = 0; j < 16 && i + j < xs.size(); ++j) out[i + j] = res[j];
-  }
+  f(xs.data(), out.data(), xs.size());
   return out;
 }
+constexpr auto exp16 = testing::avx512::exp16_lanes;
+constexpr auto softplus16 = testing::avx512::softplus16_lanes;
 #endif
 
 // exp over the decays' range: within 2e-7 of the float64 value (measured 8.3e-8, ~1.4 ulp).
@@ -45,12 +45,14 @@ TEST(VecMath, ExpMatchesLibmOverTheDecayRange) {
   double worst = 0;
   for (float x : xs) worst = std::max(worst, rel_err(exp_approx(x), std::exp(static_cast<double>(x))));
   EXPECT_LT(worst, 2e-7);
-#if defined(__AVX512F__)
-  const auto ys = lanes(xs, exp16);
-  double worst16 = 0;
-  for (size_t i = 0; i < xs.size(); ++i)
-    worst16 = std::max(worst16, rel_err(ys[i], std::exp(static_cast<double>(xs[i]))));
-  EXPECT_LT(worst16, 2e-7);
+#if defined(KDA_TEST_AVX512_LANES)
+  if (have_lanes()) {
+    const auto ys = lanes(xs, exp16);
+    double worst16 = 0;
+    for (size_t i = 0; i < xs.size(); ++i)
+      worst16 = std::max(worst16, rel_err(ys[i], std::exp(static_cast<double>(xs[i]))));
+    EXPECT_LT(worst16, 2e-7);
+  }
 #endif
 }
 
@@ -58,14 +60,16 @@ TEST(VecMath, ExpEdges) {
   const float inf = std::numeric_limits<float>::infinity();
   for (float x : {-87.01f, -90.0f, -1e30f, -inf}) EXPECT_EQ(exp_approx(x), 0.0f) << x;
   EXPECT_EQ(exp_approx(0.0f), 1.0f);
-#if defined(__AVX512F__)
-  const std::vector<float> xs = {-87.01f, -90.0f, -1e30f, -inf, 0.0f, 200.0f, inf, 10.0f};
-  const auto ys = lanes(xs, exp16);
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(ys[i], 0.0f) << xs[i];
-  EXPECT_EQ(ys[4], 1.0f);
-  EXPECT_EQ(ys[5], inf);
-  EXPECT_EQ(ys[6], inf);
-  EXPECT_LT(rel_err(ys[7], std::exp(10.0)), 2e-7);
+#if defined(KDA_TEST_AVX512_LANES)
+  if (have_lanes()) {
+    const std::vector<float> xs = {-87.01f, -90.0f, -1e30f, -inf, 0.0f, 200.0f, inf, 10.0f};
+    const auto ys = lanes(xs, exp16);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(ys[i], 0.0f) << xs[i];
+    EXPECT_EQ(ys[4], 1.0f);
+    EXPECT_EQ(ys[5], inf);
+    EXPECT_EQ(ys[6], inf);
+    EXPECT_LT(rel_err(ys[7], std::exp(10.0)), 2e-7);
+  }
 #endif
 }
 
@@ -76,14 +80,16 @@ TEST(VecMath, SoftplusMatchesLibm) {
   double worst = 0;
   for (float z : zs) worst = std::max(worst, rel_err(softplus_approx(z), softplus64(z)));
   EXPECT_LT(worst, 4e-7);
-#if defined(__AVX512F__)
-  const auto ys = lanes(zs, softplus16);
-  double worst16 = 0;
-  for (size_t i = 0; i < zs.size(); ++i) worst16 = std::max(worst16, rel_err(ys[i], softplus64(zs[i])));
-  EXPECT_LT(worst16, 4e-7);
-  for (size_t i = 0; i < zs.size(); ++i) {
-    if (zs[i] > 20.0f) {
-      ASSERT_EQ(ys[i], zs[i]) << zs[i];
+#if defined(KDA_TEST_AVX512_LANES)
+  if (have_lanes()) {
+    const auto ys = lanes(zs, softplus16);
+    double worst16 = 0;
+    for (size_t i = 0; i < zs.size(); ++i) worst16 = std::max(worst16, rel_err(ys[i], softplus64(zs[i])));
+    EXPECT_LT(worst16, 4e-7);
+    for (size_t i = 0; i < zs.size(); ++i) {
+      if (zs[i] > 20.0f) {
+        ASSERT_EQ(ys[i], zs[i]) << zs[i];
+      }
     }
   }
 #endif
@@ -95,4 +101,4 @@ TEST(VecMath, SoftplusMatchesLibm) {
 }
 
 }  // namespace
-}  // namespace kda::kernels::vecmath
+}  // namespace kda::kernels::portable::vecmath

@@ -11,7 +11,7 @@ cmake -S "$here/consumer" -B "$work/build" -DCMAKE_PREFIX_PATH="$work/prefix" -D
 cmake --build "$work/build" >/dev/null
 # Only the public headers were installed: no private kernel, SIMD or bench header is there.
 for private in kernels/kda/vec_math.h kernels/kda/avx512.h kernels/kda/scratch.h kernels/kda/bench_inputs.h \
-               kernels/kda/prepare.h; do
+               kernels/kda/prepare.h kernels/kda/impl.h common/isa_target.h; do
   if [ -e "$work/prefix/include/kda/$private" ]; then
     echo "private header installed: $private" >&2
     exit 1

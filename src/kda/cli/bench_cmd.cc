@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kda/cli/commands.h"
+#include "kda/common/isa.h"
 #include "kda/kernels/kda/avx512.h"
 #include "kda/kernels/kda/bench_inputs.h"
 #include "kda/kernels/kda/kda.h"
@@ -137,8 +138,10 @@ double copy_gbps(size_t bytes) {
 // for ~0.3 s. It tells which kind of host a run landed on: this VM has been seen on hosts that retire
 // two 512-bit FMAs per cycle and on hosts that retire one (the same code then runs at half the rate),
 // so absolute times only compare between runs on the same kind.
-double fma_peak_gflops() {
-#if defined(__AVX512F__)
+// Compiled for AVX-512 (the target attribute, not the build's flags) and run only where the CPU has it.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define KDA_HAVE_FMA512_PROBE 1
+__attribute__((target("avx512f"))) double fma512_peak_gflops() {
   constexpr int kChains = 16;
   constexpr int64_t kIters = 1 << 24;
   const int nt = omp_get_max_threads();
@@ -162,9 +165,14 @@ double fma_peak_gflops() {
   }
   if (sink == 0.0f) std::fprintf(stderr, " ");  // keeps the loop's result alive
   return 2.0 * 16 * kChains * static_cast<double>(kIters) * nt / best / 1e9;
-#else
-  return NAN;  // portable build: not measured
+}
 #endif
+
+double fma_peak_gflops() {
+#if defined(KDA_HAVE_FMA512_PROBE)
+  if (isa_supported_by_cpu(Isa::Avx512)) return fma512_peak_gflops();
+#endif
+  return NAN;  // no AVX-512: not measured
 }
 
 // Prints to stdout unless the results go out as JSON.
@@ -202,12 +210,11 @@ struct ChunkCase {
 // best_interleaved), and the plain-call GEMM rate; returns the ceiling in GFLOP/s and sets `plain`.
 double bench_chunk(const BenchOptions& o, GemmCeiling& g32, nlohmann::json& j,
                    std::vector<std::string>& lines, double& plain) {
+  const auto impl = kernels::parse_kernel_impl(o.kernel);
   ChunkCase one(1, 4096), many(16, 256);
   PlainGemm p32(g32.M, g32.N, g32.K);
   const auto t = best_interleaved(
-      {[&] { g32.run(); }, [&] { p32.run(); }, [&] { one.run(kernels::KernelImpl::Optimized); },
-       [&] { many.run(kernels::KernelImpl::Optimized); }},
-      5, 8.0);
+      {[&] { g32.run(); }, [&] { p32.run(); }, [&] { one.run(impl); }, [&] { many.run(impl); }}, 5, 8.0);
   const double ceiling = g32.gflops(t[0]);
   plain = p32.gflops(t[1]);
   int i = 2;
@@ -233,6 +240,7 @@ double bench_chunk(const BenchOptions& o, GemmCeiling& g32, nlohmann::json& j,
 
 void bench_recurrent(const BenchOptions& o, double cp, nlohmann::json& j, const Say& say) {
   const int H = kH, K = kK;
+  const auto impl = kernels::parse_kernel_impl(o.kernel);
   // fused_recurrent_kda: states spread over a pool larger than the caches.
   say("\n%-22s %6s %12s %10s %10s %16s\n", "kernel", "batch", "us/call", "GB/s", "% memcpy", "naive us/call");
   const int64_t pool_slots = 256;  // 256 x 2 MiB = 512 MiB
@@ -258,7 +266,7 @@ void bench_recurrent(const BenchOptions& o, double cp, nlohmann::json& j, const 
       a.state_indices = sets[which++ % sets.size()].data();
       kernels::fused_recurrent_kda(a, impl);
     };
-    const double s = best_seconds([&] { call(kernels::KernelImpl::Optimized); }, 20, 0.5);
+    const double s = best_seconds([&] { call(impl); }, 20, 0.5);
     const double sn = o.skip_naive ? NAN : best_seconds([&] { call(kernels::KernelImpl::Naive); }, 3, 0.2);
     const double bytes = 2.0 * B * H * K * K * sizeof(float);
     const double gbps = bytes / s / 1e9;
@@ -284,9 +292,11 @@ struct LayerCase {
   std::vector<float> gx, gy, gf, gz;
   std::vector<bf16_t> gy16, gf16;
 
-  LayerCase(const io::KimiLinearConfig& cfg, const models::KdaLayerWeights& w, Precision prec)
+  LayerCase(const io::KimiLinearConfig& cfg, const models::KdaLayerWeights& w, Precision prec,
+            kernels::KernelImpl impl)
       : p(prec),
         layer(cfg, 0, w, prec),
+        backend(impl),
         pools(mem_cache::RecurrentStatePoolConfig{.layer_ids = {0},
                                                   .size = kSlots,
                                                   .num_heads = kH,
@@ -345,7 +355,7 @@ struct Batch {
   void run() { c.layer.forward(x.data(), fb.num_tokens(), fb, c.pools.recurrent_state_pool, y.data()); }
 };
 
-void bench_layer(double cp, nlohmann::json& j, const Say& say) {
+void bench_layer(const BenchOptions& o, double cp, nlohmann::json& j, const Say& say) {
   io::KimiLinearConfig cfg;
   cfg.hidden_size = kD;
   cfg.rms_norm_eps = 1e-5;
@@ -355,7 +365,8 @@ void bench_layer(double cp, nlohmann::json& j, const Say& say) {
   cfg.short_conv_kernel_size = 4;
   cfg.kda_layers = {1};
   const auto w = models::KdaLayerWeights::synthetic(cfg, 1234);
-  LayerCase f32(cfg, w, Precision::FP32), b16(cfg, w, Precision::BF16);
+  const auto impl = kernels::parse_kernel_impl(o.kernel);
+  LayerCase f32(cfg, w, Precision::FP32, impl), b16(cfg, w, Precision::BF16, impl);
   say("\n%-6s %-7s %8s %14s %16s %8s %22s\n", "layer", "mode", "size", "time", "GEMMs alone", "ratio",
       "state bytes/step");
 
@@ -412,7 +423,10 @@ int run_bench(const BenchOptions& o) {
   const int threads = omp_get_max_threads();
   nlohmann::json j;
   const Say say{o.json};
-  say("kda bench: %d threads\n", threads);
+  // Which copy of the optimized kernels runs (kernels::kernel_name): the one this CPU runs fastest, or
+  // the one --kernel forces; the short conv and the gated norm take this CPU's best (KDA_ISA caps it).
+  const char* ran = kernels::kernel_name(kernels::parse_kernel_impl(o.kernel));
+  say("kda bench: %d threads, kernels: %s (short conv: %s)\n", threads, ran, to_string(best_isa()));
 
   // Ceilings. The fp32 GEMM rate is the chunk kernel's yardstick, so it is measured in turns with it.
   j["kernels"] = nlohmann::json::array();
@@ -430,6 +444,8 @@ int run_bench(const BenchOptions& o) {
   const double cp = copy_gbps(size_t{512} << 20);
   const double fma = fma_peak_gflops();
   j["threads"] = threads;
+  j["kernel"] = ran;
+  j["short_conv_isa"] = to_string(best_isa());
   j["ceilings"] = {{"gemm_f32_gflops", g32}, {"gemm_bf16_gflops", g16}, {"copy_gbps", cp}};
   if (!std::isnan(fma)) j["ceilings"]["fma_peak_f32_gflops"] = fma;
   if (!std::isnan(plain32)) j["ceilings"]["gemm_f32_plain_call_gflops"] = plain32;
@@ -451,7 +467,7 @@ int run_bench(const BenchOptions& o) {
     for (const auto& l : chunk_lines) say("%s", l.c_str());
     bench_recurrent(o, cp, j, say);
   }
-  if (o.only != "kernels") bench_layer(cp, j, say);
+  if (o.only != "kernels") bench_layer(o, cp, j, say);
   if (o.json) std::printf("%s\n", j.dump(2).c_str());
   return 0;
 }

@@ -31,6 +31,8 @@ struct BenchOptions {
   int threads = 0;  // 0: OpenMP's default
   bool json = false;
   bool skip_naive = false;
+  std::string kernel =
+      "optimized";           // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
   std::string only = "all";  // all | kernels | layer (the ceilings always run: every row is a ratio)
 };
 int run_bench(const BenchOptions& o);

@@ -16,8 +16,8 @@ int main(int argc, char** argv) {
       ->required();
   verify->add_option("--precision", vo.precision, "fp32 | bf16 | all")
       ->check(CLI::IsMember({"fp32", "bf16", "all"}));
-  verify->add_option("--kernel", vo.kernel, "auto | naive | optimized")
-      ->check(CLI::IsMember({"auto", "naive", "optimized"}));
+  verify->add_option("--kernel", vo.kernel, "auto | naive | optimized | portable | avx2 | avx512")
+      ->check(CLI::IsMember({"auto", "naive", "optimized", "portable", "avx2", "avx512"}));
   verify->add_flag("--json", vo.json, "print the results as JSON");
   verify->add_option("--tp", vo.tp, "tensor-parallel ranks (start with mpirun -np N)")
       ->check(CLI::PositiveNumber);
@@ -34,14 +34,16 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   run->add_option("--tp", ro.tp, "tensor-parallel ranks (start with mpirun -np N)")
       ->check(CLI::PositiveNumber);
-  run->add_option("--kernel", ro.kernel, "auto | naive | optimized")
-      ->check(CLI::IsMember({"auto", "naive", "optimized"}));
+  run->add_option("--kernel", ro.kernel, "auto | naive | optimized | portable | avx2 | avx512")
+      ->check(CLI::IsMember({"auto", "naive", "optimized", "portable", "avx2", "avx512"}));
 
   kda::cli::BenchOptions bo;
   auto* bench = app.add_subcommand("bench", "kernels and layer against same-run GEMM / memcpy ceilings");
   bench->add_option("--threads", bo.threads, "OpenMP threads (default: all)")->check(CLI::NonNegativeNumber);
   bench->add_flag("--json", bo.json, "print the results as JSON");
   bench->add_flag("--skip-naive", bo.skip_naive, "do not time the reference kernels");
+  bench->add_option("--kernel", bo.kernel, "optimized | portable | avx2 | avx512 (the ISA copy timed)")
+      ->check(CLI::IsMember({"optimized", "portable", "avx2", "avx512"}));
   bench->add_option("--only", bo.only, "all | kernels | layer (ceilings are always measured)")
       ->check(CLI::IsMember({"all", "kernels", "layer"}));
 
@@ -54,8 +56,8 @@ int main(int argc, char** argv) {
   sim->add_option("--precision", so.precision, "fp32 | bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
-  sim->add_option("--kernel", so.kernel, "auto | naive | optimized")
-      ->check(CLI::IsMember({"auto", "naive", "optimized"}))
+  sim->add_option("--kernel", so.kernel, "auto | naive | optimized | portable | avx2 | avx512")
+      ->check(CLI::IsMember({"auto", "naive", "optimized", "portable", "avx2", "avx512"}))
       ->capture_default_str();
   auto* reqs =
       sim->add_option("--requests", so.requests, "number of generated requests")->capture_default_str();

@@ -14,6 +14,7 @@ int run_verify(const VerifyOptions& o) {
   const auto cfg = io::load_config(o.dumps);
   const io::Checkpoint ckpt(o.dumps);
   const auto kernel = kernels::parse_kernel_impl(o.kernel);
+  const char* ran = kernels::kernel_name(kernel);  // which kernel that is on this CPU
   std::vector<Precision> precisions;
   if (o.precision == "all" || o.precision == "fp32") precisions.push_back(Precision::FP32);
   if (o.precision == "all" || o.precision == "bf16") precisions.push_back(Precision::BF16);
@@ -54,7 +55,7 @@ int run_verify(const VerifyOptions& o) {
             {{"case", rep.name}, {"precision", to_string(p)}, {"ok", rep.ok()}, {"checks", rows}});
         continue;
       }
-      std::printf("\n%s  [%s, kernel %s]  %s\n", rep.name.c_str(), to_string(p), o.kernel.c_str(),
+      std::printf("\n%s  [%s, kernel %s: %s]  %s\n", rep.name.c_str(), to_string(p), o.kernel.c_str(), ran,
                   rep.ok() ? "PASS" : "FAIL");
       std::printf("  %-48s %-12s %12s %12s\n", "check", "metric", "value", "limit");
       for (const auto& r : rep.rows)
@@ -67,6 +68,7 @@ int run_verify(const VerifyOptions& o) {
   if (o.json) {
     nlohmann::json j = {{"dumps", o.dumps},
                         {"kernel", o.kernel},
+                        {"kernel_ran", ran},
                         {"ok", all_ok},
                         {"worst_value_over_limit", worst},
                         {"cases", jcases}};

@@ -11,7 +11,12 @@
 #include <utility>
 #include <vector>
 
-namespace kda::kernels {
+#include "kda/common/isa_target.h"
+#include "kda/kernels/short_conv_isa.h"
+
+// One copy per ISA (isa_target.h); short_conv_dispatch.cc picks one per call.
+KDA_ISA_PUSH
+namespace kda::kernels::KDA_ISA_NS {
 namespace {
 
 // Channels per inner block: one block of one token is one pass of the simd loop.
@@ -423,4 +428,5 @@ void short_conv_extend(const ShortConvArgs<bf16_t>& a) { run(a, Mode::kExtend); 
 void short_conv_decode(const ShortConvArgs<float>& a) { run(a, Mode::kDecode); }
 void short_conv_decode(const ShortConvArgs<bf16_t>& a) { run(a, Mode::kDecode); }
 
-}  // namespace kda::kernels
+}  // namespace kda::kernels::KDA_ISA_NS
+KDA_ISA_POP

@@ -1,5 +1,7 @@
 #include "kda/models/kimi_linear.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,6 +11,7 @@
 #include <type_traits>
 
 #include "kda/common/bf16.h"
+#include "kda/common/isa_target.h"
 #include "kda/kernels/kda/vec_math.h"
 
 namespace kda::models {
@@ -43,8 +46,10 @@ void check_size(const std::vector<float>& v, size_t n, const char* name) {
 // applies the bf16 mode's rounding points: o as it is read, y as it is written (as bf16, the input
 // o_proj takes, so no conversion pass follows); z comes as bf16.
 template <bool kBf16>
-void gated_norm_row(const float* o, const std::conditional_t<kBf16, bf16_t, float>* z, const float* w, int K,
-                    float eps, std::conditional_t<kBf16, bf16_t, float>* y) {
+[[gnu::always_inline]] inline void gated_norm_row(const float* o,
+                                                  const std::conditional_t<kBf16, bf16_t, float>* z,
+                                                  const float* w, int K, float eps,
+                                                  std::conditional_t<kBf16, bf16_t, float>* y) {
   const auto rd = [](float x) { return kBf16 ? round_bf16(x) : x; };
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -53,13 +58,27 @@ void gated_norm_row(const float* o, const std::conditional_t<kBf16, bf16_t, floa
 #pragma omp simd
   for (int d = 0; d < K; ++d) {
     const float v =
-        rd(o[d]) * inv * w[d] / (1.0f + kernels::vecmath::exp_approx(-kernels::vecmath::to_f32(z[d])));
+        rd(o[d]) * inv * w[d] /
+        (1.0f + kernels::portable::vecmath::exp_approx(-kernels::portable::vecmath::to_f32(z[d])));
     if constexpr (kBf16) {
       y[d] = f32_to_bf16(v);
     } else {
       y[d] = v;
     }
   }
+}
+
+// The rows compiled per ISA (KDA_TARGET_CLONES): the build targets no particular CPU, and this loop's
+// vectorised exp is a visible part of the layer's non-GEMM time. gated_norm_row (and the portable
+// vecmath functions, plain C++) are inlined into each clone.
+KDA_TARGET_CLONES void gated_norm_rows_f32(const float* o, const float* z, const float* w, int K, float eps,
+                                           float* y, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) gated_norm_row<false>(o + r * K, z + r * K, w, K, eps, y + r * K);
+}
+
+KDA_TARGET_CLONES void gated_norm_rows_bf16(const float* o, const bf16_t* z, const float* w, int K, float eps,
+                                            bf16_t* y, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) gated_norm_row<true>(o + r * K, z + r * K, w, K, eps, y + r * K);
 }
 
 }  // namespace
@@ -313,13 +332,15 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
   const float eps = static_cast<float>(eps_);
   const int K = static_cast<int>(K_);
   const float* w = o_norm_w_.data();
-#pragma omp parallel for schedule(static) if (rows > 256)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* o = ws.o.data() + r * K;
+  // Static contiguous row ranges, one clone call per thread.
+#pragma omp parallel if (rows > 256)
+  {
+    const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+    const int64_t r0 = rows * th / nt, r1 = rows * (th + 1) / nt;
     if (bf16) {
-      gated_norm_row<true>(o, ws.z_bf16.data() + r * K, w, K, eps, ws.y_bf16.data() + r * K);
+      gated_norm_rows_bf16(ws.o.data(), ws.z_bf16.data(), w, K, eps, ws.y_bf16.data(), r0, r1);
     } else {
-      gated_norm_row<false>(o, ws.z.data() + r * K, w, K, eps, ws.y.data() + r * K);
+      gated_norm_rows_f32(ws.o.data(), ws.z.data(), w, K, eps, ws.y.data(), r0, r1);
     }
   }
   // 5. o_proj; under tensor parallelism each rank holds a partial sum over its channels.

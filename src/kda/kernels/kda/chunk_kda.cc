@@ -39,20 +39,22 @@
 #include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr
 #endif
 
+#include "kda/common/isa_target.h"
 #include "kda/kernels/kda/avx512.h"
-#include "kda/kernels/kda/kda.h"
+#include "kda/kernels/kda/impl.h"
 #include "kda/kernels/kda/prepare.h"
 #include "kda/kernels/kda/scratch.h"
 #include "kda/kernels/kda/vec_math.h"
 
-namespace kda::kernels {
+KDA_ISA_PUSH
+namespace kda::kernels::KDA_ISA_NS {
 namespace {
 
 using prep::head_prep;
 using prep::HeadPrep;
 using prep::prepare_row;
 using vecmath::exp_approx;
-#if defined(__AVX512F__)
+#if defined(KDA_ISA_AVX512)
 using prep::load16;
 #endif
 
@@ -95,7 +97,7 @@ inline void copy_row(float* __restrict dst, const float* __restrict src, int n) 
 inline void widen_row(float* __restrict dst, const float* __restrict src, int n) { copy_row(dst, src, n); }
 inline void widen_row(float* __restrict dst, const bf16_t* __restrict src, int n) {
   int j = 0;
-#if defined(__AVX512F__)
+#if defined(KDA_ISA_AVX512)
   for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16(src + j));
 #endif
   for (; j < n; ++j) dst[j] = bf16_to_f32(src[j]);
@@ -222,7 +224,7 @@ class Stager {
   PfLines cur_;
 };
 
-#if defined(__AVX512F__)
+#if defined(KDA_ISA_AVX512)
 
 // acc[0:MR, 0:NV] += A[r0:r0+MR, 0:kd] B[0:kd, j0:j0+16NV]; the last vector of each B row is masked.
 // With PF, every kPfEvery-th step prefetches the next line of pf's list.
@@ -366,7 +368,7 @@ void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0, __mm
   }
 }
 
-#else  // Portable fallback (KDA_NATIVE=OFF on a CPU without AVX-512): the same products, plain loops.
+#else  // Portable fallback (the portable and AVX2 copies): the same products, plain loops.
 
 [[gnu::noinline]] void gemm(int M, int N, const Seg* segs, int nseg, const Init& init, float* c, int64_t ldc,
                             Stager* pf = nullptr) {
@@ -394,7 +396,7 @@ void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0, __mm
 
 #endif
 
-#if defined(__AVX512F__)
+#if defined(KDA_ISA_AVX512)
 
 inline __mmask16 tail_mask(int n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
@@ -1034,4 +1036,5 @@ void chunk_kda_opt(const KdaArgs& a) {
   }
 }
 
-}  // namespace kda::kernels
+}  // namespace kda::kernels::KDA_ISA_NS
+KDA_ISA_POP

@@ -1,4 +1,5 @@
-// Argument validation and the kernel dispatcher (RFC §4.2).
+// Argument validation and the kernel dispatcher (RFC §4.2): which kernel, and for the optimized ones
+// which ISA's copy, a call runs.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -8,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "kda/kernels/kda/kda.h"
+#include "kda/kernels/kda/impl.h"
 
 namespace kda::kernels {
 namespace {
@@ -144,11 +145,12 @@ KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf) {
 }
 
 KernelImpl parse_kernel_impl(std::string_view s) {
-  if (s == "auto") return KernelImpl::Auto;
-  if (s == "naive") return KernelImpl::Naive;
-  if (s == "optimized") return KernelImpl::Optimized;
+  for (KernelImpl k : {KernelImpl::Auto, KernelImpl::Naive, KernelImpl::Optimized, KernelImpl::Portable,
+                       KernelImpl::Avx2, KernelImpl::Avx512}) {
+    if (s == to_string(k)) return k;
+  }
   throw std::invalid_argument("kda: unknown kernel implementation '" + std::string(s) +
-                              "' (expected auto, naive or optimized)");
+                              "' (expected auto, naive, optimized, portable, avx2 or avx512)");
 }
 
 const char* to_string(KernelImpl k) {
@@ -159,18 +161,85 @@ const char* to_string(KernelImpl k) {
       return "naive";
     case KernelImpl::Optimized:
       return "optimized";
+    case KernelImpl::Portable:
+      return "portable";
+    case KernelImpl::Avx2:
+      return "avx2";
+    case KernelImpl::Avx512:
+      return "avx512";
   }
   return "unknown";
 }
 
-// The optimized kernels take every valid shape (their loops run over any K and V), so Auto and Optimized
-// both pick them; the reference stays reachable through KernelImpl::Naive.
+namespace {
+
+// The ISA of an optimized-kernel choice: forced, or the fastest available.
+Isa isa_of(KernelImpl impl) {
+  switch (impl) {
+    case KernelImpl::Portable:
+      return Isa::Portable;
+    case KernelImpl::Avx2:
+      return Isa::Avx2;
+    case KernelImpl::Avx512:
+      return Isa::Avx512;
+    default:
+      return best_isa();
+  }
+}
+
+}  // namespace
+
+// Only the copies in the build are referenced, so that a build without one still links.
+KernelFn chunk_kda_opt_for(Isa isa) {
+  require_isa(isa);
+  switch (isa) {
+#if defined(KDA_WITH_AVX512)
+    case Isa::Avx512:
+      return avx512::chunk_kda_opt;
+#endif
+#if defined(KDA_WITH_AVX2)
+    case Isa::Avx2:
+      return avx2::chunk_kda_opt;
+#endif
+    default:
+      return portable::chunk_kda_opt;
+  }
+}
+
+KernelFn fused_recurrent_kda_opt_for(Isa isa) {
+  require_isa(isa);
+  switch (isa) {
+#if defined(KDA_WITH_AVX512)
+    case Isa::Avx512:
+      return avx512::fused_recurrent_kda_opt;
+#endif
+#if defined(KDA_WITH_AVX2)
+    case Isa::Avx2:
+      return avx2::fused_recurrent_kda_opt;
+#endif
+    default:
+      return portable::fused_recurrent_kda_opt;
+  }
+}
+
+void chunk_kda_opt(const KdaArgs& a) { chunk_kda_opt_for(best_isa())(a); }
+void fused_recurrent_kda_opt(const KdaArgs& a) { fused_recurrent_kda_opt_for(best_isa())(a); }
+
+// The optimized kernels take every valid shape (their loops run over any K and V), so Auto picks them
+// as Optimized does; the reference stays reachable through KernelImpl::Naive.
+const char* kernel_name(KernelImpl impl) {
+  if (impl == KernelImpl::Naive) return "naive";
+  const Isa isa = isa_of(impl);
+  require_isa(isa);
+  return to_string(isa);
+}
+
 void chunk_kda(const KdaArgs& a, KernelImpl impl) {
   validate_kda_args(a);
   if (impl == KernelImpl::Naive) {
     chunk_kda_naive(a);
   } else {
-    chunk_kda_opt(a);
+    chunk_kda_opt_for(isa_of(impl))(a);
   }
 }
 
@@ -179,7 +248,7 @@ void fused_recurrent_kda(const KdaArgs& a, KernelImpl impl) {
   if (impl == KernelImpl::Naive) {
     fused_recurrent_kda_naive(a);
   } else {
-    fused_recurrent_kda_opt(a);
+    fused_recurrent_kda_opt_for(isa_of(impl))(a);
   }
 }
 

@@ -25,13 +25,15 @@
 #include <new>
 #include <vector>
 
+#include "kda/common/isa_target.h"
 #include "kda/kernels/kda/avx512.h"
-#include "kda/kernels/kda/kda.h"
+#include "kda/kernels/kda/impl.h"
 #include "kda/kernels/kda/prepare.h"
 #include "kda/kernels/kda/scratch.h"
 #include "kda/kernels/kda/vec_math.h"
 
-namespace kda::kernels {
+KDA_ISA_PUSH
+namespace kda::kernels::KDA_ISA_NS {
 namespace {
 
 constexpr int kStrip = 64;    // state columns per strip
@@ -59,7 +61,7 @@ struct Tok {
   float beta;
 };
 
-#if defined(__AVX512F__)
+#if defined(KDA_ISA_AVX512)
 
 inline void prefetch_rows(const float* pf, int64_t ldp, int d, int lines) {
   const char* p = reinterpret_cast<const char*>(pf + d * ldp);
@@ -172,7 +174,7 @@ inline void strip(const float* src, int64_t lds, float* dst, int64_t ldd, int K,
   }
 }
 
-#else  // Portable fallback (KDA_NATIVE=OFF on a CPU without AVX-512): the same strip walk, plain loops.
+#else  // Portable fallback (the portable and AVX2 copies): the same strip walk, plain loops.
 
 inline void strip(const float* src, int64_t lds, float* dst, int64_t ldd, int K, const Tok& t, int j0, int nr,
                   const float*, int64_t, int) {
@@ -334,4 +336,5 @@ void fused_recurrent_kda_opt(const KdaArgs& args) {
   }
 }
 
-}  // namespace kda::kernels
+}  // namespace kda::kernels::KDA_ISA_NS
+KDA_ISA_POP

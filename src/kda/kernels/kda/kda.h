@@ -2,8 +2,8 @@
 //
 // The interface follows RFC §4.1 (fla's chunk_kda / fused_recurrent_kda): q, k, v, g, beta, an initial
 // state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel and cu_seqlens. Every kernel
-// (naive reference and optimized) has this one signature, `void(const KdaArgs&)`; the entry points at
-// the bottom pick the optimized one unless asked for the reference.
+// (naive reference and optimized, declared in impl.h) has this one signature, `void(const KdaArgs&)`;
+// the entry points at the bottom pick the optimized one for this CPU unless asked otherwise.
 //
 // States live in a pool: `state` points at [num_state_slots, H, K, V] fp32 and sequence i reads its
 // initial state from, and writes its final state into, slot state_indices[i] -- in place, no gather or
@@ -12,7 +12,6 @@
 
 #include <cstdint>
 #include <string_view>
-#include <vector>
 
 #include "kda/common/bf16.h"
 
@@ -84,24 +83,21 @@ struct KdaArgs {
 // std::invalid_argument naming what is wrong; nothing is read from or written to the pool before.
 void validate_kda_args(const KdaArgs& a);
 
-// bf16 inputs widened: `a` itself when its q, k, v and g are fp32, else a copy of `a` whose bf16 ones
-// (q, k, v and/or g) are replaced by dense fp32 rows written into `buf`.
-KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf);
-
-// Reference kernels: plain loops, fp32, written for clarity (fla's naive.py).
-void chunk_kda_naive(const KdaArgs& a);
-void fused_recurrent_kda_naive(const KdaArgs& a);
-
-// Optimized kernels, same signature and semantics.
-void chunk_kda_opt(const KdaArgs& a);
-void fused_recurrent_kda_opt(const KdaArgs& a);
-
-enum class KernelImpl { Auto, Naive, Optimized };
-KernelImpl parse_kernel_impl(std::string_view s);  // "auto" | "naive" | "optimized"
+// Which kernel runs. Naive: the reference. Optimized: the optimized kernel compiled for the fastest ISA
+// this CPU runs (best_isa() in kda/common/isa.h). Portable / Avx2 / Avx512: that ISA's copy of the
+// optimized kernel, forced (std::invalid_argument when the build or the CPU lacks it). Auto: the
+// optimized kernel when it takes these arguments (today every valid call), else the reference.
+enum class KernelImpl { Auto, Naive, Optimized, Portable, Avx2, Avx512 };
+// "auto" | "naive" | "optimized" | "portable" | "avx2" | "avx512"
+KernelImpl parse_kernel_impl(std::string_view s);
 const char* to_string(KernelImpl k);
 
-// The dispatcher (RFC §4.2): Auto takes the optimized kernel when it is available for these arguments
-// and falls back to the reference otherwise. All validate first.
+// The kernel a call with `impl` runs on this machine: "avx512", "avx2", "portable" or "naive" (what
+// kda bench and kda verify print). Throws std::invalid_argument like the dispatchers for a forced ISA
+// that is not available.
+const char* kernel_name(KernelImpl impl);
+
+// The dispatcher (RFC §4.2). All validate first.
 void chunk_kda(const KdaArgs& a, KernelImpl impl = KernelImpl::Auto);
 void fused_recurrent_kda(const KdaArgs& a, KernelImpl impl = KernelImpl::Auto);
 

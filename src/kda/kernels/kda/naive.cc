@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "kda/kernels/kda/kda.h"
+#include "kda/kernels/kda/impl.h"
 
 namespace kda::kernels {
 namespace {

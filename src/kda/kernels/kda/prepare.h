@@ -7,11 +7,13 @@
 #include <cstdint>
 
 #include "kda/common/bf16.h"
+#include "kda/common/isa_target.h"
 #include "kda/kernels/kda/avx512.h"
-#include "kda/kernels/kda/kda.h"
+#include "kda/kernels/kda/impl.h"
 #include "kda/kernels/kda/vec_math.h"
 
-namespace kda::kernels::prep {
+KDA_ISA_PUSH
+namespace kda::kernels::KDA_ISA_NS::prep {
 
 using vecmath::exp_approx;
 using vecmath::softplus_approx;
@@ -40,7 +42,7 @@ inline HeadPrep head_prep(const KdaArgs& a, int h, float scale) {
   return p;
 }
 
-#if defined(__AVX512F__)
+#if defined(KDA_ISA_AVX512)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -64,7 +66,7 @@ inline void prepare_row(const HeadPrep& p, const In* __restrict q, const In* __r
   const int K = p.K;
   float rq = p.scale, rk = 1.0f;
   int d0 = 0;
-#if defined(__AVX512F__)
+#if defined(KDA_ISA_AVX512)
   if (p.l2norm) {
     __m512 sq = _mm512_setzero_ps(), sk = _mm512_setzero_ps();
     for (int d = 0; d < K; d += 16) {
@@ -102,4 +104,5 @@ inline void prepare_row(const HeadPrep& p, const In* __restrict q, const In* __r
   }
 }
 
-}  // namespace kda::kernels::prep
+}  // namespace kda::kernels::KDA_ISA_NS::prep
+KDA_ISA_POP

@@ -10,9 +10,12 @@
 #include <cstdint>
 
 #include "kda/common/bf16.h"
+#include "kda/common/isa_target.h"
 #include "kda/kernels/kda/avx512.h"
 
-namespace kda::kernels::vecmath {
+// One copy per ISA (isa_target.h): the scalar functions too, whose AVX-512 build is VEX/EVEX code.
+KDA_ISA_PUSH
+namespace kda::kernels::KDA_ISA_NS::vecmath {
 
 // expf for the kernels' arguments (a decay: always <= 0 there): Cephes range reduction + degree-6
 // polynomial, ~1 ulp. Below -87 the result flushes to 0, which is the right answer for a decay (the
@@ -50,7 +53,7 @@ inline float softplus_approx(float z) {
   return std::max(z, 0.0f) + 2.0f * s * p;
 }
 
-#if defined(__AVX512F__)
+#if defined(KDA_ISA_AVX512)
 // exp_approx on 16 lanes: the same reduction and polynomial, with 2^n applied by vscalefps instead of
 // integer exponent arithmetic (fewer instructions where the gate's two exps per element dominate).
 // No clamp of x: vscalefps takes any n (the lanes below -87 are zeroed by the mask anyway, and above
@@ -125,4 +128,5 @@ void l2norm_factors(const In* q, const In* k, int K, float scale, float& rq, flo
   rk = 1.0f / std::sqrt(sk[0] + 1e-6f);
 }
 
-}  // namespace kda::kernels::vecmath
+}  // namespace kda::kernels::KDA_ISA_NS::vecmath
+KDA_ISA_POP

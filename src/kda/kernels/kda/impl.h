@@ -1,0 +1,42 @@
+// The KDA kernels behind the dispatcher (kda.h): the reference, and the optimized kernels compiled once
+// per ISA (isa_target.h), each copy in its ISA's namespace. Private to the library and its tests.
+#pragma once
+
+#include <vector>
+
+#include "kda/common/isa.h"
+#include "kda/kernels/kda/kda.h"
+
+namespace kda::kernels {
+
+// bf16 inputs widened: `a` itself when its q, k, v and g are fp32, else a copy of `a` whose bf16 ones
+// (q, k, v and/or g) are replaced by dense fp32 rows written into `buf`.
+KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf);
+
+// Reference kernels: plain loops, fp32, written for clarity (fla's naive.py).
+void chunk_kda_naive(const KdaArgs& a);
+void fused_recurrent_kda_naive(const KdaArgs& a);
+
+// Optimized kernels, same signature and semantics, one copy per ISA; only the copies of the ISAs in
+// the build are defined (isa_compiled), and only those the CPU runs may be called (isa_available).
+namespace portable {
+void chunk_kda_opt(const KdaArgs& a);
+void fused_recurrent_kda_opt(const KdaArgs& a);
+}  // namespace portable
+namespace avx2 {
+void chunk_kda_opt(const KdaArgs& a);
+void fused_recurrent_kda_opt(const KdaArgs& a);
+}  // namespace avx2
+namespace avx512 {
+void chunk_kda_opt(const KdaArgs& a);
+void fused_recurrent_kda_opt(const KdaArgs& a);
+}  // namespace avx512
+
+// The copy for `isa` (std::invalid_argument unless available), and the fastest one (best_isa()).
+using KernelFn = void (*)(const KdaArgs&);
+KernelFn chunk_kda_opt_for(Isa isa);
+KernelFn fused_recurrent_kda_opt_for(Isa isa);
+void chunk_kda_opt(const KdaArgs& a);
+void fused_recurrent_kda_opt(const KdaArgs& a);
+
+}  // namespace kda::kernels
