@@ -111,6 +111,11 @@ TEST(RecurrentStatePool, SizesAndBytes) {
   EXPECT_EQ(p.bytes(), 5u * 5 * (2 * 3 * 4 + 3 * 6) * sizeof(float));
   RecurrentStatePool b(small_config(Precision::BF16));
   EXPECT_EQ(b.bytes(), 5u * 5 * (2 * 3 * 4 * sizeof(float) + 3 * 6 * sizeof(bf16_t)));
+  // 5 layers of one slot; size + 1 rows (slot 0 included) make up the buffers.
+  EXPECT_EQ(p.bytes_per_slot(), 5u * (2 * 3 * 4 + 3 * 6) * sizeof(float));
+  EXPECT_EQ(b.bytes_per_slot(), 5u * (2 * 3 * 4 * sizeof(float) + 3 * 6 * sizeof(bf16_t)));
+  EXPECT_EQ(p.bytes(), p.bytes_per_slot() * 5);
+  EXPECT_EQ(b.bytes(), b.bytes_per_slot() * 5);
   const auto view = b.get_linear_recurrent_layer_cache(0);
   EXPECT_EQ(view.num_slots, 5);
   EXPECT_EQ(view.recurrent_slot_elems, 24);

@@ -76,6 +76,11 @@ size_t RecurrentStatePool::bytes() const {
          conv_bf16_.size() * sizeof(bf16_t);
 }
 
+size_t RecurrentStatePool::bytes_per_slot() const {
+  const size_t conv_elem = cfg_.conv_dtype == Precision::BF16 ? sizeof(bf16_t) : sizeof(float);
+  return static_cast<size_t>(num_layers()) * (rec_slot_ * sizeof(float) + conv_slot_ * conv_elem);
+}
+
 std::vector<int32_t> RecurrentStatePool::alloc(int64_t n) {
   if (n < 0) throw std::invalid_argument("RecurrentStatePool::alloc: n must be >= 0, got " + str(n));
   if (n > available()) {

@@ -50,6 +50,8 @@ class RecurrentStatePool {
   int64_t available() const { return static_cast<int64_t>(free_slots_.size()); }
   int num_layers() const { return static_cast<int>(cfg_.layer_ids.size()); }
   size_t bytes() const;  // both buffers
+  // One slot's state in every layer (recurrent + conv): what a request or a cached snapshot costs.
+  size_t bytes_per_slot() const;
 
   // All or nothing: n slots, each cleared (recurrent and conv state zero in every layer), or
   // std::runtime_error "recurrent state pool exhausted ..." with nothing taken.
