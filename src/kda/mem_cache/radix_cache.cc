@@ -1,0 +1,359 @@
+#include "kda/mem_cache/radix_cache.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kda::mem_cache {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+const char* name(SnapshotState s) {
+  switch (s) {
+    case SnapshotState::None:
+      return "none";
+    case SnapshotState::Pending:
+      return "pending";
+    case SnapshotState::Ready:
+      return "ready";
+  }
+  return "?";
+}
+
+// Length of the common prefix of an edge and the rest of a path.
+size_t common_prefix(const std::vector<int32_t>& key, std::span<const int32_t> rest) {
+  const size_t n = std::min(key.size(), rest.size());
+  size_t i = 0;
+  while (i < n && key[i] == rest[i]) ++i;
+  return i;
+}
+
+void check_len(std::span<const int32_t> tokens, int64_t len, const char* what) {
+  if (len < 1 || len > static_cast<int64_t>(tokens.size())) {
+    throw std::invalid_argument(std::string(what) + ": len " + str(len) + " is outside [1, " +
+                                str(static_cast<int64_t>(tokens.size())) + "] (the tokens given)");
+  }
+}
+
+}  // namespace
+
+RadixCache::RadixCache(RecurrentStatePool& pool, size_t budget_bytes)
+    : pool_(&pool), budget_bytes_(budget_bytes), bytes_per_slot_(pool.bytes_per_slot()) {
+  if (budget_bytes != 0 && budget_bytes < bytes_per_slot_) {
+    throw std::invalid_argument("RadixCache: budget of " + str(static_cast<int64_t>(budget_bytes)) +
+                                " bytes is smaller than one snapshot (" +
+                                str(static_cast<int64_t>(bytes_per_slot_)) +
+                                " bytes per slot); use 0 to disable the cache");
+  }
+  max_snapshots_ = static_cast<int64_t>(budget_bytes / bytes_per_slot_);
+  root_.id = 0;  // never in nodes_, so never accepted as a handle
+  is_snapshot_slot_.assign(pool.size() + 1, 0);
+}
+
+RadixCache::~RadixCache() { reset(); }
+
+void RadixCache::reset() {
+  std::vector<int32_t> slots;
+  for (const auto& [id, n] : nodes_) {
+    if (n->slot >= 0) slots.push_back(n->slot);
+  }
+  pool_->free(slots);
+  std::fill(is_snapshot_slot_.begin(), is_snapshot_slot_.end(), 0);
+  nodes_.clear();
+  root_.children.clear();
+  lru_.clear();
+  snapshots_ = pending_ = total_tokens_ = 0;  // next_id_ keeps counting: old handles stay unknown
+}
+
+RadixCache::Node* RadixCache::get(NodeId id, const char* what) const {
+  const auto it = nodes_.find(id);
+  if (it == nodes_.end()) {
+    throw std::invalid_argument(std::string("RadixCache::") + what + ": node " + str(id) +
+                                " is not in the tree (never made, or evicted, pruned or reset since)");
+  }
+  return it->second.get();
+}
+
+Snapshot RadixCache::describe(const Node* n, bool created) const {
+  return Snapshot{n->id, n->depth, n->slot, n->state, created};
+}
+
+void RadixCache::touch(Node* n) {
+  if (evictable(n)) lru_remove(n);
+  n->last_access = ++clock_;
+  if (evictable(n)) lru_add(n);
+}
+
+MatchResult RadixCache::match_prefix(std::span<const int32_t> tokens) {
+  MatchResult r;
+  const Node* node = &root_;
+  Node *best = nullptr, *pending = nullptr;
+  size_t pos = 0;
+  while (pos < tokens.size()) {
+    const auto it = node->children.find(tokens[pos]);
+    if (it == node->children.end()) break;
+    Node* c = it->second;
+    const size_t k = common_prefix(c->key, tokens.subspan(pos));
+    pos += k;
+    if (k < c->key.size()) break;  // diverges (or ends) inside the edge: no node there
+    node = c;
+    if (c->state == SnapshotState::Ready) best = c;
+    if (c->state == SnapshotState::Pending) pending = c;
+  }
+  r.matched_len = static_cast<int64_t>(pos);
+  if (best) {
+    touch(best);
+    r.hit = describe(best, false);
+  }
+  if (pending && (!best || pending->depth > best->depth)) r.pending = describe(pending, false);
+  return r;
+}
+
+RadixCache::Node* RadixCache::find_exact(std::span<const int32_t> tokens) {
+  Node* node = &root_;
+  size_t pos = 0;
+  while (pos < tokens.size()) {
+    const auto it = node->children.find(tokens[pos]);
+    if (it == node->children.end()) return nullptr;
+    const size_t k = common_prefix(it->second->key, tokens.subspan(pos));
+    if (k < it->second->key.size()) return nullptr;
+    pos += k;
+    node = it->second;
+  }
+  return node == &root_ ? nullptr : node;
+}
+
+RadixCache::Node* RadixCache::new_node(Node* parent, std::vector<int32_t> key) {
+  auto owned = std::make_unique<Node>();
+  Node* n = owned.get();
+  n->id = next_id_++;
+  n->parent = parent;
+  n->depth = parent->depth + static_cast<int64_t>(key.size());
+  total_tokens_ += static_cast<int64_t>(key.size());
+  n->key = std::move(key);
+  parent->children[n->key[0]] = n;  // replaces the child it splits off, if any (same first token)
+  nodes_.emplace(n->id, std::move(owned));
+  return n;
+}
+
+// Cuts `child`'s edge after k tokens: a new node takes the first k, `child` keeps the rest, its id and
+// its snapshot (which is the state at the deep end).
+RadixCache::Node* RadixCache::split(Node* child, size_t k) {
+  Node* mid = new_node(child->parent, std::vector<int32_t>(child->key.begin(), child->key.begin() + k));
+  child->key.erase(child->key.begin(), child->key.begin() + k);
+  total_tokens_ -= static_cast<int64_t>(k);
+  child->parent = mid;
+  mid->children[child->key[0]] = child;
+  return mid;
+}
+
+RadixCache::Node* RadixCache::insert_path(std::span<const int32_t> tokens) {
+  Node* node = &root_;
+  size_t pos = 0;
+  while (pos < tokens.size()) {
+    const auto it = node->children.find(tokens[pos]);
+    if (it == node->children.end())
+      return new_node(node, std::vector<int32_t>(tokens.begin() + pos, tokens.end()));
+    Node* c = it->second;
+    const size_t k = common_prefix(c->key, tokens.subspan(pos));
+    pos += k;
+    node = k < c->key.size() ? split(c, k) : c;
+  }
+  return node;
+}
+
+Snapshot RadixCache::reserve(std::span<const int32_t> tokens, int64_t len) {
+  check_len(tokens, len, "RadixCache::reserve");
+  if (!enabled()) return {};
+  const auto path = tokens.first(static_cast<size_t>(len));
+  if (Node* n = find_exact(path); n && n->state != SnapshotState::None) {
+    touch(n);
+    return describe(n, false);
+  }
+  // One eviction gives back both a budget unit and a pool slot. The path is walked only afterwards:
+  // evicting a snapshot below it may prune or merge the nodes it would have used.
+  if (snapshots_ >= max_snapshots_ || pool_->available() == 0) {
+    if (lru_.empty()) return {};
+    evict_lru();
+  }
+  Node* n = insert_path(path);
+  n->slot = pool_->alloc(1)[0];
+  is_snapshot_slot_[n->slot] = 1;
+  n->state = SnapshotState::Pending;
+  ++snapshots_;
+  ++pending_;
+  touch(n);
+  return describe(n, true);
+}
+
+void RadixCache::commit(NodeId id) {
+  Node* n = get(id, "commit");
+  if (n->state != SnapshotState::Pending) {
+    throw std::logic_error("RadixCache::commit: node " + str(id) + " is not pending (it is " +
+                           name(n->state) + ")");
+  }
+  n->state = SnapshotState::Ready;
+  --pending_;
+  touch(n);  // joins the LRU set as the newest, unless locked
+}
+
+void RadixCache::abort(NodeId id) {
+  Node* n = get(id, "abort");
+  if (n->state != SnapshotState::Pending) {
+    throw std::logic_error("RadixCache::abort: node " + str(id) + " is not pending (it is " + name(n->state) +
+                           ")");
+  }
+  --pending_;
+  release(n);  // a locked node (waiters) stays, with no snapshot, until its last dec_lock_ref
+}
+
+Snapshot RadixCache::insert(std::span<const int32_t> tokens, int64_t len, int32_t src_slot) {
+  check_len(tokens, len, "RadixCache::insert");
+  if (!pool_->is_allocated(src_slot)) {
+    throw std::invalid_argument("RadixCache::insert: source slot " + str(src_slot) + " is not allocated");
+  }
+  // A snapshot's own slot could be evicted by the reserve below before the copy reads it.
+  if (is_snapshot_slot_[src_slot]) {
+    throw std::invalid_argument("RadixCache::insert: source slot " + str(src_slot) +
+                                " is a cached snapshot, not a request's slot");
+  }
+  Snapshot s = reserve(tokens, len);
+  if (s.created) {
+    pool_->copy_slot(src_slot, s.slot);
+    commit(s.node);
+    s.state = SnapshotState::Ready;
+  }
+  return s;
+}
+
+void RadixCache::inc_lock_ref(NodeId id) {
+  Node* n = get(id, "inc_lock_ref");
+  if (n->state == SnapshotState::None) {
+    throw std::logic_error("RadixCache::inc_lock_ref: node " + str(id) + " has no snapshot to protect");
+  }
+  if (evictable(n)) lru_remove(n);
+  ++n->lock_ref;
+}
+
+void RadixCache::dec_lock_ref(NodeId id) {
+  Node* n = get(id, "dec_lock_ref");
+  if (n->lock_ref == 0)
+    throw std::logic_error("RadixCache::dec_lock_ref: node " + str(id) + " is not locked");
+  if (--n->lock_ref > 0) return;
+  if (n->state == SnapshotState::Ready) lru_add(n);
+  if (n->state == SnapshotState::None) prune(n);  // its pending snapshot was aborted while locked
+}
+
+void RadixCache::evict_lru() {
+  Node* n = nodes_.at(lru_.begin()->second).get();
+  lru_.erase(lru_.begin());
+  ++evictions_;
+  release(n);
+}
+
+void RadixCache::release(Node* n) {
+  pool_->free({&n->slot, 1});
+  is_snapshot_slot_[n->slot] = 0;
+  n->slot = -1;
+  n->state = SnapshotState::None;
+  --snapshots_;
+  prune(n);
+}
+
+// Removes nodes that hold nothing (no snapshot, no lock, no child) upwards, then merges a remaining empty
+// node that has one child into it, so that the tree only keeps tokens something below still uses.
+void RadixCache::prune(Node* n) {
+  auto empty = [this](const Node* x) {
+    return x != &root_ && x->state == SnapshotState::None && x->lock_ref == 0;
+  };
+  while (empty(n) && n->children.empty()) {
+    Node* parent = n->parent;
+    parent->children.erase(n->key[0]);
+    total_tokens_ -= static_cast<int64_t>(n->key.size());
+    nodes_.erase(n->id);
+    n = parent;
+  }
+  if (empty(n) && n->children.size() == 1) {
+    Node* child = n->children.begin()->second;
+    child->key.insert(child->key.begin(), n->key.begin(), n->key.end());
+    child->parent = n->parent;
+    n->parent->children[n->key[0]] = child;
+    nodes_.erase(n->id);
+  }
+}
+
+int64_t RadixCache::evict(int64_t n_snapshots) {
+  if (n_snapshots < 0)
+    throw std::invalid_argument("RadixCache::evict: n_snapshots must be >= 0, got " + str(n_snapshots));
+  int64_t done = 0;
+  while (done < n_snapshots && !lru_.empty()) {
+    evict_lru();
+    ++done;
+  }
+  return done;
+}
+
+size_t RadixCache::evict_bytes(size_t bytes) {
+  const auto n = static_cast<int64_t>((bytes + bytes_per_slot_ - 1) / bytes_per_slot_);
+  return static_cast<size_t>(evict(n)) * bytes_per_slot_;
+}
+
+bool RadixCache::ensure_free_slots(int64_t n) {
+  if (n < 0) throw std::invalid_argument("RadixCache::ensure_free_slots: n must be >= 0, got " + str(n));
+  if (pool_->available() + evictable_snapshots() < n) return false;
+  while (pool_->available() < n) evict_lru();
+  return true;
+}
+
+SnapshotState RadixCache::state(NodeId id) const { return get(id, "state")->state; }
+
+int64_t RadixCache::lock_ref(NodeId id) const { return get(id, "lock_ref")->lock_ref; }
+
+void RadixCache::check_invariants() const {
+  auto fail = [](const std::string& what) { throw std::logic_error("RadixCache invariant: " + what); };
+  int64_t nodes = 0, snaps = 0, pending = 0, tokens = 0, evictable_n = 0;
+  std::vector<uint8_t> seen(is_snapshot_slot_.size(), 0);
+  std::vector<const Node*> stack{&root_};
+  while (!stack.empty()) {
+    const Node* n = stack.back();
+    stack.pop_back();
+    for (const auto& [first, c] : n->children) {
+      const std::string id = "node " + str(c->id);
+      if (c->parent != n) fail(id + " has a wrong parent");
+      if (c->key.empty() || c->key[0] != first)
+        fail(id + " is filed under a token its edge does not start with");
+      if (c->depth != n->depth + static_cast<int64_t>(c->key.size())) fail(id + " has a wrong depth");
+      const auto it = nodes_.find(c->id);
+      if (it == nodes_.end() || it->second.get() != c) fail(id + " is not registered");
+      if (c->lock_ref < 0) fail(id + " has a negative lock count");
+      if (c->state == SnapshotState::None) {
+        if (c->slot != -1) fail(id + " holds a slot without a snapshot");
+        if (c->lock_ref == 0 && c->children.size() < 2) fail(id + " holds nothing and was not pruned");
+      } else {
+        if (c->slot < 1 || c->slot >= static_cast<int32_t>(seen.size()) || !pool_->is_allocated(c->slot))
+          fail(id + " holds slot " + str(c->slot) + " that the pool has not handed out");
+        if (seen[c->slot]++ || !is_snapshot_slot_[c->slot]) fail("slot " + str(c->slot) + " is misaccounted");
+        ++snaps;
+        if (c->state == SnapshotState::Pending) ++pending;
+      }
+      const bool in_lru = lru_.count({c->last_access, c->id}) != 0;
+      if (in_lru != evictable(c))
+        fail(id + (in_lru ? " is in the LRU set but not evictable" : " is missing from the LRU set"));
+      evictable_n += evictable(c);
+      ++nodes;
+      tokens += static_cast<int64_t>(c->key.size());
+      stack.push_back(c);
+    }
+  }
+  if (nodes != node_count()) fail("the tree reaches " + str(nodes) + " of " + str(node_count()) + " nodes");
+  if (snaps != snapshots_ || pending != pending_) fail("snapshot counters disagree with the tree");
+  if (evictable_n != evictable_snapshots()) fail("the LRU set holds stale entries");
+  if (tokens != total_tokens_) fail("total_size disagrees with the edges");
+  if (snapshots_ > max_snapshots_) fail("more snapshots than the budget allows");
+  int64_t marked = 0;
+  for (const uint8_t m : is_snapshot_slot_) marked += m;
+  if (marked != snapshots_) fail("snapshot slot marks disagree with the tree");
+}
+
+}  // namespace kda::mem_cache

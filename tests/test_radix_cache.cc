@@ -1,0 +1,596 @@
+// Prefix cache of recurrent state: matching, two-phase snapshots, edge splits, LRU eviction under the byte
+// budget, locks, the pool accounting shared with requests, and the snapshot data itself.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/mem_cache/radix_cache.h"
+#include "support/test_support.h"
+
+namespace kda::mem_cache {
+namespace {
+
+using Tokens = std::vector<int32_t>;
+
+RecurrentStatePoolConfig small_config(int64_t size, std::vector<int> layers = {0}) {
+  RecurrentStatePoolConfig c;
+  c.layer_ids = std::move(layers);
+  c.size = size;
+  c.num_heads = 2;
+  c.head_k_dim = 8;
+  c.head_v_dim = 8;
+  c.conv_kernel = 4;
+  c.conv_dim = 6;
+  return c;
+}
+
+template <class E>
+void expect_throw_with(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no exception; expected one mentioning '" << needle << "'";
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
+  }
+}
+
+struct Fixture {
+  RecurrentStatePool pool;
+  RadixCache cache;
+  Fixture(int64_t pool_size, int64_t max_snapshots)
+      : pool(small_config(pool_size)), cache(pool, max_snapshots * pool.bytes_per_slot()) {}
+  // Reserve + commit; the snapshot must be created.
+  Snapshot put(const Tokens& t, int64_t len) {
+    const Snapshot s = cache.reserve(t, len);
+    EXPECT_TRUE(s.created) << "len " << len;
+    if (s.created) cache.commit(s.node);
+    return s;
+  }
+  // Nothing leaks: every slot is free, a snapshot, or one of the `requests` slots the test holds.
+  void check(int64_t requests = 0) const {
+    cache.check_invariants();
+    EXPECT_EQ(pool.available() + cache.snapshots() + requests, pool.size());
+    EXPECT_LE(cache.bytes(), cache.budget_bytes());
+  }
+};
+
+// One slot's state in every layer (recurrent then conv per layer), derived from `seed`.
+std::vector<float> pattern(const RecurrentStatePoolConfig& cfg, uint64_t seed) {
+  const int64_t rec = int64_t{cfg.num_heads} * cfg.head_k_dim * cfg.head_v_dim;
+  const int64_t conv = int64_t{cfg.conv_kernel - 1} * cfg.conv_dim;
+  std::vector<float> out;
+  for (size_t l = 0; l < cfg.layer_ids.size(); ++l) {
+    const auto r = kda::testing::random_normal(rec, seed++), c = kda::testing::random_normal(conv, seed++);
+    out.insert(out.end(), r.begin(), r.end());
+    out.insert(out.end(), c.begin(), c.end());
+  }
+  return out;
+}
+
+// Writes pattern(seed) into one slot, through the pool's accessors.
+void write_pattern(RecurrentStatePool& pool, int32_t slot, uint64_t seed) {
+  const auto& cfg = pool.config();
+  const int64_t rec = int64_t{cfg.num_heads} * cfg.head_k_dim * cfg.head_v_dim;
+  const std::vector<float> v = pattern(cfg, seed);
+  const float* p = v.data();
+  for (const int id : cfg.layer_ids) {
+    pool.set_linear_recurrent_layer_cache(id, {&slot, 1}, p, p + rec);
+    p += rec + int64_t{cfg.conv_kernel - 1} * cfg.conv_dim;
+  }
+}
+
+std::vector<float> read_slot(const RecurrentStatePool& pool, int32_t slot) {
+  const auto& cfg = pool.config();
+  const int64_t rec = int64_t{cfg.num_heads} * cfg.head_k_dim * cfg.head_v_dim;
+  const int64_t conv = int64_t{cfg.conv_kernel - 1} * cfg.conv_dim;
+  std::vector<float> out;
+  for (const int id : cfg.layer_ids) {
+    std::vector<float> r(rec), c(conv);
+    pool.read_linear_recurrent_layer_cache(id, {&slot, 1}, r.data(), c.data());
+    out.insert(out.end(), r.begin(), r.end());
+    out.insert(out.end(), c.begin(), c.end());
+  }
+  return out;
+}
+
+TEST(RadixCache, EmptyTreeMatchesNothing) {
+  Fixture f(4, 2);
+  for (const Tokens& t : {Tokens{}, Tokens{1, 2, 3}}) {
+    const MatchResult m = f.cache.match_prefix(t);
+    EXPECT_FALSE(m.hit);
+    EXPECT_FALSE(m.pending);
+    EXPECT_EQ(m.matched_len, 0);
+  }
+  EXPECT_TRUE(f.cache.enabled());
+  EXPECT_EQ(f.cache.max_snapshots(), 2);
+  EXPECT_EQ(f.cache.total_size(), 0);
+  f.check();
+}
+
+TEST(RadixCache, InsertThenMatchExactShorterLonger) {
+  Fixture f(4, 2);
+  const Tokens a{1, 2, 3, 4, 5, 6, 7, 8};
+  const Snapshot s = f.cache.reserve(a, 8);
+  ASSERT_TRUE(s.created);
+  EXPECT_EQ(s.state, SnapshotState::Pending);
+  EXPECT_EQ(s.len, 8);
+  EXPECT_TRUE(f.pool.is_allocated(s.slot));
+  EXPECT_EQ(f.cache.snapshots(), 1);
+  EXPECT_EQ(f.cache.bytes(), f.pool.bytes_per_slot());
+  f.check();
+
+  // Pending: not a hit, but reported so the request can wait for it.
+  MatchResult m = f.cache.match_prefix(a);
+  EXPECT_FALSE(m.hit);
+  EXPECT_EQ(m.pending.node, s.node);
+  EXPECT_EQ(m.pending.len, 8);
+  EXPECT_EQ(m.matched_len, 8);
+
+  f.cache.commit(s.node);
+  EXPECT_EQ(f.cache.state(s.node), SnapshotState::Ready);
+  m = f.cache.match_prefix(a);
+  EXPECT_EQ(m.hit.node, s.node);
+  EXPECT_EQ(m.hit.slot, s.slot);
+  EXPECT_EQ(m.hit.len, 8);
+  EXPECT_FALSE(m.pending);
+
+  m = f.cache.match_prefix(Tokens(a.begin(), a.begin() + 5));  // shorter: tokens known, no snapshot
+  EXPECT_FALSE(m.hit);
+  EXPECT_EQ(m.matched_len, 5);
+  Tokens longer = a;
+  longer.insert(longer.end(), {9, 10});
+  m = f.cache.match_prefix(longer);
+  EXPECT_EQ(m.hit.len, 8);
+  EXPECT_EQ(m.matched_len, 8);
+  m = f.cache.match_prefix(Tokens{1, 2, 99});
+  EXPECT_FALSE(m.hit);
+  EXPECT_EQ(m.matched_len, 2);
+  m = f.cache.match_prefix(Tokens{7, 1});
+  EXPECT_EQ(m.matched_len, 0);
+  f.check();
+}
+
+TEST(RadixCache, ReservingAnExistingSnapshotReturnsIt) {
+  Fixture f(4, 3);
+  const Tokens a{5, 6, 7};
+  const Snapshot s = f.cache.reserve(a, 3);
+  Snapshot again = f.cache.reserve(a, 3);
+  EXPECT_FALSE(again.created);
+  EXPECT_EQ(again.node, s.node);
+  EXPECT_EQ(again.slot, s.slot);
+  EXPECT_EQ(again.state, SnapshotState::Pending);
+  f.cache.commit(s.node);
+  again = f.cache.reserve(Tokens{5, 6, 7, 8}, 3);  // the length decides, not the tokens after it
+  EXPECT_FALSE(again.created);
+  EXPECT_EQ(again.state, SnapshotState::Ready);
+  EXPECT_EQ(f.cache.snapshots(), 1);
+  f.check();
+}
+
+TEST(RadixCache, SplitAtABranchInsideAnEdge) {
+  Fixture f(8, 4);
+  const Tokens a{1, 2, 3, 4, 5, 6}, b{1, 2, 3, 7, 8};
+  const Snapshot sa = f.put(a, 6);
+  MatchResult m = f.cache.match_prefix(b);
+  EXPECT_FALSE(m.hit);
+  EXPECT_EQ(m.matched_len, 3);  // the branch point: b's prefill writes a snapshot there
+  const Snapshot branch = f.put(b, m.matched_len);
+  const Snapshot sb = f.put(b, 5);
+  EXPECT_EQ(f.cache.node_count(), 3);
+  EXPECT_EQ(f.cache.total_size(), 8);  // 1 2 3 | 4 5 6 | 7 8
+  f.check();
+
+  m = f.cache.match_prefix(a);  // the split kept a's node, slot and snapshot
+  EXPECT_EQ(m.hit.node, sa.node);
+  EXPECT_EQ(m.hit.slot, sa.slot);
+  EXPECT_EQ(m.hit.len, 6);
+  m = f.cache.match_prefix(b);
+  EXPECT_EQ(m.hit.node, sb.node);
+  EXPECT_EQ(m.hit.len, 5);
+  m = f.cache.match_prefix(Tokens{1, 2, 3, 9});  // the next request with that prefix hits exactly
+  EXPECT_EQ(m.hit.node, branch.node);
+  EXPECT_EQ(m.hit.len, 3);
+  m = f.cache.match_prefix(Tokens{1, 2});
+  EXPECT_FALSE(m.hit);
+  EXPECT_EQ(m.matched_len, 2);
+  f.check();
+}
+
+TEST(RadixCache, DeepestReadySnapshotIsChosenAndDeeperPendingReported) {
+  Fixture f(8, 4);
+  const Tokens t{1, 2, 3, 4, 5, 6, 7};
+  f.put(t, 2);
+  const Snapshot s4 = f.put(t, 4);
+  const Snapshot s6 = f.cache.reserve(t, 6);
+  MatchResult m = f.cache.match_prefix(t);
+  EXPECT_EQ(m.hit.node, s4.node);
+  EXPECT_EQ(m.pending.node, s6.node);
+  EXPECT_EQ(m.matched_len, 7 - 1);  // the path is stored up to 6
+  f.cache.commit(s6.node);
+  m = f.cache.match_prefix(t);
+  EXPECT_EQ(m.hit.node, s6.node);
+  EXPECT_FALSE(m.pending);
+  // A pending snapshot above the hit is of no use to the request: not reported.
+  const Snapshot s1 = f.cache.reserve(t, 1);
+  m = f.cache.match_prefix(t);
+  EXPECT_EQ(m.hit.node, s6.node);
+  EXPECT_FALSE(m.pending);
+  f.cache.abort(s1.node);
+  f.check();
+}
+
+TEST(RadixCache, CommitAndAbort) {
+  Fixture f(4, 4);
+  const Tokens a{1, 2, 3, 4}, b{1, 2, 9};
+  const Snapshot deep = f.put(a, 4);
+  const Snapshot s = f.cache.reserve(b, 3);
+  const int64_t free_before = f.pool.available();
+  f.cache.abort(s.node);
+  EXPECT_FALSE(f.cache.contains(s.node));
+  EXPECT_EQ(f.pool.available(), free_before + 1);
+  EXPECT_EQ(f.cache.snapshots(), 1);
+  EXPECT_EQ(f.cache.node_count(), 1);  // the branch node went with it; a's edge is whole again
+  EXPECT_EQ(f.cache.match_prefix(a).hit.node, deep.node);
+  f.check();
+
+  // An aborted interior snapshot leaves the tokens of the deeper one in place.
+  const Snapshot mid = f.cache.reserve(a, 2);
+  f.cache.abort(mid.node);
+  EXPECT_EQ(f.cache.total_size(), 4);
+  EXPECT_EQ(f.cache.match_prefix(a).hit.len, 4);
+
+  expect_throw_with<std::logic_error>([&] { f.cache.commit(deep.node); }, "is not pending (it is ready)");
+  expect_throw_with<std::logic_error>([&] { f.cache.abort(deep.node); }, "is not pending");
+  expect_throw_with<std::invalid_argument>([&] { f.cache.commit(s.node); }, "is not in the tree");
+  expect_throw_with<std::invalid_argument>([&] { f.cache.abort(12345); }, "node 12345 is not in the tree");
+  f.check();
+}
+
+TEST(RadixCache, LruEvictionOrderFollowsUse) {
+  Fixture f(8, 3);
+  const Tokens a{1, 1}, b{2, 2}, c{3, 3}, d{4, 4};
+  const Snapshot sa = f.put(a, 2), sb = f.put(b, 2), sc = f.put(c, 2);
+  EXPECT_EQ(f.cache.evictable_snapshots(), 3);
+  EXPECT_EQ(f.cache.evictable_size(), 3 * f.pool.bytes_per_slot());
+  f.cache.match_prefix(a);  // a becomes the most recent: b is now the oldest
+  const Snapshot sd = f.put(d, 2);
+  EXPECT_TRUE(sd.created);
+  EXPECT_FALSE(f.cache.contains(sb.node));
+  EXPECT_EQ(f.cache.evictions(), 1);
+  EXPECT_FALSE(f.cache.match_prefix(b).hit);
+  EXPECT_EQ(f.cache.snapshots(), 3);
+  f.check();
+  EXPECT_EQ(f.cache.evict(1), 1);  // c next, then a, then d
+  EXPECT_FALSE(f.cache.contains(sc.node));
+  EXPECT_EQ(f.cache.evict_bytes(1), f.pool.bytes_per_slot());  // rounded up to whole snapshots
+  EXPECT_FALSE(f.cache.contains(sa.node));
+  EXPECT_TRUE(f.cache.contains(sd.node));
+  EXPECT_EQ(f.cache.evict(10), 1);
+  EXPECT_EQ(f.cache.evictions(), 4);
+  EXPECT_EQ(f.cache.node_count(), 0);
+  EXPECT_EQ(f.cache.total_size(), 0);
+  f.check();
+}
+
+TEST(RadixCache, LockedAndPendingSnapshotsSurviveEvictionPressure) {
+  Fixture f(8, 2);
+  const Tokens a{1}, b{2}, c{3}, d{4};
+  const Snapshot sa = f.put(a, 1), sb = f.put(b, 1);
+  f.cache.inc_lock_ref(sa.node);
+  f.cache.inc_lock_ref(sa.node);  // nested
+  EXPECT_EQ(f.cache.lock_ref(sa.node), 2);
+  EXPECT_EQ(f.cache.evictable_snapshots(), 1);
+  f.cache.match_prefix(b);  // b is the most recent, yet the only evictable one
+  const Snapshot sc = f.cache.reserve(c, 1);
+  ASSERT_TRUE(sc.created);
+  EXPECT_FALSE(f.cache.contains(sb.node));
+  // a locked, c pending: nothing to evict, so no snapshot (not an error), nothing changes.
+  EXPECT_FALSE(f.cache.reserve(d, 1));
+  EXPECT_FALSE(f.cache.ensure_free_slots(f.pool.available() + 1));
+  EXPECT_EQ(f.cache.evict(5), 0);
+  EXPECT_TRUE(f.cache.contains(sa.node));
+  f.check();
+  // A waiter locks the pending snapshot: it stays after the commit too, until unlocked.
+  f.cache.inc_lock_ref(sc.node);
+  f.cache.commit(sc.node);
+  EXPECT_EQ(f.cache.evictable_snapshots(), 0);
+  EXPECT_FALSE(f.cache.reserve(d, 1));
+  f.cache.dec_lock_ref(sc.node);
+  f.cache.dec_lock_ref(sa.node);
+  EXPECT_EQ(f.cache.evictable_snapshots(), 1);  // a still holds one lock
+  EXPECT_TRUE(f.cache.reserve(d, 1).created);
+  EXPECT_FALSE(f.cache.contains(sc.node));
+  EXPECT_TRUE(f.cache.contains(sa.node));
+  f.cache.dec_lock_ref(sa.node);
+  expect_throw_with<std::logic_error>([&] { f.cache.dec_lock_ref(sa.node); }, "is not locked");
+  f.check();
+}
+
+TEST(RadixCache, AbortedSnapshotWithWaitersStaysUntilTheLastUnlock) {
+  Fixture f(4, 2);
+  const Tokens a{1, 2, 3};
+  const Snapshot s = f.cache.reserve(a, 3);
+  f.cache.inc_lock_ref(s.node);  // a request waiting for it
+  f.cache.abort(s.node);         // the writer was cancelled
+  EXPECT_TRUE(f.cache.contains(s.node));
+  EXPECT_EQ(f.cache.state(s.node), SnapshotState::None);
+  EXPECT_EQ(f.cache.snapshots(), 0);
+  expect_throw_with<std::logic_error>([&] { f.cache.inc_lock_ref(s.node); }, "has no snapshot");
+  f.check();
+  f.cache.dec_lock_ref(s.node);  // the waiter sees None, unlocks, and matches again
+  EXPECT_FALSE(f.cache.contains(s.node));
+  EXPECT_EQ(f.cache.node_count(), 0);
+  f.check();
+}
+
+TEST(RadixCache, InteriorSnapshotEvictedWhileDescendantsKeepMatching) {
+  Fixture f(8, 4);
+  const Tokens t{1, 2, 3, 4, 5, 6}, u{1, 2, 3, 9};
+  const Snapshot s3 = f.put(t, 3), s6 = f.put(t, 6), su = f.put(u, 4);
+  f.cache.match_prefix(t);  // touches s6 only: the interior s3 ages
+  f.cache.match_prefix(u);
+  EXPECT_EQ(f.cache.evict(1), 1);
+  // The node stays as the branch between t and u, without a snapshot.
+  EXPECT_EQ(f.cache.state(s3.node), SnapshotState::None);
+  EXPECT_EQ(f.cache.snapshots(), 2);
+  EXPECT_EQ(f.cache.match_prefix(t).hit.node, s6.node);
+  EXPECT_EQ(f.cache.match_prefix(u).hit.node, su.node);
+  // Its tokens stay (they lead to the deeper snapshots): a branch there is still seen.
+  const MatchResult m = f.cache.match_prefix(Tokens{1, 2, 3, 7});
+  EXPECT_FALSE(m.hit);
+  EXPECT_EQ(m.matched_len, 3);
+  EXPECT_EQ(f.cache.total_size(), 7);
+  f.check();
+  // A linear path: the emptied interior node merges into its child.
+  Fixture g(8, 4);
+  const Snapshot g2 = g.put(t, 2);
+  g.put(t, 5);
+  EXPECT_EQ(g.cache.node_count(), 2);
+  g.cache.match_prefix(t);
+  g.cache.evict(1);
+  EXPECT_FALSE(g.cache.contains(g2.node));
+  EXPECT_EQ(g.cache.node_count(), 1);
+  EXPECT_EQ(g.cache.total_size(), 5);
+  EXPECT_EQ(g.cache.match_prefix(t).hit.len, 5);
+  EXPECT_TRUE(g.put(t, 2).created);  // and can be cut again
+  g.check();
+}
+
+TEST(RadixCache, SnapshotDataIsWhatACopyGives) {
+  RecurrentStatePool pool(small_config(6, {0, 2, 3}));
+  RadixCache cache(pool, 4 * pool.bytes_per_slot());
+  const Tokens t{10, 11, 12, 13, 14};
+  // Written by a forward pass into a reserved slot.
+  const Snapshot s = cache.reserve(t, 3);
+  write_pattern(pool, s.slot, 7);
+  const std::vector<float> written = read_slot(pool, s.slot);
+  cache.commit(s.node);
+  // Copied from a finished request's slot.
+  const int32_t finished = pool.alloc(1)[0];
+  write_pattern(pool, finished, 100);
+  const std::vector<float> final_state = read_slot(pool, finished);
+  const Snapshot fin = cache.insert(t, 5, finished);
+  ASSERT_TRUE(fin.created);
+  EXPECT_EQ(fin.state, SnapshotState::Ready);
+  write_pattern(pool, finished, 200);  // the request's slot moves on; the snapshot does not
+  pool.free({&finished, 1});
+
+  const int32_t req = pool.alloc(1)[0];
+  MatchResult m = cache.match_prefix(Tokens{10, 11, 12, 99});
+  ASSERT_EQ(m.hit.node, s.node);
+  pool.copy_slot(m.hit.slot, req);
+  EXPECT_EQ(read_slot(pool, req), written);
+  m = cache.match_prefix(t);
+  ASSERT_EQ(m.hit.node, fin.node);
+  pool.copy_slot(m.hit.slot, req);
+  EXPECT_EQ(read_slot(pool, req), final_state);
+  // insert where a snapshot exists: returned as it is, not overwritten.
+  const int32_t other = pool.alloc(1)[0];
+  write_pattern(pool, other, 300);
+  EXPECT_FALSE(cache.insert(t, 5, other).created);
+  EXPECT_EQ(read_slot(pool, fin.slot), final_state);
+  pool.free(std::vector<int32_t>{req, other});
+  EXPECT_EQ(pool.available() + cache.snapshots(), pool.size());
+  cache.check_invariants();
+}
+
+TEST(RadixCache, SharesThePoolWithRequests) {
+  Fixture f(4, 10);  // the budget allows more snapshots than the pool has slots
+  std::vector<int32_t> reqs = f.pool.alloc(2);
+  f.put(Tokens{1}, 1);
+  f.put(Tokens{2}, 1);
+  EXPECT_EQ(f.pool.available(), 0);
+  // Pool full: a new snapshot replaces the oldest one.
+  const Snapshot s3 = f.put(Tokens{3}, 1);
+  EXPECT_TRUE(s3.created);
+  EXPECT_EQ(f.cache.evictions(), 1);
+  f.check(2);
+  // Admission: a request's slot comes from evicting a snapshot.
+  EXPECT_TRUE(f.cache.ensure_free_slots(2));
+  EXPECT_EQ(f.pool.available(), 2);
+  EXPECT_EQ(f.cache.snapshots(), 0);
+  EXPECT_FALSE(f.cache.ensure_free_slots(3));  // never reachable: evicts nothing
+  const auto more = f.pool.alloc(2);
+  reqs.insert(reqs.end(), more.begin(), more.end());
+  EXPECT_FALSE(f.cache.reserve(Tokens{4}, 1));  // no slot anywhere: no snapshot
+  f.check(4);
+  f.pool.free(reqs);
+  f.check();
+}
+
+TEST(RadixCache, DisabledBudgetAndBadInput) {
+  RecurrentStatePool pool(small_config(4));
+  RadixCache off(pool, 0);
+  EXPECT_FALSE(off.enabled());
+  EXPECT_FALSE(off.reserve(Tokens{1, 2}, 2));
+  EXPECT_FALSE(off.match_prefix(Tokens{1, 2}).hit);
+  EXPECT_EQ(off.node_count(), 0);
+  EXPECT_EQ(pool.available(), 4);
+  expect_throw_with<std::invalid_argument>([&] { RadixCache c(pool, pool.bytes_per_slot() - 1); },
+                                           "smaller than one snapshot");
+
+  RadixCache cache(pool, 2 * pool.bytes_per_slot() + 1);  // floor: 2 snapshots
+  EXPECT_EQ(cache.max_snapshots(), 2);
+  const Tokens t{1, 2, 3};
+  expect_throw_with<std::invalid_argument>([&] { cache.reserve(t, 4); }, "len 4 is outside [1, 3]");
+  expect_throw_with<std::invalid_argument>([&] { cache.reserve(t, 0); }, "len 0");
+  expect_throw_with<std::invalid_argument>([&] { cache.insert(t, 4, 1); }, "len 4");
+  expect_throw_with<std::invalid_argument>([&] { cache.insert(t, 2, 1); }, "source slot 1 is not allocated");
+  const Snapshot s = cache.reserve(t, 2);
+  expect_throw_with<std::invalid_argument>([&] { cache.insert(t, 3, s.slot); }, "is a cached snapshot");
+  expect_throw_with<std::invalid_argument>([&] { cache.inc_lock_ref(999); }, "inc_lock_ref: node 999");
+  expect_throw_with<std::invalid_argument>([&] { cache.dec_lock_ref(0); }, "node 0 is not in the tree");
+  expect_throw_with<std::invalid_argument>([&] { cache.state(kNoNode); }, "not in the tree");
+  expect_throw_with<std::invalid_argument>([&] { cache.evict(-1); }, "n_snapshots must be >= 0");
+  expect_throw_with<std::invalid_argument>([&] { cache.ensure_free_slots(-1); }, "n must be >= 0");
+  EXPECT_EQ(cache.snapshots(), 1);  // nothing changed
+  EXPECT_EQ(cache.node_count(), 1);
+  cache.check_invariants();
+
+  cache.reset();  // every slot back, every handle stale
+  EXPECT_EQ(pool.available(), 4);
+  EXPECT_FALSE(cache.contains(s.node));
+  expect_throw_with<std::invalid_argument>([&] { cache.commit(s.node); }, "not in the tree");
+  EXPECT_EQ(cache.total_size(), 0);
+  const int32_t req = pool.alloc(1)[0];
+  {
+    RadixCache scoped(pool, 4 * pool.bytes_per_slot());
+    scoped.reserve(t, 3);
+    scoped.insert(Tokens{4}, 1, req);
+    EXPECT_EQ(pool.available(), 1);
+  }
+  EXPECT_EQ(pool.available(), 3);  // the destructor gave its slots back
+  pool.free({&req, 1});
+}
+
+// Thousands of random operations (small vocabulary: many shared prefixes, splits and merges) against a
+// model of the snapshots the test made; after each: the invariants, the budget, the pool accounting, and
+// that a hit is the deepest live snapshot on the path and holds that prefix's data.
+TEST(RadixCache, RandomOperationsKeepEveryInvariant) {
+  RecurrentStatePool pool(small_config(12));
+  RadixCache cache(pool, 5 * pool.bytes_per_slot() + pool.bytes_per_slot() / 2);
+  std::mt19937_64 rng(1234);
+  auto uniform = [&](int64_t n) { return static_cast<int64_t>(rng() % static_cast<uint64_t>(n)); };
+  auto random_tokens = [&] {
+    Tokens t(1 + uniform(10));
+    for (auto& x : t) x = static_cast<int32_t>(uniform(3));
+    return t;
+  };
+  auto prefix_seed = [](const Tokens& t, int64_t len) {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t i = 0; i < len; ++i) h = (h ^ static_cast<uint64_t>(t[i] + 1)) * 1099511628211ull;
+    return h;
+  };
+  std::map<Tokens, NodeId> model;  // prefix -> node of a snapshot the test reserved
+  std::vector<NodeId> pending, locks;
+  std::vector<int32_t> requests;
+  int64_t hits = 0, branch_points = 0;
+
+  for (int step = 0; step < 10000; ++step) {
+    const int64_t op = uniform(100);
+    const Tokens t = random_tokens();
+    if (op < 30) {  // a request arrives: match, and lock + copy a hit into its slot
+      const MatchResult m = cache.match_prefix(t);
+      int64_t expect_len = 0;
+      for (const auto& [p, id] : model) {
+        if (p.size() <= t.size() && std::equal(p.begin(), p.end(), t.begin()) && cache.contains(id) &&
+            cache.state(id) == SnapshotState::Ready)
+          expect_len = std::max<int64_t>(expect_len, static_cast<int64_t>(p.size()));
+      }
+      ASSERT_EQ(m.hit.len, expect_len) << "step " << step;
+      ASSERT_GE(m.matched_len, m.hit.len);
+      if (m.hit) {
+        ++hits;
+        // The data of a snapshot is the one written for that prefix, and a copy gives it to the request.
+        const std::vector<float> expect = pattern(pool.config(), prefix_seed(t, m.hit.len));
+        ASSERT_EQ(read_slot(pool, m.hit.slot), expect) << "step " << step;
+        if (!requests.empty()) {
+          pool.copy_slot(m.hit.slot, requests[0]);
+          ASSERT_EQ(read_slot(pool, requests[0]), expect) << "step " << step;
+        }
+        if (uniform(2)) {
+          cache.inc_lock_ref(m.hit.node);
+          locks.push_back(m.hit.node);
+        }
+      }
+      if (m.pending) {
+        ASSERT_EQ(cache.state(m.pending.node), SnapshotState::Pending);
+        ASSERT_GT(m.pending.len, m.hit.len);
+        ASSERT_LE(m.pending.len, m.matched_len);
+      }
+      if (m.pending && uniform(2)) {  // wait for the in-flight prefix
+        cache.inc_lock_ref(m.pending.node);
+        locks.push_back(m.pending.node);
+      }
+      if (m.matched_len > m.hit.len) ++branch_points;
+    } else if (op < 55) {  // a prefill reserves a snapshot (end of prompt / interval / branch point)
+      const int64_t len = 1 + uniform(static_cast<int64_t>(t.size()));
+      const Snapshot s = cache.reserve(t, len);
+      if (s.created) {
+        write_pattern(pool, s.slot, prefix_seed(t, len));
+        pending.push_back(s.node);
+        model[Tokens(t.begin(), t.begin() + len)] = s.node;
+      }
+    } else if (op < 70 && !pending.empty()) {  // the forward pass ran: commit, or cancelled: abort
+      const size_t i = uniform(static_cast<int64_t>(pending.size()));
+      if (uniform(5)) {
+        cache.commit(pending[i]);
+      } else {
+        cache.abort(pending[i]);
+      }
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+    } else if (op < 80 && !locks.empty()) {
+      const size_t i = uniform(static_cast<int64_t>(locks.size()));
+      cache.dec_lock_ref(locks[i]);
+      locks.erase(locks.begin() + static_cast<std::ptrdiff_t>(i));
+    } else if (op < 87) {  // admission: a slot for a request, evicting snapshots if needed
+      if (cache.ensure_free_slots(1)) requests.push_back(pool.alloc(1)[0]);
+    } else if (op < 95 && !requests.empty()) {  // a request finishes: its last state is cached
+      const int32_t r = requests.back();
+      requests.pop_back();
+      const int64_t len = 1 + uniform(static_cast<int64_t>(t.size()));
+      write_pattern(pool, r, prefix_seed(t, len));
+      const Snapshot s = cache.insert(t, len, r);
+      if (s.created) model[Tokens(t.begin(), t.begin() + len)] = s.node;
+      pool.free({&r, 1});
+    } else if (op < 99) {
+      cache.evict(uniform(3));
+    } else {  // flush: every handle goes stale
+      cache.reset();
+      model.clear();
+      pending.clear();
+      locks.clear();
+    }
+    // Drop model entries that are gone.
+    for (auto it = model.begin(); it != model.end();) {
+      it = cache.contains(it->second) && cache.state(it->second) != SnapshotState::None ? std::next(it)
+                                                                                        : model.erase(it);
+    }
+    ASSERT_NO_THROW(cache.check_invariants()) << "step " << step;
+    ASSERT_LE(cache.bytes(), cache.budget_bytes());
+    ASSERT_LE(cache.snapshots(), 5);
+    ASSERT_EQ(pool.available() + cache.snapshots() + static_cast<int64_t>(requests.size()), pool.size())
+        << "step " << step;
+  }
+  // The sequence exercises every path often enough to mean something.
+  EXPECT_GT(hits, 100);
+  EXPECT_GT(branch_points, 50);
+  EXPECT_GT(cache.evictions(), 50);
+  std::printf("hits %lld, branch points %lld, evictions %lld\n", static_cast<long long>(hits),
+              static_cast<long long>(branch_points), static_cast<long long>(cache.evictions()));
+  for (const NodeId id : locks) cache.dec_lock_ref(id);
+  for (const NodeId id : pending) cache.abort(id);
+  pool.free(requests);
+  cache.check_invariants();
+  EXPECT_EQ(pool.available() + cache.snapshots(), pool.size());
+}
+
+}  // namespace
+}  // namespace kda::mem_cache
