@@ -573,6 +573,9 @@ TEST(RadixCache, RandomOperationsKeepEveryInvariant) {
       it = cache.contains(it->second) && cache.state(it->second) != SnapshotState::None ? std::next(it)
                                                                                         : model.erase(it);
     }
+    // Locked nodes are never evicted (an aborted one stays, empty, until unlocked); pending ones neither.
+    for (const NodeId id : locks) ASSERT_TRUE(cache.contains(id)) << "step " << step;
+    for (const NodeId id : pending) ASSERT_EQ(cache.state(id), SnapshotState::Pending) << "step " << step;
     ASSERT_NO_THROW(cache.check_invariants()) << "step " << step;
     ASSERT_LE(cache.bytes(), cache.budget_bytes());
     ASSERT_LE(cache.snapshots(), 5);
