@@ -20,9 +20,11 @@
 //   admit    a request needs a slot: ensure_free_slots(n) evicts snapshots to give the pool n free slots
 //            whenever pool.available() + evictable_snapshots() >= n, so a full cache only costs speed.
 //
-// Handles are node ids, never reused: an id whose node was evicted, pruned or reset is rejected with
-// std::invalid_argument rather than dereferenced. Wrong-state calls (commit of a node that is not
-// pending, dec_lock_ref below zero) throw std::logic_error. Every error is thrown before anything changes.
+// Handles are node ids, never reused: an id whose node left the tree (removed or merged into its child
+// once it held nothing, or reset) is rejected with std::invalid_argument rather than dereferenced; a node
+// whose snapshot was evicted but which still leads to others stays, in state None. Wrong-state calls (commit
+// of a node that is not pending, dec_lock_ref below zero) throw std::logic_error. Every error is thrown
+// before anything changes.
 #pragma once
 
 #include <cstddef>
