@@ -13,6 +13,24 @@ namespace kda::kernels {
 // (q, k, v and/or g) are replaced by dense fp32 rows written into `buf`.
 KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf);
 
+// A call's snapshots grouped by sequence, each sequence's in increasing pos (ties in the caller's
+// order). Built by the kernels before their parallel regions; empty (nothing allocated) without
+// snapshots.
+struct SnapshotPlan {
+  std::vector<KdaSnapshot> sorted;
+  std::vector<int64_t> start;  // [N+1] offsets into sorted, or empty
+
+  // Sequence i's snapshots [first(i), last(i)); null, null without snapshots.
+  const KdaSnapshot* first(int64_t i) const { return sorted.empty() ? nullptr : sorted.data() + start[i]; }
+  const KdaSnapshot* last(int64_t i) const { return sorted.empty() ? nullptr : sorted.data() + start[i + 1]; }
+};
+SnapshotPlan plan_snapshots(const KdaArgs& a);
+
+// Head h's [K, V] state in snapshot s's slot.
+inline float* snapshot_head(const KdaArgs& a, const KdaSnapshot& s, int h) {
+  return a.snapshot_state + (static_cast<int64_t>(s.slot) * a.H + h) * static_cast<int64_t>(a.K) * a.V;
+}
+
 // Reference kernels: plain loops, fp32, written for clarity (fla's naive.py).
 void chunk_kda_naive(const KdaArgs& a);
 void fused_recurrent_kda_naive(const KdaArgs& a);
