@@ -82,16 +82,27 @@ void validate_kda_args(const KdaArgs& a) {
   validate_snapshots(a);
 }
 
+SnapshotPlan::SnapshotPlan() = default;
+SnapshotPlan::~SnapshotPlan() = default;
+// A moved vector keeps its buffer, so the pointers stay valid.
+SnapshotPlan::SnapshotPlan(SnapshotPlan&& o) noexcept
+    : sorted_(std::move(o.sorted_)), start_(std::move(o.start_)), base_(o.base_), offsets_(o.offsets_) {
+  o.base_ = nullptr;
+  o.offsets_ = nullptr;
+}
+
 SnapshotPlan plan_snapshots(const KdaArgs& a) {
   SnapshotPlan p;
   if (a.num_snapshots <= 0) return p;
-  p.sorted.assign(a.snapshots, a.snapshots + a.num_snapshots);
-  std::stable_sort(p.sorted.begin(), p.sorted.end(), [](const KdaSnapshot& x, const KdaSnapshot& y) {
+  p.sorted_.assign(a.snapshots, a.snapshots + a.num_snapshots);
+  std::stable_sort(p.sorted_.begin(), p.sorted_.end(), [](const KdaSnapshot& x, const KdaSnapshot& y) {
     return x.seq != y.seq ? x.seq < y.seq : x.pos < y.pos;
   });
-  p.start.assign(static_cast<size_t>(a.N + 1), 0);
-  for (const KdaSnapshot& s : p.sorted) ++p.start[static_cast<size_t>(s.seq) + 1];
-  for (int64_t i = 0; i < a.N; ++i) p.start[i + 1] += p.start[i];
+  p.start_.assign(static_cast<size_t>(a.N + 1), 0);
+  for (const KdaSnapshot& s : p.sorted_) ++p.start_[static_cast<size_t>(s.seq) + 1];
+  for (int64_t i = 0; i < a.N; ++i) p.start_[i + 1] += p.start_[i];
+  p.base_ = p.sorted_.data();
+  p.offsets_ = p.start_.data();
   return p;
 }
 

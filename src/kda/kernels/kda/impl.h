@@ -15,14 +15,26 @@ KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf);
 
 // A call's snapshots grouped by sequence, each sequence's in increasing pos (ties in the caller's
 // order). Built by the kernels before their parallel regions; empty (nothing allocated) without
-// snapshots.
-struct SnapshotPlan {
-  std::vector<KdaSnapshot> sorted;
-  std::vector<int64_t> start;  // [N+1] offsets into sorted, or empty
+// snapshots. Its special members are defined in dispatch.cc, the accessors read plain pointers: no
+// std::vector code is instantiated inside the per-ISA regions, where it would be compiled for that ISA
+// and could be the copy the linker keeps for every caller.
+class SnapshotPlan {
+ public:
+  SnapshotPlan();
+  SnapshotPlan(SnapshotPlan&& o) noexcept;
+  SnapshotPlan& operator=(SnapshotPlan&&) = delete;
+  ~SnapshotPlan();
 
   // Sequence i's snapshots [first(i), last(i)); null, null without snapshots.
-  const KdaSnapshot* first(int64_t i) const { return sorted.empty() ? nullptr : sorted.data() + start[i]; }
-  const KdaSnapshot* last(int64_t i) const { return sorted.empty() ? nullptr : sorted.data() + start[i + 1]; }
+  const KdaSnapshot* first(int64_t i) const { return base_ == nullptr ? nullptr : base_ + offsets_[i]; }
+  const KdaSnapshot* last(int64_t i) const { return base_ == nullptr ? nullptr : base_ + offsets_[i + 1]; }
+
+ private:
+  friend SnapshotPlan plan_snapshots(const KdaArgs& a);
+  std::vector<KdaSnapshot> sorted_;
+  std::vector<int64_t> start_;  // [N+1] offsets into sorted_, or empty
+  const KdaSnapshot* base_ = nullptr;
+  const int64_t* offsets_ = nullptr;
 };
 SnapshotPlan plan_snapshots(const KdaArgs& a);
 

@@ -172,7 +172,7 @@ void chunk_kda_naive(const KdaArgs& args) {
   std::vector<float> Akk(C * C), Aqk(C * C), Tm(C * C);
   std::vector<float> Wm(C * K), Um(C * V), Vn(C * V), acc(K);
   const SnapshotPlan plan = plan_snapshots(a);
-  std::vector<float> Sp(plan.sorted.empty() ? 0 : static_cast<size_t>(K) * V);  // a chunk's partial state
+  std::vector<float> Sp(a.num_snapshots > 0 ? static_cast<size_t>(K) * V : 0);  // a chunk's partial state
   std::vector<float> revp(C);
 
   for (int64_t i = 0; i < a.N; ++i) {
