@@ -559,6 +559,239 @@ TEST(KdaKernels, PrefillThenDecodeMatchesOnePrefill) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Snapshots: the state after interior positions, written in the same pass as the output.
+
+// Sequence i of p cut to its first `len` tokens, alone: its initial state (or zero) in slot 0 of a
+// one-slot pool, its final state kept there.
+Problem prefix_problem(const Problem& p, int64_t i, int64_t len) {
+  const int64_t bos = p.cu.empty() ? i * (p.T / p.N) : p.cu[i];
+  Problem t = p;
+  t.T = len;
+  t.N = 1;
+  t.cu.clear();
+  t.idx.clear();
+  t.slots = 1;
+  t.out_final = true;
+  const size_t qk = static_cast<size_t>(p.H) * p.K, vr = static_cast<size_t>(p.H) * p.V;
+  const auto cut = [&](const std::vector<float>& x, size_t row) {
+    return std::vector<float>(x.begin() + bos * row, x.begin() + (bos + len) * row);
+  };
+  t.q = cut(p.q, qk);
+  t.k = cut(p.k, qk);
+  t.g = cut(p.g, qk);
+  t.v = cut(p.v, vr);
+  t.beta = cut(p.beta, p.H);
+  const size_t kv = static_cast<size_t>(p.H) * p.K * p.V;
+  const int64_t slot = p.idx.empty() ? i : p.idx[i];
+  const bool init = p.slots > 0 && (p.has_init.empty() || p.has_init[i] != 0);
+  t.has_init = {static_cast<uint8_t>(init ? 1 : 0)};
+  t.pool.assign(kv, 0.0f);
+  if (init) std::copy(p.pool.begin() + slot * kv, p.pool.begin() + (slot + 1) * kv, t.pool.begin());
+  return t;
+}
+
+// Every kernel with `snaps` (into a buffer of their own, or with `in_pool` into p's pool itself, whose
+// slots the sequences do not use): the snapshot slots hold the final states of the kernel's own runs over
+// the prefixes and of the float64 reference's (fp32 tolerance; bit for bit for the reference kernels and
+// the recurrent ones, whose arithmetic does not depend on where a chunk or a token block ends); the
+// other slots are untouched; o and the final states are those of a call without snapshots (bit for bit
+// except in the optimized chunk kernel, whose chunks then end at the snapshots: within tolerance of the
+// float64 reference).
+void check_snapshots(const Problem& p, const std::vector<KdaSnapshot>& snaps, const std::string& label,
+                     bool in_pool = false) {
+  SCOPED_TRACE(label);
+  const Reference ref = reference(p);
+  const size_t n_o = static_cast<size_t>(p.T) * p.H * p.V, kv = static_cast<size_t>(p.H) * p.K * p.V;
+  int64_t nslots = 0;
+  for (const KdaSnapshot& s : snaps) nslots = std::max<int64_t>(nslots, s.slot + 1);
+  if (in_pool) {
+    ASSERT_GE(p.slots, nslots);
+    nslots = p.slots;
+  } else {
+    ++nslots;  // one slot no snapshot names
+  }
+  std::vector<bool> named(nslots, false);
+  for (const KdaSnapshot& s : snaps) named[s.slot] = true;
+  // The float64 prefix states.
+  std::vector<std::vector<float>> want(snaps.size());
+  for (size_t j = 0; j < snaps.size(); ++j)
+    want[j] = reference(prefix_problem(p, snaps[j].seq, snaps[j].pos)).pool;
+
+  std::string line = label + ":";
+  for (const auto& kernel : all_kernels()) {
+    SCOPED_TRACE(kernel.name);
+    const bool exact =
+        kernel.name.find("naive") != std::string::npos || kernel.name.rfind("recurrent", 0) == 0;
+    std::vector<float> o0(n_o, 7.0f), pool0 = p.pool;
+    kernel.fn(p.args(o0.data(), pool0.empty() ? nullptr : pool0.data()));
+
+    std::vector<float> o(n_o, 7.0f), pool = p.pool;
+    std::vector<float> own(in_pool ? 0 : nslots * kv, 7.0f);
+    KdaArgs a = p.args(o.data(), pool.empty() ? nullptr : pool.data());
+    a.snapshots = snaps.data();
+    a.num_snapshots = static_cast<int64_t>(snaps.size());
+    a.snapshot_state = in_pool ? pool.data() : own.data();
+    a.num_snapshot_slots = nslots;
+    kernel.fn(a);
+    const float* sbuf = a.snapshot_state;
+    const std::vector<float>& base = in_pool ? p.pool : own;  // `own` is only read below if untouched
+
+    if (exact) {
+      EXPECT_EQ(o, o0) << "output changed by asking for snapshots";
+    } else {
+      EXPECT_LE(max_error_ratio(o.data(), ref.o.data(), n_o, kAtol, kRtol), 1.0) << "output";
+    }
+    double worst = 0.0;
+    for (size_t j = 0; j < snaps.size(); ++j) {
+      const KdaSnapshot& s = snaps[j];
+      const float* got = sbuf + s.slot * kv;
+      const Problem t = prefix_problem(p, s.seq, s.pos);
+      std::vector<float> to(static_cast<size_t>(t.T) * t.H * t.V), tpool = t.pool;
+      kernel.fn(t.args(to.data(), tpool.data()));
+      const std::string what = "snapshot seq " + std::to_string(s.seq) + " pos " + std::to_string(s.pos);
+      const double e = max_error_ratio(got, want[j].data(), kv, kAtol, kRtol);
+      EXPECT_LE(e, 1.0) << what << " against the float64 prefix state";
+      EXPECT_LE(max_error_ratio(got, tpool.data(), kv, kAtol, kRtol), 1.0)
+          << what << " against the kernel's prefix run";
+      if (exact) {
+        EXPECT_EQ(0, std::memcmp(got, tpool.data(), kv * sizeof(float))) << what << " not bit for bit";
+      }
+      worst = std::max(worst, e);
+    }
+    for (int64_t sl = 0; sl < nslots; ++sl) {
+      if (named[sl]) continue;
+      if (in_pool) {
+        // Slots of the sequences hold their final states (checked below); the others are untouched.
+        bool used = false;
+        for (int64_t i = 0; i < p.N; ++i) used = used || (p.idx.empty() ? i : p.idx[i]) == sl;
+        if (used) continue;
+        EXPECT_EQ(0, std::memcmp(pool.data() + sl * kv, base.data() + sl * kv, kv * sizeof(float)))
+            << "slot " << sl;
+      } else {
+        EXPECT_TRUE(std::all_of(own.begin() + sl * kv, own.begin() + (sl + 1) * kv,
+                                [](float x) { return x == 7.0f; }))
+            << "snapshot slot " << sl << " named by no snapshot was written";
+      }
+    }
+    // Final states: every slot but the snapshot slots as without snapshots.
+    for (int64_t sl = 0; sl < p.slots; ++sl) {
+      if (in_pool && named[sl]) continue;
+      const float* x = pool.data() + sl * kv;
+      const float* y = pool0.data() + sl * kv;
+      if (exact) {
+        EXPECT_EQ(0, std::memcmp(x, y, kv * sizeof(float))) << "final state of slot " << sl << " changed";
+      } else {
+        EXPECT_LE(max_error_ratio(x, ref.pool.data() + sl * kv, kv, kAtol, kRtol), 1.0)
+            << "final state slot " << sl;
+      }
+    }
+    Worst& w = g_worst[kernel.name];
+    w.state = std::max(w.state, worst);
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " %s %.3f", kernel.name.c_str(), worst);
+    line += buf;
+  }
+  std::printf("[ snapshot ] %s\n", line.c_str());
+}
+
+TEST(KdaSnapshots, InsideChunksAndAtBoundaries) {
+  for (int f = 0; f < 4; ++f) {
+    Problem p;
+    p.T = 300;
+    p.H = 2;
+    p.K = 64;
+    p.V = 48;
+    p.slots = 1;
+    p.l2 = f & 1;
+    p.gate = f & 2;
+    fill(p, 1200 + f);
+    // Any order; the initial state (0), inside chunks, at and next to chunk boundaries, the final state.
+    const std::vector<KdaSnapshot> snaps = {{0, 100, 4}, {0, 1, 0}, {0, 63, 1},  {0, 64, 2},  {0, 65, 3},
+                                            {0, 300, 5}, {0, 0, 6}, {0, 128, 7}, {0, 129, 8}, {0, 299, 9}};
+    check_snapshots(p, snaps, "T=300 " + flags_label(p.l2, p.gate));
+  }
+}
+
+TEST(KdaSnapshots, VarlenInitialStatesAndTheStatePoolItself) {
+  for (int f = 0; f < 4; ++f) {
+    Problem p;
+    p.cu = {0, 1, 1, 66, 200, 330, 331};
+    p.N = 6;
+    p.T = 331;
+    p.H = 3;
+    p.K = 32;
+    p.V = 64;
+    p.idx = {3, 1, 6, 0, 8, 4};
+    p.has_init = {1, 1, 0, 1, 1, 0};
+    p.slots = 12;  // 2, 5, 7, 9, 10, 11 free
+    p.l2 = f & 1;
+    p.gate = f & 2;
+    fill(p, 1300 + f);
+    // 1-token segments (0: with an initial state, 5: without), an empty one, several snapshots per
+    // sequence, two at one position.
+    const std::vector<KdaSnapshot> snaps = {{0, 1, 2},   {0, 0, 5},   {1, 0, 7},  {2, 64, 9}, {2, 1, 10},
+                                            {2, 65, 11}, {3, 134, 0}, {3, 70, 1}, {3, 7, 3},  {3, 70, 4},
+                                            {4, 64, 6},  {4, 128, 8}, {5, 1, 12}, {5, 0, 13}, {4, 129, 14}};
+    check_snapshots(p, snaps, "varlen " + flags_label(p.l2, p.gate));
+    // Into the pool itself, its free slots.
+    const std::vector<KdaSnapshot> in_pool = {{0, 1, 2},  {2, 1, 5},    {2, 65, 7},
+                                              {3, 70, 9}, {4, 100, 10}, {5, 1, 11}};
+    check_snapshots(p, in_pool, "varlen into the pool " + flags_label(p.l2, p.gate), true);
+  }
+}
+
+TEST(KdaSnapshots, StrongGatesNoPoolNoFinalStateOddShapes) {
+  for (int f = 0; f < 4; ++f) {
+    Problem p;
+    p.cu = {0, 37, 300};
+    p.N = 2;
+    p.T = 300;
+    p.slots = 2;
+    p.l2 = f & 1;
+    p.gate = f & 2;
+    fill(p, 1400 + f, GateKind::kStrong);
+    check_snapshots(p, {{0, 36, 0}, {0, 37, 1}, {1, 1, 2}, {1, 100, 3}, {1, 200, 4}, {1, 263, 5}},
+                    "strong gates " + flags_label(p.l2, p.gate));
+  }
+  {
+    Problem p;
+    p.T = 130;
+    p.N = 2;  // no cu_seqlens, no pool, the second sequence padded
+    p.idx = {0, -1};
+    p.gate = true;
+    fill(p, 1410);
+    check_snapshots(p, {{0, 0, 0}, {0, 1, 1}, {0, 64, 2}, {0, 65, 3}}, "no pool");
+  }
+  {
+    Problem p;
+    p.cu = {0, 70, 71, 200};
+    p.N = 3;
+    p.T = 200;
+    p.idx = {2, 0, 1};
+    p.slots = 3;
+    p.out_final = false;
+    p.l2 = true;
+    fill(p, 1420);
+    check_snapshots(p, {{0, 70, 0}, {1, 1, 1}, {2, 64, 2}, {2, 100, 3}}, "output_final_state=false");
+  }
+  for (auto [K, V] : {std::pair{17, 5}, std::pair{128, 80}}) {
+    Problem p;
+    p.cu = {0, 1, 100, 170};
+    p.N = 3;
+    p.T = 170;
+    p.K = K;
+    p.V = V;
+    p.slots = 4;
+    p.idx = {1, 3, 0};
+    p.l2 = true;
+    p.gate = true;
+    fill(p, 1430 + K);
+    check_snapshots(p, {{0, 1, 0}, {1, 50, 1}, {1, 99, 2}, {2, 3, 3}, {2, 64, 4}, {2, 69, 5}},
+                    "K=" + std::to_string(K) + " V=" + std::to_string(V));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Row strides: the same values laid out as column slices of wider rows must give bit-identical results.
 
 // Output and final pool of `fn` on p's inputs, dense or strided. Strided: q, k and v are column slices of
@@ -1018,6 +1251,78 @@ TEST(KdaDispatch, ValidationErrors) {
   std::vector<float> o(static_cast<size_t>(ok.T) * ok.H * ok.V), pool = ok.pool;
   EXPECT_NO_THROW(chunk_kda(ok.args(o.data(), pool.data())));
   EXPECT_NO_THROW(fused_recurrent_kda(ok.args(o.data(), nullptr)));
+}
+
+// Bad snapshots: each an invalid_argument naming it, through every kernel, with the pool, the output
+// and the snapshot buffer unchanged.
+TEST(KdaDispatch, SnapshotValidationErrors) {
+  Problem base;
+  base.cu = {0, 10, 30, 40};
+  base.N = 3;
+  base.T = 40;
+  base.H = 2;
+  base.K = 16;
+  base.V = 16;
+  base.slots = 4;
+  base.idx = {0, 2, 3};  // slot 1 free
+  fill(base, 1500);
+  const size_t kv = static_cast<size_t>(base.H) * base.K * base.V;
+  std::vector<float> snap(3 * kv, 7.0f);
+  std::vector<KdaSnapshot> snaps;
+  const auto with = [&](std::vector<KdaSnapshot> s, int64_t slots = 3) {
+    return [&, s, slots](KdaArgs& a) {
+      snaps = s;
+      a.snapshots = snaps.data();
+      a.num_snapshots = static_cast<int64_t>(snaps.size());
+      a.snapshot_state = snap.data();
+      a.num_snapshot_slots = slots;
+    };
+  };
+  expect_rejected(base, "snapshot 1: seq=3 not in [0, N=3)", with({{0, 1, 0}, {3, 1, 1}}));
+  expect_rejected(base, "snapshot 0: seq=-1 not in [0, N=3)", with({{-1, 1, 0}}));
+  expect_rejected(base, "snapshot 0: pos=21 not in [0, 20] (sequence 1 has 20 tokens)", with({{1, 21, 0}}));
+  expect_rejected(base, "snapshot 0: pos=-1 not in [0, 10]", with({{0, -1, 0}}));
+  expect_rejected(base, "snapshot 1: slot=3 not in [0, num_snapshot_slots=3)", with({{0, 1, 0}, {1, 2, 3}}));
+  expect_rejected(base, "snapshot 0: slot=-1 not in [0, num_snapshot_slots=3)", with({{0, 1, -1}}));
+  expect_rejected(base, "duplicate snapshot slot 2 used by snapshots 0 and 2",
+                  with({{0, 1, 2}, {1, 1, 0}, {2, 1, 2}}));
+  expect_rejected(base, "num_snapshots must be >= 0", [&](KdaArgs& a) { a.num_snapshots = -1; });
+  expect_rejected(base, "snapshots is null with num_snapshots=1", [&](KdaArgs& a) {
+    a.num_snapshots = 1;
+    a.snapshot_state = snap.data();
+    a.num_snapshot_slots = 3;
+  });
+  expect_rejected(base, "snapshot_state is null with num_snapshots=1", [&](KdaArgs& a) {
+    with({{0, 1, 0}})(a);
+    a.snapshot_state = nullptr;
+  });
+  {
+    Problem p = base;
+    p.idx = {0, -1, 3};
+    expect_rejected(p, "snapshot 0: sequence 1 is a padded row", with({{1, 5, 0}}));
+  }
+  // Into the state pool itself: never a slot of a sequence of the call.
+  expect_rejected(base, "snapshot 1: slot 2 is the state slot of sequence 1", [&](KdaArgs& a) {
+    with({{0, 1, 1}, {0, 2, 2}}, base.slots)(a);
+    a.snapshot_state = a.state;
+  });
+  EXPECT_TRUE(std::all_of(snap.begin(), snap.end(), [](float x) { return x == 7.0f; }))
+      << "a snapshot was written";
+
+  // Accepted: a free slot of the pool itself; an empty list with null pointers.
+  std::vector<float> o(static_cast<size_t>(base.T) * base.H * base.V), pool = base.pool;
+  KdaArgs a = base.args(o.data(), pool.data());
+  const KdaSnapshot ok[] = {{0, 10, 1}};
+  a.snapshots = ok;
+  a.num_snapshots = 1;
+  a.snapshot_state = pool.data();
+  a.num_snapshot_slots = base.slots;
+  EXPECT_NO_THROW(chunk_kda(a));
+  EXPECT_NO_THROW(fused_recurrent_kda(a));
+  a.snapshots = nullptr;
+  a.num_snapshots = 0;
+  a.snapshot_state = nullptr;
+  EXPECT_NO_THROW(chunk_kda(a));
 }
 
 // ---------------------------------------------------------------------------------------------------

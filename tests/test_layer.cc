@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -162,8 +163,9 @@ struct Stack {
     layer->forward(x.data(), static_cast<int64_t>(x.size()) / D(), fb, pools->recurrent_state_pool, y.data());
     return y;
   }
-  std::vector<float> states(int32_t req) {
-    const int32_t slot = pools->req_to_token_pool.slot_of(req);
+  std::vector<float> states(int32_t req) { return slot_states(pools->req_to_token_pool.slot_of(req)); }
+  // A slot's recurrent state [H, K, V] followed by its conv state [W-1, C], as fp32.
+  std::vector<float> slot_states(int32_t slot) {
     const auto& pc = pools->recurrent_state_pool.config();
     std::vector<float> rec(static_cast<size_t>(pc.num_heads) * pc.head_k_dim * pc.head_v_dim);
     std::vector<float> conv(static_cast<size_t>((pc.conv_kernel - 1) * pc.conv_dim));
@@ -173,6 +175,8 @@ struct Stack {
     return rec;
   }
 };
+
+int32_t pool_slot(Stack& s, int32_t req) { return s.pools->req_to_token_pool.slot_of(req); }
 
 std::vector<float> rows(const std::vector<float>& x, int64_t D, int64_t from, int64_t n) {
   return std::vector<float>(x.begin() + from * D, x.begin() + (from + n) * D);
@@ -437,6 +441,121 @@ TEST(Layer, BadBatchesAreErrorsThatChangeNothing) {
                std::exception);
   EXPECT_EQ(s.states(r[0]), b0);
   EXPECT_EQ(s.states(r[1]), b1);
+}
+
+// Prefix caching: an EXTEND with state_snapshots leaves in each snapshot slot the recurrent and conv
+// states that an EXTEND over only the first pos tokens of that request leaves in the request's slot: a
+// fresh request (A, 150 tokens) and one continuing from a 20-token prefix (B, 70 more; its snapshot at
+// pos 2 reaches into the previous conv state), positions inside chunks, at chunk boundaries and at the
+// end, in both precisions (the same computation: conv states bit for bit, recurrent states within the
+// fp32 tolerance, as the chunk grids differ). The batch's own states are those of the same batch without
+// snapshots within the same tolerance, and so are its outputs in fp32 (bf16: the kernel output's bf16
+// rounding point turns fp32-level differences into bf16-level ones).
+TEST(Layer, StateSnapshotsEqualStatesOfTruncatedExtends) {
+  const int64_t D = 256;
+  const auto xa = testing::random_normal(150 * D, 21);
+  const auto xb = testing::random_normal(90 * D, 22);  // 20-token prefix, then 70
+  for (const Precision prec : {Precision::FP32, Precision::BF16}) {
+    SCOPED_TRACE(prec == Precision::FP32 ? "fp32" : "bf16");
+    Stack s(12, prec), plain(12, prec);
+    const auto r = s.pools->req_to_token_pool.alloc(2);
+    const auto rp = plain.pools->req_to_token_pool.alloc(2);
+    s.step(ForwardBatch::extend({r[1]}, {20}, {0}), rows(xb, D, 0, 20));
+    plain.step(ForwardBatch::extend({rp[1]}, {20}, {0}), rows(xb, D, 0, 20));
+    const auto slots = s.pools->recurrent_state_pool.alloc(8);  // held by no request
+    struct Snap {
+      int32_t row, pos;
+    };
+    const std::vector<Snap> at = {{0, 1}, {0, 64}, {0, 100}, {0, 150}, {1, 2}, {1, 64}, {1, 70}};
+    std::vector<float> x = xa;
+    const auto b = rows(xb, D, 20, 70);
+    x.insert(x.end(), b.begin(), b.end());
+    auto fb = ForwardBatch::extend({r[0], r[1]}, {150, 70}, {0, 20});
+    for (size_t j = 0; j < at.size(); ++j) fb.state_snapshots.push_back({at[j].row, at[j].pos, slots[j]});
+    const auto y = s.step(fb, x);
+    const auto y_plain = plain.step(ForwardBatch::extend({rp[0], rp[1]}, {150, 70}, {0, 20}), x);
+    if (prec == Precision::FP32) {
+      expect_close(y, y_plain, "output with snapshots");
+    } else {
+      // The kernel output is rounded to bf16 before the norm: fp32-level differences move roundings.
+      EXPECT_LE(testing::rel_l2(y.data(), y_plain.data(), y.size()), 1e-2) << "output with snapshots";
+    }
+    for (int i = 0; i < 2; ++i)
+      expect_close(s.states(r[i]), plain.states(rp[i]), "final state " + std::to_string(i));
+
+    const auto& pc = s.pools->recurrent_state_pool.config();
+    const size_t nrec = static_cast<size_t>(pc.num_heads) * pc.head_k_dim * pc.head_v_dim;
+    for (size_t j = 0; j < at.size(); ++j) {
+      const std::string what = "row " + std::to_string(at[j].row) + " pos " + std::to_string(at[j].pos);
+      Stack t(2, prec);
+      const auto tr = t.pools->req_to_token_pool.alloc(1);
+      if (at[j].row == 0) {
+        t.step(ForwardBatch::extend(tr, {at[j].pos}, {0}), rows(xa, D, 0, at[j].pos));
+      } else {
+        t.step(ForwardBatch::extend(tr, {20}, {0}), rows(xb, D, 0, 20));
+        t.step(ForwardBatch::extend(tr, {at[j].pos}, {20}), rows(xb, D, 20, at[j].pos));
+      }
+      const auto got = s.slot_states(slots[j]), want = t.states(tr[0]);
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_LE(testing::max_error_ratio(got.data(), want.data(), nrec, kTol, kTol), 1.0)
+          << what << " recurrent";
+      EXPECT_TRUE(std::equal(got.begin() + nrec, got.end(), want.begin() + nrec)) << what << " conv";
+      EXPECT_NE(got, std::vector<float>(got.size(), 0.0f)) << what;
+    }
+    const auto untouched = s.slot_states(slots[7]);  // no snapshot named it
+    EXPECT_EQ(untouched, std::vector<float>(untouched.size(), 0.0f));
+  }
+}
+
+// Bad snapshots are errors that change nothing: no request's state and no snapshot slot.
+TEST(Layer, BadStateSnapshotsAreErrorsThatChangeNothing) {
+  const int64_t D = 256;
+  Stack s(8);
+  const auto r = s.pools->req_to_token_pool.alloc(2);
+  s.step(ForwardBatch::extend(r, {6, 6}, {0, 0}), testing::random_normal(12 * D, 31));
+  auto& pool = s.pools->recurrent_state_pool;
+  const auto snap = pool.alloc(2);
+  const auto freed = pool.alloc(1);
+  pool.free(freed);
+  const auto before = [&] {
+    std::vector<std::vector<float>> v;
+    for (int32_t sl : {pool_slot(s, r[0]), pool_slot(s, r[1]), snap[0], snap[1]})
+      v.push_back(s.slot_states(sl));
+    return v;
+  };
+  const auto b0 = before();
+  const auto x = testing::random_normal(7 * D, 32);
+  using Snap = ForwardBatch::StateSnapshot;
+  const std::vector<std::pair<std::vector<Snap>, std::string>> bad = {
+      {{{2, 1, snap[0]}}, "row 2 is not in [0, 2)"},
+      {{{0, 0, snap[0]}}, "pos 0 is not in [1, 3]"},
+      {{{1, 5, snap[0]}}, "pos 5 is not in [1, 4]"},
+      {{{0, 1, snap[0]}, {1, 2, snap[0]}}, "two state snapshots into slot"},
+      {{{0, 1, pool_slot(s, r[1])}}, "the slot of request 1 of this batch"},
+      {{{0, 1, freed[0]}}, "is not an allocated slot of the state pool"},
+      {{{0, 1, 99}}, "is not an allocated slot of the state pool"},
+      {{{0, 1, -1}}, "negative slot"},
+  };
+  for (const auto& [snaps, what] : bad) {
+    SCOPED_TRACE(what);
+    auto fb = ForwardBatch::extend(r, {3, 4}, {6, 6});
+    fb.state_snapshots = snaps;
+    try {
+      s.step(fb, x);
+      ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(what));
+    }
+    EXPECT_EQ(before(), b0);
+  }
+  // A padded row takes no snapshot; DECODE takes none.
+  auto padded = ForwardBatch::extend({r[0], -1}, {3, 4}, {6, 0});
+  padded.state_snapshots = {{1, 1, snap[0]}};
+  EXPECT_THROW(padded.validate(), std::invalid_argument);
+  auto dec = ForwardBatch::decode(r);
+  dec.state_snapshots = {{0, 1, snap[0]}};
+  EXPECT_THROW(s.step(dec, testing::random_normal(2 * D, 33)), std::invalid_argument);
+  EXPECT_EQ(before(), b0);
 }
 
 TEST(Layer, BadCaseInputsAreClearErrors) {

@@ -25,7 +25,7 @@ _OFF = {
     "allow_neg_eigval": False,
     "safe_gate": False,
     "lower_bound": None,
-    "return_intermediate_states": False,
+    "return_intermediate_states": False,  # fused_recurrent_kda only; chunk_kda returns h
     "disable_recompute": False,  # training (backward) recompute control
     "cu_seqlens_cpu": None,
     "cp_context": None,  # context parallelism
@@ -65,7 +65,13 @@ def chunk_kda(
     **kwargs,
 ):
     """Chunked KDA (prefill). Returns ``(o, final_state)``; final_state is None unless
-    ``output_final_state``. ``initial_state`` ``[N, H, K, V]`` is only read."""
+    ``output_final_state``. ``initial_state`` ``[N, H, K, V]`` is only read.
+
+    With ``return_intermediate_states=True``: ``(o, final_state, h)``, h the state entering each 64-token
+    chunk of each sequence (the initial state, or zero, for the first), ``[B, NT, H, K, V]`` with
+    ``NT = ceil(T / 64)``, or with cu_seqlens ``[1, NT, H, K, V]`` with NT the chunks of all sequences;
+    float32 (fla's is bfloat16), written in the pass that computes o."""
+    intermediate = bool(kwargs.pop("return_intermediate_states", False))
     if kwargs:
         _check_kwargs("chunk_kda", kwargs)
     return _kda._kda_op(
@@ -85,6 +91,7 @@ def chunk_kda(
         cu_seqlens,
         None,
         False,
+        bool(intermediate),
     )
 
 
@@ -133,4 +140,5 @@ def fused_recurrent_kda(
         cu_seqlens,
         ssm_state_indices,
         bool(inplace_final_state),
+        False,
     )

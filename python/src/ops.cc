@@ -326,7 +326,8 @@ struct OpCall {
   const float* state_src = nullptr;  // copied into the fresh final state before the kernel runs
   size_t state_n = 0;
   bf16_t* o_bf16 = nullptr;  // bf16 output: the kernel writes o_buf, converted into it afterwards
-  py::object o, final_state;
+  std::vector<kernels::KdaSnapshot> snaps;  // return_intermediate_states: one per chunk, into h
+  py::object o, final_state, h;
 };
 
 struct OpInputs {
@@ -338,6 +339,7 @@ struct OpInputs {
   bool gate;
   py::handle A_log, dt_bias, cu_seqlens, ssm_state_indices;
   bool inplace;
+  bool intermediate = false;  // chunk_kda's return_intermediate_states
 };
 
 void prepare(OpCall& c, const OpInputs& in) {
@@ -524,6 +526,30 @@ void prepare(OpCall& c, const OpInputs& in) {
     a.o = static_cast<float*>(data_of(c.o, torch_out));
     advise_huge_pages(a.o, static_cast<size_t>(B * T * H * V) * sizeof(float));
   }
+
+  if (in.intermediate) {
+    // fla's h: the state entering each 64-token chunk of each sequence (the initial state, or zero, for
+    // the first), [B, NT, H, K, V] with NT = ceil(T / 64), or with cu_seqlens [1, the sequences' NT in
+    // all, H, K, V]. fp32 here (fla's is bf16). The kernel writes it as snapshots at positions 0, 64, ...
+    // in the pass that computes o. The sequences are checked before h is sized from them.
+    kernels::validate_kda_args(a);
+    constexpr int64_t kC = 64;
+    int64_t total = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t len = a.cu_seqlens != nullptr ? a.cu_seqlens[i + 1] - a.cu_seqlens[i] : T;
+      for (int64_t pos = 0; pos < len; pos += kC)
+        c.snaps.push_back(
+            {static_cast<int32_t>(i), static_cast<int32_t>(pos), static_cast<int32_t>(total++)});
+    }
+    const std::vector<int64_t> shape = a.cu_seqlens != nullptr
+                                           ? std::vector<int64_t>{1, total, H, K, V}
+                                           : std::vector<int64_t>{B, (T + kC - 1) / kC, H, K, V};
+    c.h = new_output(torch_out, shape, false);
+    a.snapshots = c.snaps.data();
+    a.num_snapshots = static_cast<int64_t>(c.snaps.size());
+    a.snapshot_state = static_cast<float*>(data_of(c.h, torch_out));
+    a.num_snapshot_slots = total;
+  }
 }
 
 void kernel(const OpCall& c) {
@@ -560,16 +586,19 @@ void register_ops(py::module_& m) {
       [](bool chunk, py::handle q, py::handle k, py::handle v, py::handle g, py::handle beta,
          py::object scale, py::handle initial_state, bool output_final_state, bool l2norm, bool gate,
          py::handle A_log, py::handle dt_bias, py::handle cu_seqlens, py::handle ssm_state_indices,
-         bool inplace) {
+         bool inplace, bool intermediate) {
         apply_num_threads();
         OpCall c;
         c.chunk = chunk;
-        prepare(c, inputs(q, k, v, g, beta, std::move(scale), initial_state, output_final_state, l2norm, gate,
-                          A_log, dt_bias, cu_seqlens, ssm_state_indices, inplace));
+        OpInputs in = inputs(q, k, v, g, beta, std::move(scale), initial_state, output_final_state, l2norm,
+                             gate, A_log, dt_bias, cu_seqlens, ssm_state_indices, inplace);
+        in.intermediate = chunk && intermediate;
+        prepare(c, in);
         {
           py::gil_scoped_release release;
           run(c);
         }
+        if (in.intermediate) return py::make_tuple(c.o, c.final_state, c.h);
         return py::make_tuple(c.o, c.final_state);
       },
       "Private: kda.ops.chunk_kda (chunk=True) / fused_recurrent_kda, arguments checked by kda/ops.py.");

@@ -29,12 +29,14 @@ def kda_gate(f, A_log, dt_bias=None):
 
 
 def kda_recurrence(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
-                   A_log=None, dt_bias=None, state_indices=None):
+                   A_log=None, dt_bias=None, state_indices=None, chunk_states=False):
     """Returns (o [B, T, H, V], final states [N, H, K, V]) in float64.
 
     g is the log-space gate, or the raw gate f when A_log is given (use_gate_in_kernel). With
     state_indices, initial_state is a pool and sequence i starts from slot state_indices[i] (-1: a
-    padded row, zero output, final state left zero)."""
+    padded row, zero output, final state left zero). With chunk_states, also fla's h: the state entering
+    each 64-token chunk of each sequence, [B, ceil(T / 64), H, K, V], or with cu_seqlens
+    [1, the sequences' chunks in all, H, K, V]."""
     q, k, v, g, beta = (to_f64(x) for x in (q, k, v, g, beta))
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -52,18 +54,28 @@ def kda_recurrence(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=
     o = np.zeros((B, T, H, V))
     final = np.zeros((len(bounds), H, K, V))
     h0 = None if initial_state is None else to_f64(initial_state)
+    h = []  # per sequence, the states entering its chunks
     for i, (b, t0, t1) in enumerate(bounds):
         slot = i if state_indices is None else int(state_indices[i])
+        h.append([])
         if slot < 0:
             continue
         S = np.zeros((H, K, V)) if h0 is None else h0[slot].copy()
         for t in range(t0, t1):
+            if (t - t0) % 64 == 0:
+                h[-1].append(S.copy())
             S *= np.exp(g[b, t])[:, :, None]
             u = v[b, t] - np.einsum("hkv,hk->hv", S, k[b, t])
             S += beta[b, t][:, None, None] * k[b, t][:, :, None] * u[:, None, :]
             o[b, t] = np.einsum("hkv,hk->hv", S, q[b, t])
         final[i] = S
-    return o, final
+    if not chunk_states:
+        return o, final
+    if cu_seqlens is None:
+        hs = np.array(h).reshape(B, (T + 63) // 64, H, K, V)
+    else:
+        hs = np.array([x for seq in h for x in seq]).reshape(1, -1, H, K, V)
+    return o, final, hs
 
 
 def spec_excess(a, ref, atol=1e-5, rtol=1e-5):

@@ -251,7 +251,6 @@ def _bad_cases():
         (chunk, dict(A_log=torch.zeros(H)), ValueError, "use_gate_in_kernel=False"),
         (chunk, dict(scale=0.0), ValueError, "scale must be a positive"),
         (chunk, dict(state_v_first=True), NotImplementedError, "state_v_first=True"),
-        (chunk, dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
         (chunk, dict(lower_bound=-5.0), NotImplementedError, "lower_bound=-5.0"),
         (chunk, dict(safe_gate=True), NotImplementedError, "safe_gate"),
         (chunk, dict(use_beta_sigmoid_in_kernel=True), NotImplementedError, "use_beta_sigmoid_in_kernel"),
@@ -271,6 +270,9 @@ def _bad_cases():
         (fused, dict(P, ssm_state_indices=torch.tensor([0, 1]), initial_state=pool.numpy().copy()), None, None),
         (fused, dict(inplace_final_state=True), ValueError, "needs initial_state"),
         (fused, dict(num_accepted_tokens=torch.tensor([1])), NotImplementedError, "num_accepted_tokens"),
+        (fused, dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
+        (chunk, dict(return_intermediate_states=True, cu_seqlens=torch.tensor([0, 4, 3, 6], dtype=torch.int32)),
+         ValueError, "non-monotonic cu_seqlens"),
     ], base
 
 
@@ -291,6 +293,46 @@ def test_bad_inputs_raise_and_change_nothing():
         for n, x in tensors.items():
             same = np.array_equal(x, before[n]) if isinstance(x, np.ndarray) else torch.equal(x, before[n])
             assert same, f"{n} changed by a refused call ({msg})"
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("init", [True, False])
+def test_intermediate_states(kind, varlen, init):
+    """return_intermediate_states=True: h, the state entering each 64-token chunk (fla's definition, fp32
+    here), against the float64 recurrence, with and without cu_seqlens; o and the final state are those
+    of a call without it, bit for bit (the chunks end at multiples of 64 either way)."""
+    H, K, V = 2, 32, 16
+    if varlen:
+        cu = torch.tensor([0, 1, 1, 65, 194, 330], dtype=torch.int32)  # 1, 0, 64, 129, 136 tokens
+        B, T, N = 1, int(cu[-1]), len(cu) - 1
+        nt = sum((int(cu[i + 1] - cu[i]) + 63) // 64 for i in range(N))
+    else:
+        cu, B, T = None, 2, 200
+        N, nt = B, (T + 63) // 64
+    q, k, v, g, beta, extra = make_inputs(B, T, H, K, V, seed=11 + varlen, gate="in_kernel" if varlen else "g",
+                                          l2norm=varlen)
+    h0 = torch.randn(N, H, K, V, generator=torch.Generator().manual_seed(5)) if init else None
+    o_ref, s_ref, h_ref = reference(q, k, v, g, beta, extra, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=varlen,
+                                    chunk_states=True)
+    args = as_kind(kind, q, k, v, g, beta)
+    kw = dict(initial_state=as_kind(kind, h0)[0], output_final_state=True, use_qk_l2norm_in_kernel=varlen,
+              cu_seqlens=cu, **{n: as_kind(kind, x)[0] for n, x in extra.items()})
+    o, s, h = chunk_kda(*args, return_intermediate_states=True, **kw)
+    assert isinstance(h, np.ndarray if kind == "numpy" else torch.Tensor)
+    assert tuple(h.shape) == ((1, nt, H, K, V) if varlen else (B, nt, H, K, V)) == h_ref.shape
+    assert str(h.dtype).endswith("float32")
+    assert spec_excess(h, h_ref) <= 0
+    assert spec_excess(o, o_ref) <= 0 and spec_excess(s, s_ref) <= 0
+    first = h[0, 0] if varlen else h[:, 0]
+    want = (h0[0] if varlen else h0) if init else torch.zeros_like(torch.as_tensor(np.asarray(first)))
+    assert np.array_equal(np.asarray(first), np.asarray(want))  # the initial state (or zero), exactly
+    o2, s2 = chunk_kda(*args, **kw)
+    assert np.array_equal(np.asarray(o), np.asarray(o2)) and np.array_equal(np.asarray(s), np.asarray(s2))
+    # Without a final state, and with bf16 inputs: h is still fp32.
+    _, s3, h3 = chunk_kda(*(x.to(torch.bfloat16) for x in (q, k, v, g, beta)), return_intermediate_states=True,
+                          cu_seqlens=cu, use_qk_l2norm_in_kernel=varlen, **extra)
+    assert s3 is None and h3.dtype == torch.float32 and tuple(h3.shape) == tuple(h.shape)
 
 
 def test_fla_defaults_accepted():

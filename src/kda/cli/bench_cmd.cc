@@ -188,18 +188,36 @@ struct Say {
 constexpr int kH = 32, kK = 128;
 constexpr int64_t kD = 2304, kP = int64_t{kH} * kK;
 
-// One chunk_kda row: `seqs` sequences of `len` tokens, zero initial states. Holds pointers into itself:
-// not movable.
+// One chunk_kda row: `seqs` sequences of `len` tokens, zero initial states; with `snaps`, that many
+// snapshots per sequence (prefix caching) at len * j / (snaps + 1), j = 1..snaps (none a multiple of 64
+// at the bench's lengths), into a buffer of their own. Holds pointers into itself: not movable.
 struct ChunkCase {
-  int64_t seqs, T;
+  int64_t seqs, T, snaps;
   KdaBenchInputs in;
-  std::vector<float> state;
+  std::vector<float> state, snap_state;
   std::vector<int32_t> idx;
+  std::vector<kernels::KdaSnapshot> snap;
   kernels::KdaArgs a;
-  ChunkCase(int64_t s, int64_t len)
-      : seqs(s), T(s * len), in(s, len, kH, kK), state(static_cast<size_t>(s) * kH * kK * kK), idx(s) {
+  ChunkCase(int64_t s, int64_t len, int64_t n = 0)
+      : seqs(s),
+        T(s * len),
+        snaps(n),
+        in(s, len, kH, kK),
+        state(static_cast<size_t>(s) * kH * kK * kK),
+        snap_state(static_cast<size_t>(s * n) * kH * kK * kK),
+        idx(s) {
     std::iota(idx.begin(), idx.end(), 0);
     a = in.args(state.data(), idx.data(), seqs);
+    for (int64_t i = 0; i < s; ++i) {
+      for (int64_t j = 1; j <= n; ++j) {
+        snap.push_back({static_cast<int32_t>(i), static_cast<int32_t>(len * j / (n + 1)),
+                        static_cast<int32_t>(snap.size())});
+      }
+    }
+    a.snapshots = snap.data();
+    a.num_snapshots = static_cast<int64_t>(snap.size());
+    a.snapshot_state = snap_state.data();
+    a.num_snapshot_slots = a.num_snapshots;
   }
   ChunkCase(const ChunkCase&) = delete;
   ChunkCase& operator=(const ChunkCase&) = delete;
@@ -211,16 +229,22 @@ struct ChunkCase {
 double bench_chunk(const BenchOptions& o, GemmCeiling& g32, nlohmann::json& j,
                    std::vector<std::string>& lines, double& plain) {
   const auto impl = kernels::parse_kernel_impl(o.kernel);
-  ChunkCase one(1, 4096), many(16, 256);
+  // Each shape also with 4 snapshots per sequence (the states after interior positions, prefix caching),
+  // in the same turns.
+  ChunkCase one(1, 4096), many(16, 256), one_s(1, 4096, 4), many_s(16, 256, 4);
   PlainGemm p32(g32.M, g32.N, g32.K);
-  const auto t = best_interleaved(
-      {[&] { g32.run(); }, [&] { p32.run(); }, [&] { one.run(impl); }, [&] { many.run(impl); }}, 5, 8.0);
+  const auto t =
+      best_interleaved({[&] { g32.run(); }, [&] { p32.run(); }, [&] { one.run(impl); },
+                        [&] { many.run(impl); }, [&] { one_s.run(impl); }, [&] { many_s.run(impl); }},
+                       5, 8.0);
   const double ceiling = g32.gflops(t[0]);
   plain = p32.gflops(t[1]);
   int i = 2;
-  for (ChunkCase* c : {&one, &many}) {
+  for (ChunkCase* c : {&one, &many, &one_s, &many_s}) {
     const double s = t[i++];
-    const double sn = o.skip_naive ? NAN : best_seconds([&] { c->run(kernels::KernelImpl::Naive); }, 1, 0.0);
+    const double sn = o.skip_naive || c->snaps > 0
+                          ? NAN
+                          : best_seconds([&] { c->run(kernels::KernelImpl::Naive); }, 1, 0.0);
     const double flops = (6.0 * kK * kK + 3.0 * 64 * kK + 64.0 * 64) * kH * c->T;
     const double gf = flops / s / 1e9;
     j["kernels"].push_back({{"op", "chunk_kda"},
@@ -228,11 +252,12 @@ double bench_chunk(const BenchOptions& o, GemmCeiling& g32, nlohmann::json& j,
                             {"tokens", c->T},
                             {"us_per_token", s / c->T * 1e6},
                             {"gflops", gf},
+                            {"snapshots_per_seq", c->snaps},
                             {"naive_us_per_token", sn / c->T * 1e6}});
     char line[160];
-    std::snprintf(line, sizeof line, "%-22s %6lld %8lld %12.2f %10.1f %9.0f%% %16.2f\n", "chunk_kda",
-                  static_cast<long long>(c->seqs), static_cast<long long>(c->T), s / c->T * 1e6, gf,
-                  100 * gf / ceiling, sn / c->T * 1e6);
+    std::snprintf(line, sizeof line, "%-22s %6lld %8lld %12.2f %10.1f %9.0f%% %16.2f\n",
+                  c->snaps > 0 ? "chunk_kda +4 snapshots" : "chunk_kda", static_cast<long long>(c->seqs),
+                  static_cast<long long>(c->T), s / c->T * 1e6, gf, 100 * gf / ceiling, sn / c->T * 1e6);
     lines.emplace_back(line);
   }
   return ceiling;

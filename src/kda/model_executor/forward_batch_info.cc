@@ -1,6 +1,8 @@
 #include "kda/model_executor/forward_batch_info.h"
 
+#include <algorithm>
 #include <stdexcept>
+#include <string>
 
 namespace kda::model_executor {
 
@@ -52,6 +54,30 @@ void ForwardBatch::validate() const {
       throw std::invalid_argument("ForwardBatch: DECODE request " + std::to_string(i) + " has " +
                                   std::to_string(extend_seq_lens[i]) + " tokens (must be 1)");
   }
+  if (!state_snapshots.empty() && forward_mode != ForwardMode::EXTEND)
+    throw std::invalid_argument(
+        std::string("ForwardBatch: state_snapshots are for EXTEND batches only (mode ") +
+        to_string(forward_mode) + ")");
+  std::vector<int32_t> slots;
+  slots.reserve(state_snapshots.size());
+  for (size_t j = 0; j < state_snapshots.size(); ++j) {
+    const StateSnapshot& s = state_snapshots[j];
+    const std::string at = "ForwardBatch: state snapshot " + std::to_string(j) + ": ";
+    if (s.row < 0 || static_cast<size_t>(s.row) >= b)
+      throw std::invalid_argument(at + "row " + std::to_string(s.row) + " is not in [0, " +
+                                  std::to_string(b) + ")");
+    if (req_pool_indices[s.row] < 0)
+      throw std::invalid_argument(at + "row " + std::to_string(s.row) + " is a padded row");
+    if (s.pos < 1 || s.pos > extend_seq_lens[s.row])
+      throw std::invalid_argument(at + "pos " + std::to_string(s.pos) + " is not in [1, " +
+                                  std::to_string(extend_seq_lens[s.row]) + "] (row " + std::to_string(s.row) +
+                                  "'s extend length)");
+    if (s.slot < 0) throw std::invalid_argument(at + "negative slot " + std::to_string(s.slot));
+    slots.push_back(s.slot);
+  }
+  std::sort(slots.begin(), slots.end());
+  if (const auto d = std::adjacent_find(slots.begin(), slots.end()); d != slots.end())
+    throw std::invalid_argument("ForwardBatch: two state snapshots into slot " + std::to_string(*d));
 }
 
 ForwardBatch ForwardBatch::extend(std::vector<int32_t> req_pool_indices, std::vector<int32_t> extend_seq_lens,

@@ -34,11 +34,23 @@ struct ForwardBatch {
   // The shared linear-attention backend (one instance serves every KDA layer).
   layers::attention::linear::LinearRecurrentAttnBackend* attn_backend = nullptr;
 
+  // Interior states to keep (prefix caching): after the first `pos` tokens of batch row `row`'s extend
+  // segment (1 <= pos <= extend_seq_lens[row]), the request's recurrent AND conv state of every KDA layer is
+  // written into pool slot `slot` (a slot the caller allocated in the same RecurrentStatePool).
+  struct StateSnapshot {
+    int32_t row = 0;
+    int32_t pos = 0;
+    int32_t slot = 0;
+  };
+  std::vector<StateSnapshot> state_snapshots;  // EXTEND only; an error in other modes
+
   int64_t batch_size() const { return static_cast<int64_t>(req_pool_indices.size()); }
   int64_t num_tokens() const;  // sum of extend_seq_lens
 
   // Throws std::invalid_argument naming what is inconsistent (sizes, negative lengths, DECODE rows
-  // that are not exactly one token).
+  // that are not exactly one token; snapshots outside EXTEND, on a padded row, at a position outside
+  // [1, extend_seq_lens[row]], or two into one slot). Whether a snapshot slot is allocated and not
+  // one of the batch's own is the backend's check (it sees the pool and the slots).
   void validate() const;
 
   static ForwardBatch extend(std::vector<int32_t> req_pool_indices, std::vector<int32_t> extend_seq_lens,

@@ -17,6 +17,9 @@
 //   5. R = beta V - (beta K * exp(Gamma)) S, Vn = T R;
 //   6. O = (Q * exp(Gamma)) S + Aqk Vn, written straight into o;
 //   7. S <- diag(exp(Gamma_last)) S + (K * exp(Gamma_last - Gamma))^T Vn, in the pool slot when possible.
+// Snapshots (KdaArgs::snapshots): a sequence's chunks end at its snapshot positions too, besides the
+// multiples of 64 from its start (a short chunk is a chunk of the chunked form like a sequence's last
+// one), and the state at such a boundary is copied into the snapshot's slot: no second pass.
 //
 // Steps 3-7 are products C = init + A B run by one register-blocked micro-kernel: kMR rows x 16 kNV
 // columns of accumulators in zmm registers, A broadcast element by element, B rows loaded as vectors.
@@ -901,8 +904,24 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
   pf.finish();
 }
 
+// A sequence's chunk grid: the multiples of C from its start, its end, and its snapshot positions (a
+// chunk ends at each, so that the state there is a chunk boundary's). `snap` is the sequence's first
+// snapshot with a position beyond c0 (they come sorted by position).
+int64_t chunk_end(int64_t bos, int64_t eos, int64_t c0, const KdaSnapshot* snap,
+                  const KdaSnapshot* snap_end) {
+  int64_t e = std::min(eos, bos + ((c0 - bos) / kChunk + 1) * kChunk);
+  if (snap != snap_end && bos + snap->pos < e) e = bos + snap->pos;
+  return e;
+}
+
+// The first of [s, e) with a position beyond `pos`.
+const KdaSnapshot* snapshots_after(const KdaSnapshot* s, const KdaSnapshot* e, int64_t pos) {
+  while (s != e && s->pos <= pos) ++s;
+  return s;
+}
+
 // First chunk of work item `item` (sequence item / groups, heads of group item % groups), or none.
-Next first_unit(const KdaArgs& a, int64_t item, int64_t groups, int group) {
+Next first_unit(const KdaArgs& a, const SnapshotPlan& plan, int64_t item, int64_t groups, int group) {
   Next n;
   if (item < 0) return n;
   const int64_t i = item / groups;
@@ -911,8 +930,18 @@ Next first_unit(const KdaArgs& a, int64_t item, int64_t groups, int group) {
   if (slot < 0 || eos <= bos) return n;
   n.t0 = bos;
   n.h = static_cast<int>(item % groups) * group;
-  n.rows = static_cast<int>(std::min<int64_t>(kChunk, eos - bos));
+  const KdaSnapshot* last = plan.last(i);
+  n.rows = static_cast<int>(chunk_end(bos, eos, bos, snapshots_after(plan.first(i), last, 0), last) - bos);
   return n;
+}
+
+// Heads [h0, h1) of `states` into the slots of the snapshots [*s, e) at position `pos`; advances *s.
+void take_snapshots(const KdaArgs& a, const KdaSnapshot*& s, const KdaSnapshot* e, int64_t pos, int h0,
+                    int h1, float* const* states) {
+  const size_t kv = static_cast<size_t>(a.K) * a.V;
+  for (; s != e && s->pos == pos; ++s) {
+    for (int h = h0; h < h1; ++h) std::memcpy(snapshot_head(a, *s, h), states[h - h0], kv * sizeof(float));
+  }
 }
 
 // A thread's claim on the item it runs next. Items are handed out in order from one counter; a thread
@@ -936,10 +965,9 @@ struct Claim {
 // One work item: sequence i, heads [h0, h1). The heads advance chunk by chunk together, so that each
 // token row's pages and cache lines serve all of them while they are hot. The item this thread runs
 // next is claimed at the last chunk of this one, whose first chunk is staged during it.
-void process_item(const KdaArgs& a, const Strides& st, int64_t i, int h0, int h1, Claim& claim,
-                  int64_t groups, int group, float scale, Scratch& w) {
+void process_item(const KdaArgs& a, const SnapshotPlan& plan, const Strides& st, int64_t i, int h0, int h1,
+                  Claim& claim, int64_t groups, int group, float scale, Scratch& w) {
   const int K = a.K, V = a.V, H = a.H;
-  constexpr int C = kChunk;
   const auto [bos, eos] = segment(a, i);
   const int64_t slot = a.state_indices != nullptr ? a.state_indices[i] : i;
   const int64_t ldo = static_cast<int64_t>(H) * V;
@@ -964,19 +992,27 @@ void process_item(const KdaArgs& a, const Strides& st, int64_t i, int h0, int h1
     states[h - h0] = S;
   }
 
-  for (int64_t c0 = bos; c0 < eos; c0 += C) {
-    const int L = static_cast<int>(std::min<int64_t>(C, eos - c0));
+  // Snapshots: at position 0 the initial states; the others at the ends of the chunks that end there.
+  const KdaSnapshot *snap = plan.first(i), *const snap_end = plan.last(i);
+  take_snapshots(a, snap, snap_end, 0, h0, h1, states);
+  for (int64_t c0 = bos; c0 < eos;) {
+    const int64_t c1 = chunk_end(bos, eos, c0, snap, snap_end);
+    const int L = static_cast<int>(c1 - c0);
     for (int h = h0; h < h1; ++h) {
       Next next;
       if (h + 1 < h1) {
         next = {c0, h + 1, L};
-      } else if (c0 + C < eos) {
-        next = {c0 + C, h0, static_cast<int>(std::min<int64_t>(C, eos - c0 - C))};
+      } else if (c1 < eos) {
+        next = {c1, h0,
+                static_cast<int>(
+                    chunk_end(bos, eos, c1, snapshots_after(snap, snap_end, c1 - bos), snap_end) - c1)};
       } else {
-        next = first_unit(a, claim.get(), groups, group);
+        next = first_unit(a, plan, claim.get(), groups, group);
       }
       process_chunk(a, st, h, c0, L, states[h - h0], next, scale, w);
     }
+    take_snapshots(a, snap, snap_end, c1 - bos, h0, h1, states);
+    c0 = c1;
   }
 
   if (in_place) return;
@@ -1021,6 +1057,7 @@ void chunk_kda_opt(const KdaArgs& a) {
   while (group > 1 && N * ((H + group - 1) / group) < 4 * threads) group /= 2;
   const int64_t groups = (H + group - 1) / group;
   const int64_t items = N * groups;
+  const SnapshotPlan plan = plan_snapshots(a);  // allocated here, outside the parallel region
   std::atomic<int64_t> counter{0};
 #pragma omp parallel
   {
@@ -1030,7 +1067,7 @@ void chunk_kda_opt(const KdaArgs& a) {
     while (cur < items) {
       Claim claim{&counter, items};
       const int h0 = static_cast<int>(cur % groups) * group;
-      process_item(a, st, cur / groups, h0, std::min(H, h0 + group), claim, groups, group, scale, w);
+      process_item(a, plan, st, cur / groups, h0, std::min(H, h0 + group), claim, groups, group, scale, w);
       cur = claim.claimed ? claim.next : counter.fetch_add(1, std::memory_order_relaxed);
     }
   }

@@ -20,7 +20,95 @@ std::string str(int64_t x) { return std::to_string(x); }
 
 }  // namespace
 
+namespace {
+
+// Token count of sequence i (the arguments' sequences already checked).
+int64_t seq_len(const KdaArgs& a, int64_t i) {
+  if (a.cu_seqlens != nullptr) return static_cast<int64_t>(a.cu_seqlens[i + 1]) - a.cu_seqlens[i];
+  return a.T / a.N;
+}
+
+// Pool slot of sequence i, or -1 for a padded row.
+int64_t slot_of(const KdaArgs& a, int64_t i) { return a.state_indices != nullptr ? a.state_indices[i] : i; }
+
+void validate_snapshots(const KdaArgs& a) {
+  if (a.num_snapshots < 0) fail("num_snapshots must be >= 0 (got " + str(a.num_snapshots) + ")");
+  if (a.num_snapshots == 0) return;
+  if (a.snapshots == nullptr) fail("snapshots is null with num_snapshots=" + str(a.num_snapshots));
+  if (a.snapshot_state == nullptr) fail("snapshot_state is null with num_snapshots=" + str(a.num_snapshots));
+  if (a.num_snapshot_slots < 0) fail("num_snapshot_slots must be >= 0");
+  std::vector<std::pair<int32_t, int64_t>> slots;
+  slots.reserve(static_cast<size_t>(a.num_snapshots));
+  for (int64_t j = 0; j < a.num_snapshots; ++j) {
+    const KdaSnapshot& s = a.snapshots[j];
+    const std::string at = "snapshot " + str(j) + ": ";
+    if (s.seq < 0 || s.seq >= a.N) fail(at + "seq=" + str(s.seq) + " not in [0, N=" + str(a.N) + ")");
+    if (slot_of(a, s.seq) < 0) fail(at + "sequence " + str(s.seq) + " is a padded row (state index -1)");
+    const int64_t len = seq_len(a, s.seq);
+    if (s.pos < 0 || s.pos > len)
+      fail(at + "pos=" + str(s.pos) + " not in [0, " + str(len) + "] (sequence " + str(s.seq) + " has " +
+           str(len) + " tokens)");
+    if (s.slot < 0 || s.slot >= a.num_snapshot_slots)
+      fail(at + "slot=" + str(s.slot) + " not in [0, num_snapshot_slots=" + str(a.num_snapshot_slots) + ")");
+    slots.emplace_back(s.slot, j);
+  }
+  std::sort(slots.begin(), slots.end());
+  for (size_t j = 1; j < slots.size(); ++j) {
+    if (slots[j].first == slots[j - 1].first) {
+      fail("duplicate snapshot slot " + str(slots[j].first) + " used by snapshots " +
+           str(slots[j - 1].second) + " and " + str(slots[j].second));
+    }
+  }
+  // In the pool itself: a snapshot slot must not be a slot this call reads or writes.
+  if (a.snapshot_state == a.state) {
+    for (int64_t i = 0; i < a.N; ++i) {
+      const int64_t slot = slot_of(a, i);
+      if (slot < 0) continue;
+      const auto it = std::lower_bound(slots.begin(), slots.end(), std::pair<int32_t, int64_t>(slot, -1));
+      if (it != slots.end() && it->first == slot) {
+        fail("snapshot " + str(it->second) + ": slot " + str(slot) + " is the state slot of sequence " +
+             str(i) + " (snapshot_state is the state pool)");
+      }
+    }
+  }
+}
+
+void validate_core(const KdaArgs& a);
+
+}  // namespace
+
 void validate_kda_args(const KdaArgs& a) {
+  validate_core(a);
+  validate_snapshots(a);
+}
+
+SnapshotPlan::SnapshotPlan() = default;
+SnapshotPlan::~SnapshotPlan() = default;
+// A moved vector keeps its buffer, so the pointers stay valid.
+SnapshotPlan::SnapshotPlan(SnapshotPlan&& o) noexcept
+    : sorted_(std::move(o.sorted_)), start_(std::move(o.start_)), base_(o.base_), offsets_(o.offsets_) {
+  o.base_ = nullptr;
+  o.offsets_ = nullptr;
+}
+
+SnapshotPlan plan_snapshots(const KdaArgs& a) {
+  SnapshotPlan p;
+  if (a.num_snapshots <= 0) return p;
+  p.sorted_.assign(a.snapshots, a.snapshots + a.num_snapshots);
+  std::stable_sort(p.sorted_.begin(), p.sorted_.end(), [](const KdaSnapshot& x, const KdaSnapshot& y) {
+    return x.seq != y.seq ? x.seq < y.seq : x.pos < y.pos;
+  });
+  p.start_.assign(static_cast<size_t>(a.N + 1), 0);
+  for (const KdaSnapshot& s : p.sorted_) ++p.start_[static_cast<size_t>(s.seq) + 1];
+  for (int64_t i = 0; i < a.N; ++i) p.start_[i + 1] += p.start_[i];
+  p.base_ = p.sorted_.data();
+  p.offsets_ = p.start_.data();
+  return p;
+}
+
+namespace {
+
+void validate_core(const KdaArgs& a) {
   if (a.H <= 0 || a.K <= 0 || a.V <= 0) {
     fail("H, K and V must be positive (H=" + str(a.H) + ", K=" + str(a.K) + ", V=" + str(a.V) + ")");
   }
@@ -112,6 +200,8 @@ void validate_kda_args(const KdaArgs& a) {
     }
   }
 }
+
+}  // namespace
 
 KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf) {
   const bool qkv = a.q_bf16 != nullptr, g = a.g_bf16 != nullptr;

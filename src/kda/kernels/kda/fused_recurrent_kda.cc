@@ -208,11 +208,15 @@ struct Item {
   int64_t bos = 0, eos = 0;
   float* pool = nullptr;  // this head's state in its slot, or null (no pool, or a padded row)
   bool padded = false;
-  bool has_init = false;  // the slot is read
+  bool has_init = false;              // the slot is read
+  const KdaSnapshot* snap = nullptr;  // the sequence's snapshots [snap, snap_end), by position
+  const KdaSnapshot* snap_end = nullptr;
 };
 
-Item item_of(const KdaArgs& a, int64_t i, int h) {
+Item item_of(const KdaArgs& a, const SnapshotPlan& plan, int64_t i, int h) {
   Item it;
+  it.snap = plan.first(i);
+  it.snap_end = plan.last(i);
   if (a.cu_seqlens != nullptr) {
     it.bos = a.cu_seqlens[i];
     it.eos = a.cu_seqlens[i + 1];
@@ -246,6 +250,13 @@ void prepare_token(const KdaArgs& a, const prep::HeadPrep& hp, int64_t t, int h,
   for (int d = 0; d < K; ++d) ke[d] = k[d] * e[d];
 }
 
+// Head h's state S into the slots of the snapshots [*s, e) at position `pos`; advances *s.
+void take_snapshots(const KdaArgs& a, const KdaSnapshot*& s, const KdaSnapshot* e, int64_t pos, int h,
+                    const float* S) {
+  const size_t kv = static_cast<size_t>(a.K) * a.V;
+  for (; s != e && s->pos == pos; ++s) std::memcpy(snapshot_head(a, *s, h), S, kv * sizeof(float));
+}
+
 void process_item(const KdaArgs& a, int h, float scale, const Item& it, const Item* next, bool prefetch) {
   const int K = a.K, V = a.V, H = a.H;
   if (it.padded) {  // zero output, the pool is not touched
@@ -258,6 +269,8 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
   float* dst = in_place ? it.pool : tl_state.get(kv);
   const float* src = it.has_init ? it.pool : dst;
   if (!it.has_init) std::memset(dst, 0, kv * sizeof(float));
+  const KdaSnapshot* snap = it.snap;
+  take_snapshots(a, snap, it.snap_end, 0, h, src);
   if (it.eos == it.bos) return;
 
   const prep::HeadPrep hp = prep::head_prep(a, h, scale);
@@ -268,8 +281,13 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
   const bool prefetch_own = prefetch && it.has_init;
   const float* next_pool =
       (prefetch && next != nullptr && next->has_init && next->eos > next->bos) ? next->pool : nullptr;
-  for (int64_t t0 = it.bos; t0 < it.eos; t0 += kTokBlock) {
-    const int nt = static_cast<int>(std::min<int64_t>(kTokBlock, it.eos - t0));
+  int nt = 0;
+  for (int64_t t0 = it.bos; t0 < it.eos; t0 += nt) {
+    // Token blocks end at snapshot positions too (the state after each token is the same whatever the
+    // blocks: they only batch step 1).
+    int64_t t1 = std::min<int64_t>(kTokBlock, it.eos - t0) + t0;
+    if (snap != it.snap_end && it.bos + snap->pos < t1) t1 = it.bos + snap->pos;
+    nt = static_cast<int>(t1 - t0);
     Tok tok[kTokBlock];
     for (int r = 0; r < nt; ++r) {
       const int64_t t = t0 + r;
@@ -299,6 +317,7 @@ void process_item(const KdaArgs& a, int h, float scale, const Item& it, const It
               lines);
       }
     }
+    take_snapshots(a, snap, it.snap_end, t1 - it.bos, h, dst);
   }
   if (it.pool != nullptr && a.output_final_state && dst != it.pool)
     std::memcpy(it.pool, dst, kv * sizeof(float));
@@ -315,6 +334,7 @@ void fused_recurrent_kda_opt(const KdaArgs& args) {
   // Static, contiguous ranges: the items cost the same (decode) and each thread knows its next state.
   const int64_t items = a.N * H;
   if (items == 0) return;
+  const SnapshotPlan plan = plan_snapshots(a);  // allocated here, outside the parallel region
   using Loc = KdaArgs::StateLocality;
   const bool prefetch = a.state_locality == Loc::Memory ||
                         (a.state_locality == Loc::Auto &&
@@ -324,11 +344,11 @@ void fused_recurrent_kda_opt(const KdaArgs& args) {
     const int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();
     const int64_t lo = items * th / nth, hi = items * (th + 1) / nth;
     if (lo < hi) {
-      Item cur = item_of(a, lo / H, static_cast<int>(lo % H));
+      Item cur = item_of(a, plan, lo / H, static_cast<int>(lo % H));
       for (int64_t x = lo; x < hi; ++x) {
         Item next;
         const bool has_next = x + 1 < hi;
-        if (has_next) next = item_of(a, (x + 1) / H, static_cast<int>((x + 1) % H));
+        if (has_next) next = item_of(a, plan, (x + 1) / H, static_cast<int>((x + 1) % H));
         process_item(a, static_cast<int>(x % H), scale, cur, has_next ? &next : nullptr, prefetch);
         cur = next;
       }

@@ -13,6 +13,36 @@ namespace kda::kernels {
 // (q, k, v and/or g) are replaced by dense fp32 rows written into `buf`.
 KdaArgs with_f32_inputs(const KdaArgs& a, std::vector<float>& buf);
 
+// A call's snapshots grouped by sequence, each sequence's in increasing pos (ties in the caller's
+// order). Built by the kernels before their parallel regions; empty (nothing allocated) without
+// snapshots. Its special members are defined in dispatch.cc, the accessors read plain pointers: no
+// std::vector code is instantiated inside the per-ISA regions, where it would be compiled for that ISA
+// and could be the copy the linker keeps for every caller.
+class SnapshotPlan {
+ public:
+  SnapshotPlan();
+  SnapshotPlan(SnapshotPlan&& o) noexcept;
+  SnapshotPlan& operator=(SnapshotPlan&&) = delete;
+  ~SnapshotPlan();
+
+  // Sequence i's snapshots [first(i), last(i)); null, null without snapshots.
+  const KdaSnapshot* first(int64_t i) const { return base_ == nullptr ? nullptr : base_ + offsets_[i]; }
+  const KdaSnapshot* last(int64_t i) const { return base_ == nullptr ? nullptr : base_ + offsets_[i + 1]; }
+
+ private:
+  friend SnapshotPlan plan_snapshots(const KdaArgs& a);
+  std::vector<KdaSnapshot> sorted_;
+  std::vector<int64_t> start_;  // [N+1] offsets into sorted_, or empty
+  const KdaSnapshot* base_ = nullptr;
+  const int64_t* offsets_ = nullptr;
+};
+SnapshotPlan plan_snapshots(const KdaArgs& a);
+
+// Head h's [K, V] state in snapshot s's slot.
+inline float* snapshot_head(const KdaArgs& a, const KdaSnapshot& s, int h) {
+  return a.snapshot_state + (static_cast<int64_t>(s.slot) * a.H + h) * static_cast<int64_t>(a.K) * a.V;
+}
+
 // Reference kernels: plain loops, fp32, written for clarity (fla's naive.py).
 void chunk_kda_naive(const KdaArgs& a);
 void fused_recurrent_kda_naive(const KdaArgs& a);

@@ -8,6 +8,10 @@
 // States live in a pool: `state` points at [num_state_slots, H, K, V] fp32 and sequence i reads its
 // initial state from, and writes its final state into, slot state_indices[i] -- in place, no gather or
 // scatter copies. Index -1 marks a padded row: its output is zero and no slot is read or written.
+//
+// Snapshots (prefix caching): besides the final state, a call can keep the recurrent state after any
+// positions of its sequences, written into slots of `snapshot_state` in the same pass that computes the
+// output (see KdaSnapshot).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +20,15 @@
 #include "kda/common/bf16.h"
 
 namespace kda::kernels {
+
+// One interior state to keep: the recurrent state after the first `pos` tokens of sequence `seq` of this
+// call (0 <= pos <= T_seq; it includes the sequence's initial state; pos == T_seq is the final state),
+// written into slot `slot` of snapshot_state.
+struct KdaSnapshot {
+  int32_t seq = 0;
+  int32_t pos = 0;
+  int32_t slot = 0;
+};
 
 struct KdaArgs {
   // Packed token-major inputs, T tokens over N sequences:
@@ -71,6 +84,18 @@ struct KdaArgs {
 
   float* o = nullptr;  // [T, H, V] output
 
+  // Interior states to keep, whether or not output_final_state is set. The state after position pos of a
+  // sequence equals (within fp32 rounding) the final state of a run over its first pos tokens with the
+  // same initial state. chunk_kda_opt ends a chunk at every snapshot position (a sequence's chunk grid
+  // becomes the multiples of 64 plus the snapshot positions), so its outputs may differ from a call
+  // without snapshots within fp32 rounding; the reference kernels' outputs and final states do not
+  // change, nor do fused_recurrent_kda_opt's. A padded row takes no snapshots; no slot twice; when
+  // snapshot_state is `state`, no snapshot slot may be the slot of a sequence of this call.
+  const KdaSnapshot* snapshots = nullptr;  // [num_snapshots], any order
+  int64_t num_snapshots = 0;
+  float* snapshot_state = nullptr;  // [num_snapshot_slots, H, K, V] fp32; may be the same buffer as `state`
+  int64_t num_snapshot_slots = 0;
+
   // Where the slots' states most likely are when the call starts; it steers fused_recurrent_kda_opt's
   // prefetching only (results are the same whatever it says). Auto: in the last-level cache when the
   // call's states total at most 16 MiB, else in memory -- a guess from the call alone. A caller that
@@ -79,7 +104,7 @@ struct KdaArgs {
   StateLocality state_locality = StateLocality::Auto;
 };
 
-// Checks shapes, cu_seqlens, slot indices (in range, or -1, no slot twice) and flags. Throws
+// Checks shapes, cu_seqlens, slot indices (in range, or -1, no slot twice), snapshots and flags. Throws
 // std::invalid_argument naming what is wrong; nothing is read from or written to the pool before.
 void validate_kda_args(const KdaArgs& a);
 

@@ -93,6 +93,13 @@ void store_state(const KdaArgs& a, int64_t slot, int h, const float* S) {
   std::memcpy(a.state + (slot * a.H + h) * n, S, n * sizeof(float));
 }
 
+// Head h's state S into the slots of the snapshots [*s, e) taken after `pos` tokens; advances *s past them.
+void take_snapshots(const KdaArgs& a, const KdaSnapshot*& s, const KdaSnapshot* e, int64_t pos, int h,
+                    const float* S) {
+  const size_t n = static_cast<size_t>(a.K) * a.V;
+  for (; s != e && s->pos == pos; ++s) std::memcpy(snapshot_head(a, *s, h), S, n * sizeof(float));
+}
+
 void zero_output_rows(const KdaArgs& a, const Segment& sg) {
   const size_t row = static_cast<size_t>(a.H) * a.V;
   if (sg.eos > sg.bos) std::memset(a.o + sg.bos * row, 0, (sg.eos - sg.bos) * row * sizeof(float));
@@ -105,6 +112,7 @@ void fused_recurrent_kda_naive(const KdaArgs& args) {
   const KdaArgs a = with_f32_inputs(args, widened);
   const int K = a.K, V = a.V, H = a.H;
   const float scale = effective_scale(a);
+  const SnapshotPlan plan = plan_snapshots(a);
   std::vector<float> S(static_cast<size_t>(K) * V), q(K), k(K), g(K), u(V);
   for (int64_t i = 0; i < a.N; ++i) {
     const Segment sg = segment_of(a, i);
@@ -115,6 +123,8 @@ void fused_recurrent_kda_naive(const KdaArgs& args) {
     }
     for (int h = 0; h < H; ++h) {
       load_state(a, i, slot, h, S.data());
+      const KdaSnapshot *snap = plan.first(i), *snap_end = plan.last(i);
+      take_snapshots(a, snap, snap_end, 0, h, S.data());
       for (int64_t t = sg.bos; t < sg.eos; ++t) {
         load_token(a, t, h, q.data(), k.data(), g.data());
         const float b = a.beta[t * H + h];
@@ -141,6 +151,7 @@ void fused_recurrent_kda_naive(const KdaArgs& args) {
           for (int d = 0; d < K; ++d) acc += S[d * V + j] * q[d];
           ot[j] = scale * acc;
         }
+        take_snapshots(a, snap, snap_end, t + 1 - sg.bos, h, S.data());
       }
       store_state(a, slot, h, S.data());
     }
@@ -160,6 +171,9 @@ void chunk_kda_naive(const KdaArgs& args) {
   std::vector<float> rev(C * K);  // exp(sum_{r<i<=last} g_i), reverse running sum from the chunk end
   std::vector<float> Akk(C * C), Aqk(C * C), Tm(C * C);
   std::vector<float> Wm(C * K), Um(C * V), Vn(C * V), acc(K);
+  const SnapshotPlan plan = plan_snapshots(a);
+  std::vector<float> Sp(a.num_snapshots > 0 ? static_cast<size_t>(K) * V : 0);  // a chunk's partial state
+  std::vector<float> revp(C);
 
   for (int64_t i = 0; i < a.N; ++i) {
     const Segment sg = segment_of(a, i);
@@ -170,6 +184,8 @@ void chunk_kda_naive(const KdaArgs& args) {
     }
     for (int h = 0; h < H; ++h) {
       load_state(a, i, slot, h, S.data());
+      const KdaSnapshot *snap = plan.first(i), *snap_end = plan.last(i);
+      take_snapshots(a, snap, snap_end, 0, h, S.data());
       for (int64_t c0 = sg.bos; c0 < sg.eos; c0 += C) {
         const int L = static_cast<int>(std::min<int64_t>(C, sg.eos - c0));
         for (int r = 0; r < L; ++r) {
@@ -262,6 +278,27 @@ void chunk_kda_naive(const KdaArgs& args) {
           }
         }
 
+        // Snapshots inside the chunk, after its first P < L rows: the state update below over rows 0..P-1
+        // only. Vn's rows 0..P-1 (T is lower triangular) and the decays are those of a chunk that ends
+        // there, so this is exactly what a run over those tokens would compute as its final state.
+        while (snap != snap_end && sg.bos + snap->pos < c0 + L) {
+          const int P = static_cast<int>(sg.bos + snap->pos - c0);  // >= 1: earlier ones are taken
+          for (int d = 0; d < K; ++d) {
+            const float decay = fwd[(P - 1) * K + d];
+            float rs = 0.0f;  // exp(sum_{r<i<P} g_i): the reverse decays of a chunk of P rows
+            for (int r = P - 1; r >= 0; --r) {
+              revp[r] = std::exp(rs);
+              rs += G[r * K + d];
+            }
+            for (int x = 0; x < V; ++x) {
+              float sum = 0.0f;
+              for (int r = 0; r < P; ++r) sum += Kh[r * K + d] * revp[r] * Vn[r * V + x];
+              Sp[d * V + x] = decay * S[d * V + x] + sum;
+            }
+          }
+          take_snapshots(a, snap, snap_end, snap->pos, h, Sp.data());
+        }
+
         // S <- diag(exp(Gamma_last)) S + (K-hat * exp(Gamma_last - Gamma))^T Vn.
         for (int d = 0; d < K; ++d) {
           const float decay = fwd[(L - 1) * K + d];
@@ -271,6 +308,7 @@ void chunk_kda_naive(const KdaArgs& args) {
             S[d * V + x] = decay * S[d * V + x] + sum;
           }
         }
+        take_snapshots(a, snap, snap_end, c0 + L - sg.bos, h, S.data());
       }
       store_state(a, slot, h, S.data());
     }

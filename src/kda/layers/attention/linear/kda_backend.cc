@@ -1,9 +1,11 @@
 #include "kda/layers/attention/linear/kda_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kda/common/bf16.h"
 #include "kda/kernels/short_conv.h"
@@ -51,6 +53,18 @@ LinearRecurrentAttnBackendMetadata LinearRecurrentAttnBackend::get_forward_metad
     const bool decode = forward_batch.forward_mode == ForwardMode::DECODE;
     const bool prefix = !forward_batch.extend_prefix_lens.empty() && forward_batch.extend_prefix_lens[i] > 0;
     md.has_initial_state[i] = (decode || prefix) ? 1 : 0;
+  }
+  // Snapshots (rows, positions and slot uniqueness checked by validate()): never into a slot of the batch.
+  md.snapshots.reserve(forward_batch.state_snapshots.size());
+  for (size_t j = 0; j < forward_batch.state_snapshots.size(); ++j) {
+    const auto& s = forward_batch.state_snapshots[j];
+    for (int64_t i = 0; i < B; ++i) {
+      if (recurrent_indices[i] == s.slot)
+        throw std::invalid_argument("get_forward_metadata: state snapshot " + std::to_string(j) +
+                                    " targets slot " + std::to_string(s.slot) + ", the slot of request " +
+                                    std::to_string(i) + " of this batch");
+    }
+    md.snapshots.push_back({s.row, s.pos, s.slot});
   }
   return md;
 }
@@ -110,6 +124,76 @@ void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, con
   }
 }
 
+namespace {
+
+// Slot `dst` of one layer's conv buffer [slots, W-1, C] <- the conv state after the first `pos` tokens of
+// a segment starting at token row `bos` of x (row stride ld): its last W-1 raw inputs, oldest first, the
+// rows before the segment from slot `src` (zeros when has_init is false). What short_conv_extend leaves
+// in a slot after a segment of pos tokens, bit for bit (the same rounding, the same conversion).
+template <class StateT, class InT>
+void conv_state_at(StateT* conv, int64_t C, int W, const InT* x, int64_t ld, int64_t bos, int64_t pos,
+                   int32_t src, bool has_init, int32_t dst, bool round) {
+  const int64_t Hn = W - 1;
+  StateT* out = conv + static_cast<int64_t>(dst) * Hn * C;
+  const StateT* old = conv + static_cast<int64_t>(src) * Hn * C;
+  for (int64_t r = 0; r < Hn; ++r) {
+    const int64_t q = pos + r;  // position in (old history ++ segment)
+    StateT* o = out + r * C;
+    if (q < Hn) {
+      if (has_init) {
+        std::memcpy(o, old + q * C, sizeof(StateT) * C);
+      } else {
+        std::fill(o, o + C, StateT{0});
+      }
+      continue;
+    }
+    const InT* row = x + (bos + q - Hn) * ld;
+    for (int64_t c = 0; c < C; ++c) {
+      float v;
+      if constexpr (std::is_same_v<InT, bf16_t>) {
+        v = bf16_to_f32(row[c]);
+      } else {
+        v = row[c];
+      }
+      if (round) v = round_bf16(v);
+      if constexpr (std::is_same_v<StateT, bf16_t>) {
+        o[c] = f32_to_bf16(v);
+      } else {
+        o[c] = v;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void LinearRecurrentAttnBackend::write_conv_snapshots(
+    const RadixLinearAttention& layer, const LinearAttnInputs& in,
+    const mem_cache::LinearRecurrentLayerCache& cache) const {
+  const auto& p = layer.params();
+  const auto& md = forward_metadata_;
+  const int64_t C = layer.conv_dim();
+  for (const kernels::KdaSnapshot& s : md.snapshots) {
+    const int64_t bos = md.cu_q_lens[s.seq];
+    const int32_t src = md.recurrent_indices[s.seq];
+    const bool init = md.has_initial_state[s.seq] != 0;
+    const auto go = [&](auto* conv) {
+      if (in.mixed_qkv_bf16 != nullptr) {
+        conv_state_at(conv, C, p.conv_kernel, in.mixed_qkv_bf16, in.qkv_stride, bos, s.pos, src, init, s.slot,
+                      p.bf16_activations);
+      } else {
+        conv_state_at(conv, C, p.conv_kernel, in.mixed_qkv, in.qkv_stride, bos, s.pos, src, init, s.slot,
+                      p.bf16_activations);
+      }
+    };
+    if (cache.conv_f32 != nullptr) {
+      go(cache.conv_f32);
+    } else {
+      go(cache.conv_bf16);
+    }
+  }
+}
+
 void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, const ForwardBatch& forward_batch,
                                          const LinearAttnInputs& in,
                                          mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) {
@@ -165,6 +249,19 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
     if (seen_[s]++)
       throw std::invalid_argument("recurrent slot " + std::to_string(s) + " appears twice in one batch");
   }
+  // Snapshot slots: allocated in this pool (so in range), none of the batch's own. (One slot twice, rows
+  // and positions: ForwardBatch::validate, through get_forward_metadata.)
+  if (!md.snapshots.empty() && mode != ForwardMode::EXTEND)
+    throw std::invalid_argument("state snapshots are for EXTEND batches only");
+  for (size_t j = 0; j < md.snapshots.size(); ++j) {
+    const int32_t s = md.snapshots[j].slot;
+    if (!recurrent_state_pool.is_allocated(s) || s >= cache.num_slots)
+      throw std::invalid_argument("state snapshot " + std::to_string(j) + ": slot " + std::to_string(s) +
+                                  " is not an allocated slot of the state pool");
+    if (seen_[s])
+      throw std::invalid_argument("state snapshot " + std::to_string(j) + ": slot " + std::to_string(s) +
+                                  " is one of the batch's own slots");
+  }
 
   const bool decode = mode == ForwardMode::DECODE;
   // The bf16 mode's conv output is bf16 values (the spec rounds it there): in EXTEND it is stored as
@@ -177,6 +274,7 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   } else {
     conv_out_.resize(static_cast<size_t>(T * ys));
   }
+  if (!md.snapshots.empty()) write_conv_snapshots(layer, in, cache);
   run_conv(layer, in, T, cache, decode, bf16_out);
 
   // q, k and v are read in place as column slices of the conv output, and the gate as a slice of the
@@ -245,6 +343,10 @@ kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) c
   a.num_state_slots = d.cache.num_slots;
   a.has_initial_state = md.has_initial_state.data();
   a.output_final_state = true;
+  a.snapshots = md.snapshots.data();
+  a.num_snapshots = static_cast<int64_t>(md.snapshots.size());
+  a.snapshot_state = d.cache.recurrent;
+  a.num_snapshot_slots = d.cache.num_slots;
   a.o = d.o;
   // Between two steps on a request's slot the layer streams its projection weights (tens of MB at
   // the checkpoint's shapes, more than a last-level cache) and other layers run: the states come from

@@ -6,7 +6,9 @@
 // which dispatches on the forward mode: EXTEND -> short conv (extend) + dispatch_chunk, DECODE -> short
 // conv (decode) + dispatch_recurrent, IDLE / DUMMY_FIRST -> zeros with no state touched, speculative
 // modes -> a clear not-supported error. The layer's states are read from and written to the pool in
-// place, through the layer's view (get_linear_recurrent_layer_cache(layer_id)).
+// place, through the layer's view (get_linear_recurrent_layer_cache(layer_id)). An EXTEND batch's
+// state_snapshots are written by every layer into its own part of the snapshot slots: the recurrent state
+// by the kernel (in the same pass), the conv state by the backend.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +31,9 @@ struct LinearRecurrentAttnBackendMetadata {
   std::vector<int32_t> recurrent_indices;  // [B] pool slot per request; -1: padded row
   std::vector<uint8_t> has_initial_state;  // [B] 1 when the slot holds a state to continue from
   model_executor::ForwardMode forward_mode = model_executor::ForwardMode::EXTEND;
+  // The batch's state_snapshots (EXTEND): seq = batch row, pos, slot; the kernel writes each layer's
+  // recurrent state into the slot, the backend its conv state.
+  std::vector<kernels::KdaSnapshot> snapshots;
   int64_t num_tokens() const { return cu_q_lens.empty() ? 0 : cu_q_lens.back(); }
 };
 
@@ -122,6 +127,10 @@ class LinearRecurrentAttnBackend {
  private:
   void run_conv(const RadixLinearAttention& layer, const LinearAttnInputs& in, int64_t T,
                 const mem_cache::LinearRecurrentLayerCache& cache, bool decode, bool bf16_out);
+  // The conv state at each snapshot's position into its slot (before run_conv moves the requests' own
+  // conv states on: a snapshot before position W-1 reads the request's previous one).
+  void write_conv_snapshots(const RadixLinearAttention& layer, const LinearAttnInputs& in,
+                            const mem_cache::LinearRecurrentLayerCache& cache) const;
 
   LinearRecurrentAttnBackendMetadata forward_metadata_;
   bool has_metadata_ = false;
