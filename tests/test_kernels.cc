@@ -620,8 +620,13 @@ void check_snapshots(const Problem& p, const std::vector<KdaSnapshot>& snaps, co
   std::string line = label + ":";
   for (const auto& kernel : all_kernels()) {
     SCOPED_TRACE(kernel.name);
-    const bool exact =
+    // The reference and recurrent kernels keep their own grid, so asking for snapshots leaves o as it
+    // is; a recurrent snapshot is a copy of the running state, the bits of a cut run. The naive chunk
+    // kernel's partial state inside a chunk takes other reduction lengths than a cut run (omp simd
+    // may order them differently, e.g. under -march=native): within tolerance only.
+    const bool same_output =
         kernel.name.find("naive") != std::string::npos || kernel.name.rfind("recurrent", 0) == 0;
+    const bool exact_snapshots = kernel.name.rfind("recurrent", 0) == 0;
     std::vector<float> o0(n_o, 7.0f), pool0 = p.pool;
     kernel.fn(p.args(o0.data(), pool0.empty() ? nullptr : pool0.data()));
 
@@ -636,7 +641,7 @@ void check_snapshots(const Problem& p, const std::vector<KdaSnapshot>& snaps, co
     const float* sbuf = a.snapshot_state;
     const std::vector<float>& base = in_pool ? p.pool : own;  // `own` is only read below if untouched
 
-    if (exact) {
+    if (same_output) {
       EXPECT_EQ(o, o0) << "output changed by asking for snapshots";
     } else {
       EXPECT_LE(max_error_ratio(o.data(), ref.o.data(), n_o, kAtol, kRtol), 1.0) << "output";
@@ -653,7 +658,7 @@ void check_snapshots(const Problem& p, const std::vector<KdaSnapshot>& snaps, co
       EXPECT_LE(e, 1.0) << what << " against the float64 prefix state";
       EXPECT_LE(max_error_ratio(got, tpool.data(), kv, kAtol, kRtol), 1.0)
           << what << " against the kernel's prefix run";
-      if (exact) {
+      if (exact_snapshots) {
         EXPECT_EQ(0, std::memcmp(got, tpool.data(), kv * sizeof(float))) << what << " not bit for bit";
       }
       worst = std::max(worst, e);
@@ -678,7 +683,7 @@ void check_snapshots(const Problem& p, const std::vector<KdaSnapshot>& snaps, co
       if (in_pool && named[sl]) continue;
       const float* x = pool.data() + sl * kv;
       const float* y = pool0.data() + sl * kv;
-      if (exact) {
+      if (same_output) {
         EXPECT_EQ(0, std::memcmp(x, y, kv * sizeof(float))) << "final state of slot " << sl << " changed";
       } else {
         EXPECT_LE(max_error_ratio(x, ref.pool.data() + sl * kv, kv, kAtol, kRtol), 1.0)
