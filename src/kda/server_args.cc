@@ -10,10 +10,9 @@ void ServerArgs::check_server_args(bool model_has_recurrent_state) {
                                 std::to_string(chunked_prefill_size));
   if (!model_has_recurrent_state) return;
   disable_radix_cache = true;
-  if (!speculative_algorithm.empty())
-    throw std::invalid_argument("speculative decoding ('" + speculative_algorithm +
-                                "') is not supported with the KDA backend: DRAFT_EXTEND and TARGET_VERIFY "
-                                "have no recurrent-state rollback");
+  // Speculative decoding is allowed: the KDA backend verifies drafts (TARGET_VERIFY, then accept: each
+  // request's slot moves to the state after its accepted tokens, chains and trees). A draft model's
+  // DRAFT_EXTEND stays a not-supported error of the backend.
 }
 
 }  // namespace kda
