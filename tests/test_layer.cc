@@ -1039,6 +1039,15 @@ TEST(ServerArgs, RecurrentModelDisablesRadixCacheAndAllowsSpeculation) {
   spec.speculative_algorithm = "NGRAM";
   EXPECT_NO_THROW(spec.check_server_args(true));  // TARGET_VERIFY + accept
   EXPECT_TRUE(spec.disable_radix_cache);
+  ServerArgs eagle;
+  eagle.speculative_algorithm = "EAGLE";  // a draft model: DRAFT_EXTEND
+  try {
+    eagle.check_server_args(true);
+    ADD_FAILURE() << "EAGLE accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("EAGLE"));
+    EXPECT_THAT(e.what(), HasSubstr("not supported"));
+  }
 }
 
 // The real Kimi-Linear shape (hidden 2304, 32 heads x 128) with synthetic weights: EXTEND vs
