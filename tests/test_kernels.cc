@@ -1333,6 +1333,193 @@ TEST(KdaDispatch, SnapshotValidationErrors) {
 // ---------------------------------------------------------------------------------------------------
 // Timing (not run by default): ./test_kernels --gtest_also_run_disabled_tests --gtest_filter='*Timing*'
 
+// ---------------------------------------------------------------------------------------------------
+// Speculative verification (TARGET_VERIFY): each request's row is its last accepted token and its
+// drafts; the recurrent kernels keep the state after every position (snapshots) without touching the
+// committed state (output_final_state = false), and run tree drafts through KdaArgs::parents.
+
+// The recurrent kernels: the reference and each available ISA's optimized copy.
+std::vector<NamedKernel> recurrent_kernels() {
+  std::vector<NamedKernel> v;
+  for (const auto& k : all_kernels())
+    if (k.name.rfind("recurrent", 0) == 0) v.push_back(k);
+  return v;
+}
+
+// A verify batch: rows of `lens` tokens (the last accepted token and its drafts) on slots `idx` (-1: a
+// padded row) of a pool of `slots` random states, at the layer's flags.
+Problem verify_problem(const std::vector<int32_t>& lens, std::vector<int32_t> idx, int64_t slots, int H,
+                       int K, int V, uint64_t seed) {
+  Problem p;
+  p.N = static_cast<int64_t>(lens.size());
+  p.cu = {0};
+  for (int32_t l : lens) p.cu.push_back(p.cu.back() + l);
+  p.T = p.cu.back();
+  p.H = H;
+  p.K = K;
+  p.V = V;
+  p.idx = std::move(idx);
+  p.slots = slots;
+  p.l2 = true;
+  p.gate = true;
+  p.out_final = false;
+  fill(p, seed);
+  return p;
+}
+
+// Token j of sequence i and its ancestors (root first) as a chain run alone from the sequence's initial
+// state, in slot 0 of a one-slot pool, its final state kept.
+Problem path_problem(const Problem& p, const std::vector<int32_t>& parents, int64_t i, int64_t j) {
+  const int64_t bos = p.cu[i];
+  std::vector<int64_t> path;
+  for (int64_t t = j; t >= 0; t = parents[bos + t]) path.insert(path.begin(), bos + t);
+  Problem t = prefix_problem(p, i, 0);
+  t.T = static_cast<int64_t>(path.size());
+  const size_t qk = static_cast<size_t>(p.H) * p.K, vr = static_cast<size_t>(p.H) * p.V;
+  const auto gather = [&](const std::vector<float>& x, size_t row) {
+    std::vector<float> out;
+    for (int64_t r : path) out.insert(out.end(), x.begin() + r * row, x.begin() + (r + 1) * row);
+    return out;
+  };
+  t.q = gather(p.q, qk);
+  t.k = gather(p.k, qk);
+  t.g = gather(p.g, qk);
+  t.v = gather(p.v, vr);
+  t.beta = gather(p.beta, p.H);
+  return t;
+}
+
+// Every recurrent kernel on p with `parents` (empty: a chain) and a snapshot of every position 1..len
+// of every non-padded row: token j's state (snapshot pos j+1) and output equal those of its path run
+// alone (the kernel's own run and the float64 reference, fp32 tolerance); padded rows give zeros and the
+// pool is untouched (output_final_state is false). With output_final_state, each slot then holds the
+// state of its row's last token.
+void check_verify(const Problem& p, const std::vector<int32_t>& parents, const std::string& label) {
+  SCOPED_TRACE(label);
+  const size_t kv = static_cast<size_t>(p.H) * p.K * p.V, vr = static_cast<size_t>(p.H) * p.V;
+  std::vector<KdaSnapshot> snaps;
+  for (int64_t i = 0; i < p.N; ++i) {
+    if (p.idx[i] < 0) continue;
+    for (int32_t pos = 1; pos <= p.cu[i + 1] - p.cu[i]; ++pos)
+      snaps.push_back({static_cast<int32_t>(i), pos, static_cast<int32_t>(snaps.size())});
+  }
+  std::vector<int32_t> par = parents;
+  if (par.empty()) {
+    for (int64_t i = 0; i < p.N; ++i)
+      for (int32_t j = 0; j < p.cu[i + 1] - p.cu[i]; ++j) par.push_back(j - 1);
+  }
+  for (const auto& kernel : recurrent_kernels()) {
+    SCOPED_TRACE(kernel.name);
+    for (bool final_state : {false, true}) {
+      std::vector<float> o(static_cast<size_t>(p.T) * vr, 7.0f), pool = p.pool;
+      std::vector<float> states(snaps.size() * kv, 7.0f);
+      KdaArgs a = p.args(o.data(), pool.data());
+      a.output_final_state = final_state;
+      a.parents = parents.empty() ? nullptr : parents.data();
+      a.snapshots = snaps.data();
+      a.num_snapshots = static_cast<int64_t>(snaps.size());
+      a.snapshot_state = states.data();
+      a.num_snapshot_slots = static_cast<int64_t>(snaps.size());
+      kernel.fn(a);
+      size_t sn = 0;
+      for (int64_t i = 0; i < p.N; ++i) {
+        const int64_t bos = p.cu[i], len = p.cu[i + 1] - p.cu[i];
+        if (p.idx[i] < 0) {
+          EXPECT_TRUE(
+              std::all_of(o.begin() + bos * vr, o.begin() + (bos + len) * vr, [](float x) { return x == 0; }))
+              << "padded row " << i;
+          continue;
+        }
+        for (int64_t j = 0; j < len; ++j, ++sn) {
+          const std::string what = "row " + std::to_string(i) + " token " + std::to_string(j);
+          const Problem t = path_problem(p, par, i, j);
+          const Reference ref = reference(t);
+          std::vector<float> to(static_cast<size_t>(t.T) * vr), tpool = t.pool;
+          kernel.fn(t.args(to.data(), tpool.data()));
+          const float* got = states.data() + sn * kv;
+          EXPECT_LE(max_error_ratio(got, ref.pool.data(), kv, kAtol, kRtol), 1.0)
+              << what << " state (float64)";
+          EXPECT_LE(max_error_ratio(got, tpool.data(), kv, kAtol, kRtol), 1.0)
+              << what << " state (own path run)";
+          const float* og = o.data() + (bos + j) * vr;
+          EXPECT_LE(max_error_ratio(og, ref.o.data() + (t.T - 1) * vr, vr, kAtol, kRtol), 1.0)
+              << what << " output";
+          EXPECT_LE(max_error_ratio(og, to.data() + (t.T - 1) * vr, vr, kAtol, kRtol), 1.0)
+              << what << " output (own path run)";
+          if (final_state && j == len - 1) {
+            EXPECT_EQ(0, std::memcmp(pool.data() + p.idx[i] * kv, got, kv * sizeof(float)))
+                << what << ": the final state is the last token's";
+          }
+        }
+      }
+      for (int64_t sl = 0; sl < p.slots; ++sl) {
+        bool written = false;
+        for (int64_t i = 0; i < p.N; ++i) written = written || (final_state && p.idx[i] == sl);
+        if (written) continue;
+        EXPECT_EQ(0, std::memcmp(pool.data() + sl * kv, p.pool.data() + sl * kv, kv * sizeof(float)))
+            << "slot " << sl << " changed";
+      }
+    }
+  }
+}
+
+TEST(KdaVerify, ChainPerTokenStatesEqualPrefixStates) {
+  // Rows of d+1 tokens, d = 4, 0, 2 and 9 (more than a token block), one padded row.
+  for (uint64_t seed : {1700u, 1701u}) {
+    const Problem p = verify_problem({5, 1, 3, 2, 10}, {3, 0, -1, 5, 1}, 6, 3, 32, 80, seed);
+    check_verify(p, {}, "chain seed " + std::to_string(seed));
+  }
+}
+
+TEST(KdaVerify, TreeTokensEqualTheirPathsRunAlone) {
+  // Row 0: two branches off the last accepted token and a deeper one; row 1: a chain written as
+  // parents; row 2 padded; row 3: one token; row 4: a wide tree of 11 tokens (two token blocks).
+  const std::vector<int32_t> parents = {-1, 0, 0, 1, 3, 2,                  // row 0 (6 tokens)
+                                        -1, 0, 1,                           // row 1
+                                        -1, 0,                              // row 2 (padded)
+                                        -1,                                 // row 3
+                                        -1, 0, 0, 0, 1, 1, 2, 3, 7, 8, 9};  // row 4 (11)
+  for (int K : {32, 128}) {
+    const Problem p =
+        verify_problem({6, 3, 2, 1, 11}, {2, 4, -1, 0, 5}, 6, 2, K, K == 32 ? 70 : 128, 1710 + K);
+    check_verify(p, parents, "tree K=" + std::to_string(K));
+  }
+}
+
+TEST(KdaVerify, BadParentsAreErrorsThatWriteNothing) {
+  const Problem p = verify_problem({3, 2}, {0, 1}, 2, 2, 16, 16, 1720);
+  const std::vector<std::pair<std::vector<int32_t>, std::string>> bad = {
+      {{-1, 0, 2, -1, 0}, "parents[2]=2: token 2 of sequence 0 must name an earlier token"},
+      {{-1, 0, 1, -1, 1}, "parents[4]=1: token 1 of sequence 1"},
+      {{0, 0, 1, -1, 0}, "parents[0]=0"},
+      {{-1, -2, 1, -1, 0}, "parents[1]=-2"},
+  };
+  for (const auto& [par, what] : bad) {
+    for (KernelImpl impl : {KernelImpl::Naive, KernelImpl::Optimized}) {
+      std::vector<float> o(static_cast<size_t>(p.T) * p.H * p.V, 7.0f), pool = p.pool;
+      KdaArgs a = p.args(o.data(), pool.data());
+      a.output_final_state = true;
+      a.parents = par.data();
+      try {
+        fused_recurrent_kda(a, impl);
+        ADD_FAILURE() << "no error for " << what;
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      }
+      EXPECT_EQ(pool, p.pool);
+      EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 7.0f; }));
+    }
+  }
+  // The chunk kernels take no parents.
+  const std::vector<int32_t> chain = {-1, 0, 1, -1, 0};
+  std::vector<float> o(static_cast<size_t>(p.T) * p.H * p.V, 7.0f), pool = p.pool;
+  KdaArgs a = p.args(o.data(), pool.data());
+  a.parents = chain.data();
+  EXPECT_THROW(chunk_kda(a, KernelImpl::Naive), std::invalid_argument);
+  EXPECT_THROW(chunk_kda(a, KernelImpl::Optimized), std::invalid_argument);
+  EXPECT_EQ(pool, p.pool);
+}
+
 TEST(KdaKernels, DISABLED_TimingKimiShapeT4096) {
   Problem p;
   p.T = 4096;
@@ -1359,6 +1546,82 @@ TEST(KdaKernels, DISABLED_TimingKimiShapeT4096) {
   time("chunk/opt", chunk_kda_opt, 5);
   time("recurrent/naive", fused_recurrent_kda_naive, 1);
   time("recurrent/opt", fused_recurrent_kda_opt, 3);
+}
+
+// Speculative verification at the real shape (H=32, K=V=128, one layer), d = 4 drafts per request,
+// accepting a in {0, 2, 4}: (states) the verify call keeps the state after each of its 5 positions
+// (snapshots, 5 x 2 MiB written per request) and accept copies the accepted one into the slot, vs
+// (replay) the verify call keeps nothing and accept re-runs the recurrence of the a+1 accepted tokens
+// from the committed state (their inputs kept from verify), writing the slot. Between the two, 64 MiB are
+// streamed (the other layers' weights and states), so accept finds the states in memory, as in a model.
+TEST(KdaVerify, DISABLED_TimingKeptStatesVsReplay) {
+  for (int B : {1, 8}) {
+    std::vector<int32_t> lens(B, 5), idx(B);
+    for (int i = 0; i < B; ++i) idx[i] = i;
+    const Problem p = verify_problem(lens, idx, B, 32, 128, 128, 1730);
+    const size_t kv = static_cast<size_t>(p.H) * p.K * p.V;
+    std::vector<float> o(static_cast<size_t>(p.T) * p.H * p.V), states(static_cast<size_t>(B) * 5 * kv);
+    std::vector<float> flush(size_t{16} << 20), pool = p.pool;
+    std::vector<KdaSnapshot> snaps;
+    for (int i = 0; i < B; ++i)
+      for (int pos = 1; pos <= 5; ++pos) snaps.push_back({i, pos, i * 5 + pos - 1});
+    for (int acc : {0, 2, 4}) {
+      // The accepted tokens' inputs, gathered (the first acc+1 tokens of each row).
+      Problem r = p;
+      r.cu = {0};
+      for (int i = 0; i < B; ++i) r.cu.push_back(r.cu.back() + acc + 1);
+      r.T = r.cu.back();
+      const size_t qk = static_cast<size_t>(p.H) * p.K;
+      const auto gather = [&](const std::vector<float>& x, size_t row) {
+        std::vector<float> out;
+        for (int i = 0; i < B; ++i)
+          out.insert(out.end(), x.begin() + p.cu[i] * row, x.begin() + (p.cu[i] + acc + 1) * row);
+        return out;
+      };
+      r.q = gather(p.q, qk);
+      r.k = gather(p.k, qk);
+      r.g = gather(p.g, qk);
+      r.v = gather(p.v, static_cast<size_t>(p.H) * p.V);
+      r.beta = gather(p.beta, p.H);
+      r.out_final = true;
+      std::vector<float> ro(static_cast<size_t>(r.T) * p.H * p.V);
+      double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};  // [states|replay][verify|accept]
+      for (int rep = 0; rep < 15; ++rep) {
+        for (int mode = 0; mode < 2; ++mode) {
+          for (float& x : flush) x += 1.0f;
+          auto t0 = std::chrono::steady_clock::now();
+          KdaArgs a = p.args(o.data(), pool.data());
+          a.state_locality = KdaArgs::StateLocality::Memory;
+          if (mode == 0) {
+            a.snapshots = snaps.data();
+            a.num_snapshots = static_cast<int64_t>(snaps.size());
+            a.snapshot_state = states.data();
+            a.num_snapshot_slots = static_cast<int64_t>(snaps.size());
+          }
+          fused_recurrent_kda_opt(a);
+          auto t1 = std::chrono::steady_clock::now();
+          for (float& x : flush) x += 1.0f;
+          auto t2 = std::chrono::steady_clock::now();
+          if (mode == 0) {
+            for (int i = 0; i < B; ++i)
+              std::memcpy(pool.data() + i * kv, states.data() + (i * 5 + acc) * kv, kv * sizeof(float));
+          } else {
+            KdaArgs b = r.args(ro.data(), pool.data());
+            b.state_locality = KdaArgs::StateLocality::Memory;
+            fused_recurrent_kda_opt(b);
+          }
+          auto t3 = std::chrono::steady_clock::now();
+          best[mode][0] = std::min(best[mode][0], std::chrono::duration<double>(t1 - t0).count());
+          best[mode][1] = std::min(best[mode][1], std::chrono::duration<double>(t3 - t2).count());
+        }
+      }
+      std::printf(
+          "[ timing   ] B=%d d=4 a=%d  kept states: verify %7.1f us + accept %7.1f us = %7.1f us | replay: "
+          "verify %7.1f us + accept %7.1f us = %7.1f us\n",
+          B, acc, best[0][0] * 1e6, best[0][1] * 1e6, (best[0][0] + best[0][1]) * 1e6, best[1][0] * 1e6,
+          best[1][1] * 1e6, (best[1][0] + best[1][1]) * 1e6);
+    }
+  }
 }
 
 }  // namespace

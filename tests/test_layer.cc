@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "kda/io/config.h"
 #include "kda/io/npy.h"
@@ -140,8 +141,9 @@ struct Stack {
     layer = std::make_unique<models::KimiDeltaAttention>(cfg, 0, w, Precision::FP32);
     init_pools(slots, Precision::FP32);
   }
-  void init_pools(int64_t slots, Precision p) {
+  void init_pools(int64_t slots, Precision p, int max_verify_tokens = 0) {
     mem_cache::RecurrentStatePoolConfig pc;
+    pc.max_verify_tokens = max_verify_tokens;
     pc.layer_ids = {0};
     pc.size = slots;
     pc.num_heads = cfg.num_heads;
@@ -385,26 +387,24 @@ TEST(Layer, IdleAndDummyFirstGiveZerosAndTouchNoState) {
   EXPECT_TRUE(s.step(idle, {}).empty());
 }
 
-TEST(Layer, SpeculativeModesAreRefused) {
+TEST(Layer, DraftExtendIsRefused) {
   const int64_t D = 256;
   Stack s(2);
   const auto r = s.pools->req_to_token_pool.alloc(1);
   const auto before = s.states(r[0]);
-  for (ForwardMode m : {ForwardMode::DRAFT_EXTEND, ForwardMode::TARGET_VERIFY}) {
-    auto fb = ForwardBatch::extend(r, {2}, {0});
-    fb.forward_mode = m;
-    try {
-      s.step(fb, testing::random_normal(2 * D, 1));
-      ADD_FAILURE() << "no error for " << model_executor::to_string(m);
-    } catch (const std::runtime_error& e) {
-      EXPECT_THAT(e.what(), HasSubstr("not supported"));
-      EXPECT_THAT(e.what(), HasSubstr(model_executor::to_string(m)));
-    }
-    std::vector<float> y(2 * D);
-    fb.attn_backend = &s.backend;
-    EXPECT_THROW(s.layer->forward(y.data(), 2, fb, s.pools->recurrent_state_pool, y.data()),
-                 std::runtime_error);
+  auto fb = ForwardBatch::extend(r, {2}, {0});
+  fb.forward_mode = ForwardMode::DRAFT_EXTEND;
+  try {
+    s.step(fb, testing::random_normal(2 * D, 1));
+    ADD_FAILURE() << "no error for DRAFT_EXTEND";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("not supported"));
+    EXPECT_THAT(e.what(), HasSubstr("DRAFT_EXTEND"));
   }
+  std::vector<float> y(2 * D);
+  fb.attn_backend = &s.backend;
+  EXPECT_THROW(s.layer->forward(y.data(), 2, fb, s.pools->recurrent_state_pool, y.data()),
+               std::runtime_error);
   EXPECT_EQ(s.states(r[0]), before);
 }
 
@@ -558,6 +558,336 @@ TEST(Layer, BadStateSnapshotsAreErrorsThatChangeNothing) {
   EXPECT_EQ(before(), b0);
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Speculative decoding: TARGET_VERIFY, then accept.
+
+// A stack whose pool has a verify buffer of `verify_tokens` tokens per row.
+std::unique_ptr<Stack> verify_stack(int64_t slots, Precision p, int verify_tokens) {
+  auto s = std::make_unique<Stack>(slots, p);
+  s->init_pools(slots, p, verify_tokens);
+  return s;
+}
+
+// The same layer computation, done as DECODE steps: outputs of each token and the slot's states after.
+struct Decoded {
+  std::vector<std::vector<float>> y, states;
+};
+Decoded decode_steps(Stack& s, int32_t req, const std::vector<std::vector<float>>& tokens) {
+  Decoded d;
+  for (const auto& x : tokens) {
+    d.y.push_back(s.step(ForwardBatch::decode({req}), x));
+    d.states.push_back(s.states(req));
+  }
+  return d;
+}
+
+// fp32: the fp32 tolerance. bf16 through the full stack: the verify step's projections are GEMMs over
+// d+1 rows, the DECODE steps' over 1, and bf16 products of different row counts may round differently by
+// an ulp, which the conv state keeps as it is: relative L2 <= 5e-3. (The same bf16 computation from the
+// same projections is compared within the fp32 tolerance in Verify.Bf16BackendEqualsDecodeSteps.)
+void expect_state_close(const std::vector<float>& got, const std::vector<float>& want,
+                        const std::string& what, Precision p = Precision::FP32) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  if (p == Precision::FP32) {
+    EXPECT_LE(testing::max_error_ratio(got.data(), want.data(), got.size(), kTol, kTol), 1.0) << what;
+  } else {
+    EXPECT_LE(testing::rel_l2(got.data(), want.data(), got.size()), 5e-3) << what;
+  }
+}
+
+void expect_output_close(const std::vector<float>& got, const std::vector<float>& want, Precision p,
+                         const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  if (p == Precision::FP32) {
+    EXPECT_LE(testing::max_error_ratio(got.data(), want.data(), got.size(), kTol, kTol), 1.0) << what;
+  } else {
+    EXPECT_LE(testing::rel_l2(got.data(), want.data(), got.size()), 5e-3) << what;
+  }
+}
+
+// Chains: requests with d = 4, 0 and 2 drafts and a padded row in one verify batch; for every a in 0..4
+// (the others' a_i cycling through theirs), the outputs of every position equal those of DECODE steps
+// over the row's tokens, and after accept each slot holds the state after a_i + 1 DECODE steps
+// (recurrent and conv, fp32 tolerance; the same bf16 computation in bf16), and the next DECODE step gives
+// the same output and states: the rejected drafts leave no trace.
+TEST(Verify, ChainAcceptEqualsDecodeSteps) {
+  const int64_t D = 256;
+  for (const Precision prec : {Precision::FP32, Precision::BF16}) {
+    SCOPED_TRACE(prec == Precision::FP32 ? "fp32" : "bf16");
+    auto sp = verify_stack(24, prec, 5);
+    Stack& s = *sp;
+    const auto base = s.pools->req_to_token_pool.alloc(3);
+    s.step(ForwardBatch::extend(base, {7, 3, 1}, {0, 0, 0}), testing::random_normal(11 * D, 41));
+    const std::vector<int32_t> d = {4, 0, 2};
+    for (int32_t a0 = 0; a0 <= 4; ++a0) {
+      SCOPED_TRACE("a0=" + std::to_string(a0));
+      const std::vector<int32_t> acc = {a0, 0, a0 % 3};
+      std::vector<int32_t> w, ref;
+      for (int32_t b : base) {
+        w.push_back(s.pools->req_to_token_pool.fork(b));
+        ref.push_back(s.pools->req_to_token_pool.fork(b));
+      }
+      // Rows: request 0, a padded row of 2 tokens, request 1, request 2.
+      const std::vector<int32_t> rows_of = {0, -1, 1, 2};
+      std::vector<int32_t> reqs, dl;
+      for (int32_t r : rows_of) {
+        reqs.push_back(r < 0 ? -1 : w[r]);
+        dl.push_back(r < 0 ? 1 : d[r]);
+      }
+      const auto x = testing::random_normal(11 * D, 50 + a0);
+      auto fb = ForwardBatch::target_verify(reqs, dl);
+      std::vector<std::vector<float>> before;
+      for (int32_t r : w) before.push_back(s.states(r));
+      const auto y = s.step(fb, x);
+      for (size_t i = 0; i < w.size(); ++i)
+        EXPECT_EQ(s.states(w[i]), before[i]) << "verify moved request " << i;
+      int64_t t = 0;
+      for (size_t row = 0; row < rows_of.size(); ++row) {
+        const int64_t len = dl[row] + 1;
+        if (rows_of[row] < 0) {
+          EXPECT_EQ(rows(y, D, t, len), std::vector<float>(len * D, 0.0f)) << "padded row";
+          t += len;
+          continue;
+        }
+        const int r = rows_of[row];
+        std::vector<std::vector<float>> toks;
+        for (int64_t j = 0; j < len; ++j) toks.push_back(rows(x, D, t + j, 1));
+        const Decoded dec = decode_steps(s, ref[r], toks);  // all d+1 tokens
+        for (int64_t j = 0; j < len; ++j)
+          expect_output_close(rows(y, D, t + j, 1), dec.y[j], prec,
+                              "request " + std::to_string(r) + " pos " + std::to_string(j));
+        // The reference request again, stopped after a_i + 1 tokens.
+        s.pools->req_to_token_pool.free(std::vector<int32_t>{ref[r]});
+        ref[r] = s.pools->req_to_token_pool.fork(base[r]);
+        decode_steps(s, ref[r], std::vector<std::vector<float>>(toks.begin(), toks.begin() + acc[r] + 1));
+        t += len;
+      }
+      s.backend.accept(fb, std::vector<int32_t>{acc[0], 0, acc[1], acc[2]}, s.pools->recurrent_state_pool);
+      EXPECT_FALSE(s.backend.has_pending_verify());
+      const auto next = testing::random_normal(D, 60 + a0);
+      for (int r = 0; r < 3; ++r) {
+        const std::string what = "request " + std::to_string(r) + " a=" + std::to_string(acc[r]);
+        expect_state_close(s.states(w[r]), s.states(ref[r]), what + " state after accept", prec);
+        const auto yw = s.step(ForwardBatch::decode({w[r]}), next);
+        const auto yr = s.step(ForwardBatch::decode({ref[r]}), next);
+        expect_output_close(yw, yr, prec, what + " next token");
+        expect_state_close(s.states(w[r]), s.states(ref[r]), what + " state after the next token", prec);
+      }
+      s.pools->req_to_token_pool.free(w);
+      s.pools->req_to_token_pool.free(ref);
+    }
+  }
+}
+
+// Trees: each draft names its parent; every token's output equals its path run alone as DECODE steps,
+// and accepting any node leaves the state of its root-to-node path; a chain request in the same batch.
+TEST(Verify, TreeAcceptEqualsItsPathAsDecodeSteps) {
+  const int64_t D = 256;
+  for (const Precision prec : {Precision::FP32, Precision::BF16}) {
+    SCOPED_TRACE(prec == Precision::FP32 ? "fp32" : "bf16");
+    auto sp = verify_stack(8, prec, 8);
+    Stack& s = *sp;
+    const auto base = s.pools->req_to_token_pool.alloc(2);
+    s.step(ForwardBatch::extend(base, {5, 2}, {0, 0}), testing::random_normal(7 * D, 71));
+    // Row 0: drafts 0..5 with parents (-1: the last accepted token); row 1: 2 drafts whose parents are -1, 0.
+    // Row positions' parents (position 0 is the last accepted token, draft j at position j + 1).
+    const std::vector<int32_t> parents = {-1, 0, 1, 0, 3, 1, 5};
+    for (int32_t pos = 0; pos <= 6; ++pos) {
+      SCOPED_TRACE("accept position " + std::to_string(pos));
+      const int32_t w0 = s.pools->req_to_token_pool.fork(base[0]),
+                    w1 = s.pools->req_to_token_pool.fork(base[1]);
+      const auto x = testing::random_normal(10 * D, 80 + pos);
+      auto fb = ForwardBatch::target_verify({w0, w1}, {6, 2}, {-1, 0, -1, 2, 0, 4, -1, 0});
+      const auto y = s.step(fb, x);
+      // Row 0's token j: its path (row positions, root first).
+      const auto path = [&](int32_t j) {
+        std::vector<int32_t> p;
+        for (int32_t t = j; t >= 0; t = parents[t]) p.insert(p.begin(), t);
+        return p;
+      };
+      for (int32_t j = 0; j <= 6; ++j) {
+        const int32_t r = s.pools->req_to_token_pool.fork(base[0]);
+        std::vector<std::vector<float>> toks;
+        for (int32_t t : path(j)) toks.push_back(rows(x, D, t, 1));
+        const Decoded dec = decode_steps(s, r, toks);
+        expect_output_close(rows(y, D, j, 1), dec.y.back(), prec, "tree token " + std::to_string(j));
+        if (j == pos) {
+          s.backend.accept(fb, std::vector<int32_t>{pos, 1}, s.pools->recurrent_state_pool);
+          expect_state_close(s.states(w0), s.states(r), "tree state after accept", prec);
+          const auto next = testing::random_normal(D, 90 + pos);
+          expect_output_close(s.step(ForwardBatch::decode({w0}), next),
+                              s.step(ForwardBatch::decode({r}), next), prec, "next token");
+          expect_state_close(s.states(w0), s.states(r), "tree state after the next token", prec);
+        }
+        s.pools->req_to_token_pool.free(std::vector<int32_t>{r});
+      }
+      // Row 1 (a chain written as parents), accepted 1 draft.
+      const int32_t r1 = s.pools->req_to_token_pool.fork(base[1]);
+      decode_steps(s, r1, {rows(x, D, 7, 1), rows(x, D, 8, 1)});
+      expect_state_close(s.states(w1), s.states(r1), "row 1 state after accept", prec);
+      s.pools->req_to_token_pool.free(std::vector<int32_t>{w0, w1, r1});
+    }
+  }
+}
+
+// The same bf16 computation from the same projections (the backend fed bf16 rows): a tree verify and
+// accept of each node equal DECODE steps over its path, states within the fp32 tolerance, outputs too.
+TEST(Verify, Bf16BackendEqualsDecodeSteps) {
+  const int H = 2, K = 16, W = 4;
+  const int64_t P = H * K, C = 3 * P, ld = C + P + H;
+  const auto conv_w = testing::random_uniform(C * W, 111, -0.5f, 0.5f);
+  const auto A_log = testing::random_uniform(H, 112, -1.0f, 1.0f);
+  const auto dt_bias = testing::random_uniform(P, 113, -0.5f, 0.5f);
+  const layers::RadixLinearAttention layer({.layer_id = 0,
+                                            .num_q_heads = H,
+                                            .num_k_heads = H,
+                                            .num_v_heads = H,
+                                            .head_q_dim = K,
+                                            .head_k_dim = K,
+                                            .head_v_dim = K,
+                                            .conv_weights = conv_w.data(),
+                                            .conv_kernel = W,
+                                            .A_log = A_log.data(),
+                                            .dt_bias = dt_bias.data(),
+                                            .bf16_activations = true});
+  std::vector<bf16_t> x(10 * ld);
+  {
+    const auto v = testing::random_normal(x.size(), 114);
+    for (size_t i = 0; i < v.size(); ++i) x[i] = f32_to_bf16(v[i]);
+  }
+  const std::vector<int32_t> parents = {-1, 0, 1, 0, 3, 1, 5};  // row positions (drafts -1, 0, -1, 2, 0, 4)
+  for (int32_t pos = 0; pos <= 6; ++pos) {
+    SCOPED_TRACE("accept position " + std::to_string(pos));
+    KDAAttnBackend backend;
+    mem_cache::RecurrentStatePoolConfig pc{.layer_ids = {0},
+                                           .size = 2,
+                                           .num_heads = H,
+                                           .head_k_dim = K,
+                                           .head_v_dim = K,
+                                           .conv_kernel = W,
+                                           .conv_dim = C,
+                                           .conv_dtype = Precision::BF16,
+                                           .max_verify_tokens = 7};
+    MemoryPools pools(pc, 2);
+    const auto reqs = pools.req_to_token_pool.alloc(2);  // 0 verifies, 1 decodes
+    const auto state = [&](int i) {
+      std::vector<float> rec(H * K * K), conv((W - 1) * C);
+      const int32_t slot[1] = {pools.req_to_token_pool.slot_of(reqs[i])};
+      pools.recurrent_state_pool.read_linear_recurrent_layer_cache(0, slot, rec.data(), conv.data());
+      rec.insert(rec.end(), conv.begin(), conv.end());
+      return rec;
+    };
+    const auto run = [&](ForwardBatch fb, const bf16_t* rows) {
+      fb.attn_backend = &backend;
+      backend.init_forward_metadata(fb, pools.req_to_token_pool.get_recurrent_indices(fb.req_pool_indices));
+      std::vector<float> o(fb.num_tokens() * P);
+      layer(fb,
+            {.mixed_qkv_bf16 = rows,
+             .qkv_stride = ld,
+             .a_bf16 = rows + C,
+             .a_stride = ld,
+             .b_bf16 = rows + C + P,
+             .b_stride = ld},
+            pools.recurrent_state_pool, o.data());
+      return o;
+    };
+    // A shared history (rows 7..9 as a 3-token prefill of both).
+    run(ForwardBatch::extend({reqs[0]}, {3}, {0}), x.data() + 7 * ld);
+    run(ForwardBatch::extend({reqs[1]}, {3}, {0}), x.data() + 7 * ld);
+    auto fb = ForwardBatch::target_verify({reqs[0]}, {6}, {-1, 0, -1, 2, 0, 4});
+    const auto y = run(fb, x.data());
+    std::vector<int32_t> path;
+    for (int32_t t = pos; t >= 0; t = parents[t]) path.insert(path.begin(), t);
+    std::vector<float> yd;
+    for (int32_t t : path) yd = run(ForwardBatch::decode({reqs[1]}), x.data() + t * ld);
+    EXPECT_LE(testing::max_error_ratio(y.data() + pos * P, yd.data(), P, kTol, kTol), 1.0) << "output";
+    backend.accept(fb, std::vector<int32_t>{pos}, pools.recurrent_state_pool);
+    const auto s0 = state(0), s1 = state(1);
+    EXPECT_LE(testing::max_error_ratio(s0.data(), s1.data(), s0.size(), kTol, kTol), 1.0) << "state";
+  }
+}
+
+// Bad input is an error that changes nothing: more drafts than the verify buffer holds, a parent after
+// its child, an unknown slot, no verify buffer; accept with a_i > d_i, another batch, or none pending.
+TEST(Verify, BadInputIsAnErrorThatChangesNothing) {
+  const int64_t D = 256;
+  auto sp = verify_stack(6, Precision::FP32, 4);
+  Stack& s = *sp;
+  const auto r = s.pools->req_to_token_pool.alloc(2);
+  s.step(ForwardBatch::extend(r, {4, 3}, {0, 0}), testing::random_normal(7 * D, 101));
+  const auto b0 = s.states(r[0]), b1 = s.states(r[1]);
+  const auto unchanged = [&] {
+    EXPECT_EQ(s.states(r[0]), b0);
+    EXPECT_EQ(s.states(r[1]), b1);
+  };
+  const auto expect_error = [&](const std::function<void()>& f, const std::string& what) {
+    try {
+      f();
+      ADD_FAILURE() << "no error: " << what;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(what));
+    }
+    unchanged();
+  };
+  expect_error(
+      [&] {
+        s.step(ForwardBatch::target_verify(r, {4, 1}), testing::random_normal(7 * D, 102));
+      },
+      "more than the verify buffer holds");
+  expect_error(
+      [&] {
+        s.step(ForwardBatch::target_verify(r, {2, 1}, {-1, 1, -1}), testing::random_normal(5 * D, 103));
+      },
+      "a parent comes before its child");
+  expect_error([&] { ForwardBatch::target_verify(r, {2, -1}); }, "has -1 drafts");
+  expect_error(
+      [&] {
+        s.backend.accept(ForwardBatch::target_verify(r, {1, 1}), std::vector<int32_t>{0, 0},
+                         s.pools->recurrent_state_pool);
+      },
+      "no TARGET_VERIFY batch is pending");
+  {  // An unknown slot.
+    auto fb = ForwardBatch::target_verify(r, {1, 1});
+    fb.attn_backend = &s.backend;
+    const int32_t bad[2] = {1, 99};
+    s.backend.init_forward_metadata(fb, bad);
+    std::vector<float> y(4 * D);
+    const auto x = testing::random_normal(4 * D, 104);
+    expect_error([&] { s.layer->forward(x.data(), 4, fb, s.pools->recurrent_state_pool, y.data()); },
+                 "outside the pool's");
+  }
+  auto fb = ForwardBatch::target_verify(r, {3, 2});
+  s.step(fb, testing::random_normal(7 * D, 105));
+  unchanged();
+  expect_error(
+      [&] {
+        s.backend.accept(fb, std::vector<int32_t>{4, 0}, s.pools->recurrent_state_pool);
+      },
+      "row 0 accepts position 4 of its 3 drafts");
+  expect_error([&] { s.backend.accept(fb, std::vector<int32_t>{0}, s.pools->recurrent_state_pool); },
+               "1 accepted positions for 2 rows");
+  expect_error(
+      [&] {
+        s.backend.accept(ForwardBatch::target_verify(r, {3, 1}), std::vector<int32_t>{0, 0},
+                         s.pools->recurrent_state_pool);
+      },
+      "not the pending TARGET_VERIFY batch");
+  EXPECT_TRUE(s.backend.has_pending_verify());
+  s.backend.accept(fb, std::vector<int32_t>{3, 2}, s.pools->recurrent_state_pool);
+  EXPECT_NE(s.states(r[0]), b0);
+  // A pool without a verify buffer.
+  Stack plain(2);
+  const auto pr = plain.pools->req_to_token_pool.alloc(1);
+  EXPECT_EQ(plain.pools->recurrent_state_pool.spec_state_bytes(), 0u);
+  EXPECT_GT(s.pools->recurrent_state_pool.spec_state_bytes(), 0u);
+  try {
+    plain.step(ForwardBatch::target_verify(pr, {1}), testing::random_normal(2 * D, 106));
+    ADD_FAILURE() << "no error without a verify buffer";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("no verify buffer"));
+  }
+}
+
 TEST(Layer, BadCaseInputsAreClearErrors) {
   const auto cfg = io::load_config(testing::dumps_dir());
   io::NpzArchive npz;
@@ -696,7 +1026,7 @@ TEST(Layer, Bf16CheckpointKeepsF32GateParameters) {
   }
 }
 
-TEST(ServerArgs, RecurrentModelDisablesRadixCacheAndRefusesSpeculation) {
+TEST(ServerArgs, RecurrentModelDisablesRadixCacheAndAllowsSpeculation) {
   ServerArgs a;
   a.enable_mixed_chunk = true;
   a.check_server_args(true);
@@ -706,10 +1036,14 @@ TEST(ServerArgs, RecurrentModelDisablesRadixCacheAndRefusesSpeculation) {
   plain.check_server_args(false);
   EXPECT_FALSE(plain.disable_radix_cache);
   ServerArgs spec;
-  spec.speculative_algorithm = "EAGLE";
+  spec.speculative_algorithm = "NGRAM";
+  EXPECT_NO_THROW(spec.check_server_args(true));  // TARGET_VERIFY + accept
+  EXPECT_TRUE(spec.disable_radix_cache);
+  ServerArgs eagle;
+  eagle.speculative_algorithm = "EAGLE";  // a draft model: DRAFT_EXTEND
   try {
-    spec.check_server_args(true);
-    ADD_FAILURE() << "speculative decoding accepted";
+    eagle.check_server_args(true);
+    ADD_FAILURE() << "EAGLE accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("EAGLE"));
     EXPECT_THAT(e.what(), HasSubstr("not supported"));

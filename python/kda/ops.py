@@ -111,9 +111,16 @@ def fused_recurrent_kda(
     cu_seqlens=None,
     ssm_state_indices=None,
     inplace_final_state=False,
+    num_accepted_tokens=None,
     **kwargs,
 ):
     """Token-by-token KDA (decode; any T). Returns ``(o, final_state)``.
+
+    Speculative decoding (fla's / vLLM's convention): ``ssm_state_indices`` 2-D ``[N, S]`` with
+    ``inplace_final_state=True`` and ``num_accepted_tokens`` ``[N]`` (None: all 1). Sequence i starts
+    from slot ``ssm_state_indices[i, num_accepted_tokens[i] - 1]`` (negative: a padded row) and the state
+    after its token t is written into slot ``ssm_state_indices[i, t]`` (negative: not kept); the pool is
+    returned as final_state.
 
     With ``inplace_final_state=True`` (vLLM's / sglang's decode convention) ``initial_state`` is a
     pool ``[num_slots, H, K, V]``: sequence i reads and writes slot ``ssm_state_indices[i]`` (or slot i
@@ -141,4 +148,5 @@ def fused_recurrent_kda(
         ssm_state_indices,
         bool(inplace_final_state),
         False,
+        num_accepted_tokens,
     )

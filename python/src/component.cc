@@ -376,6 +376,22 @@ void register_component(py::module_& m) {
           py::arg("forward_batch"), py::arg("recurrent_indices"),
           "Per batch, before the first layer: stores the metadata and sets forward_batch.attn_backend to "
           "this backend. recurrent_indices as in get_forward_metadata.")
+      .def(
+          "accept",
+          [](PyBackend& b, const PyForwardBatch& fb, const py::object& accepted, const py::object& pools) {
+            const auto acc = to_i32(accepted, "accepted");
+            RecurrentStatePool& pool = pool_of(pools);
+            py::gil_scoped_release release;
+            const std::lock_guard<std::mutex> lock(b.mu);
+            b.be.accept(fb.fb, acc, pool);
+          },
+          py::arg("forward_batch"), py::arg("accepted"), py::arg("pools"),
+          "After a TARGET_VERIFY forward of every KDA layer: accepted[i] is the row position (0..d_i) of row "
+          "i's last accepted token (a chain: the number of accepted drafts; a tree: the accepted path is "
+          "that token's ancestors). Each request's slot then holds the state after its accepted tokens, "
+          "every layer, recurrent and conv, with no layer pass. Bad input: ValueError, nothing changed.")
+      .def_property_readonly("has_pending_verify",
+                             [](const PyBackend& b) { return b.be.has_pending_verify(); })
       .def_property_readonly("forward_metadata", [](PyBackend& b) {
         py::gil_scoped_release release;
         const std::lock_guard<std::mutex> lock(b.mu);
@@ -420,6 +436,21 @@ void register_component(py::module_& m) {
             return b;
           },
           py::arg("req_pool_indices"), "A DECODE batch: one token per request.")
+      .def_static(
+          "target_verify",
+          [](const py::object& reqs, const py::object& draft_lens, const py::object& draft_parents) {
+            PyForwardBatch b;
+            b.fb = ForwardBatch::target_verify(
+                to_i32(reqs, "req_pool_indices"), to_i32(draft_lens, "draft_lens"),
+                draft_parents.is_none() ? std::vector<int32_t>{} : to_i32(draft_parents, "draft_parents"));
+            b.fb.validate();
+            return b;
+          },
+          py::arg("req_pool_indices"), py::arg("draft_lens"), py::arg("draft_parents") = py::none(),
+          "A TARGET_VERIFY batch: row i is the request's last accepted token and its draft_lens[i] drafts. "
+          "draft_parents (tree drafts): each draft's parent among its row's drafts, -1 for the last accepted "
+          "token, row after row; None: chains. Then KDAAttnBackend.accept(batch, accepted, pools).")
+      .def_property_readonly("draft_parents", [](const PyForwardBatch& b) { return b.fb.draft_parents; })
       .def_property(
           "forward_mode", [](const PyForwardBatch& b) { return b.fb.forward_mode; },
           [](PyForwardBatch& b, ForwardMode m) { b.fb.forward_mode = m; })
@@ -477,6 +508,10 @@ void register_component(py::module_& m) {
       .def_readwrite("head_v_dim", &RecurrentStatePoolConfig::head_v_dim)
       .def_readwrite("conv_kernel", &RecurrentStatePoolConfig::conv_kernel)
       .def_readwrite("conv_dim", &RecurrentStatePoolConfig::conv_dim)
+      .def_readwrite("max_verify_tokens", &RecurrentStatePoolConfig::max_verify_tokens,
+                     "Speculative decoding: tokens per verify row (d_max + 1); 0: no verify buffer.")
+      .def_readwrite("verify_rows", &RecurrentStatePoolConfig::verify_rows,
+                     "Rows of a verify batch (0: size, one per request slot).")
       .def_property(
           "conv_dtype",
           [](const RecurrentStatePoolConfig& c) { return std::string(to_string(c.conv_dtype)); },
@@ -492,6 +527,8 @@ void register_component(py::module_& m) {
       .def_property_readonly("available", &RecurrentStatePool::available)
       .def_property_readonly("num_layers", &RecurrentStatePool::num_layers)
       .def_property_readonly("bytes", &RecurrentStatePool::bytes)
+      .def_property_readonly("spec_state_bytes", &RecurrentStatePool::spec_state_bytes,
+                             "The verify buffer (speculative decoding), every layer.")
       .def("alloc", &RecurrentStatePool::alloc, py::arg("n"),
            "n cleared slots, all or nothing (RuntimeError when exhausted).")
       .def(
@@ -583,12 +620,15 @@ void register_component(py::module_& m) {
       .def_static(
           "from_config",
           [](const KimiLinearConfig& cfg, int64_t size, const std::string& precision,
-             std::optional<int64_t> max_requests, std::optional<std::vector<int>> layer_ids) {
-            return std::make_unique<MemoryPools>(pool_config_for(cfg, size, precision, std::move(layer_ids)),
-                                                 max_requests.value_or(size));
+             std::optional<int64_t> max_requests, std::optional<std::vector<int>> layer_ids,
+             int max_verify_tokens) {
+            auto pc = pool_config_for(cfg, size, precision, std::move(layer_ids));
+            pc.max_verify_tokens = max_verify_tokens;
+            return std::make_unique<MemoryPools>(pc, max_requests.value_or(size));
           },
           py::arg("config"), py::arg("size"), py::arg("precision") = "fp32",
           py::arg("max_requests") = py::none(), py::arg("layer_ids") = py::none(),
+          py::arg("max_verify_tokens") = 0,
           "Pools for every KDA layer of the model (or layer_ids): `size` slots, max_requests (default size) "
           "request indices, the conv dtype of the layers' precision.")
       .def_property_readonly(

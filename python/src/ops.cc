@@ -327,6 +327,10 @@ struct OpCall {
   size_t state_n = 0;
   bf16_t* o_bf16 = nullptr;  // bf16 output: the kernel writes o_buf, converted into it afterwards
   std::vector<kernels::KdaSnapshot> snaps;  // return_intermediate_states: one per chunk, into h
+  // Speculative decoding (2-D ssm_state_indices): the initial states gathered from their slots, and
+  // the rows' scratch indices (-1: padded row).
+  std::vector<float> spec_init;
+  std::vector<int32_t> spec_idx;
   py::object o, final_state, h;
 };
 
@@ -339,7 +343,8 @@ struct OpInputs {
   bool gate;
   py::handle A_log, dt_bias, cu_seqlens, ssm_state_indices;
   bool inplace;
-  bool intermediate = false;  // chunk_kda's return_intermediate_states
+  bool intermediate = false;                    // chunk_kda's return_intermediate_states
+  py::handle num_accepted_tokens = py::none();  // fused_recurrent_kda, with 2-D ssm_state_indices
 };
 
 void prepare(OpCall& c, const OpInputs& in) {
@@ -465,10 +470,86 @@ void prepare(OpCall& c, const OpInputs& in) {
     if (!have_indices && pool->shape[0] != N)
       bad("'initial_state' holds " + str(pool->shape[0]) + " states for N=" + str(N) + " sequences");
   }
+  if (have_indices && view_of(in.ssm_state_indices, "ssm_state_indices").ndim() == 2) {
+    // fla's / vLLM's speculative decoding: ssm_state_indices [N, S], num_accepted_tokens [N]. Sequence i
+    // starts from slot ssm_state_indices[i, num_accepted_tokens[i] - 1] (the state after its last
+    // accepted token; a negative slot: a padded row) and the state after its token t is written into
+    // slot ssm_state_indices[i, t] (a negative entry: not kept). Here: the initial states are gathered
+    // into a scratch pool and the per-token states are the kernel's snapshots into the pool, so a slot
+    // may be both read (before the call) and written.
+    if (c.chunk) unsupported("2-D ssm_state_indices are for fused_recurrent_kda (speculative decoding)");
+    const TensorView& idx = view(in.ssm_state_indices, "ssm_state_indices");
+    if (pool == nullptr) bad("ssm_state_indices needs initial_state: the state pool they index");
+    if (!in.inplace)
+      bad("2-D ssm_state_indices need inplace_final_state=True: per-token states go into the pool");
+    expect_writable(*pool);
+    if (idx.shape[0] != N)
+      bad("'ssm_state_indices' has " + str(idx.shape[0]) + " rows for N=" + str(N) + " sequences");
+    expect_contiguous(idx);
+    expect_dtype(idx, {DType::I32, DType::I64});
+    const int64_t S = idx.shape[1], slots = pool->shape[0];
+    const auto at = [&](int64_t i, int64_t t) -> int64_t {
+      return idx.dtype == DType::I32 ? idx.ptr<int32_t>()[i * S + t] : idx.ptr<int64_t>()[i * S + t];
+    };
+    std::vector<int32_t> nacc(static_cast<size_t>(N), 1);
+    if (!in.num_accepted_tokens.is_none()) {
+      const TensorView& na = view(in.num_accepted_tokens, "num_accepted_tokens");
+      expect_ndim(na, 1);
+      if (na.shape[0] != N)
+        bad("'num_accepted_tokens' has " + str(na.shape[0]) + " entries for N=" + str(N) + " sequences");
+      std::vector<int32_t> buf;
+      const int32_t* p = as_i32(na, buf);
+      nacc.assign(p, p + N);
+    }
+    c.spec_init.assign(static_cast<size_t>(N * slot), 0.0f);
+    c.spec_idx.assign(static_cast<size_t>(N), -1);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t len = a.cu_seqlens != nullptr ? a.cu_seqlens[i + 1] - a.cu_seqlens[i] : T;
+      if (len > S)
+        bad("sequence " + str(i) + " has " + str(len) + " tokens but ssm_state_indices only " + str(S));
+      if (nacc[i] < 1 || nacc[i] > S)
+        bad("num_accepted_tokens[" + str(i) + "]=" + str(nacc[i]) + " not in [1, " + str(S) + "]");
+      const int64_t src = at(i, nacc[i] - 1);
+      if (src >= slots)
+        bad("ssm_state_indices[" + str(i) + ", " + str(nacc[i] - 1) + "]=" + str(src) + " >= " + str(slots) +
+            " slots");
+      if (src < 0) continue;  // padded row
+      c.spec_idx[i] = static_cast<int32_t>(i);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t dst = at(i, t);
+        if (dst >= slots)
+          bad("ssm_state_indices[" + str(i) + ", " + str(t) + "]=" + str(dst) + " >= " + str(slots) +
+              " slots");
+        if (dst >= 0)
+          c.snaps.push_back(
+              {static_cast<int32_t>(i), static_cast<int32_t>(t + 1), static_cast<int32_t>(dst)});
+      }
+      std::memcpy(c.spec_init.data() + i * slot, pool->ptr<float>() + src * slot, sizeof(float) * slot);
+    }
+    a.state = c.spec_init.data();
+    a.state_indices = c.spec_idx.data();
+    a.num_state_slots = N;
+    a.output_final_state = false;
+    a.snapshots = c.snaps.data();
+    a.num_snapshots = static_cast<int64_t>(c.snaps.size());
+    a.snapshot_state = pool->ptr<float>();
+    a.num_snapshot_slots = slots;
+    c.final_state = py::reinterpret_borrow<py::object>(in.initial_state);
+    const bool bf16_o = v.dtype == DType::BF16;
+    c.o = new_output(torch_out, {B, T, H, V}, bf16_o);
+    if (bf16_o) {
+      c.o_n = static_cast<size_t>(B * T * H * V);
+      c.o_buf.reset(new float[c.o_n]);
+      a.o = c.o_buf.get();
+      c.o_bf16 = static_cast<bf16_t*>(data_of(c.o, torch_out));
+    } else {
+      a.o = static_cast<float*>(data_of(c.o, torch_out));
+    }
+    return;
+  }
+  if (!in.num_accepted_tokens.is_none()) bad("num_accepted_tokens needs 2-D ssm_state_indices [N, S]");
   if (have_indices) {
     const TensorView& idx = view(in.ssm_state_indices, "ssm_state_indices");
-    if (idx.ndim() == 2)
-      unsupported("2-D ssm_state_indices (per-token slots for speculative decoding) are not supported");
     expect_ndim(idx, 1);
     if (idx.shape[0] != N)
       bad("'ssm_state_indices' has " + str(idx.shape[0]) + " entries for N=" + str(N) + " sequences");
@@ -586,13 +667,14 @@ void register_ops(py::module_& m) {
       [](bool chunk, py::handle q, py::handle k, py::handle v, py::handle g, py::handle beta,
          py::object scale, py::handle initial_state, bool output_final_state, bool l2norm, bool gate,
          py::handle A_log, py::handle dt_bias, py::handle cu_seqlens, py::handle ssm_state_indices,
-         bool inplace, bool intermediate) {
+         bool inplace, bool intermediate, py::handle num_accepted_tokens) {
         apply_num_threads();
         OpCall c;
         c.chunk = chunk;
         OpInputs in = inputs(q, k, v, g, beta, std::move(scale), initial_state, output_final_state, l2norm,
                              gate, A_log, dt_bias, cu_seqlens, ssm_state_indices, inplace);
         in.intermediate = chunk && intermediate;
+        in.num_accepted_tokens = num_accepted_tokens;
         prepare(c, in);
         {
           py::gil_scoped_release release;
@@ -601,7 +683,12 @@ void register_ops(py::module_& m) {
         if (in.intermediate) return py::make_tuple(c.o, c.final_state, c.h);
         return py::make_tuple(c.o, c.final_state);
       },
-      "Private: kda.ops.chunk_kda (chunk=True) / fused_recurrent_kda, arguments checked by kda/ops.py.");
+      "Private: kda.ops.chunk_kda (chunk=True) / fused_recurrent_kda, arguments checked by kda/ops.py.",
+      py::arg("chunk"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
+      py::arg("scale"), py::arg("initial_state"), py::arg("output_final_state"), py::arg("l2norm"),
+      py::arg("gate"), py::arg("A_log"), py::arg("dt_bias"), py::arg("cu_seqlens"),
+      py::arg("ssm_state_indices"), py::arg("inplace"), py::arg("intermediate"),
+      py::arg("num_accepted_tokens") = py::none());
   m.def(
       "_time_kda_op",
       [](int n, bool chunk, py::handle q, py::handle k, py::handle v, py::handle g, py::handle beta,

@@ -1,5 +1,6 @@
 #include "kda/server_args.h"
 
+#include <cctype>
 #include <stdexcept>
 
 namespace kda {
@@ -10,10 +11,17 @@ void ServerArgs::check_server_args(bool model_has_recurrent_state) {
                                 std::to_string(chunked_prefill_size));
   if (!model_has_recurrent_state) return;
   disable_radix_cache = true;
-  if (!speculative_algorithm.empty())
-    throw std::invalid_argument("speculative decoding ('" + speculative_algorithm +
-                                "') is not supported with the KDA backend: DRAFT_EXTEND and TARGET_VERIFY "
-                                "have no recurrent-state rollback");
+  // Speculative decoding: the KDA backend verifies drafts (TARGET_VERIFY, then accept: each request's slot
+  // moves to the state after its accepted tokens, chains and trees), so an algorithm whose drafts come
+  // from outside the model (NGRAM) is allowed; one with a draft model (EAGLE, STANDALONE, ...) needs
+  // DRAFT_EXTEND, which the backend does not support.
+  std::string algo = speculative_algorithm;
+  for (char& ch : algo) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  if (!algo.empty() && algo != "NGRAM")
+    throw std::invalid_argument(
+        "speculative decoding ('" + speculative_algorithm +
+        "') is not supported with the KDA backend: it needs a draft model's DRAFT_EXTEND; "
+        "only target verification of externally proposed drafts (NGRAM) is");
 }
 
 }  // namespace kda

@@ -16,8 +16,10 @@ struct ServerArgs {
   std::string speculative_algorithm;  // empty: none
 
   // A model with recurrent state cannot share prefixes through the radix cache (a state summarises a
-  // whole prefix and cannot be split), so the cache is turned off. Speculative decoding (DRAFT_EXTEND /
-  // TARGET_VERIFY) is refused. Throws std::invalid_argument naming the option.
+  // whole prefix and cannot be split), so the cache is turned off. Speculative decoding with drafts from
+  // outside the model (NGRAM: TARGET_VERIFY + accept) is allowed; an algorithm with a draft model
+  // (DRAFT_EXTEND) is refused. Throws std::invalid_argument naming
+  // the option.
   void check_server_args(bool model_has_recurrent_state);
 };
 

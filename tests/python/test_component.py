@@ -398,3 +398,46 @@ def test_threads_share_a_layer(config, layers):
         t.join()
     for r in results:
         assert np.array_equal(r, want)
+
+
+def test_target_verify_then_accept_equals_decode_steps(config, layers):
+    """Speculative decoding from Python: a TARGET_VERIFY batch (a chain of 3 drafts and a tree of 3) keeps
+    the committed states; accept leaves each slot in the state of DECODE steps over the accepted tokens."""
+    layer = layers["fp32"]
+    backend = kda.KDAAttnBackend()
+    pools = kda.MemoryPools.from_config(config, 4, "fp32", layer_ids=[LAYER], max_verify_tokens=4)
+    assert pools.recurrent_state_pool.spec_state_bytes > 0
+    D = config.hidden_size
+    rng = np.random.default_rng(5)
+    prefix = rng.standard_normal((3, D), dtype=np.float32)
+    reqs = pools.req_to_token_pool.alloc(4)  # 0, 1 verify; 2, 3 decode the same tokens
+    fb = kda.ForwardBatch.extend(reqs, [3] * 4)
+    backend.init_forward_metadata(fb, pools)
+    layer(np.concatenate([prefix] * 4), fb, pools)
+    slots = pools.req_to_token_pool.get_recurrent_indices(reqs)
+    before = pools.recurrent_state_pool.read_linear_recurrent_layer_cache(LAYER, slots[:2])
+
+    x = rng.standard_normal((8, D), dtype=np.float32)
+    # Row 0: a chain of 3 drafts; row 1: drafts with parents -1, -1, 1 (the last accepted token's two
+    # children, then a child of the second).
+    fb = kda.ForwardBatch.target_verify(reqs[:2], [3, 3], [-1, 0, 1, -1, -1, 1])
+    backend.init_forward_metadata(fb, pools)
+    y = layer(x, fb, pools)
+    for got, want in zip(pools.recurrent_state_pool.read_linear_recurrent_layer_cache(LAYER, slots[:2]), before):
+        assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="accepts position 4 of its 3 drafts"):
+        backend.accept(fb, [4, 0], pools)
+    backend.accept(fb, [2, 3], pools)  # row 0: 2 drafts; row 1: the path 0 -> draft 1 -> draft 2
+    assert not backend.has_pending_verify
+
+    ys = []
+    for req, rows in ((reqs[2], [0, 1, 2]), (reqs[3], [4, 6, 7])):
+        for r in rows:
+            fb = kda.ForwardBatch.decode([req])
+            backend.init_forward_metadata(fb, pools)
+            ys.append(layer(x[r : r + 1], fb, pools))
+    assert within_fp32_tolerance(y[[0, 1, 2, 4, 6, 7]], np.concatenate(ys))
+    got = pools.recurrent_state_pool.read_linear_recurrent_layer_cache(LAYER, slots[:2])
+    want = pools.recurrent_state_pool.read_linear_recurrent_layer_cache(LAYER, slots[2:])
+    for a, b in zip(got, want):
+        assert within_fp32_tolerance(a, b)

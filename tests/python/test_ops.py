@@ -195,6 +195,41 @@ def test_inplace_pool_update(kind, T):
     assert torch.equal(pool2, pool)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_speculative_2d_indices_and_num_accepted_tokens(dtype):
+    """fla's / vLLM's speculative decoding: sequence i starts from slot ssm_state_indices[i,
+    num_accepted_tokens[i] - 1] and the state after its token t goes into slot ssm_state_indices[i, t]
+    (negative: not kept); a negative start is a padded row. Against the float64 recurrence of each prefix."""
+    H, K, V, slots = 2, 16, 8, 16
+    lens = [3, 1, 4, 2]
+    cu = torch.tensor([0, 3, 4, 8, 10], dtype=torch.int64)
+    idx = torch.tensor([[1, 2, 3, -1], [4, -1, -1, -1], [5, 6, 7, 8], [-1, 9, 10, 11]], dtype=dtype)
+    nacc = torch.tensor([2, 1, 3, 1])  # starts: slot 2, slot 4, slot 7, padded
+    q, k, v, g, beta, extra = make_inputs(1, 10, H, K, V, seed=41, gate="in_kernel")
+    pool = torch.randn(slots, H, K, V)
+    before = pool.clone()
+    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx,
+                               num_accepted_tokens=nacc, inplace_final_state=True, **extra)
+    assert s is pool
+    written = set()
+    for i, n in enumerate(lens):
+        bos = int(cu[i])
+        src = int(idx[i, int(nacc[i]) - 1])
+        if src < 0:
+            assert torch.all(o[0, bos:bos + n] == 0)
+            continue
+        for t in range(n):
+            sl = lambda x: x[:, bos:bos + t + 1]  # noqa: E731
+            o_ref, s_ref = reference(sl(q), sl(k), sl(v), sl(g), sl(beta), extra, initial_state=before[src][None])
+            assert spec_excess(o[:, bos + t], o_ref[:, t]) <= 0
+            dst = int(idx[i, t])
+            if dst >= 0:
+                assert spec_excess(pool[dst], s_ref[0]) <= 0
+                written.add(dst)
+    for slot in set(range(slots)) - written:
+        assert torch.equal(pool[slot], before[slot])
+
+
 def test_state_indices_read_only_and_identity_inplace():
     N, H, K, V = 3, 2, 16, 8
     q, k, v, g, beta, extra = make_inputs(N, 2, H, K, V, seed=9)
@@ -262,14 +297,23 @@ def _bad_cases():
          "duplicate state slot 3 used by sequences 0 and 1"),
         (fused, dict(P, ssm_state_indices=torch.tensor([3, -2])), ValueError, "state index out of range"),
         (fused, dict(P, ssm_state_indices=torch.tensor([1, 2, 3])), ValueError, "3 entries for N=2"),
-        (fused, dict(P, ssm_state_indices=torch.tensor([[1], [2]])), NotImplementedError, "2-D"),
+        (fused, dict(P, ssm_state_indices=torch.tensor([[1], [2]])), ValueError,
+         "sequence 0 has 2 tokens but ssm_state_indices only 1"),
+        (fused, dict(P, ssm_state_indices=torch.tensor([[1, 2, 3, 0], [2, 1, 0, 3]]), inplace_final_state=False),
+         ValueError, "need inplace_final_state=True"),
+        (fused, dict(P, ssm_state_indices=torch.tensor([[1, 2, 3, 0], [2, 3, 0, 1]]),
+                     num_accepted_tokens=torch.tensor([1, 5])), ValueError, "num_accepted_tokens[1]=5 not in [1, 4]"),
+        (fused, dict(P, ssm_state_indices=torch.tensor([[1, 2, 3, 0], [2, 1, 0, 3]])), ValueError,
+         "duplicate snapshot slot"),
+        (fused, dict(P, ssm_state_indices=torch.tensor([[1, 2, 3, 0], [0, 1, 4, 3]])), ValueError,
+         "ssm_state_indices[1, 2]=4 >= 4 slots"),
         (fused, dict(P, ssm_state_indices=torch.tensor([0, 1]), inplace_final_state=False, output_final_state=True),
          NotImplementedError, "per-token"),
         (fused, dict(P, ssm_state_indices=torch.tensor([0, 1]), cu_seqlens=torch.tensor([0, 5, 3])), ValueError,
          "non-monotonic"),
         (fused, dict(P, ssm_state_indices=torch.tensor([0, 1]), initial_state=pool.numpy().copy()), None, None),
         (fused, dict(inplace_final_state=True), ValueError, "needs initial_state"),
-        (fused, dict(num_accepted_tokens=torch.tensor([1])), NotImplementedError, "num_accepted_tokens"),
+        (fused, dict(num_accepted_tokens=torch.tensor([1])), ValueError, "num_accepted_tokens needs 2-D"),
         (fused, dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
         (chunk, dict(return_intermediate_states=True, cu_seqlens=torch.tensor([0, 4, 3, 6], dtype=torch.int32)),
          ValueError, "non-monotonic cu_seqlens"),

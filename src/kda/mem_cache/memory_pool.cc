@@ -65,6 +65,17 @@ RecurrentStatePool::RecurrentStatePool(const RecurrentStatePoolConfig& cfg) : cf
   } else {
     conv_f32_.assign(rows * conv_slot_, 0.0f);
   }
+  if (cfg.max_verify_tokens < 0 || cfg.verify_rows < 0)
+    throw std::invalid_argument(
+        "RecurrentStatePoolConfig.max_verify_tokens and verify_rows must be >= 0, got " +
+        str(cfg.max_verify_tokens) + " and " + str(cfg.verify_rows));
+  if (cfg.max_verify_tokens > 0) {
+    verify_rows_ = cfg.verify_rows > 0 ? cfg.verify_rows : cfg.size;
+    verify_token_ = 2 * cfg.conv_dim + static_cast<int64_t>(cfg.num_heads) * cfg.head_k_dim + cfg.num_heads;
+    verify_.assign(
+        static_cast<size_t>(cfg.layer_ids.size() * verify_rows_ * cfg.max_verify_tokens * verify_token_),
+        0.0f);
+  }
   allocated_.assign(cfg.size + 1, 0);
   // Pushed high to low so that the first allocations hand out 1, 2, 3, ...
   free_slots_.reserve(cfg.size);
@@ -171,6 +182,12 @@ LinearRecurrentLayerCache RecurrentStatePool::get_linear_recurrent_layer_cache(i
   c.num_slots = rows;
   c.recurrent_slot_elems = rec_slot_;
   c.conv_slot_elems = conv_slot_;
+  if (!verify_.empty()) {
+    c.verify_rows = verify_rows_;
+    c.verify_tokens = cfg_.max_verify_tokens;
+    c.verify_token_elems = verify_token_;
+    c.verify = verify_.data() + l * verify_rows_ * c.verify_tokens * verify_token_;
+  }
   return c;
 }
 

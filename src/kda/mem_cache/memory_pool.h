@@ -3,6 +3,13 @@
 //
 //   recurrent buffer  fp32            [L, N+1, H, K, V]
 //   conv buffer       fp32 or bf16    [L, N+1, W-1, C]   (C = 3P: raw pre-conv q||k||v inputs)
+//   verify buffer     fp32            [L, R, Tv, 2C + H*K + H]   (speculative decoding, optional)
+//
+// The verify buffer holds, per KDA layer, what a TARGET_VERIFY batch keeps for its accept: for each of up
+// to R batch rows and Tv = max_verify_tokens (d_max + 1) tokens, the token's raw conv input (C, as the
+// conv state keeps it), its conv output q||k||v (C), its raw forget gate (H*K) and beta (H) -- the inputs
+// of the recurrence, which accept replays for the accepted tokens only (see KDAAttnBackend::accept for
+// why inputs and not the d_max + 1 per-position states of 2 MiB each at the model's shapes).
 //
 // Slot 0 is reserved (never handed out: a padded row or a dummy request may point at it), so a pool of
 // `size` usable slots has size + 1 rows. Every error is a std::invalid_argument / std::runtime_error
@@ -28,6 +35,11 @@ struct RecurrentStatePoolConfig {
   int conv_kernel = 4;                     // W
   int64_t conv_dim = 0;                    // C = channels of the conv state (3P per rank)
   Precision conv_dtype = Precision::FP32;  // fp32 mode: fp32 conv state; bf16 mode: bf16
+  // Speculative decoding (TARGET_VERIFY): tokens one verify row may hold (the last accepted token and up to
+  // max_verify_tokens - 1 drafts; 0: no verify buffer, TARGET_VERIFY is an error), and rows of a verify
+  // batch (0: `size`, one per request slot).
+  int max_verify_tokens = 0;
+  int64_t verify_rows = 0;
 };
 
 // One layer's view of the pool: raw pointers into the pool buffers, valid while the pool lives.
@@ -39,6 +51,11 @@ struct LinearRecurrentLayerCache {
   int64_t num_slots = 0;             // N+1 rows, slot 0 included
   int64_t recurrent_slot_elems = 0;  // H*K*V
   int64_t conv_slot_elems = 0;       // (W-1)*C
+  // The layer's verify buffer [verify_rows, verify_tokens, verify_token_elems] fp32 (null without one).
+  float* verify = nullptr;
+  int64_t verify_rows = 0;
+  int64_t verify_tokens = 0;
+  int64_t verify_token_elems = 0;  // 2C + H*K + H: raw conv input | conv output | gate | beta
 };
 
 class RecurrentStatePool {
@@ -49,7 +66,10 @@ class RecurrentStatePool {
   int64_t size() const { return cfg_.size; }
   int64_t available() const { return static_cast<int64_t>(free_slots_.size()); }
   int num_layers() const { return static_cast<int>(cfg_.layer_ids.size()); }
-  size_t bytes() const;  // both buffers
+  size_t bytes() const;  // the recurrent and conv buffers
+  // The verify buffer (speculative decoding), every layer: what admission adds for TARGET_VERIFY.
+  size_t spec_state_bytes() const { return verify_.size() * sizeof(float); }
+  size_t total_bytes() const { return bytes() + spec_state_bytes(); }
   // One slot's state in every layer (recurrent + conv): what a request or a cached snapshot costs.
   size_t bytes_per_slot() const;
 
@@ -84,6 +104,8 @@ class RecurrentStatePool {
   std::vector<float> recurrent_;
   std::vector<float> conv_f32_;
   std::vector<bf16_t> conv_bf16_;
+  int64_t verify_rows_ = 0, verify_token_ = 0;  // rows per layer, elements per token
+  std::vector<float> verify_;
   std::vector<int32_t> free_slots_;  // LIFO free list
   std::vector<uint8_t> allocated_;   // [N+1]
 };

@@ -58,6 +58,37 @@ void ForwardBatch::validate() const {
     throw std::invalid_argument(
         std::string("ForwardBatch: state_snapshots are for EXTEND batches only (mode ") +
         to_string(forward_mode) + ")");
+  if (!draft_parents.empty() && forward_mode != ForwardMode::TARGET_VERIFY)
+    throw std::invalid_argument(
+        std::string("ForwardBatch: draft_parents are for TARGET_VERIFY batches only (mode ") +
+        to_string(forward_mode) + ")");
+  if (forward_mode == ForwardMode::TARGET_VERIFY) {
+    int64_t drafts = 0;
+    for (size_t i = 0; i < b; ++i) {
+      if (extend_seq_lens[i] < 1)
+        throw std::invalid_argument("ForwardBatch: TARGET_VERIFY row " + std::to_string(i) + " has " +
+                                    std::to_string(extend_seq_lens[i]) +
+                                    " tokens (must be >= 1: the last accepted token, then its drafts)");
+      drafts += extend_seq_lens[i] - 1;
+    }
+    if (!draft_parents.empty()) {
+      if (static_cast<int64_t>(draft_parents.size()) != drafts)
+        throw std::invalid_argument("ForwardBatch: draft_parents has " +
+                                    std::to_string(draft_parents.size()) + " entries for " +
+                                    std::to_string(drafts) + " drafted tokens");
+      size_t at = 0;
+      for (size_t i = 0; i < b; ++i) {
+        for (int32_t j = 0; j < extend_seq_lens[i] - 1; ++j, ++at) {
+          if (draft_parents[at] < -1 || draft_parents[at] >= j)
+            throw std::invalid_argument("ForwardBatch: draft " + std::to_string(j) + " of row " +
+                                        std::to_string(i) + " names parent " +
+                                        std::to_string(draft_parents[at]) +
+                                        " (must be -1, the last accepted token, or an earlier draft 0.." +
+                                        std::to_string(j - 1) + ": a parent comes before its child)");
+        }
+      }
+    }
+  }
   std::vector<int32_t> slots;
   slots.reserve(state_snapshots.size());
   for (size_t j = 0; j < state_snapshots.size(); ++j) {
@@ -96,6 +127,28 @@ ForwardBatch ForwardBatch::decode(std::vector<int32_t> req_pool_indices) {
   fb.extend_seq_lens.assign(req_pool_indices.size(), 1);
   fb.extend_prefix_lens.assign(req_pool_indices.size(), 1);
   fb.req_pool_indices = std::move(req_pool_indices);
+  return fb;
+}
+
+ForwardBatch ForwardBatch::target_verify(std::vector<int32_t> req_pool_indices,
+                                         const std::vector<int32_t>& draft_lens,
+                                         std::vector<int32_t> draft_parents) {
+  if (draft_lens.size() != req_pool_indices.size())
+    throw std::invalid_argument("ForwardBatch::target_verify: " + std::to_string(draft_lens.size()) +
+                                " draft lengths for " + std::to_string(req_pool_indices.size()) +
+                                " requests");
+  ForwardBatch fb;
+  fb.forward_mode = ForwardMode::TARGET_VERIFY;
+  fb.extend_seq_lens.resize(draft_lens.size());
+  for (size_t i = 0; i < draft_lens.size(); ++i) {
+    if (draft_lens[i] < 0)
+      throw std::invalid_argument("ForwardBatch::target_verify: row " + std::to_string(i) + " has " +
+                                  std::to_string(draft_lens[i]) + " drafts");
+    fb.extend_seq_lens[i] = draft_lens[i] + 1;
+  }
+  fb.extend_prefix_lens.assign(req_pool_indices.size(), 1);
+  fb.req_pool_indices = std::move(req_pool_indices);
+  fb.draft_parents = std::move(draft_parents);
   return fb;
 }
 

@@ -16,8 +16,8 @@ enum class ForwardMode {
   DECODE,         // one token per request
   IDLE,           // nothing to run on this rank: zero output
   DUMMY_FIRST,    // a warm-up / padding step: zero output, no state touched
-  DRAFT_EXTEND,   // speculative decoding: not supported by the KDA backend
-  TARGET_VERIFY,  // speculative decoding: not supported by the KDA backend
+  DRAFT_EXTEND,   // speculative decoding (the draft model's extend): not supported by the KDA backend
+  TARGET_VERIFY,  // speculative decoding: each row is the last accepted token and its drafts (see below)
 };
 
 const char* to_string(ForwardMode m);
@@ -44,6 +44,14 @@ struct ForwardBatch {
   };
   std::vector<StateSnapshot> state_snapshots;  // EXTEND only; an error in other modes
 
+  // TARGET_VERIFY: row i is the request's last accepted token followed by its d_i drafted tokens
+  // (extend_seq_lens[i] = d_i + 1, d_i >= 0). Tree drafts: draft_parents lists, row after row, each
+  // draft's parent as an index among the row's drafts (0..j-1 for draft j), or -1 for the last accepted
+  // token; empty: every row is a chain (draft j's parent is draft j-1). The forward returns an output for
+  // every position and leaves the requests' committed states as they were; then the backend's accept()
+  // moves each request's slot to the state after its accepted tokens.
+  std::vector<int32_t> draft_parents;
+
   int64_t batch_size() const { return static_cast<int64_t>(req_pool_indices.size()); }
   int64_t num_tokens() const;  // sum of extend_seq_lens
 
@@ -56,6 +64,10 @@ struct ForwardBatch {
   static ForwardBatch extend(std::vector<int32_t> req_pool_indices, std::vector<int32_t> extend_seq_lens,
                              std::vector<int32_t> extend_prefix_lens);
   static ForwardBatch decode(std::vector<int32_t> req_pool_indices);
+  // TARGET_VERIFY over rows of draft_lens[i] + 1 tokens; draft_parents as above (empty: chains).
+  static ForwardBatch target_verify(std::vector<int32_t> req_pool_indices,
+                                    const std::vector<int32_t>& draft_lens,
+                                    std::vector<int32_t> draft_parents = {});
 };
 
 }  // namespace kda::model_executor

@@ -289,9 +289,9 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
     if (T > 0) std::memset(out, 0, sizeof(float) * T * D_);
     return;
   }
-  if (mode == ForwardMode::DRAFT_EXTEND || mode == ForwardMode::TARGET_VERIFY)
+  if (mode == ForwardMode::DRAFT_EXTEND)
     throw std::runtime_error(std::string("forward mode ") + model_executor::to_string(mode) +
-                             " (speculative decoding) is not supported by the KDA backend");
+                             " (speculative decoding's draft extend) is not supported by the KDA backend");
   if (T == 0) return;
 
   KdaWorkspace& ws = workspace ? *workspace : own_ws_;

@@ -75,11 +75,28 @@ void validate_snapshots(const KdaArgs& a) {
 
 void validate_core(const KdaArgs& a);
 
+// Tree parents: each token's parent is -1 or an earlier token of its own sequence.
+void validate_parents(const KdaArgs& a) {
+  if (a.parents == nullptr) return;
+  for (int64_t i = 0; i < a.N; ++i) {
+    const int64_t bos = a.cu_seqlens != nullptr ? a.cu_seqlens[i] : i * (a.T / a.N);
+    const int64_t len = seq_len(a, i);
+    for (int64_t j = 0; j < len; ++j) {
+      const int32_t p = a.parents[bos + j];
+      if (p < -1 || p >= j)
+        fail("parents[" + str(bos + j) + "]=" + str(p) + ": token " + str(j) + " of sequence " + str(i) +
+             " must name an earlier token of its sequence (0.." + str(j - 1) +
+             ") or -1 (the initial state): a parent comes before its child");
+    }
+  }
+}
+
 }  // namespace
 
 void validate_kda_args(const KdaArgs& a) {
   validate_core(a);
   validate_snapshots(a);
+  validate_parents(a);
 }
 
 SnapshotPlan::SnapshotPlan() = default;
@@ -326,6 +343,8 @@ const char* kernel_name(KernelImpl impl) {
 
 void chunk_kda(const KdaArgs& a, KernelImpl impl) {
   validate_kda_args(a);
+  if (a.parents != nullptr)
+    fail("chunk_kda takes no tree parents (KdaArgs::parents): tree drafts go through fused_recurrent_kda");
   if (impl == KernelImpl::Naive) {
     chunk_kda_naive(a);
   } else {

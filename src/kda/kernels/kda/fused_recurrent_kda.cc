@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <new>
 #include <vector>
@@ -49,6 +50,7 @@ constexpr int64_t kCacheResidentBytes = int64_t{16} << 20;
 
 thread_local ScratchBuffer tl_prep;   // [kTokBlock][5][Kp]: scale q-hat, k-hat, exp(g), k-hat exp(g), g
 thread_local ScratchBuffer tl_state;  // [K, V] private state, when the slot is not updated in place
+thread_local ScratchBuffer tl_tree;   // [T_seq, K, V] every token's state of a tree (KdaArgs::parents)
 
 // One token's inputs for the strip kernel, columns relative to the strip start.
 struct Tok {
@@ -257,10 +259,65 @@ void take_snapshots(const KdaArgs& a, const KdaSnapshot*& s, const KdaSnapshot* 
   for (; s != e && s->pos == pos; ++s) std::memcpy(snapshot_head(a, *s, h), S, kv * sizeof(float));
 }
 
+// A tree (KdaArgs::parents) on head h: token j's state, in tl_tree row j, is its parent's row (or the
+// initial state) advanced by the token, strip by strip as in the chain; snapshots and the final state
+// are copied from the rows once every token is done. Verification trees are a few tokens, so the rows
+// stay in L2, and the slot itself is only read.
+void process_tree(const KdaArgs& a, int h, float scale, const Item& it) {
+  const int K = a.K, V = a.V, H = a.H;
+  const size_t kv = static_cast<size_t>(K) * V;
+  const int64_t len = it.eos - it.bos;
+  float* rows_state = tl_tree.get(static_cast<size_t>(std::max<int64_t>(len, 1)) * kv);
+  const float* init = it.pool;
+  if (!it.has_init) {
+    float* z = tl_state.get(kv);
+    std::memset(z, 0, kv * sizeof(float));
+    init = z;
+  }
+  const prep::HeadPrep hp = prep::head_prep(a, h, scale);
+  const int Kp = (K + 15) / 16 * 16;
+  float* rows = tl_prep.get(static_cast<size_t>(kTokBlock) * 5 * Kp);
+  const int64_t vs = a.v_stride > 0 ? a.v_stride : static_cast<int64_t>(H) * V;
+  int nt = 0;
+  for (int64_t t0 = it.bos; t0 < it.eos; t0 += nt) {
+    nt = static_cast<int>(std::min<int64_t>(kTokBlock, it.eos - t0));
+    Tok tok[kTokBlock];
+    for (int r = 0; r < nt; ++r) {
+      const int64_t t = t0 + r;
+      float* p = rows + static_cast<size_t>(r) * 5 * Kp;
+      prepare_token(a, hp, t, h, Kp, p);
+      tok[r] = {
+          p, p + Kp, p + 2 * Kp, p + 3 * Kp, a.v + t * vs + h * V, a.o + (t * H + h) * V, a.beta[t * H + h]};
+    }
+    for (int j0 = 0; j0 < V; j0 += kStrip) {
+      const int nr = std::min(kStrip, V - j0);
+      for (int r = 0; r < nt; ++r) {
+        const int64_t j = t0 + r - it.bos;
+        const int32_t par = a.parents[t0 + r];
+        const float* src = par < 0 ? init : rows_state + static_cast<size_t>(par) * kv;
+        strip(src + j0, V, rows_state + static_cast<size_t>(j) * kv + j0, V, K, tok[r], j0, nr, nullptr, V,
+              0);
+      }
+    }
+  }
+  // The state after position pos: the initial state at 0, else token pos-1's row.
+  const auto after = [&](int64_t pos) {
+    return pos == 0 ? init : rows_state + static_cast<size_t>(pos - 1) * kv;
+  };
+  for (const KdaSnapshot* s = it.snap; s != it.snap_end; ++s)
+    std::memcpy(snapshot_head(a, *s, h), after(s->pos), kv * sizeof(float));
+  if (it.pool != nullptr && a.output_final_state && after(len) != it.pool)
+    std::memcpy(it.pool, after(len), kv * sizeof(float));
+}
+
 void process_item(const KdaArgs& a, int h, float scale, const Item& it, const Item* next, bool prefetch) {
   const int K = a.K, V = a.V, H = a.H;
   if (it.padded) {  // zero output, the pool is not touched
     for (int64_t t = it.bos; t < it.eos; ++t) std::memset(a.o + (t * H + h) * V, 0, V * sizeof(float));
+    return;
+  }
+  if (a.parents != nullptr) {
+    process_tree(a, h, scale, it);
     return;
   }
   const size_t kv = static_cast<size_t>(K) * V;
@@ -339,21 +396,30 @@ void fused_recurrent_kda_opt(const KdaArgs& args) {
   const bool prefetch = a.state_locality == Loc::Memory ||
                         (a.state_locality == Loc::Auto &&
                          items * a.K * a.V * static_cast<int64_t>(sizeof(float)) > kCacheResidentBytes);
+  // The per-thread scratch may fail to grow (a tree keeps T_seq states): no exception leaves the region,
+  // the first one is rethrown after it.
+  std::exception_ptr error;
 #pragma omp parallel if (items > 1)
   {
-    const int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();
-    const int64_t lo = items * th / nth, hi = items * (th + 1) / nth;
-    if (lo < hi) {
-      Item cur = item_of(a, plan, lo / H, static_cast<int>(lo % H));
-      for (int64_t x = lo; x < hi; ++x) {
-        Item next;
-        const bool has_next = x + 1 < hi;
-        if (has_next) next = item_of(a, plan, (x + 1) / H, static_cast<int>((x + 1) % H));
-        process_item(a, static_cast<int>(x % H), scale, cur, has_next ? &next : nullptr, prefetch);
-        cur = next;
+    try {
+      const int64_t nth = omp_get_num_threads(), th = omp_get_thread_num();
+      const int64_t lo = items * th / nth, hi = items * (th + 1) / nth;
+      if (lo < hi) {
+        Item cur = item_of(a, plan, lo / H, static_cast<int>(lo % H));
+        for (int64_t x = lo; x < hi; ++x) {
+          Item next;
+          const bool has_next = x + 1 < hi;
+          if (has_next) next = item_of(a, plan, (x + 1) / H, static_cast<int>((x + 1) % H));
+          process_item(a, static_cast<int>(x % H), scale, cur, has_next ? &next : nullptr, prefetch);
+          cur = next;
+        }
       }
+    } catch (...) {
+#pragma omp critical(kda_fused_recurrent_error)
+      if (!error) error = std::current_exception();
     }
   }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace kda::kernels::KDA_ISA_NS

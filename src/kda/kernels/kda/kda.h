@@ -96,6 +96,16 @@ struct KdaArgs {
   float* snapshot_state = nullptr;  // [num_snapshot_slots, H, K, V] fp32; may be the same buffer as `state`
   int64_t num_snapshot_slots = 0;
 
+  // Tree drafts (speculative decoding, TARGET_VERIFY): token t's parent, as an index within its own
+  // sequence, or -1 for the sequence's initial state; a parent comes before its child. A token's state
+  // is its parent's state advanced by it, and its output is read from that state, so every root-to-leaf
+  // path computes what that path alone would. Null: a chain (token t's parent is t-1), the plain
+  // recurrence. With parents, "the state after position pos" (snapshots, and the final state pos ==
+  // T_seq) is the state of token pos-1 -- its path's state. fused_recurrent_kda only (chunk_kda refuses
+  // it): the recurrent kernels keep each token's state of a sequence (T_seq x H x K x V fp32 per
+  // sequence being worked on), which is what verification of a few drafted tokens needs.
+  const int32_t* parents = nullptr;  // [T]
+
   // Where the slots' states most likely are when the call starts; it steers fused_recurrent_kda_opt's
   // prefetching only (results are the same whatever it says). Auto: in the last-level cache when the
   // call's states total at most 16 MiB, else in memory -- a guess from the call alone. A caller that

@@ -107,6 +107,11 @@ void zero_output_rows(const KdaArgs& a, const Segment& sg) {
 
 }  // namespace
 
+namespace {
+void recurrent_step(const KdaArgs& a, int64_t t, int h, float scale, float* S, float* q, float* k, float* g,
+                    float* u);
+}  // namespace
+
 void fused_recurrent_kda_naive(const KdaArgs& args) {
   std::vector<float> widened;  // bf16 q, k, v, g read as fp32
   const KdaArgs a = with_f32_inputs(args, widened);
@@ -124,39 +129,67 @@ void fused_recurrent_kda_naive(const KdaArgs& args) {
     for (int h = 0; h < H; ++h) {
       load_state(a, i, slot, h, S.data());
       const KdaSnapshot *snap = plan.first(i), *snap_end = plan.last(i);
+      if (a.parents != nullptr) {
+        // Tree: every token's state kept, states[j + 1] after token j, states[0] the initial one; token j
+        // starts from its parent's.
+        const int64_t len = sg.eos - sg.bos;
+        std::vector<std::vector<float>> states(static_cast<size_t>(len + 1));
+        states[0] = S;
+        for (int64_t j = 0; j < len; ++j) {
+          S = states[static_cast<size_t>(a.parents[sg.bos + j] + 1)];
+          recurrent_step(a, sg.bos + j, h, scale, S.data(), q.data(), k.data(), g.data(), u.data());
+          states[static_cast<size_t>(j + 1)] = S;
+        }
+        for (; snap != snap_end; ++snap)
+          std::memcpy(snapshot_head(a, *snap, h), states[static_cast<size_t>(snap->pos)].data(),
+                      sizeof(float) * K * V);
+        store_state(a, slot, h, states[static_cast<size_t>(len)].data());
+        continue;
+      }
       take_snapshots(a, snap, snap_end, 0, h, S.data());
       for (int64_t t = sg.bos; t < sg.eos; ++t) {
-        load_token(a, t, h, q.data(), k.data(), g.data());
-        const float b = a.beta[t * H + h];
-        const float* vt = v_row(a, t, h);
-        // S <- diag(exp(g)) S
-        for (int d = 0; d < K; ++d) {
-          const float e = std::exp(g[d]);
-          for (int j = 0; j < V; ++j) S[d * V + j] *= e;
-        }
-        // u = v - S^T k
-        for (int j = 0; j < V; ++j) {
-          float acc = 0.0f;
-          for (int d = 0; d < K; ++d) acc += S[d * V + j] * k[d];
-          u[j] = vt[j] - acc;
-        }
-        // S <- S + beta k u^T
-        for (int d = 0; d < K; ++d) {
-          for (int j = 0; j < V; ++j) S[d * V + j] += b * k[d] * u[j];
-        }
-        // o = scale S^T q
-        float* ot = a.o + (t * H + h) * V;
-        for (int j = 0; j < V; ++j) {
-          float acc = 0.0f;
-          for (int d = 0; d < K; ++d) acc += S[d * V + j] * q[d];
-          ot[j] = scale * acc;
-        }
+        recurrent_step(a, t, h, scale, S.data(), q.data(), k.data(), g.data(), u.data());
         take_snapshots(a, snap, snap_end, t + 1 - sg.bos, h, S.data());
       }
       store_state(a, slot, h, S.data());
     }
   }
 }
+
+namespace {
+
+// One token of the recurrence on head h's state S (K x V): decay, delta-rule update, output row.
+void recurrent_step(const KdaArgs& a, int64_t t, int h, float scale, float* S, float* q, float* k, float* g,
+                    float* u) {
+  const int K = a.K, V = a.V, H = a.H;
+  load_token(a, t, h, q, k, g);
+  const float b = a.beta[t * H + h];
+  const float* vt = v_row(a, t, h);
+  // S <- diag(exp(g)) S
+  for (int d = 0; d < K; ++d) {
+    const float e = std::exp(g[d]);
+    for (int j = 0; j < V; ++j) S[d * V + j] *= e;
+  }
+  // u = v - S^T k
+  for (int j = 0; j < V; ++j) {
+    float acc = 0.0f;
+    for (int d = 0; d < K; ++d) acc += S[d * V + j] * k[d];
+    u[j] = vt[j] - acc;
+  }
+  // S <- S + beta k u^T
+  for (int d = 0; d < K; ++d) {
+    for (int j = 0; j < V; ++j) S[d * V + j] += b * k[d] * u[j];
+  }
+  // o = scale S^T q
+  float* ot = a.o + (t * H + h) * V;
+  for (int j = 0; j < V; ++j) {
+    float acc = 0.0f;
+    for (int d = 0; d < K; ++d) acc += S[d * V + j] * q[d];
+    ot[j] = scale * acc;
+  }
+}
+
+}  // namespace
 
 void chunk_kda_naive(const KdaArgs& args) {
   std::vector<float> widened;  // bf16 q, k, v, g read as fp32

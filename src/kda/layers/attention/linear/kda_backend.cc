@@ -19,9 +19,9 @@ using model_executor::ForwardMode;
 namespace {
 
 void check_mode_supported(ForwardMode m) {
-  if (m == ForwardMode::DRAFT_EXTEND || m == ForwardMode::TARGET_VERIFY)
+  if (m == ForwardMode::DRAFT_EXTEND)
     throw std::runtime_error(std::string("forward mode ") + model_executor::to_string(m) +
-                             " (speculative decoding) is not supported by the KDA backend");
+                             " (speculative decoding's draft extend) is not supported by the KDA backend");
 }
 
 }  // namespace
@@ -50,7 +50,8 @@ LinearRecurrentAttnBackendMetadata LinearRecurrentAttnBackend::get_forward_metad
     if ((forward_batch.req_pool_indices[i] < 0) != (recurrent_indices[i] < 0))
       throw std::invalid_argument("get_forward_metadata: request " + std::to_string(i) +
                                   " is padded in one of req_pool_indices / recurrent_indices only");
-    const bool decode = forward_batch.forward_mode == ForwardMode::DECODE;
+    const bool decode = forward_batch.forward_mode == ForwardMode::DECODE ||
+                        forward_batch.forward_mode == ForwardMode::TARGET_VERIFY;
     const bool prefix = !forward_batch.extend_prefix_lens.empty() && forward_batch.extend_prefix_lens[i] > 0;
     md.has_initial_state[i] = (decode || prefix) ? 1 : 0;
   }
@@ -66,6 +67,20 @@ LinearRecurrentAttnBackendMetadata LinearRecurrentAttnBackend::get_forward_metad
     }
     md.snapshots.push_back({s.row, s.pos, s.slot});
   }
+  if (forward_batch.forward_mode == ForwardMode::TARGET_VERIFY) {
+    md.output_final_state = false;
+    if (!forward_batch.draft_parents.empty()) {
+      // Row positions: the last accepted token (position 0) continues the committed state, draft j
+      // (position j + 1) its parent's position.
+      md.parents.reserve(static_cast<size_t>(total));
+      size_t at = 0;
+      for (int64_t i = 0; i < B; ++i) {
+        md.parents.push_back(-1);
+        for (int32_t j = 0; j + 1 < forward_batch.extend_seq_lens[i]; ++j)
+          md.parents.push_back(forward_batch.draft_parents[at++] + 1);
+      }
+    }
+  }
   return md;
 }
 
@@ -73,6 +88,16 @@ void LinearRecurrentAttnBackend::init_forward_metadata(const ForwardBatch& forwa
                                                        std::span<const int32_t> recurrent_indices) {
   forward_metadata_ = get_forward_metadata(forward_batch, recurrent_indices);
   has_metadata_ = true;
+  if (forward_batch.forward_mode == ForwardMode::TARGET_VERIFY) {
+    // A new verify batch: the previous one can no longer be accepted (the verify buffer is reused); this
+    // one can once a layer has run it.
+    verify_pending_ = false;
+    verify_md_ = forward_metadata_;
+    verify_req_ = forward_batch.req_pool_indices;
+    verify_lens_ = forward_batch.extend_seq_lens;
+    verify_parents_ = forward_batch.draft_parents;
+    verify_layers_.clear();
+  }
 }
 
 // Row stride of the conv output, in elements of elem_bytes: the channels padded by one cache line when
@@ -263,6 +288,10 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
                                   " is one of the batch's own slots");
   }
 
+  if (mode == ForwardMode::TARGET_VERIFY) {
+    forward_verify(layer, in, cache, o);
+    return;
+  }
   const bool decode = mode == ForwardMode::DECODE;
   // The bf16 mode's conv output is bf16 values (the spec rounds it there): in EXTEND it is stored as
   // bf16, half the bytes written by the conv and read by chunk_kda. DECODE keeps fp32 rows (a batch of
@@ -312,6 +341,276 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   decode ? dispatch_recurrent(d) : dispatch_chunk(d);
 }
 
+namespace {
+
+// The raw conv input of token t (fp32 or bf16 rows), as a conv state keeps it: rounded to bf16 in the bf16
+// mode (then exactly representable in a bf16 state), into dst [C] fp32.
+void raw_input_row(const LinearAttnInputs& in, int64_t t, int64_t C, bool round, float* dst) {
+  for (int64_t c = 0; c < C; ++c) {
+    float v = in.mixed_qkv_bf16 != nullptr ? bf16_to_f32(in.mixed_qkv_bf16[t * in.qkv_stride + c])
+                                           : in.mixed_qkv[t * in.qkv_stride + c];
+    dst[c] = round ? round_bf16(v) : v;
+  }
+}
+
+// A conv window [W-1, C]: the last W-1 rows of (the committed window `old` ++ the raw rows `path`, oldest
+// first), into dst.
+template <class StateT>
+void conv_window(StateT* dst, const StateT* old, int64_t Hn, int64_t C,
+                 const std::vector<const float*>& path) {
+  const int64_t n = static_cast<int64_t>(path.size());
+  for (int64_t r = 0; r < Hn; ++r) {
+    const int64_t q = n + r;  // position in (old ++ path)
+    StateT* o = dst + r * C;
+    if (q < Hn) {
+      std::memcpy(o, old + q * C, sizeof(StateT) * C);
+      continue;
+    }
+    const float* row = path[q - Hn];
+    for (int64_t c = 0; c < C; ++c) {
+      if constexpr (std::is_same_v<StateT, bf16_t>) {
+        o[c] = f32_to_bf16(row[c]);
+      } else {
+        o[c] = row[c];
+      }
+    }
+  }
+}
+
+// Row-local positions from the row's first token to position j, following parents (empty: a chain).
+void path_to(const std::vector<int32_t>& parents, int64_t bos, int64_t j, std::vector<int64_t>& path) {
+  path.clear();
+  for (int64_t t = j; t >= 0; t = parents.empty() ? t - 1 : parents[bos + t]) path.push_back(t);
+  std::reverse(path.begin(), path.end());
+}
+
+}  // namespace
+
+// TARGET_VERIFY in one layer: checks the verify buffer, then per token its conv window (its ancestors'
+// raw inputs reaching into the committed conv state) and the decode conv over all tokens at once, the
+// kept inputs, and the recurrence over the rows (parents for trees) without writing the committed states.
+void LinearRecurrentAttnBackend::forward_verify(const RadixLinearAttention& layer, const LinearAttnInputs& in,
+                                                const mem_cache::LinearRecurrentLayerCache& cache, float* o) {
+  const auto& p = layer.params();
+  const auto& md = forward_metadata_;
+  const int64_t B = static_cast<int64_t>(md.recurrent_indices.size()), T = md.num_tokens();
+  const int64_t H = p.num_v_heads, K = p.head_k_dim, C = layer.conv_dim(), Hn = p.conv_kernel - 1;
+  if (cache.verify == nullptr)
+    throw std::invalid_argument(
+        "TARGET_VERIFY: the state pool has no verify buffer "
+        "(RecurrentStatePoolConfig::max_verify_tokens is 0)");
+  if (B > cache.verify_rows)
+    throw std::invalid_argument("TARGET_VERIFY: " + std::to_string(B) +
+                                " rows, more than the verify buffer's " + std::to_string(cache.verify_rows));
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t len = md.cu_q_lens[i + 1] - md.cu_q_lens[i];
+    if (len > cache.verify_tokens)
+      throw std::invalid_argument("TARGET_VERIFY: row " + std::to_string(i) + " has " +
+                                  std::to_string(len - 1) +
+                                  " drafts, more than the verify buffer holds (max_verify_tokens " +
+                                  std::to_string(cache.verify_tokens) + " = 1 + " +
+                                  std::to_string(cache.verify_tokens - 1) + " drafts)");
+  }
+  if (std::find(verify_layers_.begin(), verify_layers_.end(), &layer) == verify_layers_.end())
+    verify_layers_.push_back(&layer);
+  verify_pending_ = true;
+  if (T == 0) return;
+
+  // Kept per token: raw conv input | conv output | gate | beta.
+  const int64_t E = cache.verify_token_elems;
+  const auto kept = [&](int64_t i, int64_t j) { return cache.verify + (i * cache.verify_tokens + j) * E; };
+  std::vector<int32_t> tok_slot(static_cast<size_t>(T), -1);
+  std::vector<const float*> anc;
+  std::vector<int64_t> path;
+  for (int64_t i = 0; i < B; ++i)
+    for (int64_t j = 0; j < md.cu_q_lens[i + 1] - md.cu_q_lens[i]; ++j)
+      raw_input_row(in, md.cu_q_lens[i] + j, C, p.bf16_activations, kept(i, j));
+  // Each token's window before it, in a scratch conv pool of one slot per token.
+  const auto windows = [&](auto* scratch, const auto* conv) {
+    for (int64_t i = 0; i < B; ++i) {
+      const int32_t slot = md.recurrent_indices[i];
+      if (slot < 0) continue;
+      const int64_t bos = md.cu_q_lens[i];
+      for (int64_t j = 0; j < md.cu_q_lens[i + 1] - bos; ++j) {
+        path_to(md.parents, bos, j, path);
+        anc.clear();
+        for (size_t r = 0; r + 1 < path.size(); ++r) anc.push_back(kept(i, path[r]));
+        conv_window(scratch + (bos + j) * Hn * C, conv + static_cast<int64_t>(slot) * Hn * C, Hn, C, anc);
+        tok_slot[bos + j] = static_cast<int32_t>(bos + j);
+      }
+    }
+  };
+  const int64_t ys = conv_out_stride(layer, sizeof(float));
+  conv_out_.resize(static_cast<size_t>(T * ys));
+  auto fill = [&](auto& args) {
+    args.x = in.mixed_qkv;
+    args.x_bf16 = in.mixed_qkv_bf16;
+    args.x_stride = in.qkv_stride;
+    args.T = T;
+    args.C = C;
+    args.weight = p.conv_weights;
+    args.W = p.conv_kernel;
+    args.N = T;
+    args.indices = tok_slot.data();
+    args.num_slots = T;
+    args.round_input_bf16 = p.bf16_activations;
+    args.round_output_bf16 = p.bf16_activations;
+    args.y = conv_out_.data();
+    args.y_stride = ys;
+  };
+  if (cache.conv_f32 != nullptr) {
+    verify_conv_f32_.resize(static_cast<size_t>(T * Hn * C));
+    windows(verify_conv_f32_.data(), cache.conv_f32);
+    kernels::ShortConvArgs<float> args;
+    fill(args);
+    args.state = verify_conv_f32_.data();
+    kernels::short_conv_decode(args);
+  } else {
+    verify_conv_bf16_.resize(static_cast<size_t>(T * Hn * C));
+    windows(verify_conv_bf16_.data(), cache.conv_bf16);
+    kernels::ShortConvArgs<bf16_t> args;
+    fill(args);
+    args.state = verify_conv_bf16_.data();
+    kernels::short_conv_decode(args);
+  }
+
+  beta_.resize(static_cast<size_t>(T * H));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t x = t * in.b_stride + h;
+      float bt = in.b_bf16 != nullptr ? bf16_to_f32(in.b_bf16[x]) : in.b[x];
+      if (p.bf16_activations) bt = round_bf16(bt);
+      beta_[t * H + h] = 1.0f / (1.0f + std::exp(-bt));
+    }
+  }
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t j = 0; j < md.cu_q_lens[i + 1] - md.cu_q_lens[i]; ++j) {
+      const int64_t t = md.cu_q_lens[i] + j;
+      float* k = kept(i, j);
+      std::memcpy(k + C, conv_out_.data() + t * ys, sizeof(float) * C);
+      for (int64_t c = 0; c < H * K; ++c)
+        k[2 * C + c] =
+            in.a_bf16 != nullptr ? bf16_to_f32(in.a_bf16[t * in.a_stride + c]) : in.a[t * in.a_stride + c];
+      std::memcpy(k + 2 * C + H * K, beta_.data() + t * H, sizeof(float) * H);
+    }
+  }
+
+  LinearRecurrentDispatch d;
+  d.layer = &layer;
+  d.metadata = &md;
+  d.q = conv_out_.data();
+  d.k = conv_out_.data() + layer.q_dim();
+  d.v = conv_out_.data() + layer.q_dim() + layer.k_dim();
+  d.qkv_stride = ys;
+  d.a = in.a;
+  d.a_bf16 = in.a_bf16;
+  d.a_stride = in.a_stride;
+  d.beta = beta_.data();
+  d.cache = cache;
+  d.o = o;
+  dispatch_recurrent(d);
+}
+
+void LinearRecurrentAttnBackend::accept(const ForwardBatch& batch, std::span<const int32_t> accepted,
+                                        mem_cache::RecurrentStatePool& recurrent_state_pool) {
+  // Everything is checked before any state is written.
+  if (!verify_pending_)
+    throw std::invalid_argument("accept: no TARGET_VERIFY batch is pending (none ran, or it was accepted)");
+  if (batch.forward_mode != ForwardMode::TARGET_VERIFY || batch.req_pool_indices != verify_req_ ||
+      batch.extend_seq_lens != verify_lens_ || batch.draft_parents != verify_parents_)
+    throw std::invalid_argument(
+        "accept: the batch is not the pending TARGET_VERIFY batch (rows, lengths or "
+        "parents differ)");
+  const auto& md = verify_md_;
+  const int64_t B = static_cast<int64_t>(md.recurrent_indices.size());
+  if (static_cast<int64_t>(accepted.size()) != B)
+    throw std::invalid_argument("accept: " + std::to_string(accepted.size()) + " accepted positions for " +
+                                std::to_string(B) + " rows");
+  for (int64_t i = 0; i < B; ++i) {
+    const int32_t d = md.cu_q_lens[i + 1] - md.cu_q_lens[i] - 1;
+    if (accepted[i] < 0 || accepted[i] > d)
+      throw std::invalid_argument("accept: row " + std::to_string(i) + " accepts position " +
+                                  std::to_string(accepted[i]) + " of its " + std::to_string(d) +
+                                  " drafts (must be in [0, " + std::to_string(d) + "])");
+  }
+  std::vector<mem_cache::LinearRecurrentLayerCache> caches;
+  for (const RadixLinearAttention* layer : verify_layers_) {
+    caches.push_back(recurrent_state_pool.get_linear_recurrent_layer_cache(layer->layer_id()));
+    if (caches.back().verify == nullptr)
+      throw std::invalid_argument("accept: layer " + std::to_string(layer->layer_id()) +
+                                  " of the state pool has no verify buffer");
+  }
+
+  // The accepted paths: for each row, the row positions from the last accepted token back to position 0.
+  LinearRecurrentAttnBackendMetadata rmd;
+  rmd.forward_mode = ForwardMode::DECODE;
+  rmd.recurrent_indices = md.recurrent_indices;
+  rmd.has_initial_state.assign(static_cast<size_t>(B), 1);
+  rmd.cu_q_lens.assign(1, 0);
+  std::vector<std::vector<int64_t>> paths(static_cast<size_t>(B));
+  for (int64_t i = 0; i < B; ++i) {
+    if (md.recurrent_indices[i] >= 0) path_to(md.parents, md.cu_q_lens[i], accepted[i], paths[i]);
+    rmd.cu_q_lens.push_back(rmd.cu_q_lens.back() + static_cast<int32_t>(paths[i].size()));
+  }
+  const int64_t Tp = rmd.cu_q_lens.back();
+  verify_pending_ = false;  // accepted once, whatever happens below
+
+  std::vector<const float*> rows;
+  for (size_t l = 0; l < verify_layers_.size(); ++l) {
+    const RadixLinearAttention& layer = *verify_layers_[l];
+    const auto& cache = caches[l];
+    const auto& p = layer.params();
+    const int64_t H = p.num_v_heads, K = p.head_k_dim, V = p.head_v_dim, C = layer.conv_dim();
+    const int64_t Hn = p.conv_kernel - 1, E = cache.verify_token_elems;
+    const auto kept = [&](int64_t i, int64_t j) { return cache.verify + (i * cache.verify_tokens + j) * E; };
+    // The accepted tokens' kept inputs, contiguous.
+    accept_rows_.resize(static_cast<size_t>(Tp * E));
+    accept_beta_.resize(static_cast<size_t>(Tp * H));
+    accept_o_.resize(static_cast<size_t>(Tp * H * V));
+    for (int64_t i = 0, t = 0; i < B; ++i) {
+      for (const int64_t j : paths[i]) {
+        std::memcpy(accept_rows_.data() + t * E, kept(i, j), sizeof(float) * E);
+        std::memcpy(accept_beta_.data() + t * H, kept(i, j) + 2 * C + H * K, sizeof(float) * H);
+        ++t;
+      }
+    }
+    // The conv state: the path's last W-1 raw inputs after the committed window (computed before the
+    // recurrent replay, which does not touch it, and written row by row: rows own distinct slots).
+    const auto conv = [&](auto* pool_conv) {
+      using StateT = std::remove_pointer_t<decltype(pool_conv)>;
+      std::vector<StateT> win(static_cast<size_t>(Hn * C));
+      for (int64_t i = 0; i < B; ++i) {
+        const int32_t slot = md.recurrent_indices[i];
+        if (slot < 0 || Hn == 0) continue;
+        rows.clear();
+        for (const int64_t j : paths[i]) rows.push_back(kept(i, j));
+        StateT* st = pool_conv + static_cast<int64_t>(slot) * Hn * C;
+        conv_window(win.data(), st, Hn, C, rows);
+        std::memcpy(st, win.data(), sizeof(StateT) * Hn * C);
+      }
+    };
+    if (cache.conv_f32 != nullptr) {
+      conv(cache.conv_f32);
+    } else {
+      conv(cache.conv_bf16);
+    }
+    if (Tp == 0) continue;
+    LinearRecurrentDispatch d;
+    d.layer = &layer;
+    d.metadata = &rmd;
+    d.q = accept_rows_.data() + C;
+    d.k = d.q + layer.q_dim();
+    d.v = d.k + layer.k_dim();
+    d.qkv_stride = E;
+    d.a = accept_rows_.data() + 2 * C;
+    d.a_stride = E;
+    d.beta = accept_beta_.data();
+    d.cache = cache;
+    d.o = accept_o_.data();
+    dispatch_recurrent(d);
+  }
+}
+
 kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) const {
   const auto& p = d.layer->params();
   const auto& md = *d.metadata;
@@ -342,7 +641,8 @@ kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) c
   a.state_indices = md.recurrent_indices.data();
   a.num_state_slots = d.cache.num_slots;
   a.has_initial_state = md.has_initial_state.data();
-  a.output_final_state = true;
+  a.output_final_state = md.output_final_state;
+  a.parents = md.parents.empty() ? nullptr : md.parents.data();
   a.snapshots = md.snapshots.data();
   a.num_snapshots = static_cast<int64_t>(md.snapshots.size());
   a.snapshot_state = d.cache.recurrent;

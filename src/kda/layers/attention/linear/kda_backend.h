@@ -4,11 +4,11 @@
 // MambaAttnBackendBase): it holds no weights and no pool reference. Per batch, get_forward_metadata
 // computes cu_q_lens, recurrent_indices and has_initial_state once; every layer then calls forward,
 // which dispatches on the forward mode: EXTEND -> short conv (extend) + dispatch_chunk, DECODE -> short
-// conv (decode) + dispatch_recurrent, IDLE / DUMMY_FIRST -> zeros with no state touched, speculative
-// modes -> a clear not-supported error. The layer's states are read from and written to the pool in
-// place, through the layer's view (get_linear_recurrent_layer_cache(layer_id)). An EXTEND batch's
-// state_snapshots are written by every layer into its own part of the snapshot slots: the recurrent state
-// by the kernel (in the same pass), the conv state by the backend.
+// conv (decode) + dispatch_recurrent, IDLE / DUMMY_FIRST -> zeros with no state touched, TARGET_VERIFY ->
+// the verify pass (below), DRAFT_EXTEND -> a clear not-supported error. The layer's states are read from and
+// written to the pool in place, through the layer's view (get_linear_recurrent_layer_cache(layer_id)). An
+// EXTEND batch's state_snapshots are written by every layer into its own part of the snapshot slots: the
+// recurrent state by the kernel (in the same pass), the conv state by the backend.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +34,11 @@ struct LinearRecurrentAttnBackendMetadata {
   // The batch's state_snapshots (EXTEND): seq = batch row, pos, slot; the kernel writes each layer's
   // recurrent state into the slot, the backend its conv state.
   std::vector<kernels::KdaSnapshot> snapshots;
+  // TARGET_VERIFY with tree drafts: each token's parent within its row (-1: the committed state), the
+  // kernel's KdaArgs::parents; empty for chains. output_final_state is false for TARGET_VERIFY (the
+  // committed states stay as they are).
+  std::vector<int32_t> parents;
+  bool output_final_state = true;
   int64_t num_tokens() const { return cu_q_lens.empty() ? 0 : cu_q_lens.back(); }
 };
 
@@ -120,6 +125,33 @@ class LinearRecurrentAttnBackend {
             recurrent_state_pool, o);
   }
 
+  // Speculative decoding. A TARGET_VERIFY forward (ForwardBatch::target_verify) runs, in every KDA layer,
+  // the conv and the recurrence over each row's last accepted token and drafts -- a tree token's conv
+  // window is its own ancestors' raw inputs, its state its parent's advanced by it -- and returns an
+  // output for every position; the committed states are only read. Each layer keeps, in the pool's
+  // verify buffer (RecurrentStatePoolConfig::max_verify_tokens), its tokens' raw conv inputs and the
+  // recurrence's inputs (conv output, gate, beta). accept() then leaves in each request's slot, for every
+  // layer that ran the verify batch, exactly the state after its accepted tokens, with no layer pass:
+  // the conv state is the path's last W-1 raw inputs, the recurrent state the committed one advanced by
+  // the accepted tokens (fused_recurrent_kda over their kept inputs).
+  //
+  // Why replay and not the d+1 per-position states kept during verify (measured with the kernels at
+  // H=32, K=V=128, d=4, states in memory, 2 threads; test KdaVerify.DISABLED_TimingKeptStatesVsReplay):
+  // keeping them writes (d+1) x 2 MiB per request per layer and accept still copies 2 MiB, while replay
+  // writes nothing during verify and accept re-runs a+1 tokens on a state it streams once -- batch 1:
+  // 0.95-0.99 ms (kept) vs 0.36-0.54 ms (replay) for verify + accept, a in {0, 2, 4}; batch 8:
+  // 12.9-14.6 ms vs 5.0-9.3 ms. It also needs 2C + H*K + H floats per token (about 112 KiB at the model's
+  // shapes) instead of a 2 MiB state.
+  //
+  // accepted[i]: the row position (0..d_i) of request i's last accepted token. For a chain it is a_i, the
+  // number of accepted drafts; for a tree the accepted path is that token and its ancestors. `batch` must
+  // be the verify batch (same rows, lengths and parents), accept must come before any other batch moves
+  // these requests' states, and one verify batch is accepted once. Bad input (a position outside the
+  // row, no pending verify, another batch) is a std::invalid_argument before any state changes.
+  void accept(const model_executor::ForwardBatch& batch, std::span<const int32_t> accepted,
+              mem_cache::RecurrentStatePool& recurrent_state_pool);
+  bool has_pending_verify() const { return verify_pending_; }
+
  protected:
   virtual void dispatch_chunk(const LinearRecurrentDispatch& d) = 0;
   virtual void dispatch_recurrent(const LinearRecurrentDispatch& d) = 0;
@@ -132,8 +164,19 @@ class LinearRecurrentAttnBackend {
   void write_conv_snapshots(const RadixLinearAttention& layer, const LinearAttnInputs& in,
                             const mem_cache::LinearRecurrentLayerCache& cache) const;
 
+  void forward_verify(const RadixLinearAttention& layer, const LinearAttnInputs& in,
+                      const mem_cache::LinearRecurrentLayerCache& cache, float* o);
+
   LinearRecurrentAttnBackendMetadata forward_metadata_;
   bool has_metadata_ = false;
+  // The pending TARGET_VERIFY batch: its metadata, rows and the layers that ran it.
+  bool verify_pending_ = false;
+  LinearRecurrentAttnBackendMetadata verify_md_;
+  std::vector<int32_t> verify_req_, verify_lens_, verify_parents_;
+  std::vector<const RadixLinearAttention*> verify_layers_;
+  std::vector<float> verify_conv_f32_;  // [T, W-1, C] each verify token's conv window
+  std::vector<bf16_t> verify_conv_bf16_;
+  std::vector<float> accept_rows_, accept_beta_, accept_o_, accept_conv_;
   static int64_t conv_out_stride(const RadixLinearAttention& layer, int64_t elem_bytes);
 
   // Scratch reused across layers and steps (grown, never shrunk).
