@@ -701,6 +701,26 @@ TEST(SimulateCli, OneRealShapeLayerPrintsJson) {
   EXPECT_LE(j["check_worst_error_ratio"].get<double>(), 1.0);
 }
 
+TEST(SimulateCli, MultiTurnWorkloadPrintsJson) {
+  const auto dir = testing::make_temp_dir("simulate_cli_turns");
+  const auto r = run_kda(
+      "simulate --layers 1 --workload multi-turn --requests 2 --turns 2 --shared-prefix-len 3 --prompt-len "
+      "2:4 "
+      "--output-len 2 --vocab 512 --json --precision fp32 --check 4 --outputs " +
+          (dir / "o.npz").string(),
+      false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["requests_completed"], 4);
+  EXPECT_EQ(j["vocab"], 512);
+  EXPECT_EQ(j["check_ok"], true);
+  EXPECT_EQ(j["check_tokens_total"], 4 * 3);
+  EXPECT_EQ(j["prefill_tokens_computed"], j["prefill_tokens"]);
+  EXPECT_GT(j["ttft_ms_p99"].get<double>(), 0.0);
+  const auto npz = io::read_npz(dir / "o.npz");
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(npz.at("tokens_" + std::to_string(i)).to_i32().size(), 3u);
+}
+
 TEST(SimulateCli, BadOptionsFailWithClearMessages) {
   const auto dir = testing::make_temp_dir("simulate_cli");
   auto r = run_kda("simulate --prompt-len 64:16", true);
@@ -722,6 +742,13 @@ TEST(SimulateCli, BadOptionsFailWithClearMessages) {
   r = run_kda("simulate --trace " + (dir / "bad.json").string() + " --requests 3", true);
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.out, HasSubstr("excludes"));
+  r = run_kda("simulate --turns 3", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--turns needs --workload multi-turn"));
+  std::ofstream(dir / "tok.json") << "[{\"prompt\": [1, 600], \"output_len\": 1, \"arrival_step\": 0}]";
+  r = run_kda("simulate --vocab 512 --trace " + (dir / "tok.json").string(), true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("token id 600 at position 1 is >= the vocabulary size 512"));
 }
 
 }  // namespace

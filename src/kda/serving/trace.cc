@@ -100,8 +100,8 @@ std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::st
     throw std::invalid_argument(what + ": not valid JSON: " + e.what());
   }
   if (!j.is_array())
-    throw std::invalid_argument(what +
-                                ": a trace must be a JSON list of {prompt_len, output_len, arrival_step}");
+    throw std::invalid_argument(
+        what + ": a trace must be a JSON list of {prompt_len | prompt, output_len, arrival_step}");
   if (j.empty()) throw std::invalid_argument(what + ": the trace holds no requests");
   // Where each (session, turn) is listed first: to tell a turn listed before its predecessor from a
   // session that has no such predecessor.
