@@ -13,7 +13,9 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 
+#include "kda/distributed/in_process.h"
 #include "kda/io/npy.h"
 #include "kda/serving/kda_stack.h"
 #include "kda/serving/scheduler.h"
@@ -51,6 +53,15 @@ SimulateOptions small_options(std::vector<RequestSpec> reqs) {
 }
 
 int64_t slot_bytes() { return KdaStack::slot_bytes(small_config(), 3, Precision::FP32); }
+
+RequestSpec request(int64_t id, int32_t prompt_len, int32_t output_len, int64_t arrival_step) {
+  RequestSpec r;
+  r.id = id;
+  r.prompt_len = prompt_len;
+  r.output_len = output_len;
+  r.arrival_step = arrival_step;
+  return r;
+}
 
 std::map<std::string, std::vector<float>> outputs_by_key(const SimulateResult& r) {
   std::map<std::string, std::vector<float>> m;
@@ -143,10 +154,13 @@ TEST(Simulate, ForkedContinuationsEqualFreshRuns) {
   for (const auto& req : o.requests) {
     const std::string base = "req_" + std::to_string(req.id);
     const size_t prompt = static_cast<size_t>(req.prompt_len) * 256;
-    // The continuations share the prompt, then differ (their decode noise is seeded per sample).
+    // The continuations share the prompt and, decoding greedily, generate the same tokens.
     EXPECT_TRUE(std::equal(k.at(base + "_s0").begin(), k.at(base + "_s0").begin() + prompt,
                            k.at(base + "_s2").begin()));
-    EXPECT_NE(k.at(base + "_s0").back(), k.at(base + "_s1").back());
+    const auto& o0 = r.serve.outputs[req.id * 3];
+    EXPECT_EQ(o0.tokens.size(), 5u);
+    EXPECT_EQ(o0.tokens, r.serve.outputs[req.id * 3 + 1].tokens);
+    EXPECT_EQ(o0.tokens, r.serve.outputs[req.id * 3 + 2].tokens);
     for (int32_t j = 0; j < 3; ++j) {
       RequestSpec fresh = req;
       fresh.sample_base = j;  // the parent's prompt, then continuation j, with no fork
@@ -198,8 +212,8 @@ TEST(Simulate, StopsAfterTheCurrentStepWhenAsked) {
 TEST(Simulate, DecodesAreNotStarvedByAStreamOfPrompts) {
   // One request decodes while long prompts keep coming: without --mixed, at most 4 prefill steps run
   // in a row while it waits.
-  std::vector<RequestSpec> reqs = {{0, 4, 6, 0, 0}};
-  for (int i = 1; i <= 6; ++i) reqs.push_back({i, 200, 1, 1, 0});
+  std::vector<RequestSpec> reqs = {request(0, 4, 6, 0)};
+  for (int i = 1; i <= 6; ++i) reqs.push_back(request(i, 200, 1, 1));
   auto o = small_options(reqs);
   o.server_args.chunked_prefill_size = 50;
   const auto r = run_simulation(o);
@@ -233,13 +247,245 @@ TEST(Simulate, OutputsArchiveHoldsEveryRequest) {
   o.outputs_path = (dir / "out.npz").string();
   const auto r = run_simulation(o);
   const auto npz = io::read_npz(dir / "out.npz");
-  ASSERT_EQ(npz.size(), 6u);
+  ASSERT_EQ(npz.size(), 12u);  // req_ and tokens_ per continuation
   for (const auto& req : o.requests)
     for (int j = 0; j < 2; ++j) {
       const auto& a = npz.at("req_" + std::to_string(req.id) + "_s" + std::to_string(j));
       EXPECT_EQ(a.shape, (std::vector<int64_t>{req.prompt_len + 2, 256}));
+      const auto& t = npz.at("tokens_" + std::to_string(req.id) + "_s" + std::to_string(j));
+      EXPECT_EQ(t.dtype, io::NpyDType::I32);
+      EXPECT_EQ(t.shape, (std::vector<int64_t>{3}));  // output_len + 1 generated tokens
     }
   EXPECT_EQ(r.serve.requests_completed, 3);
+}
+
+// --- token workloads ---------------------------------------------------------------------------------
+
+WorkloadOptions small_workload(WorkloadKind kind) {
+  WorkloadOptions w;
+  w.kind = kind;
+  w.requests = 4;
+  w.prompt = {3, 9};
+  w.output_len = 3;
+  w.seed = 5;
+  return w;
+}
+
+const SequenceOutput& out_of(const SimulateResult& r, int64_t id) {
+  for (const auto& q : r.serve.outputs)
+    if (q.request_id == id && q.sample == 0) return q;
+  throw std::runtime_error("no output of request " + std::to_string(id));
+}
+
+TEST(SimulateTokens, RandomWorkloadTokensAreDeterministicAndSelfCheckPasses) {
+  for (const Precision p : {Precision::FP32, Precision::BF16}) {
+    auto o = small_options(make_workload(small_workload(WorkloadKind::kRandom)));
+    o.precision = p;
+    o.check = 4;
+    o.server_args.chunked_prefill_size = 7;  // prompts in chunks, batched decodes
+    const auto a = run_simulation(o);
+    const auto b = run_simulation(o);
+    ASSERT_EQ(a.serve.requests_completed, 4);
+    ASSERT_TRUE(a.check.has_value());
+    EXPECT_TRUE(a.check->ok) << to_string(p) << " " << a.check->worst_ratio;
+    EXPECT_EQ(a.check->tokens_total, 4 * 4);
+    if (p == Precision::FP32) {
+      EXPECT_TRUE(a.check->tokens_all_matched());
+    }
+    for (const auto& req : o.requests) {
+      const auto& qa = out_of(a, req.id);
+      EXPECT_EQ(qa.tokens.size(), 4u);  // output_len + 1
+      EXPECT_EQ(qa.prompt.size(), static_cast<size_t>(req.prompt_len));
+      EXPECT_EQ(qa.tokens, out_of(b, req.id).tokens);
+      EXPECT_EQ(qa.prompt, out_of(b, req.id).prompt);
+      for (const int32_t t : qa.tokens) EXPECT_TRUE(t >= 0 && t < a.vocab);
+    }
+    const auto j = to_json(a);
+    EXPECT_EQ(j["prefill_tokens_computed"], j["prefill_tokens"]);
+    int64_t prompt_tokens = 0;
+    for (const auto& req : o.requests) prompt_tokens += req.prompt_len;
+    EXPECT_EQ(j["prefill_tokens_computed"].get<int64_t>(), prompt_tokens);
+    EXPECT_GT(j["ttft_ms_p50"].get<double>(), 0.0);
+    EXPECT_LE(j["ttft_ms_p50"].get<double>(), j["ttft_ms_p99"].get<double>());
+    EXPECT_EQ(a.serve.ttft_ms.size(), 4u);
+    EXPECT_TRUE(j.contains("check_argmax_matched"));
+  }
+}
+
+TEST(SimulateTokens, BatchingDoesNotChangeTheTokens) {
+  auto big = small_options(make_workload(small_workload(WorkloadKind::kRandom)));
+  big.server_args.enable_mixed_chunk = true;
+  auto small = big;
+  small.server_args.enable_mixed_chunk = false;
+  small.server_args.chunked_prefill_size = 5;
+  small.max_batch = 1;
+  small.state_memory = 2 * slot_bytes();
+  const auto a = run_simulation(big), b = run_simulation(small);
+  for (const auto& req : big.requests) EXPECT_EQ(out_of(a, req.id).tokens, out_of(b, req.id).tokens);
+}
+
+TEST(SimulateTokens, SharedPrefixRequestsShareTheirGroupsFirstTokens) {
+  auto w = small_workload(WorkloadKind::kSharedPrefix);
+  w.requests = 6;
+  w.prefix_groups = 2;
+  w.shared_prefix_len = 10;
+  auto o = small_options(make_workload(w));
+  o.check = 2;
+  const auto r = run_simulation(o);
+  ASSERT_EQ(r.serve.requests_completed, 6);
+  ASSERT_TRUE(r.check.has_value());
+  EXPECT_TRUE(r.check->ok);
+  for (int64_t i = 0; i < 6; ++i) {
+    const auto& p = out_of(r, i).prompt;
+    ASSERT_GE(p.size(), 10u + 3u);
+    const auto& same = out_of(r, (i + 2) % 6).prompt;  // the same group (i % 2)
+    const auto& other = out_of(r, (i + 1) % 6).prompt;
+    EXPECT_TRUE(std::equal(p.begin(), p.begin() + 10, same.begin())) << i;
+    EXPECT_FALSE(std::equal(p.begin(), p.begin() + 10, other.begin())) << i;
+    EXPECT_FALSE(std::equal(p.begin() + 10, p.begin() + 13, same.begin() + 10)) << i;  // own tokens
+  }
+  EXPECT_EQ(to_json(r)["prefill_tokens_computed"].get<int64_t>(), r.serve.prefill_tokens);
+}
+
+TEST(SimulateTokens, MultiTurnPromptsCarryTheConversation) {
+  auto w = small_workload(WorkloadKind::kMultiTurn);
+  w.requests = 2;
+  w.turns = 3;
+  w.shared_prefix_len = 4;
+  const auto reqs = make_workload(w);
+  ASSERT_EQ(reqs.size(), 6u);
+  auto o = small_options(reqs);
+  o.check = 6;
+  o.state_memory = 2 * slot_bytes();
+  const auto r = run_simulation(o);
+  ASSERT_EQ(r.serve.requests_completed, 6);
+  ASSERT_TRUE(r.check.has_value());
+  EXPECT_TRUE(r.check->ok) << r.check->worst_ratio;
+  EXPECT_TRUE(r.check->tokens_all_matched());
+  int64_t prompt_tokens = 0;
+  for (int64_t c = 0; c < 2; ++c)
+    for (int64_t k = 0; k < 3; ++k) {
+      const int64_t i = c * 3 + k;
+      const auto& q = out_of(r, i);
+      prompt_tokens += static_cast<int64_t>(q.prompt.size());
+      EXPECT_EQ(q.prompt.size(), static_cast<size_t>(reqs[i].prompt_len));
+      EXPECT_EQ(q.tokens.size(), 4u);
+      // Every conversation starts with the one system prompt.
+      EXPECT_TRUE(std::equal(q.prompt.begin(), q.prompt.begin() + 4, out_of(r, 0).prompt.begin()));
+      if (k == 0) continue;
+      // Turn k's prompt = turn k-1's prompt + its generated tokens + new user tokens.
+      std::vector<int32_t> history = out_of(r, i - 1).prompt;
+      history.insert(history.end(), out_of(r, i - 1).tokens.begin(), out_of(r, i - 1).tokens.end());
+      ASSERT_GT(q.prompt.size(), history.size());
+      EXPECT_TRUE(std::equal(history.begin(), history.end(), q.prompt.begin())) << i;
+      EXPECT_EQ(reqs[i].after, i - 1);
+    }
+  EXPECT_EQ(r.serve.prefill_tokens_computed, prompt_tokens);
+  // The same workload again: the same tokens.
+  const auto r2 = run_simulation(o);
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(out_of(r, i).tokens, out_of(r2, i).tokens);
+}
+
+TEST(SimulateTokens, TraceWithPromptsAndSessions) {
+  const auto reqs = parse_trace(
+      "[{\"prompt\": [5, 6, 7], \"output_len\": 2, \"arrival_step\": 0, \"session\": 9, \"turn\": 0},"
+      " {\"prompt_len\": 4, \"output_len\": 1, \"arrival_step\": 1},"
+      " {\"prompt\": [1, 2], \"output_len\": 2, \"session\": 9, \"turn\": 1},"
+      " {\"output_len\": 0, \"session\": 9, \"turn\": 2, \"arrival_step\": 3}]",
+      "t.json", 100);
+  ASSERT_EQ(reqs.size(), 4u);
+  EXPECT_EQ(reqs[0].prompt, (std::vector<int32_t>{5, 6, 7}));
+  EXPECT_EQ(reqs[0].prompt_len, 3);
+  EXPECT_EQ(reqs[1].after, -1);
+  EXPECT_EQ(reqs[2].after, 0);
+  EXPECT_EQ(reqs[2].prompt_len, 3 + 3 + 2);
+  EXPECT_EQ(reqs[3].after, 2);
+  EXPECT_EQ(reqs[3].prompt_len, 8 + 3 + 0);
+  EXPECT_EQ(reqs[3].arrival_step, 3);
+  auto o = small_options(reqs);
+  o.vocab = 100;
+  o.check = 4;
+  const auto r = run_simulation(o);
+  ASSERT_EQ(r.serve.requests_completed, 4);
+  EXPECT_EQ(r.vocab, 100);
+  EXPECT_TRUE(r.check->ok);
+  const auto& t1 = out_of(r, 2);
+  std::vector<int32_t> want = {5, 6, 7};
+  want.insert(want.end(), out_of(r, 0).tokens.begin(), out_of(r, 0).tokens.end());
+  want.push_back(1);
+  want.push_back(2);
+  EXPECT_EQ(t1.prompt, want);
+  EXPECT_EQ(out_of(r, 3).tokens.size(), 1u);  // output_len 0: the prompt's first token only
+}
+
+TEST(SimulateTokens, TensorParallelTwoGivesTheTokensOfOne) {
+  auto w = small_workload(WorkloadKind::kMultiTurn);
+  w.requests = 2;
+  w.turns = 2;
+  auto o = small_options(make_workload(w));
+  o.check = 1;
+  const auto one = run_simulation(o);
+  distributed::InProcessGroup group(2);
+  std::vector<SimulateResult> res(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank)
+    threads.emplace_back([&, rank] {
+      try {
+        auto comm = group.member(rank);
+        auto ot = o;
+        ot.tp = {rank, 2, comm.get()};
+        res[rank] = run_simulation(ot);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(errors[rank], "") << "rank " << rank;
+    ASSERT_EQ(res[rank].serve.requests_completed, 4);
+    ASSERT_TRUE(res[rank].check.has_value());
+    EXPECT_TRUE(res[rank].check->ok);
+    for (int64_t i = 0; i < 4; ++i) {
+      EXPECT_EQ(out_of(res[rank], i).tokens, out_of(one, i).tokens) << "rank " << rank << " request " << i;
+      EXPECT_EQ(out_of(res[rank], i).prompt, out_of(one, i).prompt);
+    }
+  }
+  EXPECT_LE(worst_ratio(outputs_by_key(res[0]), outputs_by_key(one)), 1.0);
+}
+
+TEST(SimulateTokens, DataParallelKeepsConversationsInOneGroup) {
+  auto w = small_workload(WorkloadKind::kMultiTurn);
+  w.requests = 3;
+  w.turns = 2;
+  auto o = small_options(make_workload(w));
+  const auto one = run_simulation(o);
+  distributed::InProcessGroup world(2);
+  std::vector<SimulateResult> res(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank)
+    threads.emplace_back([&, rank] {
+      try {
+        auto comm = world.member(rank);
+        auto od = o;
+        od.dp = 2;
+        od.dp_rank = rank;
+        od.world = comm.get();
+        res[rank] = run_simulation(od);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+        errors[rank] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  ASSERT_EQ(res[0].serve.requests_completed, 6);
+  for (int64_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(out_of(res[0], i).tokens, out_of(one, i).tokens) << i;
+    EXPECT_EQ(out_of(res[0], i).prompt, out_of(one, i).prompt) << i;
+  }
 }
 
 // --- errors before any work --------------------------------------------------------------------------
@@ -280,6 +526,59 @@ TEST(Simulate, BadTracesAreClearErrors) {
       "'arrival_step' must be >= 0");
   expect_invalid([] { parse_trace("[3]", "t.json"); }, "request 0 is not an object");
   expect_invalid([] { load_trace("/nonexistent/trace.json"); }, "/nonexistent/trace.json: cannot open");
+  // Tokens and sessions.
+  expect_invalid(
+      [] {
+        parse_trace("[{\"prompt\": [1, 9000], \"output_len\": 1, \"arrival_step\": 0}]", "t.json", 8192);
+      },
+      "t.json: request 0: field 'prompt': token id 9000 at position 1 is >= the vocabulary size 8192");
+  expect_invalid(
+      [] { parse_trace("[{\"prompt\": [1, -2], \"output_len\": 1, \"arrival_step\": 0}]", "t.json"); },
+      "token id -2 at position 1 is negative");
+  expect_invalid(
+      [] { parse_trace("[{\"prompt\": [1, \"a\"], \"output_len\": 1, \"arrival_step\": 0}]", "t.json"); },
+      "is not an integer token id");
+  expect_invalid(
+      [] {
+        parse_trace("[{\"prompt\": [1, 2], \"prompt_len\": 3, \"output_len\": 1, \"arrival_step\": 0}]",
+                    "t.json");
+      },
+      "field 'prompt_len' 3 is not the 2 ids of 'prompt'");
+  expect_invalid(
+      [] {
+        parse_trace(
+            "[{\"prompt_len\": 3, \"output_len\": 1, \"session\": 1, \"turn\": 1},"
+            " {\"prompt_len\": 3, \"output_len\": 1, \"arrival_step\": 0, \"session\": 1, \"turn\": 0}]",
+            "t.json");
+      },
+      "request 0: session 1 turn 1 comes before its predecessor (turn 0, request 1)");
+  expect_invalid(
+      [] {
+        parse_trace(
+            "[{\"prompt_len\": 3, \"output_len\": 1, \"arrival_step\": 0, \"session\": 1, \"turn\": 0},"
+            " {\"prompt_len\": 3, \"output_len\": 1, \"session\": 1, \"turn\": 2}]",
+            "t.json");
+      },
+      "request 1: session 1 turn 2: the session has no turn 1");
+  expect_invalid(
+      [] {
+        parse_trace(
+            "[{\"prompt_len\": 3, \"output_len\": 1, \"arrival_step\": 0, \"session\": 1, \"turn\": 0},"
+            " {\"prompt_len\": 3, \"output_len\": 1, \"arrival_step\": 0, \"session\": 1, \"turn\": 0}]",
+            "t.json");
+      },
+      "request 1: session 1 turn 0 is listed after turn 0 (request 0)");
+  expect_invalid(
+      [] {
+        parse_trace("[{\"prompt_len\": 3, \"output_len\": 1, \"arrival_step\": 0, \"turn\": 0}]", "t.json");
+      },
+      "field 'turn' needs a 'session'");
+  expect_invalid(
+      [] {
+        parse_trace("[{\"prompt_len\": 3, \"output_len\": 1, \"arrival_step\": 0, \"session\": 0}]",
+                    "t.json");
+      },
+      "missing field 'turn'");
   const auto dir = testing::make_temp_dir("simulate_trace");
   std::ofstream(dir / "ok.json")
       << "[{\"prompt_len\": 3, \"output_len\": 0, \"arrival_step\": 5, \"note\": 1},"
@@ -346,7 +645,29 @@ TEST(Simulate, BadOptionsAreClearErrorsBeforeAnyWork) {
   o = opts();
   o.outputs_path = "/nonexistent/dir/out.npz";
   expect_invalid(run(o), "/nonexistent/dir");
+  o = opts();
+  o.requests[1].prompt = {1, 2, 3, 8192};
+  o.requests[1].prompt_len = 4;
+  expect_invalid(run(o), "request 1: prompt: token id 8192 at position 3 is >= the vocabulary size 8192");
+  o = opts();
+  o.vocab = 100;
+  o.requests[0].prompt = {1, 2, 3, 100};
+  o.requests[0].prompt_len = 4;
+  expect_invalid(run(o), "token id 100 at position 3 is >= the vocabulary size 100");
+  o = opts();
+  o.requests[0].after = 1;  // a previous turn listed after its next one
+  expect_invalid(run(o), "request 0: its previous turn (request 1) must come before it");
+  o = opts();
+  o.requests[1].after = 0;
+  o.requests[1].turn_len = 1;
+  expect_invalid(run(o), "is not its previous turn's prompt_len + output_len + 1 + turn_len");
   EXPECT_FALSE(built);
+  expect_invalid([] { make_workload(WorkloadOptions{.kind = WorkloadKind::kSharedPrefix}); },
+                 "--workload shared-prefix needs --shared-prefix-len >= 1");
+  expect_invalid([] { make_workload(WorkloadOptions{.turns = 3}); }, "--turns needs --workload multi-turn");
+  expect_invalid([] { make_workload(WorkloadOptions{.prefix_groups = 2}); },
+                 "--prefix-groups and --shared-prefix-len need");
+  expect_invalid([] { parse_workload_kind("chat"); }, "--workload 'chat'");
 }
 
 // --- the binary --------------------------------------------------------------------------------------
@@ -368,8 +689,9 @@ TEST(SimulateCli, OneRealShapeLayerPrintsJson) {
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   for (const char* key :
-       {"requests_completed", "prefill_tokens", "decode_tokens", "prefill_tok_s", "decode_tok_s",
-        "step_ms_p50", "step_ms_p99", "pool_bytes", "peak_slots", "slot_reuses", "check_worst_error_ratio"})
+       {"requests_completed", "prefill_tokens", "prefill_tokens_computed", "decode_tokens", "prefill_tok_s",
+        "decode_tok_s", "step_ms_p50", "step_ms_p99", "ttft_ms_p50", "ttft_ms_p99", "pool_bytes",
+        "peak_slots", "slot_reuses", "check_worst_error_ratio", "check_argmax_matched", "vocab"})
     EXPECT_TRUE(j.contains(key)) << key;
   EXPECT_EQ(j["requests_completed"], 2);
   EXPECT_EQ(j["decode_tokens"], 4);
@@ -377,6 +699,26 @@ TEST(SimulateCli, OneRealShapeLayerPrintsJson) {
   EXPECT_EQ(j["hidden"], 2304);
   EXPECT_EQ(j["radix_cache_disabled"], true);
   EXPECT_LE(j["check_worst_error_ratio"].get<double>(), 1.0);
+}
+
+TEST(SimulateCli, MultiTurnWorkloadPrintsJson) {
+  const auto dir = testing::make_temp_dir("simulate_cli_turns");
+  const auto r = run_kda(
+      "simulate --layers 1 --workload multi-turn --requests 2 --turns 2 --shared-prefix-len 3 --prompt-len "
+      "2:4 "
+      "--output-len 2 --vocab 512 --json --precision fp32 --check 4 --outputs " +
+          (dir / "o.npz").string(),
+      false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["requests_completed"], 4);
+  EXPECT_EQ(j["vocab"], 512);
+  EXPECT_EQ(j["check_ok"], true);
+  EXPECT_EQ(j["check_tokens_total"], 4 * 3);
+  EXPECT_EQ(j["prefill_tokens_computed"], j["prefill_tokens"]);
+  EXPECT_GT(j["ttft_ms_p99"].get<double>(), 0.0);
+  const auto npz = io::read_npz(dir / "o.npz");
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(npz.at("tokens_" + std::to_string(i)).to_i32().size(), 3u);
 }
 
 TEST(SimulateCli, BadOptionsFailWithClearMessages) {
@@ -400,6 +742,13 @@ TEST(SimulateCli, BadOptionsFailWithClearMessages) {
   r = run_kda("simulate --trace " + (dir / "bad.json").string() + " --requests 3", true);
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.out, HasSubstr("excludes"));
+  r = run_kda("simulate --turns 3", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--turns needs --workload multi-turn"));
+  std::ofstream(dir / "tok.json") << "[{\"prompt\": [1, 600], \"output_len\": 1, \"arrival_step\": 0}]";
+  r = run_kda("simulate --vocab 512 --trace " + (dir / "tok.json").string(), true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("token id 600 at position 1 is >= the vocabulary size 512"));
 }
 
 }  // namespace

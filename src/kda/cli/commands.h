@@ -48,6 +48,11 @@ struct SimulateCliOptions {
   std::string prompt_len = "8:48";
   int64_t output_len = 16;
   std::string trace;
+  std::string workload = "random";  // random | shared-prefix | multi-turn
+  int64_t prefix_groups = 1;
+  int64_t shared_prefix_len = -1;  // -1: 64 for shared-prefix, 0 (none) for multi-turn
+  int64_t turns = -1;              // multi-turn: turns per conversation (-1: 2)
+  int64_t vocab = 0;               // 0: the checkpoint's, else 8192
   uint64_t seed = 0;
   int64_t token_budget = 4096;
   int64_t max_batch = 64;

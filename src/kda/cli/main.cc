@@ -65,10 +65,28 @@ int main(int argc, char** argv) {
                    ->capture_default_str();
   auto* olen =
       sim->add_option("--output-len", so.output_len, "decode steps per request")->capture_default_str();
-  sim->add_option("--trace", so.trace, "JSON list of {prompt_len, output_len, arrival_step}")
+  auto* wl = sim->add_option("--workload", so.workload, "random | shared-prefix | multi-turn")
+                 ->check(CLI::IsMember({"random", "shared-prefix", "multi-turn"}))
+                 ->capture_default_str();
+  auto* groups = sim->add_option("--prefix-groups", so.prefix_groups,
+                                 "shared system prompts (shared-prefix, multi-turn)")
+                     ->capture_default_str();
+  auto* spl = sim->add_option(
+      "--shared-prefix-len", so.shared_prefix_len,
+      "tokens of each shared system prompt (default: 64 for shared-prefix, 0 for multi-turn)");
+  auto* turns = sim->add_option("--turns", so.turns,
+                                "turns per conversation (multi-turn, --requests conversations; default 2)");
+  sim->add_option("--trace", so.trace,
+                  "JSON list of {prompt_len | prompt, output_len, arrival_step[, session, turn]}")
       ->excludes(reqs)
       ->excludes(plen)
-      ->excludes(olen);
+      ->excludes(olen)
+      ->excludes(wl)
+      ->excludes(groups)
+      ->excludes(spl)
+      ->excludes(turns);
+  sim->add_option("--vocab", so.vocab,
+                  "vocabulary of the seeded embedding and LM head (default: the checkpoint's, else 8192)");
   sim->add_option("--seed", so.seed, "seed of weights, workload and inputs")->capture_default_str();
   sim->add_option("--token-budget", so.token_budget, "tokens per step (chunked prefill)")
       ->capture_default_str();

@@ -43,21 +43,25 @@ std::string mib(double bytes) {
 void print_summary(const serving::SimulateResult& r) {
   const auto& s = r.serve;
   const double wall = s.wall_s > 0 ? s.wall_s : 1e-9;
-  std::printf("\nkda simulate: %d KDA layer%s (%s, %s, hidden %lld), built in %.1f s%s\n", r.layers,
-              r.layers == 1 ? "" : "s", r.model.c_str(), to_string(r.precision),
-              static_cast<long long>(r.hidden), r.build_s, s.interrupted ? "  [INTERRUPTED]" : "");
+  std::printf("\nkda simulate: %d KDA layer%s (%s, %s, hidden %lld, vocab %lld), built in %.1f s%s\n",
+              r.layers, r.layers == 1 ? "" : "s", r.model.c_str(), to_string(r.precision),
+              static_cast<long long>(r.hidden), static_cast<long long>(r.vocab), r.build_s,
+              s.interrupted ? "  [INTERRUPTED]" : "");
   std::printf(
-      "  requests      %lld of %lld completed (parallel samples %d); %lld steps: %lld extend, %lld decode, "
-      "%lld mixed\n",
-      static_cast<long long>(s.requests_completed), static_cast<long long>(r.requests), r.parallel_samples,
-      static_cast<long long>(s.steps), static_cast<long long>(s.extend_steps),
+      "  requests      %lld of %lld completed (%s, parallel samples %d); %lld steps: %lld extend, %lld "
+      "decode, %lld mixed\n",
+      static_cast<long long>(s.requests_completed), static_cast<long long>(r.requests), r.workload.c_str(),
+      r.parallel_samples, static_cast<long long>(s.steps), static_cast<long long>(s.extend_steps),
       static_cast<long long>(s.decode_steps), static_cast<long long>(s.mixed_steps));
-  std::printf("  prefill       %lld tokens, %.1f tok/s\n", static_cast<long long>(s.prefill_tokens),
-              static_cast<double>(s.prefill_tokens) / wall);
+  std::printf("  prefill       %lld tokens (%lld computed), %.1f tok/s\n",
+              static_cast<long long>(s.prefill_tokens), static_cast<long long>(s.prefill_tokens_computed),
+              static_cast<double>(s.prefill_tokens_computed) / wall);
   std::printf("  decode        %lld tokens, %.1f tok/s\n", static_cast<long long>(s.decode_tokens),
               static_cast<double>(s.decode_tokens) / wall);
   std::printf("  wall          %.1f s serving\n", s.wall_s);
   std::printf("  step latency  p50 %.1f ms, p99 %.1f ms\n", r.step_ms_p50, r.step_ms_p99);
+  std::printf("  TTFT          p50 %.1f ms, p99 %.1f ms (arrival to first generated token)\n", r.ttft_ms_p50,
+              r.ttft_ms_p99);
   std::printf("  state pool    %lld slots x %s = %s; peak %lld slots in use, %lld slot reuses\n",
               static_cast<long long>(r.pool_slots), mib(static_cast<double>(r.slot_bytes)).c_str(),
               mib(static_cast<double>(r.pool_bytes)).c_str(), static_cast<long long>(s.peak_slots),
@@ -68,9 +72,13 @@ void print_summary(const serving::SimulateResult& r) {
   if (r.check) {
     std::string ids;
     for (const auto id : r.check->request_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
-    std::printf("  self-check    %zu request(s) alone [%s]: worst %s = %.3g (<= 1 passes)  %s\n",
-                r.check->request_ids.size(), ids.c_str(), r.check->metric.c_str(), r.check->worst_ratio,
-                r.check->ok ? "PASS" : "FAIL");
+    std::printf(
+        "  self-check    %zu request(s) alone, teacher-forced [%s]: worst %s = %.3g (<= 1 passes)  %s\n",
+        r.check->request_ids.size(), ids.c_str(), r.check->metric.c_str(), r.check->worst_ratio,
+        r.check->ok ? "PASS" : "FAIL");
+    std::printf("                argmax tokens matched: %s (%lld of %lld)\n",
+                r.check->tokens_all_matched() ? "yes" : "no", static_cast<long long>(r.check->tokens_matched),
+                static_cast<long long>(r.check->tokens_total));
   } else {
     std::printf("  self-check    %s\n", s.interrupted ? "skipped (interrupted)" : "off (--check 0)");
   }
@@ -85,13 +93,34 @@ int run_simulate(const SimulateCliOptions& o) {
   so.precision = parse_precision(o.precision);
   so.kernel = o.kernel;
   so.seed = o.seed;
+  so.vocab = serving::resolve_vocab(o.model, o.vocab);  // the workload's token ids need it first
   if (!o.trace.empty()) {
-    so.requests = serving::load_trace(o.trace);
+    so.requests = serving::load_trace(o.trace, so.vocab);
+    so.workload = "trace";
   } else {
     if (o.output_len < 0 || o.output_len > INT32_MAX)
       throw std::invalid_argument("--output-len must be in 0..2^31-1, got " + std::to_string(o.output_len));
-    so.requests = serving::make_workload(o.requests, serving::parse_len_range(o.prompt_len, "--prompt-len"),
-                                         static_cast<int32_t>(o.output_len), o.seed);
+    serving::WorkloadOptions w;
+    w.kind = serving::parse_workload_kind(o.workload);
+    w.requests = o.requests;
+    w.prompt = serving::parse_len_range(o.prompt_len, "--prompt-len");
+    w.output_len = static_cast<int32_t>(o.output_len);
+    w.prefix_groups = o.prefix_groups;
+    const int64_t spl = o.shared_prefix_len >= 0                         ? o.shared_prefix_len
+                        : w.kind == serving::WorkloadKind::kSharedPrefix ? 64
+                                                                         : 0;
+    if (spl > INT32_MAX)
+      throw std::invalid_argument("--shared-prefix-len is too large: " + std::to_string(spl));
+    w.shared_prefix_len = static_cast<int32_t>(spl);
+    if (w.kind != serving::WorkloadKind::kMultiTurn && o.turns >= 0)
+      throw std::invalid_argument("--turns needs --workload multi-turn");
+    w.turns = w.kind != serving::WorkloadKind::kMultiTurn ? 1 : o.turns < 0 ? 2 : o.turns;
+    w.vocab = so.vocab;
+    w.seed = o.seed;
+    so.requests = serving::make_workload(w);
+    so.workload = serving::to_string(w.kind);
+    if (w.kind == serving::WorkloadKind::kMultiTurn)
+      so.workload += " (" + std::to_string(w.requests) + " x " + std::to_string(w.turns) + " turns)";
   }
   so.server_args.chunked_prefill_size = o.token_budget;
   so.server_args.enable_mixed_chunk = o.mixed;

@@ -1,6 +1,8 @@
-// The serving loop: the scheduler picks each step's batch, the engine builds its inputs, runs the
-// model step and hands the outputs back (to the sequences, and as the next decode inputs). Used for
-// the simulation itself and for the self-check's runs of single requests.
+// The serving loop: the scheduler picks each step's batch, the engine builds its inputs (the embeddings
+// of the prompt tokens, or of the token each sequence generated last), runs the model step, picks each
+// finished position's next token greedily (final norm, LM head, argmax) and hands it back as the next
+// decode input. When a session's turn finishes, the engine builds its next turn's prompt. Used for the
+// simulation itself and for the self-check's runs of single requests.
 #pragma once
 
 #include <atomic>
@@ -23,7 +25,10 @@ struct ProgressInfo {
 
 struct ServeOptions {
   SchedulerOptions scheduler;
-  uint64_t seed = 0;
+  uint64_t seed = 0;  // the requests' random prompt tokens
+  // Under tensor parallelism every rank must feed the same tokens: each step's greedy picks go through
+  // this (rank 0's picks, on every rank). Null: the local picks.
+  std::function<void(std::vector<int32_t>&)> agree_tokens;
   // Per request (workload index): keep its sequences' outputs. Empty: keep none.
   std::vector<uint8_t> keep;
   // Checked before every step: when set, the loop stops after the step in flight (SIGINT).
@@ -34,22 +39,28 @@ struct ServeOptions {
   std::function<void(const ProgressInfo&)> progress;  // after every step
 };
 
-// One continuation's last-layer outputs for every token it processed: [prompt_len + decoded, D].
+// One continuation: its last-layer outputs for every token it processed ([prompt_len + decoded, D],
+// kept only when asked), its prompt and the tokens it generated (greedy, output_len + 1 when finished).
 struct SequenceOutput {
   int64_t request_id = 0;
-  int32_t sample = 0;  // sample index that seeded its decode noise (request's sample_base + j)
+  int32_t sample = 0;  // continuation index (request's sample_base + j)
   int32_t prompt_len = 0;
   std::vector<float> rows;
+  std::vector<int32_t> prompt;  // the whole prompt's token ids (a session's turn: with the history)
+  std::vector<int32_t> tokens;  // generated: its own argmax picks, even when teacher-forced
 };
 
 struct ServeResult {
   int64_t hidden = 0;
   int64_t steps = 0, extend_steps = 0, decode_steps = 0, mixed_steps = 0;
-  int64_t prefill_tokens = 0, decode_tokens = 0;
+  int64_t prefill_tokens = 0;           // prompt tokens of the admitted requests (cached ones included)
+  int64_t prefill_tokens_computed = 0;  // prompt tokens that went through the layers
+  int64_t decode_tokens = 0;
   int64_t requests_completed = 0;
   int64_t peak_slots = 0, slot_reuses = 0;
   double wall_s = 0.0;
   std::vector<double> step_ms;
+  std::vector<double> ttft_ms;  // per request that got its first token: arrival to first token
   bool interrupted = false;
   // Indexed like Scheduler::sequences() ([request * n + sample]); rows empty unless kept.
   std::vector<SequenceOutput> outputs;

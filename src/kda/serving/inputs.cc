@@ -16,16 +16,25 @@ uint64_t splitmix64(uint64_t x) {
 
 // A key for the tuple: each field is folded through splitmix64 so that neighbouring tuples give
 // unrelated streams.
-uint64_t key_of(uint64_t seed, int64_t id, int64_t pos, int64_t sample, uint64_t stream) {
+uint64_t key_of(uint64_t seed, int64_t a, int64_t b, int64_t c, uint64_t stream) {
   uint64_t k = splitmix64(seed ^ 0x6b64615f73696dULL);  // "kda_sim"
-  k = splitmix64(k ^ static_cast<uint64_t>(id));
-  k = splitmix64(k ^ static_cast<uint64_t>(pos));
-  k = splitmix64(k ^ static_cast<uint64_t>(sample));
+  k = splitmix64(k ^ static_cast<uint64_t>(a));
+  k = splitmix64(k ^ static_cast<uint64_t>(b));
+  k = splitmix64(k ^ static_cast<uint64_t>(c));
   return splitmix64(k ^ stream);
 }
 
-// n standard normals of the stream `key`: pair i from the two counters 2i and 2i+1.
-void normals(uint64_t key, int64_t n, float* out) {
+constexpr uint64_t kWeightStream = 4;
+
+}  // namespace
+
+int32_t seeded_token(uint64_t seed, TokenStream stream, int64_t owner, int64_t pos, int64_t vocab) {
+  const uint64_t k = key_of(seed, owner, pos, 0, static_cast<uint64_t>(stream));
+  return static_cast<int32_t>(k % static_cast<uint64_t>(vocab));  // vocab << 2^64: the bias is nil
+}
+
+void seeded_normals(uint64_t seed, uint64_t table, int64_t row, int64_t n, float* out) {
+  const uint64_t key = key_of(seed, static_cast<int64_t>(table), row, 0, kWeightStream);
   constexpr double kInv53 = 1.0 / 9007199254740992.0;  // 2^-53
   for (int64_t i = 0; i < n; i += 2) {
     const uint64_t a = splitmix64(key + 2 * static_cast<uint64_t>(i));
@@ -37,25 +46,6 @@ void normals(uint64_t key, int64_t n, float* out) {
     out[i] = static_cast<float>(r * std::cos(t));
     if (i + 1 < n) out[i + 1] = static_cast<float>(r * std::sin(t));
   }
-}
-
-constexpr uint64_t kPromptStream = 1, kDecodeStream = 2;
-
-}  // namespace
-
-void prompt_input(uint64_t seed, int64_t id, int64_t pos, int64_t D, float* out) {
-  normals(key_of(seed, id, pos, 0, kPromptStream), D, out);
-}
-
-void decode_input(uint64_t seed, int64_t id, int64_t pos, int32_t sample, const float* prev, int64_t D,
-                  float* out) {
-  normals(key_of(seed, id, pos, sample, kDecodeStream), D, out);
-  double ss = 0.0;
-  for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(prev[d]) * prev[d];
-  const double rms = std::sqrt(ss / static_cast<double>(D));
-  // A zero (or non-finite) previous output contributes nothing rather than a NaN.
-  const float scale = (rms > 0.0 && std::isfinite(rms)) ? static_cast<float>(0.8 / rms) : 0.0f;
-  for (int64_t d = 0; d < D; ++d) out[d] = scale * prev[d] + 0.6f * out[d];
 }
 
 }  // namespace kda::serving

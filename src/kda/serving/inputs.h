@@ -1,22 +1,22 @@
-// The hidden states fed to the stack, drawn so that they do not depend on batching.
+// Seeded draws of the simulation that must not depend on batching or on the order things are built in.
 //
-// Counter-based: every value is a function of (seed, request id, position, sample, element) only
-// (splitmix64 over a hash of the tuple, Box-Muller to normals), so a request's inputs are the same
-// whether its prompt runs in one chunk or ten, next to other requests or alone.
+// Counter-based: every value is a function of (seed, a key tuple, element) only (splitmix64 over a hash
+// of the tuple, Box-Muller to normals), so a request's random prompt tokens are the same whether its
+// prompt runs in one chunk or ten, next to other requests or alone, and a weight row is the same
+// whichever thread draws it.
 #pragma once
 
 #include <cstdint>
 
 namespace kda::serving {
 
-// Prompt token `pos` of request `id`: D standard normals.
-void prompt_input(uint64_t seed, int64_t id, int64_t pos, int64_t D, float* out);
+// What a seeded token is for: a request's own random prompt tokens, or a shared system prompt's.
+enum class TokenStream : uint64_t { kPrompt = 1, kSharedPrefix = 3 };
 
-// Decode token `pos` (>= prompt length) of continuation `sample` of request `id`: the previous
-// token's last-layer output `prev` normalised to unit RMS, mixed with seeded noise
-//   x = 0.8 * prev / rms(prev) + 0.6 * noise(seed, id, pos, sample)
-// so that state errors compound across decode steps as they do in a model fed its own outputs.
-void decode_input(uint64_t seed, int64_t id, int64_t pos, int32_t sample, const float* prev, int64_t D,
-                  float* out);
+// Token `pos` of stream `owner` (a request id, or a shared-prefix group): uniform in [0, vocab).
+int32_t seeded_token(uint64_t seed, TokenStream stream, int64_t owner, int64_t pos, int64_t vocab);
+
+// Weight rows: n standard normals of row `row` of the table `table` (embedding, LM head).
+void seeded_normals(uint64_t seed, uint64_t table, int64_t row, int64_t n, float* out);
 
 }  // namespace kda::serving

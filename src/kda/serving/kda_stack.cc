@@ -6,7 +6,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/common/bf16.h"
 #include "kda/io/safetensors.h"
+#include "kda/serving/inputs.h"
 
 namespace kda::serving {
 
@@ -35,7 +37,7 @@ std::vector<int> KdaStack::select_layers(const io::KimiLinearConfig& cfg, int nu
 
 std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, int num_layers,
                                               Precision precision, uint64_t seed,
-                                              distributed::TensorParallel tp) {
+                                              distributed::TensorParallel tp, int64_t vocab) {
   models::check_tensor_parallel(cfg, tp.size);
   std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp));
   s->layer_ids_ = select_layers(cfg, num_layers);
@@ -57,11 +59,13 @@ std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, i
     }
   }
   if (err) std::rethrow_exception(err);
+  s->init_head(nullptr, vocab, seed);
   return s;
 }
 
 std::unique_ptr<KdaStack> KdaStack::from_checkpoint(const std::filesystem::path& dir, int num_layers,
-                                                    Precision precision, distributed::TensorParallel tp) {
+                                                    Precision precision, distributed::TensorParallel tp,
+                                                    int64_t vocab, uint64_t seed) {
   const auto cfg = io::load_config(dir);
   models::check_tensor_parallel(cfg, tp.size);
   std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp));
@@ -73,7 +77,101 @@ std::unique_ptr<KdaStack> KdaStack::from_checkpoint(const std::filesystem::path&
     s->norm_w_.push_back(ckpt.contains(key) ? ckpt.load_f32(key, {cfg.hidden_size})
                                             : std::vector<float>(static_cast<size_t>(cfg.hidden_size), 1.0f));
   }
+  s->init_head(&ckpt, vocab, seed);
   return s;
+}
+
+namespace {
+constexpr const char* kEmbedKey = "model.embed_tokens.weight";
+constexpr const char* kHeadKey = "lm_head.weight";
+constexpr const char* kFinalNormKey = "model.norm.weight";
+constexpr uint64_t kEmbedTable = 1, kHeadTable = 2;  // seeded_normals tables
+
+int64_t rows_of(const io::Checkpoint& ckpt, const char* key) {
+  const auto& t = ckpt.get(key);
+  if (t.shape.size() != 2)
+    throw std::runtime_error(std::string(key) + " in " + ckpt.root().string() + ": expected 2 dimensions");
+  return t.shape[0];
+}
+}  // namespace
+
+int64_t KdaStack::checkpoint_vocab(const std::filesystem::path& dir) {
+  const io::Checkpoint ckpt(dir);
+  if (ckpt.contains(kEmbedKey)) return rows_of(ckpt, kEmbedKey);
+  if (ckpt.contains(kHeadKey)) return rows_of(ckpt, kHeadKey);
+  return 0;
+}
+
+void KdaStack::init_head(const io::Checkpoint* ckpt, int64_t vocab, uint64_t seed) {
+  const int64_t D = cfg_.hidden_size;
+  const bool has_embed = ckpt && ckpt->contains(kEmbedKey), has_head = ckpt && ckpt->contains(kHeadKey);
+  if (has_embed)
+    vocab = rows_of(*ckpt, kEmbedKey);
+  else if (has_head)
+    vocab = rows_of(*ckpt, kHeadKey);
+  if (vocab < 1) throw std::invalid_argument("--vocab must be >= 1, got " + std::to_string(vocab));
+  vocab_ = vocab;
+  const size_t n = static_cast<size_t>(vocab * D);
+  auto seeded = [&](uint64_t table, float scale) {
+    std::vector<float> w(n);
+#pragma omp parallel for schedule(static)
+    for (int64_t v = 0; v < vocab; ++v) {
+      float* row = w.data() + v * D;
+      seeded_normals(seed, table, v, D, row);
+      for (int64_t d = 0; d < D; ++d) row[d] *= scale;
+    }
+    return w;
+  };
+  embed_ = has_embed ? ckpt->load_f32(kEmbedKey, {vocab, D}) : seeded(kEmbedTable, 1.0f);
+  if (precision_ == Precision::BF16) round_bf16_inplace(embed_.data(), embed_.size());  // a bf16 parameter
+  {
+    const auto w = has_head ? ckpt->load_f32(kHeadKey, {vocab, D})
+                            : seeded(kHeadTable, static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))));
+    lm_head_ = std::make_unique<layers::Linear>(D, vocab, w, precision_);
+  }
+  final_norm_w_ = ckpt && ckpt->contains(kFinalNormKey) ? ckpt->load_f32(kFinalNormKey, {D})
+                                                        : std::vector<float>(static_cast<size_t>(D), 1.0f);
+}
+
+void KdaStack::embed(const int32_t* tokens, int64_t T, float* x) const {
+  const int64_t D = cfg_.hidden_size;
+  for (int64_t t = 0; t < T; ++t) {
+    if (tokens[t] < 0 || tokens[t] >= vocab_)
+      throw std::out_of_range("token id " + std::to_string(tokens[t]) + " outside the vocabulary [0, " +
+                              std::to_string(vocab_) + ")");
+    std::memcpy(x + t * D, embed_.data() + static_cast<int64_t>(tokens[t]) * D, sizeof(float) * D);
+  }
+}
+
+namespace {
+// y = x * rsqrt(mean(x^2) + eps) * w, in fp32 (the decoder's RMSNorm), T rows of D.
+void rms_norm(const float* x, int64_t T, int64_t D, const float* w, float eps, float* y) {
+#pragma omp parallel for schedule(static) if (T > 16)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* h = x + t * D;
+    float* o = y + t * D;
+    float ss = 0.0f;
+    for (int64_t d = 0; d < D; ++d) ss += h[d] * h[d];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (int64_t d = 0; d < D; ++d) o[d] = h[d] * inv * w[d];
+  }
+}
+}  // namespace
+
+void KdaStack::next_tokens(const float* h, int64_t M, int32_t* tokens) {
+  const int64_t D = cfg_.hidden_size;
+  if (M == 0) return;
+  head_in_.resize(static_cast<size_t>(M * D));
+  logits_.resize(static_cast<size_t>(M * vocab_));
+  rms_norm(h, M, D, final_norm_w_.data(), static_cast<float>(cfg_.rms_norm_eps), head_in_.data());
+  lm_head_->forward(head_in_.data(), M, logits_.data());
+  for (int64_t m = 0; m < M; ++m) {
+    const float* l = logits_.data() + m * vocab_;
+    int64_t best = 0;
+    for (int64_t v = 1; v < vocab_; ++v)
+      if (l[v] > l[best]) best = v;
+    tokens[m] = static_cast<int32_t>(best);
+  }
 }
 
 int64_t KdaStack::slot_bytes(const io::KimiLinearConfig& cfg, int num_layers, Precision precision) {
@@ -105,17 +203,7 @@ void KdaStack::forward(const float* x, int64_t T, const model_executor::ForwardB
   attn_out_.resize(n);
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    // The decoder layer's input RMSNorm, in fp32: y = x * rsqrt(mean(x^2) + eps) * w.
-    const float* w = norm_w_[l].data();
-#pragma omp parallel for schedule(static) if (T > 16)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* h = out + t * D;
-      float* y = normed_.data() + t * D;
-      float ss = 0.0f;
-      for (int64_t d = 0; d < D; ++d) ss += h[d] * h[d];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-      for (int64_t d = 0; d < D; ++d) y[d] = h[d] * inv * w[d];
-    }
+    rms_norm(out, T, D, norm_w_[l].data(), eps, normed_.data());  // the decoder layer's input RMSNorm
     layers_[l]->forward(normed_.data(), T, fb, pool, attn_out_.data(), &ws_);
     for (size_t i = 0; i < n; ++i) out[i] += attn_out_[i];
   }

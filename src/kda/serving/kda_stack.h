@@ -1,8 +1,10 @@
 // KdaStack: the KDA layers of a Kimi-Linear decoder as one model, with the decoder's residual stream
-//   h <- h + KDA_l(RMSNorm_l(h))      for each KDA layer l, in decoder order
-// (the MLA and MoE parts of the decoder are not modelled). The stack owns its layers, their input
-// RMSNorm weights and one KdaWorkspace shared by every layer; it holds no state and no backend: the
-// states live in the RecurrentStatePool and the backend (with its per-step metadata) comes with the
+//   h_0 = embed(token);  h <- h + KDA_l(RMSNorm_l(h))      for each KDA layer l, in decoder order
+// then the model's final RMSNorm and LM head, which pick the next token greedily (argmax of the logits)
+// (the MLA and MoE parts of the decoder are not modelled). The embedding table [vocab, D], the final
+// norm and the LM head [vocab, D] are replicated on every tensor-parallel rank. The stack owns its layers,
+// their input RMSNorm weights and one KdaWorkspace shared by every layer; it holds no state and no backend:
+// the states live in the RecurrentStatePool and the backend (with its per-step metadata) comes with the
 // ForwardBatch, as in the decoder. The scheduler only sees forward() and the pool geometry, so a later
 // tensor-parallel stack can swap the layer implementation behind the same interface.
 #pragma once
@@ -15,9 +17,14 @@
 #include "kda/common/precision.h"
 #include "kda/distributed/communicator.h"
 #include "kda/io/config.h"
+#include "kda/layers/linear.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
 #include "kda/models/kimi_linear.h"
+
+namespace kda::io {
+class Checkpoint;
+}
 
 namespace kda::serving {
 
@@ -27,16 +34,30 @@ io::KimiLinearConfig kimi_linear_48b_config();
 
 class KdaStack {
  public:
+  // The default vocabulary of a synthetic model (--vocab): the LM head of the real 163840-token
+  // vocabulary would cost as much as the 20 layers to draw and as much memory bandwidth per decode
+  // step as several layers; 8192 keeps both to a few percent of the run.
+  static constexpr int64_t kDefaultVocab = 8192;
+
   // The first `num_layers` KDA layers of `cfg` (0: all) with seeded synthetic weights, layer l seeded
-  // with seed + 1000 * (l + 1); RMSNorm weights are ones.
+  // with seed + 1000 * (l + 1); RMSNorm weights are ones. A seeded embedding table (standard normals,
+  // the scale of the hidden states the layers expect) and LM head (normals / sqrt(D)) of `vocab` rows.
   // With tensor parallelism (tp.size > 1) each layer holds this rank's shard of the same weights.
   static std::unique_ptr<KdaStack> synthetic(const io::KimiLinearConfig& cfg, int num_layers,
                                              Precision precision, uint64_t seed,
-                                             distributed::TensorParallel tp = {});
+                                             distributed::TensorParallel tp = {},
+                                             int64_t vocab = kDefaultVocab);
   // The first `num_layers` KDA layers of a checkpoint folder (0: all). Only those layers' tensors are
   // read from the memory-mapped checkpoint; model.layers.{i}.input_layernorm.weight when present.
+  // model.embed_tokens.weight, lm_head.weight and model.norm.weight when present; the embedding and
+  // LM head are seeded (from `seed`, as in synthetic()) when absent, the final norm's weight is ones.
+  // `vocab`: the vocabulary of seeded tables (checkpoint_vocab() when the checkpoint has one).
   static std::unique_ptr<KdaStack> from_checkpoint(const std::filesystem::path& dir, int num_layers,
-                                                   Precision precision, distributed::TensorParallel tp = {});
+                                                   Precision precision, distributed::TensorParallel tp = {},
+                                                   int64_t vocab = kDefaultVocab, uint64_t seed = 0);
+  // The vocabulary of a checkpoint folder: the rows of model.embed_tokens.weight, else of
+  // lm_head.weight, else 0 (neither present). Reads only the tensor headers.
+  static int64_t checkpoint_vocab(const std::filesystem::path& dir);
 
   // Throws std::invalid_argument when num_layers is outside 0..(the config's KDA layer count).
   static std::vector<int> select_layers(const io::KimiLinearConfig& cfg, int num_layers);
@@ -53,10 +74,19 @@ class KdaStack {
   // Bytes one slot holds over all layers (recurrent fp32 + conv in the precision's conv dtype).
   static int64_t slot_bytes(const io::KimiLinearConfig& cfg, int num_layers, Precision precision);
 
+  int64_t vocab_size() const { return vocab_; }
+
+  // The embedding rows of tokens[0..T-1] -> x [T, D]. Throws std::out_of_range for an id outside
+  // [0, vocab).
+  void embed(const int32_t* tokens, int64_t T, float* x) const;
   // x [T, D] -> out [T, D], the residual stream after the last layer. The backend's metadata for
   // this batch must be initialised (once, for all layers) before the call.
   void forward(const float* x, int64_t T, const model_executor::ForwardBatch& fb,
                mem_cache::RecurrentStatePool& pool, float* out);
+  // The greedy next token of each of M last-layer rows h [M, D] (row stride D): final RMSNorm, the LM
+  // head's logits [M, vocab] (kept in logits() until the next call), argmax (the lowest id on a tie).
+  void next_tokens(const float* h, int64_t M, int32_t* tokens);
+  const std::vector<float>& logits() const { return logits_; }
 
  private:
   KdaStack(const io::KimiLinearConfig& cfg, Precision precision, distributed::TensorParallel tp)
@@ -70,6 +100,13 @@ class KdaStack {
   std::vector<std::vector<float>> norm_w_;  // [layer][D]
   models::KdaWorkspace ws_;                 // shared by every layer: one layer runs at a time
   std::vector<float> normed_, attn_out_;    // [T, D] scratch
+  int64_t vocab_ = 0;
+  std::vector<float> embed_;  // [vocab, D] (bf16 values in the bf16 precision)
+  std::vector<float> final_norm_w_;
+  std::unique_ptr<layers::Linear> lm_head_;  // [vocab, D]
+  std::vector<float> head_in_, logits_;      // [M, D], [M, vocab]
+
+  void init_head(const io::Checkpoint* ckpt, int64_t vocab, uint64_t seed);
 };
 
 }  // namespace kda::serving

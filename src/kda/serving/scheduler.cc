@@ -20,7 +20,16 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
   if (opt_.max_prefill_streak < 1) throw std::invalid_argument("max_prefill_streak must be >= 1");
   const int64_t R = static_cast<int64_t>(requests_.size());
   seqs_.resize(static_cast<size_t>(R * n_));
+  next_turn_.assign(static_cast<size_t>(R), -1);
   for (int64_t r = 0; r < R; ++r) {
+    const int64_t prev = requests_[r].after;
+    if (prev >= 0) {
+      if (prev >= r || next_turn_[prev] >= 0)
+        throw std::invalid_argument("request " + std::to_string(r) + ": previous turn " +
+                                    std::to_string(prev) +
+                                    " must come before it and have no other next turn");
+      next_turn_[prev] = r;
+    }
     if (slots_needed(r) > pool.size())
       throw std::invalid_argument("request " + std::to_string(r) + " needs " +
                                   std::to_string(slots_needed(r)) +
@@ -33,7 +42,7 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
       s.prompt_len = requests_[r].prompt_len;
       s.output_len = requests_[r].output_len;
     }
-    arrival_order_.push_back(r);
+    if (prev < 0) arrival_order_.push_back(r);  // a next turn arrives when its previous one finishes
   }
   std::stable_sort(arrival_order_.begin(), arrival_order_.end(), [&](int64_t a, int64_t b) {
     return requests_[a].arrival_step < requests_[b].arrival_step;
@@ -76,12 +85,18 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
     Sequence& q = seqs_[s];
     q.req_pool_index = pool_->alloc(1)[0];
     take_slot(q.req_pool_index);
+    // Prefix-cache hook: a cache that holds the state of the prompt's first k tokens sets
+    // q.prefix_len = k here (k <= prompt_len - 1) and restores that state into the slot; the prefill
+    // then runs only the rest (the row's start is k, its ForwardBatch prefix k > 0).
+    q.prefix_len = 0;
+    q.processed = q.prefix_len;
+    b.cached_tokens += q.prefix_len;
     reserved_ += slots_needed(r) - 1;
     q.phase = SeqPhase::kPrefill;
     for (int32_t j = 1; j < n_; ++j) seqs_[seq_index(r, j)].phase = SeqPhase::kForkPending;
     prefilling_.push_back(s);
-    const int32_t take = static_cast<int32_t>(std::min<int64_t>(q.prompt_len, budget));
-    b.rows.push_back({s, 0, take, false});
+    const int32_t take = static_cast<int32_t>(std::min<int64_t>(q.remaining_prompt(), budget));
+    b.rows.push_back({s, q.processed, take, false});
     b.prefill_tokens += take;
     budget -= take;
   }
@@ -97,13 +112,26 @@ void Scheduler::take_decodes(ScheduledBatch& b, int64_t limit) {
 }
 
 ScheduledBatch Scheduler::schedule() {
+  ScheduledBatch b;
+  // Arrivals of both kinds (first requests, next turns due), in (arrival step, index) order.
+  std::vector<std::pair<int64_t, int64_t>> due;
   while (next_arrival_ < arrival_order_.size() &&
-         requests_[arrival_order_[next_arrival_]].arrival_step <= step_)
-    waiting_.push_back(arrival_order_[next_arrival_++]);
+         requests_[arrival_order_[next_arrival_]].arrival_step <= step_) {
+    const int64_t r = arrival_order_[next_arrival_++];
+    due.emplace_back(requests_[r].arrival_step, r);
+  }
+  while (!turn_arrivals_.empty() && turn_arrivals_.begin()->first <= step_) {
+    due.push_back(*turn_arrivals_.begin());
+    turn_arrivals_.erase(turn_arrivals_.begin());
+  }
+  std::sort(due.begin(), due.end());
+  for (const auto& [when, r] : due) {
+    waiting_.push_back(r);
+    b.arrived.push_back(r);
+  }
 
   const bool has_prefill = !prefilling_.empty() || (!waiting_.empty() && can_admit(waiting_.front()));
   const bool has_decode = !decode_queue_.empty();
-  ScheduledBatch b;
   if (!has_prefill && !has_decode) return b;
   if (opt_.mixed) {
     if (!has_prefill) {
@@ -148,7 +176,10 @@ void Scheduler::finish(int64_t seq, StepEvents& ev) {
   q.req_pool_index = -1;
   q.phase = SeqPhase::kFinished;
   ev.finished.push_back(seq);
-  if (--unfinished_[q.request] == 0) ++finished_requests_;
+  if (--unfinished_[q.request] == 0) {
+    ++finished_requests_;
+    ev.finished_requests.push_back(q.request);
+  }
 }
 
 StepEvents Scheduler::complete(const ScheduledBatch& b) {
@@ -191,12 +222,20 @@ StepEvents Scheduler::complete(const ScheduledBatch& b) {
   decode_queue_.insert(decode_queue_.end(), requeue.begin(), requeue.end());
   decode_queue_.insert(decode_queue_.end(), ready.begin(), ready.end());
   ++step_;
+  // A finished turn's next turn arrives arrival_step steps from the next step on.
+  for (const int64_t r : ev.finished_requests)
+    if (next_turn_[r] >= 0)
+      turn_arrivals_.emplace(step_ + requests_[next_turn_[r]].arrival_step, next_turn_[r]);
   return ev;
 }
 
 bool Scheduler::skip_to_next_arrival() {
-  if (next_arrival_ >= arrival_order_.size()) return false;
-  step_ = std::max(step_, requests_[arrival_order_[next_arrival_]].arrival_step);
+  int64_t next = -1;
+  if (next_arrival_ < arrival_order_.size()) next = requests_[arrival_order_[next_arrival_]].arrival_step;
+  if (!turn_arrivals_.empty() && (next < 0 || turn_arrivals_.begin()->first < next))
+    next = turn_arrivals_.begin()->first;
+  if (next < 0) return false;
+  step_ = std::max(step_, next);
   return true;
 }
 

@@ -16,10 +16,15 @@
 //     budget) and prefill chunks share one EXTEND step; a step with no prefill work is a DECODE step.
 //   - Parallel samples: continuation 0 is the request itself; when its prompt is done, continuations
 //     1..n-1 are forked from it (HybridReqToTokenPool::fork, i.e. copy_slot) and all n decode.
+//   - Sessions: a request with RequestSpec::after >= 0 (the next turn of a conversation) arrives only
+//     when its previous turn has finished (every continuation), arrival_step steps later; then it is
+//     queued like any other arrival, in (arrival step, workload index) order.
+//   - Prefix cache hook: a sequence's prefill starts at Sequence::prefix_len (0 today), see fill_prefill.
 #pragma once
 
 #include <cstdint>
 #include <deque>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -47,7 +52,10 @@ struct BatchRow {
 struct ScheduledBatch {
   model_executor::ForwardMode mode = model_executor::ForwardMode::EXTEND;
   std::vector<BatchRow> rows;
-  int64_t prefill_tokens = 0, decode_tokens = 0;
+  int64_t prefill_tokens = 0, decode_tokens = 0;  // tokens through the layers in this step
+  // Prompt tokens of the requests admitted in this step that their slot already held (prefix_len).
+  int64_t cached_tokens = 0;
+  std::vector<int64_t> arrived;  // requests that became visible to the scheduler in this schedule() call
   bool empty() const { return rows.empty(); }
   int64_t num_tokens() const { return prefill_tokens + decode_tokens; }
 };
@@ -55,6 +63,7 @@ struct ScheduledBatch {
 struct StepEvents {
   std::vector<std::pair<int64_t, int64_t>> forks;  // (parent seq, child seq): child starts as a copy
   std::vector<int64_t> finished;                   // sequences that finished in this step
+  std::vector<int64_t> finished_requests;          // requests whose last continuation finished
 };
 
 class Scheduler {
@@ -68,7 +77,8 @@ class Scheduler {
   int64_t step() const { return step_; }
 
   // The next step's batch (admitting requests, which takes slots). Empty when nothing can run before
-  // a later arrival: call skip_to_next_arrival() then.
+  // a later arrival: call skip_to_next_arrival() then. A session's next turn must have its prompt
+  // tokens ready when its previous turn finishes (complete() reports it in finished_requests).
   ScheduledBatch schedule();
   // The ForwardBatch of a scheduled batch (request pool indices, lengths, prefixes).
   model_executor::ForwardBatch forward_batch(const ScheduledBatch& b) const;
@@ -99,14 +109,16 @@ class Scheduler {
   int32_t n_;
   mem_cache::HybridReqToTokenPool* pool_;
   std::vector<Sequence> seqs_;          // [request * n + sample]
-  std::vector<int64_t> arrival_order_;  // requests by (arrival_step, index)
+  std::vector<int64_t> arrival_order_;  // requests without a previous turn, by (arrival_step, index)
   size_t next_arrival_ = 0;             // into arrival_order_
-  std::deque<int64_t> waiting_;         // arrived, not admitted (requests)
-  std::vector<int64_t> prefilling_;     // sequences in prefill, in admission order
-  std::deque<int64_t> decode_queue_;    // sequences ready to decode, round-robin
-  std::vector<int32_t> unfinished_;     // per request: continuations not finished
-  std::vector<uint8_t> slot_used_;      // per slot: handed out before (slot reuse count)
-  int64_t reserved_ = 0;                // slots promised to forks of admitted requests
+  std::vector<int64_t> next_turn_;      // per request: the request of its session's next turn, or -1
+  std::set<std::pair<int64_t, int64_t>> turn_arrivals_;  // (arrival step, request): next turns due
+  std::deque<int64_t> waiting_;                          // arrived, not admitted (requests)
+  std::vector<int64_t> prefilling_;                      // sequences in prefill, in admission order
+  std::deque<int64_t> decode_queue_;                     // sequences ready to decode, round-robin
+  std::vector<int32_t> unfinished_;                      // per request: continuations not finished
+  std::vector<uint8_t> slot_used_;                       // per slot: handed out before (slot reuse count)
+  int64_t reserved_ = 0;                                 // slots promised to forks of admitted requests
   int64_t step_ = 0;
   int prefill_streak_ = 0;
   int64_t finished_requests_ = 0, peak_slots_ = 0, slot_reuses_ = 0;

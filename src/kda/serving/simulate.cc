@@ -30,15 +30,32 @@ struct Plan {
   kernels::KernelImpl kernel = kernels::KernelImpl::Auto;
   ServerArgs server_args;
   SchedulerOptions sched;
+  int64_t vocab = 0;
   int64_t slot_bytes = 0, slots = 0;
   std::vector<int64_t> check_requests;  // workload indices
 };
 
 int32_t slots_for(const RequestSpec& r, int32_t n) { return r.output_len > 0 ? n : 1; }
 
+// Every rank of a tensor-parallel group feeds rank 0's greedy picks. The ranks compute the same logits
+// from the same allreduced hidden states, but an allreduce need not give every rank the same bits, and
+// one differing pick would give the ranks different inputs. Token ids (< 2^24) are exact in fp32, so a
+// sum with zeros from every other rank is a broadcast.
+void agree_tokens(const distributed::TensorParallel& tp, std::vector<int32_t>& t) {
+  std::vector<float> f(t.size(), 0.0f);
+  if (tp.rank == 0)
+    for (size_t i = 0; i < t.size(); ++i) f[i] = static_cast<float>(t[i]);
+  tp.comm->allreduce_sum(f.data(), f.size());
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>(f[i]);
+}
+
 Plan make_plan(const SimulateOptions& o) {
   validate_workload(o.requests);
   Plan p;
+  if (!o.model_dir.empty() && !std::filesystem::is_directory(o.model_dir))
+    throw std::invalid_argument("--model " + o.model_dir + ": not a directory");
+  p.vocab = resolve_vocab(o.model_dir, o.vocab);
+  validate_workload(o.requests, p.vocab);
   p.server_args = o.server_args;
   if (p.server_args.chunked_prefill_size < 1)
     throw std::invalid_argument("--token-budget must be >= 1, got " +
@@ -125,8 +142,10 @@ double ratio_of(const std::vector<float>& a, const std::vector<float>& b, Precis
   return std::isfinite(rel) ? rel / 5e-3 : std::numeric_limits<double>::infinity();
 }
 
-// Each sampled request alone on a fresh pool: its whole prompt in one EXTEND, then DECODE steps of
-// its own continuations only. Every token must match the batched run at the spec's tolerance.
+// Each sampled request alone on a fresh pool, teacher-forced on the batched run's tokens: its whole
+// prompt in one EXTEND, then DECODE steps of its own continuations only, each fed the token the batched
+// run generated there. Every position's last-layer output must match the batched run at the spec's
+// tolerance; its own argmax picks are compared with the batched run's tokens and counted.
 CheckReport self_check(const SimulateOptions& o, const Plan& p, KdaStack& stack, const ServeResult& batched,
                        bool* interrupted) {
   CheckReport rep;
@@ -134,8 +153,14 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, KdaStack& stack,
   const auto t0 = Clock::now();
   const int32_t n = o.parallel_samples;
   for (const int64_t r : p.check_requests) {
-    RequestSpec spec = o.requests[r];
-    spec.arrival_step = 0;
+    const SequenceOutput& first = batched.outputs[r * n];
+    RequestSpec spec;
+    spec.id = o.requests[r].id;
+    spec.output_len = o.requests[r].output_len;
+    spec.sample_base = o.requests[r].sample_base;
+    spec.prompt = first.prompt;  // a session's turn: with its history, as the batched run built it
+    spec.prompt_len = static_cast<int32_t>(spec.prompt.size());
+    for (int32_t j = 0; j < n; ++j) spec.forced.push_back(batched.outputs[r * n + j].tokens);
     rep.request_ids.push_back(spec.id);
     ModelRunner alone(stack, slots_for(spec, n), p.kernel);
     ServeOptions so;
@@ -145,15 +170,23 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, KdaStack& stack,
     so.seed = o.seed;
     so.keep = {1};
     so.stop = o.stop;
-    if (o.tp.size > 1) so.agree_stop = [&o](bool v) { return o.tp.comm->allreduce_or(v); };
+    if (o.tp.size > 1) {
+      so.agree_stop = [&o](bool v) { return o.tp.comm->allreduce_or(v); };
+      so.agree_tokens = [&o](std::vector<int32_t>& t) { agree_tokens(o.tp, t); };
+    }
     const ServeResult ar = serve(alone, {spec}, so);
     if (ar.interrupted) {
       *interrupted = true;
       break;
     }
     for (int32_t j = 0; j < n; ++j) {
-      const double ratio = ratio_of(batched.outputs[r * n + j].rows, ar.outputs[j].rows, o.precision);
+      const auto& b = batched.outputs[r * n + j];
+      const double ratio = ratio_of(b.rows, ar.outputs[j].rows, o.precision);
       rep.worst_ratio = std::max(rep.worst_ratio, ratio);
+      const auto& mine = ar.outputs[j].tokens;
+      rep.tokens_total += static_cast<int64_t>(std::max(b.tokens.size(), mine.size()));
+      for (size_t k = 0; k < std::min(b.tokens.size(), mine.size()); ++k)
+        rep.tokens_matched += b.tokens[k] == mine[k];
     }
   }
   rep.ok = rep.worst_ratio <= 1.0;
@@ -164,6 +197,9 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, KdaStack& stack,
 void write_outputs(const std::string& path, const ServeResult& s, int32_t n) {
   io::NpzArchive npz;
   for (const auto& q : s.outputs) {
+    if (!q.tokens.empty())
+      npz[tokens_key(q, n)] =
+          io::NpyArray::from_i32({static_cast<int64_t>(q.tokens.size())}, q.tokens.data());
     if (q.rows.empty()) continue;
     const int64_t tokens = static_cast<int64_t>(q.rows.size()) / s.hidden;
     npz[output_key(q, n)] = io::NpyArray::from_f32({tokens, s.hidden}, q.rows.data());
@@ -177,6 +213,25 @@ std::string output_key(const SequenceOutput& s, int32_t parallel_samples) {
   std::string k = "req_" + std::to_string(s.request_id);
   if (parallel_samples > 1) k += "_s" + std::to_string(s.sample);
   return k;
+}
+
+std::string tokens_key(const SequenceOutput& s, int32_t parallel_samples) {
+  std::string k = "tokens_" + std::to_string(s.request_id);
+  if (parallel_samples > 1) k += "_s" + std::to_string(s.sample);
+  return k;
+}
+
+int64_t resolve_vocab(const std::string& model_dir, int64_t vocab) {
+  if (vocab < 0 || vocab > (int64_t{1} << 24))
+    throw std::invalid_argument("--vocab must be in 1..2^24, got " + std::to_string(vocab));
+  const int64_t ckpt = model_dir.empty() ? 0 : KdaStack::checkpoint_vocab(model_dir);
+  if (ckpt > 0 && vocab > 0 && vocab != ckpt)
+    throw std::invalid_argument("--vocab " + std::to_string(vocab) + ": the checkpoint " + model_dir +
+                                " has a vocabulary of " + std::to_string(ckpt));
+  if (ckpt > (int64_t{1} << 24))
+    throw std::invalid_argument(model_dir + ": a vocabulary of " + std::to_string(ckpt) +
+                                " is more than 2^24");
+  return ckpt > 0 ? ckpt : vocab > 0 ? vocab : KdaStack::kDefaultVocab;
 }
 
 int64_t parse_byte_size(const std::string& text, const std::string& option) {
@@ -227,6 +282,7 @@ constexpr std::pair<const char*, int64_t ServeResult::*> kCounters[] = {
     {"decode_steps", &ServeResult::decode_steps},
     {"mixed_steps", &ServeResult::mixed_steps},
     {"prefill_tokens", &ServeResult::prefill_tokens},
+    {"prefill_tokens_computed", &ServeResult::prefill_tokens_computed},
     {"decode_tokens", &ServeResult::decode_tokens},
     {"requests_completed", &ServeResult::requests_completed},
     {"peak_slots", &ServeResult::peak_slots},
@@ -238,6 +294,7 @@ std::vector<uint8_t> pack(const SimulateResult& r) {
   const auto& s = r.serve;
   nlohmann::json j = {{"wall_s", s.wall_s},
                       {"step_ms", s.step_ms},
+                      {"ttft_ms", s.ttft_ms},
                       {"interrupted", s.interrupted},
                       {"has_check", r.check.has_value()}};
   for (const auto& [name, field] : kCounters) j[name] = s.*field;
@@ -246,10 +303,17 @@ std::vector<uint8_t> pack(const SimulateResult& r) {
                   {"metric", r.check->metric},
                   {"worst", r.check->worst_ratio},
                   {"ok", r.check->ok},
-                  {"wall_s", r.check->wall_s}};
+                  {"wall_s", r.check->wall_s},
+                  {"tokens_matched", r.check->tokens_matched},
+                  {"tokens_total", r.check->tokens_total}};
   nlohmann::json outs = nlohmann::json::array();
   for (const auto& q : s.outputs)
-    outs.push_back({{"id", q.request_id}, {"sample", q.sample}, {"prompt", q.prompt_len}, {"rows", q.rows}});
+    outs.push_back({{"id", q.request_id},
+                    {"sample", q.sample},
+                    {"prompt_len", q.prompt_len},
+                    {"rows", q.rows},
+                    {"prompt", q.prompt},
+                    {"tokens", q.tokens}});
   j["outputs"] = outs;
   return nlohmann::json::to_cbor(j);
 }
@@ -262,19 +326,28 @@ void unpack_into(const std::vector<uint8_t>& bytes, SimulateResult& m) {
   s.wall_s = std::max(s.wall_s, j.at("wall_s").get<double>());  // the groups run side by side
   const auto ms = j.at("step_ms").get<std::vector<double>>();
   s.step_ms.insert(s.step_ms.end(), ms.begin(), ms.end());
+  const auto tt = j.at("ttft_ms").get<std::vector<double>>();
+  s.ttft_ms.insert(s.ttft_ms.end(), tt.begin(), tt.end());
   s.interrupted = s.interrupted || j.at("interrupted").get<bool>();
   if (j.at("has_check").get<bool>()) {
     const auto& c = j.at("check");
-    if (!m.check) m.check = CheckReport{{}, c.at("metric").get<std::string>(), 0.0, true, 0.0};
+    if (!m.check) {
+      m.check = CheckReport{};
+      m.check->metric = c.at("metric").get<std::string>();
+    }
     const auto ids = c.at("ids").get<std::vector<int64_t>>();
     m.check->request_ids.insert(m.check->request_ids.end(), ids.begin(), ids.end());
     m.check->worst_ratio = std::max(m.check->worst_ratio, c.at("worst").get<double>());
     m.check->ok = m.check->ok && c.at("ok").get<bool>();
     m.check->wall_s = std::max(m.check->wall_s, c.at("wall_s").get<double>());
+    m.check->tokens_matched += c.at("tokens_matched").get<int64_t>();
+    m.check->tokens_total += c.at("tokens_total").get<int64_t>();
   }
   for (const auto& q : j.at("outputs"))
     s.outputs.push_back({q.at("id").get<int64_t>(), q.at("sample").get<int32_t>(),
-                         q.at("prompt").get<int32_t>(), q.at("rows").get<std::vector<float>>()});
+                         q.at("prompt_len").get<int32_t>(), q.at("rows").get<std::vector<float>>(),
+                         q.at("prompt").get<std::vector<int32_t>>(),
+                         q.at("tokens").get<std::vector<int32_t>>()});
 }
 
 SimulateResult run_group(const SimulateOptions& o);
@@ -290,7 +363,21 @@ SimulateResult run_data_parallel(const SimulateOptions& o) {
   SimulateOptions g = o;
   g.dp = 1;
   g.requests.clear();
-  for (int64_t i = o.dp_rank; i < R; i += o.dp) g.requests.push_back(o.requests[i]);
+  // Request i goes to group c(i) % dp, c(i) the number of first turns before its session's first
+  // turn (i itself when no request has a previous turn): a conversation stays in one group, and the
+  // conversations are dealt round-robin. Previous turns are renumbered.
+  std::vector<int64_t> conv(static_cast<size_t>(R)), local(static_cast<size_t>(R), -1);
+  int64_t firsts = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    conv[i] = o.requests[i].after >= 0 ? conv[o.requests[i].after] : firsts++;
+    if (conv[i] % o.dp != o.dp_rank) continue;
+    local[i] = static_cast<int64_t>(g.requests.size());
+    g.requests.push_back(o.requests[i]);
+    if (o.requests[i].after >= 0) g.requests.back().after = local[o.requests[i].after];
+  }
+  if (g.requests.empty())
+    throw std::invalid_argument("--dp " + std::to_string(o.dp) + ": data-parallel group " +
+                                std::to_string(o.dp_rank) + " gets no request (fewer sessions than groups)");
   const int64_t share = static_cast<int64_t>(g.requests.size());
   g.check = std::min<int64_t>(share, (o.check + o.dp - 1 - o.dp_rank) / o.dp);  // the checks split too
   g.outputs_path.clear();
@@ -313,6 +400,8 @@ SimulateResult run_data_parallel(const SimulateOptions& o) {
   if (m.check) std::sort(m.check->request_ids.begin(), m.check->request_ids.end());
   m.step_ms_p50 = percentile(m.serve.step_ms, 50);
   m.step_ms_p99 = percentile(m.serve.step_ms, 99);
+  m.ttft_ms_p50 = percentile(m.serve.ttft_ms, 50);
+  m.ttft_ms_p99 = percentile(m.serve.ttft_ms, 99);
   if (!o.outputs_path.empty() && o.world->rank() == 0)
     write_outputs(o.outputs_path, m.serve, o.parallel_samples);
   if (!o.keep_outputs)
@@ -344,6 +433,8 @@ SimulateResult run_group(const SimulateOptions& o) {
   res.max_batch = p.sched.max_batch;
   res.parallel_samples = o.parallel_samples;
   res.requests = static_cast<int64_t>(o.requests.size());
+  res.vocab = p.vocab;
+  res.workload = o.workload;
   res.slot_bytes = p.slot_bytes;
   res.pool_slots = p.slots;
 
@@ -351,15 +442,19 @@ SimulateResult run_group(const SimulateOptions& o) {
       res.model + ", " + to_string(o.precision) + ", hidden " + std::to_string(p.cfg.hidden_size) + ", " +
       std::to_string(p.cfg.num_heads) + " heads x " + std::to_string(p.cfg.head_dim) + ")");
   const auto t0 = Clock::now();
-  auto stack = o.model_dir.empty() ? KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed, o.tp)
-                                   : KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision, o.tp);
+  auto stack = o.model_dir.empty()
+                   ? KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed, o.tp, p.vocab)
+                   : KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision, o.tp, p.vocab, o.seed);
   res.build_s = seconds_since(t0);
 
   ServeOptions so;
   so.scheduler = p.sched;
   so.seed = o.seed;
   so.stop = o.stop;
-  if (o.tp.size > 1) so.agree_stop = [&o](bool v) { return o.tp.comm->allreduce_or(v); };
+  if (o.tp.size > 1) {
+    so.agree_stop = [&o](bool v) { return o.tp.comm->allreduce_or(v); };
+    so.agree_tokens = [&o](std::vector<int32_t>& t) { agree_tokens(o.tp, t); };
+  }
   so.progress = o.progress;
   const bool keep_all = o.keep_outputs || !o.outputs_path.empty();
   so.keep.assign(o.requests.size(), keep_all ? 1 : 0);
@@ -373,6 +468,8 @@ SimulateResult run_group(const SimulateOptions& o) {
   }
   res.step_ms_p50 = percentile(res.serve.step_ms, 50);
   res.step_ms_p99 = percentile(res.serve.step_ms, 99);
+  res.ttft_ms_p50 = percentile(res.serve.ttft_ms, 50);
+  res.ttft_ms_p99 = percentile(res.serve.ttft_ms, 99);
   if (!o.outputs_path.empty() && o.tp.rank == 0) write_outputs(o.outputs_path, res.serve, o.parallel_samples);
   if (o.check > 0 && !res.serve.interrupted) {
     log("self-check: re-running " + std::to_string(o.check) + " request(s) alone on a fresh pool");
@@ -396,11 +493,14 @@ nlohmann::json to_json(const SimulateResult& r) {
   nlohmann::json j = {
       {"requests_completed", s.requests_completed},
       {"prefill_tokens", s.prefill_tokens},
+      {"prefill_tokens_computed", s.prefill_tokens_computed},
       {"decode_tokens", s.decode_tokens},
-      {"prefill_tok_s", static_cast<double>(s.prefill_tokens) / wall},
+      {"prefill_tok_s", static_cast<double>(s.prefill_tokens_computed) / wall},
       {"decode_tok_s", static_cast<double>(s.decode_tokens) / wall},
       {"step_ms_p50", r.step_ms_p50},
       {"step_ms_p99", r.step_ms_p99},
+      {"ttft_ms_p50", r.ttft_ms_p50},
+      {"ttft_ms_p99", r.ttft_ms_p99},
       {"pool_bytes", r.pool_bytes},
       {"peak_slots", s.peak_slots},
       {"slot_reuses", s.slot_reuses},
@@ -418,6 +518,8 @@ nlohmann::json to_json(const SimulateResult& r) {
       {"precision", to_string(r.precision)},
       {"layers", r.layers},
       {"hidden", r.hidden},
+      {"vocab", r.vocab},
+      {"workload", r.workload},
       {"mixed", r.mixed},
       {"token_budget", r.token_budget},
       {"max_batch", r.max_batch},
@@ -431,6 +533,9 @@ nlohmann::json to_json(const SimulateResult& r) {
     j["check_requests"] = r.check->request_ids;
     j["check_ok"] = r.check->ok;
     j["check_s"] = r.check->wall_s;
+    j["check_tokens_matched"] = r.check->tokens_matched;
+    j["check_tokens_total"] = r.check->tokens_total;
+    j["check_argmax_matched"] = r.check->tokens_all_matched();
   } else {
     j["check_worst_error_ratio"] = nullptr;
   }

@@ -5,12 +5,20 @@
 // allocated): each error is a std::invalid_argument naming the option.
 //
 // A request runs its prompt_len prompt tokens (EXTEND, chunked by the token budget), then output_len
-// decode tokens per continuation, each fed from its previous last-layer output (inputs.h). With
-// --parallel-samples n the request itself is continuation 0 and keeps its slot; continuations 1..n-1
-// are forked from it after the prompt. Outputs (--outputs, SimulateResult): per continuation, the
-// last-layer output (the residual stream after the last KDA layer) of every token it processed,
-// [prompt_len + output_len, hidden] float32, key "req_<id>" (n = 1) or "req_<id>_s<j>" (n > 1, the
-// prompt rows repeated in every continuation).
+// decode tokens per continuation, each the embedding of the token generated just before (greedy: final
+// norm, LM head, argmax), output_len + 1 tokens generated in all (request.h). With --parallel-samples n
+// the request itself is continuation 0 and keeps its slot; continuations 1..n-1 are forked from it after
+// the prompt (with greedy decoding they generate the same tokens). Outputs (--outputs, SimulateResult):
+// per continuation, the last-layer output (the residual stream after the last KDA layer, before the
+// final norm) of every token it processed, [prompt_len + output_len, hidden] float32, key "req_<id>"
+// (n = 1) or "req_<id>_s<j>" (n > 1, the prompt rows repeated in every continuation), and the generated
+// token ids, [output_len + 1] int32, key "tokens_<id>" or "tokens_<id>_s<j>".
+//
+// The self-check teacher-forces: each checked request is re-run alone on a fresh pool on the token
+// sequence the batched run produced (its prompt, then each continuation's generated tokens as the
+// decode inputs), and every position's last-layer output must match the batched run's within the
+// precision's tolerance; whether its own argmax picks equal the batched run's tokens is reported
+// (a near-tie between the two top logits may flip under rounding, bf16 above all), not required.
 //
 // The pool holds min(state_memory / slot bytes, the workload's sequence count) slots: more could
 // never be in use at once.
@@ -42,6 +50,11 @@ struct SimulateOptions {
   Precision precision = Precision::BF16;
   std::string kernel = "auto";  // auto | naive | optimized
   uint64_t seed = 0;            // weights, workload and inputs
+  // Vocabulary of the seeded embedding and LM head; 0: the checkpoint's (model.embed_tokens.weight
+  // or lm_head.weight) when it has one, else KdaStack::kDefaultVocab. A value unlike the
+  // checkpoint's is an error.
+  int64_t vocab = 0;
+  std::string workload = "random";  // a label for the summary (the requests are what runs)
 
   std::vector<RequestSpec> requests;  // the workload: make_workload() or load_trace()
   // Token budget per step = server_args.chunked_prefill_size; mixed batches = enable_mixed_chunk.
@@ -74,6 +87,9 @@ struct CheckReport {
   double worst_ratio = 0.0;          // worst over every continuation; <= 1 passes
   bool ok = true;
   double wall_s = 0.0;
+  // The re-runs' own argmax tokens against the batched run's generated tokens (reported, not required).
+  int64_t tokens_matched = 0, tokens_total = 0;
+  bool tokens_all_matched() const { return tokens_matched == tokens_total; }
 };
 
 struct SimulateResult {
@@ -85,16 +101,25 @@ struct SimulateResult {
   int64_t token_budget = 0, max_batch = 0;
   int32_t parallel_samples = 1;
   int64_t requests = 0;
+  int64_t vocab = 0;
+  std::string workload;
   int64_t slot_bytes = 0, pool_slots = 0, pool_bytes = 0;
   double build_s = 0.0;
   ServeResult serve;
   double step_ms_p50 = 0.0, step_ms_p99 = 0.0;
+  double ttft_ms_p50 = 0.0, ttft_ms_p99 = 0.0;
   std::optional<CheckReport> check;  // absent when --check 0 or interrupted
   bool ok() const { return !check || check->ok; }
 };
 
-// Output archive key of a sequence: "req_<id>" with one sample per request, else "req_<id>_s<j>".
+// Output archive key of a sequence: "req_<id>" with one sample per request, else "req_<id>_s<j>";
+// of its generated tokens: "tokens_<id>" or "tokens_<id>_s<j>".
 std::string output_key(const SequenceOutput& s, int32_t parallel_samples);
+std::string tokens_key(const SequenceOutput& s, int32_t parallel_samples);
+
+// The vocabulary a run uses (SimulateOptions::vocab): needed before the model is built, to generate
+// a workload's token ids and check a trace's. Reads only a checkpoint's tensor headers.
+int64_t resolve_vocab(const std::string& model_dir, int64_t vocab);
 
 // "2GiB", "512MiB", "64M", "1073741824": bytes (binary units; B, K/KiB, M/MiB, G/GiB, T/TiB).
 int64_t parse_byte_size(const std::string& text, const std::string& option);
@@ -104,7 +129,9 @@ SimulateResult run_simulation(const SimulateOptions& options);
 double percentile(std::vector<double> v, double p);  // nearest-rank, p in [0, 100]
 // The --json summary. prefill_tok_s / decode_tok_s are tokens over the serving loop's wall time (model
 // build and self-check excluded); step_ms_* cover every model step (all layers); pool_bytes is what
-// the pool allocated; check_worst_error_ratio is null without a check.
+// the pool allocated; check_worst_error_ratio is null without a check. prefill_tokens counts the prompt
+// tokens of the requests served, prefill_tokens_computed those that went through the layers (equal
+// without a prefix cache); ttft_ms_* are the requests' arrival-to-first-token times.
 nlohmann::json to_json(const SimulateResult& r);
 
 }  // namespace kda::serving
