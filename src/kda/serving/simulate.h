@@ -83,7 +83,7 @@ struct SimulateOptions {
 
 struct CheckReport {
   std::vector<int64_t> request_ids;  // the requests re-run alone
-  std::string metric;                // "max_err_ratio" (fp32) or "rel_l2/5e-3" (bf16)
+  std::string metric;                // "max_err_ratio" (fp32) or "rel_l2/<5e-3 x layers> ..." (bf16)
   double worst_ratio = 0.0;          // worst over every continuation; <= 1 passes
   bool ok = true;
   double wall_s = 0.0;
