@@ -15,6 +15,8 @@
 namespace kda::mem_cache {
 namespace {
 
+using kda::testing::expect_throw_with;
+
 using kda::testing::random_normal;
 
 RecurrentStatePoolConfig small_config(Precision conv_dtype = Precision::FP32) {
@@ -28,16 +30,6 @@ RecurrentStatePoolConfig small_config(Precision conv_dtype = Precision::FP32) {
   c.conv_dim = 6;
   c.conv_dtype = conv_dtype;
   return c;
-}
-
-template <class E>
-void expect_throw_with(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no exception; expected one mentioning '" << needle << "'";
-  } catch (const E& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
-  }
 }
 
 // Every byte of every slot (slot 0 and free slots included) of every layer, through the layer views.

@@ -17,6 +17,8 @@
 namespace kda::mem_cache {
 namespace {
 
+using kda::testing::expect_throw_with;
+
 using Tokens = std::vector<int32_t>;
 
 RecurrentStatePoolConfig small_config(int64_t size, std::vector<int> layers = {0}) {
@@ -29,16 +31,6 @@ RecurrentStatePoolConfig small_config(int64_t size, std::vector<int> layers = {0
   c.conv_kernel = 4;
   c.conv_dim = 6;
   return c;
-}
-
-template <class E>
-void expect_throw_with(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no exception; expected one mentioning '" << needle << "'";
-  } catch (const E& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
-  }
 }
 
 struct Fixture {

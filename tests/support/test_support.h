@@ -1,8 +1,11 @@
 // Shared helpers for the test suite.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,5 +30,16 @@ struct CommandResult {
   std::string output;
 };
 CommandResult run_command(const std::string& cmd);
+
+// fn throws an E whose message contains needle.
+template <class E>
+void expect_throw_with(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no exception; expected one mentioning '" << needle << "'";
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
+  }
+}
 
 }  // namespace kda::testing
