@@ -501,6 +501,133 @@ void expect_invalid(const std::function<void()>& f, const std::string& substr) {
   }
 }
 
+// Prefix cache (issue 15). A run with the cache must generate the tokens of a run without it, and every
+// row it computed must match the cold run's row at the same position (a hit's rows start at rows_from).
+SimulateOptions cache_options(std::vector<RequestSpec> reqs, bool cache) {
+  auto o = small_options(std::move(reqs));
+  o.server_args.disable_radix_cache = !cache;
+  o.server_args.chunked_prefill_size = 48;  // chunks that split the snapshots' positions
+  o.cache_interval = 64;
+  o.prefix_cache_memory = 64 * slot_bytes();
+  return o;
+}
+
+void expect_same_as_cold(const SimulateResult& hot, const SimulateResult& cold) {
+  ASSERT_EQ(hot.serve.outputs.size(), cold.serve.outputs.size());
+  const int64_t D = cold.serve.hidden;
+  for (size_t i = 0; i < cold.serve.outputs.size(); ++i) {
+    const auto& h = hot.serve.outputs[i];
+    const auto& c = cold.serve.outputs[i];
+    EXPECT_EQ(h.tokens, c.tokens) << "request " << c.request_id;
+    EXPECT_EQ(h.prompt, c.prompt) << "request " << c.request_id;
+    EXPECT_EQ(c.rows_from, 0);
+    const size_t skip = static_cast<size_t>(h.rows_from * D);
+    ASSERT_EQ(h.rows.size() + skip, c.rows.size()) << "request " << c.request_id;
+    EXPECT_LE(testing::max_error_ratio(h.rows.data(), c.rows.data() + skip, h.rows.size(), 1e-5, 1e-5), 1.0)
+        << "request " << c.request_id;
+  }
+}
+
+WorkloadOptions cache_workload(WorkloadKind kind) {
+  auto w = small_workload(kind);
+  w.requests = 6;
+  w.prompt = {20, 90};
+  w.shared_prefix_len = kind == WorkloadKind::kRandom ? 0 : 100;
+  w.prefix_groups = kind == WorkloadKind::kSharedPrefix ? 2 : 1;
+  if (kind == WorkloadKind::kMultiTurn) {
+    w.requests = 2;
+    w.turns = 3;
+  }
+  return w;
+}
+
+TEST(PrefixCache, OnAndOffGiveTheSameTokensAndOutputsOnEveryWorkload) {
+  for (const auto kind : {WorkloadKind::kRandom, WorkloadKind::kSharedPrefix, WorkloadKind::kMultiTurn}) {
+    SCOPED_TRACE(to_string(kind));
+    auto reqs = make_workload(cache_workload(kind));
+    for (size_t i = 0; i < reqs.size(); ++i)
+      if (reqs[i].after < 0) reqs[i].arrival_step = static_cast<int64_t>(i) * 3;  // one after another
+    const auto cold = run_simulation(cache_options(reqs, false));
+    auto o = cache_options(reqs, true);
+    o.check = 2;
+    const auto hot = run_simulation(o);
+    ASSERT_EQ(hot.serve.requests_completed, cold.serve.requests_completed);
+    expect_same_as_cold(hot, cold);
+    ASSERT_TRUE(hot.check.has_value());
+    EXPECT_TRUE(hot.check->ok) << hot.check->worst_ratio;
+    EXPECT_EQ(cold.serve.prefix_cache_hit_tokens, 0);
+    EXPECT_EQ(hot.serve.prefill_tokens, cold.serve.prefill_tokens);
+    EXPECT_EQ(hot.serve.prefill_tokens_computed + hot.serve.prefix_cache_hit_tokens,
+              hot.serve.prefill_tokens);
+    if (kind != WorkloadKind::kRandom) {
+      EXPECT_GT(hot.serve.prefix_cache_hit_tokens, 0);
+      EXPECT_LT(hot.serve.prefill_tokens_computed, cold.serve.prefill_tokens_computed);
+    }
+    const auto j = to_json(hot);
+    EXPECT_EQ(j["radix_cache_disabled"], false);
+    EXPECT_EQ(j["prefix_cache_hit_tokens"].get<int64_t>(), hot.serve.prefix_cache_hit_tokens);
+    EXPECT_GT(j["prefix_cache_snapshots"].get<int64_t>(), 0);
+    EXPECT_EQ(j["prefix_cache_bytes"].get<int64_t>(), hot.serve.prefix_cache_snapshots * slot_bytes());
+    EXPECT_NEAR(j["prefix_cache_hit_rate"].get<double>(),
+                static_cast<double>(hot.serve.prefix_cache_hit_tokens) / hot.serve.prefill_tokens, 1e-12);
+  }
+}
+
+TEST(PrefixCache, ATinyBudgetEvictsAllTheTimeAndChangesNothingButSpeed) {
+  for (const auto kind : {WorkloadKind::kSharedPrefix, WorkloadKind::kMultiTurn}) {
+    SCOPED_TRACE(to_string(kind));
+    auto reqs = make_workload(cache_workload(kind));
+    for (size_t i = 0; i < reqs.size(); ++i)
+      if (reqs[i].after < 0) reqs[i].arrival_step = static_cast<int64_t>(i) * 3;
+    const auto cold = run_simulation(cache_options(reqs, false));
+    auto o = cache_options(reqs, true);
+    o.prefix_cache_memory = 2 * slot_bytes();
+    o.state_memory = 3 * slot_bytes();  // requests and snapshots compete for a small pool too
+    const auto hot = run_simulation(o);
+    ASSERT_EQ(hot.serve.requests_completed, cold.serve.requests_completed);
+    expect_same_as_cold(hot, cold);
+    EXPECT_GT(hot.serve.prefix_cache_evictions, 0);
+    EXPECT_LE(hot.serve.prefix_cache_snapshots, 2);
+  }
+}
+
+TEST(PrefixCache, Bf16SelfCheckPassesWithTheCache) {
+  auto w = cache_workload(WorkloadKind::kMultiTurn);
+  auto o = cache_options(make_workload(w), true);
+  o.precision = Precision::BF16;
+  o.prefix_cache_memory = 64 * KdaStack::slot_bytes(small_config(), 3, Precision::BF16);
+  o.check = 6;
+  const auto r = run_simulation(o);
+  ASSERT_EQ(r.serve.requests_completed, 6);
+  EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
+  ASSERT_TRUE(r.check.has_value());
+  EXPECT_TRUE(r.check->ok) << r.check->worst_ratio;
+}
+
+// Requests arriving together with one long prefix: the first writes the prefix's snapshots, the others
+// wait at the queue head for them (Pending -> Ready) and then hit instead of recomputing.
+TEST(PrefixCache, RequestsArrivingTogetherWaitForTheSharedPrefixAndHit) {
+  auto w = cache_workload(WorkloadKind::kSharedPrefix);
+  w.requests = 4;
+  w.prefix_groups = 1;
+  w.shared_prefix_len = 200;
+  const auto reqs = make_workload(w);  // every one arrives at step 0
+  const auto cold = run_simulation(cache_options(reqs, false));
+  const auto hot = run_simulation(cache_options(reqs, true));
+  expect_same_as_cold(hot, cold);
+  EXPECT_GE(hot.serve.prefix_cache_hit_tokens, 3 * 192);  // the snapshots at 64, 128, 192 at least
+  EXPECT_LT(hot.serve.prefill_tokens_computed, cold.serve.prefill_tokens_computed);
+}
+
+TEST(PrefixCache, BadCacheOptionsAreClearErrors) {
+  auto o = cache_options(make_workload(cache_workload(WorkloadKind::kRandom)), true);
+  o.cache_interval = 100;
+  expect_invalid([&] { run_simulation(o); }, "--cache-interval must be a positive multiple of 64");
+  o.cache_interval = 64;
+  o.prefix_cache_memory = slot_bytes() - 1;
+  expect_invalid([&] { run_simulation(o); }, "--prefix-cache-memory");
+}
+
 TEST(Simulate, BadTracesAreClearErrors) {
   expect_invalid([] { parse_trace("[{\"prompt_len\": 3,", "t.json"); }, "t.json: not valid JSON");
   expect_invalid([] { parse_trace("{\"prompt_len\": 3}", "t.json"); }, "must be a JSON list");
@@ -697,7 +824,10 @@ TEST(SimulateCli, OneRealShapeLayerPrintsJson) {
   EXPECT_EQ(j["decode_tokens"], 4);
   EXPECT_EQ(j["layers"], 1);
   EXPECT_EQ(j["hidden"], 2304);
-  EXPECT_EQ(j["radix_cache_disabled"], true);
+  EXPECT_EQ(j["radix_cache_disabled"], false);  // kda simulate serves with the prefix cache
+  for (const char* key : {"prefix_cache_hit_tokens", "prefix_cache_hit_rate", "prefix_cache_bytes",
+                          "prefix_cache_snapshots", "prefix_cache_evictions"})
+    EXPECT_TRUE(j.contains(key)) << key;
   EXPECT_LE(j["check_worst_error_ratio"].get<double>(), 1.0);
 }
 
@@ -715,7 +845,10 @@ TEST(SimulateCli, MultiTurnWorkloadPrintsJson) {
   EXPECT_EQ(j["vocab"], 512);
   EXPECT_EQ(j["check_ok"], true);
   EXPECT_EQ(j["check_tokens_total"], 4 * 3);
-  EXPECT_EQ(j["prefill_tokens_computed"], j["prefill_tokens"]);
+  // Turn 2 continues from turn 1's finished state: the cache restores it.
+  EXPECT_GT(j["prefix_cache_hit_tokens"].get<int64_t>(), 0);
+  EXPECT_EQ(j["prefill_tokens_computed"].get<int64_t>() + j["prefix_cache_hit_tokens"].get<int64_t>(),
+            j["prefill_tokens"].get<int64_t>());
   EXPECT_GT(j["ttft_ms_p99"].get<double>(), 0.0);
   const auto npz = io::read_npz(dir / "o.npz");
   for (int i = 0; i < 4; ++i) EXPECT_EQ(npz.at("tokens_" + std::to_string(i)).to_i32().size(), 3u);
