@@ -573,6 +573,24 @@ TEST(PrefixCache, OnAndOffGiveTheSameTokensAndOutputsOnEveryWorkload) {
   }
 }
 
+TEST(PrefixCache, MixedBatchesAndParallelSamplesWithTheCache) {
+  for (const auto kind : {WorkloadKind::kSharedPrefix, WorkloadKind::kMultiTurn}) {
+    SCOPED_TRACE(to_string(kind));
+    const auto reqs = make_workload(cache_workload(kind));
+    auto off = cache_options(reqs, false), on = cache_options(reqs, true);
+    for (auto* o : {&off, &on}) {
+      o->server_args.enable_mixed_chunk = true;
+      o->parallel_samples = 2;
+      o->state_memory = 5 * slot_bytes();  // forks, requests and snapshots share a small pool
+    }
+    const auto cold = run_simulation(off);
+    const auto hot = run_simulation(on);
+    ASSERT_EQ(hot.serve.requests_completed, cold.serve.requests_completed);
+    expect_same_as_cold(hot, cold);
+    EXPECT_GT(hot.serve.prefix_cache_hit_tokens, 0);
+  }
+}
+
 TEST(PrefixCache, ATinyBudgetEvictsAllTheTimeAndChangesNothingButSpeed) {
   for (const auto kind : {WorkloadKind::kSharedPrefix, WorkloadKind::kMultiTurn}) {
     SCOPED_TRACE(to_string(kind));
@@ -612,10 +630,17 @@ TEST(PrefixCache, RequestsArrivingTogetherWaitForTheSharedPrefixAndHit) {
   w.prefix_groups = 1;
   w.shared_prefix_len = 200;
   const auto reqs = make_workload(w);  // every one arrives at step 0
-  const auto cold = run_simulation(cache_options(reqs, false));
-  const auto hot = run_simulation(cache_options(reqs, true));
+  auto off = cache_options(reqs, false), on = cache_options(reqs, true);
+  // One step could prefill them all: without the wait none would hit.
+  off.server_args.chunked_prefill_size = on.server_args.chunked_prefill_size = 4096;
+  const auto cold = run_simulation(off);
+  const auto hot = run_simulation(on);
   expect_same_as_cold(hot, cold);
-  EXPECT_GE(hot.serve.prefix_cache_hit_tokens, 3 * 192);  // the snapshots at 64, 128, 192 at least
+  EXPECT_EQ(cold.serve.extend_steps, 1);
+  // Request 0 alone (writing 64, 128, 192); request 1 from 192, writing the branch point 200; 2 and 3
+  // wait for that one and start from 200.
+  EXPECT_EQ(hot.serve.extend_steps, 3);
+  EXPECT_EQ(hot.serve.prefix_cache_hit_tokens, 192 + 200 + 200);
   EXPECT_LT(hot.serve.prefill_tokens_computed, cold.serve.prefill_tokens_computed);
 }
 
