@@ -173,7 +173,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     res.prefill_tokens_computed += b.prefill_tokens;
     res.decode_tokens += b.decode_tokens;
     if (opt.progress) {
-      prog.tokens_done += T;
+      prog.tokens_done += T + b.cached_tokens;  // restored prompt tokens are done too (prefix cache)
       prog.requests_done = sched.finished_requests();
       prog.steps = res.steps;
       prog.elapsed_s = seconds_since(t_start);
