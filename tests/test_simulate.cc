@@ -17,7 +17,9 @@
 
 #include "kda/distributed/in_process.h"
 #include "kda/io/npy.h"
+#include "kda/mem_cache/radix_cache.h"
 #include "kda/serving/kda_stack.h"
+#include "kda/serving/model_runner.h"
 #include "kda/serving/scheduler.h"
 #include "kda/serving/simulate.h"
 #include "kda/serving/trace.h"
@@ -644,6 +646,30 @@ TEST(PrefixCache, RequestsArrivingTogetherWaitForTheSharedPrefixAndHit) {
   EXPECT_LT(hot.serve.prefill_tokens_computed, cold.serve.prefill_tokens_computed);
 }
 
+// The engine with a cache of its own: after the run the tree is consistent, nothing is left Pending or
+// locked, and every slot of the pool is either free or a snapshot's (the requests freed theirs).
+TEST(PrefixCache, AfterServingTheTreeIsConsistentAndEverySlotIsAccountedFor) {
+  const auto reqs = make_workload(cache_workload(WorkloadKind::kMultiTurn));
+  auto stack = KdaStack::synthetic(small_config(), 3, Precision::FP32, 7);
+  ModelRunner runner(*stack, 6, kernels::KernelImpl::Auto);
+  auto& pool = runner.pools().recurrent_state_pool;
+  mem_cache::RadixCache cache(pool, 3 * pool.bytes_per_slot());
+  ServeOptions so;
+  so.scheduler.token_budget = 48;
+  so.scheduler.cache = &cache;
+  so.scheduler.cache_interval = 64;
+  so.seed = 5;
+  const auto r = serve(runner, reqs, so);
+  EXPECT_EQ(r.requests_completed, static_cast<int64_t>(reqs.size()));
+  EXPECT_GT(r.prefix_cache_hit_tokens, 0);
+  EXPECT_NO_THROW(cache.check_invariants());
+  EXPECT_EQ(cache.pending_snapshots(), 0);
+  EXPECT_EQ(cache.evictable_snapshots(), cache.snapshots());  // none locked
+  EXPECT_EQ(pool.available() + cache.snapshots(), pool.size());
+  EXPECT_EQ(r.prefix_cache_snapshots, cache.snapshots());
+  EXPECT_EQ(r.prefix_cache_evictions, cache.evictions());
+}
+
 TEST(PrefixCache, BadCacheOptionsAreClearErrors) {
   auto o = cache_options(make_workload(cache_workload(WorkloadKind::kRandom)), true);
   o.cache_interval = 100;
@@ -907,6 +933,30 @@ TEST(SimulateCli, BadOptionsFailWithClearMessages) {
   r = run_kda("simulate --vocab 512 --trace " + (dir / "tok.json").string(), true);
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.out, HasSubstr("token id 600 at position 1 is >= the vocabulary size 512"));
+  r = run_kda("simulate --layers 1 --cache-interval 100", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--cache-interval must be a positive multiple of 64, got 100"));
+  r = run_kda("simulate --layers 1 --prefix-cache-memory 12XB", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--prefix-cache-memory '12XB'"));
+}
+
+// The summary names the cache's state; --no-prefix-cache serves every prompt token.
+TEST(SimulateCli, PrefixCacheSummaryAndOffSwitch) {
+  const std::string args =
+      "simulate --layers 1 --workload shared-prefix --shared-prefix-len 40 --requests 3 --prompt-len 2:4 "
+      "--output-len 1 --vocab 512 --precision fp32 --check 1 --prefix-cache-memory 64MiB";
+  auto r = run_kda(args, false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("radix cache on"));
+  EXPECT_THAT(r.out, HasSubstr("prefix cache  "));
+  EXPECT_THAT(r.out, HasSubstr("PASS"));
+  r = run_kda(args + " --no-prefix-cache --json", false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["radix_cache_disabled"], true);
+  EXPECT_EQ(j["prefix_cache_hit_tokens"], 0);
+  EXPECT_EQ(j["prefill_tokens_computed"], j["prefill_tokens"]);
 }
 
 }  // namespace

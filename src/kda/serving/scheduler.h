@@ -5,7 +5,8 @@
 //   - Requests are admitted in arrival order (FIFO, no overtaking) when the pool has a slot for them:
 //     a request with n parallel samples needs n free slots, one taken at admission and n - 1 reserved
 //     for its forks. So a fork never waits on a pool full of parents waiting to fork (which could
-//     deadlock); the request waits at admission instead. A full pool makes requests wait, never evicts.
+//     deadlock); the request waits at admission instead. A full pool makes requests wait; it evicts only
+//     prefix-cache snapshots, never a request's state.
 //   - Chunked prefill: each step's prompt tokens fit the token budget; requests already in prefill
 //     continue first, then new ones are admitted while budget and slots remain.
 //   - Decodes are batched (at most max_batch rows), round-robin when more sequences decode than fit.

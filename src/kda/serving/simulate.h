@@ -20,7 +20,8 @@
 // precision's tolerance; whether its own argmax picks equal the batched run's tokens is reported
 // (a near-tie between the two top logits may flip under rounding, bf16 above all), not required.
 //
-// The pool holds min(state_memory / slot bytes, the workload's sequence count) slots: more could
+// The pool holds min(state_memory / slot bytes, the workload's sequence count) request slots, plus
+// min(prefix_cache_memory / slot bytes, the snapshots the workload could create) with the cache: more could
 // never be in use at once.
 #pragma once
 
