@@ -460,33 +460,42 @@ TEST(SimulateTokens, DataParallelKeepsConversationsInOneGroup) {
   auto w = small_workload(WorkloadKind::kMultiTurn);
   w.requests = 3;
   w.turns = 2;
-  auto o = small_options(make_workload(w));
-  const auto one = run_simulation(o);
-  distributed::InProcessGroup world(2);
-  std::vector<SimulateResult> res(2);
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < 2; ++rank)
-    threads.emplace_back([&, rank] {
-      try {
-        auto comm = world.member(rank);
-        auto od = o;
-        od.dp = 2;
-        od.dp_rank = rank;
-        od.world = comm.get();
-        res[rank] = run_simulation(od);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-        errors[rank] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  ASSERT_EQ(errors[0], "");
-  ASSERT_EQ(errors[1], "");
-  ASSERT_EQ(res[0].serve.requests_completed, 6);
-  for (int64_t i = 0; i < 6; ++i) {
-    EXPECT_EQ(out_of(res[0], i).tokens, out_of(one, i).tokens) << i;
-    EXPECT_EQ(out_of(res[0], i).prompt, out_of(one, i).prompt) << i;
+  // With the prefix cache too: a cache per group, the hits (and rows_from) gathered with the outputs.
+  for (const bool cache : {false, true}) {
+    SCOPED_TRACE(cache ? "prefix cache on" : "prefix cache off");
+    auto o = small_options(make_workload(w));
+    o.server_args.disable_radix_cache = !cache;
+    const auto one = run_simulation(o);
+    distributed::InProcessGroup world(2);
+    std::vector<SimulateResult> res(2);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank)
+      threads.emplace_back([&, rank] {
+        try {
+          auto comm = world.member(rank);
+          auto od = o;
+          od.dp = 2;
+          od.dp_rank = rank;
+          od.world = comm.get();
+          res[rank] = run_simulation(od);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+          errors[rank] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+    ASSERT_EQ(errors[0], "");
+    ASSERT_EQ(errors[1], "");
+    ASSERT_EQ(res[0].serve.requests_completed, 6);
+    for (int64_t i = 0; i < 6; ++i) {
+      EXPECT_EQ(out_of(res[0], i).tokens, out_of(one, i).tokens) << i;
+      EXPECT_EQ(out_of(res[0], i).prompt, out_of(one, i).prompt) << i;
+      EXPECT_EQ(out_of(res[0], i).rows_from, out_of(one, i).rows_from) << i;
+      EXPECT_EQ(out_of(res[0], i).rows.size(), out_of(one, i).rows.size()) << i;
+    }
+    EXPECT_EQ(res[0].serve.prefix_cache_hit_tokens, one.serve.prefix_cache_hit_tokens);
+    if (cache) EXPECT_GT(res[0].serve.prefix_cache_hit_tokens, 0);
   }
 }
 
