@@ -1026,11 +1026,11 @@ TEST(Layer, Bf16CheckpointKeepsF32GateParameters) {
   }
 }
 
-TEST(ServerArgs, RecurrentModelDisablesRadixCacheAndAllowsSpeculation) {
+TEST(ServerArgs, RecurrentModelAllowsRadixCacheAndSpeculation) {
   ServerArgs a;
   a.enable_mixed_chunk = true;
   a.check_server_args(true);
-  EXPECT_TRUE(a.disable_radix_cache);
+  EXPECT_FALSE(a.disable_radix_cache);  // the prefix cache of state snapshots (issue 15)
   EXPECT_TRUE(a.enable_mixed_chunk);
   ServerArgs plain;
   plain.check_server_args(false);
@@ -1038,7 +1038,7 @@ TEST(ServerArgs, RecurrentModelDisablesRadixCacheAndAllowsSpeculation) {
   ServerArgs spec;
   spec.speculative_algorithm = "NGRAM";
   EXPECT_NO_THROW(spec.check_server_args(true));  // TARGET_VERIFY + accept
-  EXPECT_TRUE(spec.disable_radix_cache);
+  EXPECT_FALSE(spec.disable_radix_cache);
   ServerArgs eagle;
   eagle.speculative_algorithm = "EAGLE";  // a draft model: DRAFT_EXTEND
   try {

@@ -73,7 +73,7 @@ TEST_F(Mpi, SimulateTp2EqualsTp1) {
   const auto tmp = testing::make_temp_dir("mpi_sim");
   const std::string args =
       " simulate --layers 2 --requests 5 --prompt-len 4:40 --output-len 3 --precision fp32 --token-budget 50 "
-      "--mixed --check 1 --json --outputs ";
+      "--mixed --check 1 --json --no-prefix-cache --outputs ";  // pool_bytes: the request slots alone
   const auto one = sh(std::string(KDA_BINARY_PATH) + args + (tmp / "tp1.npz").string() + " 2>/dev/null");
   ASSERT_EQ(one.code, 0) << one.output;
   const auto two = sh(mpirun(2) + args + (tmp / "tp2.npz").string() + " --tp 2 2>/dev/null");

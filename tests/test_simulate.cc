@@ -17,7 +17,9 @@
 
 #include "kda/distributed/in_process.h"
 #include "kda/io/npy.h"
+#include "kda/mem_cache/radix_cache.h"
 #include "kda/serving/kda_stack.h"
+#include "kda/serving/model_runner.h"
 #include "kda/serving/scheduler.h"
 #include "kda/serving/simulate.h"
 #include "kda/serving/trace.h"
@@ -458,33 +460,44 @@ TEST(SimulateTokens, DataParallelKeepsConversationsInOneGroup) {
   auto w = small_workload(WorkloadKind::kMultiTurn);
   w.requests = 3;
   w.turns = 2;
-  auto o = small_options(make_workload(w));
-  const auto one = run_simulation(o);
-  distributed::InProcessGroup world(2);
-  std::vector<SimulateResult> res(2);
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < 2; ++rank)
-    threads.emplace_back([&, rank] {
-      try {
-        auto comm = world.member(rank);
-        auto od = o;
-        od.dp = 2;
-        od.dp_rank = rank;
-        od.world = comm.get();
-        res[rank] = run_simulation(od);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-        errors[rank] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  ASSERT_EQ(errors[0], "");
-  ASSERT_EQ(errors[1], "");
-  ASSERT_EQ(res[0].serve.requests_completed, 6);
-  for (int64_t i = 0; i < 6; ++i) {
-    EXPECT_EQ(out_of(res[0], i).tokens, out_of(one, i).tokens) << i;
-    EXPECT_EQ(out_of(res[0], i).prompt, out_of(one, i).prompt) << i;
+  // With the prefix cache too: a cache per group, the hits (and rows_from) gathered with the outputs.
+  for (const bool cache : {false, true}) {
+    SCOPED_TRACE(cache ? "prefix cache on" : "prefix cache off");
+    auto o = small_options(make_workload(w));
+    o.server_args.disable_radix_cache = !cache;
+    const auto one = run_simulation(o);
+    distributed::InProcessGroup world(2);
+    std::vector<SimulateResult> res(2);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank)
+      threads.emplace_back([&, rank] {
+        try {
+          auto comm = world.member(rank);
+          auto od = o;
+          od.dp = 2;
+          od.dp_rank = rank;
+          od.world = comm.get();
+          res[rank] = run_simulation(od);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+          errors[rank] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+    ASSERT_EQ(errors[0], "");
+    ASSERT_EQ(errors[1], "");
+    ASSERT_EQ(res[0].serve.requests_completed, 6);
+    for (int64_t i = 0; i < 6; ++i) {
+      EXPECT_EQ(out_of(res[0], i).tokens, out_of(one, i).tokens) << i;
+      EXPECT_EQ(out_of(res[0], i).prompt, out_of(one, i).prompt) << i;
+      EXPECT_EQ(out_of(res[0], i).rows_from, out_of(one, i).rows_from) << i;
+      EXPECT_EQ(out_of(res[0], i).rows.size(), out_of(one, i).rows.size()) << i;
+    }
+    EXPECT_EQ(res[0].serve.prefix_cache_hit_tokens, one.serve.prefix_cache_hit_tokens);
+    if (cache) {
+      EXPECT_GT(res[0].serve.prefix_cache_hit_tokens, 0);
+    }
   }
 }
 
@@ -499,6 +512,182 @@ void expect_invalid(const std::function<void()>& f, const std::string& substr) {
   } catch (const std::exception& e) {
     ADD_FAILURE() << "unexpected exception type: " << e.what();
   }
+}
+
+// Prefix cache (issue 15). A run with the cache must generate the tokens of a run without it, and every
+// row it computed must match the cold run's row at the same position (a hit's rows start at rows_from).
+SimulateOptions cache_options(std::vector<RequestSpec> reqs, bool cache) {
+  auto o = small_options(std::move(reqs));
+  o.server_args.disable_radix_cache = !cache;
+  o.server_args.chunked_prefill_size = 48;  // chunks that split the snapshots' positions
+  o.cache_interval = 64;
+  o.prefix_cache_memory = 64 * slot_bytes();
+  return o;
+}
+
+void expect_same_as_cold(const SimulateResult& hot, const SimulateResult& cold) {
+  ASSERT_EQ(hot.serve.outputs.size(), cold.serve.outputs.size());
+  const int64_t D = cold.serve.hidden;
+  for (size_t i = 0; i < cold.serve.outputs.size(); ++i) {
+    const auto& h = hot.serve.outputs[i];
+    const auto& c = cold.serve.outputs[i];
+    EXPECT_EQ(h.tokens, c.tokens) << "request " << c.request_id;
+    EXPECT_EQ(h.prompt, c.prompt) << "request " << c.request_id;
+    EXPECT_EQ(c.rows_from, 0);
+    const size_t skip = static_cast<size_t>(h.rows_from * D);
+    ASSERT_EQ(h.rows.size() + skip, c.rows.size()) << "request " << c.request_id;
+    EXPECT_LE(testing::max_error_ratio(h.rows.data(), c.rows.data() + skip, h.rows.size(), 1e-5, 1e-5), 1.0)
+        << "request " << c.request_id;
+  }
+}
+
+WorkloadOptions cache_workload(WorkloadKind kind) {
+  auto w = small_workload(kind);
+  w.requests = 6;
+  w.prompt = {20, 90};
+  w.shared_prefix_len = kind == WorkloadKind::kRandom ? 0 : 100;
+  w.prefix_groups = kind == WorkloadKind::kSharedPrefix ? 2 : 1;
+  if (kind == WorkloadKind::kMultiTurn) {
+    w.requests = 2;
+    w.turns = 3;
+  }
+  return w;
+}
+
+TEST(PrefixCache, OnAndOffGiveTheSameTokensAndOutputsOnEveryWorkload) {
+  for (const auto kind : {WorkloadKind::kRandom, WorkloadKind::kSharedPrefix, WorkloadKind::kMultiTurn}) {
+    SCOPED_TRACE(to_string(kind));
+    auto reqs = make_workload(cache_workload(kind));
+    for (size_t i = 0; i < reqs.size(); ++i)
+      if (reqs[i].after < 0) reqs[i].arrival_step = static_cast<int64_t>(i) * 3;  // one after another
+    const auto cold = run_simulation(cache_options(reqs, false));
+    auto o = cache_options(reqs, true);
+    o.check = 2;
+    const auto hot = run_simulation(o);
+    ASSERT_EQ(hot.serve.requests_completed, cold.serve.requests_completed);
+    expect_same_as_cold(hot, cold);
+    ASSERT_TRUE(hot.check.has_value());
+    EXPECT_TRUE(hot.check->ok) << hot.check->worst_ratio;
+    EXPECT_EQ(cold.serve.prefix_cache_hit_tokens, 0);
+    EXPECT_EQ(hot.serve.prefill_tokens, cold.serve.prefill_tokens);
+    EXPECT_EQ(hot.serve.prefill_tokens_computed + hot.serve.prefix_cache_hit_tokens,
+              hot.serve.prefill_tokens);
+    if (kind != WorkloadKind::kRandom) {
+      EXPECT_GT(hot.serve.prefix_cache_hit_tokens, 0);
+      EXPECT_LT(hot.serve.prefill_tokens_computed, cold.serve.prefill_tokens_computed);
+    }
+    const auto j = to_json(hot);
+    EXPECT_EQ(j["radix_cache_disabled"], false);
+    EXPECT_EQ(j["prefix_cache_hit_tokens"].get<int64_t>(), hot.serve.prefix_cache_hit_tokens);
+    EXPECT_GT(j["prefix_cache_snapshots"].get<int64_t>(), 0);
+    EXPECT_EQ(j["prefix_cache_bytes"].get<int64_t>(), hot.serve.prefix_cache_snapshots * slot_bytes());
+    EXPECT_NEAR(j["prefix_cache_hit_rate"].get<double>(),
+                static_cast<double>(hot.serve.prefix_cache_hit_tokens) / hot.serve.prefill_tokens, 1e-12);
+  }
+}
+
+TEST(PrefixCache, MixedBatchesAndParallelSamplesWithTheCache) {
+  for (const auto kind : {WorkloadKind::kSharedPrefix, WorkloadKind::kMultiTurn}) {
+    SCOPED_TRACE(to_string(kind));
+    const auto reqs = make_workload(cache_workload(kind));
+    auto off = cache_options(reqs, false), on = cache_options(reqs, true);
+    for (auto* o : {&off, &on}) {
+      o->server_args.enable_mixed_chunk = true;
+      o->parallel_samples = 2;
+      o->state_memory = 5 * slot_bytes();  // forks, requests and snapshots share a small pool
+    }
+    const auto cold = run_simulation(off);
+    const auto hot = run_simulation(on);
+    ASSERT_EQ(hot.serve.requests_completed, cold.serve.requests_completed);
+    expect_same_as_cold(hot, cold);
+    EXPECT_GT(hot.serve.prefix_cache_hit_tokens, 0);
+  }
+}
+
+TEST(PrefixCache, ATinyBudgetEvictsAllTheTimeAndChangesNothingButSpeed) {
+  for (const auto kind : {WorkloadKind::kSharedPrefix, WorkloadKind::kMultiTurn}) {
+    SCOPED_TRACE(to_string(kind));
+    auto reqs = make_workload(cache_workload(kind));
+    for (size_t i = 0; i < reqs.size(); ++i)
+      if (reqs[i].after < 0) reqs[i].arrival_step = static_cast<int64_t>(i) * 3;
+    const auto cold = run_simulation(cache_options(reqs, false));
+    auto o = cache_options(reqs, true);
+    o.prefix_cache_memory = 2 * slot_bytes();
+    o.state_memory = 3 * slot_bytes();  // requests and snapshots compete for a small pool too
+    const auto hot = run_simulation(o);
+    ASSERT_EQ(hot.serve.requests_completed, cold.serve.requests_completed);
+    expect_same_as_cold(hot, cold);
+    EXPECT_GT(hot.serve.prefix_cache_evictions, 0);
+    EXPECT_LE(hot.serve.prefix_cache_snapshots, 2);
+  }
+}
+
+TEST(PrefixCache, Bf16SelfCheckPassesWithTheCache) {
+  auto w = cache_workload(WorkloadKind::kMultiTurn);
+  auto o = cache_options(make_workload(w), true);
+  o.precision = Precision::BF16;
+  o.prefix_cache_memory = 64 * KdaStack::slot_bytes(small_config(), 3, Precision::BF16);
+  o.check = 6;
+  const auto r = run_simulation(o);
+  ASSERT_EQ(r.serve.requests_completed, 6);
+  EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
+  ASSERT_TRUE(r.check.has_value());
+  EXPECT_TRUE(r.check->ok) << r.check->worst_ratio;
+}
+
+// Requests arriving together with one long prefix: the first writes the prefix's snapshots, the others
+// wait at the queue head for them (Pending -> Ready) and then hit instead of recomputing.
+TEST(PrefixCache, RequestsArrivingTogetherWaitForTheSharedPrefixAndHit) {
+  auto w = cache_workload(WorkloadKind::kSharedPrefix);
+  w.requests = 4;
+  w.prefix_groups = 1;
+  w.shared_prefix_len = 200;
+  const auto reqs = make_workload(w);  // every one arrives at step 0
+  auto off = cache_options(reqs, false), on = cache_options(reqs, true);
+  // One step could prefill them all: without the wait none would hit.
+  off.server_args.chunked_prefill_size = on.server_args.chunked_prefill_size = 4096;
+  const auto cold = run_simulation(off);
+  const auto hot = run_simulation(on);
+  expect_same_as_cold(hot, cold);
+  EXPECT_EQ(cold.serve.extend_steps, 1);
+  // Request 0 alone (writing 64, 128, 192); request 1 from 192, writing the branch point 200; 2 and 3
+  // wait for that one and start from 200.
+  EXPECT_EQ(hot.serve.extend_steps, 3);
+  EXPECT_EQ(hot.serve.prefix_cache_hit_tokens, 192 + 200 + 200);
+  EXPECT_LT(hot.serve.prefill_tokens_computed, cold.serve.prefill_tokens_computed);
+}
+
+// The engine with a cache of its own: after the run the tree is consistent, nothing is left Pending or
+// locked, and every slot of the pool is either free or a snapshot's (the requests freed theirs).
+TEST(PrefixCache, AfterServingTheTreeIsConsistentAndEverySlotIsAccountedFor) {
+  const auto reqs = make_workload(cache_workload(WorkloadKind::kMultiTurn));
+  auto stack = KdaStack::synthetic(small_config(), 3, Precision::FP32, 7);
+  ModelRunner runner(*stack, 6, kernels::KernelImpl::Auto);
+  auto& pool = runner.pools().recurrent_state_pool;
+  mem_cache::RadixCache cache(pool, 3 * pool.bytes_per_slot());
+  ServeOptions so;
+  so.scheduler.token_budget = 48;
+  so.scheduler.cache = &cache;
+  so.scheduler.cache_interval = 64;
+  so.seed = 5;
+  const auto r = serve(runner, reqs, so);
+  EXPECT_EQ(r.requests_completed, static_cast<int64_t>(reqs.size()));
+  EXPECT_GT(r.prefix_cache_hit_tokens, 0);
+  EXPECT_NO_THROW(cache.check_invariants());
+  EXPECT_EQ(cache.pending_snapshots(), 0);
+  EXPECT_EQ(cache.evictable_snapshots(), cache.snapshots());  // none locked
+  EXPECT_EQ(pool.available() + cache.snapshots(), pool.size());
+  EXPECT_EQ(r.prefix_cache_snapshots, cache.snapshots());
+  EXPECT_EQ(r.prefix_cache_evictions, cache.evictions());
+}
+
+TEST(PrefixCache, BadCacheOptionsAreClearErrors) {
+  auto o = cache_options(make_workload(cache_workload(WorkloadKind::kRandom)), true);
+  o.cache_interval = 100;
+  expect_invalid([&] { run_simulation(o); }, "--cache-interval must be a positive multiple of 64");
+  o.cache_interval = 64;
+  o.prefix_cache_memory = slot_bytes() - 1;
+  expect_invalid([&] { run_simulation(o); }, "--prefix-cache-memory");
 }
 
 TEST(Simulate, BadTracesAreClearErrors) {
@@ -697,7 +886,10 @@ TEST(SimulateCli, OneRealShapeLayerPrintsJson) {
   EXPECT_EQ(j["decode_tokens"], 4);
   EXPECT_EQ(j["layers"], 1);
   EXPECT_EQ(j["hidden"], 2304);
-  EXPECT_EQ(j["radix_cache_disabled"], true);
+  EXPECT_EQ(j["radix_cache_disabled"], false);  // kda simulate serves with the prefix cache
+  for (const char* key : {"prefix_cache_hit_tokens", "prefix_cache_hit_rate", "prefix_cache_bytes",
+                          "prefix_cache_snapshots", "prefix_cache_evictions"})
+    EXPECT_TRUE(j.contains(key)) << key;
   EXPECT_LE(j["check_worst_error_ratio"].get<double>(), 1.0);
 }
 
@@ -715,7 +907,10 @@ TEST(SimulateCli, MultiTurnWorkloadPrintsJson) {
   EXPECT_EQ(j["vocab"], 512);
   EXPECT_EQ(j["check_ok"], true);
   EXPECT_EQ(j["check_tokens_total"], 4 * 3);
-  EXPECT_EQ(j["prefill_tokens_computed"], j["prefill_tokens"]);
+  // Turn 2 continues from turn 1's finished state: the cache restores it.
+  EXPECT_GT(j["prefix_cache_hit_tokens"].get<int64_t>(), 0);
+  EXPECT_EQ(j["prefill_tokens_computed"].get<int64_t>() + j["prefix_cache_hit_tokens"].get<int64_t>(),
+            j["prefill_tokens"].get<int64_t>());
   EXPECT_GT(j["ttft_ms_p99"].get<double>(), 0.0);
   const auto npz = io::read_npz(dir / "o.npz");
   for (int i = 0; i < 4; ++i) EXPECT_EQ(npz.at("tokens_" + std::to_string(i)).to_i32().size(), 3u);
@@ -749,6 +944,30 @@ TEST(SimulateCli, BadOptionsFailWithClearMessages) {
   r = run_kda("simulate --vocab 512 --trace " + (dir / "tok.json").string(), true);
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.out, HasSubstr("token id 600 at position 1 is >= the vocabulary size 512"));
+  r = run_kda("simulate --layers 1 --cache-interval 100", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--cache-interval must be a positive multiple of 64, got 100"));
+  r = run_kda("simulate --layers 1 --prefix-cache-memory 12XB", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--prefix-cache-memory '12XB'"));
+}
+
+// The summary names the cache's state; --no-prefix-cache serves every prompt token.
+TEST(SimulateCli, PrefixCacheSummaryAndOffSwitch) {
+  const std::string args =
+      "simulate --layers 1 --workload shared-prefix --shared-prefix-len 40 --requests 3 --prompt-len 2:4 "
+      "--output-len 1 --vocab 512 --precision fp32 --check 1 --prefix-cache-memory 64MiB";
+  auto r = run_kda(args, false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("radix cache on"));
+  EXPECT_THAT(r.out, HasSubstr("prefix cache  "));
+  EXPECT_THAT(r.out, HasSubstr("PASS"));
+  r = run_kda(args + " --no-prefix-cache --json", false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["radix_cache_disabled"], true);
+  EXPECT_EQ(j["prefix_cache_hit_tokens"], 0);
+  EXPECT_EQ(j["prefill_tokens_computed"], j["prefill_tokens"]);
 }
 
 }  // namespace

@@ -10,7 +10,6 @@ void ServerArgs::check_server_args(bool model_has_recurrent_state) {
     throw std::invalid_argument("--chunked-prefill-size must be positive, got " +
                                 std::to_string(chunked_prefill_size));
   if (!model_has_recurrent_state) return;
-  disable_radix_cache = true;
   // Speculative decoding: the KDA backend verifies drafts (TARGET_VERIFY, then accept: each request's slot
   // moves to the state after its accepted tokens, chains and trees), so an algorithm whose drafts come
   // from outside the model (NGRAM) is allowed; one with a draft model (EAGLE, STANDALONE, ...) needs

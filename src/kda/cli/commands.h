@@ -58,6 +58,9 @@ struct SimulateCliOptions {
   int64_t max_batch = 64;
   bool mixed = false;
   std::string state_memory = "1GiB";
+  bool no_prefix_cache = false;
+  std::string prefix_cache_memory = "1GiB";  // snapshot slots, on top of state_memory
+  int64_t cache_interval = 256;
   int64_t parallel_samples = 1;
   int64_t check = 2;
   std::string outputs;

@@ -68,7 +68,20 @@ void print_summary(const serving::SimulateResult& r) {
               static_cast<long long>(s.slot_reuses));
   std::printf("  scheduler     token budget %lld, max batch %lld, mixed %s, radix cache %s\n",
               static_cast<long long>(r.token_budget), static_cast<long long>(r.max_batch),
-              r.mixed ? "on" : "off", r.radix_cache_disabled ? "disabled (recurrent state)" : "enabled");
+              r.mixed ? "on" : "off", r.radix_cache_disabled ? "off" : "on");
+  if (!r.radix_cache_disabled) {
+    const double rate = s.prefill_tokens > 0 ? static_cast<double>(s.prefix_cache_hit_tokens) /
+                                                   static_cast<double>(s.prefill_tokens)
+                                             : 0.0;
+    std::printf(
+        "  prefix cache  %s budget, a snapshot every %lld tokens; %lld hit tokens (%.1f%% of the prompts), "
+        "%lld snapshots (%s) held at the end, %lld evicted\n",
+        mib(static_cast<double>(r.prefix_cache_memory)).c_str(), static_cast<long long>(r.cache_interval),
+        static_cast<long long>(s.prefix_cache_hit_tokens), 100.0 * rate,
+        static_cast<long long>(s.prefix_cache_snapshots),
+        mib(static_cast<double>(s.prefix_cache_bytes)).c_str(),
+        static_cast<long long>(s.prefix_cache_evictions));
+  }
   if (r.check) {
     std::string ids;
     for (const auto id : r.check->request_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
@@ -126,6 +139,11 @@ int run_simulate(const SimulateCliOptions& o) {
   so.server_args.enable_mixed_chunk = o.mixed;
   so.max_batch = o.max_batch;
   so.state_memory = serving::parse_byte_size(o.state_memory, "--state-memory");
+  so.server_args.disable_radix_cache = o.no_prefix_cache;  // the CLI serves with the cache by default
+  so.prefix_cache_memory = o.prefix_cache_memory == "0"
+                               ? 0
+                               : serving::parse_byte_size(o.prefix_cache_memory, "--prefix-cache-memory");
+  so.cache_interval = o.cache_interval;
   if (o.parallel_samples < 1 || o.parallel_samples > 4096)
     throw std::invalid_argument("--parallel-samples must be in 1..4096, got " +
                                 std::to_string(o.parallel_samples));

@@ -51,6 +51,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     if (static_cast<int64_t>(p.size()) != q.prompt_len)
       throw std::logic_error("request " + std::to_string(r) + ": its prompt has " + std::to_string(p.size()) +
                              " tokens, prompt_len says " + std::to_string(q.prompt_len));
+    sched.set_prompt(r, p);  // the prefix cache matches and keys snapshots by it
   };
   for (int64_t r = 0; r < R; ++r) {
     if (requests[r].after >= 0)
@@ -103,6 +104,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
       for (int32_t i = 0; i < row.len; ++i, ++t) {
         const int32_t pos = row.start + i;
         toks[t] = pos < q.prompt_len ? prompts[q.request][pos] : fed(row.seq, pos - q.prompt_len);
+        if (pos >= q.prompt_len) sched.add_fed_token(row.seq, toks[t]);
       }
     }
     stack.embed(toks.data(), T, x.data());
@@ -137,6 +139,8 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     t = 0;
     for (const auto& row : b.rows) {
       const float* out = y.data() + t * D;
+      // A prefix-cache hit's first row is at its prefix_len: the rows before were never computed.
+      if (kept(row.seq) && res.outputs[row.seq].rows.empty()) res.outputs[row.seq].rows_from = row.start;
       if (kept(row.seq))
         res.outputs[row.seq].rows.insert(res.outputs[row.seq].rows.end(), out, out + row.len * D);
       t += row.len;
@@ -144,7 +148,10 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     const StepEvents ev = sched.complete(b);
     for (const auto& [parent, child] : ev.forks) {  // a fork starts from its parent's prompt
       gen[child] = gen[parent];
-      if (kept(child)) res.outputs[child].rows = res.outputs[parent].rows;
+      if (kept(child)) {
+        res.outputs[child].rows = res.outputs[parent].rows;
+        res.outputs[child].rows_from = res.outputs[parent].rows_from;
+      }
     }
     for (const int64_t r : ev.finished_requests) {  // a finished turn: its next turn's prompt
       const int64_t nt = next_turn[r];
@@ -166,7 +173,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     res.prefill_tokens_computed += b.prefill_tokens;
     res.decode_tokens += b.decode_tokens;
     if (opt.progress) {
-      prog.tokens_done += T;
+      prog.tokens_done += T + b.cached_tokens;  // restored prompt tokens are done too (prefix cache)
       prog.requests_done = sched.finished_requests();
       prog.steps = res.steps;
       prog.elapsed_s = seconds_since(t_start);
@@ -177,6 +184,12 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
   res.requests_completed = sched.finished_requests();
   res.peak_slots = sched.peak_slots();
   res.slot_reuses = sched.slot_reuses();
+  res.prefix_cache_hit_tokens = sched.cache_hit_tokens();
+  if (const auto* c = opt.scheduler.cache) {
+    res.prefix_cache_bytes = static_cast<int64_t>(c->bytes());
+    res.prefix_cache_snapshots = c->snapshots();
+    res.prefix_cache_evictions = c->evictions();
+  }
   for (int64_t s = 0; s < S; ++s) {
     res.outputs[s].prompt = prompts[seqs[s].request];
     res.outputs[s].tokens = std::move(gen[s]);

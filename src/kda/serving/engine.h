@@ -45,6 +45,9 @@ struct SequenceOutput {
   int64_t request_id = 0;
   int32_t sample = 0;  // continuation index (request's sample_base + j)
   int32_t prompt_len = 0;
+  // rows: [rows_from, prompt_len + decoded) -- rows_from is the prefix a prefix-cache hit restored
+  // (those positions were never computed; 0 without a hit).
+  int32_t rows_from = 0;
   std::vector<float> rows;
   std::vector<int32_t> prompt;  // the whole prompt's token ids (a session's turn: with the history)
   std::vector<int32_t> tokens;  // generated: its own argmax picks, even when teacher-forced
@@ -58,6 +61,10 @@ struct ServeResult {
   int64_t decode_tokens = 0;
   int64_t requests_completed = 0;
   int64_t peak_slots = 0, slot_reuses = 0;
+  // Prefix cache (zero without one): prompt tokens restored from snapshots; at the end, the snapshots
+  // held and their bytes; snapshots evicted.
+  int64_t prefix_cache_hit_tokens = 0, prefix_cache_bytes = 0, prefix_cache_snapshots = 0,
+          prefix_cache_evictions = 0;
   double wall_s = 0.0;
   std::vector<double> step_ms;
   std::vector<double> ttft_ms;  // per request that got its first token: arrival to first token

@@ -53,7 +53,7 @@ struct Sequence {
   int32_t prompt_len = 0;
   int32_t output_len = 0;
   // Prompt tokens whose state the request's slot already holds when it is admitted (the prefix-cache
-  // hook): its prefill starts at this position. Always 0 today; a prefix cache sets it (at most
+  // hook): its prefill starts at this position. 0 without a hit; the prefix cache sets it (at most
   // prompt_len - 1, so that the prompt's last position runs and gives the first token's logits) and
   // restores that state into the slot at admission (Scheduler::fill_prefill).
   int32_t prefix_len = 0;

@@ -49,6 +49,42 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
   });
   unfinished_.assign(static_cast<size_t>(R), n_);
   slot_used_.assign(static_cast<size_t>(pool.recurrent_pool().size() + 1), 0);
+  cache_ = opt_.cache && opt_.cache->enabled() ? opt_.cache : nullptr;
+  if (opt_.cache && opt_.cache_interval < 1)
+    throw std::invalid_argument("--cache-interval must be >= 1, got " + std::to_string(opt_.cache_interval));
+  if (cache_) {
+    prompts_.resize(static_cast<size_t>(R));
+    fed_.resize(seqs_.size());
+  }
+  pending_.resize(seqs_.size());
+}
+
+void Scheduler::set_prompt(int64_t request, std::vector<int32_t> tokens) {
+  if (!cache_) return;
+  if (static_cast<int64_t>(tokens.size()) != requests_[request].prompt_len)
+    throw std::logic_error("scheduler: request " + std::to_string(request) + ": a prompt of " +
+                           std::to_string(tokens.size()) + " tokens, prompt_len says " +
+                           std::to_string(requests_[request].prompt_len));
+  prompts_[request] = std::move(tokens);
+}
+
+void Scheduler::add_fed_token(int64_t seq, int32_t token) {
+  if (cache_) fed_[seq].push_back(token);
+}
+
+std::span<const int32_t> Scheduler::match_key(int64_t request) const {
+  const auto& p = prompts_[request];
+  if (static_cast<int64_t>(p.size()) != requests_[request].prompt_len)
+    throw std::logic_error("scheduler: request " + std::to_string(request) + " admitted before its prompt");
+  return std::span<const int32_t>(p.data(), p.size() - 1);
+}
+
+// Another request's prefill is writing a snapshot deeper on this prompt's path than any Ready one: waiting
+// for it (a few steps at most: snapshots commit after the step that writes them) saves recomputing it.
+bool Scheduler::waits_for_snapshot(int64_t request) {
+  if (!cache_ || requests_[request].prompt_len < 2) return false;
+  const auto m = cache_->match_prefix(match_key(request));
+  return m.pending && m.pending.len > m.hit.len;
 }
 
 int64_t Scheduler::slots_in_use() const { return pool_->size() - pool_->available(); }
@@ -57,8 +93,11 @@ int64_t Scheduler::slots_in_use() const { return pool_->size() - pool_->availabl
 // its continuations would all equal the prompt, so nothing is forked.
 int32_t Scheduler::slots_needed(int64_t request) const { return requests_[request].output_len > 0 ? n_ : 1; }
 
+// With a prefix cache, evictable snapshots count as free: admission evicts what it needs.
 bool Scheduler::can_admit(int64_t request) const {
-  return pool_->available() - reserved_ >= slots_needed(request);
+  int64_t free = pool_->available();
+  if (cache_) free = std::min(free, pool_->recurrent_pool().available() + cache_->evictable_snapshots());
+  return free - reserved_ >= slots_needed(request);
 }
 
 int32_t Scheduler::take_slot(int32_t req_pool_index) {
@@ -78,17 +117,29 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
     b.prefill_tokens += take;
     budget -= take;
   }
-  while (budget > 0 && !waiting_.empty() && can_admit(waiting_.front())) {
+  while (budget > 0 && !waiting_.empty() && admissible(waiting_.front())) {
     const int64_t r = waiting_.front();
     waiting_.pop_front();
     const int64_t s = seq_index(r, 0);
     Sequence& q = seqs_[s];
+    if (cache_ && !cache_->ensure_free_slots(reserved_ + slots_needed(r)))
+      throw std::logic_error("scheduler: admitted a request the pool and the cache cannot give slots");
     q.req_pool_index = pool_->alloc(1)[0];
-    take_slot(q.req_pool_index);
-    // Prefix-cache hook: a cache that holds the state of the prompt's first k tokens sets
-    // q.prefix_len = k here (k <= prompt_len - 1) and restores that state into the slot; the prefill
-    // then runs only the rest (the row's start is k, its ForwardBatch prefix k > 0).
+    const int32_t slot = take_slot(q.req_pool_index);
+    // Prefix cache: the deepest Ready snapshot of the prompt minus its last token is copied into the
+    // slot; the prefill then runs only the rest (the row's start is k, its ForwardBatch prefix k > 0).
     q.prefix_len = 0;
+    if (cache_ && q.prompt_len >= 2) {
+      const auto m = cache_->match_prefix(match_key(r));
+      if (m.hit) {
+        cache_->inc_lock_ref(m.hit.node);
+        pool_->recurrent_pool().copy_slot(m.hit.slot, slot);
+        cache_->dec_lock_ref(m.hit.node);
+        q.prefix_len = static_cast<int32_t>(m.hit.len);
+        cache_hit_tokens_ += q.prefix_len;
+      }
+      plan_snapshots(s, m);
+    }
     q.processed = q.prefix_len;
     b.cached_tokens += q.prefix_len;
     reserved_ += slots_needed(r) - 1;
@@ -99,6 +150,42 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
     b.rows.push_back({s, q.processed, take, false});
     b.prefill_tokens += take;
     budget -= take;
+  }
+}
+
+// The snapshots a prefill writes (positions after prefix_len, before prompt_len): the prompt minus its
+// last token, every cache_interval tokens, and the branch point off a cached path. Each gets a Pending
+// node now; a snapshot never takes a slot promised to a fork (reserved_), and one the cache cannot give
+// (budget of locked / pending snapshots, or a full pool) is skipped.
+void Scheduler::plan_snapshots(int64_t seq, const mem_cache::MatchResult& m) {
+  const Sequence& q = seqs_[seq];
+  std::set<int32_t> pos;
+  pos.insert(q.prompt_len - 1);
+  for (int64_t p = opt_.cache_interval; p < q.prompt_len; p += opt_.cache_interval)
+    pos.insert(static_cast<int32_t>(p));
+  if (m.matched_len > m.hit.len && m.matched_len < q.prompt_len)
+    pos.insert(static_cast<int32_t>(m.matched_len));
+  const auto& tokens = prompts_[q.request];
+  for (const int32_t p : pos) {
+    if (p <= q.prefix_len) continue;
+    auto& rec = pool_->recurrent_pool();
+    if (rec.available() - reserved_ < 1 && !cache_->ensure_free_slots(reserved_ + 1)) continue;
+    const auto snap = cache_->reserve(std::span<const int32_t>(tokens.data(), tokens.size()), p);
+    if (!snap || !snap.created) continue;  // none to be had, or one is there already
+    pending_[seq].push_back({p, snap.node, snap.slot});
+  }
+}
+
+void Scheduler::commit_snapshots(int64_t seq) {
+  auto& v = pending_[seq];
+  const int32_t done = seqs_[seq].processed;
+  for (auto it = v.begin(); it != v.end();) {
+    if (it->pos <= done) {
+      cache_->commit(it->node);
+      it = v.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
@@ -130,7 +217,7 @@ ScheduledBatch Scheduler::schedule() {
     b.arrived.push_back(r);
   }
 
-  const bool has_prefill = !prefilling_.empty() || (!waiting_.empty() && can_admit(waiting_.front()));
+  const bool has_prefill = !prefilling_.empty() || (!waiting_.empty() && admissible(waiting_.front()));
   const bool has_decode = !decode_queue_.empty();
   if (!has_prefill && !has_decode) return b;
   if (opt_.mixed) {
@@ -164,11 +251,29 @@ ForwardBatch Scheduler::forward_batch(const ScheduledBatch& b) const {
     prefix.push_back(row.start);  // > 0: the slot holds the state of the tokens before
   }
   if (b.mode == ForwardMode::DECODE) return ForwardBatch::decode(std::move(reqs));
-  return ForwardBatch::extend(std::move(reqs), std::move(lens), std::move(prefix));
+  auto fb = ForwardBatch::extend(std::move(reqs), std::move(lens), std::move(prefix));
+  for (size_t i = 0; i < b.rows.size(); ++i) {  // snapshots whose position this chunk reaches
+    const auto& row = b.rows[i];
+    if (row.decode) continue;
+    for (const auto& ps : pending_[row.seq])
+      if (ps.pos > row.start && ps.pos <= row.start + row.len)
+        fb.state_snapshots.push_back({static_cast<int32_t>(i), ps.pos - row.start, ps.slot});
+  }
+  return fb;
 }
 
 void Scheduler::finish(int64_t seq, StepEvents& ev) {
   Sequence& q = seqs_[seq];
+  for (const auto& ps : pending_[seq]) cache_->abort(ps.node);  // unwritten: commits follow each step
+  pending_[seq].clear();
+  if (cache_ && q.req_pool_index >= 0 && q.processed > 0) {
+    // The state after every processed token (prompt + fed decode inputs): a session's next turn
+    // continues from it. A full cache makes this insert give nothing, which only costs speed.
+    std::vector<int32_t> tokens = prompts_[q.request];
+    tokens.insert(tokens.end(), fed_[seq].begin(), fed_[seq].end());
+    if (static_cast<int64_t>(tokens.size()) == q.processed)
+      cache_->insert(tokens, q.processed, pool_->slot_of(q.req_pool_index));
+  }
   if (q.req_pool_index >= 0) {
     const int32_t idx = q.req_pool_index;
     pool_->free(std::span<const int32_t>(&idx, 1));
@@ -188,6 +293,7 @@ StepEvents Scheduler::complete(const ScheduledBatch& b) {
   for (const auto& row : b.rows) {
     Sequence& q = seqs_[row.seq];
     q.processed += row.len;
+    if (cache_ && !row.decode) commit_snapshots(row.seq);
     if (row.decode) {
       if (q.processed == q.total_len())
         finish(row.seq, ev);
@@ -211,7 +317,9 @@ StepEvents Scheduler::complete(const ScheduledBatch& b) {
     ready.push_back(row.seq);
     for (int32_t j = 1; j < n_; ++j) {
       Sequence& child = seqs_[seq_index(r, j)];
+      if (cache_) cache_->ensure_free_slots(1);              // reserved_ kept a slot: evicts only if needed
       child.req_pool_index = pool_->fork(q.req_pool_index);  // copy_slot of every layer's state
+      if (cache_) fed_[seq_index(r, j)] = fed_[row.seq];
       --reserved_;
       take_slot(child.req_pool_index);
       child.phase = SeqPhase::kDecode;

@@ -5,7 +5,8 @@
 //   - Requests are admitted in arrival order (FIFO, no overtaking) when the pool has a slot for them:
 //     a request with n parallel samples needs n free slots, one taken at admission and n - 1 reserved
 //     for its forks. So a fork never waits on a pool full of parents waiting to fork (which could
-//     deadlock); the request waits at admission instead. A full pool makes requests wait, never evicts.
+//     deadlock); the request waits at admission instead. A full pool makes requests wait; it evicts only
+//     prefix-cache snapshots, never a request's state.
 //   - Chunked prefill: each step's prompt tokens fit the token budget; requests already in prefill
 //     continue first, then new ones are admitted while budget and slots remain.
 //   - Decodes are batched (at most max_batch rows), round-robin when more sequences decode than fit.
@@ -19,16 +20,28 @@
 //   - Sessions: a request with RequestSpec::after >= 0 (the next turn of a conversation) arrives only
 //     when its previous turn has finished (every continuation), arrival_step steps later; then it is
 //     queued like any other arrival, in (arrival step, workload index) order.
-//   - Prefix cache hook: a sequence's prefill starts at Sequence::prefix_len (0 today), see fill_prefill.
+//   - Prefix cache (optional RadixCache, see mem_cache/radix_cache.h): at admission the request matches
+//     its prompt minus the last token (that one must run for the first token's logits). When a deeper
+//     snapshot of that path is still being written by another request's prefill (Pending), the request
+//     waits at the queue head (FIFO) until it is Ready (then it hits) or gone; on a hit the snapshot is
+//     copied into the request's slot and its prefill starts at prefix_len = the hit's length. Its own
+//     prefill writes snapshots (ForwardBatch::state_snapshots, committed after the step) at: the prompt
+//     minus its last token (prompt_len - 1: what an identical later prompt matches), every
+//     cache_interval tokens, and the branch point where it leaves a cached path. A finished sequence's
+//     state after all its processed tokens is inserted before its slot is freed (a session's next turn
+//     starts with exactly those tokens). Snapshots and requests share the pool: admission counts
+//     evictable snapshots as free slots and evicts (LRU) what it needs, so a full cache costs speed only.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <set>
+#include <span>
 #include <utility>
 #include <vector>
 
 #include "kda/mem_cache/memory_pool.h"
+#include "kda/mem_cache/radix_cache.h"
 #include "kda/model_executor/forward_batch_info.h"
 #include "kda/serving/request.h"
 
@@ -40,6 +53,8 @@ struct SchedulerOptions {
   bool mixed = false;
   int32_t parallel_samples = 1;
   int max_prefill_streak = 4;
+  mem_cache::RadixCache* cache = nullptr;  // prefix cache over the same recurrent pool; null: off
+  int64_t cache_interval = 256;            // a snapshot every this many prompt tokens (> 0)
 };
 
 struct BatchRow {
@@ -95,10 +110,22 @@ class Scheduler {
   int64_t peak_slots() const { return peak_slots_; }
   int64_t slot_reuses() const { return slot_reuses_; }
   int64_t slots_in_use() const;
+  int64_t cache_hit_tokens() const { return cache_hit_tokens_; }
+
+  // Prefix cache only (no-ops without one): a request's whole prompt, before it can be admitted (a
+  // session's next turn: when its previous turn finished), and the token each decode step of a sequence
+  // feeds, as it is fed (the finished state is inserted under prompt + fed tokens).
+  void set_prompt(int64_t request, std::vector<int32_t> tokens);
+  void add_fed_token(int64_t seq, int32_t token);
 
  private:
   int32_t slots_needed(int64_t request) const;
   bool can_admit(int64_t request) const;
+  bool waits_for_snapshot(int64_t request);  // a deeper snapshot of its prompt is being written
+  bool admissible(int64_t request) { return can_admit(request) && !waits_for_snapshot(request); }
+  std::span<const int32_t> match_key(int64_t request) const;  // prompt minus its last token
+  void plan_snapshots(int64_t seq, const mem_cache::MatchResult& m);
+  void commit_snapshots(int64_t seq);
   int32_t take_slot(int32_t req_pool_index);  // bookkeeping after an alloc / fork; returns the slot
   void fill_prefill(ScheduledBatch& b, int64_t budget);
   void take_decodes(ScheduledBatch& b, int64_t limit);
@@ -122,6 +149,17 @@ class Scheduler {
   int64_t step_ = 0;
   int prefill_streak_ = 0;
   int64_t finished_requests_ = 0, peak_slots_ = 0, slot_reuses_ = 0;
+  // Prefix cache.
+  struct PendingSnapshot {
+    int32_t pos = 0;  // prompt tokens before the state
+    mem_cache::NodeId node = mem_cache::kNoNode;
+    int32_t slot = -1;
+  };
+  mem_cache::RadixCache* cache_ = nullptr;
+  std::vector<std::vector<int32_t>> prompts_;          // per request (cache only)
+  std::vector<std::vector<int32_t>> fed_;              // per sequence: decode inputs fed (cache only)
+  std::vector<std::vector<PendingSnapshot>> pending_;  // per sequence: snapshots its prefill writes
+  int64_t cache_hit_tokens_ = 0;
 };
 
 }  // namespace kda::serving

@@ -6,11 +6,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <random>
 #include <stdexcept>
 
 #include "kda/io/npy.h"
 #include "kda/kernels/kda/kda.h"
+#include "kda/mem_cache/radix_cache.h"
 #include "kda/serving/kda_stack.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/trace.h"
@@ -33,6 +35,8 @@ struct Plan {
   SchedulerOptions sched;
   int64_t vocab = 0;
   int64_t slot_bytes = 0, slots = 0;
+  bool cache = false;
+  int64_t cache_slots = 0;  // snapshot slots on top of `slots` (the pool holds slots + cache_slots)
   std::vector<int64_t> check_requests;  // workload indices
 };
 
@@ -101,6 +105,24 @@ Plan make_plan(const SimulateOptions& o) {
                                 std::to_string(need));
   // More slots than the workload has sequences could never be used: do not allocate them.
   p.slots = std::min(budget_slots, total);
+  p.cache = !p.server_args.disable_radix_cache;
+  if (p.cache) {
+    if (o.cache_interval < 64 || o.cache_interval % 64 != 0)
+      throw std::invalid_argument("--cache-interval must be a positive multiple of 64, got " +
+                                  std::to_string(o.cache_interval));
+    if (o.prefix_cache_memory < 0)
+      throw std::invalid_argument("--prefix-cache-memory must be >= 0, got " +
+                                  std::to_string(o.prefix_cache_memory));
+    if (o.prefix_cache_memory > 0 && o.prefix_cache_memory < p.slot_bytes)
+      throw std::invalid_argument("--prefix-cache-memory " + std::to_string(o.prefix_cache_memory) +
+                                  " bytes is too small for one state snapshot: a slot needs " +
+                                  std::to_string(p.slot_bytes) + " bytes (0 turns the cache's storage off)");
+    // At most the snapshots the workload could ever create: per request its interval points, its end
+    // and branch point, and one insert per continuation at finish.
+    int64_t most = 0;
+    for (const auto& r : o.requests) most += r.prompt_len / o.cache_interval + 2 + o.parallel_samples;
+    p.cache_slots = std::min(o.prefix_cache_memory / p.slot_bytes, most);
+  }
   if (!o.outputs_path.empty()) {
     const auto parent = std::filesystem::absolute(o.outputs_path).parent_path();
     if (!std::filesystem::is_directory(parent))
@@ -111,6 +133,7 @@ Plan make_plan(const SimulateOptions& o) {
   p.sched.max_batch = o.max_batch;
   p.sched.mixed = p.server_args.enable_mixed_chunk;
   p.sched.parallel_samples = o.parallel_samples;
+  p.sched.cache_interval = o.cache_interval;
 
   // The requests to re-run alone: a seeded draw (Fisher-Yates on the raw stream, portable).
   std::vector<int64_t> idx(static_cast<size_t>(R));
@@ -194,7 +217,12 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, KdaStack& stack,
     }
     for (int32_t j = 0; j < n; ++j) {
       const auto& b = batched.outputs[r * n + j];
-      const double ratio = ratio_of(b.rows, ar.outputs[j].rows, o.precision, limit);
+      // A prefix-cache hit's rows start at rows_from: compare the positions both runs computed.
+      const auto& full = ar.outputs[j].rows;
+      const size_t skip = static_cast<size_t>(b.rows_from) * static_cast<size_t>(stack.hidden_size());
+      const std::vector<float> tail(full.begin() + static_cast<std::ptrdiff_t>(std::min(skip, full.size())),
+                                    full.end());
+      const double ratio = ratio_of(b.rows, tail, o.precision, limit);
       rep.worst_ratio = std::max(rep.worst_ratio, ratio);
       const auto& mine = ar.outputs[j].tokens;
       rep.tokens_total += static_cast<int64_t>(std::max(b.tokens.size(), mine.size()));
@@ -300,6 +328,10 @@ constexpr std::pair<const char*, int64_t ServeResult::*> kCounters[] = {
     {"requests_completed", &ServeResult::requests_completed},
     {"peak_slots", &ServeResult::peak_slots},
     {"slot_reuses", &ServeResult::slot_reuses},
+    {"prefix_cache_hit_tokens", &ServeResult::prefix_cache_hit_tokens},
+    {"prefix_cache_bytes", &ServeResult::prefix_cache_bytes},
+    {"prefix_cache_snapshots", &ServeResult::prefix_cache_snapshots},
+    {"prefix_cache_evictions", &ServeResult::prefix_cache_evictions},
 };
 
 // One group's result as bytes (statistics and kept outputs), for the gather to world rank 0.
@@ -324,6 +356,7 @@ std::vector<uint8_t> pack(const SimulateResult& r) {
     outs.push_back({{"id", q.request_id},
                     {"sample", q.sample},
                     {"prompt_len", q.prompt_len},
+                    {"rows_from", q.rows_from},
                     {"rows", q.rows},
                     {"prompt", q.prompt},
                     {"tokens", q.tokens}});
@@ -358,8 +391,8 @@ void unpack_into(const std::vector<uint8_t>& bytes, SimulateResult& m) {
   }
   for (const auto& q : j.at("outputs"))
     s.outputs.push_back({q.at("id").get<int64_t>(), q.at("sample").get<int32_t>(),
-                         q.at("prompt_len").get<int32_t>(), q.at("rows").get<std::vector<float>>(),
-                         q.at("prompt").get<std::vector<int32_t>>(),
+                         q.at("prompt_len").get<int32_t>(), q.at("rows_from").get<int32_t>(),
+                         q.at("rows").get<std::vector<float>>(), q.at("prompt").get<std::vector<int32_t>>(),
                          q.at("tokens").get<std::vector<int32_t>>()});
 }
 
@@ -449,7 +482,11 @@ SimulateResult run_group(const SimulateOptions& o) {
   res.vocab = p.vocab;
   res.workload = o.workload;
   res.slot_bytes = p.slot_bytes;
-  res.pool_slots = p.slots;
+  res.pool_slots = p.slots + p.cache_slots;
+  if (p.cache) {
+    res.prefix_cache_memory = p.cache_slots * p.slot_bytes;
+    res.cache_interval = o.cache_interval;
+  }
 
   log("building " + std::to_string(p.layers) + (p.layers == 1 ? " KDA layer (" : " KDA layers (") +
       res.model + ", " + to_string(o.precision) + ", hidden " + std::to_string(p.cfg.hidden_size) + ", " +
@@ -473,10 +510,17 @@ SimulateResult run_group(const SimulateOptions& o) {
   so.keep.assign(o.requests.size(), keep_all ? 1 : 0);
   for (const int64_t r : p.check_requests) so.keep[r] = 1;
   {
-    ModelRunner runner(*stack, p.slots, p.kernel);  // freed before the check's small pools
+    ModelRunner runner(*stack, p.slots + p.cache_slots, p.kernel);  // freed before the check's pools
     res.pool_bytes = static_cast<int64_t>(runner.pools().recurrent_state_pool.bytes());
-    log("state pool: " + std::to_string(p.slots) + " slots x " + std::to_string(p.slot_bytes) + " bytes; " +
-        std::to_string(res.requests) + " requests");
+    log("state pool: " + std::to_string(p.slots) + " request + " + std::to_string(p.cache_slots) +
+        " snapshot slots x " + std::to_string(p.slot_bytes) + " bytes; " + std::to_string(res.requests) +
+        " requests");
+    // The snapshots' budget is their slots' bytes; the cache frees them before the pool goes.
+    std::optional<mem_cache::RadixCache> cache;
+    if (p.cache) {
+      cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(p.cache_slots * p.slot_bytes));
+      so.scheduler.cache = &*cache;
+    }
     res.serve = serve(runner, o.requests, so);
   }
   res.step_ms_p50 = percentile(res.serve.step_ms, 50);
@@ -538,6 +582,15 @@ nlohmann::json to_json(const SimulateResult& r) {
       {"max_batch", r.max_batch},
       {"parallel_samples", r.parallel_samples},
       {"radix_cache_disabled", r.radix_cache_disabled},
+      {"prefix_cache_hit_tokens", s.prefix_cache_hit_tokens},
+      {"prefix_cache_hit_rate", s.prefill_tokens > 0 ? static_cast<double>(s.prefix_cache_hit_tokens) /
+                                                           static_cast<double>(s.prefill_tokens)
+                                                     : 0.0},
+      {"prefix_cache_bytes", s.prefix_cache_bytes},
+      {"prefix_cache_snapshots", s.prefix_cache_snapshots},
+      {"prefix_cache_evictions", s.prefix_cache_evictions},
+      {"prefix_cache_memory", r.prefix_cache_memory},
+      {"cache_interval", r.cache_interval},
       {"ok", r.ok()},
   };
   if (r.check) {

@@ -20,7 +20,8 @@
 // precision's tolerance; whether its own argmax picks equal the batched run's tokens is reported
 // (a near-tie between the two top logits may flip under rounding, bf16 above all), not required.
 //
-// The pool holds min(state_memory / slot bytes, the workload's sequence count) slots: more could
+// The pool holds min(state_memory / slot bytes, the workload's sequence count) request slots, plus
+// min(prefix_cache_memory / slot bytes, the snapshots the workload could create) with the cache: more could
 // never be in use at once.
 #pragma once
 
@@ -58,9 +59,20 @@ struct SimulateOptions {
 
   std::vector<RequestSpec> requests;  // the workload: make_workload() or load_trace()
   // Token budget per step = server_args.chunked_prefill_size; mixed batches = enable_mixed_chunk.
-  ServerArgs server_args;
+  // disable_radix_cache: the library serves without the prefix cache unless asked (kda simulate asks).
+  ServerArgs server_args = [] {
+    ServerArgs a;
+    a.disable_radix_cache = true;
+    return a;
+  }();
   int64_t max_batch = 64;
-  int64_t state_memory = int64_t{2} << 30;  // bytes for the recurrent state pool
+  int64_t state_memory = int64_t{2} << 30;  // bytes for the recurrent state pool (requests)
+  // Prefix cache of state snapshots (mem_cache::RadixCache), on unless server_args.disable_radix_cache:
+  // the pool gets prefix_cache_memory bytes of snapshot slots on top of state_memory (one pool accounts
+  // for both; admission evicts snapshots when requests need their slots). A snapshot every
+  // cache_interval prompt tokens (a multiple of 64). 0 bytes: a cache that never stores.
+  int64_t prefix_cache_memory = int64_t{1} << 30;
+  int64_t cache_interval = 256;
   int32_t parallel_samples = 1;
   int64_t check = 0;          // requests re-run alone and compared
   bool keep_outputs = false;  // SimulateResult::outputs holds every sequence's rows
@@ -104,6 +116,7 @@ struct SimulateResult {
   int64_t vocab = 0;
   std::string workload;
   int64_t slot_bytes = 0, pool_slots = 0, pool_bytes = 0;
+  int64_t prefix_cache_memory = 0, cache_interval = 0;  // 0 / 0 with the cache off
   double build_s = 0.0;
   ServeResult serve;
   double step_ms_p50 = 0.0, step_ms_p99 = 0.0;
@@ -131,7 +144,10 @@ double percentile(std::vector<double> v, double p);  // nearest-rank, p in [0, 1
 // build and self-check excluded); step_ms_* cover every model step (all layers); pool_bytes is what
 // the pool allocated; check_worst_error_ratio is null without a check. prefill_tokens counts the prompt
 // tokens of the requests served, prefill_tokens_computed those that went through the layers (equal
-// without a prefix cache); ttft_ms_* are the requests' arrival-to-first-token times.
+// without a prefix cache); ttft_ms_* are the requests' arrival-to-first-token times. prefix_cache_hit_tokens
+// are prompt tokens restored from snapshots, prefix_cache_hit_rate = hit tokens / prompt tokens, and
+// prefix_cache_bytes / _snapshots what the cache held at the end (summed over --dp groups), _evictions
+// how many snapshots it evicted. With hits, a kept output's rows start at its restored prefix (rows_from).
 nlohmann::json to_json(const SimulateResult& r);
 
 }  // namespace kda::serving
