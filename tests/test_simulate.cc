@@ -420,40 +420,51 @@ TEST(SimulateTokens, TraceWithPromptsAndSessions) {
   EXPECT_EQ(out_of(r, 3).tokens.size(), 1u);  // output_len 0: the prompt's first token only
 }
 
+// With and without the prefix cache: every rank runs the same schedule over its shards, so every rank
+// keeps the same tree, and TP 2 with the cache gives TP 1's tokens and hits.
 TEST(SimulateTokens, TensorParallelTwoGivesTheTokensOfOne) {
-  auto w = small_workload(WorkloadKind::kMultiTurn);
-  w.requests = 2;
-  w.turns = 2;
-  auto o = small_options(make_workload(w));
-  o.check = 1;
-  const auto one = run_simulation(o);
-  distributed::InProcessGroup group(2);
-  std::vector<SimulateResult> res(2);
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < 2; ++rank)
-    threads.emplace_back([&, rank] {
-      try {
-        auto comm = group.member(rank);
-        auto ot = o;
-        ot.tp = {rank, 2, comm.get()};
-        res[rank] = run_simulation(ot);
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int rank = 0; rank < 2; ++rank) {
-    ASSERT_EQ(errors[rank], "") << "rank " << rank;
-    ASSERT_EQ(res[rank].serve.requests_completed, 4);
-    ASSERT_TRUE(res[rank].check.has_value());
-    EXPECT_TRUE(res[rank].check->ok);
-    for (int64_t i = 0; i < 4; ++i) {
-      EXPECT_EQ(out_of(res[rank], i).tokens, out_of(one, i).tokens) << "rank " << rank << " request " << i;
-      EXPECT_EQ(out_of(res[rank], i).prompt, out_of(one, i).prompt);
+  for (const bool cache : {false, true}) {
+    SCOPED_TRACE(cache ? "prefix cache on" : "prefix cache off");
+    auto w = small_workload(WorkloadKind::kMultiTurn);
+    w.requests = 2;
+    w.turns = 2;
+    auto o = small_options(make_workload(w));
+    o.check = 1;
+    o.server_args.disable_radix_cache = !cache;
+    const auto one = run_simulation(o);
+    if (cache) {
+      EXPECT_GT(one.serve.prefix_cache_hit_tokens, 0);
     }
+    distributed::InProcessGroup group(2);
+    std::vector<SimulateResult> res(2);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank)
+      threads.emplace_back([&, rank] {
+        try {
+          auto comm = group.member(rank);
+          auto ot = o;
+          ot.tp = {rank, 2, comm.get()};
+          res[rank] = run_simulation(ot);
+        } catch (const std::exception& e) {
+          errors[rank] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (int rank = 0; rank < 2; ++rank) {
+      ASSERT_EQ(errors[rank], "") << "rank " << rank;
+      ASSERT_EQ(res[rank].serve.requests_completed, 4);
+      ASSERT_TRUE(res[rank].check.has_value());
+      EXPECT_TRUE(res[rank].check->ok);
+      for (int64_t i = 0; i < 4; ++i) {
+        EXPECT_EQ(out_of(res[rank], i).tokens, out_of(one, i).tokens) << "rank " << rank << " request " << i;
+        EXPECT_EQ(out_of(res[rank], i).prompt, out_of(one, i).prompt);
+        EXPECT_EQ(out_of(res[rank], i).rows_from, out_of(one, i).rows_from);
+      }
+      EXPECT_EQ(res[rank].serve.prefix_cache_hit_tokens, one.serve.prefix_cache_hit_tokens);
+    }
+    EXPECT_LE(worst_ratio(outputs_by_key(res[0]), outputs_by_key(one)), 1.0);
   }
-  EXPECT_LE(worst_ratio(outputs_by_key(res[0]), outputs_by_key(one)), 1.0);
 }
 
 TEST(SimulateTokens, DataParallelKeepsConversationsInOneGroup) {
