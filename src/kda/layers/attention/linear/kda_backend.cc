@@ -108,6 +108,21 @@ int64_t LinearRecurrentAttnBackend::conv_out_stride(const RadixLinearAttention& 
   return (c * elem_bytes) % 4096 == 0 ? c + 64 / elem_bytes : c;
 }
 
+void LinearRecurrentAttnBackend::compute_beta(const RadixLinearAttention& layer, const LinearAttnInputs& in,
+                                              int64_t T) {
+  const auto& p = layer.params();
+  const int64_t H = p.num_v_heads;
+  beta_.resize(static_cast<size_t>(T * H));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t i = t * in.b_stride + h;
+      float bt = in.b_bf16 != nullptr ? bf16_to_f32(in.b_bf16[i]) : in.b[i];
+      if (p.bf16_activations) bt = round_bf16(bt);  // the bf16 mode's rounding point of W_b x
+      beta_[t * H + h] = 1.0f / (1.0f + std::exp(-bt));
+    }
+  }
+}
+
 void LinearRecurrentAttnBackend::run_conv(const RadixLinearAttention& layer, const LinearAttnInputs& in,
                                           int64_t T, const mem_cache::LinearRecurrentLayerCache& cache,
                                           bool decode, bool bf16_out) {
@@ -308,16 +323,7 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
 
   // q, k and v are read in place as column slices of the conv output, and the gate as a slice of the
   // caller's projection output: the kernels take row strides, so nothing is copied.
-  beta_.resize(static_cast<size_t>(T * H));
-  const bool round_b = p.bf16_activations;
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t i = t * in.b_stride + h;
-      float bt = in.b_bf16 != nullptr ? bf16_to_f32(in.b_bf16[i]) : in.b[i];
-      if (round_b) bt = round_bf16(bt);
-      beta_[t * H + h] = 1.0f / (1.0f + std::exp(-bt));
-    }
-  }
+  compute_beta(layer, in, T);
 
   LinearRecurrentDispatch d;
   d.layer = &layer;
@@ -474,15 +480,7 @@ void LinearRecurrentAttnBackend::forward_verify(const RadixLinearAttention& laye
     kernels::short_conv_decode(args);
   }
 
-  beta_.resize(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t x = t * in.b_stride + h;
-      float bt = in.b_bf16 != nullptr ? bf16_to_f32(in.b_bf16[x]) : in.b[x];
-      if (p.bf16_activations) bt = round_bf16(bt);
-      beta_[t * H + h] = 1.0f / (1.0f + std::exp(-bt));
-    }
-  }
+  compute_beta(layer, in, T);
   for (int64_t i = 0; i < B; ++i) {
     for (int64_t j = 0; j < md.cu_q_lens[i + 1] - md.cu_q_lens[i]; ++j) {
       const int64_t t = md.cu_q_lens[i] + j;

@@ -163,6 +163,8 @@ class LinearRecurrentAttnBackend {
   // conv states on: a snapshot before position W-1 reads the request's previous one).
   void write_conv_snapshots(const RadixLinearAttention& layer, const LinearAttnInputs& in,
                             const mem_cache::LinearRecurrentLayerCache& cache) const;
+  // beta_ [T, H] = sigmoid(W_b x), from the fp32 or bf16 projection (EXTEND / DECODE and verify alike).
+  void compute_beta(const RadixLinearAttention& layer, const LinearAttnInputs& in, int64_t T);
 
   void forward_verify(const RadixLinearAttention& layer, const LinearAttnInputs& in,
                       const mem_cache::LinearRecurrentLayerCache& cache, float* o);
