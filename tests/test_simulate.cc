@@ -22,6 +22,7 @@
 #include "kda/serving/model_runner.h"
 #include "kda/serving/scheduler.h"
 #include "kda/serving/simulate.h"
+#include "kda/serving/speculative.h"
 #include "kda/serving/trace.h"
 #include "support/test_support.h"
 
@@ -979,6 +980,291 @@ TEST(SimulateCli, PrefixCacheSummaryAndOffSwitch) {
   EXPECT_EQ(j["radix_cache_disabled"], true);
   EXPECT_EQ(j["prefix_cache_hit_tokens"], 0);
   EXPECT_EQ(j["prefill_tokens_computed"], j["prefill_tokens"]);
+}
+
+// --- speculative decoding (issue 16) ---------------------------------------------------------------------
+
+TEST(Speculative, DraftTriesNgramLookupAndGreedyVerification) {
+  Draft d;
+  d.add_branch(std::vector<int32_t>{5, 6, 7}, 8);
+  d.add_branch(std::vector<int32_t>{5, 9}, 8);  // shares 5
+  d.add_branch(std::vector<int32_t>{4}, 8);
+  EXPECT_EQ(d.tokens, (std::vector<int32_t>{5, 6, 7, 9, 4}));
+  EXPECT_EQ(d.parents, (std::vector<int32_t>{-1, 0, 1, 0, -1}));
+  Draft capped;
+  capped.add_branch(std::vector<int32_t>{1, 2, 3}, 2);
+  EXPECT_EQ(capped.size(), 2);
+
+  // Picks at row positions 0..5: position 0 picks 5 (draft 0 accepted, position 1), which picks 9 (draft 3,
+  // position 4), which picks 1: no child -> bonus 1.
+  const auto v = greedy_verify(d, std::vector<int32_t>{5, 9, 0, 0, 1, 0});
+  EXPECT_EQ(v.path, (std::vector<int32_t>{1, 4}));
+  EXPECT_EQ(v.last, 4);
+  EXPECT_EQ(v.next_token, 1);
+  const auto none = greedy_verify(d, std::vector<int32_t>{8, 6, 7, 0, 0, 0});
+  EXPECT_TRUE(none.path.empty());
+  EXPECT_EQ(none.next_token, 8);
+  const auto chain = greedy_verify(d, std::vector<int32_t>{5, 6, 7, 3, 0, 0});
+  EXPECT_EQ(chain.path, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(chain.next_token, 3);
+
+  // ngram: the latest earlier occurrence of the longest suffix (3 tokens) with a match.
+  const std::vector<int32_t> h = {1, 2, 3, 10, 11, 7, 2, 3, 20, 21, 22, 1, 2, 3};
+  EXPECT_EQ(ngram_draft(h, 2, 1).tokens, (std::vector<int32_t>{10, 11}));
+  const std::vector<int32_t> h2 = {9, 2, 3, 20, 8, 2, 3, 30, 31, 5, 2, 3};  // no 3-gram; 2-gram twice
+  auto t = ngram_draft(h2, 2, 2);
+  EXPECT_EQ(t.tokens, (std::vector<int32_t>{30, 31, 20, 8}));
+  EXPECT_EQ(t.parents, (std::vector<int32_t>{-1, 0, -1, 2}));
+  EXPECT_EQ(ngram_draft(std::vector<int32_t>{1, 2, 3, 4}, 4, 1).size(), 0);  // no match, no drafts
+
+  // replay: rate 1 drafts the truth, rate 0 never a true token; the draw is a function of its key.
+  const std::vector<int32_t> truth = {3, 1, 4, 1, 5};
+  EXPECT_EQ(replay_draft(truth, 4, 1, 1.0, 100, 7, 2, 9).tokens, (std::vector<int32_t>{3, 1, 4, 1}));
+  const auto zero = replay_draft(truth, 4, 1, 0.0, 100, 7, 2, 9);
+  ASSERT_EQ(zero.size(), 4);
+  for (int i = 0; i < 4; ++i) EXPECT_NE(zero.tokens[i], truth[i]);
+  EXPECT_EQ(replay_draft(truth, 4, 3, 0.5, 100, 7, 2, 9).tokens,
+            replay_draft(truth, 4, 3, 0.5, 100, 7, 2, 9).tokens);
+  EXPECT_EQ(replay_draft(truth, 9, 1, 1.0, 100, 7, 2, 9).size(), 5);  // never past the truth
+}
+
+SimulateOptions spec_options(std::vector<RequestSpec> reqs, SpecAlgorithm a, int32_t topk, double rate) {
+  auto o = small_options(std::move(reqs));
+  o.spec.algorithm = a;
+  o.spec.draft_tokens = 4;
+  o.spec.topk = topk;
+  o.spec.accept_rate = rate;
+  o.server_args.speculative_algorithm = to_string(a);
+  return o;
+}
+
+// A vocabulary of 64 and prompts of 20-200 tokens: most generated tokens occur earlier in the prompt, so
+// prompt lookup drafts on most steps (and a random model's greedy output soon repeats itself).
+constexpr int64_t kSpecVocab = 64;
+std::vector<RequestSpec> spec_workload() {
+  WorkloadOptions w;
+  w.requests = 6;
+  w.prompt = {20, 200};
+  w.output_len = 14;
+  w.vocab = kSpecVocab;
+  w.seed = 21;
+  return make_workload(w);
+}
+
+void expect_same_tokens_and_rows(const SimulateResult& spec, const SimulateResult& plain) {
+  ASSERT_EQ(spec.serve.requests_completed, plain.serve.requests_completed);
+  ASSERT_EQ(spec.serve.outputs.size(), plain.serve.outputs.size());
+  for (size_t i = 0; i < plain.serve.outputs.size(); ++i)
+    EXPECT_EQ(spec.serve.outputs[i].tokens, plain.serve.outputs[i].tokens) << "sequence " << i;
+  EXPECT_LE(worst_ratio(outputs_by_key(spec), outputs_by_key(plain)), 1.0);
+  EXPECT_EQ(spec.serve.decode_tokens, plain.serve.decode_tokens);  // generated tokens, drafts not counted
+}
+
+// fp32: speculation never changes the tokens (greedy verification), and every kept row is the row plain
+// decoding computes at its position, for both drafters, chains and trees; the self-check passes.
+TEST(Speculative, TokensAndRowsEqualPlainGreedyDecodingForEveryDrafter) {
+  auto plain_o = small_options(spec_workload());
+  plain_o.vocab = kSpecVocab;
+  plain_o.server_args.chunked_prefill_size = 23;
+  plain_o.max_batch = 4;
+  const auto plain = run_simulation(plain_o);
+  struct Case {
+    SpecAlgorithm a;
+    int32_t topk;
+    double rate;
+  };
+  for (const Case c : {Case{SpecAlgorithm::kNgram, 1, 0}, Case{SpecAlgorithm::kNgram, 3, 0},
+                       Case{SpecAlgorithm::kReplay, 1, 0.7}, Case{SpecAlgorithm::kReplay, 3, 0.5}}) {
+    SCOPED_TRACE(std::string(to_string(c.a)) + " topk " + std::to_string(c.topk));
+    auto o = spec_options(spec_workload(), c.a, c.topk, c.rate);
+    o.vocab = kSpecVocab;
+    o.server_args.chunked_prefill_size = 23;
+    o.max_batch = 4;
+    o.check = 3;
+    const auto r = run_simulation(o);
+    expect_same_tokens_and_rows(r, plain);
+    ASSERT_TRUE(r.check.has_value());
+    EXPECT_TRUE(r.check->ok) << r.check->worst_ratio;
+    EXPECT_GT(r.serve.spec_draft_tokens, 0);
+    EXPECT_GT(r.serve.spec_accepted_tokens, 0);
+    EXPECT_LT(r.serve.decode_steps, plain.serve.decode_steps);  // accepted drafts save steps
+    EXPECT_EQ(r.serve.spec_emitted_tokens, r.serve.decode_tokens);
+    const auto j = to_json(r);
+    EXPECT_EQ(j["speculative"], to_string(c.a));
+    EXPECT_DOUBLE_EQ(j["spec_accept_rate"].get<double>(),
+                     static_cast<double>(r.serve.spec_accepted_tokens) / r.serve.spec_draft_tokens);
+    EXPECT_GT(j["spec_tokens_per_step"].get<double>(), 1.0);
+    EXPECT_GT(j["spec_state_bytes"].get<int64_t>(), 0);
+  }
+}
+
+TEST(Speculative, ReplayAtAcceptRateOneAcceptsEveryDraftAtZeroNone) {
+  for (const int32_t topk : {1, 2}) {
+    auto one = spec_options(make_workload(4, {5, 30}, 9, 4), SpecAlgorithm::kReplay, topk, 1.0);
+    const auto r1 = run_simulation(one);
+    EXPECT_GT(r1.serve.spec_draft_tokens, 0);
+    if (topk == 1) {
+      EXPECT_EQ(r1.serve.spec_accepted_tokens, r1.serve.spec_draft_tokens);
+    }
+    EXPECT_EQ(r1.serve.replay_diverged, 0);  // the speculative pass generated the true continuations
+    EXPECT_EQ(to_json(r1)["replay_diverged"], 0);
+    // Every verify row took its whole path: 9 decode inputs per request in ceil(9 / 5) = 2 verify steps.
+    EXPECT_EQ(r1.serve.spec_verify_rows, 4 * 2);
+    auto zero = spec_options(make_workload(4, {5, 30}, 9, 4), SpecAlgorithm::kReplay, topk, 0.0);
+    const auto r0 = run_simulation(zero);
+    EXPECT_GT(r0.serve.spec_draft_tokens, 0);
+    EXPECT_EQ(r0.serve.spec_accepted_tokens, 0);
+    EXPECT_EQ(r0.serve.spec_verify_rows, 4 * 9);
+    EXPECT_EQ(r0.serve.decode_tokens, 4 * 9);
+  }
+}
+
+// The verify buffer comes out of --state-memory: fewer request slots with it, and its bytes reported.
+TEST(Speculative, VerifyBufferIsAccountedInThePoolAndOptionsAreChecked) {
+  const int64_t row = int64_t{5} * 3 * 4 * mem_cache::RecurrentStatePool::verify_token_elems(3 * 256, 2, 128);
+  auto o = spec_options(make_workload(6, {5, 30}, 5, 4), SpecAlgorithm::kReplay, 1, 0.7);
+  o.state_memory = 2 * (slot_bytes() + row) + 2 * slot_bytes() + slot_bytes() / 2;
+  o.max_batch = 2;  // two slots with a verify row, the others without
+  const auto r = run_simulation(o);
+  EXPECT_EQ(r.pool_slots, 4);  // 2 x (slot + row) + 2 slots fit
+  EXPECT_EQ(r.serve.spec_state_bytes, 2 * row);
+  EXPECT_EQ(r.pool_bytes, (4 + 1) * slot_bytes() + 2 * row);  // slot 0 is reserved
+  EXPECT_EQ(r.serve.requests_completed, 6);
+  EXPECT_LE(r.serve.peak_slots, 4);
+
+  auto bad = o;
+  bad.state_memory = slot_bytes() + row - 1;
+  expect_invalid([&] { run_simulation(bad); }, "bytes of verify buffer");
+  bad = o;
+  bad.spec.draft_tokens = 0;
+  expect_invalid([&] { run_simulation(bad); }, "--draft-tokens must be in 1..64");
+  bad = o;
+  bad.spec.topk = 0;
+  expect_invalid([&] { run_simulation(bad); }, "--draft-topk must be in 1..16");
+  bad = o;
+  bad.spec.accept_rate = 1.5;
+  expect_invalid([&] { run_simulation(bad); }, "--accept-rate must be in [0, 1]");
+  bad = o;
+  bad.server_args.speculative_algorithm = "ngram";
+  expect_invalid([&] { run_simulation(bad); }, "speculative_algorithm is 'ngram'");
+  bad = small_options(make_workload(2, {5, 9}, 2, 4));
+  bad.server_args.speculative_algorithm = "EAGLE";
+  expect_invalid([&] { run_simulation(bad); }, "DRAFT_EXTEND");
+}
+
+// Mixed batches, parallel samples and the prefix cache: the same tokens as plain decoding.
+TEST(Speculative, WorksWithMixedBatchesParallelSamplesAndThePrefixCache) {
+  auto w = cache_workload(WorkloadKind::kMultiTurn);
+  w.output_len = 8;
+  auto plain = cache_options(make_workload(w), true);
+  plain.server_args.enable_mixed_chunk = true;
+  plain.parallel_samples = 2;
+  const auto p = run_simulation(plain);
+  auto o = plain;
+  o.spec.algorithm = SpecAlgorithm::kReplay;
+  o.spec.topk = 2;
+  o.server_args.speculative_algorithm = "replay";
+  o.check = 2;
+  const auto r = run_simulation(o);
+  expect_same_tokens_and_rows(r, p);
+  EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
+  EXPECT_EQ(r.serve.prefix_cache_hit_tokens, p.serve.prefix_cache_hit_tokens);
+  EXPECT_GT(r.serve.spec_accepted_tokens, 0);
+  ASSERT_TRUE(r.check.has_value());
+  EXPECT_TRUE(r.check->ok) << r.check->worst_ratio;
+}
+
+// Runs fn(rank, communicator) on n in-process ranks; returns each rank's error ("" when none).
+std::vector<std::string> run_ranks(int n, const std::function<void(int, distributed::Communicator*)>& fn) {
+  distributed::InProcessGroup group(n);
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < n; ++rank)
+    threads.emplace_back([&, rank] {
+      try {
+        auto comm = group.member(rank);
+        fn(rank, comm.get());
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(rank)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+TEST(Speculative, TensorAndDataParallelGiveTheTokensOfOneRank) {
+  auto o = spec_options(make_workload(4, {5, 30}, 8, 4), SpecAlgorithm::kReplay, 2, 0.6);
+  o.check = 1;
+  const auto one = run_simulation(o);
+  std::vector<SimulateResult> tp(2), dp(2);
+  auto errors = run_ranks(2, [&](int rank, distributed::Communicator* comm) {
+    auto ot = o;
+    ot.tp = {rank, 2, comm};
+    tp[static_cast<size_t>(rank)] = run_simulation(ot);
+  });
+  ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
+  errors = run_ranks(2, [&](int rank, distributed::Communicator* comm) {
+    auto od = o;
+    od.dp = 2;
+    od.dp_rank = rank;
+    od.world = comm;
+    dp[static_cast<size_t>(rank)] = run_simulation(od);
+  });
+  ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
+  for (const auto* r : {&tp[0], &tp[1], &dp[0]}) {
+    ASSERT_EQ(r->serve.requests_completed, 4);
+    for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(out_of(*r, i).tokens, out_of(one, i).tokens) << i;
+    EXPECT_EQ(r->serve.spec_accepted_tokens, one.serve.spec_accepted_tokens);
+    EXPECT_EQ(r->serve.spec_draft_tokens, one.serve.spec_draft_tokens);
+    ASSERT_TRUE(r->check.has_value());
+    EXPECT_TRUE(r->check->ok);
+  }
+  EXPECT_LE(worst_ratio(outputs_by_key(tp[0]), outputs_by_key(one)), 1.0);
+}
+
+// bf16: the teacher-forced self-check (plain decoding, request alone) passes on the speculative run.
+TEST(Speculative, Bf16SelfCheckPasses) {
+  for (const auto a : {SpecAlgorithm::kNgram, SpecAlgorithm::kReplay}) {
+    auto o = spec_options(spec_workload(), a, a == SpecAlgorithm::kNgram ? 1 : 2, 0.7);
+    o.vocab = kSpecVocab;
+    o.precision = Precision::BF16;
+    o.check = 3;
+    const auto r = run_simulation(o);
+    ASSERT_TRUE(r.check.has_value());
+    EXPECT_TRUE(r.check->ok) << to_string(a) << " " << r.check->worst_ratio;
+    EXPECT_GT(r.serve.spec_accepted_tokens, 0) << to_string(a);
+  }
+}
+
+TEST(SimulateCli, SpeculativeSummaryJsonAndBadOptions) {
+  auto r = run_kda(
+      "simulate --layers 1 --requests 2 --prompt-len 4:8 --output-len 6 --precision fp32 --vocab 512 "
+      "--speculative replay --accept-rate 1 --draft-tokens 3 --json",
+      false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["speculative"], "replay");
+  EXPECT_EQ(j["draft_tokens"], 3);
+  EXPECT_EQ(j["spec_accept_rate"], 1.0);
+  EXPECT_EQ(j["decode_tokens"], 12);
+  EXPECT_GT(j["spec_state_bytes"].get<int64_t>(), 0);
+  EXPECT_LE(j["check_worst_error_ratio"].get<double>(), 1.0);
+  r = run_kda(
+      "simulate --layers 1 --requests 2 --prompt-len 4:4 --output-len 3 --vocab 512 --speculative ngram",
+      false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("speculative   ngram, 4 draft tokens"));
+  r = run_kda("simulate --layers 1 --speculative ngram --accept-rate 0.5", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--accept-rate is for --speculative replay only"));
+  r = run_kda("simulate --layers 1 --draft-tokens 3", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--speculative"));
+  r = run_kda("simulate --layers 1 --speculative eagle", true);
+  EXPECT_NE(r.code, 0);
+  r = run_kda("simulate --layers 1 --speculative replay --draft-topk 0", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--draft-topk must be in 1..16"));
 }
 
 }  // namespace

@@ -63,6 +63,10 @@ struct SimulateCliOptions {
   int64_t cache_interval = 256;
   int64_t parallel_samples = 1;
   int64_t check = 2;
+  std::string speculative;  // empty: off; ngram | replay
+  int64_t draft_tokens = 4;
+  int64_t draft_topk = 1;
+  double accept_rate = -1.0;  // replay only; -1: not given (replay: 0.7)
   std::string outputs;
   bool json = false;
   int tp = 1;  // tensor-parallel ranks (under mpirun -np tp * dp)

@@ -104,6 +104,18 @@ int main(int argc, char** argv) {
   sim->add_option("--parallel-samples", so.parallel_samples, "continuations forked per request after prefill")
       ->capture_default_str();
   sim->add_option("--check", so.check, "requests re-run alone and compared (0: off)")->capture_default_str();
+  auto* spec = sim->add_option("--speculative", so.speculative,
+                               "speculative decoding: ngram (prompt lookup) | replay (known acceptance)")
+                   ->check(CLI::IsMember({"ngram", "replay"}));
+  sim->add_option("--draft-tokens", so.draft_tokens, "drafted tokens per verify row (a tree: per branch)")
+      ->capture_default_str()
+      ->needs(spec);
+  sim->add_option("--draft-topk", so.draft_topk, "branches of a draft tree (1: a chain)")
+      ->capture_default_str()
+      ->needs(spec);
+  sim->add_option("--accept-rate", so.accept_rate,
+                  "replay: probability that a drafted token is the true one (default 0.7)")
+      ->needs(spec);
   sim->add_option("--tp", so.tp, "tensor-parallel ranks per group (start with mpirun -np N*M)")
       ->check(CLI::PositiveNumber);
   sim->add_option("--dp", so.dp, "data-parallel groups owning disjoint requests")->check(CLI::PositiveNumber);

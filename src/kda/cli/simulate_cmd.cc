@@ -82,6 +82,28 @@ void print_summary(const serving::SimulateResult& r) {
         mib(static_cast<double>(s.prefix_cache_bytes)).c_str(),
         static_cast<long long>(s.prefix_cache_evictions));
   }
+  if (r.spec.enabled()) {
+    const double rate = s.spec_draft_tokens > 0 ? static_cast<double>(s.spec_accepted_tokens) /
+                                                      static_cast<double>(s.spec_draft_tokens)
+                                                : 0.0;
+    const double per_step = s.spec_verify_rows > 0 ? static_cast<double>(s.spec_emitted_tokens) /
+                                                         static_cast<double>(s.spec_verify_rows)
+                                                   : 0.0;
+    std::string how = std::string(to_string(r.spec.algorithm)) + ", " + std::to_string(r.spec.draft_tokens) +
+                      " draft tokens" +
+                      (r.spec.topk > 1 ? " x " + std::to_string(r.spec.topk) + " branches" : std::string());
+    if (r.spec.algorithm == serving::SpecAlgorithm::kReplay) {
+      char buf[48];
+      std::snprintf(buf, sizeof buf, ", accept rate %.2f", r.spec.accept_rate);
+      how += buf;
+    }
+    std::printf(
+        "  speculative   %s: %lld drafted, %lld accepted (%.1f%%), %.2f tokens per request per verify step; "
+        "verify buffer %s\n",
+        how.c_str(), static_cast<long long>(s.spec_draft_tokens),
+        static_cast<long long>(s.spec_accepted_tokens), 100.0 * rate, per_step,
+        mib(static_cast<double>(s.spec_state_bytes)).c_str());
+  }
   if (r.check) {
     std::string ids;
     for (const auto id : r.check->request_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
@@ -149,6 +171,17 @@ int run_simulate(const SimulateCliOptions& o) {
                                 std::to_string(o.parallel_samples));
   so.parallel_samples = static_cast<int32_t>(o.parallel_samples);
   so.check = o.check;
+  so.server_args.speculative_algorithm = o.speculative;
+  so.spec.algorithm = serving::parse_spec_algorithm(o.speculative);
+  if (o.draft_tokens < 1 || o.draft_tokens > 64)
+    throw std::invalid_argument("--draft-tokens must be in 1..64, got " + std::to_string(o.draft_tokens));
+  if (o.draft_topk < 1 || o.draft_topk > 16)
+    throw std::invalid_argument("--draft-topk must be in 1..16, got " + std::to_string(o.draft_topk));
+  so.spec.draft_tokens = static_cast<int32_t>(o.draft_tokens);
+  so.spec.topk = static_cast<int32_t>(o.draft_topk);
+  if (o.accept_rate != -1.0 && so.spec.algorithm != serving::SpecAlgorithm::kReplay)
+    throw std::invalid_argument("--accept-rate is for --speculative replay only");
+  so.spec.accept_rate = o.accept_rate == -1.0 ? 0.7 : o.accept_rate;
   so.outputs_path = o.outputs;
   // Under --tp every rank of a group runs the same schedule on its shard; under --dp the groups serve
   // disjoint requests. World rank 0 alone reports and writes.

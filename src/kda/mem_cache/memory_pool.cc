@@ -71,7 +71,7 @@ RecurrentStatePool::RecurrentStatePool(const RecurrentStatePoolConfig& cfg) : cf
         str(cfg.max_verify_tokens) + " and " + str(cfg.verify_rows));
   if (cfg.max_verify_tokens > 0) {
     verify_rows_ = cfg.verify_rows > 0 ? cfg.verify_rows : cfg.size;
-    verify_token_ = 2 * cfg.conv_dim + static_cast<int64_t>(cfg.num_heads) * cfg.head_k_dim + cfg.num_heads;
+    verify_token_ = verify_token_elems(cfg.conv_dim, cfg.num_heads, cfg.head_k_dim);
     verify_.assign(
         static_cast<size_t>(cfg.layer_ids.size() * verify_rows_ * cfg.max_verify_tokens * verify_token_),
         0.0f);

@@ -70,6 +70,10 @@ class RecurrentStatePool {
   // The verify buffer (speculative decoding), every layer: what admission adds for TARGET_VERIFY.
   size_t spec_state_bytes() const { return verify_.size() * sizeof(float); }
   size_t total_bytes() const { return bytes() + spec_state_bytes(); }
+  // fp32 elements the verify buffer keeps per token and layer: 2C + H*K + H.
+  static int64_t verify_token_elems(int64_t conv_dim, int64_t num_heads, int64_t head_k_dim) {
+    return 2 * conv_dim + num_heads * head_k_dim + num_heads;
+  }
   // One slot's state in every layer (recurrent + conv): what a request or a cached snapshot costs.
   size_t bytes_per_slot() const;
 

@@ -74,8 +74,39 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
   for (const auto& r : requests) prog.tokens_total += r.prompt_len + int64_t{n} * r.output_len;
 
   std::vector<float> x, y, head;
-  std::vector<int32_t> toks, picks;
+  std::vector<int32_t> toks, picks, accepted;
   std::vector<size_t> pick_rows;
+  // Speculative decoding: each verify row's drafts and verdict.
+  opt.spec.validate();
+  if (opt.spec.enabled())
+    for (const auto& r : requests)
+      if (!r.forced.empty() || opt.probe_decode)
+        throw std::logic_error("speculative decoding with teacher-forced inputs or probe_decode");
+  if (opt.spec.algorithm == SpecAlgorithm::kReplay &&
+      (!opt.replay_truth || static_cast<int64_t>(opt.replay_truth->size()) != S))
+    throw std::logic_error("replay drafting needs every sequence's tokens from a run without speculation");
+  std::vector<Draft> drafts;
+  std::vector<Verdict> verdicts;
+  std::vector<int32_t> history;
+  auto propose = [&](int64_t s, int32_t depth) {
+    if (depth < 1) return Draft{};
+    const auto& g = gen[s];
+    if (!opt.spec.enabled())  // probe_decode: one placeholder draft
+      return Draft{{static_cast<int32_t>((g.back() + 1) % V)}, {-1}};
+    if (opt.spec.algorithm == SpecAlgorithm::kNgram) {
+      const auto& p = prompts[seqs[s].request];
+      history.assign(p.begin(), p.end());
+      history.insert(history.end(), g.begin(), g.end());
+      return ngram_draft(history, depth, opt.spec.topk);
+    }
+    const auto& truth = (*opt.replay_truth)[s];  // truth[k]: the token generated k-th
+    const size_t from = std::min(g.size(), truth.size());
+    // Keyed by the request's id and sample, not the sequence index: the same draws under --dp.
+    const RequestSpec& r = requests[seqs[s].request];
+    return replay_draft(std::span<const int32_t>(truth).subspan(from), depth, opt.spec.topk,
+                        opt.spec.accept_rate, V, opt.seed, r.id * 4096 + r.sample_base + seqs[s].sample,
+                        static_cast<int64_t>(g.size()));
+  };
   const auto t_start = Clock::now();
   while (!sched.done()) {
     bool stop = opt.stop && opt.stop->load();
@@ -84,7 +115,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
       res.interrupted = true;
       break;
     }
-    const ScheduledBatch b = sched.schedule();
+    ScheduledBatch b = sched.schedule();
     const auto now = Clock::now();
     for (const int64_t r : b.arrived) arrived_at[r] = now;
     if (b.empty()) {
@@ -94,15 +125,39 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
         throw std::logic_error("scheduler: requests left but nothing to run and nothing to arrive");
       continue;
     }
+    // Speculative decoding: each decode row becomes its token + drafts (never past the sequence's end).
+    const bool verify =
+        (opt.spec.enabled() || opt.probe_decode) && b.mode == model_executor::ForwardMode::DECODE;
+    drafts.clear();
+    if (verify) {
+      b.mode = model_executor::ForwardMode::TARGET_VERIFY;
+      b.decode_tokens = 0;
+      for (auto& row : b.rows) {
+        const Sequence& q = seqs[row.seq];
+        const int32_t depth = std::min(opt.spec.draft_tokens, q.total_len() - q.processed - 1);
+        drafts.push_back(propose(row.seq, depth));
+        const Draft& d = drafts.back();
+        row.len = 1 + d.size();
+        b.decode_tokens += row.len;
+        b.draft_parents.insert(b.draft_parents.end(), d.parents.begin(), d.parents.end());
+        res.spec_draft_tokens += d.size();
+      }
+    }
     const int64_t T = b.num_tokens();
     x.resize(static_cast<size_t>(T * D));
     y.resize(static_cast<size_t>(T * D));
     toks.resize(static_cast<size_t>(T));
     int64_t t = 0;
-    for (const auto& row : b.rows) {
+    for (size_t i = 0; i < b.rows.size(); ++i) {
+      const auto& row = b.rows[i];
       const Sequence& q = seqs[row.seq];
-      for (int32_t i = 0; i < row.len; ++i, ++t) {
-        const int32_t pos = row.start + i;
+      if (verify) {  // the last generated token, then the drafts (fed tokens are noted once accepted)
+        toks[t++] = fed(row.seq, row.start - q.prompt_len);
+        for (const int32_t tok : drafts[i].tokens) toks[t++] = tok;
+        continue;
+      }
+      for (int32_t k = 0; k < row.len; ++k, ++t) {
+        const int32_t pos = row.start + k;
         toks[t] = pos < q.prompt_len ? prompts[q.request][pos] : fed(row.seq, pos - q.prompt_len);
         if (pos >= q.prompt_len) sched.add_fed_token(row.seq, toks[t]);
       }
@@ -111,39 +166,85 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     auto fb = sched.forward_batch(b);
     const auto t0 = Clock::now();
     runner.forward(fb, x.data(), y.data());
-    // The next token of every row that reached the prompt's last position (a finished prompt or a
-    // decode): final norm, LM head and argmax on its last output row.
-    pick_rows.clear();
-    head.clear();
-    t = 0;
-    for (size_t i = 0; i < b.rows.size(); ++i) {
-      const auto& row = b.rows[i];
-      t += row.len;
-      if (row.start + row.len < seqs[row.seq].prompt_len) continue;
-      pick_rows.push_back(i);
-      head.insert(head.end(), y.data() + (t - 1) * D, y.data() + t * D);
-    }
-    picks.resize(pick_rows.size());
-    stack.next_tokens(head.data(), static_cast<int64_t>(pick_rows.size()), picks.data());
-    if (opt.agree_tokens) opt.agree_tokens(picks);
-    const auto t_picked = Clock::now();
-    res.step_ms.push_back(std::chrono::duration<double, std::milli>(t_picked - t0).count());
-    for (size_t k = 0; k < pick_rows.size(); ++k) {
-      const auto& row = b.rows[pick_rows[k]];
-      gen[row.seq].push_back(picks[k]);
-      if (!row.decode)  // the prompt's last position: the request's first token
-        res.ttft_ms.push_back(
-            std::chrono::duration<double, std::milli>(t_picked - arrived_at[seqs[row.seq].request]).count());
-    }
-
-    t = 0;
-    for (const auto& row : b.rows) {
-      const float* out = y.data() + t * D;
-      // A prefix-cache hit's first row is at its prefix_len: the rows before were never computed.
-      if (kept(row.seq) && res.outputs[row.seq].rows.empty()) res.outputs[row.seq].rows_from = row.start;
-      if (kept(row.seq))
-        res.outputs[row.seq].rows.insert(res.outputs[row.seq].rows.end(), out, out + row.len * D);
-      t += row.len;
+    if (verify) {
+      // The target's argmax at every row position, greedy verification, then each slot moves to the
+      // state after its accepted tokens (no layer pass). Under TP the picks are rank 0's, so every rank
+      // accepts the same.
+      picks.resize(static_cast<size_t>(T));
+      stack.next_tokens(y.data(), T, picks.data());
+      if (opt.agree_tokens) opt.agree_tokens(picks);
+      accepted.clear();
+      verdicts.clear();
+      t = 0;
+      for (size_t i = 0; i < b.rows.size(); ++i) {
+        verdicts.push_back(greedy_verify(
+            drafts[i], std::span<const int32_t>(picks.data() + t, static_cast<size_t>(b.rows[i].len))));
+        accepted.push_back(verdicts.back().last);
+        t += b.rows[i].len;
+      }
+      runner.accept(fb, accepted);
+      res.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      t = 0;
+      for (size_t i = 0; i < b.rows.size(); ++i) {
+        auto& row = b.rows[i];
+        const Verdict& v = verdicts[i];
+        const Draft& d = drafts[i];
+        sched.add_fed_token(row.seq, toks[t]);  // the committed inputs: the row's token, accepted drafts
+        for (const int32_t p : v.path) {
+          gen[row.seq].push_back(d.tokens[p - 1]);
+          sched.add_fed_token(row.seq, d.tokens[p - 1]);
+        }
+        gen[row.seq].push_back(v.next_token);
+        if (kept(row.seq)) {  // the accepted path's rows: position 0, then each accepted draft's
+          auto& rows = res.outputs[row.seq].rows;
+          const float* out = y.data() + t * D;
+          rows.insert(rows.end(), out, out + D);
+          for (const int32_t p : v.path) rows.insert(rows.end(), out + p * D, out + (p + 1) * D);
+        }
+        t += row.len;
+        row.len = 1 + static_cast<int32_t>(v.path.size());  // what complete() advances the sequence by
+        res.spec_accepted_tokens += static_cast<int64_t>(v.path.size());
+        res.spec_emitted_tokens += row.len;
+      }
+      ++res.spec_verify_steps;
+      res.spec_verify_rows += static_cast<int64_t>(b.rows.size());
+      b.decode_tokens = 0;  // from here on: the tokens the step emitted (what plain decode steps count)
+      for (const auto& row : b.rows) b.decode_tokens += row.len;
+    } else {
+      // The next token of every row that reached the prompt's last position (a finished prompt or a
+      // decode): final norm, LM head and argmax on its last output row.
+      pick_rows.clear();
+      head.clear();
+      t = 0;
+      for (size_t i = 0; i < b.rows.size(); ++i) {
+        const auto& row = b.rows[i];
+        t += row.len;
+        if (row.start + row.len < seqs[row.seq].prompt_len) continue;
+        pick_rows.push_back(i);
+        head.insert(head.end(), y.data() + (t - 1) * D, y.data() + t * D);
+      }
+      picks.resize(pick_rows.size());
+      stack.next_tokens(head.data(), static_cast<int64_t>(pick_rows.size()), picks.data());
+      if (opt.agree_tokens) opt.agree_tokens(picks);
+      const auto t_picked = Clock::now();
+      res.step_ms.push_back(std::chrono::duration<double, std::milli>(t_picked - t0).count());
+      for (size_t k = 0; k < pick_rows.size(); ++k) {
+        const auto& row = b.rows[pick_rows[k]];
+        gen[row.seq].push_back(picks[k]);
+        if (!row.decode)  // the prompt's last position: the request's first token
+          res.ttft_ms.push_back(
+              std::chrono::duration<double, std::milli>(t_picked - arrived_at[seqs[row.seq].request])
+                  .count());
+      }
+      t = 0;
+      for (const auto& row : b.rows) {
+        const float* out = y.data() + t * D;
+        // A prefix-cache hit's first row is at its prefix_len: the rows before were never computed.
+        if (kept(row.seq) && res.outputs[row.seq].rows.empty()) res.outputs[row.seq].rows_from = row.start;
+        if (kept(row.seq))
+          res.outputs[row.seq].rows.insert(res.outputs[row.seq].rows.end(), out, out + row.len * D);
+        t += row.len;
+      }
     }
     const StepEvents ev = sched.complete(b);
     for (const auto& [parent, child] : ev.forks) {  // a fork starts from its parent's prompt
@@ -163,7 +264,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     }
 
     ++res.steps;
-    if (b.mode == model_executor::ForwardMode::DECODE)
+    if (b.mode == model_executor::ForwardMode::DECODE || verify)
       ++res.decode_steps;
     else if (b.decode_tokens > 0)
       ++res.mixed_steps;
@@ -173,7 +274,8 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     res.prefill_tokens_computed += b.prefill_tokens;
     res.decode_tokens += b.decode_tokens;
     if (opt.progress) {
-      prog.tokens_done += T + b.cached_tokens;  // restored prompt tokens are done too (prefix cache)
+      prog.tokens_done +=
+          b.num_tokens() + b.cached_tokens;  // restored prompt tokens are done too (prefix cache)
       prog.requests_done = sched.finished_requests();
       prog.steps = res.steps;
       prog.elapsed_s = seconds_since(t_start);
@@ -181,6 +283,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     }
   }
   res.wall_s = seconds_since(t_start);
+  res.spec_state_bytes = static_cast<int64_t>(runner.pools().recurrent_state_pool.spec_state_bytes());
   res.requests_completed = sched.finished_requests();
   res.peak_slots = sched.peak_slots();
   res.slot_reuses = sched.slot_reuses();

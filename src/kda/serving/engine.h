@@ -13,6 +13,7 @@
 #include "kda/serving/model_runner.h"
 #include "kda/serving/request.h"
 #include "kda/serving/scheduler.h"
+#include "kda/serving/speculative.h"
 
 namespace kda::serving {
 
@@ -37,6 +38,19 @@ struct ServeOptions {
   // through this (an OR over the ranks) before each step. Null: the local request alone.
   std::function<bool(bool)> agree_stop;
   std::function<void(const ProgressInfo&)> progress;  // after every step
+  // Speculative decoding (speculative.h): every DECODE step becomes a TARGET_VERIFY step of each row's
+  // drafts (a mixed EXTEND step keeps its decodes as plain 1-token rows). Not with teacher forcing.
+  SpeculativeOptions spec;
+  // replay: per sequence (indexed like Scheduler::sequences()), the tokens a run without speculation
+  // generated; replay drafts the continuation of position k from its entries k + 1.. .
+  const std::vector<std::vector<int32_t>>* replay_truth = nullptr;
+  // replay's run without speculation: every decode row still runs as a TARGET_VERIFY row, with one
+  // placeholder draft, so that the true continuation is what the target computes in a verify step. Greedy
+  // verification keeps the tokens the target's own picks whatever the draft; what this adds is the GEMM
+  // shapes: on CPUs without AVX512_BF16 oneDNN's one-row bf16 GEMM rounds differently from a several-row
+  // one, and a synthetic model's flat logits have near-ties that such a difference flips (measured: 4 bf16
+  // layers, replay at accept-rate 1 against a plain pre-run accepted 5% of the drafts).
+  bool probe_decode = false;
 };
 
 // One continuation: its last-layer outputs for every token it processed ([prompt_len + decoded, D],
@@ -65,6 +79,12 @@ struct ServeResult {
   // held and their bytes; snapshots evicted.
   int64_t prefix_cache_hit_tokens = 0, prefix_cache_bytes = 0, prefix_cache_snapshots = 0,
           prefix_cache_evictions = 0;
+  // Speculative decoding (zero without it): verify steps and rows, drafted tokens, accepted drafts, tokens
+  // emitted by verify rows (accepted + 1 each), and the pool's verify buffer in bytes.
+  int64_t spec_verify_steps = 0, spec_verify_rows = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0,
+          spec_emitted_tokens = 0, spec_state_bytes = 0;
+  int64_t replay_diverged =
+      0;  // replay: sequences whose tokens left their true continuation (set by the driver)
   double wall_s = 0.0;
   std::vector<double> step_ms;
   std::vector<double> ttft_ms;  // per request that got its first token: arrival to first token

@@ -33,6 +33,10 @@ int32_t seeded_token(uint64_t seed, TokenStream stream, int64_t owner, int64_t p
   return static_cast<int32_t>(k % static_cast<uint64_t>(vocab));  // vocab << 2^64: the bias is nil
 }
 
+uint64_t seeded_bits(uint64_t seed, uint64_t stream, int64_t a, int64_t b, int64_t c) {
+  return key_of(seed, a, b, c, stream);
+}
+
 void seeded_normals(uint64_t seed, uint64_t table, int64_t row, int64_t n, float* out) {
   const uint64_t key = key_of(seed, static_cast<int64_t>(table), row, 0, kWeightStream);
   constexpr double kInv53 = 1.0 / 9007199254740992.0;  // 2^-53

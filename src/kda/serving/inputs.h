@@ -16,6 +16,9 @@ enum class TokenStream : uint64_t { kPrompt = 1, kSharedPrefix = 3 };
 // Token `pos` of stream `owner` (a request id, or a shared-prefix group): uniform in [0, vocab).
 int32_t seeded_token(uint64_t seed, TokenStream stream, int64_t owner, int64_t pos, int64_t vocab);
 
+// 64 random bits of the tuple (a, b, c) in stream `stream` (a value no other draw here uses: >= 16).
+uint64_t seeded_bits(uint64_t seed, uint64_t stream, int64_t a, int64_t b, int64_t c);
+
 // Weight rows: n standard normals of row `row` of the table `table` (embedding, LM head).
 void seeded_normals(uint64_t seed, uint64_t table, int64_t row, int64_t n, float* out);
 

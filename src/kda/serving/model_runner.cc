@@ -2,10 +2,25 @@
 
 namespace kda::serving {
 
-ModelRunner::ModelRunner(KdaStack& stack, int64_t slots, kernels::KernelImpl kernel)
+namespace {
+mem_cache::RecurrentStatePoolConfig with_verify(mem_cache::RecurrentStatePoolConfig pc, int tokens,
+                                                int64_t rows) {
+  pc.max_verify_tokens = tokens;
+  pc.verify_rows = rows;
+  return pc;
+}
+}  // namespace
+
+ModelRunner::ModelRunner(KdaStack& stack, int64_t slots, kernels::KernelImpl kernel, int max_verify_tokens,
+                         int64_t verify_rows)
     : stack_(&stack),
-      pools_(std::make_unique<mem_cache::MemoryPools>(stack.pool_config(slots), slots)),
+      pools_(std::make_unique<mem_cache::MemoryPools>(
+          with_verify(stack.pool_config(slots), max_verify_tokens, verify_rows), slots)),
       backend_(kernel) {}
+
+void ModelRunner::accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted) {
+  backend_.accept(fb, accepted, pools_->recurrent_state_pool);
+}
 
 void ModelRunner::forward(model_executor::ForwardBatch& fb, const float* x, float* out) {
   fb.attn_backend = &backend_;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "kda/kernels/kda/kda.h"
 #include "kda/layers/attention/linear/kda_backend.h"
@@ -16,14 +17,19 @@ namespace kda::serving {
 
 class ModelRunner {
  public:
-  // A pool of `slots` usable slots (request indices: as many).
-  ModelRunner(KdaStack& stack, int64_t slots, kernels::KernelImpl kernel);
+  // A pool of `slots` usable slots (request indices: as many). Speculative decoding: a verify buffer of
+  // `verify_rows` rows of `max_verify_tokens` tokens (0: none, TARGET_VERIFY is an error).
+  ModelRunner(KdaStack& stack, int64_t slots, kernels::KernelImpl kernel, int max_verify_tokens = 0,
+              int64_t verify_rows = 0);
 
   KdaStack& stack() { return *stack_; }
   mem_cache::MemoryPools& pools() { return *pools_; }
 
   // x [T, D] -> out [T, D] for the batch (T = fb.num_tokens()).
   void forward(model_executor::ForwardBatch& fb, const float* x, float* out);
+  // After a TARGET_VERIFY forward of `fb`: each request's slot moves to the state after its accepted
+  // tokens (accepted[i]: row position of request i's last accepted token; KDAAttnBackend::accept).
+  void accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted);
 
  private:
   KdaStack* stack_;

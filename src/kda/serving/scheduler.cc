@@ -251,6 +251,10 @@ ForwardBatch Scheduler::forward_batch(const ScheduledBatch& b) const {
     prefix.push_back(row.start);  // > 0: the slot holds the state of the tokens before
   }
   if (b.mode == ForwardMode::DECODE) return ForwardBatch::decode(std::move(reqs));
+  if (b.mode == ForwardMode::TARGET_VERIFY) {
+    for (auto& l : lens) --l;  // drafts after the row's first token
+    return ForwardBatch::target_verify(std::move(reqs), lens, b.draft_parents);
+  }
   auto fb = ForwardBatch::extend(std::move(reqs), std::move(lens), std::move(prefix));
   for (size_t i = 0; i < b.rows.size(); ++i) {  // snapshots whose position this chunk reaches
     const auto& row = b.rows[i];

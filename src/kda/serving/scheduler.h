@@ -71,6 +71,10 @@ struct ScheduledBatch {
   // Prompt tokens of the requests admitted in this step that their slot already held (prefix_len).
   int64_t cached_tokens = 0;
   std::vector<int64_t> arrived;  // requests that became visible to the scheduler in this schedule() call
+  // Speculative decoding: the driver turns a DECODE batch into a TARGET_VERIFY one (each row's len =
+  // 1 + its drafts, draft_parents every row's drafts' parents, as ForwardBatch::target_verify takes them),
+  // and before complete() sets each row's len to the tokens it accepted (1 + accepted drafts).
+  std::vector<int32_t> draft_parents;
   bool empty() const { return rows.empty(); }
   int64_t num_tokens() const { return prefill_tokens + decode_tokens; }
 };

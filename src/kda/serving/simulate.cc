@@ -1,6 +1,7 @@
 #include "kda/serving/simulate.h"
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -37,6 +38,8 @@ struct Plan {
   int64_t slot_bytes = 0, slots = 0;
   bool cache = false;
   int64_t cache_slots = 0;  // snapshot slots on top of `slots` (the pool holds slots + cache_slots)
+  int verify_tokens = 0;    // speculative decoding: the verify buffer's tokens per row, and its rows
+  int64_t verify_rows = 0;
   std::vector<int64_t> check_requests;  // workload indices
 };
 
@@ -87,12 +90,34 @@ Plan make_plan(const SimulateOptions& o) {
   p.layers = static_cast<int>(KdaStack::select_layers(p.cfg, o.layers).size());
   models::check_tensor_parallel(p.cfg, o.tp.size);
   p.slot_bytes = KdaStack::slot_bytes(p.cfg, p.layers, o.precision);
-  const int64_t budget_slots = o.state_memory / p.slot_bytes;
+  // Speculative decoding: the verify buffer holds a row per decode row of a step (at most max_batch and
+  // at most the request slots), so the first max_batch slots each cost a verify row too.
+  o.spec.validate();
+  if (o.spec.enabled()) {
+    std::string named = p.server_args.speculative_algorithm;
+    for (char& c : named) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (named != to_string(o.spec.algorithm))
+      throw std::invalid_argument(
+          std::string("speculative decoding: SimulateOptions::spec is ") + to_string(o.spec.algorithm) +
+          " but server_args.speculative_algorithm is '" + p.server_args.speculative_algorithm + "'");
+    p.verify_tokens = o.spec.max_verify_tokens();
+  } else if (!p.server_args.speculative_algorithm.empty()) {
+    throw std::invalid_argument("server_args.speculative_algorithm '" + p.server_args.speculative_algorithm +
+                                "' without SimulateOptions::spec");
+  }
+  const int64_t row_bytes = int64_t{p.verify_tokens} * p.layers * static_cast<int64_t>(sizeof(float)) *
+                            mem_cache::RecurrentStatePool::verify_token_elems(
+                                3 * int64_t{p.cfg.projection_size()}, p.cfg.num_heads, p.cfg.head_dim);
+  int64_t budget_slots = o.state_memory / (p.slot_bytes + row_bytes);
+  if (budget_slots > o.max_batch)  // past max_batch, slots cost no verify row
+    budget_slots = o.max_batch + (o.state_memory - o.max_batch * (p.slot_bytes + row_bytes)) / p.slot_bytes;
   if (budget_slots < 1)
-    throw std::invalid_argument("--state-memory " + std::to_string(o.state_memory) +
-                                " bytes is too small for one state slot: a slot needs " +
-                                std::to_string(p.slot_bytes) + " bytes (" + std::to_string(p.layers) +
-                                " layers x (recurrent + conv state))");
+    throw std::invalid_argument(
+        "--state-memory " + std::to_string(o.state_memory) +
+        " bytes is too small for one state slot: a slot needs " + std::to_string(p.slot_bytes) + " bytes (" +
+        std::to_string(p.layers) + " layers x (recurrent + conv state))" +
+        (row_bytes > 0 ? " + " + std::to_string(row_bytes) + " bytes of verify buffer (--draft-tokens)"
+                       : ""));
   int64_t need = 0, total = 0;
   for (const auto& r : o.requests) {
     need = std::max<int64_t>(need, slots_for(r, o.parallel_samples));
@@ -105,6 +130,7 @@ Plan make_plan(const SimulateOptions& o) {
                                 std::to_string(need));
   // More slots than the workload has sequences could never be used: do not allocate them.
   p.slots = std::min(budget_slots, total);
+  if (p.verify_tokens > 0) p.verify_rows = std::min(o.max_batch, p.slots);
   p.cache = !p.server_args.disable_radix_cache;
   if (p.cache) {
     if (o.cache_interval < 64 || o.cache_interval % 64 != 0)
@@ -332,6 +358,13 @@ constexpr std::pair<const char*, int64_t ServeResult::*> kCounters[] = {
     {"prefix_cache_bytes", &ServeResult::prefix_cache_bytes},
     {"prefix_cache_snapshots", &ServeResult::prefix_cache_snapshots},
     {"prefix_cache_evictions", &ServeResult::prefix_cache_evictions},
+    {"spec_verify_steps", &ServeResult::spec_verify_steps},
+    {"spec_verify_rows", &ServeResult::spec_verify_rows},
+    {"spec_draft_tokens", &ServeResult::spec_draft_tokens},
+    {"spec_accepted_tokens", &ServeResult::spec_accepted_tokens},
+    {"spec_emitted_tokens", &ServeResult::spec_emitted_tokens},
+    {"spec_state_bytes", &ServeResult::spec_state_bytes},
+    {"replay_diverged", &ServeResult::replay_diverged},
 };
 
 // One group's result as bytes (statistics and kept outputs), for the gather to world rank 0.
@@ -483,6 +516,7 @@ SimulateResult run_group(const SimulateOptions& o) {
   res.workload = o.workload;
   res.slot_bytes = p.slot_bytes;
   res.pool_slots = p.slots + p.cache_slots;
+  res.spec = o.spec;
   if (p.cache) {
     res.prefix_cache_memory = p.cache_slots * p.slot_bytes;
     res.cache_interval = o.cache_interval;
@@ -509,9 +543,38 @@ SimulateResult run_group(const SimulateOptions& o) {
   const bool keep_all = o.keep_outputs || !o.outputs_path.empty();
   so.keep.assign(o.requests.size(), keep_all ? 1 : 0);
   for (const int64_t r : p.check_requests) so.keep[r] = 1;
+  // replay: the true continuations first, from the same workload served without speculation.
+  std::vector<std::vector<int32_t>> truth;
+  if (o.spec.algorithm == SpecAlgorithm::kReplay) {
+    log("replay: serving the workload without speculation first, for the true continuations");
+    // The same pool and prefix cache as the speculative pass: the cache's snapshot positions end
+    // chunk_kda's chunks, which moves the prompt's states by fp32 rounding, and bf16 near-ties would
+    // carry such a difference into other tokens.
+    ServeOptions pre = so;
+    pre.progress = nullptr;
+    pre.keep.assign(o.requests.size(), 0);
+    pre.probe_decode = true;
+    const auto tp0 = Clock::now();
+    ModelRunner runner(*stack, p.slots + p.cache_slots, p.kernel, 2, p.verify_rows);
+    std::optional<mem_cache::RadixCache> cache;
+    if (p.cache) {
+      cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(p.cache_slots * p.slot_bytes));
+      pre.scheduler.cache = &*cache;
+    }
+    ServeResult r0 = serve(runner, o.requests, pre);
+    res.replay_prerun_s = seconds_since(tp0);
+    if (r0.interrupted) {
+      res.serve = std::move(r0);
+      return res;
+    }
+    for (auto& q : r0.outputs) truth.push_back(std::move(q.tokens));
+  }
+  so.spec = o.spec;
+  so.replay_truth = &truth;
   {
-    ModelRunner runner(*stack, p.slots + p.cache_slots, p.kernel);  // freed before the check's pools
-    res.pool_bytes = static_cast<int64_t>(runner.pools().recurrent_state_pool.bytes());
+    // Freed before the check's pools.
+    ModelRunner runner(*stack, p.slots + p.cache_slots, p.kernel, p.verify_tokens, p.verify_rows);
+    res.pool_bytes = static_cast<int64_t>(runner.pools().recurrent_state_pool.total_bytes());
     log("state pool: " + std::to_string(p.slots) + " request + " + std::to_string(p.cache_slots) +
         " snapshot slots x " + std::to_string(p.slot_bytes) + " bytes; " + std::to_string(res.requests) +
         " requests");
@@ -522,6 +585,10 @@ SimulateResult run_group(const SimulateOptions& o) {
       so.scheduler.cache = &*cache;
     }
     res.serve = serve(runner, o.requests, so);
+    // replay: sequences whose tokens left the true continuation (a near-tie argmax flipped by a rounding
+    // difference between the two passes' batches; their later drafts are then mostly rejected).
+    for (size_t i = 0; i < truth.size(); ++i)
+      res.serve.replay_diverged += res.serve.outputs[i].tokens != truth[i];
   }
   res.step_ms_p50 = percentile(res.serve.step_ms, 50);
   res.step_ms_p99 = percentile(res.serve.step_ms, 99);
@@ -591,8 +658,28 @@ nlohmann::json to_json(const SimulateResult& r) {
       {"prefix_cache_evictions", s.prefix_cache_evictions},
       {"prefix_cache_memory", r.prefix_cache_memory},
       {"cache_interval", r.cache_interval},
+      {"speculative", to_string(r.spec.algorithm)},
+      {"spec_draft_tokens", s.spec_draft_tokens},
+      {"spec_accepted_tokens", s.spec_accepted_tokens},
+      {"spec_accept_rate", s.spec_draft_tokens > 0 ? static_cast<double>(s.spec_accepted_tokens) /
+                                                         static_cast<double>(s.spec_draft_tokens)
+                                                   : 0.0},
+      {"spec_tokens_per_step", s.spec_verify_rows > 0 ? static_cast<double>(s.spec_emitted_tokens) /
+                                                            static_cast<double>(s.spec_verify_rows)
+                                                      : 0.0},
+      {"spec_verify_steps", s.spec_verify_steps},
+      {"spec_state_bytes", s.spec_state_bytes},
       {"ok", r.ok()},
   };
+  if (r.spec.enabled()) {
+    j["draft_tokens"] = r.spec.draft_tokens;
+    j["draft_topk"] = r.spec.topk;
+    if (r.spec.algorithm == SpecAlgorithm::kReplay) {
+      j["accept_rate"] = r.spec.accept_rate;
+      j["replay_prerun_s"] = r.replay_prerun_s;
+      j["replay_diverged"] = s.replay_diverged;
+    }
+  }
   if (r.check) {
     j["check_worst_error_ratio"] = r.check->worst_ratio;
     j["check_metric"] = r.check->metric;

@@ -39,6 +39,7 @@
 #include "kda/server_args.h"
 #include "kda/serving/engine.h"
 #include "kda/serving/request.h"
+#include "kda/serving/speculative.h"
 
 namespace kda::serving {
 
@@ -74,6 +75,12 @@ struct SimulateOptions {
   int64_t prefix_cache_memory = int64_t{1} << 30;
   int64_t cache_interval = 256;
   int32_t parallel_samples = 1;
+  // Speculative decoding (serving/speculative.h); server_args.speculative_algorithm must name the same
+  // algorithm. The verify buffer (max_verify_tokens tokens per verify row, one row per decode row of a
+  // step: min(max_batch, request slots)) comes out of state_memory with the request slots. replay first
+  // serves the workload without speculation for the true continuations; the statistics are the
+  // speculative run's.
+  SpeculativeOptions spec;
   int64_t check = 0;          // requests re-run alone and compared
   bool keep_outputs = false;  // SimulateResult::outputs holds every sequence's rows
   std::string outputs_path;   // .npz of every sequence's rows (empty: none)
@@ -117,6 +124,8 @@ struct SimulateResult {
   std::string workload;
   int64_t slot_bytes = 0, pool_slots = 0, pool_bytes = 0;
   int64_t prefix_cache_memory = 0, cache_interval = 0;  // 0 / 0 with the cache off
+  SpeculativeOptions spec;
+  double replay_prerun_s = 0.0;  // replay: the run without speculation that gave the true continuations
   double build_s = 0.0;
   ServeResult serve;
   double step_ms_p50 = 0.0, step_ms_p99 = 0.0;
@@ -148,6 +157,10 @@ double percentile(std::vector<double> v, double p);  // nearest-rank, p in [0, 1
 // are prompt tokens restored from snapshots, prefix_cache_hit_rate = hit tokens / prompt tokens, and
 // prefix_cache_bytes / _snapshots what the cache held at the end (summed over --dp groups), _evictions
 // how many snapshots it evicted. With hits, a kept output's rows start at its restored prefix (rows_from).
+// Speculative decoding: spec_draft_tokens drafted, spec_accepted_tokens accepted, spec_accept_rate =
+// accepted / drafted, spec_tokens_per_step = tokens emitted per request per verify step (accepted + 1),
+// spec_verify_steps, spec_state_bytes the pool's verify buffer; decode_tokens counts generated tokens
+// either way (drafts are not counted), so decode_tok_s compares with and without speculation.
 nlohmann::json to_json(const SimulateResult& r);
 
 }  // namespace kda::serving
