@@ -1267,5 +1267,67 @@ TEST(SimulateCli, SpeculativeSummaryJsonAndBadOptions) {
   EXPECT_THAT(r.out, HasSubstr("--draft-topk must be in 1..16"));
 }
 
+// --- soak under churn (issue 17), shortened: the accounting and the self-check, not the timing -----------
+
+TEST(Soak, ChurnWithEvictionsSpeculationAndMixedBatchesLeaksNothing) {
+  WorkloadOptions w;
+  w.kind = WorkloadKind::kSharedPrefix;
+  w.requests = 120;
+  w.prompt = {4, 24};
+  w.output_len = 5;
+  w.prefix_groups = 2;
+  w.shared_prefix_len = 70;
+  w.vocab = kSpecVocab;
+  w.seed = 9;
+  auto o = spec_options(make_workload(w), SpecAlgorithm::kNgram, 2, 0);
+  o.vocab = kSpecVocab;
+  o.state_memory = 5 * slot_bytes();
+  o.prefix_cache_memory = 8 * slot_bytes();  // eight snapshots: each request inserts 3-4, evicting
+  o.server_args.disable_radix_cache = false;
+  o.cache_interval = 64;
+  o.server_args.enable_mixed_chunk = true;
+  o.server_args.chunked_prefill_size = 40;
+  o.parallel_samples = 2;
+  o.keep_outputs = false;
+  o.check = 6;
+  const auto r = run_simulation(o);
+  EXPECT_EQ(r.serve.requests_completed, 120);
+  EXPECT_GT(r.serve.prefix_cache_evictions, 100);
+  EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
+  EXPECT_GT(r.serve.spec_draft_tokens, 0);
+  EXPECT_GT(r.serve.mixed_steps, 0);
+  EXPECT_GT(r.serve.slot_reuses, 200);
+  EXPECT_TRUE(r.accounting_ok()) << r.accounting_error;
+  EXPECT_EQ(r.leaked_slots, 0);
+  EXPECT_EQ(r.leaked_request_indices, 0);
+  EXPECT_TRUE(r.cache_consistent);
+  ASSERT_TRUE(r.check.has_value());
+  EXPECT_TRUE(r.check->ok) << r.check->worst_ratio;
+  EXPECT_EQ(r.rss_bytes.size(), static_cast<size_t>(r.serve.steps));  // sampled after every step
+  const auto j = to_json(r);
+  EXPECT_EQ(j["accounting_ok"], true);
+  EXPECT_TRUE(j.contains("rss_growth"));
+  EXPECT_LE(j["rss_samples"].size(), 101u);
+}
+
+// A slot that held a long request's strong state computes, for the next request admitted into it, exactly
+// (bit for bit) what that request computes in a fresh pool: alloc clears the recurrent and conv state.
+TEST(Soak, AReusedSlotComputesBitForBitWhatAFreshPoolDoes) {
+  auto strong = request(0, 900, 30, 0);  // 930 tokens of state in the one slot
+  auto next = request(1, 37, 9, 0);
+  auto both = small_options({strong, next});
+  both.state_memory = slot_bytes();  // one slot: request 1 waits, then takes request 0's slot
+  both.server_args.chunked_prefill_size = 1024;
+  const auto reused = run_simulation(both);
+  ASSERT_EQ(reused.pool_slots, 1);
+  ASSERT_EQ(reused.serve.slot_reuses, 1);
+  auto alone = small_options({next});
+  alone.server_args.chunked_prefill_size = 1024;
+  const auto fresh = run_simulation(alone);
+  EXPECT_EQ(out_of(reused, 1).tokens, out_of(fresh, 1).tokens);
+  ASSERT_EQ(out_of(reused, 1).rows.size(), out_of(fresh, 1).rows.size());
+  EXPECT_TRUE(out_of(reused, 1).rows == out_of(fresh, 1).rows);  // bit for bit
+}
+
 }  // namespace
 }  // namespace kda::serving

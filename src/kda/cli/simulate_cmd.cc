@@ -104,6 +104,16 @@ void print_summary(const serving::SimulateResult& r) {
         static_cast<long long>(s.spec_accepted_tokens), 100.0 * rate, per_step,
         mib(static_cast<double>(s.spec_state_bytes)).c_str());
   }
+  if (!s.interrupted) {
+    if (r.accounting_ok())
+      std::printf(
+          "  accounting    every state slot and request index accounted for; RSS %s at the end (%+.1f%% "
+          "since the first tenth of the steps)\n",
+          mib(r.rss_bytes.empty() ? 0.0 : static_cast<double>(r.rss_bytes.back())).c_str(),
+          100.0 * r.rss_growth());
+    else
+      std::printf("  accounting    FAIL: %s\n", r.accounting_error.c_str());
+  }
   if (r.check) {
     std::string ids;
     for (const auto id : r.check->request_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);

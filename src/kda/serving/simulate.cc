@@ -1,5 +1,7 @@
 #include "kda/serving/simulate.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <chrono>
@@ -25,6 +27,16 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Resident set size from /proc/self/statm (0 where there is none).
+int64_t resident_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return 0;
+  long long total = 0, resident = 0;
+  const int n = std::fscanf(f, "%lld %lld", &total, &resident);
+  std::fclose(f);
+  return n == 2 ? resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE)) : 0;
 }
 
 // What the options resolve to, all of it computed (and checked) before any work.
@@ -156,7 +168,9 @@ Plan make_plan(const SimulateOptions& o) {
                                   " does not exist");
   }
   p.sched.token_budget = p.server_args.chunked_prefill_size;
-  p.sched.max_batch = o.max_batch;
+  // With speculation a decode step's rows are verify rows: at most the verify buffer's (requests that
+  // borrowed evicted snapshots' slots wait their turn, round-robin).
+  p.sched.max_batch = p.verify_rows > 0 ? p.verify_rows : o.max_batch;
   p.sched.mixed = p.server_args.enable_mixed_chunk;
   p.sched.parallel_samples = o.parallel_samples;
   p.sched.cache_interval = o.cache_interval;
@@ -332,6 +346,13 @@ int64_t parse_byte_size(const std::string& text, const std::string& option) {
   return static_cast<int64_t>(bytes);
 }
 
+double SimulateResult::rss_growth() const {
+  if (rss_bytes.size() < 2) return 0.0;
+  const size_t tenth = std::max<size_t>(rss_bytes.size() / 10, 1) - 1;
+  const double base = static_cast<double>(rss_bytes[tenth]);
+  return base > 0 ? static_cast<double>(rss_bytes.back()) / base - 1.0 : 0.0;
+}
+
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
@@ -374,7 +395,11 @@ std::vector<uint8_t> pack(const SimulateResult& r) {
                       {"step_ms", s.step_ms},
                       {"ttft_ms", s.ttft_ms},
                       {"interrupted", s.interrupted},
-                      {"has_check", r.check.has_value()}};
+                      {"has_check", r.check.has_value()},
+                      {"leaked_slots", r.leaked_slots},
+                      {"leaked_request_indices", r.leaked_request_indices},
+                      {"cache_consistent", r.cache_consistent},
+                      {"accounting_error", r.accounting_error}};
   for (const auto& [name, field] : kCounters) j[name] = s.*field;
   if (r.check)
     j["check"] = {{"ids", r.check->request_ids},
@@ -408,6 +433,10 @@ void unpack_into(const std::vector<uint8_t>& bytes, SimulateResult& m) {
   const auto tt = j.at("ttft_ms").get<std::vector<double>>();
   s.ttft_ms.insert(s.ttft_ms.end(), tt.begin(), tt.end());
   s.interrupted = s.interrupted || j.at("interrupted").get<bool>();
+  m.leaked_slots += j.at("leaked_slots").get<int64_t>();
+  m.leaked_request_indices += j.at("leaked_request_indices").get<int64_t>();
+  m.cache_consistent = m.cache_consistent && j.at("cache_consistent").get<bool>();
+  if (m.accounting_error.empty()) m.accounting_error = j.at("accounting_error").get<std::string>();
   if (j.at("has_check").get<bool>()) {
     const auto& c = j.at("check");
     if (!m.check) {
@@ -470,6 +499,9 @@ SimulateResult run_data_parallel(const SimulateOptions& o) {
   m.serve = ServeResult{};
   m.serve.hidden = mine.serve.hidden;
   m.check.reset();
+  m.leaked_slots = m.leaked_request_indices = 0;  // summed over the groups below
+  m.cache_consistent = true;
+  m.accounting_error.clear();
   for (const auto& b : all)
     if (!b.empty()) unpack_into(b, m);
   std::sort(m.serve.outputs.begin(), m.serve.outputs.end(),
@@ -539,7 +571,6 @@ SimulateResult run_group(const SimulateOptions& o) {
     so.agree_stop = [&o](bool v) { return o.tp.comm->allreduce_or(v); };
     so.agree_tokens = [&o](std::vector<int32_t>& t) { agree_tokens(o.tp, t); };
   }
-  so.progress = o.progress;
   const bool keep_all = o.keep_outputs || !o.outputs_path.empty();
   so.keep.assign(o.requests.size(), keep_all ? 1 : 0);
   for (const int64_t r : p.check_requests) so.keep[r] = 1;
@@ -584,7 +615,36 @@ SimulateResult run_group(const SimulateOptions& o) {
       cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(p.cache_slots * p.slot_bytes));
       so.scheduler.cache = &*cache;
     }
+    so.progress = [&](const ProgressInfo& pi) {
+      res.rss_bytes.push_back(resident_bytes());
+      if (o.progress) o.progress(pi);
+    };
     res.serve = serve(runner, o.requests, so);
+    if (!res.serve.interrupted) {
+      // Every slot is a request's or a snapshot's; every request index is back.
+      auto& pools = runner.pools();
+      const int64_t snapshots = cache ? cache->snapshots() : 0;
+      res.leaked_slots =
+          pools.recurrent_state_pool.size() - pools.recurrent_state_pool.available() - snapshots;
+      res.leaked_request_indices = pools.req_to_token_pool.size() - pools.req_to_token_pool.available();
+      if (cache) {
+        try {
+          cache->check_invariants();
+          if (cache->pending_snapshots() != 0 || cache->evictable_snapshots() != cache->snapshots())
+            throw std::logic_error(std::to_string(cache->pending_snapshots()) + " snapshots pending and " +
+                                   std::to_string(cache->snapshots() - cache->evictable_snapshots()) +
+                                   " not evictable after the run");
+        } catch (const std::exception& e) {
+          res.cache_consistent = false;
+          res.accounting_error = std::string("prefix cache: ") + e.what();
+        }
+      }
+      if (res.leaked_slots != 0 && res.accounting_error.empty())
+        res.accounting_error =
+            std::to_string(res.leaked_slots) + " state slots held by no request or snapshot";
+      if (res.leaked_request_indices != 0 && res.accounting_error.empty())
+        res.accounting_error = std::to_string(res.leaked_request_indices) + " request indices never freed";
+    }
     // replay: sequences whose tokens left the true continuation (a near-tie argmax flipped by a rounding
     // difference between the two passes' batches; their later drafts are then mostly rejected).
     for (size_t i = 0; i < truth.size(); ++i)
@@ -669,8 +729,23 @@ nlohmann::json to_json(const SimulateResult& r) {
                                                       : 0.0},
       {"spec_verify_steps", s.spec_verify_steps},
       {"spec_state_bytes", s.spec_state_bytes},
+      {"leaked_slots", r.leaked_slots},
+      {"leaked_request_indices", r.leaked_request_indices},
+      {"cache_consistent", r.cache_consistent},
+      {"accounting_ok", r.accounting_ok()},
+      {"rss_bytes_end", r.rss_bytes.empty() ? 0 : r.rss_bytes.back()},
+      {"rss_bytes_peak", r.rss_bytes.empty() ? 0 : *std::max_element(r.rss_bytes.begin(), r.rss_bytes.end())},
+      {"rss_growth", r.rss_growth()},
       {"ok", r.ok()},
   };
+  if (!r.accounting_error.empty()) j["accounting_error"] = r.accounting_error;
+  {  // the RSS curve, at most 100 points
+    nlohmann::json curve = nlohmann::json::array();
+    const size_t n = r.rss_bytes.size(), stride = std::max<size_t>(1, (n + 99) / 100);
+    for (size_t i = 0; i < n; i += stride) curve.push_back(r.rss_bytes[i]);
+    if (n > 0 && (n - 1) % stride != 0) curve.push_back(r.rss_bytes.back());
+    j["rss_samples"] = curve;
+  }
   if (r.spec.enabled()) {
     j["draft_tokens"] = r.spec.draft_tokens;
     j["draft_topk"] = r.spec.topk;

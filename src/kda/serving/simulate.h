@@ -77,7 +77,8 @@ struct SimulateOptions {
   int32_t parallel_samples = 1;
   // Speculative decoding (serving/speculative.h); server_args.speculative_algorithm must name the same
   // algorithm. The verify buffer (max_verify_tokens tokens per verify row, one row per decode row of a
-  // step: min(max_batch, request slots)) comes out of state_memory with the request slots. replay first
+  // step: min(max_batch, request slots), which also caps the rows of a decode step) comes out of
+  // state_memory with the request slots. replay first
   // serves the workload without speculation for the true continuations; the statistics are the
   // speculative run's.
   SpeculativeOptions spec;
@@ -131,7 +132,18 @@ struct SimulateResult {
   double step_ms_p50 = 0.0, step_ms_p99 = 0.0;
   double ttft_ms_p50 = 0.0, ttft_ms_p99 = 0.0;
   std::optional<CheckReport> check;  // absent when --check 0 or interrupted
-  bool ok() const { return !check || check->ok; }
+  // Accounting after the serving loop (a completed run): state slots held by neither a request nor a
+  // cached snapshot, request indices still taken, and whether the prefix cache's tree is consistent with
+  // nothing pending or locked. A leak fails the run (ok() false). Summed over --dp groups.
+  int64_t leaked_slots = 0, leaked_request_indices = 0;
+  bool cache_consistent = true;
+  std::string accounting_error;  // the first inconsistency, empty when none
+  bool accounting_ok() const { return leaked_slots == 0 && leaked_request_indices == 0 && cache_consistent; }
+  // Resident memory (VmRSS) after each step of the serving loop, bytes; rss_growth = the last sample over
+  // the sample at the end of the first tenth of the steps, minus 1 (a soak's leak shows as growth).
+  std::vector<int64_t> rss_bytes;
+  double rss_growth() const;
+  bool ok() const { return (!check || check->ok) && accounting_ok(); }
 };
 
 // Output archive key of a sequence: "req_<id>" with one sample per request, else "req_<id>_s<j>";
