@@ -437,22 +437,12 @@ TEST(SimulateTokens, TensorParallelTwoGivesTheTokensOfOne) {
     }
     distributed::InProcessGroup group(2);
     std::vector<SimulateResult> res(2);
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < 2; ++rank)
-      threads.emplace_back([&, rank] {
-        try {
-          auto comm = group.member(rank);
-          auto ot = o;
-          ot.tp = {rank, 2, comm.get()};
-          res[rank] = run_simulation(ot);
-        } catch (const std::exception& e) {
-          errors[rank] = e.what();
-        }
-      });
-    for (auto& t : threads) t.join();
+    ASSERT_NO_THROW(group.run([&](int rank, distributed::Communicator& comm) {
+      auto ot = o;
+      ot.tp = {rank, 2, &comm};
+      res[rank] = run_simulation(ot);
+    }));
     for (int rank = 0; rank < 2; ++rank) {
-      ASSERT_EQ(errors[rank], "") << "rank " << rank;
       ASSERT_EQ(res[rank].serve.requests_completed, 4);
       ASSERT_TRUE(res[rank].check.has_value());
       EXPECT_TRUE(res[rank].check->ok);
@@ -479,25 +469,13 @@ TEST(SimulateTokens, DataParallelKeepsConversationsInOneGroup) {
     const auto one = run_simulation(o);
     distributed::InProcessGroup world(2);
     std::vector<SimulateResult> res(2);
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < 2; ++rank)
-      threads.emplace_back([&, rank] {
-        try {
-          auto comm = world.member(rank);
-          auto od = o;
-          od.dp = 2;
-          od.dp_rank = rank;
-          od.world = comm.get();
-          res[rank] = run_simulation(od);
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-          errors[rank] = e.what();
-        }
-      });
-    for (auto& t : threads) t.join();
-    ASSERT_EQ(errors[0], "");
-    ASSERT_EQ(errors[1], "");
+    ASSERT_NO_THROW(world.run([&](int rank, distributed::Communicator& comm) {
+      auto od = o;
+      od.dp = 2;
+      od.dp_rank = rank;
+      od.world = &comm;
+      res[rank] = run_simulation(od);
+    }));
     ASSERT_EQ(res[0].serve.requests_completed, 6);
     for (int64_t i = 0; i < 6; ++i) {
       EXPECT_EQ(out_of(res[0], i).tokens, out_of(one, i).tokens) << i;
