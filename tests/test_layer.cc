@@ -408,6 +408,33 @@ TEST(Layer, DraftExtendIsRefused) {
   EXPECT_EQ(s.states(r[0]), before);
 }
 
+// The backend runs q, k and v with one head count: v with more (or fewer) heads than q/k would read q
+// and k past their columns (or drop heads), so the layer refuses it when it is built.
+TEST(Layer, VHeadsUnlikeQkHeadsAreRefused) {
+  const int K = 16, W = 4;
+  const auto conv_w = testing::random_uniform(8 * K * 3 * W, 1, -0.5f, 0.5f);
+  const auto A_log = testing::random_uniform(8, 2, -1.0f, 1.0f);
+  layers::RadixLinearAttention::Params p{.layer_id = 5,
+                                         .num_q_heads = 2,
+                                         .num_k_heads = 2,
+                                         .num_v_heads = 2,
+                                         .head_q_dim = K,
+                                         .head_k_dim = K,
+                                         .head_v_dim = 2 * K,  // other value dims are fine
+                                         .conv_weights = conv_w.data(),
+                                         .conv_kernel = W,
+                                         .A_log = A_log.data()};
+  EXPECT_NO_THROW(layers::RadixLinearAttention{p});
+  for (int hv : {4, 1}) {
+    p.num_v_heads = hv;
+    testing::expect_throw_with<std::invalid_argument>(
+        [&] { layers::RadixLinearAttention{p}; },
+        "v has " + std::to_string(hv) +
+            " heads but q and k have 2; the KDA backend needs one head count "
+            "for q, k and v (layer 5)");
+  }
+}
+
 TEST(Layer, BadBatchesAreErrorsThatChangeNothing) {
   const int64_t D = 256;
   Stack s(3);
