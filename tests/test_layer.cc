@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
 
 #include "kda/io/config.h"
 #include "kda/io/npy.h"
@@ -406,6 +408,33 @@ TEST(Layer, DraftExtendIsRefused) {
   EXPECT_THROW(s.layer->forward(y.data(), 2, fb, s.pools->recurrent_state_pool, y.data()),
                std::runtime_error);
   EXPECT_EQ(s.states(r[0]), before);
+}
+
+// The backend runs q, k and v with one head count: v with more (or fewer) heads than q/k would read q
+// and k past their columns (or drop heads), so the layer refuses it when it is built.
+TEST(Layer, VHeadsUnlikeQkHeadsAreRefused) {
+  const int K = 16, W = 4;
+  const auto conv_w = testing::random_uniform(8 * K * 3 * W, 1, -0.5f, 0.5f);
+  const auto A_log = testing::random_uniform(8, 2, -1.0f, 1.0f);
+  layers::RadixLinearAttention::Params p{.layer_id = 5,
+                                         .num_q_heads = 2,
+                                         .num_k_heads = 2,
+                                         .num_v_heads = 2,
+                                         .head_q_dim = K,
+                                         .head_k_dim = K,
+                                         .head_v_dim = 2 * K,  // other value dims are fine
+                                         .conv_weights = conv_w.data(),
+                                         .conv_kernel = W,
+                                         .A_log = A_log.data()};
+  EXPECT_NO_THROW(layers::RadixLinearAttention{p});
+  for (int hv : {4, 1}) {
+    p.num_v_heads = hv;
+    testing::expect_throw_with<std::invalid_argument>(
+        [&] { layers::RadixLinearAttention{p}; },
+        "v has " + std::to_string(hv) +
+            " heads but q and k have 2; the KDA backend needs one head count "
+            "for q, k and v (layer 5)");
+  }
 }
 
 TEST(Layer, BadBatchesAreErrorsThatChangeNothing) {
@@ -920,17 +949,23 @@ TEST(Layer, BadCaseInputsAreClearErrors) {
 }
 
 // A copy of the mini checkpoint with one change, for the bad-checkpoint tests.
-fs::path mini_checkpoint_with(const std::string& tag,
-                              const std::function<void(std::map<std::string, io::StTensor>&)>& edit,
-                              const std::string& config_text = "") {
+// The mini checkpoint's tensors, as F32.
+std::map<std::string, io::StTensor> mini_tensors() {
   const io::Checkpoint ckpt(testing::dumps_dir());
-  const auto dir = testing::make_temp_dir(tag);
   std::map<std::string, io::StTensor> t;
   const io::SafetensorsFile f(testing::dumps_dir() / "model.safetensors");
   for (const auto& name : f.names()) {
     const auto& v = ckpt.get(name);
     t[name] = {v.shape, ckpt.load_f32(name, v.shape)};
   }
+  return t;
+}
+
+fs::path mini_checkpoint_with(const std::string& tag,
+                              const std::function<void(std::map<std::string, io::StTensor>&)>& edit,
+                              const std::string& config_text = "") {
+  const auto dir = testing::make_temp_dir(tag);
+  auto t = mini_tensors();
   edit(t);
   io::write_safetensors(dir / "model.safetensors", t);
   if (config_text.empty()) {
@@ -1023,6 +1058,71 @@ TEST(Layer, Bf16CheckpointKeepsF32GateParameters) {
     EXPECT_LE(testing::rel_l2(r16.out.data(), out_bf16.data(), out_bf16.size()), 5e-3);
     const auto bf16_of_f32 = models::KimiDeltaAttention::from_checkpoint(f32_ckpt, cfg, 0, Precision::BF16);
     EXPECT_EQ(runtime::run_layer_case(*bf16_of_f32, cfg, c, 0, kernels::KernelImpl::Auto).out, r16.out);
+  }
+}
+
+// The released checkpoint's layout: shards listed by model.safetensors.index.json, BF16 weights beside
+// F32 A_log and dt_bias, the layer's tensors spread over both shards. The layer loaded from it (whole,
+// and each TP 2 rank's slices) is the layer of one file holding the same tensors: the same weights, the
+// same outputs and states bit for bit in both precisions; fp32 matches the float64 reference of the
+// loaded weights.
+TEST(Layer, ShardedBf16CheckpointRunsAsOneFile) {
+  const std::string pre = "model.layers.0.self_attn.";
+  auto t = mini_tensors();
+  for (auto& [name, tensor] : t)
+    if (name != pre + "A_log" && name != pre + "dt_bias") tensor.dtype = io::StDType::BF16;
+  const auto one = testing::make_temp_dir("ckpt_one_file"), sharded = testing::make_temp_dir("ckpt_sharded");
+  io::write_safetensors(one / "model.safetensors", t);
+  std::map<std::string, io::StTensor> shard[2];
+  nlohmann::json index = {{"metadata", nlohmann::json::object()}, {"weight_map", nlohmann::json::object()}};
+  const std::string files[2] = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"};
+  int i = 0;
+  for (const auto& [name, tensor] : t) {
+    shard[i % 2][name] = tensor;
+    index["weight_map"][name] = files[i % 2];
+    ++i;
+  }
+  ASSERT_GE(shard[0].size(), 4u);
+  ASSERT_GE(shard[1].size(), 4u);
+  for (int s = 0; s < 2; ++s) io::write_safetensors(sharded / files[s], shard[s]);
+  std::ofstream(sharded / "model.safetensors.index.json") << index.dump(2);
+  for (const auto& d : {one, sharded}) fs::copy_file(testing::dumps_dir() / "config.json", d / "config.json");
+
+  const auto cfg = io::load_config(sharded);
+  const io::Checkpoint a(sharded), b(one);
+  ASSERT_EQ(a.get(pre + "q_proj.weight").dtype, io::StDType::BF16);
+  ASSERT_EQ(a.get(pre + "A_log").dtype, io::StDType::F32);
+  const auto w = models::KdaLayerWeights::load(a, cfg, 0);
+  EXPECT_EQ(w.q_proj, models::KdaLayerWeights::load(b, cfg, 0).q_proj);
+  for (int r = 0; r < 2; ++r) {
+    const auto wa = models::KdaLayerWeights::load(a, cfg, 0, r, 2),
+               wb = models::KdaLayerWeights::load(b, cfg, 0, r, 2);
+    EXPECT_EQ(wa.q_proj, wb.q_proj);
+    EXPECT_EQ(wa.o_proj, wb.o_proj);
+    EXPECT_EQ(wa.A_log, wb.A_log);
+    EXPECT_EQ(wa.v_conv1d, wb.v_conv1d);
+  }
+  for (const char* name : {"varlen_initstate", "unbalanced_5_17_1_41"}) {
+    SCOPED_TRACE(name);
+    const auto c =
+        runtime::LayerCase::from_npz(io::read_npz(testing::dumps_dir() / (std::string(name) + ".npz")), cfg);
+    for (const Precision p : {Precision::FP32, Precision::BF16}) {
+      SCOPED_TRACE(to_string(p));
+      const auto la = models::KimiDeltaAttention::from_checkpoint(a, cfg, 0, p);
+      const auto lb = models::KimiDeltaAttention::from_checkpoint(b, cfg, 0, p);
+      const auto ra = runtime::run_layer_case(*la, cfg, c, 4, kernels::KernelImpl::Auto);
+      const auto rb = runtime::run_layer_case(*lb, cfg, c, 4, kernels::KernelImpl::Auto);
+      EXPECT_EQ(ra.out, rb.out);
+      EXPECT_EQ(ra.recurrent_state, rb.recurrent_state);
+      EXPECT_EQ(ra.conv_state, rb.conv_state);
+      if (p != Precision::FP32) continue;
+      const auto ref = testing::reference_layer(cfg, w, c.hidden_states, c.cu_seqlens,
+                                                c.initial_recurrent_state, c.initial_conv_state);
+      const std::vector<float> ref_out(ref.out.begin(), ref.out.end()),
+          ref_state(ref.recurrent_state.begin(), ref.recurrent_state.end());
+      expect_close(ra.out, ref_out, "out vs the float64 reference");
+      expect_close(ra.recurrent_state, ref_state, "recurrent state vs the float64 reference");
+    }
   }
 }
 

@@ -1,13 +1,17 @@
 // Tensor parallelism across processes: `kda run` / `kda verify` started by mpirun with --tp N equal
-// TP 1, and a launch unlike --tp is a clear error before any work.
+// TP 1, and a launch unlike --tp is a clear error before any work. MPI errors are exceptions (the
+// communicators return errors instead of MPI's fatal default), and a rank that fails mid-run ends every
+// rank with a non-zero exit instead of leaving them in a collective.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "kda/distributed/mpi_communicator.h"
@@ -23,11 +27,14 @@ using ::testing::HasSubstr;
 testing::CommandResult sh(const std::string& cmd) { return testing::run_command(cmd + " 2>&1"); }
 
 // mpirun as CI runs it: oversubscribed (2 cores, up to 4 ranks), allowed as root, no leak checker in
-// the ranks (Open MPI's own allocations would be reported under ASan).
-std::string mpirun(int np) {
-  return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ASAN_OPTIONS=detect_leaks=0 "
-         "OMP_NUM_THREADS=1 mpirun --oversubscribe -np " +
-         std::to_string(np) + " " + KDA_BINARY_PATH;
+// the ranks (Open MPI's own allocations would be reported under ASan); under `timeout`, so that a launch
+// whose ranks hang fails (exit 124) instead of holding the suite until ctest's limit.
+constexpr const char* kMpiEnv =
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ASAN_OPTIONS=detect_leaks=0 "
+    "OMP_NUM_THREADS=1 ";
+std::string mpirun(int np, const std::string& program = KDA_BINARY_PATH) {
+  return std::string(kMpiEnv) + "timeout 300 mpirun --oversubscribe -np " + std::to_string(np) + " " +
+         program;
 }
 
 class Mpi : public ::testing::Test {
@@ -141,6 +148,72 @@ TEST_F(Mpi, LaunchUnlikeTpIsAnError) {
   r = sh(mpirun(3) + args + " --tp 3");  // 4 heads
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.output, HasSubstr("divisible"));
+}
+
+// --- inside the ranks: this test binary started by mpirun (MpiErrors.CommunicatorErrorsAreExceptions) -----
+
+// Runs only as a rank of that launch; a plain ctest run skips it.
+class MpiRank : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::getenv("KDA_TEST_INSIDE_MPIRUN") == nullptr || !distributed::launched_by_mpi())
+      GTEST_SKIP() << "runs as a rank of MpiErrors.CommunicatorErrorsAreExceptions";
+  }
+};
+
+// A call MPI refuses (a negative color other than MPI_UNDEFINED) is a std::runtime_error naming the
+// call and MPI's reason, and the communicator stays usable. Under MPI_ERRORS_ARE_FATAL the process
+// would end inside MPI_Comm_split, and mpirun with it.
+TEST_F(MpiRank, AFailedCallThrowsAndTheCommunicatorStaysUsable) {
+  auto world = distributed::mpi_world();
+  testing::expect_throw_with<std::runtime_error>([&] { distributed::mpi_split(*world, -5, 0); },
+                                                 "MPI error in MPI_Comm_split: ");
+  float x = 1.0f;
+  world->allreduce_sum(&x, 1);
+  EXPECT_EQ(x, static_cast<float>(world->size()));
+  auto half = distributed::mpi_split(*world, world->rank() % 2, world->rank());
+  testing::expect_throw_with<std::runtime_error>([&] { distributed::mpi_split(*half, -7, 0); },
+                                                 "MPI_Comm_split");  // splits return errors too
+}
+
+std::string self_path() {
+  std::array<char, 4096> buf{};
+  const ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  return n > 0 ? std::string(buf.data(), static_cast<size_t>(n)) : std::string();
+}
+
+TEST_F(Mpi, CommunicatorErrorsAreExceptions) {
+  const auto self = self_path();
+  ASSERT_FALSE(self.empty());
+  const auto r =
+      sh("KDA_TEST_INSIDE_MPIRUN=1 " + mpirun(2, self) + " --gtest_filter='MpiRank.*' --gtest_color=no");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[  PASSED  ] 1 test."));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("SKIPPED")));
+}
+
+// One rank fails mid-run: `kda simulate --tp 2` where rank 1 (an MPMD launch: its own command line) has
+// a vocabulary of 2 tokens while rank 0 has 512. Both serve the same trace (prompt tokens below 2); every
+// rank feeds rank 0's greedy picks, so rank 1's first decode step meets a token id it does not have and
+// throws while rank 0 waits for it in the layer's all-reduce. Every rank must exit non-zero (mpirun's
+// status), with rank 1's error printed, and none may hang (timeout's 124 would say so).
+TEST_F(Mpi, ARankThatFailsMidRunEndsEveryRank) {
+  const auto tmp = testing::make_temp_dir("mpi_fail");
+  std::ofstream(tmp / "trace.json")
+      << R"([{"prompt": [1, 0, 1, 1, 0, 1], "output_len": 8, "arrival_step": 0}])";
+  const std::string args =
+      " simulate --tp 2 --layers 1 --precision fp32 --check 0 --no-prefix-cache --trace " +
+      (tmp / "trace.json").string() + " --vocab ";
+  const std::string env =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ASAN_OPTIONS=detect_leaks=0 "
+      "OMP_NUM_THREADS=1 ";
+  const auto r = sh(env + "timeout 300 mpirun --oversubscribe -np 1 " + KDA_BINARY_PATH + args +
+                    "512 : -np 1 " + KDA_BINARY_PATH + args + "2");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.code, 124) << "timed out: a rank hangs\n" << r.output;
+  EXPECT_THAT(r.output, HasSubstr("kda: error: token id"));
+  EXPECT_THAT(r.output, HasSubstr("outside the vocabulary [0, 2)"));
+  EXPECT_THAT(r.output, HasSubstr("MPI_ABORT was invoked on rank 1"));  // the failed rank ended the others
 }
 
 }  // namespace

@@ -4,10 +4,15 @@
 // A small synthetic model (hidden 256, 2 heads x 128, 3 layers, fp32) keeps the suite fast.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -17,6 +22,7 @@
 
 #include "kda/distributed/in_process.h"
 #include "kda/io/npy.h"
+#include "kda/io/safetensors.h"
 #include "kda/mem_cache/radix_cache.h"
 #include "kda/serving/kda_stack.h"
 #include "kda/serving/model_runner.h"
@@ -438,22 +444,12 @@ TEST(SimulateTokens, TensorParallelTwoGivesTheTokensOfOne) {
     }
     distributed::InProcessGroup group(2);
     std::vector<SimulateResult> res(2);
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < 2; ++rank)
-      threads.emplace_back([&, rank] {
-        try {
-          auto comm = group.member(rank);
-          auto ot = o;
-          ot.tp = {rank, 2, comm.get()};
-          res[rank] = run_simulation(ot);
-        } catch (const std::exception& e) {
-          errors[rank] = e.what();
-        }
-      });
-    for (auto& t : threads) t.join();
+    ASSERT_NO_THROW(group.run([&](int rank, distributed::Communicator& comm) {
+      auto ot = o;
+      ot.tp = {rank, 2, &comm};
+      res[rank] = run_simulation(ot);
+    }));
     for (int rank = 0; rank < 2; ++rank) {
-      ASSERT_EQ(errors[rank], "") << "rank " << rank;
       ASSERT_EQ(res[rank].serve.requests_completed, 4);
       ASSERT_TRUE(res[rank].check.has_value());
       EXPECT_TRUE(res[rank].check->ok);
@@ -480,25 +476,13 @@ TEST(SimulateTokens, DataParallelKeepsConversationsInOneGroup) {
     const auto one = run_simulation(o);
     distributed::InProcessGroup world(2);
     std::vector<SimulateResult> res(2);
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < 2; ++rank)
-      threads.emplace_back([&, rank] {
-        try {
-          auto comm = world.member(rank);
-          auto od = o;
-          od.dp = 2;
-          od.dp_rank = rank;
-          od.world = comm.get();
-          res[rank] = run_simulation(od);
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-          errors[rank] = e.what();
-        }
-      });
-    for (auto& t : threads) t.join();
-    ASSERT_EQ(errors[0], "");
-    ASSERT_EQ(errors[1], "");
+    ASSERT_NO_THROW(world.run([&](int rank, distributed::Communicator& comm) {
+      auto od = o;
+      od.dp = 2;
+      od.dp_rank = rank;
+      od.world = &comm;
+      res[rank] = run_simulation(od);
+    }));
     ASSERT_EQ(res[0].serve.requests_completed, 6);
     for (int64_t i = 0; i < 6; ++i) {
       EXPECT_EQ(out_of(res[0], i).tokens, out_of(one, i).tokens) << i;
@@ -1174,43 +1158,24 @@ TEST(Speculative, WorksWithMixedBatchesParallelSamplesAndThePrefixCache) {
   EXPECT_TRUE(r.check->ok) << r.check->worst_ratio;
 }
 
-// Runs fn(rank, communicator) on n in-process ranks; returns each rank's error ("" when none).
-std::vector<std::string> run_ranks(int n, const std::function<void(int, distributed::Communicator*)>& fn) {
-  distributed::InProcessGroup group(n);
-  std::vector<std::string> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < n; ++rank)
-    threads.emplace_back([&, rank] {
-      try {
-        auto comm = group.member(rank);
-        fn(rank, comm.get());
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(rank)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  return errors;
-}
-
 TEST(Speculative, TensorAndDataParallelGiveTheTokensOfOneRank) {
   auto o = spec_options(make_workload(4, {5, 30}, 8, 4), SpecAlgorithm::kReplay, 2, 0.6);
   o.check = 1;
   const auto one = run_simulation(o);
   std::vector<SimulateResult> tp(2), dp(2);
-  auto errors = run_ranks(2, [&](int rank, distributed::Communicator* comm) {
+  distributed::InProcessGroup tp_group(2), dp_group(2);
+  ASSERT_NO_THROW(tp_group.run([&](int rank, distributed::Communicator& comm) {
     auto ot = o;
-    ot.tp = {rank, 2, comm};
+    ot.tp = {rank, 2, &comm};
     tp[static_cast<size_t>(rank)] = run_simulation(ot);
-  });
-  ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
-  errors = run_ranks(2, [&](int rank, distributed::Communicator* comm) {
+  }));
+  ASSERT_NO_THROW(dp_group.run([&](int rank, distributed::Communicator& comm) {
     auto od = o;
     od.dp = 2;
     od.dp_rank = rank;
-    od.world = comm;
+    od.world = &comm;
     dp[static_cast<size_t>(rank)] = run_simulation(od);
-  });
-  ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
+  }));
   for (const auto* r : {&tp[0], &tp[1], &dp[0]}) {
     ASSERT_EQ(r->serve.requests_completed, 4);
     for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(out_of(*r, i).tokens, out_of(one, i).tokens) << i;
@@ -1327,6 +1292,164 @@ TEST(Soak, AReusedSlotComputesBitForBitWhatAFreshPoolDoes) {
   EXPECT_EQ(out_of(reused, 1).tokens, out_of(fresh, 1).tokens);
   ASSERT_EQ(out_of(reused, 1).rows.size(), out_of(fresh, 1).rows.size());
   EXPECT_TRUE(out_of(reused, 1).rows == out_of(fresh, 1).rows);  // bit for bit
+// --- issue 17: the main job's default precision, Ctrl-C, and --model through the binary ----------------
+
+// simulate's default precision is bf16 (the main job): a small run in it passes its teacher-forced
+// self-check against the per-layer bf16 tolerance and exits 0.
+TEST(SimulateCli, DefaultBf16RunPassesItsSelfCheck) {
+  const auto r =
+      run_kda("simulate --layers 2 --requests 3 --prompt-len 4:12 --output-len 3 --check 2 --json", false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["precision"], "bf16");
+  EXPECT_EQ(j["requests_completed"], 3);
+  EXPECT_EQ(j["check_ok"], true);
+  EXPECT_EQ(j["check_requests"].size(), 2u);
+  EXPECT_THAT(j["check_metric"].get<std::string>(), HasSubstr("5e-3 x 2 layers"));
+  EXPECT_LE(j["check_worst_error_ratio"].get<double>(), 1.0);
+  EXPECT_EQ(j["ok"], true);
+}
+
+// The kda binary started without a shell, stdout and stderr into one pipe, so that the test can signal it.
+struct Child {
+  pid_t pid = -1;
+  int fd = -1;
+  std::string out;  // everything read so far
+
+  explicit Child(const std::vector<std::string>& args) {
+    int p[2];
+    if (::pipe(p) != 0) return;
+    pid = ::fork();
+    if (pid == 0) {
+      ::dup2(p[1], 1);
+      ::dup2(p[1], 2);
+      ::close(p[0]);
+      ::close(p[1]);
+      std::vector<char*> argv;
+      argv.push_back(const_cast<char*>(KDA_BINARY_PATH));
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(KDA_BINARY_PATH, argv.data());
+      ::_exit(127);
+    }
+    ::close(p[1]);
+    fd = p[0];
+  }
+  ~Child() {
+    if (pid > 0) {  // still running: the test failed; do not leave it behind
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    if (fd >= 0) ::close(fd);
+  }
+  // Reads until `needle` is in the output (true), or end of output / `seconds` without it (false).
+  bool read_until(const std::string& needle, int seconds) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+    while (needle.empty() || out.find(needle) == std::string::npos) {
+      if (std::chrono::steady_clock::now() > end) return false;
+      pollfd pf{fd, POLLIN, 0};
+      if (::poll(&pf, 1, 500) <= 0) continue;
+      char buf[4096];
+      const ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n <= 0) return needle.empty();
+      out.append(buf, static_cast<size_t>(n));
+    }
+    return true;
+  }
+  // The exit code after the output's end; -1 when it did not end in `seconds` or died of a signal.
+  int wait(int seconds) {
+    if (!read_until("", seconds)) return -1;
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+};
+
+// Ctrl-C during serving stops the run after the current step: the summary of what finished, marked
+// [INTERRUPTED], the self-check skipped, exit code 130 (128 + SIGINT). The workload (1600 decode steps
+// one request at a time) would take far longer than the first progress line.
+TEST(SimulateCli, SigintStopsAfterTheCurrentStepWithExitCode130) {
+  Child c({"simulate", "--layers", "1", "--precision", "fp32", "--requests", "4", "--prompt-len", "200:200",
+           "--output-len", "400", "--max-batch", "1", "--check", "1", "--no-prefix-cache"});
+  ASSERT_GT(c.pid, 0);
+  ASSERT_TRUE(c.read_until("progress: ", 300)) << c.out;
+  ASSERT_EQ(::kill(c.pid, SIGINT), 0);
+  const int code = c.wait(120);
+  EXPECT_EQ(code, 130) << c.out;
+  EXPECT_THAT(c.out, HasSubstr("[INTERRUPTED]"));
+  EXPECT_THAT(c.out, HasSubstr("self-check    skipped (interrupted)"));
+  EXPECT_THAT(c.out, ::testing::Not(HasSubstr("4 of 4 completed")));
+}
+
+// `kda simulate --model DIR` on a small checkpoint written here (the mini layer, hidden 256, 4 heads)
+// with an embedding and LM head of 64 rows, a final norm and the layer's input norm: the vocabulary is
+// the checkpoint's, and each of those tensors is the one used. With the input norm zeroed the layer sees
+// zeros and adds nothing, so every prompt row of the last-layer outputs is the embedding row of its
+// token; a zero final norm or LM head makes every logit 0, so every pick is token 0 (the lowest id on
+// the tie), which the checkpoint as written does not give.
+TEST(SimulateCli, ModelDirServesTheCheckpointsTensors) {
+  const int64_t V = 64, D = 256;
+  const auto write_model = [&](const std::string& tag, const std::string& zeroed) {
+    const auto dir = testing::make_temp_dir(tag);
+    const io::Checkpoint mini(testing::dumps_dir());
+    std::map<std::string, io::StTensor> t;
+    const io::SafetensorsFile f(testing::dumps_dir() / "model.safetensors");
+    for (const auto& name : f.names())
+      t[name] = {mini.get(name).shape, mini.load_f32(name, mini.get(name).shape)};
+    t["model.embed_tokens.weight"] = {{V, D}, testing::random_normal(V * D, 1)};
+    t["lm_head.weight"] = {{V, D}, testing::random_normal(V * D, 2, 0.0625f)};
+    t["model.norm.weight"] = {{D}, testing::random_uniform(D, 3, 0.5f, 1.5f)};
+    t["model.layers.0.input_layernorm.weight"] = {{D}, testing::random_uniform(D, 4, 0.5f, 1.5f)};
+    if (!zeroed.empty()) std::fill(t.at(zeroed).values.begin(), t.at(zeroed).values.end(), 0.0f);
+    io::write_safetensors(dir / "model.safetensors", t);
+    std::filesystem::copy_file(testing::dumps_dir() / "config.json", dir / "config.json");
+    std::ofstream(dir / "trace.json")
+        << R"([{"prompt": [3, 5, 7, 9, 11, 60], "output_len": 6, "arrival_step": 0},
+                                            {"prompt": [1, 2], "output_len": 4, "arrival_step": 1}])";
+    return std::pair{dir, t.at("model.embed_tokens.weight").values};
+  };
+  const auto run = [&](const std::filesystem::path& dir) {
+    const auto r = run_kda("simulate --model " + dir.string() + " --trace " + (dir / "trace.json").string() +
+                               " --precision fp32 --check 2 --json --outputs " + (dir / "o.npz").string(),
+                           false);
+    EXPECT_EQ(r.code, 0) << r.out;
+    return std::pair{nlohmann::json::parse(r.out), io::read_npz(dir / "o.npz")};
+  };
+  const auto all_zero = [](const std::vector<int32_t>& v) {
+    return std::all_of(v.begin(), v.end(), [](int32_t x) { return x == 0; });
+  };
+
+  const auto [dir, embed] = write_model("sim_model", "");
+  const auto [j, npz] = run(dir);
+  EXPECT_EQ(j["vocab"], V);
+  EXPECT_EQ(j["hidden"], D);
+  EXPECT_EQ(j["layers"], 1);
+  EXPECT_EQ(j["requests_completed"], 2);
+  EXPECT_EQ(j["check_ok"], true);
+  EXPECT_EQ(j["check_tokens_total"], 7 + 5);
+  const auto tokens0 = npz.at("tokens_0").to_i32();
+  ASSERT_EQ(tokens0.size(), 7u);
+  for (const int32_t t : tokens0) EXPECT_TRUE(t >= 0 && t < V) << t;
+  EXPECT_FALSE(all_zero(tokens0) && all_zero(npz.at("tokens_1").to_i32()));
+
+  {
+    const auto [d, e] = write_model("sim_model_in_norm", "model.layers.0.input_layernorm.weight");
+    const auto [jz, z] = run(d);
+    const auto rows = z.at("req_0").to_f32();
+    ASSERT_EQ(rows.size(), static_cast<size_t>((6 + 6) * D));
+    const int32_t prompt[6] = {3, 5, 7, 9, 11, 60};
+    for (int i = 0; i < 6; ++i)
+      EXPECT_TRUE(std::equal(rows.begin() + i * D, rows.begin() + (i + 1) * D, e.begin() + prompt[i] * D))
+          << "prompt row " << i << " is not embedding row " << prompt[i];
+  }
+  for (const char* zeroed : {"model.norm.weight", "lm_head.weight"}) {
+    SCOPED_TRACE(zeroed);
+    const auto [d, e] = write_model(std::string("sim_model_") + (zeroed[0] == 'l' ? "head" : "norm"), zeroed);
+    const auto [jz, z] = run(d);
+    EXPECT_TRUE(all_zero(z.at("tokens_0").to_i32()));
+    EXPECT_TRUE(all_zero(z.at("tokens_1").to_i32()));
+  }
 }
 
 }  // namespace

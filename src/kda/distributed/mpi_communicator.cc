@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <stdexcept>
+#include <string>
 
 #ifdef KDA_WITH_MPI
 #include <mpi.h>
@@ -20,15 +21,25 @@ bool mpi_available() { return true; }
 
 namespace {
 
+// Every communicator returns its errors (MPI_ERRORS_RETURN, set when it is wrapped): under MPI's
+// default handler (MPI_ERRORS_ARE_FATAL) a failed call ends the job inside MPI, and these checks would
+// never run. A throw reaches the command's error handler, which prints it and aborts the other ranks.
 void check(int rc, const char* what) {
-  if (rc != MPI_SUCCESS) throw std::runtime_error(std::string("MPI error in ") + what);
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+  throw std::runtime_error(
+      std::string("MPI error in ") + what + ": " +
+      (len > 0 ? std::string(text, static_cast<size_t>(len)) : "code " + std::to_string(rc)));
 }
 
 class MpiCommunicator final : public Communicator {
  public:
   explicit MpiCommunicator(MPI_Comm c, bool owned) : comm_(c), owned_(owned) {
-    MPI_Comm_rank(comm_, &rank_);
-    MPI_Comm_size(comm_, &size_);
+    check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
   }
   ~MpiCommunicator() override {
     int finalized = 0;

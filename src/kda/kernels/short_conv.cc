@@ -363,16 +363,26 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
   Range* rg = ranges.data();
   const int64_t* ls = long_seqs.data();
   float* wtp = wt.data();
+  // Every thread's history and ring buffers, allocated here: a std::bad_alloc inside the region would
+  // end the process (no exception may leave an OpenMP region), and one thread leaving the worksharing
+  // loops below would leave the others at their barriers.
+  const bool parallel = a.T * a.C * a.W >= kMinParallelWork;
+  const int64_t threads = parallel ? omp_get_max_threads() : 1;
+  const int64_t hist_n = (a.x_bf16 ? 2 : 1) * H * span, ring_n = a.W * span;
+  thread_local std::vector<float> hist_all, ring_all;
+  hist_all.resize(static_cast<size_t>(threads * hist_n));
+  ring_all.resize(static_cast<size_t>(threads * ring_n));
+  float* const hist0 = hist_all.data();
+  float* const ring0 = ring_all.data();
 
-#pragma omp parallel if (a.T * a.C * a.W >= kMinParallelWork)
+#pragma omp parallel if (parallel) num_threads(threads)
   {
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < a.C; ++c) {
       for (int i = 0; i < a.W; ++i) wtp[i * a.C + c] = a.weight[c * a.W + i];
     }
-    thread_local std::vector<float> hist, ring;
-    hist.resize(static_cast<size_t>((a.x_bf16 ? 2 : 1) * H * span));
-    ring.resize(static_cast<size_t>(a.W * span));
+    float* const hist = hist0 + omp_get_thread_num() * hist_n;
+    float* const ring = ring0 + omp_get_thread_num() * ring_n;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < out_items; ++it) {
       const Range& r = rg[it / spans];
@@ -392,7 +402,7 @@ void run(const ShortConvArgs<StateT>& a, Mode mode) {
       StateT* st = a.state ? a.state + slot * H * a.C : nullptr;
       const int64_t bos = seq_start(r.seq), eos = seq_end(r.seq);
       auto rows = [&](const auto* x, auto* out) {
-        conv_rows(a, x, out, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist.data(), ring.data());
+        conv_rows(a, x, out, wtp, bos, r.t0, r.t1, st, reads_state(r.seq), c0, nc, hist, ring);
         // A segment in one item: nothing else touches these channels of its slot, so write it now
         // while they are in cache.
         if (st && r.t0 == bos && r.t1 == eos)

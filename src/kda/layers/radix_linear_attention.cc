@@ -15,6 +15,13 @@ RadixLinearAttention::RadixLinearAttention(const Params& p) : p_(p) {
   if (p.num_q_heads != p.num_k_heads || p.head_q_dim != p.head_k_dim)
     throw std::invalid_argument("RadixLinearAttention: q and k heads must match (layer " +
                                 std::to_string(p.layer_id) + ")");
+  // The backend runs every head of v with the q/k head of the same index (no grouped values): more v
+  // heads would read q and k past their heads' columns, fewer would drop q/k heads.
+  if (p.num_v_heads != p.num_k_heads)
+    throw std::invalid_argument("RadixLinearAttention: v has " + std::to_string(p.num_v_heads) +
+                                " heads but q and k have " + std::to_string(p.num_k_heads) +
+                                "; the KDA backend needs one head count for q, k and v (layer " +
+                                std::to_string(p.layer_id) + ")");
   if (!p.conv_weights || !p.A_log || p.conv_kernel < 1)
     throw std::invalid_argument("RadixLinearAttention: conv weights and A_log are required (layer " +
                                 std::to_string(p.layer_id) + ")");

@@ -73,6 +73,22 @@ LayerCase LayerCase::from_npz(const io::NpzArchive& npz, const io::KimiLinearCon
   return c;
 }
 
+mem_cache::RecurrentStatePoolConfig layer_pool_config(const models::KimiDeltaAttention& layer,
+                                                      const io::KimiLinearConfig& cfg, int64_t slots) {
+  const int K = cfg.head_dim;
+  const int Hl = static_cast<int>(layer.local_heads());  // this rank's heads (all without TP)
+  mem_cache::RecurrentStatePoolConfig pc;
+  pc.layer_ids = {layer.layer_idx()};
+  pc.size = slots;
+  pc.num_heads = Hl;
+  pc.head_k_dim = K;
+  pc.head_v_dim = K;
+  pc.conv_kernel = cfg.short_conv_kernel_size;
+  pc.conv_dim = int64_t{3} * Hl * K;
+  pc.conv_dtype = layer.precision();
+  return pc;
+}
+
 LayerResult run_layer_case(models::KimiDeltaAttention& layer, const io::KimiLinearConfig& cfg,
                            const LayerCase& c, int decode_tail, kernels::KernelImpl kernel) {
   if (decode_tail < 0) throw std::invalid_argument("--decode-tail must be >= 0");
@@ -87,15 +103,7 @@ LayerResult run_layer_case(models::KimiDeltaAttention& layer, const io::KimiLine
   const distributed::StateDims dims{N, cfg.num_heads, K, K, W - 1};
 
   // The pool holds this rank's heads and channels only.
-  mem_cache::RecurrentStatePoolConfig pc;
-  pc.layer_ids = {id};
-  pc.size = std::max<int64_t>(N, 1);
-  pc.num_heads = Hl;
-  pc.head_k_dim = K;
-  pc.head_v_dim = K;
-  pc.conv_kernel = W;
-  pc.conv_dim = int64_t{3} * Hl * K;
-  pc.conv_dtype = layer.precision();
+  const mem_cache::RecurrentStatePoolConfig pc = layer_pool_config(layer, cfg, std::max<int64_t>(N, 1));
   mem_cache::MemoryPools pools(pc, pc.size);
   auto& pool = pools.recurrent_state_pool;
   const std::vector<int32_t> reqs = pools.req_to_token_pool.alloc(N);

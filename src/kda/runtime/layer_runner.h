@@ -10,6 +10,7 @@
 #include "kda/io/config.h"
 #include "kda/io/npy.h"
 #include "kda/kernels/kda/kda.h"
+#include "kda/mem_cache/memory_pool.h"
 #include "kda/models/kimi_linear.h"
 
 namespace kda::runtime {
@@ -34,6 +35,11 @@ struct LayerResult {
   std::vector<float> recurrent_state;  // [N, H, K, V]
   std::vector<float> conv_state;       // [N, W-1, 3P]
 };
+
+// The pool run_layer_case serves the layer from: `slots` slots of this rank's heads and channels (1/N
+// of the whole layer's under N-way tensor parallelism), the conv state in the layer's precision.
+mem_cache::RecurrentStatePoolConfig layer_pool_config(const models::KimiDeltaAttention& layer,
+                                                      const io::KimiLinearConfig& cfg, int64_t slots);
 
 // decode_tail K: each sequence's last min(K, T_i) tokens run as DECODE steps after an EXTEND of the
 // rest (all sequences together; a sequence leaves the batch when it is done). K = 0: EXTEND only.

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <new>
 #include <utility>
@@ -1059,18 +1060,28 @@ void chunk_kda_opt(const KdaArgs& a) {
   const int64_t items = N * groups;
   const SnapshotPlan plan = plan_snapshots(a);  // allocated here, outside the parallel region
   std::atomic<int64_t> counter{0};
+  // Each thread's scratch grows in the region (it is the thread's own, kept across calls) and may fail
+  // to (std::bad_alloc): no exception may leave the region, so the first is carried out and rethrown
+  // after it. A thread whose scratch failed claims no item; the others take them.
+  std::exception_ptr error;
 #pragma omp parallel
   {
-    const FlushDenormals ftz;
-    Scratch w(a.K, a.V, group);
-    int64_t cur = counter.fetch_add(1, std::memory_order_relaxed);
-    while (cur < items) {
-      Claim claim{&counter, items};
-      const int h0 = static_cast<int>(cur % groups) * group;
-      process_item(a, plan, st, cur / groups, h0, std::min(H, h0 + group), claim, groups, group, scale, w);
-      cur = claim.claimed ? claim.next : counter.fetch_add(1, std::memory_order_relaxed);
+    try {
+      const FlushDenormals ftz;
+      Scratch w(a.K, a.V, group);
+      int64_t cur = counter.fetch_add(1, std::memory_order_relaxed);
+      while (cur < items) {
+        Claim claim{&counter, items};
+        const int h0 = static_cast<int>(cur % groups) * group;
+        process_item(a, plan, st, cur / groups, h0, std::min(H, h0 + group), claim, groups, group, scale, w);
+        cur = claim.claimed ? claim.next : counter.fetch_add(1, std::memory_order_relaxed);
+      }
+    } catch (...) {
+#pragma omp critical(kda_chunk_error)
+      if (!error) error = std::current_exception();
     }
   }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace kda::kernels::KDA_ISA_NS
