@@ -175,8 +175,7 @@ TEST(Concurrency, KernelsOnDisjointSlotsOfOnePoolEqualSerial) {
   const int64_t num_slots = 1 + kThreads * KernelProblem::N;
   std::vector<std::unique_ptr<KernelProblem>> problems;
   std::vector<std::vector<int32_t>> slots(kThreads);
-  std::vector<float> pool0(num_slots * KernelProblem::slot_elems());
-  pool0.assign(pool0.size(), 0.5f);  // slot 0 holds something that must stay
+  std::vector<float> pool0(num_slots * KernelProblem::slot_elems(), 0.5f);  // slot 0's values must stay
   for (int w = 0; w < kThreads; ++w) {
     problems.push_back(std::make_unique<KernelProblem>(7 + w));
     for (int64_t i = 0; i < KernelProblem::N; ++i)
@@ -297,17 +296,29 @@ struct LayerProblem {
 
 // Each thread its own layer (fp32 on even threads, bf16 on odd ones), pools and backend: the layer's
 // projections (oneDNN matmul), conv, kernels and norm from 4 threads at once give a serial run's bits.
+// First each thread builds its layer and runs it, before anything else in the process has used these
+// shapes: the weight reorders and the matmul primitives (oneDNN's primitive cache is process-wide) are
+// created concurrently. Then the serial run, then kRounds concurrent runs of the serial run's layers.
 TEST(Concurrency, LayersWithOwnPoolsAndBackendsEqualSerial) {
   const io::KimiLinearConfig cfg = layer_config();
-  std::vector<std::unique_ptr<models::KimiDeltaAttention>> layers;
+  auto precision = [](int w) { return w % 2 == 0 ? Precision::FP32 : Precision::BF16; };
+  std::vector<models::KdaLayerWeights> weights;
   std::vector<std::unique_ptr<LayerProblem>> problems;
+  for (int w = 0; w < kThreads; ++w) {
+    weights.push_back(models::KdaLayerWeights::synthetic(cfg, 20 + w));
+    problems.push_back(std::make_unique<LayerProblem>(30 + w));
+  }
+  std::vector<std::vector<float>> first(kThreads);
+  run_concurrently([&](int w) {
+    models::KimiDeltaAttention layer(cfg, 0, weights[w], precision(w));
+    first[w] = problems[w]->run(layer, nullptr);
+  });
+  std::vector<std::unique_ptr<models::KimiDeltaAttention>> layers;
   std::vector<std::vector<float>> want(kThreads);
   for (int w = 0; w < kThreads; ++w) {
-    const Precision p = w % 2 == 0 ? Precision::FP32 : Precision::BF16;
-    layers.push_back(std::make_unique<models::KimiDeltaAttention>(
-        cfg, 0, models::KdaLayerWeights::synthetic(cfg, 20 + w), p));
-    problems.push_back(std::make_unique<LayerProblem>(30 + w));
+    layers.push_back(std::make_unique<models::KimiDeltaAttention>(cfg, 0, weights[w], precision(w)));
     want[w] = problems[w]->run(*layers[w], nullptr);
+    EXPECT_TRUE(same_bits(first[w], want[w])) << "layers built on the threads, thread " << w;
   }
   for (int round = 0; round < kRounds; ++round) {
     std::vector<std::vector<float>> got(kThreads);
