@@ -42,3 +42,11 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_SANITI
 cmake --build build-asan -j "$JOBS"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$JOBS"
+
+echo "== ThreadSanitizer build of the concurrency test (KDA_TSAN=ON, GCC, OpenMP teams of one thread)"
+# test_concurrency's threads against TSan, and its deliberate race, which TSan must report (README,
+# "Thread safety"). Only that test and what it links are built.
+cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_TSAN=ON -DKDA_BUILD_BENCH=OFF \
+  -DKDA_BUILD_PYTHON=OFF >/dev/null
+cmake --build build-tsan -j "$JOBS" --target test_concurrency
+ctest --test-dir build-tsan --output-on-failure -R '^(Concurrency|Tsan)\.'

@@ -181,8 +181,29 @@ struct CachedOutput {
   size_t bytes = 0;
 };
 
+// torch's functions and dtypes, looked up once under the GIL and leaked so that no Python object is
+// released after the interpreter is gone. Not function-local statics: a static's initializer runs under
+// the C++ guard, and Python code it reaches (an import, a finalizer run by the garbage collector) may hand
+// the GIL to another thread that then waits on the guard while holding the GIL -- a deadlock (pybind11's
+// gil_safe_call_once.h names it; 2.10 lacks that helper). Under the GIL a plain pointer is enough: two
+// threads that both look it up leak one copy.
+struct TorchFns {
+  py::object from_dlpack, empty, f32, b16;
+};
+
+const TorchFns& torch_fns() {
+  static TorchFns* fns = nullptr;  // read and written with the GIL held
+  if (fns == nullptr) {
+    const py::module_ torch = py::module_::import("torch");
+    auto* f = new TorchFns{torch.attr("_C").attr("_from_dlpack"), torch.attr("empty"), torch.attr("float32"),
+                           torch.attr("bfloat16")};
+    if (fns == nullptr) fns = f;  // else another thread won while the GIL was away: keep its copy
+  }
+  return *fns;
+}
+
 py::object cached_torch_output(const std::vector<int64_t>& shape, bool bf16, size_t bytes) {
-  static auto* from_dlpack = new py::object(py::module_::import("torch").attr("_C").attr("_from_dlpack"));
+  const py::object& from_dlpack = torch_fns().from_dlpack;
   auto* h = new CachedOutput;
   h->bytes = bytes;
   void* data = nullptr;
@@ -218,7 +239,7 @@ py::object cached_torch_output(const std::vector<int64_t>& shape, bool bf16, siz
     h->m.deleter(&h->m);
     throw py::error_already_set();
   }
-  return (*from_dlpack)(py::reinterpret_steal<py::object>(cap));
+  return from_dlpack(py::reinterpret_steal<py::object>(cap));
 }
 
 py::object new_output(bool torch, const std::vector<int64_t>& shape, bool bf16) {
@@ -226,13 +247,10 @@ py::object new_output(bool torch, const std::vector<int64_t>& shape, bool bf16) 
   for (const int64_t d : shape) bytes *= static_cast<size_t>(d);
   if (torch) {
     if (bytes >= BlockCache::kMin && shape.size() <= 8) return cached_torch_output(shape, bf16, bytes);
-    // Looked up once; leaked so that no Python object is released after the interpreter is gone.
-    static auto* torch_empty = new py::object(py::module_::import("torch").attr("empty"));
-    static auto* f32 = new py::object(py::module_::import("torch").attr("float32"));
-    static auto* b16 = new py::object(py::module_::import("torch").attr("bfloat16"));
+    const TorchFns& t = torch_fns();
     py::tuple sizes(shape.size());
     for (size_t i = 0; i < shape.size(); ++i) sizes[i] = py::int_(shape[i]);
-    return (*torch_empty)(sizes, py::arg("dtype") = bf16 ? *b16 : *f32);
+    return t.empty(sizes, py::arg("dtype") = bf16 ? t.b16 : t.f32);
   }
   return py::array_t<float>(std::vector<py::ssize_t>(shape.begin(), shape.end()));
 }

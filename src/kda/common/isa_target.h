@@ -43,8 +43,12 @@
 
 // For a hot loop outside the per-ISA files (bf16 conversions, the gated norm): GCC compiles the function
 // once per listed ISA plus the baseline and picks one at load time (an ifunc resolved by cpuid). Only
-// for leaf functions: the body of an OpenMP region inside it would not be cloned.
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__)) && \
+// for leaf functions: the body of an OpenMP region inside it would not be cloned. Not under ThreadSanitizer
+// (KDA_TSAN): GCC instruments the ifunc resolver, which the dynamic loader runs before TSan's runtime is
+// up, and the program dies before main; that build keeps the baseline copy.
+#if defined(__SANITIZE_THREAD__)
+#define KDA_TARGET_CLONES
+#elif defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__)) && \
     defined(KDA_WITH_AVX512) && defined(KDA_WITH_AVX2)
 #define KDA_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #elif defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__)) && \

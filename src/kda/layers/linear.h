@@ -5,6 +5,10 @@
 // (rounded to nearest even by the GEMM as it stores, for a caller whose next step is a bf16 rounding
 // point: half the bytes written and read back). W is reordered once, at construction, into the layout
 // oneDNN's matmul asks for; a primitive is created per call shape and reused (kMaxPrimitives kept).
+//
+// Thread safety: forward may be called from several threads at once; the primitive cache, the oneDNN
+// stream and the bf16 input scratch are behind a mutex per object, so calls on one Linear take turns
+// (distinct objects run in parallel).
 #pragma once
 
 #include <cstdint>

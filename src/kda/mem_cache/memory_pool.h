@@ -14,6 +14,12 @@
 // Slot 0 is reserved (never handed out: a padded row or a dummy request may point at it), so a pool of
 // `size` usable slots has size + 1 rows. Every error is a std::invalid_argument / std::runtime_error
 // naming what is wrong, thrown before anything changes.
+//
+// Thread safety: not thread-safe, like a serving engine's scheduler that owns them. alloc, free, fork,
+// copy_slot and set_linear_recurrent_layer_cache change the pools and must not overlap any other call on
+// the same pools or a forward that uses them; the const queries may run together (and beside forwards,
+// on other slots than theirs). Layer forwards (and kernels) on disjoint slots of one pool may run at
+// once: they touch only their batch's slots.
 #pragma once
 
 #include <cstdint>

@@ -8,7 +8,7 @@
 // keeps the tokens of an evicted snapshot as long as something below them remains (a later prompt that
 // diverges there is still recognised as a branch point), and a lock protects one node's snapshot only.
 //
-// The scheduler drives it (single-threaded, like sglang's):
+// The scheduler drives it (single-threaded, like sglang's; not thread-safe: one thread at a time):
 //   hit      m = match_prefix(prompt[0, n-1)); m.hit: inc_lock_ref, pool.copy_slot(m.hit.slot, request
 //            slot), prefill from m.hit.len, dec_lock_ref once the copy has run.
 //   wait     m.pending: another request is prefilling that prefix now; lock it, wait until

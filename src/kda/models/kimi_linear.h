@@ -6,6 +6,11 @@
 //   3. RadixLinearAttention -> backend: short conv + silu, l2norm, gate, beta, chunk / recurrent kernel
 //   4. gated RMS norm per head with sigmoid(z)
 //   5. o_proj
+//
+// Thread safety: forward on one layer from several threads at once is safe when each call passes its own
+// KdaWorkspace (and its own backend and batch; pools per the rules of memory_pool.h): the weights are only
+// read and each projection locks its own matmul cache (layers::Linear), so those GEMMs take turns. With
+// workspace == nullptr the layer's own workspace is used: such calls must not overlap.
 #pragma once
 
 #include <cstdint>

@@ -12,6 +12,13 @@
 // Snapshots (prefix caching): besides the final state, a call can keep the recurrent state after any
 // positions of its sequences, written into slots of `snapshot_state` in the same pass that computes the
 // output (see KdaSnapshot).
+//
+// Thread safety: every function here may be called from several threads at once. A call keeps no state
+// between calls but per-thread scratch (thread_local) and opens its own OpenMP team on the calling
+// thread (omp_get_max_threads() of that thread), so concurrent calls are independent as long as none
+// writes memory another one reads or writes: outputs, and the state and snapshot slots of its sequences
+// -- disjoint slots of one pool are fine, one slot in two calls at a time is a data race. Inputs (q, k,
+// v, g, beta, A_log, ...) may be shared.
 #pragma once
 
 #include <cstdint>

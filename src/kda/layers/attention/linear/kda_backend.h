@@ -9,6 +9,9 @@
 // written to the pool in place, through the layer's view (get_linear_recurrent_layer_cache(layer_id)). An
 // EXTEND batch's state_snapshots are written by every layer into its own part of the snapshot slots: the
 // recurrent state by the kernel (in the same pass), the conv state by the backend.
+//
+// Thread safety: a backend is not thread-safe (its forward metadata, pending verify batch and scratch are
+// members): one backend per thread that runs forwards; distinct backends may run at once.
 #pragma once
 
 #include <cstdint>
