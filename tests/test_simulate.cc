@@ -1292,6 +1292,8 @@ TEST(Soak, AReusedSlotComputesBitForBitWhatAFreshPoolDoes) {
   EXPECT_EQ(out_of(reused, 1).tokens, out_of(fresh, 1).tokens);
   ASSERT_EQ(out_of(reused, 1).rows.size(), out_of(fresh, 1).rows.size());
   EXPECT_TRUE(out_of(reused, 1).rows == out_of(fresh, 1).rows);  // bit for bit
+}
+
 // --- issue 17: the main job's default precision, Ctrl-C, and --model through the binary ----------------
 
 // simulate's default precision is bf16 (the main job): a small run in it passes its teacher-forced
