@@ -2,12 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 #include <stdexcept>
+
+#include "kda/io/file.h"
 
 namespace kda::io {
 
@@ -85,7 +85,7 @@ KimiLinearConfig parse_config(const std::string& json_text, const std::string& w
   json j;
   try {
     j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1E999
     throw std::runtime_error(what + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw std::runtime_error(what + ": config is not a JSON object");
@@ -133,12 +133,7 @@ KimiLinearConfig parse_config(const std::string& json_text, const std::string& w
 KimiLinearConfig load_config(const std::filesystem::path& path_or_dir) {
   const std::filesystem::path file =
       std::filesystem::is_directory(path_or_dir) ? path_or_dir / "config.json" : path_or_dir;
-  std::ifstream in(file);
-  if (!in) throw std::runtime_error(file.string() + ": cannot open config file");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw std::runtime_error(file.string() + ": cannot read config file");
-  return parse_config(ss.str(), file.string());
+  return parse_config(read_regular_text(file, "config file"), file.string());
 }
 
 }  // namespace kda::io

@@ -1,14 +1,13 @@
 #include "kda/serving/trace.h"
 
-#include <fstream>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 
+#include "kda/io/file.h"
 #include "kda/serving/inputs.h"
 
 namespace kda::serving {
@@ -96,7 +95,7 @@ std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::st
   json j;
   try {
     j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1E999
     throw std::invalid_argument(what + ": not valid JSON: " + e.what());
   }
   if (!j.is_array())
@@ -186,12 +185,13 @@ std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::st
 }
 
 std::vector<RequestSpec> load_trace(const std::filesystem::path& path, int64_t vocab) {
-  std::ifstream in(path);
-  if (!in) throw std::invalid_argument(path.string() + ": cannot open the trace file");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw std::invalid_argument(path.string() + ": cannot read the trace file");
-  return parse_trace(ss.str(), path.string(), vocab);
+  std::string text;
+  try {
+    text = io::read_regular_text(path, "trace file");
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(e.what());  // every trace error is an invalid_argument
+  }
+  return parse_trace(text, path.string(), vocab);
 }
 
 LenRange parse_len_range(const std::string& text, const std::string& option) {
