@@ -42,3 +42,6 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_SANITI
 cmake --build build-asan -j "$JOBS"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$JOBS"
+
+echo "== fuzzing (libFuzzer + ASan + UBSan, about 10 s per parser: scripts/fuzz.sh)"
+scripts/fuzz.sh
