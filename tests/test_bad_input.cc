@@ -251,5 +251,28 @@ TEST(SafetensorsIndex, ShardNamesStayInsideTheCheckpoint) {
   }
 }
 
+// A value nested 300000 levels deep (600 KB of brackets) in each JSON input: refused with a message,
+// not a stack overflow (nlohmann's dump() recursed once per level when an error message showed it).
+TEST(BadInput, DeeplyNestedJsonIsRefusedWithoutOverflowingTheStack) {
+  const size_t depth = 300000;
+  const std::string deep = std::string(depth, '[') + std::string(depth, ']');
+  EXPECT_THAT(error_of([&] { parse_config(R"({"model_type": )" + deep + "}", "cfg.json"); }),
+              HasSubstr("cfg.json: field 'model_type' must be \"kimi_linear\", got a list of 1 element"));
+  EXPECT_THAT(error_of([&] { serving::parse_trace("[" + deep + "]", "trace.json"); }),
+              HasSubstr("trace.json: request 0 is not an object: a list of 1 element"));
+  EXPECT_THAT(error_of([&] { serving::parse_trace(R"([{"output_len": )" + deep + "}]", "trace.json"); }),
+              HasSubstr("field 'output_len' must be an integer, got a list of 1 element"));
+  EXPECT_THAT(
+      error_of([&] { parse_safetensors_index(R"({"weight_map": {"w": )" + deep + "}}", "idx.json"); }),
+      HasSubstr("idx.json: weight_map entry for tensor 'w' is not a file name"));
+  const std::string header = R"({"w": {"dtype": "F32", "data_offsets": [0, 0], "shape": )" + deep + "}}";
+  std::vector<uint8_t> st(8);
+  for (int i = 0; i < 8; ++i) st[i] = static_cast<uint8_t>(static_cast<uint64_t>(header.size()) >> (8 * i));
+  st.insert(st.end(), header.begin(), header.end());
+  EXPECT_THAT(
+      error_of([&] { parse_safetensors(st.data(), st.size(), "deep.safetensors"); }),
+      HasSubstr("deep.safetensors: tensor 'w': shape a list of 1 element holds something other than"));
+}
+
 }  // namespace
 }  // namespace kda::io

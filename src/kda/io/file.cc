@@ -86,7 +86,12 @@ void write_file_atomic(const std::filesystem::path& path, const void* data, size
   // A name of its own per process and call, hidden (leading dot), beside the destination: rename is
   // atomic only within one file system.
   static std::atomic<uint64_t> counter{0};
-  const std::string base = "." + path.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-";
+  // Appended piece by piece: GCC 12 misreports `"." + string` here as an overlapping memcpy (-Wrestrict).
+  std::string base = ".";
+  base += path.filename().string();
+  base += ".tmp-";
+  base += std::to_string(::getpid());
+  base += '-';
   std::filesystem::path tmp;
   int fd = -1;
   for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {

@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "kda/io/file.h"
+#include "kda/io/json_brief.h"
 
 namespace kda::io {
 
@@ -136,7 +137,7 @@ SafetensorsHeader parse_safetensors(const uint8_t* base, size_t size, const std:
     for (const auto& d : *sh) {
       uint64_t v = 0;
       if (!json_uint(d, v) || v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-        fail(where + ": shape " + sh->dump() + " holds something other than a non-negative integer");
+        fail(where + ": shape " + json_brief(*sh) + " holds something other than a non-negative integer");
       view.shape.push_back(static_cast<int64_t>(v));
       overflow |= __builtin_mul_overflow(numel, v, &numel);
     }
