@@ -50,3 +50,6 @@ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDA_TSAN=O
   -DKDA_BUILD_PYTHON=OFF >/dev/null
 cmake --build build-tsan -j "$JOBS" --target test_concurrency
 ctest --test-dir build-tsan --output-on-failure -R '^(Concurrency|Tsan)\.'
+
+echo "== fuzzing (libFuzzer + ASan + UBSan, about 10 s per parser: scripts/fuzz.sh)"
+scripts/fuzz.sh

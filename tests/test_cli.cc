@@ -1,13 +1,18 @@
 // The kda binary as a user drives it: `kda run` and `kda verify`, their outputs, exit codes and errors.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "kda/io/npy.h"
 #include "support/test_support.h"
@@ -144,6 +149,115 @@ TEST(CliKernel, AnUnknownKernelIsRefused) {
     const auto r = run_kda(cmd + " --kernel fastest");
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_THAT(r.output, HasSubstr("--kernel: fastest not in {"));
+  }
+}
+
+// ---- Bad input to the end (issue 17): every subcommand given a file of the wrong kind where an
+// .npz / .json / checkpoint is expected exits non-zero with a message naming it, and writes no output
+// file, complete, partial or temporary.
+
+// The wrong kinds in a fresh folder: an empty file, a truncated .npz, a text file, a directory, a FIFO.
+std::vector<fs::path> wrong_kinds(const fs::path& dir) {
+  const auto put = [](const fs::path& p, const std::string& bytes) {
+    std::ofstream out(p, std::ios::binary | std::ios::trunc);
+    out << bytes;
+  };
+  put(dir / "empty.npz", "");
+  std::ifstream in(testing::dumps_dir() / "T8.npz", std::ios::binary);
+  std::string whole((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  put(dir / "truncated.npz", whole.substr(0, whole.size() / 2));
+  put(dir / "text.npz", "not an archive\n");
+  fs::create_directory(dir / "folder.npz");
+  EXPECT_EQ(::mkfifo((dir / "fifo.npz").c_str(), 0600), 0);
+  return {dir / "empty.npz", dir / "truncated.npz", dir / "text.npz", dir / "folder.npz", dir / "fifo.npz"};
+}
+
+std::vector<std::string> names_in(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(CliBadInput, RunRefusesEveryWrongKindOfInputAndWritesNoOutput) {
+  const auto in = testing::make_temp_dir("cli_bad_in");
+  const auto out = testing::make_temp_dir("cli_bad_out");
+  const auto inputs = wrong_kinds(in);
+  for (const auto& p : inputs) {
+    const auto r = run_kda("run --model " + testing::dumps_dir().string() + " --layer 0 --input " +
+                           p.string() + " --output " + (out / "out.npz").string());
+    EXPECT_NE(r.code, 0) << p;
+    EXPECT_THAT(r.output, HasSubstr("kda: error: " + p.string())) << r.output;
+    EXPECT_TRUE(fs::is_empty(out)) << p << ": left " << ::testing::PrintToString(names_in(out));
+  }
+  // A checkpoint folder whose config.json is a FIFO, or whose model.safetensors is truncated.
+  const auto model = testing::make_temp_dir("cli_bad_model");
+  ASSERT_EQ(::mkfifo((model / "config.json").c_str(), 0600), 0);
+  auto r = run_kda("run --model " + model.string() + " --layer 0 --input " +
+                   (testing::dumps_dir() / "T8.npz").string() + " --output " + (out / "out.npz").string());
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("FIFO"));
+  fs::remove(model / "config.json");
+  fs::copy_file(testing::dumps_dir() / "config.json", model / "config.json");
+  {
+    std::ofstream st(model / "model.safetensors", std::ios::binary);
+    st << std::string("\x40\x00\x00\x00\x00\x00\x00\x00{\"w\":", 13);
+  }
+  r = run_kda("run --model " + model.string() + " --layer 0 --input " +
+              (testing::dumps_dir() / "T8.npz").string() + " --output " + (out / "out.npz").string());
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr((model / "model.safetensors").string()));
+  EXPECT_TRUE(fs::is_empty(out)) << ::testing::PrintToString(names_in(out));
+}
+
+TEST(CliBadInput, RunLeavesAnExistingOutputWhenItFails) {
+  const auto dir = testing::make_temp_dir("cli_keep_out");
+  const auto out = dir / "out.npz";
+  { std::ofstream(out) << "the previous output"; }
+  const auto r = run_kda("run --model " + testing::dumps_dir().string() + " --layer 0 --input " +
+                         (dir / "absent.npz").string() + " --output " + out.string());
+  EXPECT_NE(r.code, 0);
+  std::ifstream in(out);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()),
+            "the previous output");
+  EXPECT_EQ(names_in(dir), std::vector<std::string>{"out.npz"});
+  // An output path that is a directory: an error, and nothing written into or beside it.
+  const auto r2 = run_kda("run --model " + testing::dumps_dir().string() + " --layer 0 --input " +
+                          (testing::dumps_dir() / "T8.npz").string() + " --output " + dir.string());
+  EXPECT_NE(r2.code, 0);
+  EXPECT_THAT(r2.output, HasSubstr("is a directory"));
+  EXPECT_EQ(names_in(dir), std::vector<std::string>{"out.npz"});
+}
+
+TEST(CliBadInput, VerifyRefusesEveryWrongKindOfCaseFile) {
+  const auto scratch = testing::make_temp_dir("cli_verify_kinds");
+  const auto inputs = wrong_kinds(scratch);
+  for (const auto& p : inputs) {
+    // A dump folder with the model and one case file of the wrong kind.
+    const auto dir = testing::make_temp_dir("cli_verify_kind");
+    for (const char* f : {"config.json", "model.safetensors"})
+      fs::copy_file(testing::dumps_dir() / f, dir / f);
+    fs::rename(p, dir / "T8.npz");
+    const auto before = names_in(dir);
+    const auto r = run_kda("verify --dumps " + dir.string() + " --precision fp32");
+    EXPECT_NE(r.code, 0) << p;
+    EXPECT_THAT(r.output, HasSubstr((dir / "T8.npz").string())) << r.output;
+    EXPECT_EQ(names_in(dir), before);
+  }
+}
+
+TEST(CliBadInput, SimulateRefusesEveryWrongKindOfTraceAndWritesNoOutputs) {
+  const auto in = testing::make_temp_dir("cli_sim_bad_in");
+  const auto out = testing::make_temp_dir("cli_sim_bad_out");
+  auto inputs = wrong_kinds(in);
+  { std::ofstream(in / "truncated.json") << R"([{"prompt_len": 4, "output_len": 2, "arrival_st)"; }
+  inputs.push_back(in / "truncated.json");
+  for (const auto& p : inputs) {
+    const auto r = run_kda("simulate --layers 1 --vocab 16 --trace " + p.string() + " --outputs " +
+                           (out / "o.npz").string());
+    EXPECT_NE(r.code, 0) << p;
+    EXPECT_THAT(r.output, HasSubstr("kda: error: " + p.string())) << r.output;
+    EXPECT_TRUE(fs::is_empty(out)) << p << ": left " << ::testing::PrintToString(names_in(out));
   }
 }
 

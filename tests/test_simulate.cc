@@ -1225,6 +1225,9 @@ TEST(SimulateCli, SpeculativeSummaryJsonAndBadOptions) {
   r = run_kda("simulate --layers 1 --draft-tokens 3", true);
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.out, HasSubstr("--speculative"));
+  r = run_kda("simulate --layers 1 --outputs /tmp", true);  // refused before any work
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--outputs /tmp: is a directory"));
   r = run_kda("simulate --layers 1 --speculative eagle", true);
   EXPECT_NE(r.code, 0);
   r = run_kda("simulate --layers 1 --speculative replay --draft-topk 0", true);

@@ -2,12 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 #include <stdexcept>
+
+#include "kda/io/file.h"
+#include "kda/io/json_brief.h"
 
 namespace kda::io {
 
@@ -43,13 +44,13 @@ class FieldReader {
         fail(field, "is too large");
       return static_cast<int64_t>(j.get<uint64_t>());
     }
-    if (!j.is_number_integer()) fail(field, "must be an integer, got " + j.dump());
+    if (!j.is_number_integer()) fail(field, "must be an integer, got " + json_brief(j));
     return j.get<int64_t>();
   }
 
   // A list of 1-based layer numbers, each in 1..num_layers, without repeats.
   std::vector<int> layer_list(const json& j, const std::string& field, int num_layers) const {
-    if (!j.is_array()) fail(field, "must be a list of layer numbers, got " + j.dump());
+    if (!j.is_array()) fail(field, "must be a list of layer numbers, got " + json_brief(j));
     std::vector<int> out;
     std::set<int64_t> seen;
     for (const auto& e : j) {
@@ -85,7 +86,7 @@ KimiLinearConfig parse_config(const std::string& json_text, const std::string& w
   json j;
   try {
     j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1E999
     throw std::runtime_error(what + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw std::runtime_error(what + ": config is not a JSON object");
@@ -95,7 +96,7 @@ KimiLinearConfig parse_config(const std::string& json_text, const std::string& w
   // would otherwise load as a KDA layer of the wrong shapes.
   const json& model_type = r.require(j, "model_type", "model_type");
   if (!model_type.is_string() || model_type.get<std::string>() != "kimi_linear")
-    r.fail("model_type", "must be \"kimi_linear\", got " + model_type.dump());
+    r.fail("model_type", "must be \"kimi_linear\", got " + json_brief(model_type));
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   KimiLinearConfig c;
   c.hidden_size = r.positive_int(j, "hidden_size", "hidden_size");
@@ -104,10 +105,10 @@ KimiLinearConfig parse_config(const std::string& json_text, const std::string& w
 
   // Required: the epsilon differs between checkpoints, and a silent default would skew every norm.
   const json& eps = r.require(j, "rms_norm_eps", "rms_norm_eps");
-  if (!eps.is_number()) r.fail("rms_norm_eps", "must be a number, got " + eps.dump());
+  if (!eps.is_number()) r.fail("rms_norm_eps", "must be a number, got " + json_brief(eps));
   c.rms_norm_eps = eps.get<double>();
   if (!(c.rms_norm_eps > 0.0) || !std::isfinite(c.rms_norm_eps))
-    r.fail("rms_norm_eps", "must be positive and finite, got " + eps.dump());
+    r.fail("rms_norm_eps", "must be positive and finite, got " + json_brief(eps));
 
   const json& lin = r.require(j, "linear_attn_config", "linear_attn_config");
   if (!lin.is_object()) r.fail("linear_attn_config", "must be an object");
@@ -133,12 +134,7 @@ KimiLinearConfig parse_config(const std::string& json_text, const std::string& w
 KimiLinearConfig load_config(const std::filesystem::path& path_or_dir) {
   const std::filesystem::path file =
       std::filesystem::is_directory(path_or_dir) ? path_or_dir / "config.json" : path_or_dir;
-  std::ifstream in(file);
-  if (!in) throw std::runtime_error(file.string() + ": cannot open config file");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw std::runtime_error(file.string() + ": cannot read config file");
-  return parse_config(ss.str(), file.string());
+  return parse_config(read_regular_text(file, "config file"), file.string());
 }
 
 }  // namespace kda::io

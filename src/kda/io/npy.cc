@@ -1,17 +1,19 @@
 #include "kda/io/npy.h"
 
 #include <zip.h>
+#include <zlib.h>
 
 #include <bit>
 #include <cctype>
+#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string_view>
 
 #include "kda/common/bf16.h"
+#include "kda/io/file.h"
 
 namespace kda::io {
 
@@ -190,22 +192,18 @@ T load_le(const uint8_t* p) {
   return v;
 }
 
-std::vector<uint8_t> read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw std::runtime_error(path.string() + ": cannot open for reading");
-  const std::streamsize size = in.tellg();
-  if (size < 0) throw std::runtime_error(path.string() + ": cannot determine file size");
-  std::vector<uint8_t> buf(static_cast<size_t>(size));
-  in.seekg(0);
-  if (size > 0 && !in.read(reinterpret_cast<char*>(buf.data()), size))
-    throw std::runtime_error(path.string() + ": read failed");
-  return buf;
-}
-
 struct ZipCloser {
   void operator()(zip_t* z) const { zip_discard(z); }
 };
 using ZipPtr = std::unique_ptr<zip_t, ZipCloser>;
+struct ZipSourceFree {
+  void operator()(zip_source_t* s) const { zip_source_free(s); }
+};
+using ZipSourcePtr = std::unique_ptr<zip_source_t, ZipSourceFree>;
+
+// The most a deflate stream can expand (zlib's limit is about 1032:1): a member declaring more is corrupt,
+// and refusing it up front keeps a forged size from allocating gigabytes.
+constexpr uint64_t kMaxDeflateRatio = 1032;
 
 std::string zip_open_error(int code) {
   zip_error_t err;
@@ -417,24 +415,44 @@ std::vector<uint8_t> serialize_npy(const NpyArray& a) {
 }
 
 NpyArray read_npy(const std::filesystem::path& path) {
-  const std::vector<uint8_t> buf = read_file(path);
+  const std::vector<uint8_t> buf = read_regular_file(path, ".npy file");
   return parse_npy(buf.data(), buf.size(), path.string());
 }
 
 void write_npy(const std::filesystem::path& path, const NpyArray& a) {
   const std::vector<uint8_t> buf = serialize_npy(a);
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw std::runtime_error(path.string() + ": cannot open for writing");
-  out.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size()));
-  out.close();
-  if (!out) throw std::runtime_error(path.string() + ": write failed");
+  write_file_atomic(path, buf.data(), buf.size());
 }
 
-NpzArchive read_npz(const std::filesystem::path& path) {
-  const std::string file = path.string();
-  int err = 0;
-  ZipPtr za(zip_open(file.c_str(), ZIP_RDONLY, &err));
-  if (!za) throw std::runtime_error(file + ": cannot open as .npz: " + zip_open_error(err));
+NpzArchive parse_npz(const uint8_t* data, size_t size, const std::string& what) {
+  // libzip opens a zero-length source as a new, empty archive; NumPy refuses an empty file.
+  if (size == 0) fail(what, "empty file: not an .npz archive");
+  zip_error_t zerr;
+  zip_error_init(&zerr);
+  ZipSourcePtr src(zip_source_buffer_create(data, size, 0, &zerr));
+  if (!src) {
+    const std::string msg = zip_error_strerror(&zerr);
+    zip_error_fini(&zerr);
+    fail(what, "cannot read as .npz: " + msg);
+  }
+  // ZIP_CHECKCONS: each member's local header must agree with the central directory. When they do not,
+  // the archive is read without the check, so that the member at fault is named (its sizes or CRC-32
+  // below); only when every member reads back intact is the inconsistency itself the error.
+  ZipPtr za(zip_open_from_source(src.get(), ZIP_RDONLY | ZIP_CHECKCONS, &zerr));
+  bool inconsistent = false;
+  if (!za && zip_error_code_zip(&zerr) == ZIP_ER_INCONS) {
+    inconsistent = true;
+    zip_error_fini(&zerr);
+    zip_error_init(&zerr);
+    za.reset(zip_open_from_source(src.get(), ZIP_RDONLY, &zerr));
+  }
+  if (!za) {
+    const std::string msg = zip_error_strerror(&zerr);
+    zip_error_fini(&zerr);
+    fail(what, "cannot open as .npz: " + msg);
+  }
+  zip_error_fini(&zerr);
+  src.release();  // the archive owns the source now
 
   NpzArchive out;
   const zip_int64_t count = zip_get_num_entries(za.get(), 0);
@@ -442,57 +460,110 @@ NpzArchive read_npz(const std::filesystem::path& path) {
     zip_stat_t st;
     zip_stat_init(&st);
     if (zip_stat_index(za.get(), static_cast<zip_uint64_t>(i), 0, &st) != 0)
-      throw std::runtime_error(file + ": cannot stat member " + std::to_string(i) + ": " +
-                               zip_strerror(za.get()));
-    if (!(st.valid & ZIP_STAT_NAME) || !(st.valid & ZIP_STAT_SIZE))
-      throw std::runtime_error(file + ": member " + std::to_string(i) + " lacks a name or size");
+      fail(what, "cannot stat member " + std::to_string(i) + ": " + zip_strerror(za.get()));
+    constexpr zip_uint64_t kNeeded =
+        ZIP_STAT_NAME | ZIP_STAT_SIZE | ZIP_STAT_COMP_SIZE | ZIP_STAT_COMP_METHOD | ZIP_STAT_CRC;
+    if ((st.valid & kNeeded) != kNeeded)
+      fail(what, "member " + std::to_string(i) + " lacks a name, sizes, compression method or CRC-32");
     const std::string name = st.name;
     if (!name.empty() && name.back() == '/') continue;  // a directory entry
-    const std::string what = file + ":" + name;
+    const std::string member = what + ":" + name;
     constexpr std::string_view kSuffix = ".npy";
     if (name.size() < kSuffix.size() ||
         name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0)
-      throw std::runtime_error(what + ": member is not a .npy file");
+      fail(member, "member is not a .npy file");
     const std::string key = name.substr(0, name.size() - kSuffix.size());
-    if (out.count(key)) throw std::runtime_error(what + ": duplicate member");
+    if (out.count(key)) fail(member, "duplicate member");
+
+    // The declared sizes, checked before anything is allocated from them.
+    if (st.comp_size > size)
+      fail(member, "compressed size " + std::to_string(st.comp_size) + " is larger than the archive (" +
+                       std::to_string(size) + " bytes)");
+    if (st.comp_method == ZIP_CM_STORE) {
+      if (st.size != st.comp_size)
+        fail(member, "stored member's size " + std::to_string(st.size) +
+                         " differs from its compressed size " + std::to_string(st.comp_size));
+    } else if (st.comp_method == ZIP_CM_DEFLATE) {
+      if (st.size / kMaxDeflateRatio > st.comp_size)
+        fail(member, "size " + std::to_string(st.size) + " is more than deflate can expand " +
+                         std::to_string(st.comp_size) + " compressed bytes to");
+    } else {
+      fail(member, "compression method " + std::to_string(st.comp_method) +
+                       " is not supported (stored or deflated, as NumPy writes)");
+    }
 
     zip_file_t* zf = zip_fopen_index(za.get(), static_cast<zip_uint64_t>(i), 0);
-    if (!zf) throw std::runtime_error(what + ": cannot open member: " + zip_strerror(za.get()));
-    std::vector<uint8_t> buf(st.size);
-    zip_uint64_t got = 0;
-    while (got < st.size) {
-      const zip_int64_t r = zip_fread(zf, buf.data() + got, st.size - got);
-      if (r < 0) {
-        const std::string msg = zip_error_strerror(zip_file_get_error(zf));
-        zip_fclose(zf);
-        throw std::runtime_error(what + ": read failed: " + msg);
+    if (!zf) fail(member, std::string("cannot open member: ") + zip_strerror(za.get()));
+    std::vector<uint8_t> buf(static_cast<size_t>(st.size));
+    const auto read_into = [&](uint8_t* dst, zip_uint64_t n) {
+      zip_uint64_t got = 0;
+      while (got < n) {
+        const zip_int64_t r = zip_fread(zf, dst + got, n - got);
+        if (r < 0) {
+          const std::string msg = zip_error_strerror(zip_file_get_error(zf));
+          zip_fclose(zf);
+          fail(member, "read failed: " + msg);
+        }
+        if (r == 0) break;
+        got += static_cast<zip_uint64_t>(r);
       }
-      if (r == 0) break;
-      got += static_cast<zip_uint64_t>(r);
+      return got;
+    };
+    const zip_uint64_t got = read_into(buf.data(), st.size);
+    if (got < st.size) {
+      zip_fclose(zf);
+      fail(member, "truncated: " + std::to_string(got) + " of its " + std::to_string(st.size) + " bytes");
     }
-    // zip_fclose reports CRC mismatches.
+    // Checked here, as NumPy does: libzip checks the CRC only when a read reaches the end of the data.
+    const uLong crc = crc32_z(crc32_z(0L, Z_NULL, 0), buf.data(), buf.size());
+    if (crc != st.crc) {
+      zip_fclose(zf);
+      char msg[96];
+      std::snprintf(msg, sizeof msg, "Bad CRC-32: the data's is %08lx, the archive records %08x",
+                    static_cast<unsigned long>(crc), static_cast<unsigned>(st.crc));
+      fail(member, msg);
+    }
+    // Nothing may follow the declared size (a deflate stream that inflates to more is corrupt).
+    uint8_t extra = 0;
+    if (read_into(&extra, 1) != 0) {
+      zip_fclose(zf);
+      fail(member, "holds more data than its declared size " + std::to_string(st.size));
+    }
     const int close_err = zip_fclose(zf);
-    if (got != st.size) throw std::runtime_error(what + ": member truncated in the archive");
-    if (close_err != 0) throw std::runtime_error(what + ": " + zip_open_error(close_err));
-    out.emplace(key, parse_npy(buf.data(), buf.size(), what));
+    if (close_err != 0) fail(member, zip_open_error(close_err));
+    out.emplace(key, parse_npy(buf.data(), buf.size(), member));
   }
+  if (inconsistent) fail(what, "cannot open as .npz: local and central headers of a member disagree");
   return out;
 }
 
-void write_npz(const std::filesystem::path& path, const NpzArchive& arrays) {
-  const std::string file = path.string();
+NpzArchive read_npz(const std::filesystem::path& path) {
+  const std::vector<uint8_t> buf = read_regular_file(path, ".npz file");
+  return parse_npz(buf.data(), buf.size(), path.string());
+}
+
+std::vector<uint8_t> serialize_npz(const NpzArchive& arrays) {
   if (arrays.empty()) {
     // libzip writes nothing for an empty archive; np.savez() writes a bare end-of-central-directory record.
-    const uint8_t eocd[22] = {0x50, 0x4b, 0x05, 0x06};
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(eocd), sizeof eocd);
-    out.close();
-    if (!out) throw std::runtime_error(file + ": cannot write .npz");
-    return;
+    std::vector<uint8_t> eocd(22, 0);
+    const uint8_t sig[4] = {0x50, 0x4b, 0x05, 0x06};
+    std::memcpy(eocd.data(), sig, sizeof sig);
+    return eocd;
   }
-  int err = 0;
-  ZipPtr za(zip_open(file.c_str(), ZIP_CREATE | ZIP_TRUNCATE, &err));
-  if (!za) throw std::runtime_error(file + ": cannot create .npz: " + zip_open_error(err));
+  const auto fail_zip = [](const std::string& problem, zip_error_t* e) {
+    const std::string msg = zip_error_strerror(e);
+    zip_error_fini(e);
+    throw std::runtime_error("serialize_npz: " + problem + ": " + msg);
+  };
+  zip_error_t zerr;
+  zip_error_init(&zerr);
+  ZipSourcePtr src(zip_source_buffer_create(nullptr, 0, 0, &zerr));
+  if (!src) fail_zip("cannot create a buffer", &zerr);
+  ZipPtr za(zip_open_from_source(src.get(), ZIP_TRUNCATE, &zerr));
+  if (!za) fail_zip("cannot create an archive", &zerr);
+  zip_error_fini(&zerr);
+  // The archive holds one reference and frees it on close; ours keeps the written bytes readable.
+  zip_source_keep(src.get());
 
   // libzip reads the sources only in zip_close, so the images must outlive it.
   std::vector<std::vector<uint8_t>> images;
@@ -500,20 +571,39 @@ void write_npz(const std::filesystem::path& path, const NpzArchive& arrays) {
   for (const auto& [key, array] : arrays) {
     images.push_back(serialize_npy(array));
     const std::string name = key + ".npy";
-    zip_source_t* src = zip_source_buffer(za.get(), images.back().data(), images.back().size(), 0);
-    if (!src) throw std::runtime_error(file + ": cannot add member " + name + ": " + zip_strerror(za.get()));
-    const zip_int64_t idx = zip_file_add(za.get(), name.c_str(), src, ZIP_FL_ENC_UTF_8);
+    zip_source_t* member = zip_source_buffer(za.get(), images.back().data(), images.back().size(), 0);
+    if (!member)
+      throw std::runtime_error("serialize_npz: cannot add member " + name + ": " + zip_strerror(za.get()));
+    const zip_int64_t idx = zip_file_add(za.get(), name.c_str(), member, ZIP_FL_ENC_UTF_8);
     if (idx < 0) {
-      zip_source_free(src);
-      throw std::runtime_error(file + ": cannot add member " + name + ": " + zip_strerror(za.get()));
+      zip_source_free(member);
+      throw std::runtime_error("serialize_npz: cannot add member " + name + ": " + zip_strerror(za.get()));
     }
     // Stored, as np.savez writes.
     if (zip_set_file_compression(za.get(), static_cast<zip_uint64_t>(idx), ZIP_CM_STORE, 0) != 0)
-      throw std::runtime_error(file + ": cannot set compression of " + name + ": " + zip_strerror(za.get()));
+      throw std::runtime_error("serialize_npz: cannot set compression of " + name + ": " +
+                               zip_strerror(za.get()));
   }
   if (zip_close(za.get()) != 0)
-    throw std::runtime_error(file + ": cannot write .npz: " + zip_strerror(za.get()));
+    throw std::runtime_error(std::string("serialize_npz: cannot write the archive: ") +
+                             zip_strerror(za.get()));
   za.release();  // zip_close freed it
+
+  zip_stat_t st;
+  zip_stat_init(&st);
+  if (zip_source_stat(src.get(), &st) != 0 || !(st.valid & ZIP_STAT_SIZE) || zip_source_open(src.get()) != 0)
+    throw std::runtime_error("serialize_npz: cannot read the written archive back");
+  std::vector<uint8_t> out(static_cast<size_t>(st.size));
+  const zip_int64_t got = zip_source_read(src.get(), out.data(), out.size());
+  zip_source_close(src.get());
+  if (got < 0 || static_cast<zip_uint64_t>(got) != st.size)
+    throw std::runtime_error("serialize_npz: cannot read the written archive back");
+  return out;
+}
+
+void write_npz(const std::filesystem::path& path, const NpzArchive& arrays) {
+  const std::vector<uint8_t> bytes = serialize_npz(arrays);
+  write_file_atomic(path, bytes.data(), bytes.size());
 }
 
 }  // namespace kda::io

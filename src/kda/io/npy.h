@@ -36,6 +36,13 @@ using NpzArchive = std::map<std::string, NpyArray>;
 NpyArray parse_npy(const uint8_t* data, size_t size, const std::string& what);
 std::vector<uint8_t> serialize_npy(const NpyArray& a);
 
+// Parse / serialise one .npz image (a zip of .npy members, stored or deflated). Every member's sizes and
+// CRC-32 are checked as it is read; errors (std::runtime_error) name the file and the member.
+NpzArchive parse_npz(const uint8_t* data, size_t size, const std::string& what);
+std::vector<uint8_t> serialize_npz(const NpzArchive& arrays);
+
+// Reads accept regular files only; writes are atomic (kda/io/file.h): a temporary file beside `path`,
+// renamed over it when complete, so `path` never holds a partial file.
 NpyArray read_npy(const std::filesystem::path& path);
 void write_npy(const std::filesystem::path& path, const NpyArray& a);
 

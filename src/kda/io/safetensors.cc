@@ -9,11 +9,12 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <stdexcept>
+
+#include "kda/io/file.h"
+#include "kda/io/json_brief.h"
 
 namespace kda::io {
 
@@ -86,116 +87,147 @@ int64_t TensorView::numel() const {
   return n;
 }
 
+SafetensorsHeader parse_safetensors(const uint8_t* base, size_t size, const std::string& file) {
+  auto fail = [&](const std::string& problem) -> void { throw std::runtime_error(file + ": " + problem); };
+  if (size < 8) fail("file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+
+  SafetensorsHeader out;
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base[i];
+  if (header_len > size - 8)
+    fail("header length " + std::to_string(header_len) + " is larger than the file (" + std::to_string(size) +
+         " bytes): file truncated or not a safetensors file");
+  const char* text = reinterpret_cast<const char*>(base + 8);
+  const uint8_t* data = base + 8 + header_len;
+  const uint64_t data_size = size - 8 - header_len;
+
+  json header;
+  try {
+    header = json::parse(text, text + header_len);
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1E999
+    fail(std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!header.is_object()) fail("header is not a JSON object");
+
+  std::vector<Range> ranges;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) fail("__metadata__ is not an object");
+      for (const auto& [k, v] : entry.items()) {
+        if (!v.is_string()) fail("__metadata__ value for '" + k + "' is not a string");
+        out.metadata[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = "tensor '" + name + "'";
+    if (!entry.is_object()) fail(where + ": entry is not an object");
+
+    TensorView view;
+    view.name = name;
+    const auto dt = entry.find("dtype");
+    if (dt == entry.end() || !dt->is_string()) fail(where + ": missing or non-string dtype");
+    if (!parse_st_dtype(dt->get<std::string>(), view.dtype))
+      throw std::runtime_error("unknown dtype '" + dt->get<std::string>() + "' for " + where + " in " + file +
+                               " (supported: F32, BF16, F16)");
+
+    const auto sh = entry.find("shape");
+    if (sh == entry.end() || !sh->is_array()) fail(where + ": missing or non-array shape");
+    uint64_t numel = 1;
+    bool overflow = false;
+    for (const auto& d : *sh) {
+      uint64_t v = 0;
+      if (!json_uint(d, v) || v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+        fail(where + ": shape " + json_brief(*sh) + " holds something other than a non-negative integer");
+      view.shape.push_back(static_cast<int64_t>(v));
+      overflow |= __builtin_mul_overflow(numel, v, &numel);
+    }
+
+    const auto off = entry.find("data_offsets");
+    uint64_t begin = 0, end = 0;
+    if (off == entry.end() || !off->is_array() || off->size() != 2 || !json_uint((*off)[0], begin) ||
+        !json_uint((*off)[1], end))
+      fail(where + ": data_offsets must be [begin, end] with non-negative integers");
+    if (begin > end)
+      fail(where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+           "] have begin > end");
+    if (end > data_size)
+      fail(where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+           "] point past the end of the file (data section is " + std::to_string(data_size) +
+           " bytes): offsets past the end of the file");
+    uint64_t expected = 0;
+    overflow |= __builtin_mul_overflow(numel, st_dtype_size(view.dtype), &expected);
+    if (overflow || end - begin != expected)
+      fail(where + ": byte size " + std::to_string(end - begin) + " does not match dtype " +
+           to_string(view.dtype) + " and shape " + shape_str(view.shape) +
+           (overflow ? std::string(" (size overflows)") : " (" + std::to_string(expected) + " bytes)"));
+
+    view.data = data + begin;
+    view.nbytes = static_cast<size_t>(end - begin);
+    auto [it, inserted] = out.tensors.emplace(name, std::move(view));
+    (void)inserted;  // JSON object keys are unique
+    ranges.push_back({begin, end, &it->first});
+  }
+
+  // Empty tensors occupy no bytes, so they cannot overlap anything.
+  std::erase_if(ranges, [](const Range& r) { return r.begin == r.end; });
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].begin < ranges[i - 1].end)
+      fail("tensors '" + *ranges[i - 1].name + "' and '" + *ranges[i].name + "' overlap (byte ranges [" +
+           std::to_string(ranges[i - 1].begin) + ", " + std::to_string(ranges[i - 1].end) + ") and [" +
+           std::to_string(ranges[i].begin) + ", " + std::to_string(ranges[i].end) + "))");
+  return out;
+}
+
+std::map<std::string, std::string> parse_safetensors_index(const std::string& json_text,
+                                                           const std::string& what) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1E999
+    throw std::runtime_error(what + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw std::runtime_error(what + ": missing or non-object \"weight_map\"");
+  std::map<std::string, std::string> weight_map;
+  for (const auto& [tensor, shard] : j["weight_map"].items()) {
+    if (!shard.is_string() || shard.get<std::string>().empty())
+      throw std::runtime_error(what + ": weight_map entry for tensor '" + tensor + "' is not a file name");
+    const std::string name = shard.get<std::string>();
+    // A shard lives inside the checkpoint's folder: a NUL would cut the name short at open(), and an
+    // absolute path or a '..' would read a file outside it.
+    const std::filesystem::path p(name);
+    const bool escapes =
+        p.is_absolute() || std::any_of(p.begin(), p.end(), [](const auto& c) { return c == ".."; });
+    if (name.find('\0') != std::string::npos || escapes)
+      throw std::runtime_error(what + ": weight_map entry for tensor '" + tensor + "' names shard '" +
+                               std::string(name.c_str()) +
+                               "', which is not a file inside the checkpoint's folder");
+    weight_map[tensor] = name;
+  }
+  return weight_map;
+}
+
 SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path) {
   const std::string file = path.string();
-  auto fail = [&](const std::string& problem) -> void { throw std::runtime_error(file + ": " + problem); };
-
-  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(std::string("cannot open: ") + std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int e = errno;
-    ::close(fd);
-    fail(std::string("cannot stat: ") + std::strerror(e));
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  uint64_t size = 0;
+  const int fd = open_regular_file(path, "safetensors file", size);
   if (size < 8) {
     ::close(fd);
-    fail("file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+    throw std::runtime_error(file + ": file is " + std::to_string(size) +
+                             " bytes, shorter than the 8-byte header length");
   }
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   const int map_errno = errno;
   ::close(fd);  // the mapping keeps the file alive
-  if (map == MAP_FAILED) fail(std::string("cannot mmap: ") + std::strerror(map_errno));
+  if (map == MAP_FAILED) throw std::runtime_error(file + ": cannot mmap: " + std::strerror(map_errno));
   map_ = map;
   map_size_ = size;
 
   try {
-    const auto* base = static_cast<const uint8_t*>(map_);
-    uint64_t header_len = 0;
-    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base[i];
-    if (header_len > size - 8)
-      fail("header length " + std::to_string(header_len) + " is larger than the file (" +
-           std::to_string(size) + " bytes): file truncated or not a safetensors file");
-    const char* text = reinterpret_cast<const char*>(base + 8);
-    const uint8_t* data = base + 8 + header_len;
-    const uint64_t data_size = size - 8 - header_len;
-
-    json header;
-    try {
-      header = json::parse(text, text + header_len);
-    } catch (const json::parse_error& e) {
-      fail(std::string("header is not valid JSON: ") + e.what());
-    }
-    if (!header.is_object()) fail("header is not a JSON object");
-
-    std::vector<Range> ranges;
-    for (const auto& [name, entry] : header.items()) {
-      if (name == "__metadata__") {
-        if (!entry.is_object()) fail("__metadata__ is not an object");
-        for (const auto& [k, v] : entry.items()) {
-          if (!v.is_string()) fail("__metadata__ value for '" + k + "' is not a string");
-          metadata_[k] = v.get<std::string>();
-        }
-        continue;
-      }
-      const std::string where = "tensor '" + name + "'";
-      if (!entry.is_object()) fail(where + ": entry is not an object");
-
-      TensorView view;
-      view.name = name;
-      const auto dt = entry.find("dtype");
-      if (dt == entry.end() || !dt->is_string()) fail(where + ": missing or non-string dtype");
-      if (!parse_st_dtype(dt->get<std::string>(), view.dtype))
-        throw std::runtime_error("unknown dtype '" + dt->get<std::string>() + "' for " + where + " in " +
-                                 file + " (supported: F32, BF16, F16)");
-
-      const auto sh = entry.find("shape");
-      if (sh == entry.end() || !sh->is_array()) fail(where + ": missing or non-array shape");
-      uint64_t numel = 1;
-      bool overflow = false;
-      for (const auto& d : *sh) {
-        uint64_t v = 0;
-        if (!json_uint(d, v) || v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-          fail(where + ": shape " + sh->dump() + " holds something other than a non-negative integer");
-        view.shape.push_back(static_cast<int64_t>(v));
-        overflow |= __builtin_mul_overflow(numel, v, &numel);
-      }
-
-      const auto off = entry.find("data_offsets");
-      uint64_t begin = 0, end = 0;
-      if (off == entry.end() || !off->is_array() || off->size() != 2 || !json_uint((*off)[0], begin) ||
-          !json_uint((*off)[1], end))
-        fail(where + ": data_offsets must be [begin, end] with non-negative integers");
-      if (begin > end)
-        fail(where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-             "] have begin > end");
-      if (end > data_size)
-        fail(where + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-             "] point past the end of the file (data section is " + std::to_string(data_size) +
-             " bytes): offsets past the end of the file");
-      uint64_t expected = 0;
-      overflow |= __builtin_mul_overflow(numel, st_dtype_size(view.dtype), &expected);
-      if (overflow || end - begin != expected)
-        fail(where + ": byte size " + std::to_string(end - begin) + " does not match dtype " +
-             to_string(view.dtype) + " and shape " + shape_str(view.shape) +
-             (overflow ? std::string(" (size overflows)") : " (" + std::to_string(expected) + " bytes)"));
-
-      view.data = data + begin;
-      view.nbytes = static_cast<size_t>(end - begin);
-      auto [it, inserted] = tensors_.emplace(name, std::move(view));
-      (void)inserted;  // JSON object keys are unique
-      ranges.push_back({begin, end, &it->first});
-    }
-
-    // Empty tensors occupy no bytes, so they cannot overlap anything.
-    std::erase_if(ranges, [](const Range& r) { return r.begin == r.end; });
-    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
-    for (size_t i = 1; i < ranges.size(); ++i)
-      if (ranges[i].begin < ranges[i - 1].end)
-        fail("tensors '" + *ranges[i - 1].name + "' and '" + *ranges[i].name + "' overlap (byte ranges [" +
-             std::to_string(ranges[i - 1].begin) + ", " + std::to_string(ranges[i - 1].end) + ") and [" +
-             std::to_string(ranges[i].begin) + ", " + std::to_string(ranges[i].end) + "))");
+    SafetensorsHeader h = parse_safetensors(static_cast<const uint8_t*>(map_), map_size_, file);
+    tensors_ = std::move(h.tensors);
+    metadata_ = std::move(h.metadata);
   } catch (...) {
     ::munmap(map_, map_size_);
     map_ = nullptr;
@@ -225,24 +257,7 @@ Checkpoint::Checkpoint(const std::filesystem::path& dir_or_file) : root_(dir_or_
     const fs::path index = root_ / "model.safetensors.index.json";
     if (fs::exists(index)) {
       const std::string what = index.string();
-      std::ifstream in(index);
-      if (!in) throw std::runtime_error(what + ": cannot open");
-      std::stringstream ss;
-      ss << in.rdbuf();
-      json j;
-      try {
-        j = json::parse(ss.str());
-      } catch (const json::parse_error& e) {
-        throw std::runtime_error(what + ": not valid JSON: " + e.what());
-      }
-      if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-        throw std::runtime_error(what + ": missing or non-object \"weight_map\"");
-      for (const auto& [tensor, shard] : j["weight_map"].items()) {
-        if (!shard.is_string() || shard.get<std::string>().empty())
-          throw std::runtime_error(what + ": weight_map entry for tensor '" + tensor +
-                                   "' is not a file name");
-        weight_map_[tensor] = shard.get<std::string>();
-      }
+      weight_map_ = parse_safetensors_index(read_regular_text(index, "index file"), what);
       // Check shards exist now, but map them only when used.
       for (const auto& [tensor, shard] : weight_map_)
         if (!fs::is_regular_file(root_ / shard))
@@ -402,23 +417,24 @@ void write_safetensors(const std::filesystem::path& path, const std::map<std::st
   }
   std::string text = header.dump();
   while (text.size() % 8 != 0) text += ' ';  // keeps the data section 8-byte aligned, as the format advises
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw std::runtime_error("cannot write " + path.string());
+  // Built in memory, then written atomically: a failed write leaves no partial checkpoint behind.
   const uint64_t n = text.size();
-  out.write(reinterpret_cast<const char*>(&n), sizeof n);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  std::vector<uint8_t> image(sizeof n + text.size() + offset);
+  std::memcpy(image.data(), &n, sizeof n);
+  std::memcpy(image.data() + sizeof n, text.data(), text.size());
+  uint8_t* at = image.data() + sizeof n + text.size();
   for (const auto& [name, t] : tensors) {
     if (t.dtype == StDType::F32) {
-      out.write(reinterpret_cast<const char*>(t.values.data()),
-                static_cast<std::streamsize>(t.values.size() * sizeof(float)));
+      if (!t.values.empty()) std::memcpy(at, t.values.data(), t.values.size() * sizeof(float));
+      at += t.values.size() * sizeof(float);
     } else {
       std::vector<bf16_t> b(t.values.size());
       f32_to_bf16_array(t.values.data(), b.data(), b.size());
-      out.write(reinterpret_cast<const char*>(b.data()),
-                static_cast<std::streamsize>(b.size() * sizeof(bf16_t)));
+      if (!b.empty()) std::memcpy(at, b.data(), b.size() * sizeof(bf16_t));
+      at += b.size() * sizeof(bf16_t);
     }
   }
-  if (!out) throw std::runtime_error("cannot write " + path.string());
+  write_file_atomic(path, image.data(), image.size());
 }
 
 }  // namespace kda::io

@@ -29,6 +29,21 @@ struct TensorView {
   int64_t numel() const;
 };
 
+// A parsed and validated safetensors header; the views point into the image it was parsed from.
+struct SafetensorsHeader {
+  std::map<std::string, TensorView> tensors;
+  std::map<std::string, std::string> metadata;
+};
+// Parses the image [data, data + size) of a .safetensors file (the 8-byte length, the JSON header, the
+// data section) with the checks above; `what` names it in errors. SafetensorsFile maps a file and
+// calls this.
+SafetensorsHeader parse_safetensors(const uint8_t* data, size_t size, const std::string& what);
+
+// model.safetensors.index.json's "weight_map": tensor name -> shard file name (relative, inside the
+// checkpoint's folder). Throws std::runtime_error naming `what` and the entry.
+std::map<std::string, std::string> parse_safetensors_index(const std::string& json_text,
+                                                           const std::string& what);
+
 // One mapped .safetensors file.
 class SafetensorsFile {
  public:

@@ -162,6 +162,8 @@ Plan make_plan(const SimulateOptions& o) {
     p.cache_slots = std::min(o.prefix_cache_memory / p.slot_bytes, most);
   }
   if (!o.outputs_path.empty()) {
+    if (std::filesystem::is_directory(o.outputs_path))
+      throw std::invalid_argument("--outputs " + o.outputs_path + ": is a directory");
     const auto parent = std::filesystem::absolute(o.outputs_path).parent_path();
     if (!std::filesystem::is_directory(parent))
       throw std::invalid_argument("--outputs " + o.outputs_path + ": folder " + parent.string() +

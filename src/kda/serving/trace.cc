@@ -1,14 +1,14 @@
 #include "kda/serving/trace.h"
 
-#include <fstream>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 
+#include "kda/io/file.h"
+#include "kda/io/json_brief.h"
 #include "kda/serving/inputs.h"
 
 namespace kda::serving {
@@ -22,14 +22,16 @@ int64_t int_field(const json& entry, const char* key, int64_t min, const std::st
   if (it == entry.end() || it->is_null())
     throw std::invalid_argument(where + ": missing field '" + key + "'");
   if (!it->is_number_integer())
-    throw std::invalid_argument(where + ": field '" + key + "' must be an integer, got " + it->dump());
+    throw std::invalid_argument(where + ": field '" + key + "' must be an integer, got " +
+                                io::json_brief(*it));
   if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(INT32_MAX))
-    throw std::invalid_argument(where + ": field '" + key + "' is too large: " + it->dump());
+    throw std::invalid_argument(where + ": field '" + key + "' is too large: " + io::json_brief(*it));
   const int64_t v = it->get<int64_t>();
   if (v < min)
     throw std::invalid_argument(where + ": field '" + key + "' must be >= " + std::to_string(min) + ", got " +
                                 std::to_string(v));
-  if (v > INT32_MAX) throw std::invalid_argument(where + ": field '" + key + "' is too large: " + it->dump());
+  if (v > INT32_MAX)
+    throw std::invalid_argument(where + ": field '" + key + "' is too large: " + io::json_brief(*it));
   return v;
 }
 
@@ -75,11 +77,11 @@ std::vector<int32_t> token_list(const json& entry, const std::string& where) {
   for (size_t k = 0; k < p.size(); ++k) {
     if (!p[k].is_number_integer())
       throw std::invalid_argument(where + ": field 'prompt' position " + std::to_string(k) +
-                                  " is not an integer token id: " + p[k].dump());
+                                  " is not an integer token id: " + io::json_brief(p[k]));
     if (p[k].is_number_unsigned() ? p[k].get<uint64_t>() > static_cast<uint64_t>(INT32_MAX)
                                   : (p[k].get<int64_t>() < INT32_MIN || p[k].get<int64_t>() > INT32_MAX))
       throw std::invalid_argument(where + ": field 'prompt' position " + std::to_string(k) +
-                                  " is out of range: " + p[k].dump());
+                                  " is out of range: " + io::json_brief(p[k]));
     ids.push_back(static_cast<int32_t>(p[k].get<int64_t>()));
   }
   return ids;
@@ -96,7 +98,7 @@ std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::st
   json j;
   try {
     j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1E999
     throw std::invalid_argument(what + ": not valid JSON: " + e.what());
   }
   if (!j.is_array())
@@ -115,7 +117,7 @@ std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::st
   reqs.reserve(j.size());
   for (size_t i = 0; i < j.size(); ++i) {
     const std::string where = what + ": request " + std::to_string(i);
-    if (!j[i].is_object()) throw std::invalid_argument(where + " is not an object: " + j[i].dump());
+    if (!j[i].is_object()) throw std::invalid_argument(where + " is not an object: " + io::json_brief(j[i]));
     const json& e = j[i];
     RequestSpec r;
     r.id = static_cast<int64_t>(i);
@@ -161,7 +163,7 @@ std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::st
       own = static_cast<int64_t>(r.prompt.size());
       if (own < min_own) throw std::invalid_argument(where + ": field 'prompt' holds no tokens");
       if (has(e, "prompt_len") && int_field(e, "prompt_len", min_own, where) != own)
-        throw std::invalid_argument(where + ": field 'prompt_len' " + e["prompt_len"].dump() +
+        throw std::invalid_argument(where + ": field 'prompt_len' " + io::json_brief(e["prompt_len"]) +
                                     " is not the " + std::to_string(own) + " ids of 'prompt'");
     } else if (r.after >= 0 && !has(e, "prompt_len")) {
       own = 0;
@@ -186,12 +188,13 @@ std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::st
 }
 
 std::vector<RequestSpec> load_trace(const std::filesystem::path& path, int64_t vocab) {
-  std::ifstream in(path);
-  if (!in) throw std::invalid_argument(path.string() + ": cannot open the trace file");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw std::invalid_argument(path.string() + ": cannot read the trace file");
-  return parse_trace(ss.str(), path.string(), vocab);
+  std::string text;
+  try {
+    text = io::read_regular_text(path, "trace file");
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(e.what());  // every trace error is an invalid_argument
+  }
+  return parse_trace(text, path.string(), vocab);
 }
 
 LenRange parse_len_range(const std::string& text, const std::string& option) {
