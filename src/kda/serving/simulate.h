@@ -50,9 +50,9 @@ struct SimulateOptions {
   std::optional<io::KimiLinearConfig> synthetic_config;
   int layers = 0;  // the first N KDA layers; 0: all
   Precision precision = Precision::BF16;
-  Weights weights = Weights::BF16;  // the layers' projections: dense, or int8 / int4 quantized at load
-  std::string kernel = "auto";      // auto | naive | optimized
-  uint64_t seed = 0;                // weights, workload and inputs
+  Weights weights = Weights::BF16;
+  std::string kernel = "auto";  // auto | naive | optimized
+  uint64_t seed = 0;            // weights, workload and inputs
   // Vocabulary of the seeded embedding and LM head; 0: the checkpoint's (model.embed_tokens.weight
   // or lm_head.weight) when it has one, else KdaStack::kDefaultVocab. A value unlike the
   // checkpoint's is an error.
