@@ -53,6 +53,39 @@ std::vector<float> scheme(const std::vector<float>& w, int64_t in, int qmax, int
   return out;
 }
 
+// Asymmetric round to nearest over groups: scale (max - min) / 15, zero point round(-min / scale).
+std::vector<float> scheme_zero_point(const std::vector<float>& w, int64_t in, int64_t g) {
+  std::vector<float> out(w.size());
+  const int64_t rows = static_cast<int64_t>(w.size()) / in;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k0 = 0; k0 < in; k0 += g) {
+      double lo = 0.0, hi = 0.0;
+      for (int64_t k = k0; k < k0 + g; ++k) {
+        lo = std::min(lo, static_cast<double>(w[r * in + k]));
+        hi = std::max(hi, static_cast<double>(w[r * in + k]));
+      }
+      const double s = (hi - lo) / 15, z = s > 0 ? std::nearbyint(-lo / s) : 0.0;
+      for (int64_t k = k0; k < k0 + g; ++k) {
+        const double q = s > 0 ? std::clamp(std::nearbyint(w[r * in + k] / s) + z, 0.0, 15.0) : z;
+        out[r * in + k] = static_cast<float>((q - z) * s);
+      }
+    }
+  return out;
+}
+
+// The projections under a scheme given as a function of (matrix, input size).
+template <class F>
+models::KdaLayerWeights with_projections(const models::KdaLayerWeights& w, const io::KimiLinearConfig& cfg,
+                                         F f) {
+  const int64_t D = cfg.hidden_size, K = cfg.head_dim, P = static_cast<int64_t>(w.q_proj.size()) / D;
+  models::KdaLayerWeights q = w;
+  for (auto* m : {&q.q_proj, &q.k_proj, &q.v_proj, &q.f_a_proj, &q.g_a_proj, &q.b_proj}) *m = f(*m, D);
+  q.f_b_proj = f(w.f_b_proj, K);
+  q.g_b_proj = f(w.g_b_proj, K);
+  q.o_proj = f(w.o_proj, P);
+  return q;
+}
+
 models::KdaLayerWeights scheme_weights(const models::KdaLayerWeights& w, const io::KimiLinearConfig& cfg,
                                        Weights fmt) {
   const int qmax = fmt == Weights::Int8 ? 127 : 7;
@@ -175,6 +208,33 @@ TEST(QuantLayer, StrongGatesStayFinite) {
       EXPECT_TRUE(all_finite(r.out)) << to_string(prec) << "/" << to_string(fmt);
       EXPECT_TRUE(all_finite(r.recurrent_state)) << to_string(prec) << "/" << to_string(fmt);
     }
+}
+
+// Why int4 takes symmetric groups of 32: groups of 128 (0.53 instead of 0.625 bytes per weight) move
+// the output by more than the bound allows (1.1x the groups of 32's error); zero points (another
+// scale-sized value per group, 0.75 bytes per weight) lower the error, for 20% more bytes a decode
+// step reads.
+TEST(QuantLayer, Int4SchemeAlternatives) {
+  const auto cfg = kimi_shape();
+  const auto w = models::KdaLayerWeights::synthetic(cfg, 42);
+  const auto c = random_case(cfg.hidden_size, {0, 65}, 9);
+  const auto out_of = [&](const models::KdaLayerWeights& lw) {
+    return to_f32(testing::reference_layer(cfg, lw, c.hidden_states, c.cu_seqlens, {}, {}).out);
+  };
+  const auto exact = out_of(w);
+  const auto err = [&](const models::KdaLayerWeights& lw) {
+    const auto o = out_of(lw);
+    return rel_l2(o.data(), exact.data(), exact.size());
+  };
+  const double g32 = err(scheme_weights(w, cfg, Weights::Int4));
+  const double g128 =
+      err(with_projections(w, cfg, [](const auto& m, int64_t in) { return scheme(m, in, 7, 128); }));
+  const double zp32 =
+      err(with_projections(w, cfg, [](const auto& m, int64_t in) { return scheme_zero_point(m, in, 32); }));
+  std::printf("[quant] int4 out rel L2: symmetric g32 %.3e, symmetric g128 %.3e, zero points g32 %.3e\n", g32,
+              g128, zp32);
+  EXPECT_GT(g128, 1.1 * g32);
+  EXPECT_LT(zp32, g32);
 }
 
 // The resident bytes: int8 a byte per weight plus a scale per output channel, int4 half a byte plus a
