@@ -25,11 +25,11 @@ struct QuantLinear::Impl {
   qg::Int4Weights w4;
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   mutable dnnl::stream stream{engine};
-  // The prefill path's fp32 matmuls, one per (M, tile width, ldx): created on first use. A serving
+  // The prefill path's fp32 matmuls, one per (M, tile width, ldx, ldy): created on first use. A serving
   // engine's prefill row counts vary, so the map is cleared when it grows past kMaxPrimitives (oneDNN's
   // own primitive cache makes re-creating a recent one cheap).
   static constexpr size_t kMaxPrimitives = 32;
-  mutable std::map<std::tuple<int64_t, int64_t, int64_t>, dnnl::matmul> prims;
+  mutable std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, dnnl::matmul> prims;
   // Scratch: x in fp32, y in fp32 (for a bf16 output), one dequantized weight tile.
   mutable std::vector<float> xf, yf, wt;
   mutable std::mutex mu;
@@ -130,7 +130,7 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < nt; ++r) qg::dequantize_rows(w, n0 + r, n0 + r + 1, wt + r * in);
       });
-      const auto key = std::make_tuple(M, nt, ldxf * 1000003 + ldyf);
+      const auto key = std::make_tuple(M, nt, ldxf, ldyf);
       auto it = im.prims.find(key);
       if (it == im.prims.end()) {
         if (im.prims.size() >= Impl::kMaxPrimitives) im.prims.clear();
