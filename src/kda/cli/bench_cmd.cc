@@ -24,6 +24,7 @@
 #include "kda/layers/linear.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/models/kimi_linear.h"
+#include "kda/serving/kda_stack.h"
 
 namespace kda::cli {
 
@@ -532,6 +533,62 @@ void bench_layer(const BenchOptions& o, double cp, nlohmann::json& j, const Say&
   }
 }
 
+// The 20-layer stack decoding one request (embedding, every layer, final norm, LM head over a 1024-token
+// vocabulary so that its bytes do not hide the layers'), for bf16, int8 and int4 weights in one process:
+// one step of each in turn, the best of each over the rounds, so that the three meet the same moments of
+// a shared machine (separate `kda simulate` runs minutes apart do not).
+void bench_stack(const BenchOptions& o, nlohmann::json& j, const Say& say) {
+  const io::KimiLinearConfig cfg = serving::kimi_linear_48b_config();
+  const int layers = 20;
+  struct One {
+    std::unique_ptr<serving::KdaStack> stack;
+    layers::attention::linear::KDAAttnBackend backend;
+    std::unique_ptr<mem_cache::MemoryPools> pools;
+    std::vector<int32_t> reqs;
+    model_executor::ForwardBatch fb;
+    std::vector<float> x, y;
+    int32_t token = 1;
+  };
+  std::vector<Weights> modes{Weights::BF16};
+  for (Weights w : {Weights::Int8, Weights::Int4})
+    if (o.weights == "all" || o.weights == to_string(w)) modes.push_back(w);
+  std::vector<std::unique_ptr<One>> st;
+  for (Weights w : modes) {
+    auto s = std::make_unique<One>();
+    s->stack = serving::KdaStack::synthetic(cfg, layers, Precision::BF16, 7, {}, 1024, w);
+    s->pools = std::make_unique<mem_cache::MemoryPools>(s->stack->pool_config(1), 1);
+    s->reqs = s->pools->req_to_token_pool.alloc(1);
+    s->fb = model_executor::ForwardBatch::decode(s->reqs);
+    s->fb.attn_backend = &s->backend;
+    s->backend.init_forward_metadata(s->fb, s->pools->req_to_token_pool.get_recurrent_indices(s->reqs));
+    s->x.resize(kD);
+    s->y.resize(kD);
+    st.push_back(std::move(s));
+  }
+  std::vector<std::function<void()>> fns;
+  for (auto& s : st) {
+    One* p = s.get();
+    fns.push_back([p] {
+      p->stack->embed(&p->token, 1, p->x.data());
+      p->stack->forward(p->x.data(), 1, p->fb, p->pools->recurrent_state_pool, p->y.data());
+      p->stack->next_tokens(p->y.data(), 1, &p->token);
+    });
+  }
+  const auto t = best_interleaved(fns, 30, 20.0);
+  say("\n%-22s %8s %14s %12s %14s\n", "stack (20 layers)", "weights", "ms per token", "tokens/s",
+      "vs bf16 weights");
+  for (size_t i = 0; i < st.size(); ++i) {
+    j["stack"].push_back({{"layers", layers},
+                          {"weights", to_string(modes[i])},
+                          {"ms_per_token", t[i] * 1e3},
+                          {"tokens_per_s", 1.0 / t[i]},
+                          {"weight_bytes", st[i]->stack->layer_weight_bytes()},
+                          {"speedup_vs_bf16", t[0] / t[i]}});
+    say("%-22s %8s %14.2f %12.2f %13.2fx\n", "decode, batch 1", to_string(modes[i]), t[i] * 1e3, 1.0 / t[i],
+        t[0] / t[i]);
+  }
+}
+
 }  // namespace
 
 int run_bench(const BenchOptions& o) {
@@ -547,6 +604,12 @@ int run_bench(const BenchOptions& o) {
   // Ceilings. The fp32 GEMM rate is the chunk kernel's yardstick, so it is measured in turns with it.
   j["kernels"] = nlohmann::json::array();
   j["layer"] = nlohmann::json::array();
+  if (o.only == "stack") {  // no ceilings: the rows are ratios between weights modes
+    j["stack"] = nlohmann::json::array();
+    bench_stack(o, j, say);
+    if (o.json) std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
   const bool kernels = o.only != "layer";
   std::vector<std::string> chunk_lines;
   double g32 = 0.0, plain32 = NAN;

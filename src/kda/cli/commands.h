@@ -34,8 +34,9 @@ struct BenchOptions {
   bool json = false;
   bool skip_naive = false;
   std::string kernel =
-      "optimized";              // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
-  std::string only = "all";     // all | kernels | layer (the ceilings always run: every row is a ratio)
+      "optimized";  // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
+  // all | kernels | layer (the ceilings always run: every row is a ratio) | stack (bench_stack only)
+  std::string only = "all";
   std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
 };
 int run_bench(const BenchOptions& o);

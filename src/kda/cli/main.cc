@@ -51,8 +51,12 @@ int main(int argc, char** argv) {
   bench->add_flag("--skip-naive", bo.skip_naive, "do not time the reference kernels");
   bench->add_option("--kernel", bo.kernel, "optimized | portable | avx2 | avx512 (the ISA copy timed)")
       ->check(CLI::IsMember({"optimized", "portable", "avx2", "avx512"}));
-  bench->add_option("--only", bo.only, "all | kernels | layer (ceilings are always measured)")
-      ->check(CLI::IsMember({"all", "kernels", "layer"}));
+  bench
+      ->add_option(
+          "--only", bo.only,
+          "all | kernels | layer (ceilings are always measured) | stack (the 20-layer stack decoding "
+          "one request per weights mode, in turns)")
+      ->check(CLI::IsMember({"all", "kernels", "layer", "stack"}));
   bench
       ->add_option("--weights", bo.weights,
                    "all | bf16 | int8 | int4: quantized layer rows beside the dense ones")
