@@ -276,13 +276,15 @@ std::string config_repr(const KimiLinearConfig& c) {
 std::shared_ptr<PyLayer> layer_from_pretrained(const fs::path& path, int layer_idx,
                                                const std::string& precision,
                                                std::optional<KimiLinearConfig> config,
-                                               std::shared_ptr<io::Checkpoint> checkpoint) {
+                                               std::shared_ptr<io::Checkpoint> checkpoint,
+                                               const std::string& weights) {
   const Precision p = precision_of(precision);
+  const Weights wts = parse_weights(weights);
   auto r = std::make_shared<PyLayer>();
   r->cfg = config ? *config : io::load_config(path);
   r->checkpoint = checkpoint ? std::move(checkpoint) : std::make_shared<io::Checkpoint>(path);
   py::gil_scoped_release release;
-  r->layer = models::KimiDeltaAttention::from_checkpoint(*r->checkpoint, r->cfg, layer_idx, p);
+  r->layer = models::KimiDeltaAttention::from_checkpoint(*r->checkpoint, r->cfg, layer_idx, p, {}, wts);
   return r;
 }
 
@@ -644,10 +646,12 @@ void register_component(py::module_& m) {
                                                 "One KDA layer of Kimi-Linear (models/kimi_linear).")
       .def_static("from_pretrained", &layer_from_pretrained, py::arg("path"), py::arg("layer"),
                   py::arg("precision") = "fp32", py::arg("config") = py::none(),
-                  py::arg("checkpoint") = py::none(),
+                  py::arg("checkpoint") = py::none(), py::arg("weights") = "bf16",
                   "Decoder layer `layer` (0-based, a KDA layer) of the checkpoint at `path` (config.json and "
                   "model.safetensors or its index), memory-mapped; precision 'fp32' or 'bf16'. A Checkpoint "
-                  "passed in is shared (several layers, one mapping).")
+                  "passed in is shared (several layers, one mapping). weights: 'bf16' (the precision's dense "
+                  "weights), 'int8' (per output channel) or 'int4' (groups of 32): the projections quantized "
+                  "at load.")
       .def("__call__", &layer_call, py::arg("hidden_states"), py::arg("forward_batch"), py::arg("pools"),
            "hidden_states [T, D] (torch float32 / bfloat16 or NumPy float32) -> out [T, D] of the same kind "
            "and dtype. The layer's states in `pools` (MemoryPools or RecurrentStatePool) are read and "
@@ -657,6 +661,9 @@ void register_component(py::module_& m) {
       .def_property_readonly("layer_id", [](const PyLayer& l) { return l.layer->layer_idx(); })
       .def_property_readonly("precision",
                              [](const PyLayer& l) { return std::string(to_string(l.layer->precision())); })
+      .def_property_readonly("weights",
+                             [](const PyLayer& l) { return std::string(to_string(l.layer->weights())); })
+      .def_property_readonly("weight_bytes", [](const PyLayer& l) { return l.layer->weight_bytes(); })
       .def_property_readonly("hidden_size", [](const PyLayer& l) { return l.layer->hidden_size(); })
       .def_property_readonly("num_heads", [](const PyLayer& l) { return l.layer->local_heads(); })
       .def_property_readonly("head_dim", [](const PyLayer& l) { return l.cfg.head_dim; })
@@ -665,6 +672,7 @@ void register_component(py::module_& m) {
       .def("__repr__", [](const PyLayer& l) {
         return "KimiDeltaAttention(layer_idx=" + std::to_string(l.layer->layer_idx()) +
                ", precision=" + to_string(l.layer->precision()) +
+               ", weights=" + to_string(l.layer->weights()) +
                ", hidden_size=" + std::to_string(l.layer->hidden_size()) +
                ", num_heads=" + std::to_string(l.layer->local_heads()) +
                ", head_dim=" + std::to_string(l.cfg.head_dim) +

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <dnnl.hpp>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
@@ -23,6 +24,7 @@
 #include "kda/layers/linear.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/models/kimi_linear.h"
+#include "kda/serving/kda_stack.h"
 
 namespace kda::cli {
 
@@ -133,6 +135,25 @@ double copy_gbps(size_t bytes) {
       3, 1.0);
   return 2.0 * bytes / s / 1e9;
 }
+
+// Read bandwidth: every thread sums its part of a buffer larger than the caches (the weights of a decode
+// step are read, not written). Timed by the caller, in turns with what it bounds.
+struct ReadBandwidth {
+  std::vector<float> buf;
+  float sink = 0.0f;
+  explicit ReadBandwidth(size_t bytes) : buf(bytes / sizeof(float), 1.0f) {}
+  void run() {
+    const int64_t n = static_cast<int64_t>(buf.size());
+    const float* p = buf.data();
+    float total = 0.0f;
+#pragma omp parallel for simd schedule(static) reduction(+ : total)
+    for (int64_t i = 0; i < n; ++i) total += p[i];
+    sink += total;
+  }
+  double gbps(double seconds) const {
+    return static_cast<double>(buf.size() * sizeof(float)) / seconds / 1e9;
+  }
+};
 
 // The cores' fp32 multiply-add peak: every thread runs independent chains of 16-wide FMAs on registers
 // for ~0.3 s. It tells which kind of host a run landed on: this VM has been seen on hosts that retire
@@ -306,10 +327,12 @@ void bench_recurrent(const BenchOptions& o, double cp, nlohmann::json& j, const 
   pool.clear();
   pool.shrink_to_fit();
 }
-// One precision's layer with its pool, and the same GEMMs the layer runs, alone.
+// One precision's layer (with dense or int8 / int4 projections) with its pool, and the same GEMMs the
+// layer runs, alone.
 struct LayerCase {
   static constexpr int64_t kSlots = 80;
   Precision p;
+  Weights wts;
   models::KimiDeltaAttention layer;
   layers::attention::linear::KDAAttnBackend backend;
   mem_cache::MemoryPools pools;
@@ -318,9 +341,10 @@ struct LayerCase {
   std::vector<bf16_t> gy16, gf16;
 
   LayerCase(const io::KimiLinearConfig& cfg, const models::KdaLayerWeights& w, Precision prec,
-            kernels::KernelImpl impl)
+            kernels::KernelImpl impl, Weights weights = Weights::BF16)
       : p(prec),
-        layer(cfg, 0, w, prec),
+        wts(weights),
+        layer(cfg, 0, w, prec, {}, weights),
         backend(impl),
         pools(mem_cache::RecurrentStatePoolConfig{.layer_ids = {0},
                                                   .size = kSlots,
@@ -331,12 +355,16 @@ struct LayerCase {
                                                   .conv_dim = 3 * kP,
                                                   .conv_dtype = prec},
               kSlots),
-        proj(kD, n_proj(), bench_randn(n_proj() * kD, 1, 0.02f), prec),
-        fb(kK, kP, bench_randn(kP * kK, 2, 0.02f), prec),
-        gb(kK, kP, bench_randn(kP * kK, 3, 0.02f), prec),
-        op(kP, kD, bench_randn(kD * kP, 4, 0.02f), prec) {}
+        proj(kD, n_proj(), bench_randn(n_proj() * kD, 1, 0.02f), prec, weights),
+        fb(kK, kP, bench_randn(kP * kK, 2, 0.02f), prec, weights),
+        gb(kK, kP, bench_randn(kP * kK, 3, 0.02f), prec, weights),
+        op(kP, kD, bench_randn(kD * kP, 4, 0.02f), prec, weights) {}
 
   static int64_t n_proj() { return 3 * kP + 2 * kK + kH; }
+  // "fp32", "bf16" (dense weights) or "bf16/int8", "bf16/int4".
+  std::string name() const {
+    return wts == Weights::BF16 ? to_string(p) : std::string(to_string(p)) + "/" + to_string(wts);
+  }
 
   // The layer's GEMMs on its shapes, on the layer's activation arrays: fp32, or bf16 in the bf16 mode.
   void gemms(int64_t M) {
@@ -391,53 +419,173 @@ void bench_layer(const BenchOptions& o, double cp, nlohmann::json& j, const Say&
   cfg.kda_layers = {1};
   const auto w = models::KdaLayerWeights::synthetic(cfg, 1234);
   const auto impl = kernels::parse_kernel_impl(o.kernel);
-  LayerCase f32(cfg, w, Precision::FP32, impl), b16(cfg, w, Precision::BF16, impl);
-  say("\n%-6s %-7s %8s %14s %16s %8s %22s\n", "layer", "mode", "size", "time", "GEMMs alone", "ratio",
+  LayerCase f32(cfg, w, Precision::FP32, impl), b16(cfg, w, Precision::BF16, impl),
+      q8(cfg, w, Precision::BF16, impl, Weights::Int8), q4(cfg, w, Precision::BF16, impl, Weights::Int4);
+  // --weights: which quantized modes run beside the dense ones (fp32 and bf16 are always the baseline).
+  std::vector<LayerCase*> cases{&f32, &b16}, dense{&b16};
+  for (LayerCase* c : {&q8, &q4}) {
+    if (o.weights == "all" || o.weights == to_string(c->wts)) {
+      cases.push_back(c);
+      dense.push_back(c);
+    }
+  }
+  say("\n%-9s %-7s %8s %14s %16s %8s %22s\n", "layer", "mode", "size", "time", "GEMMs alone", "ratio",
       "state bytes/step");
 
-  // EXTEND of 4096 tokens (one new request), both precisions and their GEMMs in turns: at least 8 rounds
-  // (~20 s), since a round takes ~2.5 s and this machine's load changes over seconds (with 4 rounds
-  // the best of each still differed by up to 8% between runs).
+  // EXTEND of 4096 tokens (one new request), every mode and its GEMMs in turns (the best of each over
+  // the rounds, so that every mode meets the same quiet moments of this shared machine): at least 24 s
+  // and 3 rounds. A round takes a few seconds where the bf16 GEMM has AVX512_BF16 or AMX to run on, and
+  // about a minute where it has not (oneDNN's bf16 GEMM at 15 GFLOP/s on an Ice Lake class Xeon).
   const int64_t T = 4096;
   {
-    Batch e32(f32, false, T, 21), e16(b16, false, T, 21);
-    const auto t = best_interleaved(
-        {[&] { e32.run(); }, [&] { f32.gemms(T); }, [&] { e16.run(); }, [&] { b16.gemms(T); }}, 8, 16.0);
-    for (int i = 0; i < 2; ++i) {
-      const char* prec = to_string(i == 0 ? Precision::FP32 : Precision::BF16);
+    std::vector<std::unique_ptr<Batch>> b;
+    std::vector<std::function<void()>> fns;
+    for (LayerCase* c : cases) {
+      b.push_back(std::make_unique<Batch>(*c, false, T, 21));
+      fns.push_back([&b, k = b.size() - 1] { b[k]->run(); });
+      fns.push_back([c, T] { c->gemms(T); });
+    }
+    const auto t = best_interleaved(fns, 3, 24.0);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const LayerCase& c = *cases[i];
       const double s = t[2 * i], sg = t[2 * i + 1];
-      j["layer"].push_back({{"precision", prec},
+      j["layer"].push_back({{"precision", to_string(c.p)},
+                            {"weights", to_string(c.wts)},
                             {"mode", "extend"},
                             {"tokens", T},
                             {"us_per_token", s / T * 1e6},
-                            {"gemm_us_per_token", sg / T * 1e6}});
-      say("%-6s %-7s %8lld %11.2f us/tok %13.2f us/tok %8.2f\n", prec, "extend", static_cast<long long>(T),
-          s / T * 1e6, sg / T * 1e6, s / sg);
+                            {"gemm_us_per_token", sg / T * 1e6},
+                            {"weight_bytes", c.layer.weight_bytes()}});
+      say("%-9s %-7s %8lld %11.2f us/tok %13.2f us/tok %8.2f\n", c.name().c_str(), "extend",
+          static_cast<long long>(T), s / T * 1e6, sg / T * 1e6, s / sg);
     }
     say("bf16 extend is %.2fx faster than fp32\n", t[0] / t[2]);
+    for (size_t i = 2; i < cases.size(); ++i)
+      say("%s extend takes %.2fx the bf16 time\n", cases[i]->name().c_str(), t[2 * i] / t[2]);
   }
   // DECODE step at batch 64.
   const int64_t B = 64;
   {
-    Batch d32(f32, true, B, 22), d16(b16, true, B, 22);
-    const auto t = best_interleaved(
-        {[&] { d32.run(); }, [&] { f32.gemms(B); }, [&] { d16.run(); }, [&] { b16.gemms(B); }}, 5, 2.0);
-    for (int i = 0; i < 2; ++i) {
-      const Precision p = i == 0 ? Precision::FP32 : Precision::BF16;
+    std::vector<std::unique_ptr<Batch>> b;
+    std::vector<std::function<void()>> fns;
+    for (LayerCase* c : cases) {
+      b.push_back(std::make_unique<Batch>(*c, true, B, 22));
+      fns.push_back([&b, k = b.size() - 1] { b[k]->run(); });
+      fns.push_back([c, B] { c->gemms(B); });
+    }
+    const auto t = best_interleaved(fns, 5, 4.0);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const LayerCase& c = *cases[i];
       const double s = t[2 * i], sg = t[2 * i + 1];
-      const size_t conv_elem = p == Precision::BF16 ? 2 : 4;
+      const size_t conv_elem = c.p == Precision::BF16 ? 2 : 4;
       const double state_bytes = 2.0 * B * (double(kH) * kK * kK * 4 + 3.0 * kP * 3 * conv_elem);
-      j["layer"].push_back({{"precision", to_string(p)},
+      j["layer"].push_back({{"precision", to_string(c.p)},
+                            {"weights", to_string(c.wts)},
                             {"mode", "decode"},
                             {"batch", B},
                             {"ms_per_step", s * 1e3},
                             {"gemm_ms_per_step", sg * 1e3},
-                            {"state_bytes_per_step", state_bytes}});
+                            {"state_bytes_per_step", state_bytes},
+                            {"weight_bytes", c.layer.weight_bytes()}});
       const double bound = sg + state_bytes / (cp * 1e9);
-      say("%-6s %-7s %8lld %11.3f ms    %10.3f ms     %8.2f %22.0f  (vs GEMMs + state/memcpy: %.2f)\n",
-          to_string(p), "decode", static_cast<long long>(B), s * 1e3, sg * 1e3, s / sg, state_bytes,
+      say("%-9s %-7s %8lld %11.3f ms    %10.3f ms     %8.2f %22.0f  (vs GEMMs + state/memcpy: %.2f)\n",
+          c.name().c_str(), "decode", static_cast<long long>(B), s * 1e3, sg * 1e3, s / sg, state_bytes,
           s / bound);
     }
+  }
+  // DECODE at batch 1, the latency case: bound by the weight bytes one step reads. The read bandwidth
+  // (a sum over a buffer larger than the caches) is measured in the same turns.
+  {
+    std::vector<std::unique_ptr<Batch>> b;
+    std::vector<std::function<void()>> fns;
+    for (LayerCase* c : dense) {
+      b.push_back(std::make_unique<Batch>(*c, true, 1, 23));
+      fns.push_back([&b, k = b.size() - 1] { b[k]->run(); });
+      fns.push_back([c] { c->gemms(1); });
+    }
+    ReadBandwidth rb(size_t{1} << 30);
+    fns.push_back([&rb] { rb.run(); });
+    const auto t = best_interleaved(fns, 20, 6.0);
+    const double rd = rb.gbps(t.back());
+    j["ceilings"]["read_gbps"] = rd;
+    say("\n%-9s %-7s %8s %11s %14s %12s %12s %10s %10s\n", "layer", "mode", "batch", "time", "GEMMs alone",
+        "weight MB", "bytes/read", "time/bound", "GEMM/bound");
+    for (size_t i = 0; i < dense.size(); ++i) {
+      const LayerCase& c = *dense[i];
+      const double s = t[2 * i], sg = t[2 * i + 1];
+      const double wb = static_cast<double>(c.layer.weight_bytes()), bound = wb / (rd * 1e9);
+      j["layer"].push_back({{"precision", to_string(c.p)},
+                            {"weights", to_string(c.wts)},
+                            {"mode", "decode"},
+                            {"batch", 1},
+                            {"ms_per_step", s * 1e3},
+                            {"gemm_ms_per_step", sg * 1e3},
+                            {"weight_bytes", wb},
+                            {"read_gbps", rd},
+                            {"weight_read_bound_ms", bound * 1e3}});
+      say("%-9s %-7s %8d %8.3f ms %11.3f ms %12.1f %9.3f ms %10.2f %10.2f\n", c.name().c_str(), "decode", 1,
+          s * 1e3, sg * 1e3, wb / 1e6, bound * 1e3, s / bound, sg / bound);
+    }
+    say("read bandwidth (sum over 1 GiB, in the same turns): %.1f GB/s\n", rd);
+    for (size_t i = 1; i < dense.size(); ++i)
+      say("%s decode step: %.2fx faster than bf16 (GEMMs alone %.2fx)\n", dense[i]->name().c_str(),
+          t[0] / t[2 * i], t[1] / t[2 * i + 1]);
+  }
+}
+
+// The 20-layer stack decoding one request (embedding, every layer, final norm, LM head over a 1024-token
+// vocabulary so that its bytes do not hide the layers'), for bf16, int8 and int4 weights in one process:
+// one step of each in turn, the best of each over the rounds, so that the three meet the same moments of
+// a shared machine (separate `kda simulate` runs minutes apart do not).
+void bench_stack(const BenchOptions& o, nlohmann::json& j, const Say& say) {
+  const io::KimiLinearConfig cfg = serving::kimi_linear_48b_config();
+  const int layers = 20;
+  struct One {
+    std::unique_ptr<serving::KdaStack> stack;
+    layers::attention::linear::KDAAttnBackend backend;
+    std::unique_ptr<mem_cache::MemoryPools> pools;
+    std::vector<int32_t> reqs;
+    model_executor::ForwardBatch fb;
+    std::vector<float> x, y;
+    int32_t token = 1;
+  };
+  std::vector<Weights> modes{Weights::BF16};
+  for (Weights w : {Weights::Int8, Weights::Int4})
+    if (o.weights == "all" || o.weights == to_string(w)) modes.push_back(w);
+  std::vector<std::unique_ptr<One>> st;
+  for (Weights w : modes) {
+    auto s = std::make_unique<One>();
+    s->stack = serving::KdaStack::synthetic(cfg, layers, Precision::BF16, 7, {}, 1024, w);
+    s->pools = std::make_unique<mem_cache::MemoryPools>(s->stack->pool_config(1), 1);
+    s->reqs = s->pools->req_to_token_pool.alloc(1);
+    s->fb = model_executor::ForwardBatch::decode(s->reqs);
+    s->fb.attn_backend = &s->backend;
+    s->backend.init_forward_metadata(s->fb, s->pools->req_to_token_pool.get_recurrent_indices(s->reqs));
+    s->x.resize(kD);
+    s->y.resize(kD);
+    st.push_back(std::move(s));
+  }
+  std::vector<std::function<void()>> fns;
+  for (auto& s : st) {
+    One* p = s.get();
+    fns.push_back([p] {
+      p->stack->embed(&p->token, 1, p->x.data());
+      p->stack->forward(p->x.data(), 1, p->fb, p->pools->recurrent_state_pool, p->y.data());
+      p->stack->next_tokens(p->y.data(), 1, &p->token);
+    });
+  }
+  const auto t = best_interleaved(fns, 30, 20.0);
+  say("\n%-22s %8s %14s %12s %14s\n", "stack (20 layers)", "weights", "ms per token", "tokens/s",
+      "vs bf16 weights");
+  for (size_t i = 0; i < st.size(); ++i) {
+    j["stack"].push_back({{"layers", layers},
+                          {"weights", to_string(modes[i])},
+                          {"ms_per_token", t[i] * 1e3},
+                          {"tokens_per_s", 1.0 / t[i]},
+                          {"weight_bytes", st[i]->stack->layer_weight_bytes()},
+                          {"speedup_vs_bf16", t[0] / t[i]}});
+    say("%-22s %8s %14.2f %12.2f %13.2fx\n", "decode, batch 1", to_string(modes[i]), t[i] * 1e3, 1.0 / t[i],
+        t[0] / t[i]);
   }
 }
 
@@ -456,6 +604,12 @@ int run_bench(const BenchOptions& o) {
   // Ceilings. The fp32 GEMM rate is the chunk kernel's yardstick, so it is measured in turns with it.
   j["kernels"] = nlohmann::json::array();
   j["layer"] = nlohmann::json::array();
+  if (o.only == "stack") {  // no ceilings: the rows are ratios between weights modes
+    j["stack"] = nlohmann::json::array();
+    bench_stack(o, j, say);
+    if (o.json) std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
   const bool kernels = o.only != "layer";
   std::vector<std::string> chunk_lines;
   double g32 = 0.0, plain32 = NAN;

@@ -9,6 +9,7 @@ namespace kda::cli {
 struct VerifyOptions {
   std::string dumps;
   std::string precision = "all";  // fp32 | bf16 | all
+  std::string weights = "bf16";   // bf16 | int8 | int4 (common/weights.h)
   std::string kernel = "auto";
   bool json = false;
   int tp = 1;  // tensor-parallel ranks (under mpirun -np tp)
@@ -21,6 +22,7 @@ struct RunOptions {
   std::string input;
   std::string output;
   std::string precision = "fp32";
+  std::string weights = "bf16";  // bf16 | int8 | int4 (common/weights.h)
   int decode_tail = 0;
   std::string kernel = "auto";
   int tp = 1;  // tensor-parallel ranks (under mpirun -np tp)
@@ -32,8 +34,10 @@ struct BenchOptions {
   bool json = false;
   bool skip_naive = false;
   std::string kernel =
-      "optimized";           // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
-  std::string only = "all";  // all | kernels | layer (the ceilings always run: every row is a ratio)
+      "optimized";  // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
+  // all | kernels | layer (the ceilings always run: every row is a ratio) | stack (bench_stack only)
+  std::string only = "all";
+  std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
 };
 int run_bench(const BenchOptions& o);
 
@@ -43,6 +47,7 @@ struct SimulateCliOptions {
   std::string model;  // empty: synthetic Kimi-Linear-48B-A3B KDA layers
   int layers = 0;     // 0: all KDA layers
   std::string precision = "bf16";
+  std::string weights = "bf16";  // bf16 | int8 | int4 (common/weights.h)
   std::string kernel = "auto";
   int64_t requests = 32;
   std::string prompt_len = "8:48";

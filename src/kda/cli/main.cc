@@ -16,6 +16,10 @@ int main(int argc, char** argv) {
       ->required();
   verify->add_option("--precision", vo.precision, "fp32 | bf16 | all")
       ->check(CLI::IsMember({"fp32", "bf16", "all"}));
+  verify
+      ->add_option("--weights", vo.weights,
+                   "bf16 (the precision's dense weights) | int8 | int4: projections quantized at load")
+      ->check(CLI::IsMember({"bf16", "int8", "int4"}));
   verify->add_option("--kernel", vo.kernel, "auto | naive | optimized | portable | avx2 | avx512")
       ->check(CLI::IsMember({"auto", "naive", "optimized", "portable", "avx2", "avx512"}));
   verify->add_flag("--json", vo.json, "print the results as JSON");
@@ -30,6 +34,9 @@ int main(int argc, char** argv) {
       ->required();
   run->add_option("--output", ro.output, "output .npz: out, recurrent_state, conv_state")->required();
   run->add_option("--precision", ro.precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  run->add_option("--weights", ro.weights,
+                  "bf16 (the precision's dense weights) | int8 | int4: projections quantized at load")
+      ->check(CLI::IsMember({"bf16", "int8", "int4"}));
   run->add_option("--decode-tail", ro.decode_tail, "run each sequence's last K tokens as DECODE steps")
       ->check(CLI::NonNegativeNumber);
   run->add_option("--tp", ro.tp, "tensor-parallel ranks (start with mpirun -np N)")
@@ -44,8 +51,16 @@ int main(int argc, char** argv) {
   bench->add_flag("--skip-naive", bo.skip_naive, "do not time the reference kernels");
   bench->add_option("--kernel", bo.kernel, "optimized | portable | avx2 | avx512 (the ISA copy timed)")
       ->check(CLI::IsMember({"optimized", "portable", "avx2", "avx512"}));
-  bench->add_option("--only", bo.only, "all | kernels | layer (ceilings are always measured)")
-      ->check(CLI::IsMember({"all", "kernels", "layer"}));
+  bench
+      ->add_option(
+          "--only", bo.only,
+          "all | kernels | layer (ceilings are always measured) | stack (the 20-layer stack decoding "
+          "one request per weights mode, in turns)")
+      ->check(CLI::IsMember({"all", "kernels", "layer", "stack"}));
+  bench
+      ->add_option("--weights", bo.weights,
+                   "all | bf16 | int8 | int4: quantized layer rows beside the dense ones")
+      ->check(CLI::IsMember({"all", "bf16", "int8", "int4"}));
 
   kda::cli::SimulateCliOptions so;
   auto* sim = app.add_subcommand(
@@ -55,6 +70,10 @@ int main(int argc, char** argv) {
   sim->add_option("--layers", so.layers, "the first N KDA layers (default: all)");
   sim->add_option("--precision", so.precision, "fp32 | bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  sim->add_option("--weights", so.weights,
+                  "bf16 (the precision's dense weights) | int8 | int4: projections quantized at load")
+      ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
   sim->add_option("--kernel", so.kernel, "auto | naive | optimized | portable | avx2 | avx512")
       ->check(CLI::IsMember({"auto", "naive", "optimized", "portable", "avx2", "avx512"}))

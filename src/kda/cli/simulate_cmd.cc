@@ -47,6 +47,8 @@ void print_summary(const serving::SimulateResult& r) {
               r.layers, r.layers == 1 ? "" : "s", r.model.c_str(), to_string(r.precision),
               static_cast<long long>(r.hidden), static_cast<long long>(r.vocab), r.build_s,
               s.interrupted ? "  [INTERRUPTED]" : "");
+  std::printf("  weights       %s projections, %.1f MB resident per layer\n", to_string(r.weights),
+              static_cast<double>(r.weight_bytes) / 1e6);
   std::printf(
       "  requests      %lld of %lld completed (%s, parallel samples %d); %lld steps: %lld extend, %lld "
       "decode, %lld mixed\n",
@@ -136,6 +138,7 @@ int run_simulate(const SimulateCliOptions& o) {
   so.model_dir = o.model;
   so.layers = o.layers;
   so.precision = parse_precision(o.precision);
+  so.weights = parse_weights(o.weights);
   so.kernel = o.kernel;
   so.seed = o.seed;
   so.vocab = serving::resolve_vocab(o.model, o.vocab);  // the workload's token ids need it first

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "kda/cli/commands.h"
@@ -7,6 +8,7 @@
 #include "kda/io/config.h"
 #include "kda/io/safetensors.h"
 #include "kda/runtime/verify.h"
+#include "kda/runtime/verify_quant.h"
 
 namespace kda::cli {
 
@@ -33,12 +35,23 @@ int run_verify(const VerifyOptions& o) {
   nlohmann::json worst = nlohmann::json::object();
   bool all_ok = true;
   int failed = 0, total = 0;
+  // Quantized projections: checked against their scheme's own error (runtime/verify_quant.h), through an
+  // fp32 dense layer on the dequantized weights of this rank's shard.
+  const Weights weights = parse_weights(o.weights);
+  std::unique_ptr<models::KimiDeltaAttention> scheme;
+  if (weights != Weights::BF16) {
+    const auto tp = par.tensor_parallel();
+    const auto w = models::KdaLayerWeights::load(ckpt, cfg, layer_ids.front(), tp.rank, tp.size);
+    scheme = std::make_unique<models::KimiDeltaAttention>(
+        cfg, layer_ids.front(), runtime::dequantized_projections(w, cfg, weights), Precision::FP32, tp);
+  }
   for (Precision p : precisions) {
-    auto layer =
-        models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, layer_ids.front(), p, par.tensor_parallel());
+    auto layer = models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, layer_ids.front(), p,
+                                                             par.tensor_parallel(), weights);
     double worst_ratio = 0.0;  // worst value/limit over every check of this precision
     for (const auto& file : cases) {
-      const auto rep = runtime::verify_case(*layer, cfg, file, kernel);
+      const auto rep = scheme ? runtime::verify_case_quantized(*layer, *scheme, cfg, file, kernel)
+                              : runtime::verify_case(*layer, cfg, file, kernel);
       ++total;
       if (!rep.ok()) ++failed;
       all_ok = all_ok && rep.ok();
@@ -51,12 +64,15 @@ int run_verify(const VerifyOptions& o) {
                           {"value", r.value},
                           {"limit", r.limit},
                           {"ok", r.ok}});
-        jcases.push_back(
-            {{"case", rep.name}, {"precision", to_string(p)}, {"ok", rep.ok()}, {"checks", rows}});
+        jcases.push_back({{"case", rep.name},
+                          {"precision", to_string(p)},
+                          {"weights", o.weights},
+                          {"ok", rep.ok()},
+                          {"checks", rows}});
         continue;
       }
-      std::printf("\n%s  [%s, kernel %s: %s]  %s\n", rep.name.c_str(), to_string(p), o.kernel.c_str(), ran,
-                  rep.ok() ? "PASS" : "FAIL");
+      std::printf("\n%s  [%s, %s weights, kernel %s: %s]  %s\n", rep.name.c_str(), to_string(p),
+                  o.weights.c_str(), o.kernel.c_str(), ran, rep.ok() ? "PASS" : "FAIL");
       std::printf("  %-48s %-12s %12s %12s\n", "check", "metric", "value", "limit");
       for (const auto& r : rep.rows)
         std::printf("  %-48s %-12s %12.4g %12.4g  %s\n", r.check.c_str(), r.metric.c_str(), r.value, r.limit,
@@ -66,11 +82,8 @@ int run_verify(const VerifyOptions& o) {
     if (!o.json) std::printf("\n%s: worst value/limit over all checks = %.4g\n", to_string(p), worst_ratio);
   }
   if (o.json) {
-    nlohmann::json j = {{"dumps", o.dumps},
-                        {"kernel", o.kernel},
-                        {"kernel_ran", ran},
-                        {"ok", all_ok},
-                        {"worst_value_over_limit", worst},
+    nlohmann::json j = {{"dumps", o.dumps},  {"weights", o.weights}, {"kernel", o.kernel},
+                        {"kernel_ran", ran}, {"ok", all_ok},         {"worst_value_over_limit", worst},
                         {"cases", jcases}};
     std::printf("%s\n", j.dump(2).c_str());
   } else {

@@ -9,6 +9,8 @@
 #include <tuple>
 #include <type_traits>
 
+#include "kda/layers/quant_linear.h"
+
 namespace kda::layers {
 
 using dnnl::memory;
@@ -42,6 +44,7 @@ struct Linear::Impl {
   mutable uint64_t calls = 0;
   mutable std::vector<bf16_t> x_bf16;  // bf16 input scratch
   mutable std::mutex mu;
+  std::unique_ptr<QuantLinear> quant;  // int8 / int4 weights: every call goes there
 };
 
 namespace {
@@ -63,12 +66,20 @@ dnnl::matmul::primitive_desc matmul_pd(const dnnl::engine& eng, int64_t M, int64
 }  // namespace
 
 Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
-               Precision precision)
-    : in_(in_features), out_(out_features), precision_(precision), impl_(std::make_unique<Impl>()) {
+               Precision precision, Weights weights)
+    : in_(in_features),
+      out_(out_features),
+      precision_(precision),
+      weights_(weights),
+      impl_(std::make_unique<Impl>()) {
   if (in_ <= 0 || out_ <= 0) throw std::invalid_argument("Linear: features must be positive");
   if (static_cast<int64_t>(weight.size()) != in_ * out_)
     throw std::invalid_argument("Linear: weight has " + std::to_string(weight.size()) + " values, expected " +
                                 std::to_string(out_) + " x " + std::to_string(in_));
+  if (weights != Weights::BF16) {
+    impl_->quant = std::make_unique<QuantLinear>(in_, out_, weight, weights, precision);
+    return;
+  }
   const auto dt = precision_ == Precision::BF16 ? memory::data_type::bf16 : memory::data_type::f32;
   std::vector<bf16_t> w_bf16;
   void* plain = const_cast<float*>(weight.data());
@@ -122,6 +133,7 @@ void Linear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) c
   constexpr bool x16 = std::is_same_v<X, bf16_t>, y16 = std::is_same_v<Y, bf16_t>;
   check(M, ldx, ldy, x16 || y16);
   if (M == 0) return;
+  if (impl_->quant) return impl_->quant->forward(x, M, ldx, y, ldy);
   std::lock_guard<std::mutex> lock(impl_->mu);
   if constexpr (x16) {
     run(dense(x, M, ldx), M, in_, y, y16, ldy);
@@ -143,6 +155,11 @@ void Linear::forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t 
 }
 void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const {
   forward_as(x, M, ldx, y, ldy);
+}
+
+int64_t Linear::weight_bytes() const {
+  if (impl_->quant) return impl_->quant->weight_bytes();
+  return in_ * out_ * (precision_ == Precision::BF16 ? 2 : 4);
 }
 
 size_t Linear::cached_primitives() const {

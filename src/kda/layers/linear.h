@@ -6,6 +6,9 @@
 // point: half the bytes written and read back). W is reordered once, at construction, into the layout
 // oneDNN's matmul asks for; a primitive is created per call shape and reused (kMaxPrimitives kept).
 //
+// weights int8 / int4 (--weights): W is quantized at construction instead and the calls go to a
+// QuantLinear (quant_linear.h) with the same inputs, outputs and rounding points.
+//
 // Thread safety: forward may be called from several threads at once; the primitive cache, the oneDNN
 // stream and the bf16 input scratch are behind a mutex per object, so calls on one Linear take turns
 // (distinct objects run in parallel).
@@ -18,12 +21,14 @@
 
 #include "kda/common/bf16.h"
 #include "kda/common/precision.h"
+#include "kda/common/weights.h"
 
 namespace kda::layers {
 
 class Linear {
  public:
-  Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Precision precision);
+  Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Precision precision,
+         Weights weights = Weights::BF16);
   ~Linear();
   Linear(Linear&&) noexcept;
   Linear& operator=(Linear&&) noexcept;
@@ -31,6 +36,9 @@ class Linear {
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
   Precision precision() const { return precision_; }
+  Weights weights() const { return weights_; }
+  // The bytes of W a forward reads: dense (2 or 4 per weight) or the packed quantized values and scales.
+  int64_t weight_bytes() const;
 
   // x: [M, in] with row stride ldx (>= in); y: [M, out] with row stride ldy (>= out). In the bf16
   // precision x is converted to bf16 (round to nearest even) on the way in.
@@ -57,6 +65,7 @@ class Linear {
   void run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, int64_t ldy) const;
   int64_t in_ = 0, out_ = 0;
   Precision precision_ = Precision::FP32;
+  Weights weights_ = Weights::BF16;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -227,7 +227,7 @@ const KdaLayerWeights& checked(const KdaLayerWeights& w, const io::KimiLinearCon
 
 KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx,
                                        const KdaLayerWeights& w, Precision precision,
-                                       distributed::TensorParallel tp)
+                                       distributed::TensorParallel tp, Weights weights)
     : layer_idx_(layer_idx),
       precision_(precision),
       tp_(tp),
@@ -242,10 +242,11 @@ KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int laye
       dt_bias_(w.dt_bias),
       o_norm_w_(param(w.o_norm, precision)),
       proj_(D_, 3 * P_ + 2 * K_ + H_,
-            concat({&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.g_a_proj, &w.b_proj}), precision),
-      f_b_(K_, P_, w.f_b_proj, precision),
-      g_b_(K_, P_, w.g_b_proj, precision),
-      o_proj_(P_, D_, w.o_proj, precision),
+            concat({&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.g_a_proj, &w.b_proj}), precision,
+            weights),
+      f_b_(K_, P_, w.f_b_proj, precision, weights),
+      g_b_(K_, P_, w.g_b_proj, precision, weights),
+      o_proj_(P_, D_, w.o_proj, precision, weights),
       attn_(layers::RadixLinearAttention::Params{
           .layer_id = layer_idx,
           .num_q_heads = static_cast<int>(H_),
@@ -269,9 +270,14 @@ KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int laye
 std::unique_ptr<KimiDeltaAttention> KimiDeltaAttention::from_checkpoint(const io::Checkpoint& ckpt,
                                                                         const io::KimiLinearConfig& cfg,
                                                                         int layer_idx, Precision precision,
-                                                                        distributed::TensorParallel tp) {
+                                                                        distributed::TensorParallel tp,
+                                                                        Weights weights) {
   return std::make_unique<KimiDeltaAttention>(
-      cfg, layer_idx, KdaLayerWeights::load(ckpt, cfg, layer_idx, tp.rank, tp.size), precision, tp);
+      cfg, layer_idx, KdaLayerWeights::load(ckpt, cfg, layer_idx, tp.rank, tp.size), precision, tp, weights);
+}
+
+int64_t KimiDeltaAttention::weight_bytes() const {
+  return proj_.weight_bytes() + f_b_.weight_bytes() + g_b_.weight_bytes() + o_proj_.weight_bytes();
 }
 
 void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,

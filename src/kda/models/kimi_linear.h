@@ -66,19 +66,26 @@ struct KdaWorkspace {
 
 class KimiDeltaAttention {
  public:
-  // `w` holds this rank's shard (the whole layer when tp.size == 1).
+  // `w` holds this rank's shard (the whole layer when tp.size == 1). `weights`: how the projections (the
+  // fused q/k/v/f_a/g_a/b GEMM, f_b, g_b, o_proj) hold W -- the precision's dense weights, or int8 /
+  // int4 quantized here, from this rank's shard only (layers/quant_linear.h); the rest is unchanged.
   KimiDeltaAttention(const io::KimiLinearConfig& cfg, int layer_idx, const KdaLayerWeights& w,
-                     Precision precision, distributed::TensorParallel tp = {});
+                     Precision precision, distributed::TensorParallel tp = {},
+                     Weights weights = Weights::BF16);
   KimiDeltaAttention(const KimiDeltaAttention&) = delete;
   KimiDeltaAttention& operator=(const KimiDeltaAttention&) = delete;
 
   static std::unique_ptr<KimiDeltaAttention> from_checkpoint(const io::Checkpoint& ckpt,
                                                              const io::KimiLinearConfig& cfg, int layer_idx,
                                                              Precision precision,
-                                                             distributed::TensorParallel tp = {});
+                                                             distributed::TensorParallel tp = {},
+                                                             Weights weights = Weights::BF16);
 
   int layer_idx() const { return layer_idx_; }
   Precision precision() const { return precision_; }
+  Weights weights() const { return proj_.weights(); }
+  // The projections' resident weight bytes on this rank (what a decode step reads of them).
+  int64_t weight_bytes() const;
   int64_t hidden_size() const { return D_; }
   int64_t local_heads() const { return H_; }  // heads on this rank
   const distributed::TensorParallel& tp() const { return tp_; }

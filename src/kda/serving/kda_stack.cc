@@ -37,9 +37,10 @@ std::vector<int> KdaStack::select_layers(const io::KimiLinearConfig& cfg, int nu
 
 std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, int num_layers,
                                               Precision precision, uint64_t seed,
-                                              distributed::TensorParallel tp, int64_t vocab) {
+                                              distributed::TensorParallel tp, int64_t vocab,
+                                              Weights weights) {
   models::check_tensor_parallel(cfg, tp.size);
-  std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp));
+  std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp, weights));
   s->layer_ids_ = select_layers(cfg, num_layers);
   const int L = static_cast<int>(s->layer_ids_.size());
   s->layers_.resize(L);
@@ -52,7 +53,8 @@ std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, i
     try {
       auto w = models::KdaLayerWeights::synthetic(cfg, seed + 1000ULL * static_cast<uint64_t>(l + 1));
       if (tp.size > 1) w = w.shard(cfg, tp.rank, tp.size);  // the same weights as TP 1, this rank's part
-      s->layers_[l] = std::make_unique<models::KimiDeltaAttention>(cfg, s->layer_ids_[l], w, precision, tp);
+      s->layers_[l] =
+          std::make_unique<models::KimiDeltaAttention>(cfg, s->layer_ids_[l], w, precision, tp, weights);
     } catch (...) {
 #pragma omp critical
       err = std::current_exception();
@@ -65,14 +67,14 @@ std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, i
 
 std::unique_ptr<KdaStack> KdaStack::from_checkpoint(const std::filesystem::path& dir, int num_layers,
                                                     Precision precision, distributed::TensorParallel tp,
-                                                    int64_t vocab, uint64_t seed) {
+                                                    int64_t vocab, uint64_t seed, Weights weights) {
   const auto cfg = io::load_config(dir);
   models::check_tensor_parallel(cfg, tp.size);
-  std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp));
+  std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp, weights));
   s->layer_ids_ = select_layers(cfg, num_layers);
   const io::Checkpoint ckpt(dir);  // memory-mapped: only the tensors read below are touched
   for (const int id : s->layer_ids_) {
-    s->layers_.push_back(models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, id, precision, tp));
+    s->layers_.push_back(models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, id, precision, tp, weights));
     const std::string key = "model.layers." + std::to_string(id) + ".input_layernorm.weight";
     s->norm_w_.push_back(ckpt.contains(key) ? ckpt.load_f32(key, {cfg.hidden_size})
                                             : std::vector<float>(static_cast<size_t>(cfg.hidden_size), 1.0f));
@@ -172,6 +174,13 @@ void KdaStack::next_tokens(const float* h, int64_t M, int32_t* tokens) {
       if (l[v] > l[best]) best = v;
     tokens[m] = static_cast<int32_t>(best);
   }
+}
+
+int64_t KdaStack::layer_weight_bytes() const {
+  if (layers_.empty()) return 0;
+  int64_t total = 0;
+  for (const auto& l : layers_) total += l->weight_bytes();
+  return total / static_cast<int64_t>(layers_.size());
 }
 
 int64_t KdaStack::slot_bytes(const io::KimiLinearConfig& cfg, int num_layers, Precision precision) {

@@ -43,10 +43,12 @@ class KdaStack {
   // with seed + 1000 * (l + 1); RMSNorm weights are ones. A seeded embedding table (standard normals,
   // the scale of the hidden states the layers expect) and LM head (normals / sqrt(D)) of `vocab` rows.
   // With tensor parallelism (tp.size > 1) each layer holds this rank's shard of the same weights.
+  // `weights`: the layers' projections dense (bf16: the precision's type) or int8 / int4, quantized
+  // from this rank's shard at load (models/kimi_linear.h); the embedding and LM head stay dense.
   static std::unique_ptr<KdaStack> synthetic(const io::KimiLinearConfig& cfg, int num_layers,
                                              Precision precision, uint64_t seed,
                                              distributed::TensorParallel tp = {},
-                                             int64_t vocab = kDefaultVocab);
+                                             int64_t vocab = kDefaultVocab, Weights weights = Weights::BF16);
   // The first `num_layers` KDA layers of a checkpoint folder (0: all). Only those layers' tensors are
   // read from the memory-mapped checkpoint; model.layers.{i}.input_layernorm.weight when present.
   // model.embed_tokens.weight, lm_head.weight and model.norm.weight when present; the embedding and
@@ -54,7 +56,8 @@ class KdaStack {
   // `vocab`: the vocabulary of seeded tables (checkpoint_vocab() when the checkpoint has one).
   static std::unique_ptr<KdaStack> from_checkpoint(const std::filesystem::path& dir, int num_layers,
                                                    Precision precision, distributed::TensorParallel tp = {},
-                                                   int64_t vocab = kDefaultVocab, uint64_t seed = 0);
+                                                   int64_t vocab = kDefaultVocab, uint64_t seed = 0,
+                                                   Weights weights = Weights::BF16);
   // The vocabulary of a checkpoint folder: the rows of model.embed_tokens.weight, else of
   // lm_head.weight, else 0 (neither present). Reads only the tensor headers.
   static int64_t checkpoint_vocab(const std::filesystem::path& dir);
@@ -64,6 +67,9 @@ class KdaStack {
 
   const io::KimiLinearConfig& config() const { return cfg_; }
   Precision precision() const { return precision_; }
+  Weights weights() const { return weights_; }
+  // Resident projection weight bytes of one layer on this rank (the mean over the layers; they are alike).
+  int64_t layer_weight_bytes() const;
   int64_t hidden_size() const { return cfg_.hidden_size; }
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const std::vector<int>& layer_ids() const { return layer_ids_; }
@@ -89,11 +95,13 @@ class KdaStack {
   const std::vector<float>& logits() const { return logits_; }
 
  private:
-  KdaStack(const io::KimiLinearConfig& cfg, Precision precision, distributed::TensorParallel tp)
-      : cfg_(cfg), precision_(precision), tp_(tp) {}
+  KdaStack(const io::KimiLinearConfig& cfg, Precision precision, distributed::TensorParallel tp,
+           Weights weights)
+      : cfg_(cfg), precision_(precision), weights_(weights), tp_(tp) {}
 
   io::KimiLinearConfig cfg_;
   Precision precision_;
+  Weights weights_;
   distributed::TensorParallel tp_;
   std::vector<int> layer_ids_;  // decoder layer ids (0-based), in order
   std::vector<std::unique_ptr<models::KimiDeltaAttention>> layers_;

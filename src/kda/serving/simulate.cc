@@ -538,6 +538,7 @@ SimulateResult run_group(const SimulateOptions& o) {
   SimulateResult res;
   res.model = o.model_dir.empty() ? "synthetic" : o.model_dir;
   res.precision = o.precision;
+  res.weights = o.weights;
   res.layers = p.layers;
   res.hidden = p.cfg.hidden_size;
   res.mixed = p.sched.mixed;
@@ -560,10 +561,12 @@ SimulateResult run_group(const SimulateOptions& o) {
       res.model + ", " + to_string(o.precision) + ", hidden " + std::to_string(p.cfg.hidden_size) + ", " +
       std::to_string(p.cfg.num_heads) + " heads x " + std::to_string(p.cfg.head_dim) + ")");
   const auto t0 = Clock::now();
-  auto stack = o.model_dir.empty()
-                   ? KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed, o.tp, p.vocab)
-                   : KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision, o.tp, p.vocab, o.seed);
+  auto stack =
+      o.model_dir.empty()
+          ? KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed, o.tp, p.vocab, o.weights)
+          : KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision, o.tp, p.vocab, o.seed, o.weights);
   res.build_s = seconds_since(t0);
+  res.weight_bytes = stack->layer_weight_bytes();
 
   ServeOptions so;
   so.scheduler = p.sched;
@@ -702,6 +705,8 @@ nlohmann::json to_json(const SimulateResult& r) {
       {"interrupted", s.interrupted},
       {"model", r.model},
       {"precision", to_string(r.precision)},
+      {"weights", to_string(r.weights)},
+      {"weight_bytes", r.weight_bytes},
       {"layers", r.layers},
       {"hidden", r.hidden},
       {"vocab", r.vocab},

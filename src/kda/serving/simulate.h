@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "kda/common/precision.h"
+#include "kda/common/weights.h"
 #include "kda/distributed/communicator.h"
 #include "kda/io/config.h"
 #include "kda/server_args.h"
@@ -50,6 +51,7 @@ struct SimulateOptions {
   std::optional<io::KimiLinearConfig> synthetic_config;
   int layers = 0;  // the first N KDA layers; 0: all
   Precision precision = Precision::BF16;
+  Weights weights = Weights::BF16;
   std::string kernel = "auto";  // auto | naive | optimized
   uint64_t seed = 0;            // weights, workload and inputs
   // Vocabulary of the seeded embedding and LM head; 0: the checkpoint's (model.embed_tokens.weight
@@ -115,6 +117,8 @@ struct CheckReport {
 struct SimulateResult {
   std::string model;  // "synthetic" or the checkpoint folder
   Precision precision = Precision::BF16;
+  Weights weights = Weights::BF16;
+  int64_t weight_bytes = 0;  // resident projection weight bytes per layer (this rank)
   int layers = 0;
   int64_t hidden = 0;
   bool mixed = false, radix_cache_disabled = false;

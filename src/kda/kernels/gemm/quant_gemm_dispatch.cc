@@ -1,0 +1,168 @@
+// The quantized GEMM's entry points (the copy for best_isa()), the quantization at load and the
+// references.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "kda/common/isa.h"
+#include "kda/kernels/gemm/quant_gemm.h"
+#include "kda/kernels/gemm/quant_gemm_isa.h"
+
+namespace kda::kernels::gemm {
+namespace {
+
+void check_shape(int64_t in, int64_t out, bool int4) {
+  if (in <= 0 || out <= 0) throw std::invalid_argument("quantize: features must be positive");
+  if (int4 && in % kInt4Group != 0)
+    throw std::invalid_argument("int4 weights: the input size " + std::to_string(in) +
+                                " is not a multiple of the group size " + std::to_string(kInt4Group));
+}
+
+// Symmetric round to nearest of w[0..n) with scale max|w| / qmax (computed in double), into q.
+template <class Store>
+float quantize_run(const float* w, int64_t n, int qmax, Store store) {
+  double amax = 0.0;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(static_cast<double>(w[k])));
+  const double s = amax / qmax;
+  for (int64_t k = 0; k < n; ++k) {
+    const double r = s > 0.0 ? std::nearbyint(static_cast<double>(w[k]) / s) : 0.0;
+    store(k, static_cast<int>(std::clamp(r, -static_cast<double>(qmax), static_cast<double>(qmax))));
+  }
+  return static_cast<float>(s);
+}
+
+void check_call(const float* x, int64_t M, int64_t ldx, int64_t in, int64_t out, const float* y,
+                int64_t ldy) {
+  if (M < 0 || ldx < in || ldy < out) throw std::invalid_argument("quantized gemm: bad M or row strides");
+  if (M > 0 && (x == nullptr || y == nullptr)) throw std::invalid_argument("quantized gemm: null x or y");
+}
+
+template <class W>
+void reference(const float* x, int64_t M, int64_t ldx, const W& w, float* y, int64_t ldy) {
+  check_call(x, M, ldx, w.in, w.out, y, ldy);
+  const std::vector<float> wf = dequantize(w);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < w.out; ++n) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < w.in; ++k) s += x[m * ldx + k] * wf[n * w.in + k];
+      y[m * ldy + n] = s;
+    }
+}
+
+}  // namespace
+
+void quantize_int8(const float* w, int64_t in, int64_t out, std::vector<int8_t>& q,
+                   std::vector<float>& scale) {
+  check_shape(in, out, false);
+  q.assign(static_cast<size_t>(in * out), 0);
+  scale.assign(static_cast<size_t>(out), 0.0f);
+  for (int64_t n = 0; n < out; ++n) {
+    int8_t* qr = q.data() + n * in;
+    scale[n] = quantize_run(w + n * in, in, 127, [&](int64_t k, int v) { qr[k] = static_cast<int8_t>(v); });
+  }
+}
+
+void quantize_int4(const float* w, int64_t in, int64_t out, std::vector<uint8_t>& q,
+                   std::vector<float>& scale) {
+  check_shape(in, out, true);
+  const int64_t G = in / kInt4Group;
+  q.assign(static_cast<size_t>(in / 2 * out), 0);
+  scale.assign(static_cast<size_t>(G * out), 0.0f);
+  for (int64_t n = 0; n < out; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* qg = q.data() + n * (in / 2) + g * 16;
+      // Input j of the group: byte j % 16, low nibble for j < 16, high for j >= 16; stored as q + 8.
+      scale[n * G + g] = quantize_run(w + n * in + g * kInt4Group, kInt4Group, 7, [&](int64_t j, int v) {
+        const auto u = static_cast<uint8_t>(v + 8);
+        qg[j % 16] = static_cast<uint8_t>(j < 16 ? (qg[j % 16] & 0xF0) | u : (qg[j % 16] & 0x0F) | (u << 4));
+      });
+    }
+}
+
+void dequantize_rows(const Int8Weights& w, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = w.q + n * w.in;
+    float* o = out + (n - n0) * w.in;
+    const float s = w.scale[n];
+    for (int64_t k = 0; k < w.in; ++k) o[k] = static_cast<float>(q[k]) * s;
+  }
+}
+
+void dequantize_rows(const Int4Weights& w, int64_t n0, int64_t n1, float* out) {
+  const int64_t G = w.in / kInt4Group;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = w.q + n * (w.in / 2);
+    float* o = out + (n - n0) * w.in;
+    for (int64_t k = 0; k < w.in; ++k) {
+      const uint8_t b = q[(k / kInt4Group) * 16 + k % 16];
+      const int nib = (k % kInt4Group) < 16 ? (b & 0xF) : (b >> 4);
+      o[k] = static_cast<float>(nib - 8) * w.scale[n * G + k / kInt4Group];
+    }
+  }
+}
+
+std::vector<float> dequantize(const Int8Weights& w) {
+  std::vector<float> out(static_cast<size_t>(w.in * w.out));
+  dequantize_rows(w, 0, w.out, out.data());
+  return out;
+}
+
+std::vector<float> dequantize(const Int4Weights& w) {
+  std::vector<float> out(static_cast<size_t>(w.in * w.out));
+  dequantize_rows(w, 0, w.out, out.data());
+  return out;
+}
+
+#define KDA_QUANT_DISPATCH(fn)                                   \
+  check_call(x, M, ldx, w.in, w.out, y, ldy);                    \
+  require_isa(isa);                                              \
+  if (M == 0) return;                                            \
+  switch (isa) {                                                 \
+    case Isa::Avx512:                                            \
+      KDA_QUANT_AVX512(return avx512::fn(x, M, ldx, w, y, ldy)); \
+      break;                                                     \
+    case Isa::Avx2:                                              \
+      KDA_QUANT_AVX2(return avx2::fn(x, M, ldx, w, y, ldy));     \
+      break;                                                     \
+    default:                                                     \
+      break;                                                     \
+  }                                                              \
+  portable::fn(x, M, ldx, w, y, ldy);
+
+// Only the copies in the build are referenced (require_isa() refuses the others first).
+#if defined(KDA_WITH_AVX512)
+#define KDA_QUANT_AVX512(...) __VA_ARGS__
+#else
+#define KDA_QUANT_AVX512(...)
+#endif
+#if defined(KDA_WITH_AVX2)
+#define KDA_QUANT_AVX2(...) __VA_ARGS__
+#else
+#define KDA_QUANT_AVX2(...)
+#endif
+
+void gemm(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy, Isa isa) {
+  KDA_QUANT_DISPATCH(gemm_int8)
+}
+
+void gemm(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy, Isa isa) {
+  check_shape(w.in, w.out, true);
+  KDA_QUANT_DISPATCH(gemm_int4)
+}
+
+void gemm(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy) {
+  gemm(x, M, ldx, w, y, ldy, best_isa());
+}
+void gemm(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy) {
+  gemm(x, M, ldx, w, y, ldy, best_isa());
+}
+
+void gemm_reference(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy) {
+  reference(x, M, ldx, w, y, ldy);
+}
+void gemm_reference(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy) {
+  reference(x, M, ldx, w, y, ldy);
+}
+
+}  // namespace kda::kernels::gemm

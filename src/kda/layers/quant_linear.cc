@@ -1,0 +1,171 @@
+#include "kda/layers/quant_linear.h"
+
+#include <algorithm>
+#include <cstring>
+#include <dnnl.hpp>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include "kda/kernels/gemm/quant_gemm.h"
+
+namespace kda::layers {
+
+using dnnl::memory;
+namespace qg = kda::kernels::gemm;
+
+struct QuantLinear::Impl {
+  std::vector<int8_t> q8;
+  std::vector<uint8_t> q4;
+  std::vector<float> scale;
+  qg::Int8Weights w8;
+  qg::Int4Weights w4;
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  mutable dnnl::stream stream{engine};
+  // The prefill path's fp32 matmuls, one per (M, tile width, ldx, ldy): created on first use. A serving
+  // engine's prefill row counts vary, so the map is cleared when it grows past kMaxPrimitives (oneDNN's
+  // own primitive cache makes re-creating a recent one cheap).
+  static constexpr size_t kMaxPrimitives = 32;
+  mutable std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, dnnl::matmul> prims;
+  // Scratch: x in fp32, y in fp32 (for a bf16 output), one dequantized weight tile.
+  mutable std::vector<float> xf, yf, wt;
+  mutable std::mutex mu;
+
+  template <class F>
+  decltype(auto) with_weights(Weights w, F f) const {
+    return w == Weights::Int8 ? f(w8) : f(w4);
+  }
+};
+
+QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
+                         Weights weights, Precision precision)
+    : in_(in_features),
+      out_(out_features),
+      weights_(weights),
+      precision_(precision),
+      impl_(std::make_unique<Impl>()) {
+  if (weights != Weights::Int8 && weights != Weights::Int4)
+    throw std::invalid_argument("QuantLinear: weights must be int8 or int4");
+  if (in_ <= 0 || out_ <= 0) throw std::invalid_argument("QuantLinear: features must be positive");
+  if (static_cast<int64_t>(weight.size()) != in_ * out_)
+    throw std::invalid_argument("QuantLinear: weight has " + std::to_string(weight.size()) +
+                                " values, expected " + std::to_string(out_) + " x " + std::to_string(in_));
+  Impl& im = *impl_;
+  if (weights == Weights::Int8) {
+    qg::quantize_int8(weight.data(), in_, out_, im.q8, im.scale);
+    im.w8 = {im.q8.data(), im.scale.data(), in_, out_};
+  } else {
+    qg::quantize_int4(weight.data(), in_, out_, im.q4, im.scale);
+    im.w4 = {im.q4.data(), im.scale.data(), in_, out_};
+  }
+}
+
+QuantLinear::~QuantLinear() = default;
+QuantLinear::QuantLinear(QuantLinear&&) noexcept = default;
+QuantLinear& QuantLinear::operator=(QuantLinear&&) noexcept = default;
+
+int64_t QuantLinear::weight_bytes() const {
+  const Impl& im = *impl_;
+  return static_cast<int64_t>(im.q8.size() + im.q4.size() + sizeof(float) * im.scale.size());
+}
+
+std::vector<float> QuantLinear::dequantized() const {
+  return impl_->with_weights(weights_, [](const auto& w) { return qg::dequantize(w); });
+}
+
+template <class X, class Y>
+void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const {
+  constexpr bool x16 = std::is_same_v<X, bf16_t>, y16 = std::is_same_v<Y, bf16_t>;
+  if ((x16 || y16) && precision_ != Precision::BF16)
+    throw std::invalid_argument("QuantLinear::forward: bf16 input or output for an fp32 projection");
+  if (M < 0 || ldx < in_ || ldy < out_)
+    throw std::invalid_argument("QuantLinear::forward: bad M or row strides");
+  if (M == 0) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& im = *impl_;
+  // x in fp32: bf16 widened exactly; fp32 rounded to bf16 in the bf16 precision (its rounding point), as is
+  // in the fp32 one.
+  const float* xf = nullptr;
+  int64_t ldxf = in_;
+  if constexpr (x16) {
+    im.xf.resize(static_cast<size_t>(M * in_));
+    for (int64_t i = 0; i < M; ++i) bf16_to_f32_array(x + i * ldx, im.xf.data() + i * in_, in_);
+    xf = im.xf.data();
+  } else if (precision_ == Precision::BF16) {
+    im.xf.resize(static_cast<size_t>(M * in_));
+    for (int64_t i = 0; i < M; ++i) {
+      const float* xr = x + i * ldx;
+      float* o = im.xf.data() + i * in_;
+      for (int64_t k = 0; k < in_; ++k) o[k] = round_bf16(xr[k]);
+    }
+    xf = im.xf.data();
+  } else {
+    xf = x;
+    ldxf = ldx;
+  }
+  // y in fp32: y itself, or a scratch rounded to bf16 afterwards.
+  float* yf = nullptr;
+  int64_t ldyf = out_;
+  if constexpr (y16) {
+    im.yf.resize(static_cast<size_t>(M * out_));
+    yf = im.yf.data();
+  } else {
+    yf = y;
+    ldyf = ldy;
+  }
+  if (M <= kDecodeRows) {
+    im.with_weights(weights_, [&](const auto& w) { qg::gemm(xf, M, ldxf, w, yf, ldyf); });
+  } else {
+    // Prefill: dequantized tiles of kTile output channels through oneDNN's fp32 matmul (W^T view of the
+    // tile's [nt, in] rows), each writing its columns of yf.
+    im.wt.resize(static_cast<size_t>(kTile * in_));
+    for (int64_t n0 = 0; n0 < out_; n0 += kTile) {
+      const int64_t nt = std::min(kTile, out_ - n0);
+      float* wt = im.wt.data();
+      const int64_t in = in_;
+      im.with_weights(weights_, [&](const auto& w) {
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < nt; ++r) qg::dequantize_rows(w, n0 + r, n0 + r + 1, wt + r * in);
+      });
+      const auto key = std::make_tuple(M, nt, ldxf, ldyf);
+      auto it = im.prims.find(key);
+      if (it == im.prims.end()) {
+        if (im.prims.size() >= Impl::kMaxPrimitives) im.prims.clear();
+        const memory::desc src_md({M, in_}, memory::data_type::f32, memory::dims{ldxf, 1});
+        const memory::desc w_md({in_, nt}, memory::data_type::f32, memory::dims{1, in_});
+        const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{ldyf, 1});
+        const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_md, dst_md), im.engine);
+        it = im.prims.emplace(key, dnnl::matmul(pd)).first;
+      }
+      const memory::desc src_md({M, in_}, memory::data_type::f32, memory::dims{ldxf, 1});
+      const memory::desc w_md({in_, nt}, memory::data_type::f32, memory::dims{1, in_});
+      const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{ldyf, 1});
+      memory src_m(src_md, im.engine, const_cast<float*>(xf));
+      memory w_m(w_md, im.engine, wt);
+      memory dst_m(dst_md, im.engine, yf + n0);
+      it->second.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
+      im.stream.wait();
+    }
+  }
+  if constexpr (y16) {
+    for (int64_t i = 0; i < M; ++i) f32_to_bf16_array(yf + i * out_, y + i * ldy, out_);
+  }
+}
+
+void QuantLinear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
+  forward_as(x, M, ldx, y, ldy);
+}
+void QuantLinear::forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
+  forward_as(x, M, ldx, y, ldy);
+}
+void QuantLinear::forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const {
+  forward_as(x, M, ldx, y, ldy);
+}
+void QuantLinear::forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const {
+  forward_as(x, M, ldx, y, ldy);
+}
+
+}  // namespace kda::layers

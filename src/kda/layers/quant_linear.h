@@ -1,0 +1,57 @@
+// A bias-free linear projection y = x W^T with W quantized at construction (weight-only: int8 per
+// output channel or int4 in groups of 32, kernels/gemm/quant_gemm.h); the same forward() signatures as
+// Linear. x is taken in fp32 (bf16 inputs widened exactly; in the bf16 precision fp32 inputs are rounded
+// to bf16 first, the layer input's rounding point, as Linear does), accumulation is fp32, and a bf16
+// output is rounded to nearest even as it is stored.
+//
+// Up to kDecodeRows rows (decode): the packed kernels, one pass over the packed bytes. More rows
+// (prefill, compute bound): a tile of output channels at a time is dequantized to fp32 and multiplied
+// by oneDNN's fp32 matmul, so the packed weights are never resident in a wider form.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/common/precision.h"
+#include "kda/common/weights.h"
+
+namespace kda::layers {
+
+class QuantLinear {
+ public:
+  static constexpr int64_t kDecodeRows = 64;
+  static constexpr int64_t kTile = 256;  // output channels per dequantized tile on the prefill path
+
+  // weights: Int8 or Int4 (int4 needs in_features % 32 == 0); weight [out, in] in fp32.
+  QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Weights weights,
+              Precision precision);
+  ~QuantLinear();
+  QuantLinear(QuantLinear&&) noexcept;
+  QuantLinear& operator=(QuantLinear&&) noexcept;
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  Weights weights() const { return weights_; }
+  // The packed bytes the forward reads: the quantized values and their scales.
+  int64_t weight_bytes() const;
+  // W as the kernels see it, fp32 [out, in] (for tests and references).
+  std::vector<float> dequantized() const;
+
+  void forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
+  void forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
+  void forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
+  void forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
+
+ private:
+  struct Impl;
+  template <class X, class Y>
+  void forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
+  int64_t in_ = 0, out_ = 0;
+  Weights weights_ = Weights::Int8;
+  Precision precision_ = Precision::BF16;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kda::layers

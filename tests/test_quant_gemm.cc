@@ -1,0 +1,202 @@
+// The weight-only quantized GEMM: quantization at load (round to nearest, the packing layout), every
+// ISA copy of the kernels against its reference (dequantize, then plain fp32 loops) on decode and odd
+// shapes, and QuantLinear's decode and prefill paths and rounding points.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/common/isa.h"
+#include "kda/kernels/gemm/quant_gemm.h"
+#include "kda/layers/linear.h"
+#include "kda/layers/quant_linear.h"
+#include "support/test_support.h"
+
+namespace kda {
+namespace {
+
+namespace qg = kernels::gemm;
+using testing::expect_throw_with;
+using testing::random_normal;
+
+std::vector<Isa> available_isas() {
+  std::vector<Isa> v;
+  for (Isa isa : {Isa::Portable, Isa::Avx2, Isa::Avx512})
+    if (isa_available(isa)) v.push_back(isa);
+  return v;
+}
+
+// |y - y_ref| within fp32 summation rounding: 2 (kernel and reference) * in * 2^-24 * sum_k |x_k w_k|.
+void expect_close_fp32(const std::vector<float>& x, int64_t ldx, const std::vector<float>& wf, int64_t M,
+                       int64_t in, int64_t out, const float* y, int64_t ldy, const float* yref, int64_t ldr,
+                       const std::string& what) {
+  int bad = 0;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < out; ++n) {
+      double mag = 0.0;
+      for (int64_t k = 0; k < in; ++k) mag += std::fabs(static_cast<double>(x[m * ldx + k]) * wf[n * in + k]);
+      const double tol = 2.0 * static_cast<double>(in) * std::ldexp(1.0, -24) * mag + 1e-30;
+      const double d = std::fabs(static_cast<double>(y[m * ldy + n]) - yref[m * ldr + n]);
+      if (!(d <= tol) && bad++ < 5)
+        ADD_FAILURE() << what << ": y[" << m << ", " << n << "] = " << y[m * ldy + n] << ", reference "
+                      << yref[m * ldr + n] << " (tolerance " << tol << ")";
+    }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+struct Shape {
+  int64_t in, out;
+};
+
+template <class W>
+void check_kernels(const W& w, const std::vector<float>& wf, const std::string& tag) {
+  for (int64_t M : {1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64}) {
+    const int64_t ldx = w.in + 3, ldy = w.out + 5;
+    const std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 100 + M);
+    std::vector<float> yref(static_cast<size_t>(M * ldy), -1.0f);
+    qg::gemm_reference(x.data(), M, ldx, w, yref.data(), ldy);
+    for (Isa isa : available_isas()) {
+      std::vector<float> y(static_cast<size_t>(M * ldy), 7.0f);
+      qg::gemm(x.data(), M, ldx, w, y.data(), ldy, isa);
+      const std::string what = tag + " M=" + std::to_string(M) + " " + to_string(isa);
+      expect_close_fp32(x, ldx, wf, M, w.in, w.out, y.data(), ldy, yref.data(), ldy, what);
+      // The padding between rows is left as it was.
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = w.out; n < ldy; ++n) ASSERT_EQ(y[m * ldy + n], 7.0f) << what;
+    }
+  }
+}
+
+TEST(QuantGemm, Int8KernelsEqualTheReference) {
+  for (Shape s : {Shape{2304, 37}, Shape{128, 260}, Shape{4096, 9}, Shape{17, 5}, Shape{100, 3}, Shape{1, 1},
+                  Shape{33, 64}}) {
+    const std::vector<float> wsrc = random_normal(static_cast<size_t>(s.in * s.out), s.in * 7 + s.out, 0.05f);
+    std::vector<int8_t> q;
+    std::vector<float> scale;
+    qg::quantize_int8(wsrc.data(), s.in, s.out, q, scale);
+    const qg::Int8Weights w{q.data(), scale.data(), s.in, s.out};
+    check_kernels(w, qg::dequantize(w), "int8 " + std::to_string(s.in) + "x" + std::to_string(s.out));
+  }
+}
+
+TEST(QuantGemm, Int4KernelsEqualTheReference) {
+  for (Shape s :
+       {Shape{2304, 37}, Shape{128, 260}, Shape{4096, 9}, Shape{32, 5}, Shape{96, 3}, Shape{64, 1}}) {
+    const std::vector<float> wsrc = random_normal(static_cast<size_t>(s.in * s.out), s.in * 5 + s.out, 0.05f);
+    std::vector<uint8_t> q;
+    std::vector<float> scale;
+    qg::quantize_int4(wsrc.data(), s.in, s.out, q, scale);
+    const qg::Int4Weights w{q.data(), scale.data(), s.in, s.out};
+    check_kernels(w, qg::dequantize(w), "int4 " + std::to_string(s.in) + "x" + std::to_string(s.out));
+  }
+}
+
+// Round to nearest with the documented scales: each weight within half a step of its dequantized
+// value, and the largest magnitude of each channel (int8) or group (int4) exact at +-qmax steps.
+TEST(QuantGemm, QuantizationRoundsToNearestWithMaxAbsScales) {
+  const int64_t in = 96, out = 11;
+  std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 5);
+  std::fill(wsrc.begin() + 3 * in, wsrc.begin() + 4 * in, 0.0f);  // a zero channel: scale 0, all zeros
+  std::vector<int8_t> q8;
+  std::vector<uint8_t> q4;
+  std::vector<float> s8, s4;
+  qg::quantize_int8(wsrc.data(), in, out, q8, s8);
+  qg::quantize_int4(wsrc.data(), in, out, q4, s4);
+  const std::vector<float> d8 = qg::dequantize(qg::Int8Weights{q8.data(), s8.data(), in, out});
+  const std::vector<float> d4 = qg::dequantize(qg::Int4Weights{q4.data(), s4.data(), in, out});
+  const int64_t G = in / qg::kInt4Group;
+  ASSERT_EQ(q4.size(), static_cast<size_t>(in / 2 * out));
+  ASSERT_EQ(s4.size(), static_cast<size_t>(G * out));
+  for (int64_t n = 0; n < out; ++n) {
+    double amax = 0.0;
+    for (int64_t k = 0; k < in; ++k) amax = std::max(amax, std::fabs(static_cast<double>(wsrc[n * in + k])));
+    EXPECT_NEAR(s8[n], amax / 127.0, 1e-7 * amax) << "channel " << n;
+    for (int64_t k = 0; k < in; ++k) {
+      const int64_t i = n * in + k;
+      EXPECT_LE(std::fabs(wsrc[i] - d8[i]), 0.5 * s8[n] * (1 + 1e-5) + 1e-30) << "int8 " << n << "," << k;
+      const float s = s4[n * G + k / qg::kInt4Group];
+      EXPECT_LE(std::fabs(wsrc[i] - d4[i]), 0.5 * s * (1 + 1e-5) + 1e-30) << "int4 " << n << "," << k;
+      // The packing: byte (k % 32) % 16 of the group, low nibble for the first 16 inputs.
+      const uint8_t b = q4[n * (in / 2) + (k / 32) * 16 + (k % 16)];
+      const int nib = (k % 32) < 16 ? (b & 0xF) : (b >> 4);
+      EXPECT_GE(nib, 1);
+      EXPECT_LE(nib, 15);
+      if (std::fabs(wsrc[i]) == amax && amax > 0) EXPECT_EQ(std::abs(q8[i]), 127) << n << "," << k;
+    }
+  }
+  for (int64_t k = 0; k < in; ++k) EXPECT_EQ(d8[3 * in + k], 0.0f);
+  for (int64_t k = 0; k < in; ++k) EXPECT_EQ(d4[3 * in + k], 0.0f);
+}
+
+TEST(QuantGemm, BadShapesAreRefused) {
+  std::vector<float> w(48 * 2, 0.5f);
+  std::vector<uint8_t> q4;
+  std::vector<float> s;
+  expect_throw_with<std::invalid_argument>([&] { qg::quantize_int4(w.data(), 48, 2, q4, s); },
+                                           "not a multiple of the group size 32");
+  expect_throw_with<std::invalid_argument>(
+      [&] { layers::QuantLinear(48, 2, w, Weights::Int4, Precision::BF16); },
+      "not a multiple of the group size");
+  expect_throw_with<std::invalid_argument>(
+      [&] { layers::QuantLinear(48, 3, w, Weights::Int8, Precision::BF16); }, "expected 3 x 48");
+  layers::QuantLinear ql(48, 2, w, Weights::Int8, Precision::FP32);
+  std::vector<bf16_t> xb(48);
+  std::vector<float> y(2, 9.0f);
+  expect_throw_with<std::invalid_argument>([&] { ql.forward(xb.data(), 1, 48, y.data(), 2); },
+                                           "bf16 input or output for an fp32 projection");
+  expect_throw_with<std::invalid_argument>([&] { ql.forward(w.data(), 1, 47, y.data(), 2); }, "row strides");
+  EXPECT_EQ(y[0], 9.0f);
+}
+
+// QuantLinear (through Linear, as the layer holds it): the decode path (M <= 64) and the prefill path
+// (dequantized tiles through oneDNN), fp32 and bf16 inputs and outputs, against x W_deq^T in double.
+TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
+  const int64_t in = 256, out = 600;  // out > 2 tiles of 256: a tail tile
+  const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 77, 0.06f);
+  for (Weights fmt : {Weights::Int8, Weights::Int4}) {
+    for (Precision prec : {Precision::FP32, Precision::BF16}) {
+      const layers::Linear lin(in, out, wsrc, prec, fmt);
+      ASSERT_EQ(lin.weights(), fmt);
+      const int64_t bytes = fmt == Weights::Int8 ? in * out + 4 * out : in * out / 2 + 4 * out * (in / 32);
+      EXPECT_EQ(lin.weight_bytes(), bytes);
+      const layers::QuantLinear ql(in, out, wsrc, fmt, prec);
+      const std::vector<float> wf = ql.dequantized();
+      for (int64_t M : {1, 3, 64, 65, 300}) {
+        const std::string what =
+            std::string(to_string(fmt)) + "/" + to_string(prec) + " M=" + std::to_string(M);
+        const int64_t ldx = in + 8, ldy = out + 4;
+        std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 200 + M);
+        std::vector<float> xr = x;  // as the projection reads it: bf16-rounded in the bf16 precision
+        if (prec == Precision::BF16) round_bf16_inplace(xr.data(), xr.size());
+        std::vector<float> yref(static_cast<size_t>(M * out));
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < out; ++n) {
+            double s = 0.0;
+            for (int64_t k = 0; k < in; ++k) s += static_cast<double>(xr[m * ldx + k]) * wf[n * in + k];
+            yref[m * out + n] = static_cast<float>(s);
+          }
+        std::vector<float> y(static_cast<size_t>(M * ldy), 3.0f);
+        lin.forward(x.data(), M, ldx, y.data(), ldy);
+        expect_close_fp32(xr, ldx, wf, M, in, out, y.data(), ldy, yref.data(), out, what + " f32->f32");
+        if (prec != Precision::BF16) continue;
+        std::vector<bf16_t> xb(static_cast<size_t>(M * ldx)), yb(static_cast<size_t>(M * ldy));
+        f32_to_bf16_array(x.data(), xb.data(), xb.size());
+        lin.forward(xb.data(), M, ldx, yb.data(), ldy);
+        int bad = 0;
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < out; ++n) {
+            const float v = bf16_to_f32(yb[m * ldy + n]), r = yref[m * out + n];
+            // bf16 output: the fp32 result rounded to nearest even (one bf16 ulp of slack for ties).
+            if (!(std::fabs(v - r) <= std::ldexp(std::fabs(r), -8) + 1e-6f)) ++bad;
+          }
+        EXPECT_EQ(bad, 0) << what << " bf16->bf16";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kda
