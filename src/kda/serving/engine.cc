@@ -126,8 +126,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
       continue;
     }
     // Speculative decoding: each decode row becomes its token + drafts (never past the sequence's end).
-    const bool verify =
-        (opt.spec.enabled() || opt.probe_decode) && b.mode == model_executor::ForwardMode::DECODE;
+    bool verify = (opt.spec.enabled() || opt.probe_decode) && b.mode == model_executor::ForwardMode::DECODE;
     drafts.clear();
     if (verify) {
       b.mode = model_executor::ForwardMode::TARGET_VERIFY;
@@ -141,6 +140,12 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
         b.decode_tokens += row.len;
         b.draft_parents.insert(b.draft_parents.end(), d.parents.begin(), d.parents.end());
         res.spec_draft_tokens += d.size();
+      }
+      // No row has a draft (ngram found no match): a plain DECODE step, without the verify path's
+      // kept inputs and accept replay.
+      if (b.draft_parents.empty() && !opt.probe_decode) {
+        b.mode = model_executor::ForwardMode::DECODE;
+        verify = false;
       }
     }
     const int64_t T = b.num_tokens();
