@@ -11,9 +11,9 @@ REQUESTS=${1:-2000}
 KDA=${2:-build/kda}
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
-"$KDA" simulate --layers 1 --precision fp32 --workload shared-prefix --prefix-groups 8 --shared-prefix-len 64 \
+"$KDA" simulate --layers 1 --precision fp32 --workload shared-prefix --prefix-groups 2 --shared-prefix-len 64 \
   --requests "$REQUESTS" --prompt-len 8:32 --output-len 6 --vocab 64 --seed 3 \
-  --state-memory 20MiB --prefix-cache-memory 12MiB --cache-interval 64 --mixed --max-batch 8 \
+  --state-memory 20MiB --prefix-cache-memory 16MiB --cache-interval 64 --mixed --max-batch 8 \
   --speculative ngram --draft-topk 2 --parallel-samples 2 --check 8 --json >"$OUT"
 /usr/bin/python3 - "$OUT" <<'PY'
 import json, sys
