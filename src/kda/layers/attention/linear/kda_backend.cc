@@ -446,8 +446,12 @@ void LinearRecurrentAttnBackend::forward_verify(const RadixLinearAttention& laye
       }
     }
   };
+  // Scratch sized for the verify buffer's most tokens (rows x tokens), not this batch's T: grown to a
+  // new high-water mark whenever a batch happened to be larger, it made resident memory creep up late in a
+  // long serving run (scripts/soak.sh); sized once, it is all there from the first verify step.
+  const int64_t T_cap = std::max(T, cache.verify_rows * cache.verify_tokens);
   const int64_t ys = conv_out_stride(layer, sizeof(float));
-  conv_out_.resize(static_cast<size_t>(T * ys));
+  conv_out_.resize(std::max(conv_out_.size(), static_cast<size_t>(T_cap * ys)));
   auto fill = [&](auto& args) {
     args.x = in.mixed_qkv;
     args.x_bf16 = in.mixed_qkv_bf16;
@@ -465,14 +469,14 @@ void LinearRecurrentAttnBackend::forward_verify(const RadixLinearAttention& laye
     args.y_stride = ys;
   };
   if (cache.conv_f32 != nullptr) {
-    verify_conv_f32_.resize(static_cast<size_t>(T * Hn * C));
+    verify_conv_f32_.resize(static_cast<size_t>(T_cap * Hn * C));
     windows(verify_conv_f32_.data(), cache.conv_f32);
     kernels::ShortConvArgs<float> args;
     fill(args);
     args.state = verify_conv_f32_.data();
     kernels::short_conv_decode(args);
   } else {
-    verify_conv_bf16_.resize(static_cast<size_t>(T * Hn * C));
+    verify_conv_bf16_.resize(static_cast<size_t>(T_cap * Hn * C));
     windows(verify_conv_bf16_.data(), cache.conv_bf16);
     kernels::ShortConvArgs<bf16_t> args;
     fill(args);
@@ -562,9 +566,11 @@ void LinearRecurrentAttnBackend::accept(const ForwardBatch& batch, std::span<con
     const int64_t Hn = p.conv_kernel - 1, E = cache.verify_token_elems;
     const auto kept = [&](int64_t i, int64_t j) { return cache.verify + (i * cache.verify_tokens + j) * E; };
     // The accepted tokens' kept inputs, contiguous.
-    accept_rows_.resize(static_cast<size_t>(Tp * E));
-    accept_beta_.resize(static_cast<size_t>(Tp * H));
-    accept_o_.resize(static_cast<size_t>(Tp * H * V));
+    // Sized for the verify buffer's most tokens (see forward_verify).
+    const int64_t Tcap = std::max<int64_t>(Tp, cache.verify_rows * cache.verify_tokens);
+    accept_rows_.resize(static_cast<size_t>(Tcap * E));
+    accept_beta_.resize(static_cast<size_t>(Tcap * H));
+    accept_o_.resize(static_cast<size_t>(Tcap * H * V));
     for (int64_t i = 0, t = 0; i < B; ++i) {
       for (const int64_t j : paths[i]) {
         std::memcpy(accept_rows_.data() + t * E, kept(i, j), sizeof(float) * E);
