@@ -124,7 +124,9 @@ TEST(QuantGemm, QuantizationRoundsToNearestWithMaxAbsScales) {
       const int nib = (k % 32) < 16 ? (b & 0xF) : (b >> 4);
       EXPECT_GE(nib, 1);
       EXPECT_LE(nib, 15);
-      if (std::fabs(wsrc[i]) == amax && amax > 0) EXPECT_EQ(std::abs(q8[i]), 127) << n << "," << k;
+      if (std::fabs(wsrc[i]) == amax && amax > 0) {
+        EXPECT_EQ(std::abs(q8[i]), 127) << n << "," << k;
+      }
     }
   }
   for (int64_t k = 0; k < in; ++k) EXPECT_EQ(d8[3 * in + k], 0.0f);
