@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "kda/io/npy.h"
+#include "kda/runtime/compare.h"
 #include "kda/runtime/layer_runner.h"
 
 namespace kda::runtime {
@@ -25,25 +26,6 @@ double max_err_ratio(const std::vector<float>& a, const std::vector<float>& b) {
     worst = std::max(worst, d / (kFp32Tol + kFp32Tol * std::fabs(static_cast<double>(b[i]))));
   }
   return worst;
-}
-
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) throw std::runtime_error("compared arrays differ in size");
-  double num = 0.0, den = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    const double d = static_cast<double>(a[i]) - b[i];
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-std::vector<float> need(const io::NpzArchive& npz, const std::string& key,
-                        const std::filesystem::path& file) {
-  auto it = npz.find(key);
-  if (it == npz.end()) throw std::runtime_error(file.string() + " has no '" + key + "' array");
-  return it->second.to_f32();
 }
 
 void add(CaseReport& r, std::string check, std::string metric, double value, double limit) {

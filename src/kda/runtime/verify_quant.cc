@@ -7,6 +7,7 @@
 
 #include "kda/io/npy.h"
 #include "kda/layers/quant_linear.h"
+#include "kda/runtime/compare.h"
 #include "kda/runtime/layer_runner.h"
 
 namespace kda::runtime {
@@ -14,25 +15,6 @@ namespace {
 
 constexpr double kSchemeFactor = 1.1;  // x the scheme's own error vs float64
 constexpr double kInvariance = 5e-3;   // prefill -> decode, rel L2
-
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) throw std::runtime_error("compared arrays differ in size");
-  double num = 0.0, den = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    const double d = static_cast<double>(a[i]) - b[i];
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-std::vector<float> need(const io::NpzArchive& npz, const std::string& key,
-                        const std::filesystem::path& file) {
-  auto it = npz.find(key);
-  if (it == npz.end()) throw std::runtime_error(file.string() + " has no '" + key + "' array");
-  return it->second.to_f32();
-}
 
 void add(CaseReport& r, std::string check, double value, double limit) {
   r.rows.push_back({std::move(check), "rel L2", value, limit, value <= limit});
