@@ -189,6 +189,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
       }
       runner.accept(fb, accepted);
       res.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      b.decode_tokens = 0;  // from here on: the tokens the step emitted (what plain decode steps count)
       t = 0;
       for (size_t i = 0; i < b.rows.size(); ++i) {
         auto& row = b.rows[i];
@@ -209,12 +210,11 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
         t += row.len;
         row.len = 1 + static_cast<int32_t>(v.path.size());  // what complete() advances the sequence by
         res.spec_accepted_tokens += static_cast<int64_t>(v.path.size());
-        res.spec_emitted_tokens += row.len;
+        b.decode_tokens += row.len;
       }
+      res.spec_emitted_tokens += b.decode_tokens;
       ++res.spec_verify_steps;
       res.spec_verify_rows += static_cast<int64_t>(b.rows.size());
-      b.decode_tokens = 0;  // from here on: the tokens the step emitted (what plain decode steps count)
-      for (const auto& row : b.rows) b.decode_tokens += row.len;
     } else {
       // The next token of every row that reached the prompt's last position (a finished prompt or a
       // decode): final norm, LM head and argmax on its last output row.

@@ -530,6 +530,43 @@ SimulateResult run_simulation(const SimulateOptions& o) {
 
 namespace {
 
+// The prefix cache of one serving pass over `runner`'s pool (none when the plan has it off); `cache`
+// must outlive the pass and go before the runner. The snapshots' budget is their slots' bytes.
+void attach_cache(const Plan& p, ModelRunner& runner, ServeOptions& so,
+                  std::optional<mem_cache::RadixCache>& cache) {
+  if (!p.cache) return;
+  cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(p.cache_slots * p.slot_bytes));
+  so.scheduler.cache = &*cache;
+}
+
+// After a completed pass: every state slot is a request's or a snapshot's, every request index is back,
+// and the cache's tree is consistent with nothing pending or locked. The first inconsistency is named.
+void account(ModelRunner& runner, const mem_cache::RadixCache* cache, SimulateResult& res) {
+  auto& pools = runner.pools();
+  const int64_t snapshots = cache ? cache->snapshots() : 0;
+  res.leaked_slots = pools.recurrent_state_pool.size() - pools.recurrent_state_pool.available() - snapshots;
+  res.leaked_request_indices = pools.req_to_token_pool.size() - pools.req_to_token_pool.available();
+  if (cache) {
+    try {
+      cache->check_invariants();
+    } catch (const std::exception& e) {
+      res.cache_consistent = false;
+      res.accounting_error = std::string("prefix cache: ") + e.what();
+    }
+    if (res.cache_consistent &&
+        (cache->pending_snapshots() != 0 || cache->evictable_snapshots() != snapshots)) {
+      res.cache_consistent = false;
+      res.accounting_error =
+          "prefix cache: " + std::to_string(cache->pending_snapshots()) + " snapshots pending and " +
+          std::to_string(snapshots - cache->evictable_snapshots()) + " not evictable after the run";
+    }
+  }
+  if (res.leaked_slots != 0 && res.accounting_error.empty())
+    res.accounting_error = std::to_string(res.leaked_slots) + " state slots held by no request or snapshot";
+  if (res.leaked_request_indices != 0 && res.accounting_error.empty())
+    res.accounting_error = std::to_string(res.leaked_request_indices) + " request indices never freed";
+}
+
 SimulateResult run_group(const SimulateOptions& o) {
   const Plan p = make_plan(o);  // every option checked before any work
   auto log = [&](const std::string& s) {
@@ -593,10 +630,7 @@ SimulateResult run_group(const SimulateOptions& o) {
     const auto tp0 = Clock::now();
     ModelRunner runner(*stack, p.slots + p.cache_slots, p.kernel, 2, p.verify_rows);
     std::optional<mem_cache::RadixCache> cache;
-    if (p.cache) {
-      cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(p.cache_slots * p.slot_bytes));
-      pre.scheduler.cache = &*cache;
-    }
+    attach_cache(p, runner, pre, cache);
     ServeResult r0 = serve(runner, o.requests, pre);
     res.replay_prerun_s = seconds_since(tp0);
     if (r0.interrupted) {
@@ -614,42 +648,14 @@ SimulateResult run_group(const SimulateOptions& o) {
     log("state pool: " + std::to_string(p.slots) + " request + " + std::to_string(p.cache_slots) +
         " snapshot slots x " + std::to_string(p.slot_bytes) + " bytes; " + std::to_string(res.requests) +
         " requests");
-    // The snapshots' budget is their slots' bytes; the cache frees them before the pool goes.
     std::optional<mem_cache::RadixCache> cache;
-    if (p.cache) {
-      cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(p.cache_slots * p.slot_bytes));
-      so.scheduler.cache = &*cache;
-    }
+    attach_cache(p, runner, so, cache);
     so.progress = [&](const ProgressInfo& pi) {
       res.rss_bytes.push_back(resident_bytes());
       if (o.progress) o.progress(pi);
     };
     res.serve = serve(runner, o.requests, so);
-    if (!res.serve.interrupted) {
-      // Every slot is a request's or a snapshot's; every request index is back.
-      auto& pools = runner.pools();
-      const int64_t snapshots = cache ? cache->snapshots() : 0;
-      res.leaked_slots =
-          pools.recurrent_state_pool.size() - pools.recurrent_state_pool.available() - snapshots;
-      res.leaked_request_indices = pools.req_to_token_pool.size() - pools.req_to_token_pool.available();
-      if (cache) {
-        try {
-          cache->check_invariants();
-          if (cache->pending_snapshots() != 0 || cache->evictable_snapshots() != cache->snapshots())
-            throw std::logic_error(std::to_string(cache->pending_snapshots()) + " snapshots pending and " +
-                                   std::to_string(cache->snapshots() - cache->evictable_snapshots()) +
-                                   " not evictable after the run");
-        } catch (const std::exception& e) {
-          res.cache_consistent = false;
-          res.accounting_error = std::string("prefix cache: ") + e.what();
-        }
-      }
-      if (res.leaked_slots != 0 && res.accounting_error.empty())
-        res.accounting_error =
-            std::to_string(res.leaked_slots) + " state slots held by no request or snapshot";
-      if (res.leaked_request_indices != 0 && res.accounting_error.empty())
-        res.accounting_error = std::to_string(res.leaked_request_indices) + " request indices never freed";
-    }
+    if (!res.serve.interrupted) account(runner, cache ? &*cache : nullptr, res);
     // replay: sequences whose tokens left the true continuation (a near-tie argmax flipped by a rounding
     // difference between the two passes' batches; their later drafts are then mostly rejected).
     for (size_t i = 0; i < truth.size(); ++i)
