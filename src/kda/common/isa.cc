@@ -69,6 +69,15 @@ bool isa_supported_by_cpu(Isa isa) {
 #endif
 }
 
+bool cpu_has_bf16_gemm() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool bf16 = __builtin_cpu_supports("avx512bf16");
+  return bf16;
+#else
+  return false;
+#endif
+}
+
 bool isa_available(Isa isa) { return isa_compiled(isa) && isa_supported_by_cpu(isa); }
 
 void require_isa(Isa isa) {

@@ -24,6 +24,11 @@ bool isa_available(Isa isa);
 // throws std::invalid_argument.
 Isa best_isa();
 
+// Whether the CPU multiplies bf16 in hardware (AVX512_BF16: Cooper Lake, Sapphire Rapids and later,
+// Zen 4 and later), where oneDNN's bf16 matmul runs natively; without it oneDNN emulates bf16 GEMMs
+// and layers::Linear takes its own bf16 path (linear.h).
+bool cpu_has_bf16_gemm();
+
 // Throws std::invalid_argument naming `isa` and why, unless it is available.
 void require_isa(Isa isa);
 

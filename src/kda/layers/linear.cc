@@ -9,6 +9,9 @@
 #include <tuple>
 #include <type_traits>
 
+#include "kda/common/isa.h"
+#include "kda/kernels/gemm/bf16_gemm.h"
+#include "kda/layers/fp32_rows.h"
 #include "kda/layers/quant_linear.h"
 
 namespace kda::layers {
@@ -45,6 +48,9 @@ struct Linear::Impl {
   mutable std::vector<bf16_t> x_bf16;  // bf16 input scratch
   mutable std::mutex mu;
   std::unique_ptr<QuantLinear> quant;  // int8 / int4 weights: every call goes there
+  // Bf16Gemm::Widened: W [out, in] in bf16 (no oneDNN copy) and the fp32 rows of a call.
+  std::vector<bf16_t> w_plain;
+  std::unique_ptr<Fp32Rows> widened;
 };
 
 namespace {
@@ -66,7 +72,7 @@ dnnl::matmul::primitive_desc matmul_pd(const dnnl::engine& eng, int64_t M, int64
 }  // namespace
 
 Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
-               Precision precision, Weights weights)
+               Precision precision, Weights weights, Bf16Gemm bf16_gemm)
     : in_(in_features),
       out_(out_features),
       precision_(precision),
@@ -76,8 +82,22 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
   if (static_cast<int64_t>(weight.size()) != in_ * out_)
     throw std::invalid_argument("Linear: weight has " + std::to_string(weight.size()) + " values, expected " +
                                 std::to_string(out_) + " x " + std::to_string(in_));
+  const bool bf16_dense = precision_ == Precision::BF16 && weights == Weights::BF16;
+  if (bf16_gemm != Bf16Gemm::Auto && !bf16_dense)
+    throw std::invalid_argument("Linear: a bf16 GEMM choice is only for bf16 projections with bf16 weights");
   if (weights != Weights::BF16) {
     impl_->quant = std::make_unique<QuantLinear>(in_, out_, weight, weights, precision);
+    return;
+  }
+  if (bf16_dense) {
+    bf16_gemm_ = bf16_gemm != Bf16Gemm::Auto ? bf16_gemm
+                 : cpu_has_bf16_gemm()       ? Bf16Gemm::OneDnn
+                                             : Bf16Gemm::Widened;
+  }
+  if (bf16_gemm_ == Bf16Gemm::Widened) {
+    impl_->w_plain.resize(weight.size());
+    f32_to_bf16_array(weight.data(), impl_->w_plain.data(), weight.size());
+    impl_->widened = std::make_unique<Fp32Rows>(in_, out_);
     return;
   }
   const auto dt = precision_ == Precision::BF16 ? memory::data_type::bf16 : memory::data_type::f32;
@@ -135,6 +155,14 @@ void Linear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) c
   if (M == 0) return;
   if (impl_->quant) return impl_->quant->forward(x, M, ldx, y, ldy);
   std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->widened) {
+    const kernels::gemm::Bf16Weights w{impl_->w_plain.data(), in_, out_};
+    impl_->widened->with(x, M, ldx, y, ldy, true,
+                         [&](const float* xf, int64_t ldxf, float* yf, int64_t ldyf) {
+                           kernels::gemm::gemm(xf, M, ldxf, w, yf, ldyf);
+                         });
+    return;
+  }
   if constexpr (x16) {
     run(dense(x, M, ldx), M, in_, y, y16, ldy);
   } else if (precision_ == Precision::FP32) {

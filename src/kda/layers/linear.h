@@ -9,6 +9,17 @@
 // weights int8 / int4 (--weights): W is quantized at construction instead and the calls go to a
 // QuantLinear (quant_linear.h) with the same inputs, outputs and rounding points.
 //
+// bf16 precision with bf16 weights multiplies one of two ways (Bf16Gemm), chosen at construction:
+// - OneDnn: oneDNN's bf16 matmul, W reordered into its layout (above).
+// - Widened: W kept as bf16 in its [out, in] layout and multiplied by the bf16 GEMM kernels
+//   (kernels/gemm/bf16_gemm.h: one pass over W per 64 rows, a row's result independent of the batch it
+//   is in, so a token computes the same bits in a decode step, a verify row or a prefill). The same
+//   rounding points: bf16 x, fp32 accumulation, a bf16 y rounded to nearest even.
+// - Auto: OneDnn where the CPU has bf16 GEMM hardware (cpu_has_bf16_gemm()), Widened elsewhere. Without
+//   AVX512_BF16 oneDNN emulates its bf16 matmul: fast for one row, but compute-bound from two rows on
+//   (verifying 4 drafted tokens cost what decoding them one by one does) and below its fp32 matmul's
+//   speed at prefill.
+//
 // Thread safety: forward may be called from several threads at once; the primitive cache, the oneDNN
 // stream and the bf16 input scratch are behind a mutex per object, so calls on one Linear take turns
 // (distinct objects run in parallel).
@@ -25,10 +36,13 @@
 
 namespace kda::layers {
 
+enum class Bf16Gemm { Auto, OneDnn, Widened };
+
 class Linear {
  public:
+  // bf16_gemm other than Auto only with the bf16 precision and bf16 weights (std::invalid_argument).
   Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Precision precision,
-         Weights weights = Weights::BF16);
+         Weights weights = Weights::BF16, Bf16Gemm bf16_gemm = Bf16Gemm::Auto);
   ~Linear();
   Linear(Linear&&) noexcept;
   Linear& operator=(Linear&&) noexcept;
@@ -37,6 +51,8 @@ class Linear {
   int64_t out_features() const { return out_; }
   Precision precision() const { return precision_; }
   Weights weights() const { return weights_; }
+  // OneDnn or Widened for a bf16 projection with bf16 weights (Auto resolved); OneDnn otherwise.
+  Bf16Gemm bf16_gemm() const { return bf16_gemm_; }
   // The bytes of W a forward reads: dense (2 or 4 per weight) or the packed quantized values and scales.
   int64_t weight_bytes() const;
 
@@ -66,6 +82,7 @@ class Linear {
   int64_t in_ = 0, out_ = 0;
   Precision precision_ = Precision::FP32;
   Weights weights_ = Weights::BF16;
+  Bf16Gemm bf16_gemm_ = Bf16Gemm::OneDnn;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,0 +1,153 @@
+// The bf16 GEMM kernels, compiled once per ISA (kda/common/isa_target.h). AVX-512: intrinsics, the
+// weights widened in registers. Portable and AVX2: a block of output channels is widened into an
+// L1-sized buffer and every row of x is dotted against it (the compiler vectorises the dot products for
+// the ISA of the copy).
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(KDA_ISA_AVX512)
+// GCC 12's AVX-512 intrinsics pass an undefined source operand for their unused mask lanes
+// (_mm512_undefined_*), which -Wuninitialized reports as a use of an uninitialized value; it is not one.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#endif
+
+#include "kda/common/isa_target.h"
+#include "kda/kernels/gemm/bf16_gemm_isa.h"
+
+KDA_ISA_PUSH
+namespace kda::kernels::gemm::KDA_ISA_NS {
+namespace {
+
+// Output channels per block: the block's weights (4 x in x 2 bytes: 18 KiB at in = 2304) stay in L1
+// while every row of x passes over them, so each weight comes from memory once per call.
+constexpr int64_t kNB = 4;
+// Below this many weights a call runs on one thread (the fork costs more than the work).
+constexpr int64_t kParallelMin = int64_t{1} << 15;
+// Rows per pass over W: a chunk of x (64 x in x 4 bytes: 576 KiB at in = 2304) stays in L2 while the
+// channel blocks pass, so a prefill reads W once per 64 rows instead of x once per channel block.
+constexpr int64_t kRowChunk = 64;
+
+#if defined(KDA_ISA_AVX512)
+
+// From memory (a model's weights do not fit in the caches between steps) each channel's row is a
+// stream read 32 bytes at a time; a prefetch this far ahead (in weights), once per cache line, keeps
+// lines in flight that the hardware prefetchers alone did not.
+constexpr int64_t kPrefetchAhead = 512;
+
+// Rows [m0, m0 + MB) x channels [n0, n0 + NB): MB * NB accumulators of 16 lanes (MB <= 6 with NB = 4
+// leaves registers for the widened weights and x).
+template <int MB, int NB>
+void block(const float* x, int64_t ldx, const Bf16Weights& w, int64_t m0, int64_t n0, float* y, int64_t ldy) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t in = w.in;
+  for (int64_t k = 0; k < in; k += 16) {
+    const __mmask16 mk = in - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (in - k)) - 1);
+    if ((k & 31) == 0)
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w.w + (n0 + j) * in + k + kPrefetchAhead), _MM_HINT_T0);
+    __m512 wf[NB];
+    for (int j = 0; j < NB; ++j) {
+      const __m256i b = _mm256_maskz_loadu_epi16(mk, w.w + (n0 + j) * in + k);
+      wf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mk, x + (m0 + i) * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wf[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[(m0 + i) * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// Every row of x against channels [n0, n0 + NB), six rows at a time (a 5-token verify row in one pass).
+template <int NB>
+void channel_block(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, int64_t n0, float* y,
+                   int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) block<6, NB>(x, ldx, w, m, n0, y, ldy);
+  switch (M - m) {
+    case 5:
+      return block<5, NB>(x, ldx, w, m, n0, y, ldy);
+    case 4:
+      return block<4, NB>(x, ldx, w, m, n0, y, ldy);
+    case 3:
+      return block<3, NB>(x, ldx, w, m, n0, y, ldy);
+    case 2:
+      return block<2, NB>(x, ldx, w, m, n0, y, ldy);
+    case 1:
+      return block<1, NB>(x, ldx, w, m, n0, y, ldy);
+    default:
+      return;
+  }
+}
+
+}  // namespace
+
+void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy) {
+  // Blocks of kNB channels, then the out % kNB last channels one by one.
+  const int64_t full = w.out / kNB, blocks = full + w.out % kNB;
+#pragma omp parallel if (w.in * w.out >= kParallelMin)
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t mc = std::min(kRowChunk, M - m0);
+    const float* xc = x + m0 * ldx;
+    float* yc = y + m0 * ldy;
+#pragma omp for schedule(static)
+    for (int64_t nb = 0; nb < blocks; ++nb) {
+      if (nb < full) {
+        channel_block<kNB>(xc, mc, ldx, w, nb * kNB, yc, ldy);
+      } else {
+        channel_block<1>(xc, mc, ldx, w, full * kNB + (nb - full), yc, ldy);
+      }
+    }
+  }
+}
+
+#else  // portable, AVX2
+
+}  // namespace
+
+void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy) {
+  const int64_t nblocks = (w.out + kNB - 1) / kNB, in = w.in;
+  const bool parallel = w.in * w.out >= kParallelMin;
+  // Each thread's widened block, allocated before the region (a bad_alloc inside it would terminate).
+  std::vector<float> buf(static_cast<size_t>(kNB * in * (parallel ? omp_get_max_threads() : 1)));
+#pragma omp parallel if (parallel)
+  {
+    float* wf = buf.data() + kNB * in * omp_get_thread_num();
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(M, m0 + kRowChunk);
+#pragma omp for schedule(static)
+      for (int64_t nb = 0; nb < nblocks; ++nb) {
+        const int64_t n0 = nb * kNB, nn = std::min(kNB, w.out - n0);
+        for (int64_t j = 0; j < nn; ++j) {
+          const bf16_t* wr = w.w + (n0 + j) * in;
+          float* o = wf + j * in;
+#pragma omp simd
+          for (int64_t k = 0; k < in; ++k) o[k] = bf16_to_f32(wr[k]);
+        }
+        for (int64_t m = m0; m < m1; ++m) {
+          const float* xr = x + m * ldx;
+          for (int64_t j = 0; j < nn; ++j) {
+            const float* wr = wf + j * in;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t k = 0; k < in; ++k) s += xr[k] * wr[k];
+            y[m * ldy + n0 + j] = s;
+          }
+        }
+      }
+    }
+  }
+}
+
+#endif
+
+}  // namespace kda::kernels::gemm::KDA_ISA_NS
+KDA_ISA_POP

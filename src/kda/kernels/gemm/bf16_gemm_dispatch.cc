@@ -1,0 +1,61 @@
+// The bf16 GEMM's entry points (the copy for best_isa()), the widening and the reference.
+#include <stdexcept>
+#include <vector>
+
+#include "kda/common/isa.h"
+#include "kda/kernels/gemm/bf16_gemm.h"
+#include "kda/kernels/gemm/bf16_gemm_isa.h"
+
+namespace kda::kernels::gemm {
+namespace {
+
+void check_call(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, const float* y, int64_t ldy) {
+  if (w.in <= 0 || w.out <= 0 || w.w == nullptr) throw std::invalid_argument("bf16 gemm: empty weights");
+  if (M < 0 || ldx < w.in || ldy < w.out) throw std::invalid_argument("bf16 gemm: bad M or row strides");
+  if (M > 0 && (x == nullptr || y == nullptr)) throw std::invalid_argument("bf16 gemm: null x or y");
+}
+
+}  // namespace
+
+void widen_rows(const Bf16Weights& w, int64_t n0, int64_t n1, float* out) {
+  bf16_to_f32_array(w.w + n0 * w.in, out, static_cast<size_t>((n1 - n0) * w.in));
+}
+
+void gemm(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy, Isa isa) {
+  check_call(x, M, ldx, w, y, ldy);
+  require_isa(isa);
+  if (M == 0) return;
+  switch (isa) {
+    case Isa::Avx512:
+#if defined(KDA_WITH_AVX512)
+      return avx512::gemm_bf16(x, M, ldx, w, y, ldy);
+#endif
+      break;
+    case Isa::Avx2:
+#if defined(KDA_WITH_AVX2)
+      return avx2::gemm_bf16(x, M, ldx, w, y, ldy);
+#endif
+      break;
+    default:
+      break;
+  }
+  portable::gemm_bf16(x, M, ldx, w, y, ldy);
+}
+
+void gemm(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy) {
+  gemm(x, M, ldx, w, y, ldy, best_isa());
+}
+
+void gemm_reference(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy) {
+  check_call(x, M, ldx, w, y, ldy);
+  std::vector<float> wf(static_cast<size_t>(w.in * w.out));
+  widen_rows(w, 0, w.out, wf.data());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < w.out; ++n) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < w.in; ++k) s += x[m * ldx + k] * wf[n * w.in + k];
+      y[m * ldy + n] = s;
+    }
+}
+
+}  // namespace kda::kernels::gemm

@@ -1,0 +1,53 @@
+// A projection's call as fp32 rows, for the kernels that take fp32 x and y (the bf16 GEMM, the int8 /
+// int4 ones): bf16 x widened exactly; fp32 x rounded to bf16 first where round_x (the bf16 precision's
+// rounding point of a layer input), or taken as it is; a bf16 y computed into fp32 scratch and rounded
+// to nearest even as it is stored. The scratch is this object's: callers serialize the calls on it.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "kda/common/bf16.h"
+
+namespace kda::layers {
+
+class Fp32Rows {
+ public:
+  Fp32Rows(int64_t in_features, int64_t out_features) : in_(in_features), out_(out_features) {}
+
+  // Calls run(xf, ldxf, yf, ldyf) with the fp32 views of x [M, ldx] and y [M, ldy].
+  template <class X, class Y, class Run>
+  void with(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy, bool round_x, Run run) {
+    const float* xf = x_rows(x, M, ldx, round_x);
+    const int64_t ldxf = static_cast<const void*>(xf) == static_cast<const void*>(x) ? ldx : in_;
+    if constexpr (std::is_same_v<Y, bf16_t>) {
+      yf_.resize(static_cast<size_t>(M * out_));
+      run(xf, ldxf, yf_.data(), out_);
+      for (int64_t i = 0; i < M; ++i) f32_to_bf16_array(yf_.data() + i * out_, y + i * ldy, out_);
+    } else {
+      run(xf, ldxf, y, ldy);
+    }
+  }
+
+ private:
+  const float* x_rows(const bf16_t* x, int64_t M, int64_t ldx, bool) {
+    xf_.resize(static_cast<size_t>(M * in_));
+    for (int64_t i = 0; i < M; ++i) bf16_to_f32_array(x + i * ldx, xf_.data() + i * in_, in_);
+    return xf_.data();
+  }
+  const float* x_rows(const float* x, int64_t M, int64_t ldx, bool round_x) {
+    if (!round_x) return x;
+    xf_.resize(static_cast<size_t>(M * in_));
+    for (int64_t i = 0; i < M; ++i) {
+      const float* xr = x + i * ldx;
+      float* o = xf_.data() + i * in_;
+      for (int64_t k = 0; k < in_; ++k) o[k] = round_bf16(xr[k]);
+    }
+    return xf_.data();
+  }
+  int64_t in_ = 0, out_ = 0;
+  std::vector<float> xf_, yf_;
+};
+
+}  // namespace kda::layers

@@ -1,0 +1,145 @@
+// The bf16 GEMM for decode row counts: every ISA copy against its reference (widen, then plain fp32
+// loops) on decode and odd shapes, a row's result independent of its batch, and Linear's two bf16
+// paths (oneDNN's bf16 matmul, and the widened one: these kernels, then fp32 tiles) against each other
+// at every rounding point.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/kernels/gemm/bf16_gemm.h"
+#include "kda/layers/linear.h"
+#include "support/gemm_check.h"
+#include "support/test_support.h"
+
+namespace kda {
+namespace {
+
+namespace kg = kernels::gemm;
+using testing::available_isas;
+using testing::expect_close_fp32;
+using testing::expect_throw_with;
+using testing::random_normal;
+
+std::vector<bf16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16_t> b(v.size());
+  f32_to_bf16_array(v.data(), b.data(), v.size());
+  return b;
+}
+
+TEST(Bf16Gemm, KernelsEqualTheReference) {
+  struct Shape {
+    int64_t in, out;
+  };
+  for (Shape s : {Shape{2304, 37}, Shape{128, 260}, Shape{4096, 9}, Shape{17, 5}, Shape{100, 3}, Shape{1, 1},
+                  Shape{33, 64}}) {
+    const std::vector<bf16_t> wb =
+        to_bf16(random_normal(static_cast<size_t>(s.in * s.out), s.in + s.out, 0.05f));
+    const kg::Bf16Weights w{wb.data(), s.in, s.out};
+    std::vector<float> wf(wb.size());
+    kg::widen_rows(w, 0, s.out, wf.data());
+    for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 16, 33, 64, 65, 150}) {
+      const int64_t ldx = s.in + 3, ldy = s.out + 5;
+      const std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 100 + M);
+      std::vector<float> yref(static_cast<size_t>(M * ldy), -1.0f);
+      kg::gemm_reference(x.data(), M, ldx, w, yref.data(), ldy);
+      for (Isa isa : available_isas()) {
+        std::vector<float> y(static_cast<size_t>(M * ldy), 7.0f);
+        kg::gemm(x.data(), M, ldx, w, y.data(), ldy, isa);
+        const std::string what = std::to_string(s.in) + "x" + std::to_string(s.out) +
+                                 " M=" + std::to_string(M) + " " + to_string(isa);
+        expect_close_fp32(x, ldx, wf, M, s.in, s.out, y.data(), ldy, yref.data(), ldy, what);
+        for (int64_t m = 0; m < M; ++m)  // the padding between rows is left as it was
+          for (int64_t n = s.out; n < ldy; ++n) ASSERT_EQ(y[m * ldy + n], 7.0f) << what;
+      }
+    }
+  }
+}
+
+// A row's sums run in the same order at any M, so a token computes the same bits alone (a decode step)
+// as in a batch (a verify row of several tokens).
+TEST(Bf16Gemm, ARowsResultDoesNotDependOnItsBatch) {
+  const int64_t in = 300, out = 41;
+  const std::vector<bf16_t> wb = to_bf16(random_normal(static_cast<size_t>(in * out), 5, 0.05f));
+  const kg::Bf16Weights w{wb.data(), in, out};
+  const int64_t M = 140;  // several row chunks
+  const std::vector<float> x = random_normal(static_cast<size_t>(M * in), 6);
+  for (Isa isa : available_isas()) {
+    std::vector<float> all(static_cast<size_t>(M * out));
+    kg::gemm(x.data(), M, in, w, all.data(), out, isa);
+    for (int64_t m = 0; m < M; ++m) {
+      std::vector<float> one(static_cast<size_t>(out));
+      kg::gemm(x.data() + m * in, 1, in, w, one.data(), out, isa);
+      EXPECT_EQ(std::memcmp(one.data(), all.data() + m * out, sizeof(float) * out), 0)
+          << "row " << m << " " << to_string(isa);
+    }
+  }
+}
+
+TEST(Bf16Gemm, BadCallsAreRefused) {
+  const std::vector<bf16_t> wb(8 * 4);
+  const kg::Bf16Weights w{wb.data(), 8, 4};
+  std::vector<float> x(16), y(8);
+  expect_throw_with<std::invalid_argument>([&] { kg::gemm(x.data(), 2, 7, w, y.data(), 4); },
+                                           "bad M or row strides");
+  expect_throw_with<std::invalid_argument>([&] { kg::gemm(x.data(), 2, 8, w, nullptr, 4); }, "null x or y");
+  expect_throw_with<std::invalid_argument>([&] { kg::gemm(x.data(), 1, 8, kg::Bf16Weights{}, y.data(), 4); },
+                                           "empty weights");
+}
+
+// Linear's widened path (these kernels) against
+// oneDNN's bf16 matmul: both multiply the same bf16 x and W exactly and accumulate in fp32, so they
+// differ only in summation order; every forward overload, strided rows, one row chunk and several.
+TEST(Bf16Gemm, LinearsWidenedPathEqualsOneDnnsBf16Matmul) {
+  const int64_t in = 2304, out = 300;
+  const std::vector<float> w = random_normal(static_cast<size_t>(in * out), 9, 0.02f);
+  const layers::Linear onednn(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
+  const layers::Linear widened(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::Widened);
+  EXPECT_EQ(widened.bf16_gemm(), layers::Bf16Gemm::Widened);
+  EXPECT_EQ(widened.weight_bytes(), onednn.weight_bytes());
+  const int64_t ldx = in + 16, ldy = out + 8;
+  for (int64_t M : {1, 5, 64, 65, 300}) {
+    const std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 40 + M);
+    const std::vector<bf16_t> xb = to_bf16(x);
+    std::vector<float> ya(static_cast<size_t>(M * ldy), 3.0f), yb(ya);
+    onednn.forward(x.data(), M, ldx, ya.data(), ldy);
+    widened.forward(x.data(), M, ldx, yb.data(), ldy);
+    const std::string what = "M=" + std::to_string(M);
+    EXPECT_LE(testing::max_error_ratio(yb.data(), ya.data(), ya.size(), 1e-5, 1e-5), 1.0) << what;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = out; n < ldy; ++n) ASSERT_EQ(yb[m * ldy + n], 3.0f) << what;
+    // bf16 input: the same values as the fp32 input rounded to bf16, so the same result.
+    std::vector<float> yx(ya.size(), 3.0f);
+    widened.forward(xb.data(), M, ldx, yx.data(), ldy);
+    EXPECT_EQ(yx, yb) << what;
+    // bf16 output: the fp32 result rounded to nearest even.
+    std::vector<bf16_t> y16(static_cast<size_t>(M * ldy), 0), y16x(y16.size(), 0);
+    widened.forward(x.data(), M, ldx, y16.data(), ldy);
+    widened.forward(xb.data(), M, ldx, y16x.data(), ldy);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < out; ++n) {
+        ASSERT_EQ(y16[m * ldy + n], f32_to_bf16(yb[m * ldy + n])) << what;
+        ASSERT_EQ(y16x[m * ldy + n], y16[m * ldy + n]) << what;
+      }
+  }
+}
+
+TEST(Bf16Gemm, AChoiceIsOnlyForBf16ProjectionsWithBf16Weights) {
+  const std::vector<float> w(64 * 32, 0.5f);
+  for (auto choice : {layers::Bf16Gemm::OneDnn, layers::Bf16Gemm::Widened}) {
+    expect_throw_with<std::invalid_argument>(
+        [&] { layers::Linear(64, 32, w, Precision::FP32, Weights::BF16, choice); },
+        "only for bf16 projections");
+    expect_throw_with<std::invalid_argument>(
+        [&] { layers::Linear(64, 32, w, Precision::BF16, Weights::Int8, choice); },
+        "only for bf16 projections");
+  }
+  EXPECT_EQ(layers::Linear(64, 32, w, Precision::FP32).bf16_gemm(), layers::Bf16Gemm::OneDnn);
+  const auto expect = cpu_has_bf16_gemm() ? layers::Bf16Gemm::OneDnn : layers::Bf16Gemm::Widened;
+  EXPECT_EQ(layers::Linear(64, 32, w, Precision::BF16).bf16_gemm(), expect);
+}
+
+}  // namespace
+}  // namespace kda
