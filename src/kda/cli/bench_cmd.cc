@@ -80,7 +80,8 @@ struct GemmCeiling {
       : M(m),
         N(n),
         K(k),
-        lin(k, n, bench_randn(static_cast<size_t>(n * k), 1, 0.02f), p),
+        lin(k, n, bench_randn(static_cast<size_t>(n * k), 1, 0.02f), p, Weights::BF16,
+            p == Precision::BF16 ? layers::Bf16Gemm::OneDnn : layers::Bf16Gemm::Auto),
         x(bench_randn(m * k, 2)),
         y(m * n) {
     if (p == Precision::BF16) round_bf16_inplace(x.data(), x.size());
@@ -589,6 +590,46 @@ void bench_stack(const BenchOptions& o, nlohmann::json& j, const Say& say) {
   }
 }
 
+// Linear's two bf16 paths side by side (Bf16Gemm: oneDNN's bf16 matmul, and the widened bf16 kernels)
+// on the layer's fused projection [3P + 2K + H, D], at decode, verify and prefill row counts. Each path
+// has enough copies of W that they do not fit in the caches (> 512 MiB): a call's weights come from
+// memory, as in a stack of layers. The bytes of W over the time is the widened path's read rate.
+void bench_bf16_gemm(nlohmann::json& j, const Say& say) {
+  const int64_t in = kD, out = LayerCase::n_proj();
+  const std::vector<float> w = bench_randn(static_cast<size_t>(in * out), 1, 0.02f);
+  const int64_t bytes = in * out * 2,
+                copies = std::max<int64_t>(2, ((int64_t{512} << 20) + bytes - 1) / bytes);
+  std::vector<layers::Linear> onednn, widened;
+  for (int64_t c = 0; c < copies; ++c) {
+    onednn.emplace_back(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
+    widened.emplace_back(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::Widened);
+  }
+  say("\n%-30s %6s %12s %12s %10s %12s\n", "bf16 GEMM (fused projection)", "rows", "oneDNN ms", "widened ms",
+      "speedup", "widened GB/s");
+  for (int64_t M : {1, 2, 5, 9, 16, 64, 512}) {
+    const std::vector<float> x = bench_randn(static_cast<size_t>(M * in), 3);
+    std::vector<bf16_t> y(static_cast<size_t>(M * out));
+    int64_t next = 0;
+    const auto run = [&](std::vector<layers::Linear>& lin) {
+      return [&lin, &x, &y, &next, M, in, out] {
+        lin[next % lin.size()].forward(x.data(), M, in, y.data(), out);
+        ++next;
+      };
+    };
+    const auto t = best_interleaved({run(onednn), run(widened)}, M >= 512 ? 3 : 2 * static_cast<int>(copies),
+                                    M >= 512 ? 2.0 : 1.0);
+    j["bf16_gemm"].push_back({{"rows", M},
+                              {"in", in},
+                              {"out", out},
+                              {"onednn_ms", t[0] * 1e3},
+                              {"widened_ms", t[1] * 1e3},
+                              {"speedup", t[0] / t[1]},
+                              {"widened_read_gbps", bytes / t[1] / 1e9}});
+    say("%-30s %6ld %12.2f %12.2f %9.2fx %12.1f\n", "", static_cast<long>(M), t[0] * 1e3, t[1] * 1e3,
+        t[0] / t[1], bytes / t[1] / 1e9);
+  }
+}
+
 }  // namespace
 
 int run_bench(const BenchOptions& o) {
@@ -607,6 +648,12 @@ int run_bench(const BenchOptions& o) {
   if (o.only == "stack") {  // no ceilings: the rows are ratios between weights modes
     j["stack"] = nlohmann::json::array();
     bench_stack(o, j, say);
+    if (o.json) std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  if (o.only == "gemm") {  // no ceilings: the rows are ratios between the two bf16 paths
+    j["bf16_gemm"] = nlohmann::json::array();
+    bench_bf16_gemm(j, say);
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }

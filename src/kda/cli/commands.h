@@ -35,7 +35,8 @@ struct BenchOptions {
   bool skip_naive = false;
   std::string kernel =
       "optimized";  // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
-  // all | kernels | layer (the ceilings always run: every row is a ratio) | stack (bench_stack only)
+  // all | kernels | layer (the ceilings always run: every row is a ratio) | stack (bench_stack only) |
+  // gemm (bench_bf16_gemm only)
   std::string only = "all";
   std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
 };
