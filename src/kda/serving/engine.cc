@@ -28,13 +28,22 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
   ServeResult res;
   res.hidden = D;
   res.outputs.resize(static_cast<size_t>(S));
+  auto kept = [&](int64_t s) { return !opt.keep.empty() && opt.keep[seqs[s].request]; };
   for (int64_t s = 0; s < S; ++s) {
     const RequestSpec& r = requests[seqs[s].request];
     res.outputs[s].request_id = r.id;
     res.outputs[s].sample = r.sample_base + seqs[s].sample;
     res.outputs[s].prompt_len = r.prompt_len;
+    // A kept sequence's rows, sized once for their most (a row per position) and written through before
+    // the first step, so that the loop appends into memory already resident: appended with vector growth
+    // as its steps came, each kept request (a self-check sample, ~0.8 MB of rows each at the soak's sizes)
+    // raised resident memory when it happened to run, late in a long run as early (scripts/soak.sh).
+    if (kept(s)) {
+      auto& rows = res.outputs[s].rows;
+      rows.assign(static_cast<size_t>((int64_t{r.prompt_len} + r.output_len) * D), 0.0f);
+      rows.clear();  // keeps the capacity
+    }
   }
-  auto kept = [&](int64_t s) { return !opt.keep.empty() && opt.keep[seqs[s].request]; };
 
   // Prompt tokens per request: a first turn's now, a next turn's when its previous turn finishes.
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(R));
