@@ -32,10 +32,11 @@ constexpr int64_t kParallelMin = int64_t{1} << 15;
 // Output channels per block: the weights of a block stay in L1 while every row of x passes over them,
 // so each packed byte comes from memory once per call; each x vector loaded feeds kNB channels.
 constexpr int64_t kNB = 4;
-// From memory (a model's weights do not fit in the caches between steps) each channel's row is a
-// stream; a prefetch this far ahead, once per cache line, keeps the lines in flight that the hardware
-// prefetchers alone did not.
-constexpr int64_t kPrefetchAhead = 1024;
+// From memory (a model's weights do not fit in the caches between steps). A block's channels are
+// adjacent rows, one contiguous run of bytes; while a block runs, the next one's bytes are prefetched
+// in address order, spread evenly over the block's steps, so that they are in the caches when it
+// starts (a prefetch a fixed distance ahead within each channel's row lands, for rows of a few cache
+// lines, mostly on lines that the block itself or the hardware prefetchers already fetch).
 
 // The integer dot products, as AVX-512BW sequences; DotVnni below has the same sums in vpdpbusd /
 // vpdpwssd.
@@ -68,9 +69,9 @@ inline void int8_block(const int16_t* xq, const float* sx, int64_t in, const Int
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
   for (int64_t k = 0; k < in; k += 32) {
     const __mmask32 mk = in - k >= 32 ? ~__mmask32(0) : __mmask32((uint32_t{1} << (in - k)) - 1);
-    if ((k & 63) == 0)
+    if ((k & 63) == 0 && n0 + 2 * NB <= w.out)  // NB lines of the next block per 64 inputs
       for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + j) * in + k) + kPrefetchAhead, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * in) + NB * k + 64 * j, _MM_HINT_T0);
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j)
       wv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mk, w.q + (n0 + j) * in + k));
@@ -141,7 +142,13 @@ inline void int4_block(const XChunk* xp, int64_t C, const Int4Weights& w, int64_
     const __mmask8 ms = static_cast<__mmask8>((1u << ng) - 1);
     for (int j = 0; j < NB; ++j) {
       const uint8_t* wp = w.q + (n0 + j) * row_bytes + 64 * c;
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchAhead, _MM_HINT_T0);
+      if (n0 + 2 * NB <= w.out) {  // per chunk NB lines of the next block's weights, per 4 its scales
+        _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * row_bytes) + 64 * (NB * c + j),
+                     _MM_HINT_T0);
+        if ((c & 3) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w.scale + (n0 + NB) * G) + 64 * (NB * (c / 4) + j),
+                       _MM_HINT_T0);
+      }
       const __m512i b = _mm512_maskz_loadu_epi8(mb, wp);
       const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
       const __m512 s = _mm512_permutexvar_ps(
