@@ -1,8 +1,8 @@
 // The quantized GEMM kernels, compiled once per ISA (kda/common/isa_target.h), on activations already
-// quantized per row (quant_gemm.h). AVX-512: intrinsics, integer dot products on the packed weights
-// (vpmaddwd / vpmaddubsw, or AVX512_VNNI's vpdpwssd / vpdpbusd in a region of their own, see below).
-// Portable and AVX2: the same integer sums in plain loops (the compiler vectorises them for the ISA of
-// the copy).
+// quantized to int16 (quant_gemm.h: a scale per row for int8 weights, per group of 32 for int4).
+// AVX-512: intrinsics, integer dot products on the packed weights (vpmaddwd / vpmaddubsw, or
+// AVX512_VNNI's vpdpwssd / vpdpbusd in a region of their own, see below). Portable and AVX2: the same
+// integer sums in plain loops (the compiler vectorises them for the ISA of the copy).
 #include <omp.h>
 
 #include <algorithm>
