@@ -1,6 +1,8 @@
-// The weight-only quantized GEMM: quantization at load (round to nearest, the packing layout), every
-// ISA copy of the kernels against its reference (dequantize, then plain fp32 loops) on decode and odd
-// shapes, and QuantLinear's decode and prefill paths and rounding points.
+// The weight-only quantized GEMM: quantization at load (round to nearest, the packing layout), the
+// per-row activation quantization, every ISA copy of the kernels (and the AVX-512 copy both with and
+// without AVX512_VNNI) against its reference (x and W quantized as the kernels take them, dequantized,
+// then plain fp32 loops) on decode and odd shapes, and QuantLinear's decode and prefill paths and
+// rounding points.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include "kda/common/bf16.h"
 #include "kda/common/isa.h"
 #include "kda/kernels/gemm/quant_gemm.h"
+#include "kda/kernels/gemm/quant_gemm_isa.h"
 #include "kda/layers/linear.h"
 #include "kda/layers/quant_linear.h"
 #include "support/test_support.h"
@@ -51,6 +54,31 @@ struct Shape {
   int64_t in, out;
 };
 
+// The AVX-512 copy called directly with and without VNNI (the entry points take the CPU's choice), on
+// x quantized as the entry points do (int8 weights: a scale per row; int4: per group of 32).
+#if defined(KDA_WITH_AVX512)
+void avx512_direct(const float* x, int64_t M, int64_t ldx, const qg::Int8Weights& w, float* y, int64_t ldy,
+                   bool vnni) {
+  std::vector<int16_t> q(static_cast<size_t>(M * w.in));
+  std::vector<float> s(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m)
+    s[m] = qg::quantize_activations(x + m * ldx, w.in, qg::activation_qmax(w.in), q.data() + m * w.in);
+  qg::avx512::gemm_int8(q.data(), s.data(), M, w, y, ldy, vnni);
+}
+void avx512_direct(const float* x, int64_t M, int64_t ldx, const qg::Int4Weights& w, float* y, int64_t ldy,
+                   bool vnni) {
+  const int64_t G = w.in / qg::kInt4Group;
+  std::vector<int16_t> q(static_cast<size_t>(M * w.in));
+  std::vector<float> s(static_cast<size_t>(M * G));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g)
+      s[m * G + g] =
+          qg::quantize_activations(x + m * ldx + g * qg::kInt4Group, qg::kInt4Group, qg::kInt4ActivationMax,
+                                   q.data() + m * w.in + g * qg::kInt4Group);
+  qg::avx512::gemm_int4(q.data(), s.data(), M, w, y, ldy, vnni);
+}
+#endif
+
 template <class W>
 void check_kernels(const W& w, const std::vector<float>& wf, const std::string& tag) {
   for (int64_t M : {1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64}) {
@@ -67,7 +95,44 @@ void check_kernels(const W& w, const std::vector<float>& wf, const std::string& 
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = w.out; n < ldy; ++n) ASSERT_EQ(y[m * ldy + n], 7.0f) << what;
     }
+#if defined(KDA_WITH_AVX512)
+    if (!isa_available(Isa::Avx512)) continue;
+    for (bool vnni : {false, true}) {
+      if (vnni && !qg::cpu_has_vnni()) continue;
+      std::vector<float> y(static_cast<size_t>(M * ldy), 7.0f);
+      avx512_direct(x.data(), M, ldx, w, y.data(), ldy, vnni);
+      const std::string what = tag + " M=" + std::to_string(M) + (vnni ? " avx512 vnni" : " avx512 bw");
+      expect_close_fp32(x, ldx, wf, M, w.in, w.out, y.data(), ldy, yref.data(), ldy, what);
+    }
+#endif
   }
+}
+
+// Per-row symmetric round to nearest of the activations: scale max|x| / qmax, every value within half
+// a step, the largest at +-qmax, a zero row all zeros; int8 weights' qmax shrinks only for inputs so
+// long that a kernel lane could overflow int32.
+TEST(QuantGemm, ActivationQuantizationPerRow) {
+  EXPECT_EQ(qg::activation_qmax(2304), 32767);
+  EXPECT_EQ(qg::activation_qmax(8192), 32767);
+  EXPECT_LT(qg::activation_qmax(100000), 32767);
+  EXPECT_LE(int64_t{127} * qg::activation_qmax(100000) * 2 * ((100000 + 31) / 32), int64_t{2147483647});
+  const int64_t in = 300;
+  std::vector<float> x = random_normal(static_cast<size_t>(in), 3);
+  x[17] = -9.0f;
+  std::vector<int16_t> q8(in), q16(in);  // qmax 127 and 32767
+  const float s8 = qg::quantize_activations(x.data(), in, 127, q8.data());
+  const float s16 = qg::quantize_activations(x.data(), in, 32767, q16.data());
+  EXPECT_FLOAT_EQ(s8, 9.0f / 127);
+  EXPECT_FLOAT_EQ(s16, 9.0f / 32767);
+  EXPECT_EQ(q8[17], -127);
+  EXPECT_EQ(q16[17], -32767);
+  for (int64_t k = 0; k < in; ++k) {
+    EXPECT_LE(std::fabs(x[k] - q8[k] * s8), 0.5f * s8 * (1 + 1e-5f)) << k;
+    EXPECT_LE(std::fabs(x[k] - q16[k] * s16), 0.5f * s16 * (1 + 1e-5f)) << k;
+  }
+  const std::vector<float> z(in, 0.0f);
+  EXPECT_EQ(qg::quantize_activations(z.data(), in, 127, q8.data()), 0.0f);
+  EXPECT_TRUE(std::all_of(q8.begin(), q8.end(), [](int16_t v) { return v == 0; }));
 }
 
 TEST(QuantGemm, Int8KernelsEqualTheReference) {
@@ -153,8 +218,9 @@ TEST(QuantGemm, BadShapesAreRefused) {
   EXPECT_EQ(y[0], 9.0f);
 }
 
-// QuantLinear (through Linear, as the layer holds it): the decode path (M <= 64) and the prefill path
-// (dequantized tiles through oneDNN), fp32 and bf16 inputs and outputs, against x W_deq^T in double.
+// QuantLinear (through Linear, as the layer holds it): the decode path (M <= 64: activations quantized
+// as the kernels take them) and the prefill path (dequantized tiles through oneDNN, fp32
+// activations), fp32 and bf16 inputs and outputs, against x W_deq^T in double.
 TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
   const int64_t in = 256, out = 600;  // out > 2 tiles of 256: a tail tile
   const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 77, 0.06f);
@@ -173,6 +239,18 @@ TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
         std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 200 + M);
         std::vector<float> xr = x;  // as the projection reads it: bf16-rounded in the bf16 precision
         if (prec == Precision::BF16) round_bf16_inplace(xr.data(), xr.size());
+        if (M <= layers::QuantLinear::kDecodeRows) {
+          const bool i8 = fmt == Weights::Int8;
+          const int qmax = i8 ? qg::activation_qmax(in) : qg::kInt4ActivationMax;
+          const int64_t run = i8 ? in : qg::kInt4Group;
+          std::vector<int16_t> q(static_cast<size_t>(run));
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t k0 = 0; k0 < in; k0 += run) {
+              float* xg = xr.data() + m * ldx + k0;
+              const float s = qg::quantize_activations(xg, run, qmax, q.data());
+              for (int64_t k = 0; k < run; ++k) xg[k] = static_cast<float>(q[k]) * s;
+            }
+        }
         std::vector<float> yref(static_cast<size_t>(M * out));
         for (int64_t m = 0; m < M; ++m)
           for (int64_t n = 0; n < out; ++n) {

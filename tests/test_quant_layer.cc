@@ -111,8 +111,11 @@ struct Errors {
 };
 
 // The layer in `prec` with `fmt` projections against the float64 layer, and the scheme's own error.
+// decode_tail: the last tokens of each sequence as DECODE steps (the packed kernels, at most 64 rows)
+// after an EXTEND of the rest; 0: one EXTEND (more than 64 rows: the prefill path).
 void check_mode(const io::KimiLinearConfig& cfg, const models::KdaLayerWeights& w,
-                const runtime::LayerCase& c, Precision prec, Weights fmt, const std::string& tag) {
+                const runtime::LayerCase& c, Precision prec, Weights fmt, const std::string& tag,
+                int decode_tail = 0) {
   const auto exact = testing::reference_layer(cfg, w, c.hidden_states, c.cu_seqlens,
                                               c.initial_recurrent_state, c.initial_conv_state);
   const auto sch = testing::reference_layer(cfg, scheme_weights(w, cfg, fmt), c.hidden_states, c.cu_seqlens,
@@ -122,7 +125,7 @@ void check_mode(const io::KimiLinearConfig& cfg, const models::KdaLayerWeights& 
                           rel_l2(to_f32(sch.recurrent_state).data(), ex_state.data(), ex_state.size())};
   models::KimiDeltaAttention layer(cfg, 0, w, prec, {}, fmt);
   ASSERT_EQ(layer.weights(), fmt);
-  const auto r = runtime::run_layer_case(layer, cfg, c, 0, kernels::KernelImpl::Auto);
+  const auto r = runtime::run_layer_case(layer, cfg, c, decode_tail, kernels::KernelImpl::Auto);
   ASSERT_TRUE(all_finite(r.out)) << tag;
   ASSERT_TRUE(all_finite(r.recurrent_state)) << tag;
   const Errors got{rel_l2(r.out.data(), ex_out.data(), ex_out.size()),
@@ -162,6 +165,16 @@ TEST(QuantLayer, VendoredDumpErrorWithinTheSchemesBound) {
         runtime::LayerCase::from_npz(io::read_npz(testing::dumps_dir() / (std::string(name) + ".npz")), cfg);
     for (Weights fmt : {Weights::Int8, Weights::Int4}) check_mode(cfg, w, c, Precision::FP32, fmt, name);
   }
+}
+
+// The decode kernels (activations quantized to int16 as they run) within the same bound: 16 of the 65
+// tokens as DECODE steps.
+TEST(QuantLayer, DecodeStepsErrorWithinTheSchemesBound) {
+  const auto cfg = kimi_shape();
+  const auto w = models::KdaLayerWeights::synthetic(cfg, 42);
+  const auto c = random_case(cfg.hidden_size, {0, 65}, 9);
+  for (Weights fmt : {Weights::Int8, Weights::Int4})
+    check_mode(cfg, w, c, Precision::FP32, fmt, "kimi T=65, 16 decode steps", 16);
 }
 
 // The bf16 activations add their own rounding on top of the scheme's error; the layer stays near it.

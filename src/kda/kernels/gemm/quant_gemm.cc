@@ -1,7 +1,10 @@
-// The quantized GEMM kernels, compiled once per ISA (kda/common/isa_target.h). AVX-512: intrinsics,
-// the weights widened and converted in registers. Portable and AVX2: a block of output channels is
-// dequantized into an L1-sized buffer and every row of x is dotted against it (the compiler
-// vectorises the dot products for the ISA of the copy).
+// The quantized GEMM kernels, compiled once per ISA (kda/common/isa_target.h), on activations already
+// quantized to int16 (quant_gemm.h: a scale per row for int8 weights, per group of 32 for int4).
+// AVX-512: intrinsics, integer dot products on the packed weights (vpmaddwd / vpmaddubsw, or
+// AVX512_VNNI's vpdpwssd / vpdpbusd in a region of their own, see below). Portable and AVX2: the same
+// integer sums in plain loops (the compiler vectorises them for the ISA of the copy).
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -21,76 +24,141 @@ KDA_ISA_PUSH
 namespace kda::kernels::gemm::KDA_ISA_NS {
 namespace {
 
-// Output channels per block: the weights of a block stay in L1 while every row of x passes over them,
-// so each packed byte comes from memory once per call.
-constexpr int64_t kNB = 4;
 // Below this many weights a call runs on one thread (the fork costs more than the work).
 constexpr int64_t kParallelMin = int64_t{1} << 15;
-// From memory (a model's weights do not fit in the caches between steps) each channel's row is a
-// stream read 16 bytes at a time; a prefetch this far ahead, once per cache line, keeps the lines in
-// flight that the hardware prefetchers alone did not.
-constexpr int64_t kPrefetchAhead = 1024;
 
 #if defined(KDA_ISA_AVX512)
 
-// Rows [m0, m0 + MB) x channels [n0, n0 + NB) of an int8 GEMM: MB * NB accumulators of 16 lanes.
-template <int MB, int NB>
-void int8_block(const float* x, int64_t ldx, const Int8Weights& w, int64_t m0, int64_t n0, float* y,
-                int64_t ldy) {
-  __m512 acc[MB][NB];
+// Output channels per block: the weights of a block stay in L1 while every row of x passes over them,
+// so each packed byte comes from memory once per call; each x vector loaded feeds kNB channels.
+constexpr int64_t kNB = 4;
+// From memory (a model's weights do not fit in the caches between steps). A block's channels are
+// adjacent rows, one contiguous run of bytes; while a block runs, the next one's bytes are prefetched
+// in address order, spread evenly over the block's steps, so that they are in the caches when it
+// starts (a prefetch a fixed distance ahead within each channel's row lands, for rows of a few cache
+// lines, mostly on lines that the block itself or the hardware prefetchers already fetch).
+
+// The integer dot products, as AVX-512BW sequences; DotVnni below has the same sums in vpdpbusd /
+// vpdpwssd.
+//  dot_s16:  acc + per int32 lane the 2 products a[2l..2l+1] * b[2l..2l+1] (s16).
+//  dot_int4: per int32 lane l, ncorr[l] + sum over its 4 bytes of lo * x_lo + hi * x_hi, where the
+//            nibbles lo, hi (0..15) meet the int16 activations split into a signed high byte and an
+//            unsigned low one (x = 256 h + l): 256 (lo h_lo + hi h_hi) + (l_lo lo + l_hi hi). The int16
+//            intermediates of vpmaddubsw cannot saturate here (at most 2 * 2 * 255 * 15).
+struct DotBw {
+  static inline __m512i dot_s16(__m512i acc, __m512i a, __m512i b) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+  }
+  static inline __m512i dot_int4(__m512i ncorr, __m512i lo, __m512i hi, __m512i h_lo, __m512i h_hi,
+                                 __m512i l_lo, __m512i l_hi) {
+    const __m512i h = _mm512_add_epi16(_mm512_maddubs_epi16(lo, h_lo), _mm512_maddubs_epi16(hi, h_hi));
+    const __m512i l = _mm512_add_epi16(_mm512_maddubs_epi16(l_lo, lo), _mm512_maddubs_epi16(l_hi, hi));
+    return _mm512_add_epi32(_mm512_add_epi32(ncorr, _mm512_madd_epi16(h, _mm512_set1_epi16(256))),
+                            _mm512_madd_epi16(l, _mm512_set1_epi16(1)));
+  }
+};
+
+// int8 weights, int16 activations. Rows [m0, m0 + MB) x channels [n0, n0 + NB): MB * NB int32
+// accumulators of 16 lanes; 32 inputs per step (one 32-byte load per channel, widened to int16).
+// activation_qmax() keeps every lane's sum inside int32.
+template <int MB, int NB, class Dot>
+inline void int8_block(const int16_t* xq, const float* sx, int64_t in, const Int8Weights& w, int64_t m0,
+                       int64_t n0, float* y, int64_t ldy) {
+  __m512i acc[MB][NB];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t in = w.in;
-  for (int64_t k = 0; k < in; k += 16) {
-    const __mmask16 mk = in - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (in - k)) - 1);
-    if ((k & 63) == 0)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < in; k += 32) {
+    const __mmask32 mk = in - k >= 32 ? ~__mmask32(0) : __mmask32((uint32_t{1} << (in - k)) - 1);
+    if ((k & 63) == 0 && n0 + 2 * NB <= w.out)  // NB lines of the next block per 64 inputs
       for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + j) * in + k) + kPrefetchAhead, _MM_HINT_T0);
-    __m512 wf[NB];
-    for (int j = 0; j < NB; ++j) {
-      const __m128i b = _mm_maskz_loadu_epi8(mk, w.q + (n0 + j) * in + k);
-      wf[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    }
+        _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * in) + NB * k + 64 * j, _MM_HINT_T0);
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j)
+      wv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mk, w.q + (n0 + j) * in + k));
     for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mk, x + (m0 + i) * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wf[j], acc[i][j]);
+      const __m512i xv = _mm512_maskz_loadu_epi16(mk, xq + (m0 + i) * in + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = Dot::dot_s16(acc[i][j], wv[j], xv);
     }
   }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j)
-      y[(m0 + i) * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) * w.scale[n0 + j];
+      y[(m0 + i) * ldy + n0 + j] =
+          _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[i][j])) * w.scale[n0 + j] * sx[m0 + i];
 }
 
-// The same for int4: per group of 32, one 16-byte load per channel widened to 16 lanes; the low
-// nibbles are inputs 0..15 of the group, the high ones 16..31; w = nibble * s - 8 s in one FMA.
-template <int MB, int NB>
-void int4_block(const float* x, int64_t ldx, const Int4Weights& w, int64_t m0, int64_t n0, float* y,
-                int64_t ldy) {
+// int4: x rearranged once per call to the packing of the weights. A chunk is 4 groups (64 packed bytes
+// of a channel); the low nibbles of its bytes are inputs 0..15 of each group, the high ones 16..31.
+// h_* / l_* hold the high (signed) and low (unsigned) bytes of the matching activations, ncorr is -8
+// times the sum of the activations that meet each int32 lane (started from it, a lane sums
+// (nibble - 8) * x without the nibbles ever being re-centred), and sx the activations' group scales
+// spread as the weights' are.
+struct alignas(64) XChunk {
+  int8_t h_lo[64], h_hi[64];
+  uint8_t l_lo[64], l_hi[64];
+  int32_t ncorr[16];
+  float sx[16];
+};
+
+void pack_x_int4(const int16_t* xq, const float* sx, int64_t M, int64_t in, std::vector<XChunk>& xp) {
+  const int64_t G = in / kInt4Group, C = (G + 3) / 4;
+  xp.assign(static_cast<size_t>(M * C), XChunk{});
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      XChunk& c = xp[m * C + g / 4];
+      const int16_t* xr = xq + m * in + g * kInt4Group;
+      const int b0 = static_cast<int>(g % 4) * 16;
+      for (int j = 0; j < 16; ++j) {
+        c.h_lo[b0 + j] = static_cast<int8_t>(xr[j] >> 8);
+        c.h_hi[b0 + j] = static_cast<int8_t>(xr[j + 16] >> 8);
+        c.l_lo[b0 + j] = static_cast<uint8_t>(xr[j] & 0xFF);
+        c.l_hi[b0 + j] = static_cast<uint8_t>(xr[j + 16] & 0xFF);
+      }
+      for (int l = 0; l < 4; ++l) {
+        int32_t s = 0;
+        for (int j = 4 * l; j < 4 * l + 4; ++j) s += xr[j] + xr[j + 16];
+        c.ncorr[b0 / 4 + l] = -8 * s;
+        c.sx[b0 / 4 + l] = sx[m * G + g];
+      }
+    }
+}
+
+// Rows [m0, m0 + MB) x channels [n0, n0 + NB) of an int4 GEMM. Per chunk and channel: one 64-byte load
+// split into low and high nibbles, and the 4 group scales spread over the lanes of their groups; per
+// row one int32 dot product (lanes 4g'..4g'+3 belong to group g' of the chunk), converted once and
+// scaled (weight scale times activation scale) in one FMA into fp32 accumulators. A chunk past the
+// last group reads zeros (masked loads).
+template <int MB, int NB, class Dot>
+inline void int4_block(const XChunk* xp, int64_t C, const Int4Weights& w, int64_t m0, int64_t n0, float* y,
+                       int64_t ldy) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t in = w.in, G = in / kInt4Group, row_bytes = in / 2;
-  const __m512i lo_mask = _mm512_set1_epi32(0xF);
-  for (int64_t g = 0; g < G; ++g) {
-    if ((g & 3) == 0)
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + j) * row_bytes + g * 16) + kPrefetchAhead,
-                     _MM_HINT_T0);
-    __m512 wlo[NB], whi[NB];
+  const int64_t G = w.in / kInt4Group, row_bytes = w.in / 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t ng = std::min<int64_t>(4, G - 4 * c);
+    const __mmask64 mb = ng == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * ng)) - 1;
+    const __mmask8 ms = static_cast<__mmask8>((1u << ng) - 1);
     for (int j = 0; j < NB; ++j) {
-      const __m512i b = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + (n0 + j) * row_bytes + g * 16)));
-      const __m512 s = _mm512_set1_ps(w.scale[(n0 + j) * G + g]);
-      const __m512 bias = _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
-      wlo[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lo_mask)), s, bias);
-      whi[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, bias);
-    }
-    for (int i = 0; i < MB; ++i) {
-      const float* xr = x + (m0 + i) * ldx + g * kInt4Group;
-      const __m512 xlo = _mm512_loadu_ps(xr), xhi = _mm512_loadu_ps(xr + 16);
-      for (int j = 0; j < NB; ++j) {
-        acc[i][j] = _mm512_fmadd_ps(xlo, wlo[j], acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(xhi, whi[j], acc[i][j]);
+      const uint8_t* wp = w.q + (n0 + j) * row_bytes + 64 * c;
+      if (n0 + 2 * NB <= w.out) {  // per chunk NB lines of the next block's weights, per 4 its scales
+        _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * row_bytes) + 64 * (NB * c + j),
+                     _MM_HINT_T0);
+        if ((c & 3) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w.scale + (n0 + NB) * G) + 64 * (NB * (c / 4) + j),
+                       _MM_HINT_T0);
+      }
+      const __m512i b = _mm512_maskz_loadu_epi8(mb, wp);
+      const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+      const __m512 s = _mm512_permutexvar_ps(
+          spread, _mm512_castps128_ps512(_mm_maskz_loadu_ps(ms, w.scale + (n0 + j) * G + 4 * c)));
+      for (int i = 0; i < MB; ++i) {
+        const XChunk& x = xp[(m0 + i) * C + c];
+        const __m512i d =
+            Dot::dot_int4(_mm512_load_si512(x.ncorr), lo, hi, _mm512_load_si512(x.h_lo),
+                          _mm512_load_si512(x.h_hi), _mm512_load_si512(x.l_lo), _mm512_load_si512(x.l_hi));
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_load_ps(x.sx)), acc[i][j]);
       }
     }
   }
@@ -98,96 +166,141 @@ void int4_block(const float* x, int64_t ldx, const Int4Weights& w, int64_t m0, i
     for (int j = 0; j < NB; ++j) y[(m0 + i) * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+struct Int8Call {
+  const int16_t* xq;
+  const float* sx;
+  const Int8Weights* w;
+  float* y;
+  int64_t M, ldy;
+};
+struct Int4Call {
+  const XChunk* xp;
+  int64_t C;
+  const Int4Weights* w;
+  float* y;
+  int64_t M, ldy;
+};
+
 // Every row of x against channels [n0, n0 + NB), four rows at a time.
-template <int NB, class W, class Block>
-void channel_block(const float* x, int64_t M, int64_t ldx, const W& w, int64_t n0, float* y, int64_t ldy,
-                   Block) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) Block::template run<4, NB>(x, ldx, w, m, n0, y, ldy);
-  switch (M - m) {
-    case 3:
-      Block::template run<3, NB>(x, ldx, w, m, n0, y, ldy);
-      break;
-    case 2:
-      Block::template run<2, NB>(x, ldx, w, m, n0, y, ldy);
-      break;
-    case 1:
-      Block::template run<1, NB>(x, ldx, w, m, n0, y, ldy);
-      break;
-    default:
-      break;
+#define KDA_QUANT_ROWS(block, ...)                             \
+  int64_t m = 0;                                               \
+  for (; m + 4 <= a.M; m += 4) block<4, NB, Dot>(__VA_ARGS__); \
+  switch (a.M - m) {                                           \
+    case 3:                                                    \
+      block<3, NB, Dot>(__VA_ARGS__);                          \
+      break;                                                   \
+    case 2:                                                    \
+      block<2, NB, Dot>(__VA_ARGS__);                          \
+      break;                                                   \
+    case 1:                                                    \
+      block<1, NB, Dot>(__VA_ARGS__);                          \
+      break;                                                   \
+    default:                                                   \
+      break;                                                   \
   }
+
+template <int NB, class Dot>
+inline void int8_channels(const Int8Call& a, int64_t n0) {
+  KDA_QUANT_ROWS(int8_block, a.xq, a.sx, a.w->in, *a.w, m, n0, a.y, a.ldy)
 }
+template <int NB, class Dot>
+inline void int4_channels(const Int4Call& a, int64_t n0) {
+  KDA_QUANT_ROWS(int4_block, a.xp, a.C, *a.w, m, n0, a.y, a.ldy)
+}
+#undef KDA_QUANT_ROWS
 
-struct Int8Block {
-  template <int MB, int NB>
-  static void run(const float* x, int64_t ldx, const Int8Weights& w, int64_t m0, int64_t n0, float* y,
-                  int64_t ldy) {
-    int8_block<MB, NB>(x, ldx, w, m0, n0, y, ldy);
+// Channels [nb0 * kNB, nb1 * kNB), and with `tail` the last (out % kNB) ones one at a time. One
+// flattened function per instruction choice: everything it calls is inlined into it, so the VNNI copy
+// below (its own target region, GCC would not inline a VNNI intrinsic into a function compiled without
+// VNNI) runs the same templates with its dot products in one instruction each.
+#define KDA_QUANT_RANGES(Dot, suffix)                                                            \
+  __attribute__((flatten)) void int8_range_##suffix(const Int8Call& a, int64_t nb0, int64_t nb1, \
+                                                    bool tail) {                                 \
+    for (int64_t nb = nb0; nb < nb1; ++nb) int8_channels<kNB, Dot>(a, nb * kNB);                 \
+    if (tail)                                                                                    \
+      for (int64_t n = nb1 * kNB; n < a.w->out; ++n) int8_channels<1, Dot>(a, n);                \
+  }                                                                                              \
+  __attribute__((flatten)) void int4_range_##suffix(const Int4Call& a, int64_t nb0, int64_t nb1, \
+                                                    bool tail) {                                 \
+    for (int64_t nb = nb0; nb < nb1; ++nb) int4_channels<kNB, Dot>(a, nb * kNB);                 \
+    if (tail)                                                                                    \
+      for (int64_t n = nb1 * kNB; n < a.w->out; ++n) int4_channels<1, Dot>(a, n);                \
   }
-};
-struct Int4Block {
-  template <int MB, int NB>
-  static void run(const float* x, int64_t ldx, const Int4Weights& w, int64_t m0, int64_t n0, float* y,
-                  int64_t ldy) {
-    int4_block<MB, NB>(x, ldx, w, m0, n0, y, ldy);
-  }
-};
 
-template <class W, class Block>
-void gemm_blocks(const float* x, int64_t M, int64_t ldx, const W& w, float* y, int64_t ldy, Block b) {
-  const int64_t full = w.out / kNB;
-#pragma omp parallel for schedule(static) if (w.in * w.out >= kParallelMin)
-  for (int64_t nb = 0; nb < full; ++nb) channel_block<kNB>(x, M, ldx, w, nb * kNB, y, ldy, b);
-  for (int64_t n = full * kNB; n < w.out; ++n) channel_block<1>(x, M, ldx, w, n, y, ldy, b);
+KDA_QUANT_RANGES(DotBw, bw)
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+struct DotVnni {
+  static inline __m512i dot_int4(__m512i ncorr, __m512i lo, __m512i hi, __m512i h_lo, __m512i h_hi,
+                                 __m512i l_lo, __m512i l_hi) {
+    const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, h_lo), hi, h_hi);
+    const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ncorr, l_lo, lo), l_hi, hi);
+    return _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+  }
+  static inline __m512i dot_s16(__m512i acc, __m512i a, __m512i b) { return _mm512_dpwssd_epi32(acc, a, b); }
+};
+KDA_QUANT_RANGES(DotVnni, vnni)
+#pragma GCC pop_options
+
+#undef KDA_QUANT_RANGES
+
+// Threads split the blocks of kNB channels evenly (static); each calls the range function once.
+template <class Call, class Range>
+void split_channels(const Call& a, int64_t in, int64_t out, Range range) {
+  const int64_t full = out / kNB;
+  if (in * out < kParallelMin) {
+    range(a, 0, full, true);
+    return;
+  }
+#pragma omp parallel
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    range(a, full * t / nt, full * (t + 1) / nt, t == nt - 1);
+  }
 }
 
 #else  // portable, AVX2
 
-// One channel of the weights dequantized into wf[0..in).
-void dequant_row(const Int8Weights& w, int64_t n, float* wf) {
+// Channel n of the int8 weights against one quantized row: an exact integer sum (int64: the lanes of the
+// AVX-512 copy are bounded, this one sum over all inputs is not).
+float int8_dot(const Int8Weights& w, int64_t n, const int16_t* xr, const float* sx) {
   const int8_t* q = w.q + n * w.in;
-  const float s = w.scale[n];
-#pragma omp simd
-  for (int64_t k = 0; k < w.in; ++k) wf[k] = static_cast<float>(q[k]) * s;
+  int64_t acc = 0;
+  for (int64_t k0 = 0; k0 < w.in; k0 += 32) {
+    const int64_t k1 = std::min(w.in, k0 + 32);
+    int32_t s = 0;  // 32 products of at most 127 * 32767 each
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = k0; k < k1; ++k) s += static_cast<int32_t>(q[k]) * xr[k];
+    acc += s;
+  }
+  return static_cast<float>(acc) * w.scale[n] * *sx;
 }
 
-void dequant_row(const Int4Weights& w, int64_t n, float* wf) {
+// Channel n of the int4 weights: per group an exact integer sum of (nibble - 8) * x, converted and
+// scaled once (weight scale times the activations' group scale sx[g]), accumulated in fp32.
+float int4_dot(const Int4Weights& w, int64_t n, const int16_t* xr, const float* sx) {
   const int64_t G = w.in / kInt4Group;
   const uint8_t* q = w.q + n * (w.in / 2);
+  float acc = 0.0f;
   for (int64_t g = 0; g < G; ++g) {
-    const float s = w.scale[n * G + g], bias = -8.0f * s;
-    float* o = wf + g * kInt4Group;
-#pragma omp simd
-    for (int j = 0; j < 16; ++j) {
-      o[j] = static_cast<float>(q[g * 16 + j] & 0xF) * s + bias;
-      o[j + 16] = static_cast<float>(q[g * 16 + j] >> 4) * s + bias;
-    }
+    const uint8_t* b = q + g * 16;
+    const int16_t* x = xr + g * kInt4Group;
+    int32_t s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int j = 0; j < 16; ++j) s += ((b[j] & 0xF) - 8) * x[j] + ((b[j] >> 4) - 8) * x[j + 16];
+    acc += static_cast<float>(s) * (w.scale[n * G + g] * sx[g]);
   }
+  return acc;
 }
 
-template <class W>
-void gemm_blocks(const float* x, int64_t M, int64_t ldx, const W& w, float* y, int64_t ldy) {
-  const int64_t nblocks = (w.out + kNB - 1) / kNB, in = w.in;
-#pragma omp parallel if (w.in * w.out >= kParallelMin)
-  {
-    std::vector<float> wf(static_cast<size_t>(kNB * in));  // only bad_alloc could throw: terminate is fine
-#pragma omp for schedule(static)
-    for (int64_t nb = 0; nb < nblocks; ++nb) {
-      const int64_t n0 = nb * kNB, nn = std::min(kNB, w.out - n0);
-      for (int64_t j = 0; j < nn; ++j) dequant_row(w, n0 + j, wf.data() + j * in);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xr = x + m * ldx;
-        for (int64_t j = 0; j < nn; ++j) {
-          const float* wr = wf.data() + j * in;
-          float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t k = 0; k < in; ++k) s += xr[k] * wr[k];
-          y[m * ldy + n0 + j] = s;
-        }
-      }
-    }
-  }
+// sx_row: the activation scales per row (1 for int8 weights, in / 32 for int4 ones).
+template <class W, class Dot>
+void gemm_rows(const int16_t* xq, const float* sx, int64_t sx_row, int64_t M, const W& w, float* y,
+               int64_t ldy, Dot dot) {
+#pragma omp parallel for schedule(static) if (w.in * w.out >= kParallelMin)
+  for (int64_t n = 0; n < w.out; ++n)
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot(w, n, xq + m * w.in, sx + m * sx_row);
 }
 
 #endif
@@ -195,18 +308,28 @@ void gemm_blocks(const float* x, int64_t M, int64_t ldx, const W& w, float* y, i
 }  // namespace
 
 #if defined(KDA_ISA_AVX512)
-void gemm_int8(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy) {
-  gemm_blocks(x, M, ldx, w, y, ldy, Int8Block{});
+void gemm_int8(const int16_t* xq, const float* sx, int64_t M, const Int8Weights& w, float* y, int64_t ldy,
+               bool vnni) {
+  const Int8Call a{xq, sx, &w, y, M, ldy};
+  split_channels(a, w.in, w.out, vnni ? int8_range_vnni : int8_range_bw);
 }
-void gemm_int4(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy) {
-  gemm_blocks(x, M, ldx, w, y, ldy, Int4Block{});
+void gemm_int4(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y, int64_t ldy,
+               bool vnni) {
+  // The packed activations: per-thread scratch, grown once (see quant_gemm_dispatch.cc).
+  thread_local std::vector<XChunk> xp;
+  const int64_t C = (w.in / kInt4Group + 3) / 4;
+  pack_x_int4(xq, sx, M, w.in, xp);
+  const Int4Call a{xp.data(), C, &w, y, M, ldy};
+  split_channels(a, w.in, w.out, vnni ? int4_range_vnni : int4_range_bw);
 }
 #else
-void gemm_int8(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy) {
-  gemm_blocks(x, M, ldx, w, y, ldy);
+void gemm_int8(const int16_t* xq, const float* sx, int64_t M, const Int8Weights& w, float* y, int64_t ldy,
+               bool) {
+  gemm_rows(xq, sx, 1, M, w, y, ldy, int8_dot);
 }
-void gemm_int4(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy) {
-  gemm_blocks(x, M, ldx, w, y, ldy);
+void gemm_int4(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y, int64_t ldy,
+               bool) {
+  gemm_rows(xq, sx, w.in / kInt4Group, M, w, y, ldy, int4_dot);
 }
 #endif
 

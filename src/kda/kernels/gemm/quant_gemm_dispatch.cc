@@ -4,6 +4,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kda/common/isa.h"
 #include "kda/kernels/gemm/quant_gemm.h"
@@ -38,19 +39,75 @@ void check_call(const float* x, int64_t M, int64_t ldx, int64_t in, int64_t out,
   if (M > 0 && (x == nullptr || y == nullptr)) throw std::invalid_argument("quantized gemm: null x or y");
 }
 
-template <class W>
-void reference(const float* x, int64_t M, int64_t ldx, const W& w, float* y, int64_t ldy) {
-  check_call(x, M, ldx, w.in, w.out, y, ldy);
-  const std::vector<float> wf = dequantize(w);
+template <class Q>
+float quantize_row(const float* x, int64_t in, int qmax, Q* q) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < in; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float s = amax / static_cast<float>(qmax);
+  if (!(s > 0.0f)) {
+    std::fill(q, q + in, Q{0});
+    return 0.0f;
+  }
+  const float lim = static_cast<float>(qmax);
+  for (int64_t k = 0; k < in; ++k) q[k] = static_cast<Q>(std::clamp(std::nearbyint(x[k] / s), -lim, lim));
+  return s;
+}
+
+// x quantized into contiguous [M, in] rows, as the kernels take it: one scale per run of `run` inputs
+// (the row, or a group of 32). Per-thread scratch: a call from the serving loop does not allocate (nor
+// fault in fresh pages) every time.
+template <class Q>
+const Q* quantize_x(const float* x, int64_t M, int64_t ldx, int64_t in, int64_t run, int qmax,
+                    std::vector<Q>& q, std::vector<float>& s) {
+  const int64_t R = in / run;
+  q.resize(static_cast<size_t>(M * in));
+  s.resize(static_cast<size_t>(M * R));
   for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < R; ++r)
+      s[m * R + r] = quantize_row(x + m * ldx + r * run, run, qmax, q.data() + m * in + r * run);
+  return q.data();
+}
+
+template <class W>
+void reference(const float* x, int64_t M, int64_t ldx, const W& w, int64_t run, int qmax, float* y,
+               int64_t ldy) {
+  check_call(x, M, ldx, w.in, w.out, y, ldy);
+  std::vector<int16_t> q;
+  std::vector<float> s;
+  quantize_x(x, M, ldx, w.in, run, qmax, q, s);
+  const int64_t R = w.in / run;
+  const std::vector<float> wf = dequantize(w);
+  std::vector<float> xd(static_cast<size_t>(w.in));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < w.in; ++k) xd[k] = static_cast<float>(q[m * w.in + k]) * s[m * R + k / run];
     for (int64_t n = 0; n < w.out; ++n) {
-      float s = 0.0f;
-      for (int64_t k = 0; k < w.in; ++k) s += x[m * ldx + k] * wf[n * w.in + k];
-      y[m * ldy + n] = s;
+      float acc = 0.0f;
+      for (int64_t k = 0; k < w.in; ++k) acc += xd[k] * wf[n * w.in + k];
+      y[m * ldy + n] = acc;
     }
+  }
 }
 
 }  // namespace
+
+int activation_qmax(int64_t in) {
+  // The AVX-512 kernel's int32 lanes each sum 2 products per 32 inputs, |w| <= 127.
+  const int64_t per_lane = 2 * ((in + 31) / 32);
+  return static_cast<int>(
+      std::min<int64_t>(32767, (int64_t{2147483647} / 127) / std::max<int64_t>(per_lane, 1)));
+}
+float quantize_activations(const float* x, int64_t n, int qmax, int16_t* q) {
+  return quantize_row(x, n, qmax, q);
+}
+
+bool cpu_has_vnni() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  static const bool v = __builtin_cpu_supports("avx512vnni");
+  return v;
+#else
+  return false;
+#endif
+}
 
 void quantize_int8(const float* w, int64_t in, int64_t out, std::vector<int8_t>& q,
                    std::vector<float>& scale) {
@@ -114,21 +171,25 @@ std::vector<float> dequantize(const Int4Weights& w) {
   return out;
 }
 
-#define KDA_QUANT_DISPATCH(fn)                                   \
-  check_call(x, M, ldx, w.in, w.out, y, ldy);                    \
-  require_isa(isa);                                              \
-  if (M == 0) return;                                            \
-  switch (isa) {                                                 \
-    case Isa::Avx512:                                            \
-      KDA_QUANT_AVX512(return avx512::fn(x, M, ldx, w, y, ldy)); \
-      break;                                                     \
-    case Isa::Avx2:                                              \
-      KDA_QUANT_AVX2(return avx2::fn(x, M, ldx, w, y, ldy));     \
-      break;                                                     \
-    default:                                                     \
-      break;                                                     \
-  }                                                              \
-  portable::fn(x, M, ldx, w, y, ldy);
+#define KDA_QUANT_DISPATCH(fn, run, qmax)                                             \
+  check_call(x, M, ldx, w.in, w.out, y, ldy);                                         \
+  require_isa(isa);                                                                   \
+  if (M == 0) return;                                                                 \
+  thread_local std::vector<int16_t> xq_scratch;                                       \
+  thread_local std::vector<float> sx_scratch;                                         \
+  const int16_t* xq = quantize_x(x, M, ldx, w.in, run, qmax, xq_scratch, sx_scratch); \
+  const float* sx = sx_scratch.data();                                                \
+  switch (isa) {                                                                      \
+    case Isa::Avx512:                                                                 \
+      KDA_QUANT_AVX512(return avx512::fn(xq, sx, M, w, y, ldy, cpu_has_vnni()));      \
+      break;                                                                          \
+    case Isa::Avx2:                                                                   \
+      KDA_QUANT_AVX2(return avx2::fn(xq, sx, M, w, y, ldy, false));                   \
+      break;                                                                          \
+    default:                                                                          \
+      break;                                                                          \
+  }                                                                                   \
+  portable::fn(xq, sx, M, w, y, ldy, false);
 
 // Only the copies in the build are referenced (require_isa() refuses the others first).
 #if defined(KDA_WITH_AVX512)
@@ -143,12 +204,12 @@ std::vector<float> dequantize(const Int4Weights& w) {
 #endif
 
 void gemm(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy, Isa isa) {
-  KDA_QUANT_DISPATCH(gemm_int8)
+  KDA_QUANT_DISPATCH(gemm_int8, w.in, activation_qmax(w.in))
 }
 
 void gemm(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy, Isa isa) {
   check_shape(w.in, w.out, true);
-  KDA_QUANT_DISPATCH(gemm_int4)
+  KDA_QUANT_DISPATCH(gemm_int4, kInt4Group, kInt4ActivationMax)
 }
 
 void gemm(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy) {
@@ -159,10 +220,10 @@ void gemm(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y
 }
 
 void gemm_reference(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy) {
-  reference(x, M, ldx, w, y, ldy);
+  reference(x, M, ldx, w, w.in, activation_qmax(w.in), y, ldy);
 }
 void gemm_reference(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy) {
-  reference(x, M, ldx, w, y, ldy);
+  reference(x, M, ldx, w, kInt4Group, kInt4ActivationMax, y, ldy);
 }
 
 }  // namespace kda::kernels::gemm

@@ -6,9 +6,15 @@
 
 namespace kda::kernels::gemm {
 
-#define KDA_QUANT_GEMM_DECLS                                                                           \
-  void gemm_int8(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy); \
-  void gemm_int4(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy);
+// x already quantized (quantize_activations): xq [M, in] (contiguous rows), sx its scales: [M] for
+// int8 weights, [M, in / 32] for int4 ones. vnni:
+// use AVX512_VNNI (the AVX-512 copy only, where the CPU has it; the others ignore it), which gives the
+// same integer sums as the AVX-512BW instructions otherwise used.
+#define KDA_QUANT_GEMM_DECLS                                                                                 \
+  void gemm_int8(const int16_t* xq, const float* sx, int64_t M, const Int8Weights& w, float* y, int64_t ldy, \
+                 bool vnni);                                                                                 \
+  void gemm_int4(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y, int64_t ldy, \
+                 bool vnni);
 
 namespace portable {
 KDA_QUANT_GEMM_DECLS
@@ -21,5 +27,8 @@ KDA_QUANT_GEMM_DECLS
 }  // namespace avx512
 
 #undef KDA_QUANT_GEMM_DECLS
+
+// Whether this CPU has AVX512_VNNI (detected once); the entry points pass it as `vnni`.
+bool cpu_has_vnni();
 
 }  // namespace kda::kernels::gemm
