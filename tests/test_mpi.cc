@@ -213,7 +213,10 @@ TEST_F(Mpi, ARankThatFailsMidRunEndsEveryRank) {
   EXPECT_NE(r.code, 124) << "timed out: a rank hangs\n" << r.output;
   EXPECT_THAT(r.output, HasSubstr("kda: error: token id"));
   EXPECT_THAT(r.output, HasSubstr("outside the vocabulary [0, 2)"));
-  EXPECT_THAT(r.output, HasSubstr("MPI_ABORT was invoked on rank 1"));  // the failed rank ended the others
+  // No rank finished: the failed rank's MPI_Abort ended rank 0 in its all-reduce. (mpirun's own "MPI_ABORT
+  // was invoked on rank 1" notice is not asserted: under load its help-text printing fails at times with
+  // "ORTE_ERROR_LOG: Out of resource in file .../show_help.c", seen in a ctest -j2 run.)
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("built in")));
 }
 
 }  // namespace

@@ -16,39 +16,17 @@
 #include "kda/kernels/gemm/quant_gemm_isa.h"
 #include "kda/layers/linear.h"
 #include "kda/layers/quant_linear.h"
+#include "support/gemm_check.h"
 #include "support/test_support.h"
 
 namespace kda {
 namespace {
 
 namespace qg = kernels::gemm;
+using testing::available_isas;
+using testing::expect_close_fp32;
 using testing::expect_throw_with;
 using testing::random_normal;
-
-std::vector<Isa> available_isas() {
-  std::vector<Isa> v;
-  for (Isa isa : {Isa::Portable, Isa::Avx2, Isa::Avx512})
-    if (isa_available(isa)) v.push_back(isa);
-  return v;
-}
-
-// |y - y_ref| within fp32 summation rounding: 2 (kernel and reference) * in * 2^-24 * sum_k |x_k w_k|.
-void expect_close_fp32(const std::vector<float>& x, int64_t ldx, const std::vector<float>& wf, int64_t M,
-                       int64_t in, int64_t out, const float* y, int64_t ldy, const float* yref, int64_t ldr,
-                       const std::string& what) {
-  int bad = 0;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < out; ++n) {
-      double mag = 0.0;
-      for (int64_t k = 0; k < in; ++k) mag += std::fabs(static_cast<double>(x[m * ldx + k]) * wf[n * in + k]);
-      const double tol = 2.0 * static_cast<double>(in) * std::ldexp(1.0, -24) * mag + 1e-30;
-      const double d = std::fabs(static_cast<double>(y[m * ldy + n]) - yref[m * ldr + n]);
-      if (!(d <= tol) && bad++ < 5)
-        ADD_FAILURE() << what << ": y[" << m << ", " << n << "] = " << y[m * ldy + n] << ", reference "
-                      << yref[m * ldr + n] << " (tolerance " << tol << ")";
-    }
-  EXPECT_EQ(bad, 0) << what;
-}
 
 struct Shape {
   int64_t in, out;

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "kda/kernels/gemm/quant_gemm.h"
+#include "kda/layers/fp32_rows.h"
 
 namespace kda::layers {
 
@@ -30,8 +31,9 @@ struct QuantLinear::Impl {
   // own primitive cache makes re-creating a recent one cheap).
   static constexpr size_t kMaxPrimitives = 32;
   mutable std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, dnnl::matmul> prims;
-  // Scratch: x in fp32, y in fp32 (for a bf16 output), one dequantized weight tile.
-  mutable std::vector<float> xf, yf, wt;
+  // A call's x and y as fp32 rows; one dequantized weight tile.
+  std::unique_ptr<Fp32Rows> rows;
+  mutable std::vector<float> wt;
   mutable std::mutex mu;
 
   template <class F>
@@ -54,6 +56,7 @@ QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::v
     throw std::invalid_argument("QuantLinear: weight has " + std::to_string(weight.size()) +
                                 " values, expected " + std::to_string(out_) + " x " + std::to_string(in_));
   Impl& im = *impl_;
+  im.rows = std::make_unique<Fp32Rows>(in_, out_);
   if (weights == Weights::Int8) {
     qg::quantize_int8(weight.data(), in_, out_, im.q8, im.scale);
     im.w8 = {im.q8.data(), im.scale.data(), in_, out_};
@@ -86,72 +89,46 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
   if (M == 0) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
-  // x in fp32: bf16 widened exactly; fp32 rounded to bf16 in the bf16 precision (its rounding point), as is
-  // in the fp32 one.
-  const float* xf = nullptr;
-  int64_t ldxf = in_;
-  if constexpr (x16) {
-    im.xf.resize(static_cast<size_t>(M * in_));
-    for (int64_t i = 0; i < M; ++i) bf16_to_f32_array(x + i * ldx, im.xf.data() + i * in_, in_);
-    xf = im.xf.data();
-  } else if (precision_ == Precision::BF16) {
-    im.xf.resize(static_cast<size_t>(M * in_));
-    for (int64_t i = 0; i < M; ++i) {
-      const float* xr = x + i * ldx;
-      float* o = im.xf.data() + i * in_;
-      for (int64_t k = 0; k < in_; ++k) o[k] = round_bf16(xr[k]);
-    }
-    xf = im.xf.data();
-  } else {
-    xf = x;
-    ldxf = ldx;
-  }
-  // y in fp32: y itself, or a scratch rounded to bf16 afterwards.
-  float* yf = nullptr;
-  int64_t ldyf = out_;
-  if constexpr (y16) {
-    im.yf.resize(static_cast<size_t>(M * out_));
-    yf = im.yf.data();
-  } else {
-    yf = y;
-    ldyf = ldy;
-  }
-  if (M <= kDecodeRows) {
-    im.with_weights(weights_, [&](const auto& w) { qg::gemm(xf, M, ldxf, w, yf, ldyf); });
-  } else {
-    // Prefill: dequantized tiles of kTile output channels through oneDNN's fp32 matmul (W^T view of the
-    // tile's [nt, in] rows), each writing its columns of yf.
-    im.wt.resize(static_cast<size_t>(kTile * in_));
-    for (int64_t n0 = 0; n0 < out_; n0 += kTile) {
-      const int64_t nt = std::min(kTile, out_ - n0);
-      float* wt = im.wt.data();
-      const int64_t in = in_;
-      im.with_weights(weights_, [&](const auto& w) {
+  // x and y as fp32 rows: fp32 x rounded to bf16 in the bf16 precision (its rounding point), as is in
+  // the fp32 one.
+  im.rows->with(x, M, ldx, y, ldy, precision_ == Precision::BF16,
+                [&](const float* xf, int64_t ldxf, float* yf, int64_t ldyf) {
+                  if (M <= kDecodeRows) {
+                    im.with_weights(weights_, [&](const auto& w) { qg::gemm(xf, M, ldxf, w, yf, ldyf); });
+                  } else {
+                    prefill(xf, M, ldxf, yf, ldyf);
+                  }
+                });
+}
+
+// Dequantized tiles of kTile output channels through oneDNN's fp32 matmul (W^T view of the tile's
+// [nt, in] rows), each writing its columns of y. Caller holds the mutex.
+void QuantLinear::prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const {
+  Impl& im = *impl_;
+  im.wt.resize(static_cast<size_t>(kTile * in_));
+  for (int64_t n0 = 0; n0 < out_; n0 += kTile) {
+    const int64_t nt = std::min(kTile, out_ - n0);
+    float* wt = im.wt.data();
+    const int64_t in = in_;
+    im.with_weights(weights_, [&](const auto& w) {
 #pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < nt; ++r) qg::dequantize_rows(w, n0 + r, n0 + r + 1, wt + r * in);
-      });
-      const auto key = std::make_tuple(M, nt, ldxf, ldyf);
-      auto it = im.prims.find(key);
-      if (it == im.prims.end()) {
-        if (im.prims.size() >= Impl::kMaxPrimitives) im.prims.clear();
-        const memory::desc src_md({M, in_}, memory::data_type::f32, memory::dims{ldxf, 1});
-        const memory::desc w_md({in_, nt}, memory::data_type::f32, memory::dims{1, in_});
-        const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{ldyf, 1});
-        const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_md, dst_md), im.engine);
-        it = im.prims.emplace(key, dnnl::matmul(pd)).first;
-      }
-      const memory::desc src_md({M, in_}, memory::data_type::f32, memory::dims{ldxf, 1});
-      const memory::desc w_md({in_, nt}, memory::data_type::f32, memory::dims{1, in_});
-      const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{ldyf, 1});
-      memory src_m(src_md, im.engine, const_cast<float*>(xf));
-      memory w_m(w_md, im.engine, wt);
-      memory dst_m(dst_md, im.engine, yf + n0);
-      it->second.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
-      im.stream.wait();
+      for (int64_t r = 0; r < nt; ++r) qg::dequantize_rows(w, n0 + r, n0 + r + 1, wt + r * in);
+    });
+    const memory::desc src_md({M, in_}, memory::data_type::f32, memory::dims{ldxf, 1});
+    const memory::desc w_md({in_, nt}, memory::data_type::f32, memory::dims{1, in_});
+    const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{ldyf, 1});
+    const auto key = std::make_tuple(M, nt, ldxf, ldyf);
+    auto it = im.prims.find(key);
+    if (it == im.prims.end()) {
+      if (im.prims.size() >= Impl::kMaxPrimitives) im.prims.clear();
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_md, dst_md), im.engine);
+      it = im.prims.emplace(key, dnnl::matmul(pd)).first;
     }
-  }
-  if constexpr (y16) {
-    for (int64_t i = 0; i < M; ++i) f32_to_bf16_array(yf + i * out_, y + i * ldy, out_);
+    memory src_m(src_md, im.engine, const_cast<float*>(xf));
+    memory w_m(w_md, im.engine, wt);
+    memory dst_m(dst_md, im.engine, yf + n0);
+    it->second.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
+    im.stream.wait();
   }
 }
 

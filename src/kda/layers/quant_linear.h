@@ -48,6 +48,7 @@ class QuantLinear {
   struct Impl;
   template <class X, class Y>
   void forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
+  void prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const;
   int64_t in_ = 0, out_ = 0;
   Weights weights_ = Weights::Int8;
   Precision precision_ = Precision::BF16;

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(KDA_ISA_AVX512)
@@ -39,31 +41,43 @@ constexpr int64_t kRowChunk = 64;
 // lines in flight that the hardware prefetchers alone did not.
 constexpr int64_t kPrefetchAhead = 512;
 
+// f(0), ..., f(N - 1) with compile-time indices: the accumulator arrays below are then indexed by
+// constants when GCC decides what to keep in registers (with loop indices it kept them in memory and
+// stored every accumulator at every step, which bound the kernel by stores from a few rows on).
+template <int N, class F>
+inline void unrolled(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }
+  (std::make_integer_sequence<int, N>{});
+}
+
 // Rows [m0, m0 + MB) x channels [n0, n0 + NB): MB * NB accumulators of 16 lanes (MB <= 6 with NB = 4
 // leaves registers for the widened weights and x).
 template <int MB, int NB>
 void block(const float* x, int64_t ldx, const Bf16Weights& w, int64_t m0, int64_t n0, float* y, int64_t ldy) {
   __m512 acc[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  unrolled<MB>([&](auto i) { unrolled<NB>([&](auto j) { acc[i][j] = _mm512_setzero_ps(); }); });
   const int64_t in = w.in;
+  const bf16_t* wr = w.w + n0 * in;
+  const float* xr = x + m0 * ldx;
   for (int64_t k = 0; k < in; k += 16) {
     const __mmask16 mk = in - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (in - k)) - 1);
     if ((k & 31) == 0)
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w.w + (n0 + j) * in + k + kPrefetchAhead), _MM_HINT_T0);
+      unrolled<NB>([&](auto j) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + j * in + k + kPrefetchAhead), _MM_HINT_T0);
+      });
     __m512 wf[NB];
-    for (int j = 0; j < NB; ++j) {
-      const __m256i b = _mm256_maskz_loadu_epi16(mk, w.w + (n0 + j) * in + k);
+    unrolled<NB>([&](auto j) {
+      const __m256i b = _mm256_maskz_loadu_epi16(mk, wr + j * in + k);
       wf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-    }
-    for (int i = 0; i < MB; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mk, x + (m0 + i) * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wf[j], acc[i][j]);
-    }
+    });
+    unrolled<MB>([&](auto i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mk, xr + i * ldx + k);
+      unrolled<NB>([&](auto j) { acc[i][j] = _mm512_fmadd_ps(xv, wf[j], acc[i][j]); });
+    });
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) y[(m0 + i) * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+  unrolled<MB>([&](auto i) {
+    unrolled<NB>([&](auto j) { y[(m0 + i) * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]); });
+  });
 }
 
 // Every row of x against channels [n0, n0 + NB), six rows at a time (a 5-token verify row in one pass).
