@@ -1240,25 +1240,32 @@ TEST(SimulateCli, SpeculativeSummaryJsonAndBadOptions) {
 
 // --- soak under churn (issue 17), shortened: the accounting and the self-check, not the timing -----------
 
-TEST(Soak, ChurnWithEvictionsSpeculationAndMixedBatchesLeaksNothing) {
+// The soak's mix on the small model: shared-prefix requests, a prefix cache of eight snapshots (each
+// request inserts 3-4, evicting), speculation, mixed batches and 2 parallel samples on 5 slots.
+SimulateOptions soak_options(int64_t requests, SpecAlgorithm algo, double accept_rate) {
   WorkloadOptions w;
   w.kind = WorkloadKind::kSharedPrefix;
-  w.requests = 120;
+  w.requests = requests;
   w.prompt = {4, 24};
   w.output_len = 5;
   w.prefix_groups = 2;
   w.shared_prefix_len = 70;
   w.vocab = kSpecVocab;
   w.seed = 9;
-  auto o = spec_options(make_workload(w), SpecAlgorithm::kNgram, 2, 0);
+  auto o = spec_options(make_workload(w), algo, 2, accept_rate);
   o.vocab = kSpecVocab;
   o.state_memory = 5 * slot_bytes();
-  o.prefix_cache_memory = 8 * slot_bytes();  // eight snapshots: each request inserts 3-4, evicting
+  o.prefix_cache_memory = 8 * slot_bytes();
   o.server_args.disable_radix_cache = false;
   o.cache_interval = 64;
   o.server_args.enable_mixed_chunk = true;
   o.server_args.chunked_prefill_size = 40;
   o.parallel_samples = 2;
+  return o;
+}
+
+TEST(Soak, ChurnWithEvictionsSpeculationAndMixedBatchesLeaksNothing) {
+  auto o = soak_options(120, SpecAlgorithm::kNgram, 0);
   o.keep_outputs = false;
   o.check = 6;
   const auto r = run_simulation(o);
@@ -1287,25 +1294,8 @@ TEST(Soak, ChurnWithEvictionsSpeculationAndMixedBatchesLeaksNothing) {
 // requests: 6.5% growth after warm-up, 2.1% with the rows sized once). Speculation's accepted paths,
 // prefix-cache hits, mixed steps and forks all write into the one allocation.
 TEST(Soak, KeptRowsAreSizedOnceForTheirPositionsBeforeTheFirstStep) {
-  WorkloadOptions w;
-  w.kind = WorkloadKind::kSharedPrefix;
-  w.requests = 12;
-  w.prompt = {4, 24};
-  w.output_len = 5;
-  w.prefix_groups = 2;
-  w.shared_prefix_len = 70;
-  w.vocab = kSpecVocab;
-  w.seed = 9;
   // Replay at 0.7 accepts drafts: verify rows that write several positions' rows.
-  auto o = spec_options(make_workload(w), SpecAlgorithm::kReplay, 2, 0.7);
-  o.vocab = kSpecVocab;
-  o.state_memory = 5 * slot_bytes();
-  o.prefix_cache_memory = 8 * slot_bytes();
-  o.server_args.disable_radix_cache = false;
-  o.cache_interval = 64;
-  o.server_args.enable_mixed_chunk = true;
-  o.server_args.chunked_prefill_size = 40;
-  o.parallel_samples = 2;
+  const auto o = soak_options(12, SpecAlgorithm::kReplay, 0.7);
   const auto r = run_simulation(o);
   ASSERT_EQ(r.serve.requests_completed, 12);
   EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);

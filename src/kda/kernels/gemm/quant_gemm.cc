@@ -9,13 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(KDA_ISA_AVX512)
-// GCC 12's AVX-512 conversion intrinsics pass an undefined source operand for their unused mask lanes
-// (_mm512_undefined_*), which -Wuninitialized reports as a use of an uninitialized value; it is not one.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#endif
+#include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
 
 #include "kda/common/isa_target.h"
 #include "kda/kernels/gemm/quant_gemm_isa.h"
