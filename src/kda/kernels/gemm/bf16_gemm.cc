@@ -10,10 +10,9 @@
 #include <utility>
 #include <vector>
 
-#include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
-
 #include "kda/common/isa_target.h"
 #include "kda/kernels/gemm/bf16_gemm_isa.h"
+#include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
 
 KDA_ISA_PUSH
 namespace kda::kernels::gemm::KDA_ISA_NS {
