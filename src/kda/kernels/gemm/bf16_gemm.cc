@@ -8,11 +8,11 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "kda/common/isa_target.h"
 #include "kda/kernels/gemm/bf16_gemm_isa.h"
-#include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
+#include "kda/kernels/kda/avx512.h"
+#include "kda/kernels/kda/scratch.h"  // <immintrin.h>, its GCC 12 false warnings silenced
 
 KDA_ISA_PUSH
 namespace kda::kernels::gemm::KDA_ISA_NS {
@@ -122,20 +122,22 @@ void channel_block(const float* xp, int64_t M, int64_t ldp, const Bf16Weights& w
 void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy) {
   // Blocks of kNB channels, then the out % kNB last channels one by one.
   const int64_t full = w.out / kNB, blocks = full + w.out % kNB, ldp = padded(w.in);
-  // One chunk of split x rows, allocated before the region (a bad_alloc inside it would terminate).
-  std::vector<float> xp(static_cast<size_t>(std::min(M, kRowChunk) * ldp));
+  // One chunk of split x rows, from the calling thread's scratch before the region (steady-state calls
+  // allocate nothing; a bad_alloc inside the region would terminate). split_even_odd writes all of it.
+  thread_local ScratchBuffer scratch;
+  float* const xs = scratch.get(static_cast<size_t>(std::min(M, kRowChunk) * ldp));
 #pragma omp parallel if (w.in * w.out >= kParallelMin)
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t mc = std::min(kRowChunk, M - m0);
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < mc; ++m) split_even_odd(x + (m0 + m) * ldx, w.in, xp.data() + m * ldp);
+    for (int64_t m = 0; m < mc; ++m) split_even_odd(x + (m0 + m) * ldx, w.in, xs + m * ldp);
     float* yc = y + m0 * ldy;
 #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < blocks; ++nb) {
       if (nb < full) {
-        channel_block<kNB>(xp.data(), mc, ldp, w, nb * kNB, yc, ldy);
+        channel_block<kNB>(xs, mc, ldp, w, nb * kNB, yc, ldy);
       } else {
-        channel_block<1>(xp.data(), mc, ldp, w, full * kNB + (nb - full), yc, ldy);
+        channel_block<1>(xs, mc, ldp, w, full * kNB + (nb - full), yc, ldy);
       }
     }
   }
@@ -148,11 +150,13 @@ void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, flo
 void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy) {
   const int64_t nblocks = (w.out + kNB - 1) / kNB, in = w.in;
   const bool parallel = w.in * w.out >= kParallelMin;
-  // Each thread's widened block, allocated before the region (a bad_alloc inside it would terminate).
-  std::vector<float> buf(static_cast<size_t>(kNB * in * (parallel ? omp_get_max_threads() : 1)));
+  // Each thread's widened block, from the calling thread's scratch before the region (steady-state calls
+  // allocate nothing; a bad_alloc inside the region would terminate).
+  thread_local ScratchBuffer scratch;
+  float* const buf = scratch.get(static_cast<size_t>(kNB * in * (parallel ? omp_get_max_threads() : 1)));
 #pragma omp parallel if (parallel)
   {
-    float* wf = buf.data() + kNB * in * omp_get_thread_num();
+    float* wf = buf + kNB * in * omp_get_thread_num();
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t m1 = std::min(M, m0 + kRowChunk);
 #pragma omp for schedule(static)
