@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kda/common/bf16.h"
@@ -29,6 +30,37 @@ std::vector<bf16_t> to_bf16(const std::vector<float>& v) {
   return b;
 }
 
+// W [out, in] in the kernels' packed form.
+std::vector<bf16_t> packed(const std::vector<bf16_t>& w, int64_t in, int64_t out) {
+  std::vector<bf16_t> p(static_cast<size_t>(kg::packed_size(in, out)), 0xFFFF);
+  kg::pack(w.data(), in, out, p.data());
+  return p;
+}
+
+// The packed form holds every weight once, in blocks of 4 channels and groups of 32 inputs, and zeros
+// in its padding; widen_rows gives back any range of rows.
+TEST(Bf16Gemm, PackingKeepsEveryWeight) {
+  for (auto [in, out] : {std::pair<int64_t, int64_t>{2304, 12}, {33, 5}, {1, 1}, {64, 7}, {100, 3}}) {
+    std::vector<bf16_t> w(static_cast<size_t>(in * out));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = f32_to_bf16(static_cast<float>(i + 1));
+    const std::vector<bf16_t> p = packed(w, in, out);
+    const int64_t groups = (in + 31) / 32;
+    ASSERT_EQ(static_cast<int64_t>(p.size()), (out + 3) / 4 * groups * 4 * 32);
+    for (int64_t n = 0; n < (out + 3) / 4 * 4; ++n)
+      for (int64_t k = 0; k < groups * 32; ++k) {
+        const bf16_t v = p[static_cast<size_t>(((n / 4 * groups + k / 32) * 4 + n % 4) * 32 + k % 32)];
+        ASSERT_EQ(v, n < out && k < in ? w[n * in + k] : bf16_t{0})
+            << in << "x" << out << " " << n << "," << k;
+      }
+    const kg::Bf16Weights pw{p.data(), in, out};
+    for (auto [n0, n1] : {std::pair<int64_t, int64_t>{0, out}, {out / 2, out}, {out - 1, out}, {0, 1}}) {
+      std::vector<float> rows(static_cast<size_t>((n1 - n0) * in));
+      kg::widen_rows(pw, n0, n1, rows.data());
+      for (int64_t i = 0; i < (n1 - n0) * in; ++i) ASSERT_EQ(rows[i], bf16_to_f32(w[n0 * in + i])) << n0;
+    }
+  }
+}
+
 TEST(Bf16Gemm, KernelsEqualTheReference) {
   struct Shape {
     int64_t in, out;
@@ -36,9 +68,9 @@ TEST(Bf16Gemm, KernelsEqualTheReference) {
   for (Shape s : {Shape{2304, 37}, Shape{128, 260}, Shape{4096, 9}, Shape{17, 5}, Shape{100, 3}, Shape{1, 1},
                   Shape{33, 64}}) {
     const std::vector<bf16_t> wb =
-        to_bf16(random_normal(static_cast<size_t>(s.in * s.out), s.in + s.out, 0.05f));
+        packed(to_bf16(random_normal(static_cast<size_t>(s.in * s.out), s.in + s.out, 0.05f)), s.in, s.out);
     const kg::Bf16Weights w{wb.data(), s.in, s.out};
-    std::vector<float> wf(wb.size());
+    std::vector<float> wf(static_cast<size_t>(s.in * s.out));
     kg::widen_rows(w, 0, s.out, wf.data());
     for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 16, 33, 64, 65, 150}) {
       const int64_t ldx = s.in + 3, ldy = s.out + 5;
@@ -62,7 +94,8 @@ TEST(Bf16Gemm, KernelsEqualTheReference) {
 // as in a batch (a verify row of several tokens).
 TEST(Bf16Gemm, ARowsResultDoesNotDependOnItsBatch) {
   const int64_t in = 300, out = 41;
-  const std::vector<bf16_t> wb = to_bf16(random_normal(static_cast<size_t>(in * out), 5, 0.05f));
+  const std::vector<bf16_t> wb =
+      packed(to_bf16(random_normal(static_cast<size_t>(in * out), 5, 0.05f)), in, out);
   const kg::Bf16Weights w{wb.data(), in, out};
   const int64_t M = 140;  // several row chunks
   const std::vector<float> x = random_normal(static_cast<size_t>(M * in), 6);
@@ -79,7 +112,7 @@ TEST(Bf16Gemm, ARowsResultDoesNotDependOnItsBatch) {
 }
 
 TEST(Bf16Gemm, BadCallsAreRefused) {
-  const std::vector<bf16_t> wb(8 * 4);
+  const std::vector<bf16_t> wb(static_cast<size_t>(kg::packed_size(8, 4)));
   const kg::Bf16Weights w{wb.data(), 8, 4};
   std::vector<float> x(16), y(8);
   expect_throw_with<std::invalid_argument>([&] { kg::gemm(x.data(), 2, 7, w, y.data(), 4); },
@@ -87,6 +120,12 @@ TEST(Bf16Gemm, BadCallsAreRefused) {
   expect_throw_with<std::invalid_argument>([&] { kg::gemm(x.data(), 2, 8, w, nullptr, 4); }, "null x or y");
   expect_throw_with<std::invalid_argument>([&] { kg::gemm(x.data(), 1, 8, kg::Bf16Weights{}, y.data(), 4); },
                                            "empty weights");
+  std::vector<bf16_t> out(static_cast<size_t>(kg::packed_size(8, 4)), 5);
+  expect_throw_with<std::invalid_argument>([&] { kg::pack(nullptr, 8, 4, out.data()); },
+                                           "pack of empty weights");
+  expect_throw_with<std::invalid_argument>([&] { kg::pack(wb.data(), 0, 4, out.data()); },
+                                           "pack of empty weights");
+  EXPECT_EQ(out, std::vector<bf16_t>(out.size(), 5));
 }
 
 // Linear's widened path (these kernels) against

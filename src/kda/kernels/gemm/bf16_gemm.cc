@@ -18,9 +18,9 @@ KDA_ISA_PUSH
 namespace kda::kernels::gemm::KDA_ISA_NS {
 namespace {
 
-// Output channels per block: the block's weights (4 x in x 2 bytes: 18 KiB at in = 2304) stay in L1
-// while every row of x passes over them, so each weight comes from memory once per call.
-constexpr int64_t kNB = 4;
+// Output channels per block (the packing's): the block's weights (4 x in x 2 bytes: 18 KiB at in = 2304)
+// stay in L1 while every row of x passes over them, so each weight comes from memory once per call.
+constexpr int64_t kNB = kPackChannels;
 // Below this many weights a call runs on one thread (the fork costs more than the work).
 constexpr int64_t kParallelMin = int64_t{1} << 15;
 // Rows per pass over W: a chunk of x (64 x in x 4 bytes: 576 KiB at in = 2304) stays in L2 while the
@@ -29,10 +29,10 @@ constexpr int64_t kRowChunk = 64;
 
 #if defined(KDA_ISA_AVX512)
 
-// From memory (a model's weights do not fit in the caches between steps) each channel's row is a
-// stream read 32 bytes at a time; a prefetch this far ahead (in weights), once per cache line, keeps
-// lines in flight that the hardware prefetchers alone did not.
-constexpr int64_t kPrefetchAhead = 512;
+// From memory (a model's weights do not fit in the caches between steps) a thread's blocks are one
+// sequential stream; a prefetch this far ahead (in weights: 4 KiB), once per cache line, keeps lines
+// in flight beside the hardware prefetchers'.
+constexpr int64_t kPrefetchAhead = 2048;
 
 // f(0), ..., f(N - 1) with compile-time indices: the accumulator arrays below are then indexed by
 // constants when GCC decides what to keep in registers (with loop indices it kept them in memory and
@@ -48,8 +48,8 @@ inline void unrolled(F&& f) {
 // each one the low half of a 32-bit lane) and one mask (the odd ones, already the high half), where
 // widening 16 at a time took a conversion and a shift per 16: one operation per 16 weights saved on the
 // two ports that also run the FMAs.
-constexpr int64_t kGroup = 32;
-inline int64_t padded(int64_t in) { return (in + kGroup - 1) / kGroup * kGroup; }
+constexpr int64_t kGroup = kPackGroup;
+inline int64_t padded(int64_t in) { return packed_groups(in) * kGroup; }
 
 void split_even_odd(const float* x, int64_t in, float* xp) {
   for (int64_t g = 0; g < in; g += kGroup) {
@@ -60,58 +60,62 @@ void split_even_odd(const float* x, int64_t in, float* xp) {
   }
 }
 
-// Rows [0, MB) of the split x (row stride ldp) x channels [n0, n0 + NB): MB * NB accumulators of 16
-// lanes (MB <= 6 with NB = 4 leaves registers for the widened weights and x).
-template <int MB, int NB>
-void block(const float* xp, int64_t ldp, const Bf16Weights& w, int64_t n0, float* y, int64_t ldy) {
-  __m512 acc[MB][NB];
-  unrolled<MB>([&](auto i) { unrolled<NB>([&](auto j) { acc[i][j] = _mm512_setzero_ps(); }); });
-  const int64_t in = w.in;
-  const bf16_t* wr = w.w + n0 * in;
+// Rows [0, MB) of the split x (row stride ldp) x the channels of block nb: MB * kNB accumulators of 16
+// lanes (MB <= 6 leaves registers for the widened weights and x). The packing's zero padding makes
+// every group whole; a last block's padded channels are computed and not stored.
+template <int MB>
+void block(const float* xp, int64_t ldp, const Bf16Weights& w, int64_t nb, float* y, int64_t ldy) {
+  __m512 acc[MB][kNB];
+  unrolled<MB>([&](auto i) { unrolled<kNB>([&](auto j) { acc[i][j] = _mm512_setzero_ps(); }); });
+  const int64_t groups = packed_groups(w.in);
+  const bf16_t* b = w.w + nb * packed_block_size(w.in);
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < in; k += kGroup) {
-    const __mmask32 mk = in - k >= kGroup ? ~__mmask32(0) : __mmask32((1u << (in - k)) - 1);
-    unrolled<NB>([&](auto j) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + j * in + k + kPrefetchAhead), _MM_HINT_T0);
+  for (int64_t g = 0; g < groups; ++g, b += kNB * kGroup) {
+    unrolled<kNB>([&](auto j) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + j * kGroup + kPrefetchAhead), _MM_HINT_T0);
     });
-    __m512 we[NB], wo[NB];
-    unrolled<NB>([&](auto j) {
-      const __m512i b = _mm512_maskz_loadu_epi16(mk, wr + j * in + k);
-      we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-      wo[j] = _mm512_castsi512_ps(_mm512_and_si512(b, hi));
+    __m512 we[kNB], wo[kNB];
+    unrolled<kNB>([&](auto j) {
+      const __m512i v = _mm512_loadu_si512(b + j * kGroup);
+      we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
     });
+    const int64_t k = g * kGroup;
     unrolled<MB>([&](auto i) {
       const __m512 xe = _mm512_loadu_ps(xp + i * ldp + k), xo = _mm512_loadu_ps(xp + i * ldp + k + 16);
-      unrolled<NB>([&](auto j) {
+      unrolled<kNB>([&](auto j) {
         acc[i][j] = _mm512_fmadd_ps(xe, we[j], acc[i][j]);
         acc[i][j] = _mm512_fmadd_ps(xo, wo[j], acc[i][j]);
       });
     });
   }
-  unrolled<MB>(
-      [&](auto i) { unrolled<NB>([&](auto j) { y[i * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]); }); });
+  const int64_t n0 = nb * kNB, nn = std::min(kNB, w.out - n0);
+  unrolled<MB>([&](auto i) {
+    unrolled<kNB>([&](auto j) {
+      if (j < nn) y[i * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    });
+  });
 }
 
-// Every row of the split x against channels [n0, n0 + NB), six rows at a time (a 5-token verify row in
-// one pass).
-template <int NB>
-void channel_block(const float* xp, int64_t M, int64_t ldp, const Bf16Weights& w, int64_t n0, float* y,
+// Every row of the split x against the channels of block nb, six rows at a time (a 5-token verify row
+// in one pass).
+void channel_block(const float* xp, int64_t M, int64_t ldp, const Bf16Weights& w, int64_t nb, float* y,
                    int64_t ldy) {
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) block<6, NB>(xp + m * ldp, ldp, w, n0, y + m * ldy, ldy);
+  for (; m + 6 <= M; m += 6) block<6>(xp + m * ldp, ldp, w, nb, y + m * ldy, ldy);
   const float* xr = xp + m * ldp;
   float* yr = y + m * ldy;
   switch (M - m) {
     case 5:
-      return block<5, NB>(xr, ldp, w, n0, yr, ldy);
+      return block<5>(xr, ldp, w, nb, yr, ldy);
     case 4:
-      return block<4, NB>(xr, ldp, w, n0, yr, ldy);
+      return block<4>(xr, ldp, w, nb, yr, ldy);
     case 3:
-      return block<3, NB>(xr, ldp, w, n0, yr, ldy);
+      return block<3>(xr, ldp, w, nb, yr, ldy);
     case 2:
-      return block<2, NB>(xr, ldp, w, n0, yr, ldy);
+      return block<2>(xr, ldp, w, nb, yr, ldy);
     case 1:
-      return block<1, NB>(xr, ldp, w, n0, yr, ldy);
+      return block<1>(xr, ldp, w, nb, yr, ldy);
     default:
       return;
   }
@@ -120,8 +124,7 @@ void channel_block(const float* xp, int64_t M, int64_t ldp, const Bf16Weights& w
 }  // namespace
 
 void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy) {
-  // Blocks of kNB channels, then the out % kNB last channels one by one.
-  const int64_t full = w.out / kNB, blocks = full + w.out % kNB, ldp = padded(w.in);
+  const int64_t blocks = (w.out + kNB - 1) / kNB, ldp = padded(w.in);
   // One chunk of split x rows, from the calling thread's scratch before the region (steady-state calls
   // allocate nothing; a bad_alloc inside the region would terminate). split_even_odd writes all of it.
   thread_local ScratchBuffer scratch;
@@ -133,13 +136,7 @@ void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, flo
     for (int64_t m = 0; m < mc; ++m) split_even_odd(x + (m0 + m) * ldx, w.in, xs + m * ldp);
     float* yc = y + m0 * ldy;
 #pragma omp for schedule(static)
-    for (int64_t nb = 0; nb < blocks; ++nb) {
-      if (nb < full) {
-        channel_block<kNB>(xs, mc, ldp, w, nb * kNB, yc, ldy);
-      } else {
-        channel_block<1>(xs, mc, ldp, w, full * kNB + (nb - full), yc, ldy);
-      }
-    }
+    for (int64_t nb = 0; nb < blocks; ++nb) channel_block(xs, mc, ldp, w, nb, yc, ldy);
   }
 }
 
@@ -162,12 +159,7 @@ void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, flo
 #pragma omp for schedule(static)
       for (int64_t nb = 0; nb < nblocks; ++nb) {
         const int64_t n0 = nb * kNB, nn = std::min(kNB, w.out - n0);
-        for (int64_t j = 0; j < nn; ++j) {
-          const bf16_t* wr = w.w + (n0 + j) * in;
-          float* o = wf + j * in;
-#pragma omp simd
-          for (int64_t k = 0; k < in; ++k) o[k] = bf16_to_f32(wr[k]);
-        }
+        widen_block(w, nb, wf);
         for (int64_t m = m0; m < m1; ++m) {
           const float* xr = x + m * ldx;
           for (int64_t j = 0; j < nn; ++j) {

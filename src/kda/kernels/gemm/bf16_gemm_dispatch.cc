@@ -1,4 +1,5 @@
 // The bf16 GEMM's entry points (the copy for best_isa()), the widening and the reference.
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -17,8 +18,36 @@ void check_call(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, co
 
 }  // namespace
 
+int64_t packed_size(int64_t in, int64_t out) {
+  return (out + kPackChannels - 1) / kPackChannels * packed_block_size(in);
+}
+
+void pack(const bf16_t* w, int64_t in, int64_t out, bf16_t* packed) {
+  if (in <= 0 || out <= 0 || w == nullptr || packed == nullptr)
+    throw std::invalid_argument("bf16 gemm: pack of empty weights");
+  const int64_t groups = packed_groups(in), blocks = (out + kPackChannels - 1) / kPackChannels;
+  std::fill(packed, packed + packed_size(in, out), bf16_t{0});
+  for (int64_t nb = 0; nb < blocks; ++nb)
+    for (int64_t j = 0; j < kPackChannels && nb * kPackChannels + j < out; ++j) {
+      const bf16_t* row = w + (nb * kPackChannels + j) * in;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * kPackGroup, n = std::min(kPackGroup, in - k0);
+        std::copy(row + k0, row + k0 + n,
+                  packed + nb * packed_block_size(in) + (g * kPackChannels + j) * kPackGroup);
+      }
+    }
+}
+
 void widen_rows(const Bf16Weights& w, int64_t n0, int64_t n1, float* out) {
-  bf16_to_f32_array(w.w + n0 * w.in, out, static_cast<size_t>((n1 - n0) * w.in));
+  std::vector<float> block(static_cast<size_t>(kPackChannels * w.in));
+  for (int64_t n = n0; n < n1;) {  // the blocks that hold rows [n0, n1)
+    const int64_t nb = n / kPackChannels, first = nb * kPackChannels;
+    widen_block(w, nb, block.data());
+    const int64_t last = std::min({n1, first + kPackChannels, w.out});
+    std::copy(block.begin() + (n - first) * w.in, block.begin() + (last - first) * w.in,
+              out + (n - n0) * w.in);
+    n = last;
+  }
 }
 
 void gemm(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy, Isa isa) {
