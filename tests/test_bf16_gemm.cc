@@ -37,19 +37,24 @@ std::vector<bf16_t> packed(const std::vector<bf16_t>& w, int64_t in, int64_t out
   return p;
 }
 
-// The packed form holds every weight once, in blocks of 4 channels and groups of 32 inputs, and zeros
-// in its padding; widen_rows gives back any range of rows.
+// The packed form holds every weight once -- K-chunks of equal groups of 32 inputs (at most 32 groups,
+// the last one shorter), in each chunk blocks of 4 channels, in each block its groups, in each group
+// its channels -- and zeros in its padding; widen_rows gives back any range of rows.
 TEST(Bf16Gemm, PackingKeepsEveryWeight) {
-  for (auto [in, out] : {std::pair<int64_t, int64_t>{2304, 12}, {33, 5}, {1, 1}, {64, 7}, {100, 3}}) {
+  for (auto [in, out] :
+       {std::pair<int64_t, int64_t>{2304, 12}, {1100, 6}, {33, 5}, {1, 1}, {64, 7}, {100, 3}, {4096, 4}}) {
     std::vector<bf16_t> w(static_cast<size_t>(in * out));
-    for (size_t i = 0; i < w.size(); ++i) w[i] = f32_to_bf16(static_cast<float>(i + 1));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = f32_to_bf16(static_cast<float>(i % 4093 + 1));
     const std::vector<bf16_t> p = packed(w, in, out);
-    const int64_t groups = (in + 31) / 32;
-    ASSERT_EQ(static_cast<int64_t>(p.size()), (out + 3) / 4 * groups * 4 * 32);
-    for (int64_t n = 0; n < (out + 3) / 4 * 4; ++n)
+    const int64_t groups = (in + 31) / 32, blocks = (out + 3) / 4, chunks = (groups + 31) / 32,
+                  per_chunk = (groups + chunks - 1) / chunks;
+    ASSERT_EQ(static_cast<int64_t>(p.size()), blocks * groups * 4 * 32);
+    for (int64_t n = 0; n < blocks * 4; ++n)
       for (int64_t k = 0; k < groups * 32; ++k) {
-        const bf16_t v = p[static_cast<size_t>(((n / 4 * groups + k / 32) * 4 + n % 4) * 32 + k % 32)];
-        ASSERT_EQ(v, n < out && k < in ? w[n * in + k] : bf16_t{0})
+        const int64_t c = k / 32 / per_chunk, in_chunk = std::min(per_chunk, groups - c * per_chunk);
+        const int64_t at =
+            ((c * per_chunk * blocks + n / 4 * in_chunk + k / 32 % per_chunk) * 4 + n % 4) * 32 + k % 32;
+        ASSERT_EQ(p[static_cast<size_t>(at)], n < out && k < in ? w[n * in + k] : bf16_t{0})
             << in << "x" << out << " " << n << "," << k;
       }
     const kg::Bf16Weights pw{p.data(), in, out};
@@ -66,7 +71,7 @@ TEST(Bf16Gemm, KernelsEqualTheReference) {
     int64_t in, out;
   };
   for (Shape s : {Shape{2304, 37}, Shape{128, 260}, Shape{4096, 9}, Shape{17, 5}, Shape{100, 3}, Shape{1, 1},
-                  Shape{33, 64}}) {
+                  Shape{33, 64}, Shape{1100, 14}}) {
     const std::vector<bf16_t> wb =
         packed(to_bf16(random_normal(static_cast<size_t>(s.in * s.out), s.in + s.out, 0.05f)), s.in, s.out);
     const kg::Bf16Weights w{wb.data(), s.in, s.out};
@@ -93,7 +98,7 @@ TEST(Bf16Gemm, KernelsEqualTheReference) {
 // A row's sums run in the same order at any M, so a token computes the same bits alone (a decode step)
 // as in a batch (a verify row of several tokens).
 TEST(Bf16Gemm, ARowsResultDoesNotDependOnItsBatch) {
-  const int64_t in = 300, out = 41;
+  const int64_t in = 1100, out = 41;  // two K-chunks
   const std::vector<bf16_t> wb =
       packed(to_bf16(random_normal(static_cast<size_t>(in * out), 5, 0.05f)), in, out);
   const kg::Bf16Weights w{wb.data(), in, out};

@@ -49,7 +49,7 @@ inline void unrolled(F&& f) {
 // widening 16 at a time took a conversion and a shift per 16: one operation per 16 weights saved on the
 // two ports that also run the FMAs.
 constexpr int64_t kGroup = kPackGroup;
-inline int64_t padded(int64_t in) { return packed_groups(in) * kGroup; }
+inline int64_t padded(int64_t in) { return (in + kGroup - 1) / kGroup * kGroup; }
 
 void split_even_odd(const float* x, int64_t in, float* xp) {
   for (int64_t g = 0; g < in; g += kGroup) {
@@ -60,15 +60,16 @@ void split_even_odd(const float* x, int64_t in, float* xp) {
   }
 }
 
-// Rows [0, MB) of the split x (row stride ldp) x the channels of block nb: MB * kNB accumulators of 16
-// lanes (MB <= 6 leaves registers for the widened weights and x). The packing's zero padding makes
-// every group whole; a last block's padded channels are computed and not stored.
+// One block's part of a K-chunk: `groups` groups of weights from b against rows [0, MB) of the split x
+// (row stride ldp, from the chunk's first input), into channels [n0, n0 + nn) of y: stored for the first
+// chunk, added for the next ones (so a row's sums run in the same order at any M). MB * kNB accumulators
+// of 16 lanes (MB <= 6 leaves registers for the widened weights and x). The packing's zero padding
+// makes every group whole; a last block's padded channels are computed and not stored.
 template <int MB>
-void block(const float* xp, int64_t ldp, const Bf16Weights& w, int64_t nb, float* y, int64_t ldy) {
+void block(const float* xp, int64_t ldp, const bf16_t* b, int64_t groups, float* y, int64_t ldy, int64_t n0,
+           int64_t nn, bool add) {
   __m512 acc[MB][kNB];
   unrolled<MB>([&](auto i) { unrolled<kNB>([&](auto j) { acc[i][j] = _mm512_setzero_ps(); }); });
-  const int64_t groups = packed_groups(w.in);
-  const bf16_t* b = w.w + nb * packed_block_size(w.in);
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t g = 0; g < groups; ++g, b += kNB * kGroup) {
     unrolled<kNB>([&](auto j) {
@@ -89,33 +90,40 @@ void block(const float* xp, int64_t ldp, const Bf16Weights& w, int64_t nb, float
       });
     });
   }
-  const int64_t n0 = nb * kNB, nn = std::min(kNB, w.out - n0);
   unrolled<MB>([&](auto i) {
     unrolled<kNB>([&](auto j) {
-      if (j < nn) y[i * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+      if (j < nn) {
+        const float s = _mm512_reduce_add_ps(acc[i][j]);
+        float& o = y[i * ldy + n0 + j];
+        o = add ? o + s : s;
+      }
     });
   });
 }
 
-// Every row of the split x against the channels of block nb, six rows at a time (a 5-token verify row
-// in one pass).
-void channel_block(const float* xp, int64_t M, int64_t ldp, const Bf16Weights& w, int64_t nb, float* y,
-                   int64_t ldy) {
+// Every row of the split x against block nb's part of chunk c, six rows at a time (a 5-token verify
+// row in one pass).
+void channel_block(const float* xp, int64_t M, int64_t ldp, const Bf16Weights& w, const PackShape& ps,
+                   int64_t c, int64_t nb, float* y, int64_t ldy) {
+  const bf16_t* b = w.w + ps.offset(c, nb);
+  const int64_t groups = ps.groups_in(c), n0 = nb * kNB, nn = std::min(kNB, w.out - n0);
+  const bool add = c > 0;
+  xp += c * ps.chunk_groups * kGroup;
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) block<6>(xp + m * ldp, ldp, w, nb, y + m * ldy, ldy);
+  for (; m + 6 <= M; m += 6) block<6>(xp + m * ldp, ldp, b, groups, y + m * ldy, ldy, n0, nn, add);
   const float* xr = xp + m * ldp;
   float* yr = y + m * ldy;
   switch (M - m) {
     case 5:
-      return block<5>(xr, ldp, w, nb, yr, ldy);
+      return block<5>(xr, ldp, b, groups, yr, ldy, n0, nn, add);
     case 4:
-      return block<4>(xr, ldp, w, nb, yr, ldy);
+      return block<4>(xr, ldp, b, groups, yr, ldy, n0, nn, add);
     case 3:
-      return block<3>(xr, ldp, w, nb, yr, ldy);
+      return block<3>(xr, ldp, b, groups, yr, ldy, n0, nn, add);
     case 2:
-      return block<2>(xr, ldp, w, nb, yr, ldy);
+      return block<2>(xr, ldp, b, groups, yr, ldy, n0, nn, add);
     case 1:
-      return block<1>(xr, ldp, w, nb, yr, ldy);
+      return block<1>(xr, ldp, b, groups, yr, ldy, n0, nn, add);
     default:
       return;
   }
@@ -124,7 +132,8 @@ void channel_block(const float* xp, int64_t M, int64_t ldp, const Bf16Weights& w
 }  // namespace
 
 void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy) {
-  const int64_t blocks = (w.out + kNB - 1) / kNB, ldp = padded(w.in);
+  const PackShape ps(w.in, w.out);
+  const int64_t ldp = padded(w.in);
   // One chunk of split x rows, from the calling thread's scratch before the region (steady-state calls
   // allocate nothing; a bad_alloc inside the region would terminate). split_even_odd writes all of it.
   thread_local ScratchBuffer scratch;
@@ -135,8 +144,15 @@ void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, flo
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < mc; ++m) split_even_odd(x + (m0 + m) * ldx, w.in, xs + m * ldp);
     float* yc = y + m0 * ldy;
-#pragma omp for schedule(static)
-    for (int64_t nb = 0; nb < blocks; ++nb) channel_block(xs, mc, ldp, w, nb, yc, ldy);
+    // The same static split for every chunk: a thread adds into the channels it stored, so the chunks
+    // need no barrier between them; the next row chunk's split waits for every thread.
+    for (int64_t c = 0; c < ps.chunks; ++c) {
+#pragma omp for schedule(static) nowait
+      for (int64_t nb = 0; nb < ps.blocks; ++nb) channel_block(xs, mc, ldp, w, ps, c, nb, yc, ldy);
+    }
+    if (m0 + kRowChunk < M) {
+#pragma omp barrier
+    }
   }
 }
 

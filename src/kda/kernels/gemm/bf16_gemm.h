@@ -16,11 +16,13 @@
 
 namespace kda::kernels::gemm {
 
-// W packed for the kernels by pack(): blocks of kPackChannels output channels; in each block the inputs
-// in groups of kPackGroup, the block's channels' weights of a group one channel after the other:
-// [ceil(out / 4)][ceil(in / 32)][4][32] bf16, zero-padded. A call then reads W as one sequential stream:
-// from the checkpoint layout [out, in] a block of 4 channels was 4 streams 2 * in bytes apart, which
-// the hardware prefetchers kept fewer lines in flight for (measured 10-12% slower at 1 and 5 rows).
+// W packed for the kernels by pack(): the inputs in groups of kPackGroup, the groups in K-chunks of
+// up to 1024 inputs (equal but the last); chunk after chunk, the chunk's blocks of kPackChannels output
+// channels, each block's groups, each group's channels of 32 weights one after the other; zero-padded.
+// A call then reads W as one sequential stream per thread and chunk (from the checkpoint layout
+// [out, in] a block of 4 channels was 4 streams 2 * in bytes apart, which the hardware prefetchers kept
+// fewer lines in flight for: 10-12% slower at 1 and 5 rows), and a chunk of x rows stays in L1 while
+// its blocks pass (5 whole rows of 2304 inputs did not, beside the weight stream: 11% at 5 rows).
 constexpr int64_t kPackChannels = 4, kPackGroup = 32;
 struct Bf16Weights {
   const bf16_t* w = nullptr;  // packed, packed_size(in, out) values

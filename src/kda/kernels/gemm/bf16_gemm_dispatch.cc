@@ -18,24 +18,22 @@ void check_call(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, co
 
 }  // namespace
 
-int64_t packed_size(int64_t in, int64_t out) {
-  return (out + kPackChannels - 1) / kPackChannels * packed_block_size(in);
-}
+int64_t packed_size(int64_t in, int64_t out) { return PackShape(in, out).size(); }
 
 void pack(const bf16_t* w, int64_t in, int64_t out, bf16_t* packed) {
   if (in <= 0 || out <= 0 || w == nullptr || packed == nullptr)
     throw std::invalid_argument("bf16 gemm: pack of empty weights");
-  const int64_t groups = packed_groups(in), blocks = (out + kPackChannels - 1) / kPackChannels;
-  std::fill(packed, packed + packed_size(in, out), bf16_t{0});
-  for (int64_t nb = 0; nb < blocks; ++nb)
-    for (int64_t j = 0; j < kPackChannels && nb * kPackChannels + j < out; ++j) {
-      const bf16_t* row = w + (nb * kPackChannels + j) * in;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t k0 = g * kPackGroup, n = std::min(kPackGroup, in - k0);
-        std::copy(row + k0, row + k0 + n,
-                  packed + nb * packed_block_size(in) + (g * kPackChannels + j) * kPackGroup);
+  const PackShape ps(in, out);
+  std::fill(packed, packed + ps.size(), bf16_t{0});
+  for (int64_t c = 0; c < ps.chunks; ++c)
+    for (int64_t nb = 0; nb < ps.blocks; ++nb)
+      for (int64_t g = 0; g < ps.groups_in(c); ++g) {
+        const int64_t k0 = (c * ps.chunk_groups + g) * kPackGroup, n = std::min(kPackGroup, in - k0);
+        for (int64_t j = 0; j < kPackChannels && nb * kPackChannels + j < out; ++j) {
+          const bf16_t* row = w + (nb * kPackChannels + j) * in + k0;
+          std::copy(row, row + n, packed + ps.offset(c, nb) + (g * kPackChannels + j) * kPackGroup);
+        }
       }
-    }
 }
 
 void widen_rows(const Bf16Weights& w, int64_t n0, int64_t n1, float* out) {

@@ -8,21 +8,41 @@
 
 namespace kda::kernels::gemm {
 
-// Groups of kPackGroup inputs per channel in the packed W, and the values of one block of channels.
-inline int64_t packed_groups(int64_t in) { return (in + kPackGroup - 1) / kPackGroup; }
-inline int64_t packed_block_size(int64_t in) { return packed_groups(in) * kPackChannels * kPackGroup; }
+// The packed W's geometry (bf16_gemm.h): groups of kPackGroup inputs, taken in K-chunks of at most
+// kChunkGroups groups (equal but the last); chunk after chunk, each chunk's blocks of kPackChannels
+// channels one after the other, each block's groups, each group's channels of kPackGroup weights.
+constexpr int64_t kChunkGroups = 32;
+struct PackShape {
+  int64_t groups, chunk_groups, chunks, blocks;
+  PackShape(int64_t in, int64_t out)
+      : groups((in + kPackGroup - 1) / kPackGroup),
+        chunk_groups((groups + (groups + kChunkGroups - 1) / kChunkGroups - 1) /
+                     ((groups + kChunkGroups - 1) / kChunkGroups)),
+        chunks((groups + chunk_groups - 1) / chunk_groups),
+        blocks((out + kPackChannels - 1) / kPackChannels) {}
+  int64_t size() const { return groups * blocks * kPackChannels * kPackGroup; }
+  int64_t groups_in(int64_t c) const { return std::min(chunk_groups, groups - c * chunk_groups); }
+  // The first value of block nb's part of chunk c.
+  int64_t offset(int64_t c, int64_t nb) const {
+    return (c * chunk_groups * blocks + nb * groups_in(c)) * kPackChannels * kPackGroup;
+  }
+};
 
 // Channels [nb * 4, nb * 4 + nn) of the packed W (block nb, nn = its real channels) widened to fp32
 // rows of `in` values: out [nn, in].
 inline void widen_block(const Bf16Weights& w, int64_t nb, float* out) {
-  const int64_t nn = std::min(kPackChannels, w.out - nb * kPackChannels), groups = packed_groups(w.in);
-  const bf16_t* b = w.w + nb * packed_block_size(w.in);
-  for (int64_t j = 0; j < nn; ++j)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t k0 = g * kPackGroup, n = std::min(kPackGroup, w.in - k0);
-      const bf16_t* src = b + (g * kPackChannels + j) * kPackGroup;
-      for (int64_t t = 0; t < n; ++t) out[j * w.in + k0 + t] = bf16_to_f32(src[t]);
+  const PackShape ps(w.in, w.out);
+  const int64_t nn = std::min(kPackChannels, w.out - nb * kPackChannels);
+  for (int64_t c = 0; c < ps.chunks; ++c) {
+    const bf16_t* b = w.w + ps.offset(c, nb);
+    for (int64_t g = 0; g < ps.groups_in(c); ++g) {
+      const int64_t k0 = (c * ps.chunk_groups + g) * kPackGroup, n = std::min(kPackGroup, w.in - k0);
+      for (int64_t j = 0; j < nn; ++j) {
+        const bf16_t* src = b + (g * kPackChannels + j) * kPackGroup;
+        for (int64_t t = 0; t < n; ++t) out[j * w.in + k0 + t] = bf16_to_f32(src[t]);
+      }
     }
+  }
 }
 
 namespace portable {
