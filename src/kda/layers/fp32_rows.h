@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/common/parallel_spans.h"
 
 namespace kda::layers {
 
@@ -24,7 +25,10 @@ class Fp32Rows {
     if constexpr (std::is_same_v<Y, bf16_t>) {
       yf_.resize(static_cast<size_t>(M * out_));
       run(xf, ldxf, yf_.data(), out_);
-      for (int64_t i = 0; i < M; ++i) f32_to_bf16_array(yf_.data() + i * out_, y + i * ldy, out_);
+      const float* yf = yf_.data();
+      parallel_spans(M, out_, [&](int64_t i, int64_t c0, int64_t c1) {
+        f32_to_bf16_array(yf + i * out_ + c0, y + i * ldy + c0, static_cast<size_t>(c1 - c0));
+      });
     } else {
       run(xf, ldxf, y, ldy);
     }
@@ -33,17 +37,21 @@ class Fp32Rows {
  private:
   const float* x_rows(const bf16_t* x, int64_t M, int64_t ldx, bool) {
     xf_.resize(static_cast<size_t>(M * in_));
-    for (int64_t i = 0; i < M; ++i) bf16_to_f32_array(x + i * ldx, xf_.data() + i * in_, in_);
+    float* xf = xf_.data();
+    parallel_spans(M, in_, [&](int64_t i, int64_t c0, int64_t c1) {
+      bf16_to_f32_array(x + i * ldx + c0, xf + i * in_ + c0, static_cast<size_t>(c1 - c0));
+    });
     return xf_.data();
   }
   const float* x_rows(const float* x, int64_t M, int64_t ldx, bool round_x) {
     if (!round_x) return x;
     xf_.resize(static_cast<size_t>(M * in_));
-    for (int64_t i = 0; i < M; ++i) {
+    float* xf = xf_.data();
+    parallel_spans(M, in_, [&](int64_t i, int64_t c0, int64_t c1) {
       const float* xr = x + i * ldx;
-      float* o = xf_.data() + i * in_;
-      for (int64_t k = 0; k < in_; ++k) o[k] = round_bf16(xr[k]);
-    }
+      float* o = xf + i * in_;
+      for (int64_t k = c0; k < c1; ++k) o[k] = round_bf16(xr[k]);
+    });
     return xf_.data();
   }
   int64_t in_ = 0, out_ = 0;

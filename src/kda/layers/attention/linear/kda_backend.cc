@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "kda/common/bf16.h"
+#include "kda/common/parallel_spans.h"
 #include "kda/kernels/short_conv.h"
 #include "kda/layers/radix_linear_attention.h"
 
@@ -349,38 +350,53 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
 
 namespace {
 
-// The raw conv input of token t (fp32 or bf16 rows), as a conv state keeps it: rounded to bf16 in the bf16
-// mode (then exactly representable in a bf16 state), into dst [C] fp32.
-void raw_input_row(const LinearAttnInputs& in, int64_t t, int64_t C, bool round, float* dst) {
-  for (int64_t c = 0; c < C; ++c) {
+// Values [c0, c1) of token t's raw conv input (fp32 or bf16 rows), as a conv state keeps it: rounded to
+// bf16 in the bf16 mode (then exactly representable in a bf16 state), into dst [C] fp32.
+void raw_input_row(const LinearAttnInputs& in, int64_t t, int64_t c0, int64_t c1, bool round, float* dst) {
+  for (int64_t c = c0; c < c1; ++c) {
     float v = in.mixed_qkv_bf16 != nullptr ? bf16_to_f32(in.mixed_qkv_bf16[t * in.qkv_stride + c])
                                            : in.mixed_qkv[t * in.qkv_stride + c];
     dst[c] = round ? round_bf16(v) : v;
   }
 }
 
-// A conv window [W-1, C]: the last W-1 rows of (the committed window `old` ++ the raw rows `path`, oldest
-// first), into dst.
+// One row of a conv window and where it comes from: a row of a committed window, or a raw input row.
 template <class StateT>
-void conv_window(StateT* dst, const StateT* old, int64_t Hn, int64_t C,
-                 const std::vector<const float*>& path) {
+struct WindowRow {
+  StateT* dst;
+  const StateT* old;  // or
+  const float* raw;
+};
+
+// A conv window [W-1, C] into dst: the last W-1 rows of (the committed window `old` ++ the raw rows
+// `path`, oldest first), as rows to copy (copy_window_rows).
+template <class StateT>
+void window_rows(StateT* dst, const StateT* old, int64_t Hn, int64_t C, const std::vector<const float*>& path,
+                 std::vector<WindowRow<StateT>>& rows) {
   const int64_t n = static_cast<int64_t>(path.size());
   for (int64_t r = 0; r < Hn; ++r) {
     const int64_t q = n + r;  // position in (old ++ path)
-    StateT* o = dst + r * C;
-    if (q < Hn) {
-      std::memcpy(o, old + q * C, sizeof(StateT) * C);
-      continue;
+    rows.push_back(q < Hn ? WindowRow<StateT>{dst + r * C, old + q * C, nullptr}
+                          : WindowRow<StateT>{dst + r * C, nullptr, path[q - Hn]});
+  }
+}
+
+template <class StateT>
+void copy_window_rows(const std::vector<WindowRow<StateT>>& rows, int64_t C) {
+  parallel_spans(static_cast<int64_t>(rows.size()), C, [&](int64_t r, int64_t c0, int64_t c1) {
+    const WindowRow<StateT>& w = rows[static_cast<size_t>(r)];
+    if (w.old != nullptr) {
+      std::memcpy(w.dst + c0, w.old + c0, sizeof(StateT) * (c1 - c0));
+      return;
     }
-    const float* row = path[q - Hn];
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
       if constexpr (std::is_same_v<StateT, bf16_t>) {
-        o[c] = f32_to_bf16(row[c]);
+        w.dst[c] = f32_to_bf16(w.raw[c]);
       } else {
-        o[c] = row[c];
+        w.dst[c] = w.raw[c];
       }
     }
-  }
+  });
 }
 
 // Row-local positions from the row's first token to position j, following parents (empty: a chain).
@@ -426,13 +442,19 @@ void LinearRecurrentAttnBackend::forward_verify(const RadixLinearAttention& laye
   const int64_t E = cache.verify_token_elems;
   const auto kept = [&](int64_t i, int64_t j) { return cache.verify + (i * cache.verify_tokens + j) * E; };
   std::vector<int32_t> tok_slot(static_cast<size_t>(T), -1);
-  std::vector<const float*> anc;
-  std::vector<int64_t> path;
+  std::vector<float*> tok_kept(static_cast<size_t>(T));  // each token's kept row
   for (int64_t i = 0; i < B; ++i)
     for (int64_t j = 0; j < md.cu_q_lens[i + 1] - md.cu_q_lens[i]; ++j)
-      raw_input_row(in, md.cu_q_lens[i] + j, C, p.bf16_activations, kept(i, j));
+      tok_kept[md.cu_q_lens[i] + j] = kept(i, j);
+  std::vector<const float*> anc;
+  std::vector<int64_t> path;
+  parallel_spans(T, C, [&](int64_t t, int64_t c0, int64_t c1) {
+    raw_input_row(in, t, c0, c1, p.bf16_activations, tok_kept[t]);
+  });
   // Each token's window before it, in a scratch conv pool of one slot per token.
   const auto windows = [&](auto* scratch, const auto* conv) {
+    using StateT = std::remove_cv_t<std::remove_pointer_t<decltype(conv)>>;
+    std::vector<WindowRow<StateT>> rows;
     for (int64_t i = 0; i < B; ++i) {
       const int32_t slot = md.recurrent_indices[i];
       if (slot < 0) continue;
@@ -441,10 +463,12 @@ void LinearRecurrentAttnBackend::forward_verify(const RadixLinearAttention& laye
         path_to(md.parents, bos, j, path);
         anc.clear();
         for (size_t r = 0; r + 1 < path.size(); ++r) anc.push_back(kept(i, path[r]));
-        conv_window(scratch + (bos + j) * Hn * C, conv + static_cast<int64_t>(slot) * Hn * C, Hn, C, anc);
+        window_rows(scratch + (bos + j) * Hn * C, conv + static_cast<int64_t>(slot) * Hn * C, Hn, C, anc,
+                    rows);
         tok_slot[bos + j] = static_cast<int32_t>(bos + j);
       }
     }
+    copy_window_rows(rows, C);
   };
   // Scratch sized for the verify buffer's most tokens (rows x tokens), not this batch's T: grown to a
   // new high-water mark whenever a batch happened to be larger, it made resident memory creep up late in a
@@ -485,17 +509,17 @@ void LinearRecurrentAttnBackend::forward_verify(const RadixLinearAttention& laye
   }
 
   compute_beta(layer, in, T);
-  for (int64_t i = 0; i < B; ++i) {
-    for (int64_t j = 0; j < md.cu_q_lens[i + 1] - md.cu_q_lens[i]; ++j) {
-      const int64_t t = md.cu_q_lens[i] + j;
-      float* k = kept(i, j);
-      std::memcpy(k + C, conv_out_.data() + t * ys, sizeof(float) * C);
-      for (int64_t c = 0; c < H * K; ++c)
-        k[2 * C + c] =
-            in.a_bf16 != nullptr ? bf16_to_f32(in.a_bf16[t * in.a_stride + c]) : in.a[t * in.a_stride + c];
-      std::memcpy(k + 2 * C + H * K, beta_.data() + t * H, sizeof(float) * H);
-    }
-  }
+  // Kept after the raw input: conv output [C] | gate [H * K] | beta [H].
+  const float* conv_out = conv_out_.data();
+  const float* beta = beta_.data();
+  parallel_spans(T, C + H * K + H, [&](int64_t t, int64_t c0, int64_t c1) {
+    float* k = tok_kept[t] + C;
+    for (int64_t c = c0; c < std::min(c1, C); ++c) k[c] = conv_out[t * ys + c];
+    for (int64_t c = std::max(c0, C); c < std::min(c1, C + H * K); ++c)
+      k[c] = in.a_bf16 != nullptr ? bf16_to_f32(in.a_bf16[t * in.a_stride + c - C])
+                                  : in.a[t * in.a_stride + c - C];
+    for (int64_t c = std::max(c0, C + H * K); c < c1; ++c) k[c] = beta[t * H + c - C - H * K];
+  });
 
   LinearRecurrentDispatch d;
   d.layer = &layer;
@@ -571,27 +595,35 @@ void LinearRecurrentAttnBackend::accept(const ForwardBatch& batch, std::span<con
     accept_rows_.resize(static_cast<size_t>(Tcap * E));
     accept_beta_.resize(static_cast<size_t>(Tcap * H));
     accept_o_.resize(static_cast<size_t>(Tcap * H * V));
-    for (int64_t i = 0, t = 0; i < B; ++i) {
-      for (const int64_t j : paths[i]) {
-        std::memcpy(accept_rows_.data() + t * E, kept(i, j), sizeof(float) * E);
-        std::memcpy(accept_beta_.data() + t * H, kept(i, j) + 2 * C + H * K, sizeof(float) * H);
-        ++t;
-      }
-    }
+    rows.clear();  // each accepted token's kept row, in replay order
+    for (int64_t i = 0; i < B; ++i)
+      for (const int64_t j : paths[i]) rows.push_back(kept(i, j));
+    float* const acc_rows = accept_rows_.data();
+    parallel_spans(Tp, E, [&](int64_t t, int64_t c0, int64_t c1) {
+      std::memcpy(acc_rows + t * E + c0, rows[static_cast<size_t>(t)] + c0, sizeof(float) * (c1 - c0));
+    });
+    for (int64_t t = 0; t < Tp; ++t)
+      std::memcpy(accept_beta_.data() + t * H, rows[static_cast<size_t>(t)] + 2 * C + H * K,
+                  sizeof(float) * H);
     // The conv state: the path's last W-1 raw inputs after the committed window (computed before the
     // recurrent replay, which does not touch it, and written row by row: rows own distinct slots).
     const auto conv = [&](auto* pool_conv) {
       using StateT = std::remove_pointer_t<decltype(pool_conv)>;
-      std::vector<StateT> win(static_cast<size_t>(Hn * C));
+      if (Hn == 0) return;
+      // Each row's new window into `win`, then copied over its slot's (a window reads its old rows).
+      std::vector<StateT> win(static_cast<size_t>(B * Hn * C));
+      std::vector<WindowRow<StateT>> build, back;
       for (int64_t i = 0; i < B; ++i) {
         const int32_t slot = md.recurrent_indices[i];
-        if (slot < 0 || Hn == 0) continue;
+        if (slot < 0) continue;
         rows.clear();
         for (const int64_t j : paths[i]) rows.push_back(kept(i, j));
         StateT* st = pool_conv + static_cast<int64_t>(slot) * Hn * C;
-        conv_window(win.data(), st, Hn, C, rows);
-        std::memcpy(st, win.data(), sizeof(StateT) * Hn * C);
+        window_rows(win.data() + i * Hn * C, st, Hn, C, rows, build);
+        for (int64_t r = 0; r < Hn; ++r) back.push_back({st + r * C, win.data() + (i * Hn + r) * C, nullptr});
       }
+      copy_window_rows(build, C);
+      copy_window_rows(back, C);
     };
     if (cache.conv_f32 != nullptr) {
       conv(cache.conv_f32);
