@@ -708,6 +708,32 @@ TEST(Verify, ChainAcceptEqualsDecodeSteps) {
   }
 }
 
+// One request's chain alone: its accepted tokens' kept rows lie one after the other in the verify buffer,
+// and accept replays them in place (no copy); the slot then equals a_i + 1 DECODE steps for every a_i.
+TEST(Verify, OneRequestsChainReplaysInPlace) {
+  const int64_t D = 256;
+  for (const Precision prec : {Precision::FP32, Precision::BF16}) {
+    SCOPED_TRACE(prec == Precision::FP32 ? "fp32" : "bf16");
+    auto sp = verify_stack(8, prec, 5);
+    Stack& s = *sp;
+    const auto base = s.pools->req_to_token_pool.alloc(1);
+    s.step(ForwardBatch::extend(base, {6}, {0}), testing::random_normal(6 * D, 81));
+    for (int32_t a = 0; a <= 4; ++a) {
+      const int32_t w = s.pools->req_to_token_pool.fork(base[0]),
+                    ref = s.pools->req_to_token_pool.fork(base[0]);
+      const auto x = testing::random_normal(5 * D, 82 + a);
+      s.step(ForwardBatch::target_verify({w}, {4}), x);
+      std::vector<std::vector<float>> toks;
+      for (int32_t j = 0; j <= a; ++j) toks.push_back(rows(x, D, j, 1));
+      decode_steps(s, ref, toks);
+      s.backend.accept(ForwardBatch::target_verify({w}, {4}), std::vector<int32_t>{a},
+                       s.pools->recurrent_state_pool);
+      expect_state_close(s.states(w), s.states(ref), "a=" + std::to_string(a), prec);
+      s.pools->req_to_token_pool.free(std::vector<int32_t>{w, ref});
+    }
+  }
+}
+
 // Trees: each draft names its parent; every token's output equals its path run alone as DECODE steps,
 // and accepting any node leaves the state of its root-to-node path; a chain request in the same batch.
 TEST(Verify, TreeAcceptEqualsItsPathAsDecodeSteps) {

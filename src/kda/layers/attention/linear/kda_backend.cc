@@ -598,10 +598,17 @@ void LinearRecurrentAttnBackend::accept(const ForwardBatch& batch, std::span<con
     rows.clear();  // each accepted token's kept row, in replay order
     for (int64_t i = 0; i < B; ++i)
       for (const int64_t j : paths[i]) rows.push_back(kept(i, j));
-    float* const acc_rows = accept_rows_.data();
-    parallel_spans(Tp, E, [&](int64_t t, int64_t c0, int64_t c1) {
-      std::memcpy(acc_rows + t * E + c0, rows[static_cast<size_t>(t)] + c0, sizeof(float) * (c1 - c0));
-    });
+    // Read in place where they already lie one after the other (a single request's chain: its rows
+    // 0..a of the verify buffer), else copied together.
+    bool in_place = true;
+    for (int64_t t = 1; t < Tp && in_place; ++t) in_place = rows[static_cast<size_t>(t)] == rows[0] + t * E;
+    const float* acc_rows = Tp > 0 && in_place ? rows[0] : accept_rows_.data();
+    if (acc_rows == accept_rows_.data()) {
+      float* const dst = accept_rows_.data();
+      parallel_spans(Tp, E, [&](int64_t t, int64_t c0, int64_t c1) {
+        std::memcpy(dst + t * E + c0, rows[static_cast<size_t>(t)] + c0, sizeof(float) * (c1 - c0));
+      });
+    }
     for (int64_t t = 0; t < Tp; ++t)
       std::memcpy(accept_beta_.data() + t * H, rows[static_cast<size_t>(t)] + 2 * C + H * K,
                   sizeof(float) * H);
@@ -634,11 +641,11 @@ void LinearRecurrentAttnBackend::accept(const ForwardBatch& batch, std::span<con
     LinearRecurrentDispatch d;
     d.layer = &layer;
     d.metadata = &rmd;
-    d.q = accept_rows_.data() + C;
+    d.q = acc_rows + C;
     d.k = d.q + layer.q_dim();
     d.v = d.k + layer.k_dim();
     d.qkv_stride = E;
-    d.a = accept_rows_.data() + 2 * C;
+    d.a = acc_rows + 2 * C;
     d.a_stride = E;
     d.beta = accept_beta_.data();
     d.cache = cache;
