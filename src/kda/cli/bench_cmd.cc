@@ -25,6 +25,7 @@
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/models/kimi_linear.h"
 #include "kda/serving/kda_stack.h"
+#include "kda/serving/model_runner.h"
 
 namespace kda::cli {
 
@@ -630,6 +631,42 @@ void bench_bf16_gemm(nlohmann::json& j, const Say& say) {
   }
 }
 
+// Speculative decoding's cost side: the 20-layer bf16 stack (the simulate's default vocabulary) with one
+// request, a decode step (1 token through every layer, final norm, LM head, argmax) and TARGET_VERIFY steps
+// of d = 1, 2, 4, 8 chained drafts (d + 1 rows, the LM head over all of them, then accept of d / 2 drafts:
+// a replay of d / 2 + 1 tokens), in turns. A verify step that emits n tokens on average beats plain
+// decoding when its time is under n decode steps: at accept rate 0.7 and d = 4, n = 2.77.
+void bench_spec(nlohmann::json& j, const Say& say) {
+  const io::KimiLinearConfig cfg = serving::kimi_linear_48b_config();
+  const int layers = 20, dmax = 8;
+  auto stack = serving::KdaStack::synthetic(cfg, layers, Precision::BF16, 7);
+  serving::ModelRunner runner(*stack, 1, kernels::KernelImpl::Auto, dmax + 1, 1);
+  const std::vector<int32_t> reqs = runner.pools().req_to_token_pool.alloc(1);
+  const int64_t D = stack->hidden_size();
+  std::vector<float> x(static_cast<size_t>((dmax + 1) * D)), y(x.size());
+  std::vector<int32_t> toks(dmax + 1, 1), picks(dmax + 1);
+  const std::vector<int> drafts{0, 1, 2, 4, 8};  // 0: the decode step
+  std::vector<std::function<void()>> fns;
+  for (const int d : drafts) {
+    fns.push_back([&, d] {
+      auto fb = d == 0 ? model_executor::ForwardBatch::decode(reqs)
+                       : model_executor::ForwardBatch::target_verify(reqs, {d});
+      stack->embed(toks.data(), d + 1, x.data());
+      runner.forward(fb, x.data(), y.data());
+      stack->next_tokens(y.data(), d + 1, picks.data());
+      if (d > 0) runner.accept(fb, std::vector<int32_t>{d / 2});
+    });
+  }
+  const auto t = best_interleaved(fns, 10, 20.0);
+  say("\n%-34s %12s %12s\n", "speculative steps (20 layers, bf16)", "ms", "vs decode");
+  for (size_t i = 0; i < drafts.size(); ++i) {
+    j["spec"].push_back({{"draft_tokens", drafts[i]}, {"ms", t[i] * 1e3}, {"vs_decode", t[i] / t[0]}});
+    const std::string what =
+        drafts[i] == 0 ? "decode step" : "verify step, " + std::to_string(drafts[i]) + " drafts";
+    say("%-34s %12.2f %11.2fx\n", what.c_str(), t[i] * 1e3, t[i] / t[0]);
+  }
+}
+
 }  // namespace
 
 int run_bench(const BenchOptions& o) {
@@ -648,6 +685,12 @@ int run_bench(const BenchOptions& o) {
   if (o.only == "stack") {  // no ceilings: the rows are ratios between weights modes
     j["stack"] = nlohmann::json::array();
     bench_stack(o, j, say);
+    if (o.json) std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  if (o.only == "spec") {  // no ceilings: the rows are ratios to the decode step
+    j["spec"] = nlohmann::json::array();
+    bench_spec(j, say);
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }

@@ -63,8 +63,9 @@ int main(int argc, char** argv) {
       ->add_option(
           "--only", bo.only,
           "all | kernels | layer (ceilings are always measured) | stack (the 20-layer stack decoding "
-          "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns)")
-      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm"}));
+          "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns) | "
+          "spec (a decode step and verify steps of 1-8 drafts, in turns)")
+      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec"}));
   bench
       ->add_option("--weights", bo.weights,
                    "all | bf16 | int8 | int4: quantized layer rows beside the dense ones")

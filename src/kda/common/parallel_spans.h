@@ -1,8 +1,8 @@
 // Row-and-span loops over the OpenMP threads, for the copies and conversions between kernels: a few rows
-// of tens of thousands of values (a verify step's 5 tokens), which one thread moved while the other
-// waited for the next parallel region (about 8 ms of a 20-layer verify step of 5 tokens, against 3 in a
-// decode step). f(row, c0, c1) covers values [c0, c1) of row `row`; it must not throw (no exception may
-// leave an OpenMP region). Small loops stay on the calling thread.
+// of tens of thousands of values (a verify step's tokens), which one thread moved while the other waited
+// for the next parallel region (a verify step's largest serial part). f(row, c0, c1) covers values [c0, c1)
+// of row `row`; it must not throw (no exception may leave an OpenMP region). Small loops stay on the calling
+// thread.
 #pragma once
 
 #include <algorithm>
