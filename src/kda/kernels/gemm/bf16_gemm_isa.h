@@ -13,13 +13,13 @@ namespace kda::kernels::gemm {
 // channels one after the other, each block's groups, each group's channels of kPackGroup weights.
 constexpr int64_t kChunkGroups = 32;
 struct PackShape {
+  static constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
   int64_t groups, chunk_groups, chunks, blocks;
   PackShape(int64_t in, int64_t out)
-      : groups((in + kPackGroup - 1) / kPackGroup),
-        chunk_groups((groups + (groups + kChunkGroups - 1) / kChunkGroups - 1) /
-                     ((groups + kChunkGroups - 1) / kChunkGroups)),
-        chunks((groups + chunk_groups - 1) / chunk_groups),
-        blocks((out + kPackChannels - 1) / kPackChannels) {}
+      : groups(ceil_div(in, kPackGroup)),
+        chunk_groups(ceil_div(groups, ceil_div(groups, kChunkGroups))),  // as equal as the chunks can be
+        chunks(ceil_div(groups, chunk_groups)),
+        blocks(ceil_div(out, kPackChannels)) {}
   int64_t size() const { return groups * blocks * kPackChannels * kPackGroup; }
   int64_t groups_in(int64_t c) const { return std::min(chunk_groups, groups - c * chunk_groups); }
   // The first value of block nb's part of chunk c.
