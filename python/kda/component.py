@@ -13,9 +13,15 @@ from ._kda import (
     KimiDeltaAttention,
     KimiLinearConfig,
     LinearRecurrentAttnBackendMetadata,
+    MatchResult,
     MemoryPools,
+    QuantLinear,
+    RadixCache,
     RecurrentStatePool,
     RecurrentStatePoolConfig,
+    Snapshot,
+    SnapshotState,
+    StateSnapshot,
 )
 
 
@@ -50,7 +56,13 @@ __all__ = [
     "KimiDeltaAttention",
     "KimiLinearConfig",
     "LinearRecurrentAttnBackendMetadata",
+    "MatchResult",
     "MemoryPools",
+    "QuantLinear",
+    "RadixCache",
     "RecurrentStatePool",
     "RecurrentStatePoolConfig",
+    "Snapshot",
+    "SnapshotState",
+    "StateSnapshot",
 ]

@@ -18,4 +18,10 @@ void register_ops(py::module_& m);
 // The serving component under the RFC's names (component.cc).
 void register_component(py::module_& m);
 
+// The prefix cache of state snapshots (radix_cache.cc).
+void register_radix_cache(py::module_& m);
+
+// The weight-only quantized projection (quant_linear.cc).
+void register_quant_linear(py::module_& m);
+
 }  // namespace kda::python

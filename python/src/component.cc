@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "args.h"
 #include "bindings.h"
 #include "kda/common/bf16.h"
 #include "kda/common/precision.h"
@@ -44,33 +45,12 @@ using mem_cache::RecurrentStatePool;
 using mem_cache::RecurrentStatePoolConfig;
 using model_executor::ForwardBatch;
 using model_executor::ForwardMode;
+using StateSnapshot = model_executor::ForwardBatch::StateSnapshot;
 
 std::string join(const std::vector<int32_t>& v) {
   std::string s = "[";
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s + "]";
-}
-
-// A sequence of ints (list, tuple, NumPy / torch integer array) -> int32 values.
-std::vector<int32_t> to_i32(const py::handle& obj, const char* name) {
-  if (obj.is_none()) throw py::type_error(std::string("'") + name + "' is None");
-  if (py::isinstance<py::int_>(obj) || py::isinstance<py::str>(obj) || !py::isinstance<py::iterable>(obj))
-    throw py::type_error(std::string("'") + name + "' must be a sequence of ints, got " +
-                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
-  std::vector<int32_t> v;
-  for (const auto h : obj) {
-    int64_t x = 0;
-    try {
-      x = py::int_(py::reinterpret_borrow<py::object>(h).attr("__index__")()).cast<int64_t>();
-    } catch (const py::error_already_set&) {
-      throw py::type_error(std::string("'") + name + "' must hold ints, got " +
-                           std::string(py::str(py::type::handle_of(h).attr("__name__"))));
-    }
-    if (x < INT32_MIN || x > INT32_MAX)
-      throw py::value_error(std::string("'") + name + "' holds " + std::to_string(x) + ", outside int32");
-    v.push_back(static_cast<int32_t>(x));
-  }
-  return v;
 }
 
 Precision precision_of(const std::string& s) { return parse_precision(s); }
@@ -95,14 +75,6 @@ struct PyForwardBatch {
   }
 };
 
-// A layer's pool argument: MemoryPools or a RecurrentStatePool.
-RecurrentStatePool& pool_of(const py::handle& pools) {
-  if (py::isinstance<MemoryPools>(pools)) return pools.cast<MemoryPools&>().recurrent_state_pool;
-  if (py::isinstance<RecurrentStatePool>(pools)) return pools.cast<RecurrentStatePool&>();
-  throw py::type_error("'pools' must be a MemoryPools or a RecurrentStatePool, got " +
-                       std::string(py::str(py::type::handle_of(pools).attr("__name__"))));
-}
-
 // recurrent_indices for init_forward_metadata: explicit slots, or the request -> slot mapping of a
 // HybridReqToTokenPool / MemoryPools applied to the batch's req_pool_indices.
 std::vector<int32_t> recurrent_indices_of(const PyForwardBatch& b, const py::handle& arg) {
@@ -111,6 +83,49 @@ std::vector<int32_t> recurrent_indices_of(const PyForwardBatch& b, const py::han
   if (py::isinstance<HybridReqToTokenPool>(arg))
     return arg.cast<HybridReqToTokenPool&>().get_recurrent_indices(b.fb.req_pool_indices);
   return to_i32(arg, "recurrent_indices");
+}
+
+// The metadata's snapshots are the batch's: state_snapshots changed after init_forward_metadata would
+// otherwise be silently not taken.
+bool same_snapshots(const std::vector<kernels::KdaSnapshot>& md, const std::vector<StateSnapshot>& fb) {
+  if (md.size() != fb.size()) return false;
+  for (size_t j = 0; j < md.size(); ++j)
+    if (md[j].seq != fb[j].row || md[j].pos != fb[j].pos || md[j].slot != fb[j].slot) return false;
+  return true;
+}
+
+// state_snapshots from Python: StateSnapshot objects or (row, pos, slot) triples.
+std::vector<StateSnapshot> to_snapshots(const py::handle& obj) {
+  if (obj.is_none()) return {};
+  if (!py::isinstance<py::iterable>(obj) || py::isinstance<py::str>(obj))
+    throw py::type_error("'state_snapshots' must be a sequence of StateSnapshot or (row, pos, slot), got " +
+                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+  std::vector<StateSnapshot> v;
+  for (const auto h : obj) {
+    if (py::isinstance<StateSnapshot>(h)) {
+      v.push_back(h.cast<StateSnapshot>());
+      continue;
+    }
+    const auto t = to_i32(h, "state_snapshots[i]");
+    if (t.size() != 3)
+      throw py::value_error("state_snapshots[" + std::to_string(v.size()) + "] has " +
+                            std::to_string(t.size()) + " values, not (row, pos, slot)");
+    v.push_back({t[0], t[1], t[2]});
+  }
+  return v;
+}
+
+// The batch with `snaps`, validated before it is stored: a bad list leaves the batch as it was.
+void set_snapshots(PyForwardBatch& b, std::vector<StateSnapshot> snaps) {
+  ForwardBatch trial = b.fb;
+  trial.state_snapshots = std::move(snaps);
+  trial.validate();
+  b.fb.state_snapshots = std::move(trial.state_snapshots);
+}
+
+std::string snapshot_repr(const StateSnapshot& s) {
+  return "StateSnapshot(row=" + std::to_string(s.row) + ", pos=" + std::to_string(s.pos) +
+         ", slot=" + std::to_string(s.slot) + ")";
 }
 
 // ---- RecurrentStatePool ----
@@ -207,7 +222,8 @@ py::object layer_call(PyLayer& self, const py::object& hidden_states, PyForwardB
     if (!computes) return;
     const auto& md = backend->be.forward_metadata();
     if (md.forward_mode != fb.forward_mode || md.num_tokens() != fb.num_tokens() ||
-        static_cast<int64_t>(md.recurrent_indices.size()) != fb.batch_size())
+        static_cast<int64_t>(md.recurrent_indices.size()) != fb.batch_size() ||
+        !same_snapshots(md.snapshots, fb.state_snapshots))
       throw std::invalid_argument(
           "the backend's forward metadata is not this batch's: call "
           "KDAAttnBackend.init_forward_metadata(forward_batch, pools) for it first");
@@ -400,6 +416,22 @@ void register_component(py::module_& m) {
         return b.be.forward_metadata();  // a copy
       });
 
+  py::class_<StateSnapshot>(m, "StateSnapshot",
+                            "An interior state to keep in an EXTEND (ForwardBatch.state_snapshots): after "
+                            "the first `pos` tokens of batch row `row`'s segment, into pool slot `slot`.")
+      .def(py::init([](int32_t row, int32_t pos, int32_t slot) {
+             return StateSnapshot{row, pos, slot};
+           }),
+           py::arg("row"), py::arg("pos"), py::arg("slot"))
+      .def_readwrite("row", &StateSnapshot::row)
+      .def_readwrite("pos", &StateSnapshot::pos)
+      .def_readwrite("slot", &StateSnapshot::slot)
+      .def("__eq__",
+           [](const StateSnapshot& a, const StateSnapshot& b) {
+             return a.row == b.row && a.pos == b.pos && a.slot == b.slot;
+           })
+      .def("__repr__", &snapshot_repr);
+
   py::class_<PyForwardBatch>(m, "ForwardBatch",
                              "What one model step runs: per request (in token order) its req_pool_index "
                              "(-1: padded row), its tokens this step and its tokens before.")
@@ -417,18 +449,23 @@ void register_component(py::module_& m) {
            py::arg("extend_prefix_lens") = py::none())
       .def_static(
           "extend",
-          [](const py::object& reqs, const py::object& seq_lens, const py::object& prefix_lens) {
+          [](const py::object& reqs, const py::object& seq_lens, const py::object& prefix_lens,
+             const py::object& snapshots) {
             PyForwardBatch b;
             auto r = to_i32(reqs, "req_pool_indices");
             auto s = to_i32(seq_lens, "extend_seq_lens");
             auto p = prefix_lens.is_none() ? std::vector<int32_t>(r.size(), 0)
                                            : to_i32(prefix_lens, "extend_prefix_lens");
             b.fb = ForwardBatch::extend(std::move(r), std::move(s), std::move(p));
+            b.fb.state_snapshots = to_snapshots(snapshots);
             b.fb.validate();
             return b;
           },
           py::arg("req_pool_indices"), py::arg("extend_seq_lens"), py::arg("extend_prefix_lens") = py::none(),
-          "An EXTEND (prefill) batch; extend_prefix_lens defaults to zeros (fresh requests).")
+          py::arg("state_snapshots") = py::none(),
+          "An EXTEND (prefill) batch; extend_prefix_lens defaults to zeros (fresh requests). "
+          "state_snapshots: "
+          "interior states to keep (prefix caching), as the property.")
       .def_static(
           "decode",
           [](const py::object& reqs) {
@@ -453,6 +490,14 @@ void register_component(py::module_& m) {
           "draft_parents (tree drafts): each draft's parent among its row's drafts, -1 for the last accepted "
           "token, row after row; None: chains. Then KDAAttnBackend.accept(batch, accepted, pools).")
       .def_property_readonly("draft_parents", [](const PyForwardBatch& b) { return b.fb.draft_parents; })
+      .def_property(
+          "state_snapshots", [](const PyForwardBatch& b) { return b.fb.state_snapshots; },
+          [](PyForwardBatch& b, const py::object& v) { set_snapshots(b, to_snapshots(v)); },
+          "EXTEND only: StateSnapshot(row, pos, slot) (or (row, pos, slot) triples) -- after the first pos "
+          "tokens of batch row `row`'s segment, every KDA layer's recurrent and conv state of that request "
+          "is "
+          "written into pool slot `slot` (allocated by the caller, e.g. RadixCache.reserve, and no slot of "
+          "this batch). Set it before init_forward_metadata. A bad list: ValueError, the batch unchanged.")
       .def_property(
           "forward_mode", [](const PyForwardBatch& b) { return b.fb.forward_mode; },
           [](PyForwardBatch& b, ForwardMode m) { b.fb.forward_mode = m; })
@@ -529,6 +574,8 @@ void register_component(py::module_& m) {
       .def_property_readonly("available", &RecurrentStatePool::available)
       .def_property_readonly("num_layers", &RecurrentStatePool::num_layers)
       .def_property_readonly("bytes", &RecurrentStatePool::bytes)
+      .def_property_readonly("bytes_per_slot", &RecurrentStatePool::bytes_per_slot,
+                             "One slot's states, every layer (what a RadixCache snapshot takes).")
       .def_property_readonly("spec_state_bytes", &RecurrentStatePool::spec_state_bytes,
                              "The verify buffer (speculative decoding), every layer.")
       .def("alloc", &RecurrentStatePool::alloc, py::arg("n"),

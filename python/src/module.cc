@@ -39,4 +39,6 @@ PYBIND11_MODULE(_kda, m) {
       "Threads a kda call uses.");
   register_ops(m);
   register_component(m);
+  register_radix_cache(m);
+  register_quant_linear(m);
 }
