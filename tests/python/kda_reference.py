@@ -89,3 +89,45 @@ def spec_excess(a, ref, atol=1e-5, rtol=1e-5):
 def rel_l2(a, ref):
     a, ref = to_f64(a), to_f64(ref)
     return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def bf16_round(x):
+    """float32 -> the nearest bfloat16 value (ties to even), as float32 (finite inputs)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+# The weight-only schemes of kernels/gemm/quant_gemm.h: symmetric, round to nearest (ties to even) with
+# the scale max|w| / qmax computed in float64 and stored as float32; int8 per output channel, int4 per
+# group of 32 inputs. The kernels' W is q * scale in float32.
+QUANT_RUN = {"int8": None, "int4": 32}  # None: the whole row
+QUANT_QMAX = {"int8": 127, "int4": 7}
+
+
+def quantized_weights(w, weights):
+    """W [out, in] as the quantized projection sees it: float32 q * scale."""
+    out, n = w.shape
+    run = QUANT_RUN[weights] or n
+    qmax = QUANT_QMAX[weights]
+    g = np.asarray(w, np.float64).reshape(out, n // run, run)
+    s = np.abs(g).max(-1, keepdims=True) / qmax
+    q = np.clip(np.rint(g / np.where(s > 0, s, 1.0)), -qmax, qmax) * (s > 0)
+    return (q.astype(np.float32) * s.astype(np.float32)).reshape(out, n)
+
+
+def int8_activation_qmax(n):
+    """The int16 activation range of int8 weights: 32767, less where an int32 lane could overflow."""
+    return int(min(32767, (2147483647 // 127) // max(2 * ((n + 31) // 32), 1)))
+
+
+def quantized_activations(x, weights):
+    """x [M, in] as the decode kernels quantize it to int16 (float32 arithmetic, one scale per row for
+    int8 weights, per group of 32 for int4), dequantized in float64."""
+    m, n = x.shape
+    run = QUANT_RUN[weights] or n
+    qmax = np.float32(int8_activation_qmax(n) if weights == "int8" else 32767)
+    g = np.asarray(x, np.float32).reshape(m, n // run, run)
+    s = (np.abs(g).max(-1, keepdims=True) / qmax).astype(np.float32)
+    q = np.clip(np.rint(g / np.where(s > 0, s, np.float32(1))), -qmax, qmax) * (s > 0)
+    return (q.astype(np.float64) * s.astype(np.float64)).reshape(m, n)
