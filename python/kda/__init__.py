@@ -1,7 +1,8 @@
 """kda: Kimi Delta Attention on the CPU.
 
 ``kda.ops`` holds fla's ``chunk_kda`` / ``fused_recurrent_kda`` (same signatures); the package root holds
-the serving component under the RFC's names.
+the serving component under the RFC's names, the prefix cache of state snapshots (``RadixCache``, fed by
+``ForwardBatch.state_snapshots``) and the weight-only quantized projection (``QuantLinear``).
 """
 
 from . import ops

@@ -128,6 +128,13 @@ std::string snapshot_repr(const StateSnapshot& s) {
          ", slot=" + std::to_string(s.slot) + ")";
 }
 
+std::string snapshots_repr(const std::vector<StateSnapshot>& v) {
+  if (v.empty()) return "";
+  std::string s = ", state_snapshots=[";
+  for (size_t j = 0; j < v.size(); ++j) s += (j ? ", " : "") + snapshot_repr(v[j]);
+  return s + "]";
+}
+
 // ---- RecurrentStatePool ----
 
 RecurrentStatePoolConfig pool_config_for(const KimiLinearConfig& cfg, int64_t size,
@@ -423,9 +430,9 @@ void register_component(py::module_& m) {
              return StateSnapshot{row, pos, slot};
            }),
            py::arg("row"), py::arg("pos"), py::arg("slot"))
-      .def_readwrite("row", &StateSnapshot::row)
-      .def_readwrite("pos", &StateSnapshot::pos)
-      .def_readwrite("slot", &StateSnapshot::slot)
+      .def_readonly("row", &StateSnapshot::row)
+      .def_readonly("pos", &StateSnapshot::pos)
+      .def_readonly("slot", &StateSnapshot::slot)
       .def("__eq__",
            [](const StateSnapshot& a, const StateSnapshot& b) {
              return a.row == b.row && a.pos == b.pos && a.slot == b.slot;
@@ -497,7 +504,9 @@ void register_component(py::module_& m) {
           "tokens of batch row `row`'s segment, every KDA layer's recurrent and conv state of that request "
           "is "
           "written into pool slot `slot` (allocated by the caller, e.g. RadixCache.reserve, and no slot of "
-          "this batch). Set it before init_forward_metadata. A bad list: ValueError, the batch unchanged.")
+          "this batch). Set it before init_forward_metadata; reading it gives a copy (StateSnapshot is "
+          "immutable: "
+          "assign a new list). A bad list: ValueError, the batch unchanged.")
       .def_property(
           "forward_mode", [](const PyForwardBatch& b) { return b.fb.forward_mode; },
           [](PyForwardBatch& b, ForwardMode m) { b.fb.forward_mode = m; })
@@ -524,7 +533,8 @@ void register_component(py::module_& m) {
         return std::string("ForwardBatch(forward_mode=") + to_string(b.fb.forward_mode) +
                ", req_pool_indices=" + join(b.fb.req_pool_indices) +
                ", extend_seq_lens=" + join(b.fb.extend_seq_lens) +
-               ", extend_prefix_lens=" + join(b.fb.extend_prefix_lens) + ")";
+               ", extend_prefix_lens=" + join(b.fb.extend_prefix_lens) +
+               snapshots_repr(b.fb.state_snapshots) + ")";
       });
 
   // ---- pools ----

@@ -284,6 +284,9 @@ def test_bad_state_snapshots_change_nothing(config, layers, embed):
         assert fb.state_snapshots == [kda.StateSnapshot(0, 1, snap)], msg  # the batch as it was
     with pytest.raises(ValueError, match="EXTEND"):
         kda.ForwardBatch.decode(reqs).state_snapshots = [(0, 1, snap)]
+    with pytest.raises(AttributeError):
+        fb.state_snapshots[0].slot = own  # a copy: editing it would change nothing, so it cannot be edited
+    assert f"state_snapshots=[StateSnapshot(row=0, pos=1, slot={snap})]" in repr(fb)
 
     x = np.ascontiguousarray(embed[np.arange(7)])
     for value, msg in [
