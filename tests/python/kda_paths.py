@@ -13,6 +13,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 PYTHONPATH = pathlib.Path(os.environ.get("KDA_PYTHONPATH") or REPO / "build" / "python")
 BINARY = pathlib.Path(os.environ.get("KDA_BINARY") or REPO / "build" / "kda")
 DUMPS = REPO / "tests" / "data" / "kda_dumps"
+MINI = DUMPS / "mini"  # a small Kimi-Linear checkpoint with its cases
+MINI_LAYER = 0  # its KDA layer
 
 if os.environ.get("KDA_PYTHONPATH") != "-" and str(PYTHONPATH) not in sys.path:
     sys.path.insert(0, str(PYTHONPATH))

@@ -11,21 +11,8 @@ import pytest
 
 import kda
 
-MINI = kda_paths.DUMPS / "mini"
-LAYER = 0
-
-
-@pytest.fixture(scope="module")
-def config():
-    return kda.KimiLinearConfig.from_pretrained(MINI)
-
-
-@pytest.fixture(scope="module")
-def layers():
-    ckpt = kda.Checkpoint(MINI)  # one mapping shared by both precisions
-    return {
-        p: kda.KimiDeltaAttention.from_pretrained(MINI, LAYER, precision=p, checkpoint=ckpt) for p in ("fp32", "bf16")
-    }
+MINI = kda_paths.MINI
+LAYER = kda_paths.MINI_LAYER
 
 
 def load_case(name):

@@ -10,22 +10,9 @@ import numpy as np
 import pytest
 
 import kda
-from test_component import LAYER, MINI, make_pools
+from test_component import LAYER, make_pools
 
 VOCAB = 1000
-
-
-@pytest.fixture(scope="module")
-def config():
-    return kda.KimiLinearConfig.from_pretrained(MINI)
-
-
-@pytest.fixture(scope="module")
-def layers():
-    ckpt = kda.Checkpoint(MINI)
-    return {
-        p: kda.KimiDeltaAttention.from_pretrained(MINI, LAYER, precision=p, checkpoint=ckpt) for p in ("fp32", "bf16")
-    }
 
 
 @pytest.fixture(scope="module")
