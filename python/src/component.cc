@@ -433,10 +433,12 @@ void register_component(py::module_& m) {
       .def_readonly("row", &StateSnapshot::row)
       .def_readonly("pos", &StateSnapshot::pos)
       .def_readonly("slot", &StateSnapshot::slot)
-      .def("__eq__",
-           [](const StateSnapshot& a, const StateSnapshot& b) {
-             return a.row == b.row && a.pos == b.pos && a.slot == b.slot;
-           })
+      .def(
+          "__eq__",
+          [](const StateSnapshot& a, const StateSnapshot& b) {
+            return a.row == b.row && a.pos == b.pos && a.slot == b.slot;
+          },
+          py::is_operator())
       .def("__repr__", &snapshot_repr);
 
   py::class_<PyForwardBatch>(m, "ForwardBatch",

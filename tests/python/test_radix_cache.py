@@ -70,6 +70,7 @@ def test_snapshot_matched_and_restored_continues_as_cold_run(config, layers, emb
     assert not pool.is_allocated(0) and pool.is_allocated(snap.slot)
     fb = kda.ForwardBatch.extend([req_a], [len(prompt_a)], state_snapshots=[kda.StateSnapshot(0, split, snap.slot)])
     assert fb.state_snapshots == [kda.StateSnapshot(row=0, pos=split, slot=snap.slot)]
+    assert fb.state_snapshots[0] != (0, split, snap.slot)  # a StateSnapshot equals only a StateSnapshot
     run(layer, backend, pools, fb, embed, prompt_a)
     # Written by the forward, committed by the scheduler.
     assert cache.match_prefix(prompt_b[:-1]).pending.node == snap.node
