@@ -78,7 +78,7 @@ BENCHMARK_CAPTURE(BM_ChunkKda, optimized, KernelImpl::Optimized)
     ->Args({16, 256})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-// The reference is ~100x slower: one short sequence, a single iteration.
+// The reference is far slower: one short sequence, a single iteration.
 BENCHMARK_CAPTURE(BM_ChunkKda, naive, KernelImpl::Naive)
     ->Args({1, 128})
     ->Iterations(1)

@@ -112,9 +112,9 @@ const float* as_f32_param(const TensorView& t, int64_t n, const std::string& wha
   return buf.data();
 }
 
-// Large fresh outputs: first-touch page faults of 4 KiB pages cost about as much as a third of a
-// 64 MiB write (measured: 21 ms of 27 ms), paid on every call because big blocks come straight from
-// mmap. Transparent huge pages (where the system allows them on request) cut the faults 512-fold.
+// Large fresh outputs: first-touch page faults of 4 KiB pages cost most of the time of a large write
+// (measured on a 64 MiB one), paid on every call because big blocks come straight from mmap. Transparent huge
+// pages (where the system allows them on request) cut the faults 512-fold.
 void advise_huge_pages(void* p, size_t bytes) {
 #ifdef MADV_HUGEPAGE
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
@@ -130,7 +130,7 @@ void advise_huge_pages(void* p, size_t bytes) {
 
 // Big torch outputs (a prefill's o: 64 MiB at 4096 tokens x 32 x 128) come from a cache of at most
 // kMaxFree blocks that earlier outputs gave back when torch freed them. Even on huge pages, a fresh
-// block costs the kernel zeroing it (about 3.5 ms of a 190 ms 4096-token call); a returned block is
+// block costs the kernel zeroing it (a measurable part of a 4096-token call); a returned block is
 // already mapped. Smaller outputs take torch.empty. The cache holds at most kMaxFree blocks idle.
 class BlockCache {
  public:
@@ -262,8 +262,8 @@ void* data_of(const py::object& t, bool torch) {
 
 // A plain CPU torch.Tensor read through its own accessors (is_cpu, dtype, data_ptr(), shape,
 // stride()): as_tensor's general path (type probing, device attribute, detach(), Tensor.__dlpack__'s
-// Python checks, an exported view made and freed) costs about 2.5 us a tensor, which for a batch-1
-// decode with ten tensors is most of the call; this costs about 0.4 us. Anything else (NumPy,
+// Python checks, an exported view made and freed) costs several times what this does per tensor, which
+// for a batch-1 decode with ten tensors is most of the call. Anything else (NumPy,
 // subclasses, other devices, a tensor without a data pointer such as a sparse one) takes as_tensor,
 // which also gives the errors.
 struct TorchNames {

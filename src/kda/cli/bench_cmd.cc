@@ -437,7 +437,8 @@ void bench_layer(const BenchOptions& o, double cp, nlohmann::json& j, const Say&
   // EXTEND of 4096 tokens (one new request), every mode and its GEMMs in turns (the best of each over
   // the rounds, so that every mode meets the same quiet moments of this shared machine): at least 24 s
   // and 3 rounds. A round takes a few seconds where the bf16 GEMM has AVX512_BF16 or AMX to run on, and
-  // about a minute where it has not (oneDNN's bf16 GEMM at 15 GFLOP/s on an Ice Lake class Xeon).
+  // about a minute where it has not (oneDNN's bf16 GEMM falls back to slow code, e.g. on an Ice Lake
+  // class Xeon).
   const int64_t T = 4096;
   {
     std::vector<std::unique_ptr<Batch>> b;

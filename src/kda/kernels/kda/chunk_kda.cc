@@ -230,9 +230,9 @@ void process_item(const KdaArgs& a, const SnapshotPlan& plan, const Strides& st,
 
 // Flush-to-zero and denormals-are-zero for the lifetime of the object, on the calling thread. The decays
 // of strong gates underflow through the subnormal range (products of exp(g) of 1e-30 and less), where
-// the core's multiplies and FMAs are slow (measured: the whole kernel ~4% faster with subnormals
-// flushed, more on the heads with the strongest gates); a flushed value is below 1.2e-38, far under
-// the fp32 tolerance of any output. The caller's MXCSR is restored.
+// the core's multiplies and FMAs are slow (the whole kernel measured faster with subnormals flushed,
+// most on the heads with the strongest gates); a flushed value is below 1.2e-38, far under the fp32
+// tolerance of any output. The caller's MXCSR is restored.
 class FlushDenormals {
  public:
 #if defined(__x86_64__) || defined(__i386__)
@@ -256,9 +256,9 @@ void chunk_kda_opt(const KdaArgs& a) {
   // Work items are (sequence, group of heads), handed out dynamically (varlen segments make them very
   // uneven; see Claim). Groups of up to kMaxGroup heads while that leaves several items per thread
   // (smaller groups balance better between threads that run at different speeds, but lose more to
-  // staging: for one 4096-token sequence on 2 threads, groups of 4 measured ~15% faster than groups
-  // of 2; so did items shrinking to single heads at the end of a call, by ~4%, though they were ~5%
-  // faster when one of the threads ran at half speed).
+  // staging: for one 4096-token sequence on 2 threads, groups of 4 measured faster than groups of 2,
+  // and faster than items shrinking to single heads at the end of a call, which only won when one of
+  // the threads ran at half speed).
   const int threads = omp_get_max_threads();
   int group = kMaxGroup;
   while (group > 1 && N * ((H + group - 1) / group) < 4 * threads) group /= 2;

@@ -92,7 +92,7 @@ class Stager;
 // C[M, N] = init + sum over segs of A B (C may alias init.src: every tile reads its own init first).
 // During each full micro-tile pf (if any) prefetches its next lines, and after it prepares the rows due.
 // This and the steps below are kept out of line: inlined all into one function, GCC 12 compiles the
-// chunk 2x slower.
+// chunk into much slower code.
 [[gnu::noinline]] void gemm(int M, int N, const Seg* segs, int nseg, const Init& init, float* c, int64_t ldc,
                             Stager* pf = nullptr);
 

@@ -53,7 +53,7 @@ class Stager {
  public:
   // Rows (of all four inputs) prefetched ahead of the one prepared. A row's lines are prefetched one at
   // a time over the micro-tiles' loops (see kloop) rather than all at once, so that few misses are in
-  // flight at any time (measured: ~2% faster than a burst of the whole row).
+  // flight at any time (measured faster than a burst of the whole row).
   static constexpr int kAhead = 2;
   static constexpr int kMaxLines = 64;
 
