@@ -10,8 +10,8 @@ cmake --install "$build" --prefix "$work/prefix" >/dev/null
 cmake -S "$here/consumer" -B "$work/build" -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$work/build" >/dev/null
 # Only the public headers were installed: no private kernel, SIMD or bench header is there.
-for private in kernels/kda/vec_math.h kernels/kda/avx512.h kernels/kda/scratch.h kernels/kda/bench_inputs.h \
-               kernels/kda/prepare.h kernels/kda/impl.h common/isa_target.h; do
+for private in kernels/kda/vec_math.h kernels/kda/avx512.h kernels/kda/scratch.h bench/inputs.h \
+               kernels/kda/prepare.h kernels/kda/impl.h kernels/kda/chunk/common.h common/isa_target.h; do
   if [ -e "$work/prefix/include/kda/$private" ]; then
     echo "private header installed: $private" >&2
     exit 1
