@@ -97,9 +97,10 @@ inline void tile(const Seg* segs, int nseg, const Init& init, int r0, int j0, __
 }
 
 // All rows of one column strip [j0, j0 + 16 NV), kMR at a time, then the remainder rows.
+// Inlined into gemm, as the compiler chose when gemm and its callers shared one file.
 template <int NV>
-void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0, __mmask16 tail, float* c,
-                int64_t ldc, Stager* pf) {
+[[gnu::always_inline]] inline void strip_rows(int M, const Seg* segs, int nseg, const Init& init, int j0,
+                                              __mmask16 tail, float* c, int64_t ldc, Stager* pf) {
   int r0 = 0;
   for (; r0 + kMR <= M; r0 += kMR) {
     if (pf != nullptr) {
