@@ -1,5 +1,5 @@
-// Google Benchmark suite for the kernels at the Kimi-Linear shape (H = 32, K = V = 128, conv width
-// 3 * H * K = 12288):
+// Google Benchmark suite for the kernels at the Kimi-Linear shape (kda/io/kimi_linear_48b.h: H = 32,
+// K = V = 128, conv width 3 * H * K = 12288):
 //   ./build/kda_benchmarks                               everything (under ~2 minutes)
 //   ./build/kda_benchmarks --benchmark_filter=Recurrent  one family
 // The kernels run on OpenMP threads, so every benchmark reports wall time (UseRealTime). Rates come as
@@ -17,8 +17,9 @@
 #include <random>
 #include <vector>
 
+#include "kda/bench/inputs.h"
 #include "kda/common/bf16.h"
-#include "kda/kernels/kda/bench_inputs.h"
+#include "kda/io/kimi_linear_48b.h"
 #include "kda/kernels/kda/kda.h"
 #include "kda/kernels/short_conv.h"
 
@@ -27,12 +28,13 @@ namespace {
 using kda::kernels::KdaArgs;
 using kda::kernels::KernelImpl;
 
-constexpr int kH = 32;
-constexpr int kK = 128;  // K = V
+using Shape = kda::io::KimiLinear48bShape;
+using kda::bench::kH;
+using kda::bench::kK;  // K = V
 constexpr int kChunk = 64;
 constexpr int64_t kPoolSlots = 256;  // 256 x 2 MiB = 512 MiB of recurrent states, far beyond the L3
 
-using kda::kernels::bench_randn;
+using kda::bench::bench_randn;
 
 // Per-second rate of `per_iteration` units, scaled (1e-9: giga).
 benchmark::Counter rate(double per_iteration, double scale = 1e-9) {
@@ -40,7 +42,7 @@ benchmark::Counter rate(double per_iteration, double scale = 1e-9) {
 }
 
 // KDA inputs at the model's head shape (shared with `kda bench`).
-struct KdaInputs : kda::kernels::KdaBenchInputs {
+struct KdaInputs : kda::bench::KdaBenchInputs {
   KdaInputs(int64_t seqs, int64_t len) : KdaBenchInputs(seqs, len, kH, kK) {}
 };
 
@@ -55,13 +57,9 @@ std::vector<float>& state_pool() {
 
 void BM_ChunkKda(benchmark::State& state, KernelImpl impl) {
   const int64_t seqs = state.range(0), len = state.range(1), T = seqs * len;
-  KdaInputs in(seqs, len);
-  std::vector<float> st(static_cast<size_t>(seqs) * kH * kK * kK, 0.0f);
-  std::vector<int32_t> idx(seqs);
-  std::iota(idx.begin(), idx.end(), 0);
-  const KdaArgs a = in.args(st.data(), idx.data(), seqs);
+  kda::bench::ChunkCase c(seqs, len);  // the problem `kda bench` times
   for (auto _ : state) {
-    kda::kernels::chunk_kda(a, impl);
+    c.run(impl);
     benchmark::ClobberMemory();
   }
   const double flops = (6.0 * kK * kK + 3.0 * kChunk * kK + 1.0 * kChunk * kChunk) * kH * T;
@@ -78,9 +76,37 @@ BENCHMARK_CAPTURE(BM_ChunkKda, optimized, KernelImpl::Optimized)
     ->Args({16, 256})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-// The reference is ~100x slower: one short sequence, a single iteration.
+// The reference is far slower: one short sequence, a single iteration.
 BENCHMARK_CAPTURE(BM_ChunkKda, naive, KernelImpl::Naive)
     ->Args({1, 128})
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// fused_recurrent_kda on a prefill: one sequence of `arg` tokens through the per-token recurrence, the
+// same problem as BM_ChunkKda's {1, 4096}, for the ratio of the two forms (same GFLOP/s formula).
+void BM_FusedRecurrentKdaPrefill(benchmark::State& state, KernelImpl impl) {
+  const int64_t T = state.range(0);
+  KdaInputs in(1, T);
+  std::vector<float> st(static_cast<size_t>(kH) * kK * kK, 0.0f);
+  const int32_t idx = 0;
+  const KdaArgs a = in.args(st.data(), &idx, 1);
+  for (auto _ : state) {
+    kda::kernels::fused_recurrent_kda(a, impl);
+    benchmark::ClobberMemory();
+  }
+  const double flops = (6.0 * kK * kK + 3.0 * kChunk * kK + 1.0 * kChunk * kChunk) * kH * T;
+  state.SetItemsProcessed(state.iterations() * T);
+  state.counters["GFLOP/s"] = rate(flops);
+  state.counters["us/token"] = benchmark::Counter(
+      T * 1e-6, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK_CAPTURE(BM_FusedRecurrentKdaPrefill, optimized, KernelImpl::Optimized)
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_CAPTURE(BM_FusedRecurrentKdaPrefill, naive, KernelImpl::Naive)
+    ->Arg(512)
     ->Iterations(1)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
@@ -159,8 +185,8 @@ BENCHMARK(BM_MemcpyReference)->Unit(benchmark::kMillisecond)->UseRealTime();
 // ---------------------------------------------------------------------------------------------------
 // Short convolution at C = 3 * H * K (q || k || v), W = 4, fp32 or bf16 state.
 
-constexpr int64_t kConvC = 3 * kH * kK;
-constexpr int kConvW = 4;
+constexpr int64_t kConvC = Shape::kConvDim;
+constexpr int kConvW = Shape::kConvKernel;
 
 // EXTEND: one sequence of `arg` tokens from a zero history, the state kept.
 template <class StateT>

@@ -16,6 +16,7 @@
 
 #include "kda/common/bf16.h"
 #include "kda/io/config.h"
+#include "kda/io/kimi_linear_48b.h"
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
 #include "support/test_support.h"
@@ -629,6 +630,34 @@ TEST(Config, Kimi48B) {
     EXPECT_EQ(c.is_kda_layer(i), !full) << "layer " << i;
   }
   EXPECT_EQ(c.full_attn_layers.size(), 7u);
+}
+
+// The preset the synthetic models, tests and benchmarks use (kda/io/kimi_linear_48b.h) is the published
+// config, field by field, and its compile-time shape agrees with it.
+TEST(Config, Kimi48BPresetIsThePublishedConfig) {
+  const KimiLinearConfig c = parse_config(config_48b().dump(), "config_48b");
+  const KimiLinearConfig p = kimi_linear_48b_config();
+  EXPECT_EQ(p.hidden_size, c.hidden_size);
+  EXPECT_EQ(p.rms_norm_eps, c.rms_norm_eps);
+  EXPECT_EQ(p.num_hidden_layers, c.num_hidden_layers);
+  EXPECT_EQ(p.num_heads, c.num_heads);
+  EXPECT_EQ(p.head_dim, c.head_dim);
+  EXPECT_EQ(p.short_conv_kernel_size, c.short_conv_kernel_size);
+  EXPECT_EQ(p.kda_layers, c.kda_layers);
+  EXPECT_EQ(p.full_attn_layers, c.full_attn_layers);
+  using S = KimiLinear48bShape;
+  EXPECT_EQ(S::kHidden, c.hidden_size);
+  EXPECT_EQ(S::kHeads, c.num_heads);
+  EXPECT_EQ(S::kHeadDim, c.head_dim);
+  EXPECT_EQ(S::kProjection, c.projection_size());
+  EXPECT_EQ(S::kConvKernel, c.short_conv_kernel_size);
+  EXPECT_EQ(S::kLayers, c.num_hidden_layers);
+  EXPECT_EQ(S::kKdaLayers, static_cast<int>(c.kda_layer_ids().size()));
+  EXPECT_EQ(S::kRmsNormEps, c.rms_norm_eps);
+  const KimiLinearConfig one = kimi_linear_48b_one_layer_config();
+  EXPECT_EQ(one.num_hidden_layers, 1);
+  EXPECT_EQ(one.kda_layer_ids(), std::vector<int>{0});
+  EXPECT_EQ(one.hidden_size, c.hidden_size);
 }
 
 TEST(Config, RejectsBadConfigs) {

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +21,7 @@
 #endif
 
 #include "kda/common/isa.h"
+#include "kda/io/kimi_linear_48b.h"
 #include "kda/kernels/kda/impl.h"
 #include "kda/kernels/kda/kda.h"
 #include "support/test_support.h"
@@ -513,9 +513,9 @@ Problem kimi_shape_problem(uint64_t seed) {
   p.cu = {0, 100, 256};
   p.N = 2;
   p.T = 256;
-  p.H = 32;
-  p.K = 128;
-  p.V = 128;
+  p.H = io::KimiLinear48bShape::kHeads;
+  p.K = io::KimiLinear48bShape::kHeadDim;
+  p.V = io::KimiLinear48bShape::kHeadDim;
   p.slots = 3;
   p.idx = {2, 0};
   p.l2 = true;
@@ -1331,9 +1331,6 @@ TEST(KdaDispatch, SnapshotValidationErrors) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Timing (not run by default): ./test_kernels --gtest_also_run_disabled_tests --gtest_filter='*Timing*'
-
-// ---------------------------------------------------------------------------------------------------
 // Speculative verification (TARGET_VERIFY): each request's row is its last accepted token and its
 // drafts; the recurrent kernels keep the state after every position (snapshots) without touching the
 // committed state (output_final_state = false), and run tree drafts through KdaArgs::parents.
@@ -1518,110 +1515,6 @@ TEST(KdaVerify, BadParentsAreErrorsThatWriteNothing) {
   EXPECT_THROW(chunk_kda(a, KernelImpl::Naive), std::invalid_argument);
   EXPECT_THROW(chunk_kda(a, KernelImpl::Optimized), std::invalid_argument);
   EXPECT_EQ(pool, p.pool);
-}
-
-TEST(KdaKernels, DISABLED_TimingKimiShapeT4096) {
-  Problem p;
-  p.T = 4096;
-  p.H = 32;
-  p.K = 128;
-  p.V = 128;
-  p.slots = 1;
-  p.l2 = true;
-  p.gate = true;
-  fill(p, 1200);
-  std::vector<float> o(static_cast<size_t>(p.T) * p.H * p.V);
-  auto time = [&](const char* name, const std::function<void(const KdaArgs&)>& fn, int reps) {
-    double best = 1e30;
-    for (int r = 0; r < reps; ++r) {
-      std::vector<float> pool = p.pool;
-      const auto t0 = std::chrono::steady_clock::now();
-      fn(p.args(o.data(), pool.data()));
-      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::printf("[ timing   ] %-16s %8.3f s  (%.1f GFLOP/s at 6K^2+3CK+C^2 per head-token)\n", name, best,
-                p.T * p.H * (6.0 * p.K * p.K + 3.0 * 64 * p.K + 64.0 * 64) / best * 1e-9);
-  };
-  time("chunk/naive", chunk_kda_naive, 1);
-  time("chunk/opt", chunk_kda_opt, 5);
-  time("recurrent/naive", fused_recurrent_kda_naive, 1);
-  time("recurrent/opt", fused_recurrent_kda_opt, 3);
-}
-
-// Speculative verification at the real shape (H=32, K=V=128, one layer), d = 4 drafts per request,
-// accepting a in {0, 2, 4}: (states) the verify call keeps the state after each of its 5 positions
-// (snapshots, 5 x 2 MiB written per request) and accept copies the accepted one into the slot, vs
-// (replay) the verify call keeps nothing and accept re-runs the recurrence of the a+1 accepted tokens
-// from the committed state (their inputs kept from verify), writing the slot. Between the two, 64 MiB are
-// streamed (the other layers' weights and states), so accept finds the states in memory, as in a model.
-TEST(KdaVerify, DISABLED_TimingKeptStatesVsReplay) {
-  for (int B : {1, 8}) {
-    std::vector<int32_t> lens(B, 5), idx(B);
-    for (int i = 0; i < B; ++i) idx[i] = i;
-    const Problem p = verify_problem(lens, idx, B, 32, 128, 128, 1730);
-    const size_t kv = static_cast<size_t>(p.H) * p.K * p.V;
-    std::vector<float> o(static_cast<size_t>(p.T) * p.H * p.V), states(static_cast<size_t>(B) * 5 * kv);
-    std::vector<float> flush(size_t{16} << 20), pool = p.pool;
-    std::vector<KdaSnapshot> snaps;
-    for (int i = 0; i < B; ++i)
-      for (int pos = 1; pos <= 5; ++pos) snaps.push_back({i, pos, i * 5 + pos - 1});
-    for (int acc : {0, 2, 4}) {
-      // The accepted tokens' inputs, gathered (the first acc+1 tokens of each row).
-      Problem r = p;
-      r.cu = {0};
-      for (int i = 0; i < B; ++i) r.cu.push_back(r.cu.back() + acc + 1);
-      r.T = r.cu.back();
-      const size_t qk = static_cast<size_t>(p.H) * p.K;
-      const auto gather = [&](const std::vector<float>& x, size_t row) {
-        std::vector<float> out;
-        for (int i = 0; i < B; ++i)
-          out.insert(out.end(), x.begin() + p.cu[i] * row, x.begin() + (p.cu[i] + acc + 1) * row);
-        return out;
-      };
-      r.q = gather(p.q, qk);
-      r.k = gather(p.k, qk);
-      r.g = gather(p.g, qk);
-      r.v = gather(p.v, static_cast<size_t>(p.H) * p.V);
-      r.beta = gather(p.beta, p.H);
-      r.out_final = true;
-      std::vector<float> ro(static_cast<size_t>(r.T) * p.H * p.V);
-      double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};  // [states|replay][verify|accept]
-      for (int rep = 0; rep < 15; ++rep) {
-        for (int mode = 0; mode < 2; ++mode) {
-          for (float& x : flush) x += 1.0f;
-          auto t0 = std::chrono::steady_clock::now();
-          KdaArgs a = p.args(o.data(), pool.data());
-          a.state_locality = KdaArgs::StateLocality::Memory;
-          if (mode == 0) {
-            a.snapshots = snaps.data();
-            a.num_snapshots = static_cast<int64_t>(snaps.size());
-            a.snapshot_state = states.data();
-            a.num_snapshot_slots = static_cast<int64_t>(snaps.size());
-          }
-          fused_recurrent_kda_opt(a);
-          auto t1 = std::chrono::steady_clock::now();
-          for (float& x : flush) x += 1.0f;
-          auto t2 = std::chrono::steady_clock::now();
-          if (mode == 0) {
-            for (int i = 0; i < B; ++i)
-              std::memcpy(pool.data() + i * kv, states.data() + (i * 5 + acc) * kv, kv * sizeof(float));
-          } else {
-            KdaArgs b = r.args(ro.data(), pool.data());
-            b.state_locality = KdaArgs::StateLocality::Memory;
-            fused_recurrent_kda_opt(b);
-          }
-          auto t3 = std::chrono::steady_clock::now();
-          best[mode][0] = std::min(best[mode][0], std::chrono::duration<double>(t1 - t0).count());
-          best[mode][1] = std::min(best[mode][1], std::chrono::duration<double>(t3 - t2).count());
-        }
-      }
-      std::printf(
-          "[ timing   ] B=%d d=4 a=%d  kept states: verify %7.1f us + accept %7.1f us = %7.1f us | replay: "
-          "verify %7.1f us + accept %7.1f us = %7.1f us\n",
-          B, acc, best[0][0] * 1e6, best[0][1] * 1e6, (best[0][0] + best[0][1]) * 1e6, best[1][0] * 1e6,
-          best[1][1] * 1e6, (best[1][0] + best[1][1]) * 1e6);
-    }
-  }
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kda/io/config.h"
+#include "kda/io/kimi_linear_48b.h"
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
 #include "kda/layers/attention/linear/kda_backend.h"
@@ -1179,17 +1180,10 @@ TEST(ServerArgs, RecurrentModelAllowsRadixCacheAndSpeculation) {
 // The real Kimi-Linear shape (hidden 2304, 32 heads x 128) with synthetic weights: EXTEND vs
 // prefill -> decode, and the reference vs the optimized kernels, through the full stack.
 TEST(Layer, FullKimiShapeInvarianceAndKernelsAgree) {
-  io::KimiLinearConfig cfg;
-  cfg.hidden_size = 2304;
-  cfg.rms_norm_eps = 1e-5;
-  cfg.num_hidden_layers = 1;
-  cfg.num_heads = 32;
-  cfg.head_dim = 128;
-  cfg.short_conv_kernel_size = 4;
-  cfg.kda_layers = {1};
+  const io::KimiLinearConfig cfg = io::kimi_linear_48b_one_layer_config();
   const auto w = models::KdaLayerWeights::synthetic(cfg, 42);
   runtime::LayerCase c;
-  c.D = 2304;
+  c.D = cfg.hidden_size;
   c.cu_seqlens = {0, 70, 71, 100};
   c.N = 3;
   c.T = 100;

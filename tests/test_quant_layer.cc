@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kda/io/config.h"
+#include "kda/io/kimi_linear_48b.h"
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
 #include "kda/models/kimi_linear.h"
@@ -24,17 +25,7 @@ namespace {
 
 using testing::rel_l2;
 
-io::KimiLinearConfig kimi_shape() {
-  io::KimiLinearConfig cfg;
-  cfg.hidden_size = 2304;
-  cfg.rms_norm_eps = 1e-5;
-  cfg.num_hidden_layers = 1;
-  cfg.num_heads = 32;
-  cfg.head_dim = 128;
-  cfg.short_conv_kernel_size = 4;
-  cfg.kda_layers = {1};
-  return cfg;
-}
+io::KimiLinearConfig kimi_shape() { return io::kimi_linear_48b_one_layer_config(); }
 
 // The reference scheme in float64 on one [out, in] matrix: round to nearest with scale max|w| / qmax
 // over each output channel (group 0) or each group of `group` inputs.
@@ -255,7 +246,8 @@ TEST(QuantLayer, Int4SchemeAlternatives) {
 TEST(QuantLayer, WeightBytesPerMode) {
   const auto cfg = kimi_shape();
   const auto w = models::KdaLayerWeights::synthetic(cfg, 45);
-  const int64_t D = 2304, K = 128, P = 4096, n_proj = 3 * P + 2 * K + 32;
+  using S = io::KimiLinear48bShape;
+  const int64_t D = S::kHidden, K = S::kHeadDim, P = S::kProjection, n_proj = 3 * P + 2 * K + S::kHeads;
   const int64_t weights = n_proj * D + 2 * P * K + D * P, channels = n_proj + 2 * P + D;
   EXPECT_EQ(models::KimiDeltaAttention(cfg, 0, w, Precision::BF16).weight_bytes(), 2 * weights);
   EXPECT_EQ(models::KimiDeltaAttention(cfg, 0, w, Precision::FP32).weight_bytes(), 4 * weights);

@@ -12,19 +12,6 @@
 
 namespace kda::serving {
 
-io::KimiLinearConfig kimi_linear_48b_config() {
-  io::KimiLinearConfig c;
-  c.hidden_size = 2304;
-  c.rms_norm_eps = 1e-5;
-  c.num_hidden_layers = 27;
-  c.num_heads = 32;
-  c.head_dim = 128;
-  c.short_conv_kernel_size = 4;
-  c.kda_layers = {1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26};
-  c.full_attn_layers = {4, 8, 12, 16, 20, 24, 27};
-  return c;
-}
-
 std::vector<int> KdaStack::select_layers(const io::KimiLinearConfig& cfg, int num_layers) {
   std::vector<int> ids = cfg.kda_layer_ids();
   if (ids.empty()) throw std::invalid_argument("the model has no KDA layer (linear_attn_config.kda_layers)");

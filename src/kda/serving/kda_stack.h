@@ -17,6 +17,7 @@
 #include "kda/common/precision.h"
 #include "kda/distributed/communicator.h"
 #include "kda/io/config.h"
+#include "kda/io/kimi_linear_48b.h"
 #include "kda/layers/linear.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
@@ -28,9 +29,7 @@ class Checkpoint;
 
 namespace kda::serving {
 
-// The Kimi-Linear-48B-A3B geometry (kda-numerics.md): hidden 2304, 27 decoder layers of which 20 are
-// KDA, 32 heads x 128, conv 4, rms_norm_eps 1e-5.
-io::KimiLinearConfig kimi_linear_48b_config();
+using io::kimi_linear_48b_config;  // kda/io/kimi_linear_48b.h
 
 class KdaStack {
  public:

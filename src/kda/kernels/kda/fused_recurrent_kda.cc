@@ -41,9 +41,8 @@ constexpr int kStrip = 64;    // state columns per strip
 constexpr int kTokBlock = 8;  // tokens whose q, k, exp(g) are prepared at once (prefill through here)
 // States in the last-level cache are not prefetched: from there the hardware prefetchers keep up, and
 // the software prefetches of the next strip only compete with the current strip's misses. States in
-// memory are: the prefetch runs a strip ahead of the hardware's. Measured on Zen 4 (interleaved runs, 2
-// threads): batch 1, states in L3: 40.5 us with the prefetch, 37.2 without; batch 1, states in memory:
-// 115-118 us with, 121-123 without; batch 64 (128 MB, in memory): 6.69 ms with, 7.07 without.
+// memory are: the prefetch runs a strip ahead of the hardware's (interleaved runs showed it faster for
+// states in memory, at batch 1 and 64, and slower for states in L3).
 // With StateLocality::Auto, a call whose states total at most this much (half of the 32 MB L3 of a
 // Zen 4 / Zen 5 CCD) is taken to find them in the cache.
 constexpr int64_t kCacheResidentBytes = int64_t{16} << 20;
@@ -120,7 +119,7 @@ inline void strip_token(const float* src, int64_t lds, float* dst, int64_t ldd, 
   // Pass 2 walks the rows backwards. At V = 128 a strip puts 16 lines (the rows d, d+8, ...) in each
   // L1 set it touches, which has 12 ways (8 on Zen 4): after pass 1 only the last rows are in L1, so
   // pass 2 starts with them (backwards: 3/4 of its loads hit L1 on Zen 5, 1/2 on Zen 4; forwards: few
-  // do, LRU evicts each row just before it is needed). Measured: 1.2 us vs 1.5 us per head in L2.
+  // do, LRU evicts each row just before it is needed; backwards measured faster per head in L2).
   auto row_of = [K](int i) { return K - 1 - i; };
   int i = 0;
   for (; i + R <= K; i += R) {

@@ -1,0 +1,38 @@
+// The rows of `kda bench` (src/kda/cli/bench_cmd.cc prints them around the ceilings): each measures one
+// part at the Kimi-Linear shape, in turns with what it is compared against, and adds its results to the
+// JSON report under its key ("kernels", "layer", "stack", "bf16_gemm", "spec").
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "kda/bench/ceilings.h"
+#include "kda/bench/timing.h"
+
+namespace kda::bench {
+
+struct RowOptions {
+  std::string kernel =
+      "optimized";              // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
+  bool skip_naive = false;      // do not time the reference kernels
+  std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
+};
+
+// chunk_kda rows against the fp32 GEMM ceiling g32, which is measured in turns with them, and the
+// plain-call GEMM rate; returns the ceiling in GFLOP/s, sets `plain` and leaves the printed rows in
+// `lines` (they are printed after the ceilings).
+double bench_chunk(const RowOptions& o, GemmCeiling& g32, nlohmann::json& j, std::vector<std::string>& lines,
+                   double& plain);
+// fused_recurrent_kda (decode) rows against memcpy bandwidth cp (GB/s).
+void bench_recurrent(const RowOptions& o, double cp, nlohmann::json& j, const Say& say);
+// The layer (fp32, bf16, int8 / int4 weights) at EXTEND and DECODE, against its GEMMs alone.
+void bench_layer(const RowOptions& o, double cp, nlohmann::json& j, const Say& say);
+// The 20-layer stack decoding one request, bf16 against int8 / int4 weights.
+void bench_stack(const RowOptions& o, nlohmann::json& j, const Say& say);
+// Linear's two bf16 paths side by side on the layer's fused projection.
+void bench_bf16_gemm(nlohmann::json& j, const Say& say);
+// Speculative decoding's cost side: verify steps against a decode step.
+void bench_spec(nlohmann::json& j, const Say& say);
+
+}  // namespace kda::bench
