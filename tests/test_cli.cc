@@ -81,7 +81,7 @@ TEST(Cli, ErrorsAreClear) {
   EXPECT_THAT(r.output, HasSubstr("fp64"));
 }
 
-// --- issue 17: --kernel on the command line ---------------------------------------------------------
+// --- --kernel on the command line ---------------------------------------------------------
 
 // `--kernel naive` (the reference kernels) and `--kernel optimized` (this CPU's best ISA copy) each give
 // passing results through run, verify and simulate; the two are different code (a chunked and a
@@ -152,7 +152,7 @@ TEST(CliKernel, AnUnknownKernelIsRefused) {
   }
 }
 
-// ---- Bad input to the end (issue 17): every subcommand given a file of the wrong kind where an
+// ---- Bad input to the end: every subcommand given a file of the wrong kind where an
 // .npz / .json / checkpoint is expected exits non-zero with a message naming it, and writes no output
 // file, complete, partial or temporary.
 
