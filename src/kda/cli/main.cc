@@ -1,20 +1,15 @@
 // kda: the command-line front of the KDA component.
-#include <malloc.h>
-
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
 
 #include "kda/cli/commands.h"
+#include "kda/common/allocator.h"
 #include "kda/distributed/mpi_communicator.h"
 
 int main(int argc, char** argv) {
-  // A fixed mmap threshold: glibc raises it each time a large block (a step's projection scratch, a
-  // oneDNN primitive's buffers) is freed, so later large blocks come from the heap, which a long serving
-  // run then fragments -- resident memory crept up: 600 soak requests grew 6.8% after warm-up with the
-  // dynamic threshold, 2.7% with this one (scripts/soak.sh's workload). The program's choice, not the
-  // library's: an embedding engine keeps its own allocator settings.
-  mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+  // Before anything large is allocated (the pools would set it too, later): common/allocator.h.
+  kda::configure_allocator();
   CLI::App app{"kda: Kimi Delta Attention inference component (CPU)"};
   app.require_subcommand(1);
 
