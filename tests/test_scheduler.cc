@@ -1,7 +1,9 @@
 // The serving scheduler's slot accounting: the slots promised to a request's forks come before its own
 // prefix-cache snapshots, and a step whose forks cannot get their slots is refused before anything changes.
+// And the soak's resident-memory bound, reached through the library alone.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <numeric>
 #include <stdexcept>
 #include <vector>
@@ -9,6 +11,8 @@
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/mem_cache/radix_cache.h"
 #include "kda/serving/scheduler.h"
+#include "kda/serving/simulate.h"
+#include "kda/serving/trace.h"
 
 namespace kda::serving {
 namespace {
@@ -117,6 +121,46 @@ TEST(SchedulerSlots, AStepWhoseForksCannotGetSlotsChangesNothing) {
     if (with_cache) cache.check_invariants();
     EXPECT_EQ(rec.available() + cache.snapshots(), rec.size());
   }
+}
+
+// scripts/soak.sh's workload, shortened, through run_simulation: no main() and its settings here, so the
+// flat resident memory after warm-up (soak.sh's bound: the last sample within 5% of the one at the end of
+// the first tenth of the steps) is the library's own.
+TEST(SchedulerSoak, ResidentMemoryStaysFlatThroughTheLibraryAlone) {
+  WorkloadOptions w;
+  w.kind = WorkloadKind::kSharedPrefix;
+  w.requests = 200;
+  w.prompt = {8, 32};
+  w.output_len = 6;
+  w.prefix_groups = 2;
+  w.shared_prefix_len = 64;
+  w.vocab = 64;
+  w.seed = 3;
+  SimulateOptions o;
+  o.layers = 1;
+  o.precision = Precision::FP32;
+  o.seed = 3;
+  o.vocab = 64;
+  o.requests = make_workload(w);
+  o.state_memory = int64_t{20} << 20;
+  o.prefix_cache_memory = int64_t{16} << 20;
+  o.cache_interval = 64;
+  o.server_args.disable_radix_cache = false;
+  o.server_args.enable_mixed_chunk = true;
+  o.max_batch = 8;
+  o.spec.algorithm = SpecAlgorithm::kNgram;
+  o.spec.topk = 2;
+  o.server_args.speculative_algorithm = to_string(o.spec.algorithm);
+  o.parallel_samples = 2;
+  const auto r = run_simulation(o);
+  ASSERT_EQ(r.serve.requests_completed, 200);
+  EXPECT_TRUE(r.accounting_ok()) << r.accounting_error;
+  EXPECT_GT(r.serve.prefix_cache_evictions, 0);
+  ASSERT_GE(r.rss_bytes.size(), 100u);
+  std::printf("resident memory growth after warm-up: %.2f%% over %zu steps\n", 100.0 * r.rss_growth(),
+              r.rss_bytes.size());
+  RecordProperty("rss_growth_percent", std::to_string(100.0 * r.rss_growth()));
+  EXPECT_LE(r.rss_growth(), 0.05);
 }
 
 }  // namespace
