@@ -7,23 +7,16 @@
 
 #include "kda/common/allocator.h"
 #include "kda/mem_cache/memory_pool.h"
+#include "support/test_support.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define KDA_TEST_SANITIZED_MALLOC 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define KDA_TEST_SANITIZED_MALLOC 1
-#endif
-#endif
-
 namespace kda {
 namespace {
 
-#if defined(__GLIBC__) && !defined(KDA_TEST_SANITIZED_MALLOC)
+#if defined(__GLIBC__)
 
 // Blocks glibc currently serves from mappings of their own.
 size_t mapped_blocks() { return mallinfo2().hblks; }
@@ -38,6 +31,7 @@ bool gets_own_mapping(size_t bytes) {
 }
 
 TEST(Allocator, BuildingAPoolKeepsLargeBlocksInTheirOwnMappings) {
+  if (testing::kSanitizedMalloc) GTEST_SKIP() << "glibc's own malloc only, not a sanitizer's";
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("GLIBC_TUNABLES"))
     GTEST_SKIP() << "the environment sets malloc's own parameters";
   // A 4 MiB block freed: glibc's dynamic threshold (left as it is) would now be 4 MiB, and the next 512 KiB
@@ -65,6 +59,7 @@ TEST(Allocator, BuildingAPoolKeepsLargeBlocksInTheirOwnMappings) {
 // In a fresh process (the death-test child re-runs only this test), a threshold set in the environment
 // wins: configure_allocator leaves malloc alone and says so.
 TEST(Allocator, AThresholdChosenInTheEnvironmentIsLeftAlone) {
+  if (testing::kSanitizedMalloc) GTEST_SKIP() << "a sanitizer's allocator refuses mallopt";
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
@@ -83,9 +78,7 @@ TEST(Allocator, AThresholdChosenInTheEnvironmentIsLeftAlone) {
 
 #else
 
-TEST(Allocator, BuildingAPoolKeepsLargeBlocksInTheirOwnMappings) {
-  GTEST_SKIP() << "glibc's own malloc only (not under a sanitizer's allocator)";
-}
+TEST(Allocator, BuildingAPoolKeepsLargeBlocksInTheirOwnMappings) { GTEST_SKIP() << "glibc's malloc only"; }
 
 #endif
 

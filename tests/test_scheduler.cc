@@ -13,6 +13,7 @@
 #include "kda/serving/scheduler.h"
 #include "kda/serving/simulate.h"
 #include "kda/serving/trace.h"
+#include "support/test_support.h"
 
 namespace kda::serving {
 namespace {
@@ -127,6 +128,7 @@ TEST(SchedulerSlots, AStepWhoseForksCannotGetSlotsChangesNothing) {
 // flat resident memory after warm-up (soak.sh's bound: the last sample within 5% of the one at the end of
 // the first tenth of the steps) is the library's own.
 TEST(SchedulerSoak, ResidentMemoryStaysFlatThroughTheLibraryAlone) {
+  if (testing::kSanitizedMalloc) GTEST_SKIP() << "resident memory under a sanitizer is its bookkeeping";
   WorkloadOptions w;
   w.kind = WorkloadKind::kSharedPrefix;
   w.requests = 200;
