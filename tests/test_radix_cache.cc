@@ -18,20 +18,37 @@
 #include "support/test_support.h"
 
 // Allocation failure injection for this binary: when armed with n > 0, the n-th operator new from then on
-// throws std::bad_alloc (once). Single-threaded tests only arm it.
+// throws std::bad_alloc (once). Single-threaded tests only arm it. Every unaligned form of new and delete
+// is replaced, each through malloc / free, so that no pair mixes this file's with a sanitizer's.
 namespace {
 thread_local int64_t g_fail_allocation = 0;
-}  // namespace
 
-void* operator new(std::size_t n) {
+void* allocate(std::size_t n) {
   if (g_fail_allocation > 0 && --g_fail_allocation == 0) throw std::bad_alloc();
   if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
   throw std::bad_alloc();
 }
-// Out of line: GCC, seeing free() inlined where new-expressions are, would warn of a mismatch that the
-// pair above and here does not have.
+void* allocate_or_null(std::size_t n) noexcept {
+  try {
+    return allocate(n);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+}  // namespace
+
+void* operator new(std::size_t n) { return allocate(n); }
+void* operator new[](std::size_t n) { return allocate(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return allocate_or_null(n); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return allocate_or_null(n); }
+// Out of line: GCC, seeing free() inlined where new-expressions are, would warn of a mismatch that these
+// pairs do not have.
 __attribute__((noinline)) void operator delete(void* p) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete[](void* p) noexcept { std::free(p); }
 __attribute__((noinline)) void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace kda::mem_cache {
 namespace {
