@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Soak under churn (issue 17): thousands of requests through one KDA layer with a pool of a few slots,
+# Soak under churn: thousands of requests through one KDA layer with a pool of a few slots,
 # a prefix cache whose budget evicts all the time, speculation (ngram, trees) and mixed batches on,
 # parallel samples forked, resident memory sampled after every step. Passes when resident memory is
 # flat after warm-up (the last sample within 5% of the one at the end of the first tenth of the steps),

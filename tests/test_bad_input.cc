@@ -19,6 +19,7 @@
 #include "kda/io/file.h"
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
+#include "kda/model_executor/forward_batch_info.h"
 #include "kda/serving/trace.h"
 #include "support/test_support.h"
 
@@ -276,6 +277,81 @@ TEST(BadInput, DeeplyNestedJsonIsRefusedWithoutOverflowingTheStack) {
   EXPECT_THAT(
       error_of([&] { parse_safetensors(st.data(), st.size(), "deep.safetensors"); }),
       HasSubstr("deep.safetensors: tensor 'w': shape a list of 1 element holds something other than"));
+}
+
+// Lengths whose sums would overflow or whose buffers would ask for terabytes: a trace, a generated
+// workload and a workload given as it is are refused before any request is allocated, naming the request
+// and the field; the bounds themselves are served.
+TEST(BadInput, HugeWorkloadLengthsAreRefusedNamingTheRequest) {
+  using serving::kMaxRequestTokens;
+  const std::string max = std::to_string(kMaxRequestTokens);
+  EXPECT_THAT(
+      error_of([] {
+        serving::parse_trace(R"([{"prompt_len": 2147483647, "output_len": 5, "arrival_step": 0}])", "t.json");
+      }),
+      HasSubstr(
+          "t.json: request 0: prompt_len + output_len is 2147483652 tokens, more than a request may have"));
+  EXPECT_THAT(
+      error_of([&] {
+        serving::parse_trace(
+            "[{\"prompt_len\": 4, \"output_len\": 0, \"arrival_step\": 0},"
+            " {\"prompt_len\": " +
+                max + ", \"output_len\": 1, \"arrival_step\": 0}]",
+            "t.json");
+      }),
+      HasSubstr("t.json: request 1: prompt_len + output_len is " + std::to_string(kMaxRequestTokens + 1)));
+  EXPECT_EQ(serving::parse_trace("[{\"prompt_len\": " + std::to_string(kMaxRequestTokens - 1) +
+                                     ", \"output_len\": 1, \"arrival_step\": 0}]",
+                                 "t.json")
+                .size(),
+            1u);
+  // A session's turns add up.
+  EXPECT_THAT(
+      error_of([&] {
+        serving::parse_trace("[{\"prompt_len\": " + std::to_string(kMaxRequestTokens / 2) +
+                                 ", \"output_len\": 0, \"arrival_step\": 0, \"session\": 0, \"turn\": 0},"
+                                 " {\"prompt_len\": " +
+                                 std::to_string(kMaxRequestTokens / 2) +
+                                 ", \"output_len\": 0, \"session\": 0, \"turn\": 1}]",
+                             "t.json");
+      }),
+      HasSubstr("t.json: request 1: prompt_len + output_len is " + std::to_string(kMaxRequestTokens + 1)));
+
+  // Generated: every request within the bound, and the whole workload within its own.
+  serving::WorkloadOptions w;
+  w.requests = 2;
+  w.prompt = {kMaxRequestTokens, kMaxRequestTokens};
+  w.output_len = 1;
+  EXPECT_THAT(
+      error_of([&] { serving::make_workload(w); }),
+      HasSubstr("--prompt-len / --shared-prefix-len / --output-len: request 0: prompt_len + output_len is"));
+  w.prompt = {kMaxRequestTokens - 1, kMaxRequestTokens - 1};
+  w.requests = serving::kMaxWorkloadTokens / kMaxRequestTokens + 1;
+  EXPECT_THAT(
+      error_of([&] { serving::make_workload(w); }),
+      HasSubstr("more than a workload may have (" + std::to_string(serving::kMaxWorkloadTokens) + ")"));
+  w.kind = serving::WorkloadKind::kMultiTurn;
+  w.requests = 1;
+  w.turns = 3;
+  w.prompt = {kMaxRequestTokens / 3, kMaxRequestTokens / 3};
+  w.output_len = 0;
+  EXPECT_THAT(error_of([&] { serving::make_workload(w); }), HasSubstr("--turns: request 2 (turn 2)"));
+
+  // Given as it is.
+  std::vector<serving::RequestSpec> reqs(1);
+  reqs[0].prompt_len = static_cast<int32_t>(kMaxRequestTokens);
+  reqs[0].output_len = 2147483647 - reqs[0].prompt_len;
+  EXPECT_THAT(error_of([&] { serving::validate_workload(reqs); }),
+              HasSubstr("request 0: prompt_len + output_len is 2147483647 tokens"));
+}
+
+// A verify row of INT32_MAX drafts would run INT32_MAX + 1 tokens: refused, not wrapped.
+TEST(BadInput, AVerifyRowWhoseTokenCountOverflowsIsRefused) {
+  EXPECT_THAT(error_of([] {
+                model_executor::ForwardBatch::target_verify({0, 1}, {2, 2147483647});
+              }),
+              HasSubstr("ForwardBatch::target_verify: row 1 has 2147483647 drafts"));
+  EXPECT_EQ(model_executor::ForwardBatch::target_verify({0}, {2147483646}).extend_seq_lens[0], 2147483647);
 }
 
 }  // namespace

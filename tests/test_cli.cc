@@ -81,7 +81,22 @@ TEST(Cli, ErrorsAreClear) {
   EXPECT_THAT(r.output, HasSubstr("fp64"));
 }
 
-// --- issue 17: --kernel on the command line ---------------------------------------------------------
+// The prefix cache's own options with the cache turned off are refused by the parser, before anything
+// runs, as --draft-* options are without --speculative.
+TEST(Cli, SimulateRefusesPrefixCacheOptionsWithTheCacheOff) {
+  const std::string tiny = "simulate --layers 1 --requests 1 --prompt-len 4 --output-len 1 --check 0 ";
+  for (const char* opt : {"--prefix-cache-memory 64MiB", "--cache-interval 128"}) {
+    const auto r = run_kda(tiny + "--no-prefix-cache " + opt);
+    EXPECT_NE(r.code, 0) << opt << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr("excludes")) << opt;
+    EXPECT_THAT(r.output, HasSubstr("--no-prefix-cache")) << opt;
+    EXPECT_THAT(r.output, ::testing::Not(HasSubstr("kda simulate:"))) << opt;
+  }
+  const auto r = run_kda(tiny + "--cache-interval 128");  // with the cache on, as always
+  EXPECT_EQ(r.code, 0) << r.output;
+}
+
+// --- --kernel on the command line ---------------------------------------------------------
 
 // `--kernel naive` (the reference kernels) and `--kernel optimized` (this CPU's best ISA copy) each give
 // passing results through run, verify and simulate; the two are different code (a chunked and a
@@ -152,7 +167,7 @@ TEST(CliKernel, AnUnknownKernelIsRefused) {
   }
 }
 
-// ---- Bad input to the end (issue 17): every subcommand given a file of the wrong kind where an
+// ---- Bad input to the end: every subcommand given a file of the wrong kind where an
 // .npz / .json / checkpoint is expected exits non-zero with a message naming it, and writes no output
 // file, complete, partial or temporary.
 

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "kda/io/config.h"
+#include "kda/serving/kda_stack.h"
 #include "targets.h"
 
 namespace kda {
@@ -46,6 +48,23 @@ TEST(FuzzCorpus, SeedsAreAccepted) {
       EXPECT_NO_THROW(ok = t.run(bytes.data(), bytes.size())) << f;
       EXPECT_TRUE(ok) << f << " is a seed, a valid input, but " << t.name << " refuses it";
     }
+}
+
+// The seed named after the published config (moonshotai/Kimi-Linear-48B-A3B-Instruct) is that config: 20
+// KDA layers and 7 MLA layers, 27 among them, as the engine's own copy of it says.
+TEST(FuzzCorpus, TheKimiLinear48bSeedIsThePublishedConfig) {
+  const auto seed = io::load_config(fs::path(KDA_FUZZ_DIR) / "config" / "kimi_linear_48b.json");
+  const auto real = serving::kimi_linear_48b_config();
+  EXPECT_EQ(seed.kda_layers, real.kda_layers);
+  EXPECT_EQ(seed.full_attn_layers, real.full_attn_layers);
+  EXPECT_EQ(seed.num_hidden_layers, real.num_hidden_layers);
+  EXPECT_EQ(seed.hidden_size, real.hidden_size);
+  EXPECT_EQ(seed.num_heads, real.num_heads);
+  EXPECT_EQ(seed.head_dim, real.head_dim);
+  EXPECT_EQ(seed.short_conv_kernel_size, real.short_conv_kernel_size);
+  EXPECT_EQ(seed.rms_norm_eps, real.rms_norm_eps);
+  EXPECT_EQ(seed.kda_layers.size() + seed.full_attn_layers.size(), 27u);
+  EXPECT_FALSE(seed.is_kda_layer(26));
 }
 
 TEST(FuzzCorpus, RegressionInputsAreHandledCleanly) {

@@ -719,6 +719,40 @@ TEST(Config, RejectsBadConfigs) {
   j["linear_attn_config"].erase("full_attn_layers");
   EXPECT_TRUE(parse_config(j.dump(), "cfg.json").full_attn_layers.empty());
 
+  // Sizes so large that what is derived from them (weights, a slot's state) overflows int64 or asks for
+  // terabytes: refused, naming the field.
+  struct Huge {
+    const char* field;  // as the error names it
+    std::function<void(nlohmann::json&)> set;
+  };
+  const Huge huge[] = {
+      {"'hidden_size' is too large", [](auto& c) { c["hidden_size"] = int64_t{1} << 40; }},
+      {"'num_hidden_layers' is too large", [](auto& c) { c["num_hidden_layers"] = 1 << 30; }},
+      {"'linear_attn_config.num_heads' is too large",
+       [](auto& c) { c["linear_attn_config"]["num_heads"] = 1 << 20; }},
+      {"'linear_attn_config.head_dim' is too large",
+       [](auto& c) { c["linear_attn_config"]["head_dim"] = 1 << 30; }},
+      {"'linear_attn_config.short_conv_kernel_size' is too large",
+       [](auto& c) { c["linear_attn_config"]["short_conv_kernel_size"] = 1 << 30; }},
+      {"'hidden_size' times linear_attn_config.num_heads x head_dim",
+       [](auto& c) {
+         c["hidden_size"] = kMaxHiddenSize;
+         c["linear_attn_config"]["num_heads"] = kMaxHeads;
+         c["linear_attn_config"]["head_dim"] = kMaxHeadDim;
+       }},
+  };
+  for (const auto& h : huge) {
+    j = config_48b();
+    h.set(j);
+    EXPECT_THAT(err(j), HasSubstr("cfg.json: field " + std::string(h.field))) << h.field;
+  }
+  // The bounds themselves are accepted.
+  j = config_48b();
+  j["hidden_size"] = kMaxHiddenSize;
+  j["linear_attn_config"]["short_conv_kernel_size"] = kMaxConvKernel;
+  j["linear_attn_config"]["head_dim"] = kMaxHeadDim;
+  EXPECT_EQ(parse_config(j.dump(), "cfg.json").head_dim, kMaxHeadDim);
+
   EXPECT_THAT(runtime_error_of([] { parse_config("{oops", "cfg.json"); }),
               HasSubstr("cfg.json: not valid JSON"));
   EXPECT_THAT(runtime_error_of([] { load_config("/nonexistent/kda/dir"); }), HasSubstr("cannot open config"));

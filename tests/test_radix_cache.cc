@@ -4,15 +4,51 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
+#include <new>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kda/mem_cache/radix_cache.h"
 #include "support/test_support.h"
+
+// Allocation failure injection for this binary: when armed with n > 0, the n-th operator new from then on
+// throws std::bad_alloc (once). Single-threaded tests only arm it. Every unaligned form of new and delete
+// is replaced, each through malloc / free, so that no pair mixes this file's with a sanitizer's.
+namespace {
+thread_local int64_t g_fail_allocation = 0;
+
+void* allocate(std::size_t n) {
+  if (g_fail_allocation > 0 && --g_fail_allocation == 0) throw std::bad_alloc();
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void* allocate_or_null(std::size_t n) noexcept {
+  try {
+    return allocate(n);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+}  // namespace
+
+void* operator new(std::size_t n) { return allocate(n); }
+void* operator new[](std::size_t n) { return allocate(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return allocate_or_null(n); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return allocate_or_null(n); }
+// Out of line: GCC, seeing free() inlined where new-expressions are, would warn of a mismatch that these
+// pairs do not have.
+__attribute__((noinline)) void operator delete(void* p) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete[](void* p) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace kda::mem_cache {
 namespace {
@@ -164,6 +200,46 @@ TEST(RadixCache, ReservingAnExistingSnapshotReturnsIt) {
   EXPECT_EQ(again.state, SnapshotState::Ready);
   EXPECT_EQ(f.cache.snapshots(), 1);
   f.check();
+}
+
+// Every allocation reserve makes, failed in turn: each failure leaves the tree, its counters and the pool
+// as they were, and the reserve that finally gets all its memory makes the snapshot. The paths: a split
+// and a new leaf, a split alone (the path ends inside an edge), a leaf alone.
+TEST(RadixCache, AReserveThatRunsOutOfMemoryLeavesTreeAndPoolAsTheyWere) {
+  const Tokens a = {1, 2, 3, 4, 5, 6};
+  for (const Tokens& target : {Tokens{1, 2, 3, 7, 8}, Tokens{1, 2}, Tokens{1, 2, 3, 4, 5, 6, 9}}) {
+    bool made = false;
+    for (int64_t k = 1; k < 100 && !made; ++k) {
+      Fixture f(8, 8);
+      f.put(a, 6);
+      const auto state = [&] {
+        return std::tuple(f.cache.node_count(), f.cache.total_size(), f.cache.snapshots(),
+                          f.cache.pending_snapshots(), f.cache.evictions(), f.pool.available());
+      };
+      const auto before = state();
+      Snapshot s;
+      bool threw = false;
+      g_fail_allocation = k;
+      try {
+        s = f.cache.reserve(target, static_cast<int64_t>(target.size()));
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      g_fail_allocation = 0;
+      SCOPED_TRACE("allocation " + std::to_string(k) + " of a reserve of " + std::to_string(target.size()));
+      f.check();
+      if (threw) {
+        EXPECT_TRUE(state() == before);
+        const auto m = f.cache.match_prefix(a);
+        EXPECT_EQ(m.hit.len, 6);
+        continue;
+      }
+      made = true;
+      EXPECT_TRUE(s.created);
+      EXPECT_EQ(f.cache.pending_snapshots(), 1);
+    }
+    EXPECT_TRUE(made);
+  }
 }
 
 TEST(RadixCache, SplitAtABranchInsideAnEdge) {

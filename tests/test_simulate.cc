@@ -952,8 +952,8 @@ TEST(SimulateCli, BadOptionsFailWithClearMessages) {
 TEST(SimulateCli, PrefixCacheSummaryAndOffSwitch) {
   const std::string args =
       "simulate --layers 1 --workload shared-prefix --shared-prefix-len 40 --requests 3 --prompt-len 2:4 "
-      "--output-len 1 --vocab 512 --precision fp32 --check 1 --prefix-cache-memory 64MiB";
-  auto r = run_kda(args, false);
+      "--output-len 1 --vocab 512 --precision fp32 --check 1";
+  auto r = run_kda(args + " --prefix-cache-memory 64MiB", false);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_THAT(r.out, HasSubstr("radix cache on"));
   EXPECT_THAT(r.out, HasSubstr("prefix cache  "));

@@ -112,6 +112,11 @@ bool config(const uint8_t* data, size_t size) {
   return refused_cleanly([&] {
     const io::KimiLinearConfig c = io::parse_config(as_text(data, size), "fuzz.config.json");
     KDA_FUZZ_CHECK(c.hidden_size > 0 && c.num_heads > 0 && c.head_dim > 0 && c.projection_size() > 0);
+    // Within the bounds, so that the sizes derived from an accepted config cannot overflow.
+    KDA_FUZZ_CHECK(c.hidden_size <= io::kMaxHiddenSize && c.num_heads <= io::kMaxHeads &&
+                   c.head_dim <= io::kMaxHeadDim && c.short_conv_kernel_size <= io::kMaxConvKernel &&
+                   c.num_hidden_layers <= io::kMaxHiddenLayers &&
+                   c.hidden_size * c.projection_size() <= io::kMaxProjectionElements);
     for (int id : c.kda_layer_ids()) KDA_FUZZ_CHECK(id >= 0 && id < c.num_hidden_layers);
   });
 }

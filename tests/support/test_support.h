@@ -12,6 +12,20 @@
 
 namespace kda::testing {
 
+// Whether a sanitizer's allocator (ASan, TSan) stands in for the C library's: malloc's statistics and
+// resident memory then measure the sanitizer's bookkeeping (shadow memory, quarantine), not the program.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitizedMalloc = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr bool kSanitizedMalloc = true;
+#else
+inline constexpr bool kSanitizedMalloc = false;
+#endif
+#else
+inline constexpr bool kSanitizedMalloc = false;
+#endif
+
 // The vendored reference dumps: tests/data/kda_dumps/mini.
 std::filesystem::path dumps_dir();
 // A fresh empty temporary directory for one test (removed by the OS / next run).

@@ -24,7 +24,18 @@ struct KimiLinearConfig {
   std::vector<int> kda_layer_ids() const;  // 0-based, ascending
 };
 
-// Throws std::runtime_error naming the file and the missing or bad field.
+// Bounds parse_config enforces: far above any published Kimi-Linear shape (hidden 2304, 27 layers, 32 heads
+// of 128, conv width 4), low enough that every size derived from them (weights, one slot's state, a
+// step's activations) fits int64 with room, and that no single buffer asks for more than tens of GiB.
+inline constexpr int64_t kMaxHiddenSize = 1 << 16;
+inline constexpr int64_t kMaxHiddenLayers = 1024;
+inline constexpr int64_t kMaxHeads = 1024;
+inline constexpr int64_t kMaxHeadDim = 1024;
+inline constexpr int64_t kMaxConvKernel = 64;
+// Elements of one projection's weight, hidden_size x num_heads * head_dim.
+inline constexpr int64_t kMaxProjectionElements = int64_t{1} << 32;
+
+// Throws std::runtime_error naming the file and the missing, bad or out-of-bounds field.
 KimiLinearConfig parse_config(const std::string& json_text, const std::string& what);
 KimiLinearConfig load_config(const std::filesystem::path& path_or_dir);  // dir: <dir>/config.json
 

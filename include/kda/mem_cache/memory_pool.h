@@ -66,6 +66,7 @@ struct LinearRecurrentLayerCache {
 
 class RecurrentStatePool {
  public:
+  // Also fixes the C library's mmap threshold, once per process (kda/common/allocator.h).
   explicit RecurrentStatePool(const RecurrentStatePoolConfig& cfg);
 
   const RecurrentStatePoolConfig& config() const { return cfg_; }

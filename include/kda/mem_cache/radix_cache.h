@@ -1,4 +1,4 @@
-// Prefix cache of recurrent state (issue 15): a radix tree keyed by token ids whose nodes may own a
+// Prefix cache of recurrent state: a radix tree keyed by token ids whose nodes may own a
 // snapshot -- every KDA layer's recurrent and conv state after exactly the node's tokens, held in one slot
 // of the same RecurrentStatePool that serves the requests, so that one pool accounts for both.
 //
@@ -83,7 +83,9 @@ class RadixCache {
   // A Pending snapshot at tokens[0, len) (1 <= len <= tokens.size()), splitting an edge if the path
   // branches inside it. When a Ready or Pending one is already there, returns it (created = false, no
   // second slot). When the budget or the pool is full, evicts the least recently used evictable snapshot
-  // first; returns no snapshot (not an error) when none can be evicted or the cache is disabled.
+  // first; returns no snapshot (not an error) when none can be evicted or the cache is disabled. The slot
+  // is taken before the path is inserted: an error (std::bad_alloc included) leaves the tree and the pool
+  // as they were, save a snapshot evicted to make room.
   Snapshot reserve(std::span<const int32_t> tokens, int64_t len);
   void commit(NodeId node);  // Pending -> Ready, after the forward pass that wrote the slot
   void abort(NodeId node);   // Pending -> None: the slot goes back to the pool (e.g. request cancelled)
@@ -143,8 +145,6 @@ class RadixCache {
   Node* get(NodeId id, const char* what) const;
   Node* find_exact(std::span<const int32_t> tokens);
   Node* insert_path(std::span<const int32_t> tokens);
-  Node* split(Node* child, size_t k);
-  Node* new_node(Node* parent, std::vector<int32_t> key);
   Snapshot describe(const Node* n, bool created) const;
   bool evictable(const Node* n) const { return n->state == SnapshotState::Ready && n->lock_ref == 0; }
   void touch(Node* n);

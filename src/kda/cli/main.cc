@@ -1,20 +1,15 @@
 // kda: the command-line front of the KDA component.
-#include <malloc.h>
-
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
 
 #include "kda/cli/commands.h"
+#include "kda/common/allocator.h"
 #include "kda/distributed/mpi_communicator.h"
 
 int main(int argc, char** argv) {
-  // A fixed mmap threshold: glibc raises it each time a large block (a step's projection scratch, a
-  // oneDNN primitive's buffers) is freed, so later large blocks come from the heap, which a long serving
-  // run then fragments -- resident memory crept up after warm-up in scripts/soak.sh's workload, less with
-  // this threshold. The program's choice, not the library's: an embedding engine keeps its own
-  // allocator settings.
-  mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+  // Before anything large is allocated (the pools would set it too, later): common/allocator.h.
+  kda::configure_allocator();
   CLI::App app{"kda: Kimi Delta Attention inference component (CPU)"};
   app.require_subcommand(1);
 
@@ -122,13 +117,17 @@ int main(int argc, char** argv) {
   sim->add_flag("--mixed", so.mixed, "prefill chunks and decodes in one EXTEND batch");
   sim->add_option("--state-memory", so.state_memory, "bytes for the state pool (e.g. 2GiB, 512MiB)")
       ->capture_default_str();
-  sim->add_flag("--no-prefix-cache", so.no_prefix_cache, "turn the prefix cache of state snapshots off");
+  auto* no_cache =
+      sim->add_flag("--no-prefix-cache", so.no_prefix_cache, "turn the prefix cache of state snapshots off");
+  // The cache's own options with the cache off would be accepted and ignored: refused instead.
   sim->add_option("--prefix-cache-memory", so.prefix_cache_memory,
                   "bytes of state snapshots for the prefix cache, on top of --state-memory")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->excludes(no_cache);
   sim->add_option("--cache-interval", so.cache_interval,
                   "a prefix-cache snapshot every N prompt tokens (N % 64 == 0)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->excludes(no_cache);
   sim->add_option("--parallel-samples", so.parallel_samples, "continuations forked per request after prefill")
       ->capture_default_str();
   sim->add_option("--check", so.check, "requests re-run alone and compared (0: off)")->capture_default_str();

@@ -34,7 +34,7 @@ class FieldReader {
                        int64_t max = std::numeric_limits<int64_t>::max()) const {
     const int64_t v = integer(require(obj, key, field), field);
     if (v <= 0) fail(field, "must be positive, got " + std::to_string(v));
-    if (v > max) fail(field, "is too large: " + std::to_string(v));
+    if (v > max) fail(field, "is too large: " + std::to_string(v) + " (at most " + std::to_string(max) + ")");
     return v;
   }
 
@@ -97,11 +97,10 @@ KimiLinearConfig parse_config(const std::string& json_text, const std::string& w
   const json& model_type = r.require(j, "model_type", "model_type");
   if (!model_type.is_string() || model_type.get<std::string>() != "kimi_linear")
     r.fail("model_type", "must be \"kimi_linear\", got " + json_brief(model_type));
-  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   KimiLinearConfig c;
-  c.hidden_size = r.positive_int(j, "hidden_size", "hidden_size");
+  c.hidden_size = r.positive_int(j, "hidden_size", "hidden_size", kMaxHiddenSize);
   c.num_hidden_layers =
-      static_cast<int>(r.positive_int(j, "num_hidden_layers", "num_hidden_layers", kIntMax));
+      static_cast<int>(r.positive_int(j, "num_hidden_layers", "num_hidden_layers", kMaxHiddenLayers));
 
   // Required: the epsilon differs between checkpoints, and a silent default would skew every norm.
   const json& eps = r.require(j, "rms_norm_eps", "rms_norm_eps");
@@ -112,12 +111,15 @@ KimiLinearConfig parse_config(const std::string& json_text, const std::string& w
 
   const json& lin = r.require(j, "linear_attn_config", "linear_attn_config");
   if (!lin.is_object()) r.fail("linear_attn_config", "must be an object");
-  c.num_heads = static_cast<int>(r.positive_int(lin, "num_heads", "linear_attn_config.num_heads", kIntMax));
-  c.head_dim = static_cast<int>(r.positive_int(lin, "head_dim", "linear_attn_config.head_dim", kIntMax));
-  if (static_cast<int64_t>(c.num_heads) * c.head_dim > kIntMax)
-    r.fail("linear_attn_config.head_dim", "times num_heads overflows int");
-  c.short_conv_kernel_size = static_cast<int>(
-      r.positive_int(lin, "short_conv_kernel_size", "linear_attn_config.short_conv_kernel_size", kIntMax));
+  c.num_heads = static_cast<int>(r.positive_int(lin, "num_heads", "linear_attn_config.num_heads", kMaxHeads));
+  c.head_dim = static_cast<int>(r.positive_int(lin, "head_dim", "linear_attn_config.head_dim", kMaxHeadDim));
+  if (c.hidden_size * c.projection_size() > kMaxProjectionElements)
+    r.fail("hidden_size", "times linear_attn_config.num_heads x head_dim is " +
+                              std::to_string(c.hidden_size * c.projection_size()) +
+                              " weights per projection (at most " + std::to_string(kMaxProjectionElements) +
+                              ")");
+  c.short_conv_kernel_size = static_cast<int>(r.positive_int(
+      lin, "short_conv_kernel_size", "linear_attn_config.short_conv_kernel_size", kMaxConvKernel));
 
   c.kda_layers = r.layer_list(r.require(lin, "kda_layers", "linear_attn_config.kda_layers"),
                               "linear_attn_config.kda_layers", c.num_hidden_layers);

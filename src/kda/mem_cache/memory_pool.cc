@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/common/allocator.h"
+
 namespace kda::mem_cache {
 namespace {
 
@@ -25,6 +27,7 @@ void check_unique(std::span<const int32_t> ids, const char* what) {
 // RecurrentStatePool
 
 RecurrentStatePool::RecurrentStatePool(const RecurrentStatePoolConfig& cfg) : cfg_(cfg) {
+  configure_allocator();  // resident memory stays flat over a long run (common/allocator.h)
   auto positive = [](int64_t v, const char* field) {
     if (v <= 0) {
       throw std::invalid_argument(std::string("RecurrentStatePoolConfig.") + field + " must be > 0, got " +

@@ -124,43 +124,80 @@ RadixCache::Node* RadixCache::find_exact(std::span<const int32_t> tokens) {
   return node == &root_ ? nullptr : node;
 }
 
-RadixCache::Node* RadixCache::new_node(Node* parent, std::vector<int32_t> key) {
-  auto owned = std::make_unique<Node>();
-  Node* n = owned.get();
-  n->id = next_id_++;
-  n->parent = parent;
-  n->depth = parent->depth + static_cast<int64_t>(key.size());
-  total_tokens_ += static_cast<int64_t>(key.size());
-  n->key = std::move(key);
-  parent->children[n->key[0]] = n;  // replaces the child it splits off, if any (same first token)
-  nodes_.emplace(n->id, std::move(owned));
-  return n;
-}
-
-// Cuts `child`'s edge after k tokens: a new node takes the first k, `child` keeps the rest, its id and
-// its snapshot (which is the state at the deep end).
-RadixCache::Node* RadixCache::split(Node* child, size_t k) {
-  Node* mid = new_node(child->parent, std::vector<int32_t>(child->key.begin(), child->key.begin() + k));
-  child->key.erase(child->key.begin(), child->key.begin() + k);
-  total_tokens_ -= static_cast<int64_t>(k);
-  child->parent = mid;
-  mid->children[child->key[0]] = child;
-  return mid;
-}
-
+// The node at exactly `tokens`, made if the tree lacks it: a leaf for the rest of the path, after
+// splitting the edge the path leaves inside (a new interior node takes the edge's first tokens; the old
+// child keeps the rest, its id and its snapshot, which is the state at the deep end). Strong guarantee:
+// every allocation is made before the tree is touched, so a std::bad_alloc leaves it as it was.
 RadixCache::Node* RadixCache::insert_path(std::span<const int32_t> tokens) {
   Node* node = &root_;
-  size_t pos = 0;
+  Node* cut = nullptr;  // the child whose edge the path leaves (or ends) inside
+  size_t pos = 0, k = 0;
   while (pos < tokens.size()) {
     const auto it = node->children.find(tokens[pos]);
-    if (it == node->children.end())
-      return new_node(node, std::vector<int32_t>(tokens.begin() + pos, tokens.end()));
+    if (it == node->children.end()) break;
     Node* c = it->second;
-    const size_t k = common_prefix(c->key, tokens.subspan(pos));
+    k = common_prefix(c->key, tokens.subspan(pos));
     pos += k;
-    node = k < c->key.size() ? split(c, k) : c;
+    if (k < c->key.size()) {
+      cut = c;
+      break;
+    }
+    node = c;
   }
-  return node;
+  if (!cut && pos == tokens.size()) return node;
+
+  // Allocations: the new nodes, their edges, their child maps and their ids' entries.
+  NodeId id = next_id_;
+  auto make = [&](Node* parent, std::vector<int32_t> key) {
+    auto n = std::make_unique<Node>();
+    n->id = id++;
+    n->parent = parent;
+    n->depth = parent->depth + static_cast<int64_t>(key.size());
+    n->key = std::move(key);
+    return n;
+  };
+  std::unique_ptr<Node> mid, leaf;
+  if (cut) {
+    mid =
+        make(node, std::vector<int32_t>(cut->key.begin(), cut->key.begin() + static_cast<std::ptrdiff_t>(k)));
+    mid->children.emplace(cut->key[k], cut);
+  }
+  Node* leaf_parent = mid ? mid.get() : node;
+  if (pos < tokens.size()) {
+    leaf = make(leaf_parent,
+                std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(pos), tokens.end()));
+    if (mid) mid->children.emplace(leaf->key[0], leaf.get());
+  }
+  Node* const result = leaf ? leaf.get() : mid.get();
+  std::vector<NodeId> registered;
+  registered.reserve(2);
+  try {
+    for (auto* owned : {&mid, &leaf}) {
+      if (!*owned) continue;
+      const NodeId nid = (*owned)->id;
+      nodes_.emplace(nid, nullptr);
+      registered.push_back(nid);
+    }
+    // The one insertion into a node already in the tree: a map insert changes nothing when it throws.
+    if (leaf && !mid) node->children.emplace(leaf->key[0], leaf.get());
+  } catch (...) {
+    for (const NodeId nid : registered) nodes_.erase(nid);
+    throw;
+  }
+
+  // Nothing below allocates.
+  next_id_ = id;
+  if (mid) {
+    node->children.find(cut->key[0])->second = mid.get();  // same first token as the edge it cuts
+    cut->key.erase(cut->key.begin(), cut->key.begin() + static_cast<std::ptrdiff_t>(k));
+    cut->parent = mid.get();
+    nodes_.find(mid->id)->second = std::move(mid);
+  }
+  if (leaf) {
+    total_tokens_ += static_cast<int64_t>(leaf->key.size());
+    nodes_.find(leaf->id)->second = std::move(leaf);
+  }
+  return result;
 }
 
 Snapshot RadixCache::reserve(std::span<const int32_t> tokens, int64_t len) {
@@ -177,8 +214,16 @@ Snapshot RadixCache::reserve(std::span<const int32_t> tokens, int64_t len) {
     if (lru_.empty()) return {};
     evict_lru();
   }
-  Node* n = insert_path(path);
-  n->slot = pool_->alloc(1)[0];
+  // The slot first: a pool that throws leaves the tree without a node that holds nothing.
+  const int32_t slot = pool_->alloc(1)[0];
+  Node* n = nullptr;
+  try {
+    n = insert_path(path);
+  } catch (...) {
+    pool_->free({&slot, 1});
+    throw;
+  }
+  n->slot = slot;
   is_snapshot_slot_[n->slot] = 1;
   n->state = SnapshotState::Pending;
   ++snapshots_;

@@ -1,6 +1,7 @@
 #include "kda/model_executor/forward_batch_info.h"
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -141,7 +142,8 @@ ForwardBatch ForwardBatch::target_verify(std::vector<int32_t> req_pool_indices,
   fb.forward_mode = ForwardMode::TARGET_VERIFY;
   fb.extend_seq_lens.resize(draft_lens.size());
   for (size_t i = 0; i < draft_lens.size(); ++i) {
-    if (draft_lens[i] < 0)
+    // The row runs its drafts and the token before them: draft_lens[i] + 1 must fit int32.
+    if (draft_lens[i] < 0 || draft_lens[i] == std::numeric_limits<int32_t>::max())
       throw std::invalid_argument("ForwardBatch::target_verify: row " + std::to_string(i) + " has " +
                                   std::to_string(draft_lens[i]) + " drafts");
     fb.extend_seq_lens[i] = draft_lens[i] + 1;

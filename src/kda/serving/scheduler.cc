@@ -119,12 +119,15 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
   }
   while (budget > 0 && !waiting_.empty() && admissible(waiting_.front())) {
     const int64_t r = waiting_.front();
+    if (cache_ && !cache_->ensure_free_slots(reserved_ + slots_needed(r)))
+      throw std::logic_error("scheduler: admitted a request the pool and the cache cannot give slots");
     waiting_.pop_front();
     const int64_t s = seq_index(r, 0);
     Sequence& q = seqs_[s];
-    if (cache_ && !cache_->ensure_free_slots(reserved_ + slots_needed(r)))
-      throw std::logic_error("scheduler: admitted a request the pool and the cache cannot give slots");
     q.req_pool_index = pool_->alloc(1)[0];
+    // The forks' slots are promised before the request's own snapshots are planned: a snapshot must not
+    // take the slot its own request forks into.
+    reserved_ += slots_needed(r) - 1;
     const int32_t slot = take_slot(q.req_pool_index);
     // Prefix cache: the deepest Ready snapshot of the prompt minus its last token is copied into the
     // slot; the prefill then runs only the rest (the row's start is k, its ForwardBatch prefix k > 0).
@@ -142,7 +145,6 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
     }
     q.processed = q.prefix_len;
     b.cached_tokens += q.prefix_len;
-    reserved_ += slots_needed(r) - 1;
     q.phase = SeqPhase::kPrefill;
     for (int32_t j = 1; j < n_; ++j) seqs_[seq_index(r, j)].phase = SeqPhase::kForkPending;
     prefilling_.push_back(s);
@@ -291,7 +293,29 @@ void Scheduler::finish(int64_t seq, StepEvents& ev) {
   }
 }
 
+// The slots this step's forks take, had from the pool (free, or a snapshot evicted) before complete()
+// changes anything. Admission reserved them, so a shortfall means someone took slots behind the
+// scheduler's back.
+void Scheduler::check_fork_slots(const ScheduledBatch& b) const {
+  int64_t forks = 0;
+  for (const auto& row : b.rows) {
+    const Sequence& q = seqs_[row.seq];
+    if (!row.decode && q.output_len > 0 && q.processed < q.prompt_len &&
+        int64_t{q.processed} + row.len >= q.prompt_len)
+      forks += n_ - 1;
+  }
+  if (forks == 0) return;
+  auto& rec = pool_->recurrent_pool();
+  const int64_t slots = rec.available() + (cache_ ? cache_->evictable_snapshots() : 0);
+  if (pool_->available() < forks || slots < forks)
+    throw std::logic_error("scheduler: this step forks " + std::to_string(forks) +
+                           " sequence(s) but the pool has " +
+                           std::to_string(std::min(pool_->available(), slots)) +
+                           " slot(s) to give (slots reserved for forks were taken outside the scheduler)");
+}
+
 StepEvents Scheduler::complete(const ScheduledBatch& b) {
+  check_fork_slots(b);
   StepEvents ev;
   std::vector<int64_t> requeue, ready;
   for (const auto& row : b.rows) {
@@ -321,7 +345,9 @@ StepEvents Scheduler::complete(const ScheduledBatch& b) {
     ready.push_back(row.seq);
     for (int32_t j = 1; j < n_; ++j) {
       Sequence& child = seqs_[seq_index(r, j)];
-      if (cache_) cache_->ensure_free_slots(1);              // reserved_ kept a slot: evicts only if needed
+      // check_fork_slots made sure of the slot; this evicts a snapshot only when none is free.
+      if (cache_ && !cache_->ensure_free_slots(1))
+        throw std::logic_error("scheduler: no slot for a fork although one was reserved");
       child.req_pool_index = pool_->fork(q.req_pool_index);  // copy_slot of every layer's state
       if (cache_) fed_[seq_index(r, j)] = fed_[row.seq];
       --reserved_;

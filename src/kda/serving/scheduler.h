@@ -133,6 +133,7 @@ class Scheduler {
   int32_t take_slot(int32_t req_pool_index);  // bookkeeping after an alloc / fork; returns the slot
   void fill_prefill(ScheduledBatch& b, int64_t budget);
   void take_decodes(ScheduledBatch& b, int64_t limit);
+  void check_fork_slots(const ScheduledBatch& b) const;
   void finish(int64_t seq, StepEvents& ev);
 
   std::vector<RequestSpec> requests_;

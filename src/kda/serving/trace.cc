@@ -53,6 +53,21 @@ int32_t parse_positive(const std::string& s, const std::string& option, const st
   return static_cast<int32_t>(v);
 }
 
+// A request's tokens, and the running total of the workload's, within the bounds (trace.h).
+void check_request_tokens(int64_t prompt_len, int64_t output_len, int64_t& workload_tokens,
+                          const std::string& where) {
+  const int64_t n = prompt_len + output_len;
+  if (n > kMaxRequestTokens)
+    throw std::invalid_argument(where + ": prompt_len + output_len is " + std::to_string(n) +
+                                " tokens, more than a request may have (" +
+                                std::to_string(kMaxRequestTokens) + ")");
+  workload_tokens += n;
+  if (workload_tokens > kMaxWorkloadTokens)
+    throw std::invalid_argument(where + ": the workload's requests reach " + std::to_string(workload_tokens) +
+                                " tokens (prompt_len + output_len), more than a workload may have (" +
+                                std::to_string(kMaxWorkloadTokens) + ")");
+}
+
 }  // namespace
 
 namespace {
@@ -115,6 +130,7 @@ std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::st
   std::map<int64_t, std::pair<int64_t, size_t>> last;  // session -> (its latest turn, that request)
   std::vector<RequestSpec> reqs;
   reqs.reserve(j.size());
+  int64_t workload_tokens = 0;
   for (size_t i = 0; i < j.size(); ++i) {
     const std::string where = what + ": request " + std::to_string(i);
     if (!j[i].is_object()) throw std::invalid_argument(where + " is not an object: " + io::json_brief(j[i]));
@@ -182,6 +198,7 @@ std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::st
       r.prompt_len = static_cast<int32_t>(own);
       r.arrival_step = int_field(e, "arrival_step", 0, where);
     }
+    check_request_tokens(r.prompt_len, r.output_len, workload_tokens, where);
     reqs.push_back(std::move(r));
   }
   return reqs;
@@ -257,6 +274,7 @@ std::vector<RequestSpec> make_workload(const WorkloadOptions& w) {
                                 (multi ? " x --turns " + std::to_string(w.turns) : "") +
                                 " is more than this simulator holds (" + std::to_string(kMaxRequests) + ")");
   const int64_t N = multi ? w.turns : 1, total = w.requests * N;
+  int64_t workload_tokens = 0;
   // Lengths are drawn by hand from the raw 64-bit stream: std::uniform_int_distribution is not the
   // same across standard libraries, and a seed should name one workload.
   std::mt19937_64 rng(w.seed ^ 0x5eedf00dULL);
@@ -274,14 +292,14 @@ std::vector<RequestSpec> make_workload(const WorkloadOptions& w) {
       r.after = i - 1;
       r.turn_len = own;
       const int64_t len = int64_t{prev.prompt_len} + prev.output_len + 1 + own;
-      if (len > INT32_MAX)
-        throw std::invalid_argument("--turns: a conversation's prompt exceeds 2^31 - 1 tokens");
+      check_request_tokens(len, r.output_len, workload_tokens,
+                           "--turns: request " + std::to_string(i) + " (turn " + std::to_string(turn) + ")");
       r.prompt_len = static_cast<int32_t>(len);
       continue;
     }
     const int32_t S = w.kind == WorkloadKind::kRandom ? 0 : w.shared_prefix_len;
-    if (int64_t{S} + own > INT32_MAX)
-      throw std::invalid_argument("--shared-prefix-len: the prompt exceeds 2^31 - 1 tokens");
+    check_request_tokens(int64_t{S} + own, r.output_len, workload_tokens,
+                         "--prompt-len / --shared-prefix-len / --output-len: request " + std::to_string(i));
     r.prompt_len = S + own;
     if (S == 0) continue;  // seeded random tokens at serve time
     const int64_t group = (multi ? conv : i) % w.prefix_groups;
@@ -306,6 +324,7 @@ std::vector<RequestSpec> make_workload(int64_t requests, LenRange prompt, int32_
 void validate_workload(const std::vector<RequestSpec>& reqs, int64_t vocab) {
   if (reqs.empty()) throw std::invalid_argument("the workload holds no requests");
   std::set<int64_t> ids, next;
+  int64_t workload_tokens = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
     const auto& r = reqs[i];
     const std::string where = "request " + std::to_string(i);
@@ -322,8 +341,7 @@ void validate_workload(const std::vector<RequestSpec>& reqs, int64_t vocab) {
                                   std::to_string(r.arrival_step));
     if (r.sample_base < 0)
       throw std::invalid_argument(where + ": sample_base must be >= 0, got " + std::to_string(r.sample_base));
-    if (static_cast<int64_t>(r.prompt_len) + r.output_len > INT32_MAX)
-      throw std::invalid_argument(where + ": prompt_len + output_len exceeds 2^31 - 1");
+    check_request_tokens(r.prompt_len, r.output_len, workload_tokens, where);
     if (r.after >= 0) {
       if (r.after >= static_cast<int64_t>(i))
         throw std::invalid_argument(where + ": its previous turn (request " + std::to_string(r.after) +

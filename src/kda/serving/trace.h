@@ -22,6 +22,13 @@
 
 namespace kda::serving {
 
+// Bounds of a workload, a trace's or a generated one, checked before anything is allocated for its
+// requests: a request's prompt_len + output_len (the model's context is a million tokens), and the sum
+// of that over the requests (a CPU serves far fewer in a run; more is a typo, and the prompts would
+// take that many int32 ids).
+inline constexpr int64_t kMaxRequestTokens = int64_t{1} << 20;
+inline constexpr int64_t kMaxWorkloadTokens = int64_t{1} << 32;
+
 // vocab > 0: token ids must be below it (else not checked here; validate_workload checks them).
 std::vector<RequestSpec> parse_trace(const std::string& json_text, const std::string& what,
                                      int64_t vocab = 0);
@@ -62,7 +69,8 @@ std::vector<RequestSpec> make_workload(const WorkloadOptions& w);
 // The random workload.
 std::vector<RequestSpec> make_workload(int64_t requests, LenRange prompt, int32_t output_len, uint64_t seed);
 
-// Checks a workload (from any source): non-empty, ids unique and >= 0, lengths in range, sessions
+// Checks a workload (from any source): non-empty, ids unique and >= 0, lengths in range (the bounds
+// above included), sessions
 // consistent (a previous turn before its next one, prompt lengths adding up), token ids in [0, vocab)
 // (vocab > 0). Throws std::invalid_argument naming the request and the field.
 void validate_workload(const std::vector<RequestSpec>& reqs, int64_t vocab = 0);

@@ -1,0 +1,25 @@
+// The library's one setting of the C library's allocator, made when the first state pool is built.
+//
+// glibc malloc serves a block of at least its mmap threshold from its own mapping, and by default raises
+// the threshold to the size of each such block freed (up to 32 MiB). After the first large scratch buffer
+// is freed (a step's projection scratch, a GEMM primitive's buffers), every later one of that size comes
+// from the heap instead, where a long serving run interleaves it with small long-lived allocations: the
+// heap fragments and resident memory creeps up step after step. A fixed threshold keeps every large block
+// in a mapping of its own, handed back to the system when it is freed, so resident memory stays flat.
+#pragma once
+
+#include <cstddef>
+
+namespace kda {
+
+inline constexpr std::size_t kMmapThreshold = 128 * 1024;
+
+// Fixes glibc's M_MMAP_THRESHOLD at kMmapThreshold (which also turns its dynamic raising off), once per
+// process; thread-safe. Every RecurrentStatePool constructor calls it, so the CLI, Python and C++ embedders
+// all get it. Returns whether the setting is in effect. It leaves malloc as it is (false) where the C
+// library is not glibc, or where the process chose its own threshold through the environment
+// (MALLOC_MMAP_THRESHOLD_, or glibc.malloc.mmap_threshold in GLIBC_TUNABLES). A program that wants another
+// setting calls mallopt after building its first pool.
+bool configure_allocator();
+
+}  // namespace kda

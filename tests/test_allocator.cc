@@ -1,0 +1,86 @@
+// The library's allocator setting (kda/common/allocator.h): building a state pool fixes glibc's mmap
+// threshold, so a large block freed does not send every later one of its size to the heap; a threshold
+// the process chose through the environment is left alone.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "kda/common/allocator.h"
+#include "kda/mem_cache/memory_pool.h"
+#include "support/test_support.h"
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+namespace kda {
+namespace {
+
+#if defined(__GLIBC__)
+
+// Blocks glibc currently serves from mappings of their own.
+size_t mapped_blocks() { return mallinfo2().hblks; }
+
+// Whether a block of `bytes` comes from a mapping of its own.
+bool gets_own_mapping(size_t bytes) {
+  const size_t before = mapped_blocks();
+  void* volatile p = std::malloc(bytes);
+  const bool mapped = mapped_blocks() > before;
+  std::free(p);
+  return mapped;
+}
+
+TEST(Allocator, BuildingAPoolKeepsLargeBlocksInTheirOwnMappings) {
+  if (testing::kSanitizedMalloc) GTEST_SKIP() << "glibc's own malloc only, not a sanitizer's";
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("GLIBC_TUNABLES"))
+    GTEST_SKIP() << "the environment sets malloc's own parameters";
+  // A 4 MiB block freed: glibc's dynamic threshold (left as it is) would now be 4 MiB, and the next 512 KiB
+  // block would come from the heap.
+  void* volatile big = std::malloc(4 << 20);
+  std::free(big);
+  mem_cache::RecurrentStatePoolConfig c;
+  c.layer_ids = {0};
+  c.size = 1;
+  c.num_heads = 1;
+  c.head_k_dim = 4;
+  c.head_v_dim = 4;
+  c.conv_kernel = 2;
+  c.conv_dim = 4;
+  mem_cache::RecurrentStatePool pool(c);
+  EXPECT_TRUE(gets_own_mapping(512 << 10));
+  EXPECT_TRUE(gets_own_mapping(kMmapThreshold));
+  // Freed, large blocks still go back to their own mappings: the threshold stays fixed.
+  void* volatile again = std::malloc(4 << 20);
+  std::free(again);
+  EXPECT_TRUE(gets_own_mapping(512 << 10));
+  EXPECT_TRUE(configure_allocator());  // in effect, and calling it again changes nothing
+}
+
+// In a fresh process (the death-test child re-runs only this test), a threshold set in the environment
+// wins: configure_allocator leaves malloc alone and says so.
+TEST(Allocator, AThresholdChosenInTheEnvironmentIsLeftAlone) {
+  if (testing::kSanitizedMalloc) GTEST_SKIP() << "a sanitizer's allocator refuses mallopt";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("MALLOC_MMAP_THRESHOLD_", "1048576", 1);
+        std::exit(configure_allocator() ? 1 : 0);
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1048576", 1);
+        std::exit(configure_allocator() ? 1 : 0);
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(std::exit(configure_allocator() ? 0 : 1), ::testing::ExitedWithCode(0), "");
+}
+
+#else
+
+TEST(Allocator, BuildingAPoolKeepsLargeBlocksInTheirOwnMappings) { GTEST_SKIP() << "glibc's malloc only"; }
+
+#endif
+
+}  // namespace
+}  // namespace kda
