@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -194,6 +195,108 @@ TEST(QuantGemm, BadShapesAreRefused) {
                                            "bf16 input or output for an fp32 projection");
   expect_throw_with<std::invalid_argument>([&] { ql.forward(w.data(), 1, 47, y.data(), 2); }, "row strides");
   EXPECT_EQ(y[0], 9.0f);
+}
+
+// A NaN activation makes the outputs of its row NaN on every path (the dense GEMM's NaN in, NaN out), in
+// every ISA copy and the reference; the other rows stay finite. In the quantized activations a NaN or
+// Inf has no int16 value: its run (the row for int8 weights, the group for int4 ones) gets scale NaN,
+// so an Inf gives NaN rows on the decode kernels, and non-finite ones on the prefill path (fp32 matmul:
+// Inf or NaN, as a dense projection gives).
+TEST(QuantGemm, NonFiniteActivationsGiveNaNRows) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const int64_t in = 96, out = 13, M = 4;
+  const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 31, 0.05f);
+  std::vector<int16_t> q(static_cast<size_t>(in), 5);
+  for (float bad : {nan, inf, -inf}) {
+    std::vector<float> xr = random_normal(static_cast<size_t>(in), 4);
+    xr[40] = bad;
+    EXPECT_TRUE(std::isnan(qg::quantize_activations(xr.data(), in, 32767, q.data()))) << bad;
+    EXPECT_TRUE(std::all_of(q.begin(), q.end(), [](int16_t v) { return v == 0; })) << bad;
+  }
+  for (Weights fmt : {Weights::Int8, Weights::Int4})
+    for (float bad : {nan, inf, -inf})
+      for (int64_t rows : {M, int64_t{70}}) {  // the decode kernels, the prefill path
+        const std::string what =
+            std::string(to_string(fmt)) + " x=" + std::to_string(bad) + " M=" + std::to_string(rows);
+        std::vector<float> x = random_normal(static_cast<size_t>(rows * in), 8);
+        x[1 * in + 40] = bad;  // row 1, group 1
+        const bool want_nan = std::isnan(bad) || rows <= layers::QuantLinear::kDecodeRows;
+        const auto row_nan = [&](const float* y, int64_t m) {
+          return std::all_of(y + m * out, y + (m + 1) * out,
+                             [&](float v) { return want_nan ? std::isnan(v) : !std::isfinite(v); });
+        };
+        const auto row_finite = [&](const float* y, int64_t m) {
+          return std::all_of(y + m * out, y + (m + 1) * out, [](float v) { return std::isfinite(v); });
+        };
+        std::vector<float> y(static_cast<size_t>(rows * out));
+        for (Precision prec : {Precision::FP32, Precision::BF16}) {
+          const layers::QuantLinear ql(in, out, wsrc, fmt, prec);
+          std::fill(y.begin(), y.end(), 0.0f);
+          ql.forward(x.data(), rows, in, y.data(), out);
+          EXPECT_TRUE(row_nan(y.data(), 1)) << what << " " << to_string(prec);
+          for (int64_t m : {int64_t{0}, int64_t{2}, rows - 1})
+            EXPECT_TRUE(row_finite(y.data(), m)) << what << " " << to_string(prec) << " row " << m;
+        }
+        if (rows > layers::QuantLinear::kDecodeRows) continue;
+        std::vector<int8_t> q8;
+        std::vector<uint8_t> q4;
+        std::vector<float> s;
+        const auto run = [&](auto gemm) {
+          std::fill(y.begin(), y.end(), 0.0f);
+          gemm();
+          EXPECT_TRUE(row_nan(y.data(), 1)) << what;
+          EXPECT_TRUE(row_finite(y.data(), 0) && row_finite(y.data(), 2)) << what;
+        };
+        if (fmt == Weights::Int8) {
+          qg::quantize_int8(wsrc.data(), in, out, q8, s);
+          const qg::Int8Weights w{q8.data(), s.data(), in, out};
+          for (Isa isa : available_isas()) run([&] { qg::gemm(x.data(), rows, in, w, y.data(), out, isa); });
+          run([&] { qg::gemm_reference(x.data(), rows, in, w, y.data(), out); });
+        } else {
+          qg::quantize_int4(wsrc.data(), in, out, q4, s);
+          const qg::Int4Weights w{q4.data(), s.data(), in, out};
+          for (Isa isa : available_isas()) run([&] { qg::gemm(x.data(), rows, in, w, y.data(), out, isa); });
+          run([&] { qg::gemm_reference(x.data(), rows, in, w, y.data(), out); });
+        }
+      }
+}
+
+// A NaN or Inf weight is kept as NaN (as a dense projection keeps it): its channel (int8) or group
+// (int4) gets scale NaN, so the outputs of that channel are NaN on every path and the others are as
+// they would be without it.
+TEST(QuantGemm, NonFiniteWeightsGiveNaNChannels) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const int64_t in = 96, out = 13;
+  for (Weights fmt : {Weights::Int8, Weights::Int4})
+    for (float bad : {nan, inf, -inf}) {
+      const std::string what = std::string(to_string(fmt)) + " w=" + std::to_string(bad);
+      std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 32, 0.05f);
+      const layers::QuantLinear clean(in, out, wsrc, fmt, Precision::FP32);
+      wsrc[5 * in + 70] = bad;  // channel 5, group 2
+      const layers::QuantLinear ql(in, out, wsrc, fmt, Precision::FP32);
+      const std::vector<float> wd = ql.dequantized(), wc = clean.dequantized();
+      for (int64_t n = 0; n < out; ++n)
+        for (int64_t k = 0; k < in; ++k) {
+          const bool hit = n == 5 && (fmt == Weights::Int8 || k / qg::kInt4Group == 2);
+          if (hit)
+            EXPECT_TRUE(std::isnan(wd[n * in + k])) << what << " " << n << "," << k;
+          else
+            EXPECT_EQ(wd[n * in + k], wc[n * in + k]) << what << " " << n << "," << k;
+        }
+      for (int64_t rows : {int64_t{3}, int64_t{70}}) {
+        const std::vector<float> x = random_normal(static_cast<size_t>(rows * in), 9);
+        std::vector<float> y(static_cast<size_t>(rows * out)), yc(y.size());
+        ql.forward(x.data(), rows, in, y.data(), out);
+        clean.forward(x.data(), rows, in, yc.data(), out);
+        for (int64_t m = 0; m < rows; ++m)
+          for (int64_t n = 0; n < out; ++n) {
+            if (n == 5)
+              EXPECT_TRUE(std::isnan(y[m * out + n])) << what << " M=" << rows << " " << m;
+            else
+              EXPECT_EQ(y[m * out + n], yc[m * out + n]) << what << " M=" << rows << " " << m << "," << n;
+          }
+      }
+    }
 }
 
 // QuantLinear (through Linear, as the layer holds it): the decode path (M <= 64: activations quantized

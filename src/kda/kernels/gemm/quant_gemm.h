@@ -44,7 +44,9 @@ struct Int4Weights {
 };
 
 // Quantization at load (round to nearest, computed in double): int8 scale = max|w| / 127 per output
-// channel, int4 scale = max|w| / 7 per group (a zero row or group gets scale 0). w is [out, in].
+// channel, int4 scale = max|w| / 7 per group (a zero row or group gets scale 0; one holding a NaN or
+// Inf gets scale NaN and zero values, so that it dequantizes to NaN and its outputs are NaN, as a dense
+// projection propagates it). w is [out, in].
 void quantize_int8(const float* w, int64_t in, int64_t out, std::vector<int8_t>& q,
                    std::vector<float>& scale);
 void quantize_int4(const float* w, int64_t in, int64_t out, std::vector<uint8_t>& q,
@@ -57,7 +59,8 @@ void dequantize_rows(const Int4Weights& w, int64_t n0, int64_t n1, float* out);
 
 // The activation quantization the kernels and the references share, of x[0..n) (a row for int8
 // weights, each group of 32 for int4 ones): s = max|x| / qmax (as float; 0 for all zeros), q[k] =
-// round to nearest (x[k] / s), clamped to [-qmax, qmax]; returns s. int8 weights take qmax =
+// round to nearest (x[k] / s), clamped to [-qmax, qmax]; returns s (NaN, q all zero, where x holds a
+// NaN or Inf: every output the run feeds is then NaN, as on the dense path). int8 weights take qmax =
 // activation_qmax(in) (32767, less for inputs so long that one int32 lane of the kernel could
 // overflow); int4 weights kInt4ActivationMax.
 inline constexpr int kInt4ActivationMax = 32767;

@@ -2,6 +2,7 @@
 // references.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -20,12 +21,18 @@ void check_shape(int64_t in, int64_t out, bool int4) {
                                 " is not a multiple of the group size " + std::to_string(kInt4Group));
 }
 
-// Symmetric round to nearest of w[0..n) with scale max|w| / qmax (computed in double), into q.
+// Symmetric round to nearest of w[0..n) with scale max|w| / qmax (computed in double), into q. A run
+// with a NaN or Inf weight gets scale NaN (q zero): its outputs are NaN, as a dense projection's
+// outputs through that weight are NaN or Inf.
 template <class Store>
 float quantize_run(const float* w, int64_t n, int qmax, Store store) {
   double amax = 0.0;
-  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(static_cast<double>(w[k])));
-  const double s = amax / qmax;
+  bool finite = true;
+  for (int64_t k = 0; k < n; ++k) {
+    finite &= std::isfinite(w[k]);
+    amax = std::max(amax, std::fabs(static_cast<double>(w[k])));
+  }
+  const double s = finite ? amax / qmax : std::numeric_limits<double>::quiet_NaN();
   for (int64_t k = 0; k < n; ++k) {
     const double r = s > 0.0 ? std::nearbyint(static_cast<double>(w[k]) / s) : 0.0;
     store(k, static_cast<int>(std::clamp(r, -static_cast<double>(qmax), static_cast<double>(qmax))));
@@ -39,14 +46,22 @@ void check_call(const float* x, int64_t M, int64_t ldx, int64_t in, int64_t out,
   if (M > 0 && (x == nullptr || y == nullptr)) throw std::invalid_argument("quantized gemm: null x or y");
 }
 
+// A run with a NaN or Inf has no integer image: scale NaN and q all zero, so that every output the run
+// feeds is NaN (a NaN or Inf activation makes the dense GEMM's outputs NaN or Inf as well), where a
+// cast of NaN to int16 is undefined and came out as finite garbage.
 template <class Q>
 float quantize_row(const float* x, int64_t in, int qmax, Q* q) {
   float amax = 0.0f;
-  for (int64_t k = 0; k < in; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float s = amax / static_cast<float>(qmax);
+  bool finite = true;
+  for (int64_t k = 0; k < in; ++k) {
+    const float a = std::fabs(x[k]);
+    finite &= a <= std::numeric_limits<float>::max();
+    amax = std::max(amax, a);
+  }
+  const float s = finite ? amax / static_cast<float>(qmax) : std::numeric_limits<float>::quiet_NaN();
   if (!(s > 0.0f)) {
     std::fill(q, q + in, Q{0});
-    return 0.0f;
+    return s;
   }
   const float lim = static_cast<float>(qmax);
   for (int64_t k = 0; k < in; ++k) q[k] = static_cast<Q>(std::clamp(std::nearbyint(x[k] / s), -lim, lim));
