@@ -22,8 +22,8 @@ struct Linear::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   mutable dnnl::stream stream{engine};
   // The weight, in the layout(s) oneDNN's matmul asks for, reordered from the W^T view of [out, in] once:
-  // with a plain layout that its kernel does not take, every call repacks W, which costs 5-8% at
-  // M = 4096 and up to 3x at the decode sizes (M = 1..64), where the GEMM is one pass over W. The first
+  // with a plain layout that its kernel does not take, every call would repack W, a cost at every M and
+  // the largest at the decode sizes (M = 1..64), where the GEMM itself is one pass over W. The first
   // is the layout for dense input rows at a mid-sized M; a call shape that wants another (strided rows
   // take a plain-layout kernel) gets a copy, or replaces it while no primitive uses it yet.
   std::vector<dnnl::memory> w;
@@ -139,9 +139,9 @@ const bf16_t* Linear::to_bf16(const float* x, int64_t M, int64_t ldx) const {
 }
 
 // bf16 rows with a stride copied to dense rows in the scratch: oneDNN 2.6 runs strided bf16 sources
-// through its generic gemm kernel, measured 1.4x slower than the brgemm one at the gate bottleneck
-// (4096 x 128 x 4096: 1.8 vs 1.3 us/token), far more than the copy costs; strided fp32 sources run as
-// fast as dense ones. Caller holds the mutex.
+// through its generic gemm kernel, slower than its brgemm one by far more than the copy costs (at the
+// gate's shape, the bottleneck); strided fp32 sources take the same kernel as dense ones. Caller holds
+// the mutex.
 const bf16_t* Linear::dense(const bf16_t* x, int64_t M, int64_t ldx) const {
   if (ldx == in_) return x;
   impl_->x_bf16.resize(static_cast<size_t>(M * in_));

@@ -22,7 +22,7 @@ namespace kda::kernels::gemm {
 // A call then reads W as one sequential stream per thread and chunk (from the checkpoint layout
 // [out, in] a block of 4 channels was 4 streams 2 * in bytes apart, which the hardware prefetchers kept
 // fewer lines in flight for), and a chunk of x rows stays in L1 while its blocks pass (5 whole rows of
-// 2304 inputs did not, beside the weight stream). README "Precision modes" has the measurements.
+// 2304 inputs did not, beside the weight stream). The measurements are in the performance docs.
 constexpr int64_t kPackChannels = 4, kPackGroup = 32;
 struct Bf16Weights {
   const bf16_t* w = nullptr;  // packed, packed_size(in, out) values
