@@ -10,7 +10,7 @@
 #include <type_traits>
 
 #include "kda/common/isa.h"
-#include "kda/kernels/gemm/bf16_gemm.h"
+#include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
 #include "kda/layers/quant_linear.h"
 
@@ -49,7 +49,7 @@ struct Linear::Impl {
   mutable std::mutex mu;
   std::unique_ptr<QuantLinear> quant;  // int8 / int4 weights: every call goes there
   // Bf16Gemm::Widened: W in bf16, packed for the kernels (no oneDNN copy), and the fp32 rows of a call.
-  std::vector<bf16_t> w_packed;
+  std::unique_ptr<kernels::gemm::PackedMatrix> w_packed;
   std::unique_ptr<Fp32Rows> widened;
 };
 
@@ -95,10 +95,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
                                              : Bf16Gemm::Widened;
   }
   if (bf16_gemm_ == Bf16Gemm::Widened) {
-    std::vector<bf16_t> plain(weight.size());
-    f32_to_bf16_array(weight.data(), plain.data(), weight.size());
-    impl_->w_packed.resize(static_cast<size_t>(kernels::gemm::packed_size(in_, out_)));
-    kernels::gemm::pack(plain.data(), in_, out_, impl_->w_packed.data());
+    impl_->w_packed = std::make_unique<kernels::gemm::PackedMatrix>(Weights::BF16, weight.data(), in_, out_);
     impl_->widened = std::make_unique<Fp32Rows>(in_, out_);
     return;
   }
@@ -158,7 +155,7 @@ void Linear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) c
   if (impl_->quant) return impl_->quant->forward(x, M, ldx, y, ldy);
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->widened) {
-    const kernels::gemm::Bf16Weights w{impl_->w_packed.data(), in_, out_};
+    const kernels::gemm::PackedWeights w = impl_->w_packed->view();
     impl_->widened->with(x, M, ldx, y, ldy, true,
                          [&](const float* xf, int64_t ldxf, float* yf, int64_t ldyf) {
                            kernels::gemm::gemm(xf, M, ldxf, w, yf, ldyf);
@@ -189,8 +186,7 @@ void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t
 
 int64_t Linear::weight_bytes() const {
   if (impl_->quant) return impl_->quant->weight_bytes();
-  if (impl_->widened)
-    return static_cast<int64_t>(impl_->w_packed.size() * sizeof(bf16_t));  // with its padding
+  if (impl_->widened) return impl_->w_packed->bytes();  // with its padding
   return in_ * out_ * (precision_ == Precision::BF16 ? 2 : 4);
 }
 
