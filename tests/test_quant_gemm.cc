@@ -285,6 +285,36 @@ TEST(QuantGemm, NonFiniteWeightsGiveNaNChannels) {
     }
 }
 
+// The prefill path keeps its matmul primitives as Linear does: bounded over many row counts (least
+// recently used dropped), and a row count whose primitives were dropped still computes right.
+TEST(QuantGemm, PrefillPrimitivesStayBoundedOverManyRowCounts) {
+  const int64_t in = 64, out = 300;  // two tiles: two primitives per row count
+  const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 91, 0.05f);
+  const layers::QuantLinear ql(in, out, wsrc, Weights::Int8, Precision::FP32);
+  const std::vector<float> wf = ql.dequantized();
+  const auto check_rows = [&](int64_t M) {
+    const std::vector<float> x = random_normal(static_cast<size_t>(M * in), 300 + M);
+    std::vector<float> y(static_cast<size_t>(M * out)), yref(y.size());
+    ql.forward(x.data(), M, in, y.data(), out);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < out; ++n) {
+        double r = 0.0;
+        for (int64_t k = 0; k < in; ++k) r += static_cast<double>(x[m * in + k]) * wf[n * in + k];
+        yref[m * out + n] = static_cast<float>(r);
+      }
+    expect_close_fp32(x, in, wf, M, in, out, y.data(), out, yref.data(), out, "M=" + std::to_string(M));
+  };
+  const int64_t first = layers::QuantLinear::kDecodeRows + 1, counts = layers::QuantLinear::kMaxPrimitives;
+  for (int64_t M = first; M < first + counts; ++M) {
+    check_rows(M);
+    EXPECT_EQ(ql.cached_primitives(),
+              std::min<size_t>(2 * static_cast<size_t>(M - first + 1), layers::QuantLinear::kMaxPrimitives));
+  }
+  check_rows(first);               // dropped long ago
+  check_rows(first + counts - 1);  // still kept
+  EXPECT_EQ(ql.cached_primitives(), layers::QuantLinear::kMaxPrimitives);
+}
+
 // QuantLinear (through Linear, as the layer holds it): the decode path (M <= 64: activations quantized
 // as the kernels take them) and the prefill path (dequantized tiles through oneDNN, fp32
 // activations), fp32 and bf16 inputs and outputs, against x W_deq^T in double.

@@ -6,12 +6,12 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
 #include "kda/common/isa.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
+#include "kda/layers/matmul_cache.h"
 #include "kda/layers/quant_linear.h"
 
 namespace kda::layers {
@@ -27,24 +27,8 @@ struct Linear::Impl {
   // is the layout for dense input rows at a mid-sized M; a call shape that wants another (strided rows
   // take a plain-layout kernel) gets a copy, or replaces it while no primitive uses it yet.
   std::vector<dnnl::memory> w;
-  // One primitive per (M, ldx, ldy, output type): created on first use, reused after, with the weight memory
-  // it takes. A serving engine calls with a new M at almost every step, so the least recently used is
-  // dropped beyond kMaxPrimitives (oneDNN's own primitive cache makes re-creating a recent one cheap).
-  struct Key {
-    int64_t m, ldx, ldy;
-    bool y_bf16;
-    bool operator<(const Key& o) const {
-      return std::tie(m, ldx, ldy, y_bf16) < std::tie(o.m, o.ldx, o.ldy, o.y_bf16);
-    }
-  };
-  struct Prim {
-    dnnl::matmul matmul;
-    memory::desc src_md, dst_md;
-    dnnl::memory w;
-    uint64_t last_use = 0;
-  };
-  mutable std::map<Key, Prim> prims;
-  mutable uint64_t calls = 0;
+  // One primitive per (M, ldx, ldy, output type), with the weight memory it takes.
+  mutable MatmulCache prims{kMaxPrimitives};
   mutable std::vector<bf16_t> x_bf16;  // bf16 input scratch
   mutable std::mutex mu;
   std::unique_ptr<QuantLinear> quant;  // int8 / int4 weights: every call goes there
@@ -198,9 +182,7 @@ size_t Linear::cached_primitives() const {
 // Caller holds the mutex.
 void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, int64_t ldy) const {
   Impl& im = *impl_;
-  const Impl::Key key{M, ldx, ldy, y_bf16};
-  auto it = im.prims.find(key);
-  if (it == im.prims.end()) {
+  const MatmulCache::Entry& p = im.prims.get({M, out_, ldx, ldy, y_bf16}, [&] {
     // Let matmul pick W's layout for this shape; the same for every M seen so far.
     const auto pd = matmul_pd(im.engine, M, in_, out_, ldx, ldy, im.w[0].get_desc().data_type(), y_bf16);
     auto same = [&](const memory& m) { return m.get_desc() == pd.weights_desc(); };
@@ -209,21 +191,14 @@ void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, in
       memory copy(pd.weights_desc(), im.engine);
       dnnl::reorder(im.w[0], copy).execute(im.stream, im.w[0], copy);
       im.stream.wait();
-      if (im.prims.empty()) im.w.clear();
+      if (im.prims.size() == 0) im.w.clear();
       im.w.push_back(copy);
       w = im.w.end() - 1;
     }
-    if (im.prims.size() >= kMaxPrimitives) {
-      auto older = [](const auto& a, const auto& b) { return a.second.last_use < b.second.last_use; };
-      im.prims.erase(std::min_element(im.prims.begin(), im.prims.end(), older));
-    }
-    Impl::Prim p{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(), *w};
-    it = im.prims.emplace(key, std::move(p)).first;
-  }
-  Impl::Prim& p = it->second;
-  p.last_use = ++im.calls;
-  memory src_m(p.src_md, im.engine, const_cast<void*>(x));
-  memory dst_m(p.dst_md, im.engine, y);
+    return MatmulCache::Entry{dnnl::matmul(pd), pd.src_desc(), pd.weights_desc(), pd.dst_desc(), *w};
+  });
+  memory src_m(p.src, im.engine, const_cast<void*>(x));
+  memory dst_m(p.dst, im.engine, y);
   p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, p.w}, {DNNL_ARG_DST, dst_m}});
   im.stream.wait();
 }

@@ -3,15 +3,14 @@
 #include <algorithm>
 #include <cstring>
 #include <dnnl.hpp>
-#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
+#include "kda/layers/matmul_cache.h"
 
 namespace kda::layers {
 
@@ -24,11 +23,8 @@ struct QuantLinear::Impl {
   qg::PackedMatrix packed;
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   mutable dnnl::stream stream{engine};
-  // The prefill path's fp32 matmuls, one per (M, tile width, ldx, ldy): created on first use. A serving
-  // engine's prefill row counts vary, so the map is cleared when it grows past kMaxPrimitives (oneDNN's
-  // own primitive cache makes re-creating a recent one cheap).
-  static constexpr size_t kMaxPrimitives = 32;
-  mutable std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, dnnl::matmul> prims;
+  // The prefill path's fp32 matmuls, one per (M, tile width, ldx, ldy).
+  mutable MatmulCache prims{kMaxPrimitives};
   // A call's x and y as fp32 rows; one dequantized weight tile.
   Fp32Rows rows;
   mutable std::vector<float> wt;
@@ -89,22 +85,24 @@ void QuantLinear::prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, i
     const qg::PackedWeights w = im.packed.view();
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < nt; ++r) qg::dequantize_rows(w, n0 + r, n0 + r + 1, wt + r * in);
-    const memory::desc src_md({M, in_}, memory::data_type::f32, memory::dims{ldxf, 1});
-    const memory::desc w_md({in_, nt}, memory::data_type::f32, memory::dims{1, in_});
-    const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{ldyf, 1});
-    const auto key = std::make_tuple(M, nt, ldxf, ldyf);
-    auto it = im.prims.find(key);
-    if (it == im.prims.end()) {
-      if (im.prims.size() >= Impl::kMaxPrimitives) im.prims.clear();
+    const MatmulCache::Entry& p = im.prims.get({M, nt, ldxf, ldyf, false}, [&] {
+      const memory::desc src_md({M, in_}, memory::data_type::f32, memory::dims{ldxf, 1});
+      const memory::desc w_md({in_, nt}, memory::data_type::f32, memory::dims{1, in_});
+      const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{ldyf, 1});
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_md, dst_md), im.engine);
-      it = im.prims.emplace(key, dnnl::matmul(pd)).first;
-    }
-    memory src_m(src_md, im.engine, const_cast<float*>(xf));
-    memory w_m(w_md, im.engine, wt);
-    memory dst_m(dst_md, im.engine, yf + n0);
-    it->second.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
+      return MatmulCache::Entry{dnnl::matmul(pd), src_md, w_md, dst_md, {}};
+    });
+    memory src_m(p.src, im.engine, const_cast<float*>(xf));
+    memory w_m(p.weights, im.engine, wt);
+    memory dst_m(p.dst, im.engine, yf + n0);
+    p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
     im.stream.wait();
   }
+}
+
+size_t QuantLinear::cached_primitives() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->prims.size();
 }
 
 void QuantLinear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {
