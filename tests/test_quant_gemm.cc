@@ -294,14 +294,9 @@ TEST(QuantGemm, PrefillPrimitivesStayBoundedOverManyRowCounts) {
   const std::vector<float> wf = ql.dequantized();
   const auto check_rows = [&](int64_t M) {
     const std::vector<float> x = random_normal(static_cast<size_t>(M * in), 300 + M);
-    std::vector<float> y(static_cast<size_t>(M * out)), yref(y.size());
+    std::vector<float> y(static_cast<size_t>(M * out));
     ql.forward(x.data(), M, in, y.data(), out);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < out; ++n) {
-        double r = 0.0;
-        for (int64_t k = 0; k < in; ++k) r += static_cast<double>(x[m * in + k]) * wf[n * in + k];
-        yref[m * out + n] = static_cast<float>(r);
-      }
+    const std::vector<float> yref = testing::gemm_double(x, in, wf, M, in, out);
     expect_close_fp32(x, in, wf, M, in, out, y.data(), out, yref.data(), out, "M=" + std::to_string(M));
   };
   const int64_t first = layers::QuantLinear::kDecodeRows + 1, counts = layers::QuantLinear::kMaxPrimitives;
@@ -348,13 +343,7 @@ TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
               for (int64_t k = 0; k < run; ++k) xg[k] = static_cast<float>(q[k]) * s;
             }
         }
-        std::vector<float> yref(static_cast<size_t>(M * out));
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < out; ++n) {
-            double s = 0.0;
-            for (int64_t k = 0; k < in; ++k) s += static_cast<double>(xr[m * ldx + k]) * wf[n * in + k];
-            yref[m * out + n] = static_cast<float>(s);
-          }
+        const std::vector<float> yref = testing::gemm_double(xr, ldx, wf, M, in, out);
         std::vector<float> y(static_cast<size_t>(M * ldy), 3.0f);
         lin.forward(x.data(), M, ldx, y.data(), ldy);
         expect_close_fp32(xr, ldx, wf, M, in, out, y.data(), ldy, yref.data(), out, what + " f32->f32");
