@@ -1,6 +1,7 @@
 // The table of weight formats, the GEMM entry points that read it and the reference.
 #include "kda/kernels/gemm/weight_format.h"
 
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -92,7 +93,7 @@ constexpr IsaKernels kAvx512{};
 #endif
 
 // Indexed by Weights.
-const WeightFormat kFormats[] = {
+constexpr WeightFormat kFormats[] = {
     {Weights::BF16,
      "bf16",
      1,
@@ -124,6 +125,9 @@ const WeightFormat kFormats[] = {
      int4_rows,
      {kPortable.int4, kAvx2.int4, kAvx512.int4}},
 };
+
+static_assert(std::size(kFormats) == 3 && kFormats[0].format == Weights::BF16 &&
+              kFormats[1].format == Weights::Int8 && kFormats[2].format == Weights::Int4);
 
 void check_shape(const WeightFormat& f, int64_t in, int64_t out) {
   if (in <= 0 || out <= 0)
