@@ -11,6 +11,7 @@
 
 #include "kda/common/bf16.h"
 #include "kda/kernels/gemm/bf16_gemm.h"
+#include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/linear.h"
 #include "support/gemm_check.h"
 #include "support/test_support.h"
@@ -39,7 +40,7 @@ std::vector<bf16_t> packed(const std::vector<bf16_t>& w, int64_t in, int64_t out
 
 // The packed form holds every weight once -- K-chunks of equal groups of 32 inputs (at most 32 groups,
 // the last one shorter), in each chunk blocks of 4 channels, in each block its groups, in each group
-// its channels -- and zeros in its padding; widen_rows gives back any range of rows.
+// its channels -- and zeros in its padding; dequantize_rows gives back any range of rows.
 TEST(Bf16Gemm, PackingKeepsEveryWeight) {
   for (auto [in, out] :
        {std::pair<int64_t, int64_t>{2304, 12}, {1100, 6}, {33, 5}, {1, 1}, {64, 7}, {100, 3}, {4096, 4}}) {
@@ -57,10 +58,10 @@ TEST(Bf16Gemm, PackingKeepsEveryWeight) {
         ASSERT_EQ(p[static_cast<size_t>(at)], n < out && k < in ? w[n * in + k] : bf16_t{0})
             << in << "x" << out << " " << n << "," << k;
       }
-    const kg::Bf16Weights pw{p.data(), in, out};
+    const kg::PackedWeights pw{Weights::BF16, p.data(), nullptr, in, out};
     for (auto [n0, n1] : {std::pair<int64_t, int64_t>{0, out}, {out / 2, out}, {out - 1, out}, {0, 1}}) {
       std::vector<float> rows(static_cast<size_t>((n1 - n0) * in));
-      kg::widen_rows(pw, n0, n1, rows.data());
+      kg::dequantize_rows(pw, n0, n1, rows.data());
       for (int64_t i = 0; i < (n1 - n0) * in; ++i) ASSERT_EQ(rows[i], bf16_to_f32(w[n0 * in + i])) << n0;
     }
   }
@@ -74,9 +75,9 @@ TEST(Bf16Gemm, KernelsEqualTheReference) {
                   Shape{33, 64}, Shape{1100, 14}}) {
     const std::vector<bf16_t> wb =
         packed(to_bf16(random_normal(static_cast<size_t>(s.in * s.out), s.in + s.out, 0.05f)), s.in, s.out);
-    const kg::Bf16Weights w{wb.data(), s.in, s.out};
+    const kg::PackedWeights w{Weights::BF16, wb.data(), nullptr, s.in, s.out};
     std::vector<float> wf(static_cast<size_t>(s.in * s.out));
-    kg::widen_rows(w, 0, s.out, wf.data());
+    kg::dequantize_rows(w, 0, s.out, wf.data());
     for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 16, 33, 64, 65, 150}) {
       const int64_t ldx = s.in + 3, ldy = s.out + 5;
       const std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 100 + M);
@@ -101,7 +102,7 @@ TEST(Bf16Gemm, ARowsResultDoesNotDependOnItsBatch) {
   const int64_t in = 1100, out = 41;  // two K-chunks
   const std::vector<bf16_t> wb =
       packed(to_bf16(random_normal(static_cast<size_t>(in * out), 5, 0.05f)), in, out);
-  const kg::Bf16Weights w{wb.data(), in, out};
+  const kg::PackedWeights w{Weights::BF16, wb.data(), nullptr, in, out};
   const int64_t M = 140;  // several row chunks
   const std::vector<float> x = random_normal(static_cast<size_t>(M * in), 6);
   for (Isa isa : available_isas()) {
@@ -118,13 +119,13 @@ TEST(Bf16Gemm, ARowsResultDoesNotDependOnItsBatch) {
 
 TEST(Bf16Gemm, BadCallsAreRefused) {
   const std::vector<bf16_t> wb(static_cast<size_t>(kg::packed_size(8, 4)));
-  const kg::Bf16Weights w{wb.data(), 8, 4};
+  const kg::PackedWeights w{Weights::BF16, wb.data(), nullptr, 8, 4};
   std::vector<float> x(16), y(8);
   expect_throw_with<std::invalid_argument>([&] { kg::gemm(x.data(), 2, 7, w, y.data(), 4); },
                                            "bad M or row strides");
   expect_throw_with<std::invalid_argument>([&] { kg::gemm(x.data(), 2, 8, w, nullptr, 4); }, "null x or y");
-  expect_throw_with<std::invalid_argument>([&] { kg::gemm(x.data(), 1, 8, kg::Bf16Weights{}, y.data(), 4); },
-                                           "empty weights");
+  expect_throw_with<std::invalid_argument>(
+      [&] { kg::gemm(x.data(), 1, 8, kg::PackedWeights{}, y.data(), 4); }, "empty weights");
   std::vector<bf16_t> out(static_cast<size_t>(kg::packed_size(8, 4)), 5);
   expect_throw_with<std::invalid_argument>([&] { kg::pack(nullptr, 8, 4, out.data()); },
                                            "pack of empty weights");

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "kda/common/isa.h"
 #include "kda/kernels/gemm/quant_gemm.h"
 #include "kda/kernels/gemm/quant_gemm_isa.h"
+#include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/linear.h"
 #include "kda/layers/quant_linear.h"
 #include "support/gemm_check.h"
@@ -35,30 +37,28 @@ struct Shape {
 // The AVX-512 copy called directly with and without VNNI (the entry points take the CPU's choice), on
 // x quantized as the entry points do (int8 weights: a scale per row; int4: per group of 32).
 #if defined(KDA_WITH_AVX512)
-void avx512_direct(const float* x, int64_t M, int64_t ldx, const qg::Int8Weights& w, float* y, int64_t ldy,
+void avx512_direct(const float* x, int64_t M, int64_t ldx, const qg::PackedWeights& w, float* y, int64_t ldy,
                    bool vnni) {
+  const bool i8 = w.format == Weights::Int8;
+  const int64_t run = i8 ? w.in : qg::kInt4Group, R = w.in / run;
+  const int qmax = i8 ? qg::activation_qmax(w.in) : qg::kInt4ActivationMax;
   std::vector<int16_t> q(static_cast<size_t>(M * w.in));
-  std::vector<float> s(static_cast<size_t>(M));
+  std::vector<float> s(static_cast<size_t>(M * R));
   for (int64_t m = 0; m < M; ++m)
-    s[m] = qg::quantize_activations(x + m * ldx, w.in, qg::activation_qmax(w.in), q.data() + m * w.in);
-  qg::avx512::gemm_int8(q.data(), s.data(), M, w, y, ldy, vnni);
-}
-void avx512_direct(const float* x, int64_t M, int64_t ldx, const qg::Int4Weights& w, float* y, int64_t ldy,
-                   bool vnni) {
-  const int64_t G = w.in / qg::kInt4Group;
-  std::vector<int16_t> q(static_cast<size_t>(M * w.in));
-  std::vector<float> s(static_cast<size_t>(M * G));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g)
-      s[m * G + g] =
-          qg::quantize_activations(x + m * ldx + g * qg::kInt4Group, qg::kInt4Group, qg::kInt4ActivationMax,
-                                   q.data() + m * w.in + g * qg::kInt4Group);
-  qg::avx512::gemm_int4(q.data(), s.data(), M, w, y, ldy, vnni);
+    for (int64_t r = 0; r < R; ++r)
+      s[m * R + r] =
+          qg::quantize_activations(x + m * ldx + r * run, run, qmax, q.data() + m * w.in + r * run);
+  if (i8)
+    qg::avx512::gemm_int8(q.data(), s.data(), M, {static_cast<const int8_t*>(w.data), w.scale, w.in, w.out},
+                          y, ldy, vnni);
+  else
+    qg::avx512::gemm_int4(q.data(), s.data(), M, {static_cast<const uint8_t*>(w.data), w.scale, w.in, w.out},
+                          y, ldy, vnni);
 }
 #endif
 
-template <class W>
-void check_kernels(const W& w, const std::vector<float>& wf, const std::string& tag) {
+void check_kernels(const qg::PackedWeights& w, const std::string& tag) {
+  const std::vector<float> wf = qg::dequantize(w);
   for (int64_t M : {1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64}) {
     const int64_t ldx = w.in + 3, ldy = w.out + 5;
     const std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 100 + M);
@@ -117,11 +117,8 @@ TEST(QuantGemm, Int8KernelsEqualTheReference) {
   for (Shape s : {Shape{2304, 37}, Shape{128, 260}, Shape{4096, 9}, Shape{17, 5}, Shape{100, 3}, Shape{1, 1},
                   Shape{33, 64}}) {
     const std::vector<float> wsrc = random_normal(static_cast<size_t>(s.in * s.out), s.in * 7 + s.out, 0.05f);
-    std::vector<int8_t> q;
-    std::vector<float> scale;
-    qg::quantize_int8(wsrc.data(), s.in, s.out, q, scale);
-    const qg::Int8Weights w{q.data(), scale.data(), s.in, s.out};
-    check_kernels(w, qg::dequantize(w), "int8 " + std::to_string(s.in) + "x" + std::to_string(s.out));
+    const qg::PackedMatrix w(Weights::Int8, wsrc.data(), s.in, s.out);
+    check_kernels(w.view(), "int8 " + std::to_string(s.in) + "x" + std::to_string(s.out));
   }
 }
 
@@ -129,11 +126,8 @@ TEST(QuantGemm, Int4KernelsEqualTheReference) {
   for (Shape s :
        {Shape{2304, 37}, Shape{128, 260}, Shape{4096, 9}, Shape{32, 5}, Shape{96, 3}, Shape{64, 1}}) {
     const std::vector<float> wsrc = random_normal(static_cast<size_t>(s.in * s.out), s.in * 5 + s.out, 0.05f);
-    std::vector<uint8_t> q;
-    std::vector<float> scale;
-    qg::quantize_int4(wsrc.data(), s.in, s.out, q, scale);
-    const qg::Int4Weights w{q.data(), scale.data(), s.in, s.out};
-    check_kernels(w, qg::dequantize(w), "int4 " + std::to_string(s.in) + "x" + std::to_string(s.out));
+    const qg::PackedMatrix w(Weights::Int4, wsrc.data(), s.in, s.out);
+    check_kernels(w.view(), "int4 " + std::to_string(s.in) + "x" + std::to_string(s.out));
   }
 }
 
@@ -143,16 +137,14 @@ TEST(QuantGemm, QuantizationRoundsToNearestWithMaxAbsScales) {
   const int64_t in = 96, out = 11;
   std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 5);
   std::fill(wsrc.begin() + 3 * in, wsrc.begin() + 4 * in, 0.0f);  // a zero channel: scale 0, all zeros
-  std::vector<int8_t> q8;
-  std::vector<uint8_t> q4;
-  std::vector<float> s8, s4;
-  qg::quantize_int8(wsrc.data(), in, out, q8, s8);
-  qg::quantize_int4(wsrc.data(), in, out, q4, s4);
-  const std::vector<float> d8 = qg::dequantize(qg::Int8Weights{q8.data(), s8.data(), in, out});
-  const std::vector<float> d4 = qg::dequantize(qg::Int4Weights{q4.data(), s4.data(), in, out});
+  const qg::PackedMatrix p8(Weights::Int8, wsrc.data(), in, out), p4(Weights::Int4, wsrc.data(), in, out);
+  const int8_t* q8 = static_cast<const int8_t*>(p8.view().data);
+  const uint8_t* q4 = static_cast<const uint8_t*>(p4.view().data);
+  const float *s8 = p8.view().scale, *s4 = p4.view().scale;
+  const std::vector<float> d8 = qg::dequantize(p8.view()), d4 = qg::dequantize(p4.view());
   const int64_t G = in / qg::kInt4Group;
-  ASSERT_EQ(q4.size(), static_cast<size_t>(in / 2 * out));
-  ASSERT_EQ(s4.size(), static_cast<size_t>(G * out));
+  ASSERT_EQ(p8.bytes(), in * out + 4 * out);
+  ASSERT_EQ(p4.bytes(), in / 2 * out + 4 * G * out);
   for (int64_t n = 0; n < out; ++n) {
     double amax = 0.0;
     for (int64_t k = 0; k < in; ++k) amax = std::max(amax, std::fabs(static_cast<double>(wsrc[n * in + k])));
@@ -178,10 +170,15 @@ TEST(QuantGemm, QuantizationRoundsToNearestWithMaxAbsScales) {
 
 TEST(QuantGemm, BadShapesAreRefused) {
   std::vector<float> w(48 * 2, 0.5f);
-  std::vector<uint8_t> q4;
-  std::vector<float> s;
-  expect_throw_with<std::invalid_argument>([&] { qg::quantize_int4(w.data(), 48, 2, q4, s); },
+  expect_throw_with<std::invalid_argument>([&] { qg::PackedMatrix(Weights::Int4, w.data(), 48, 2); },
                                            "not a multiple of the group size 32");
+  expect_throw_with<std::invalid_argument>([&] { qg::PackedMatrix(Weights::Int8, w.data(), 0, 2); },
+                                           "features must be positive");
+  expect_throw_with<std::invalid_argument>(
+      [&] {
+        qg::gemm(w.data(), 1, 48, qg::PackedWeights{Weights::Int8, nullptr, nullptr, 48, 2}, w.data(), 2);
+      },
+      "int8 gemm: empty weights");
   expect_throw_with<std::invalid_argument>(
       [&] { layers::QuantLinear(48, 2, w, Weights::Int4, Precision::BF16); },
       "not a multiple of the group size");
@@ -194,6 +191,123 @@ TEST(QuantGemm, BadShapesAreRefused) {
                                            "bf16 input or output for an fp32 projection");
   expect_throw_with<std::invalid_argument>([&] { ql.forward(w.data(), 1, 47, y.data(), 2); }, "row strides");
   EXPECT_EQ(y[0], 9.0f);
+}
+
+// A NaN activation makes the outputs of its row NaN on every path (the dense GEMM's NaN in, NaN out), in
+// every ISA copy and the reference; the other rows stay finite. In the quantized activations a NaN or
+// Inf has no int16 value: its run (the row for int8 weights, the group for int4 ones) gets scale NaN,
+// so an Inf gives NaN rows on the decode kernels, and non-finite ones on the prefill path (fp32 matmul:
+// Inf or NaN, as a dense projection gives).
+TEST(QuantGemm, NonFiniteActivationsGiveNaNRows) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const int64_t in = 96, out = 13, M = 4;
+  const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 31, 0.05f);
+  std::vector<int16_t> q(static_cast<size_t>(in), 5);
+  for (float bad : {nan, inf, -inf}) {
+    std::vector<float> xr = random_normal(static_cast<size_t>(in), 4);
+    xr[40] = bad;
+    EXPECT_TRUE(std::isnan(qg::quantize_activations(xr.data(), in, 32767, q.data()))) << bad;
+    EXPECT_TRUE(std::all_of(q.begin(), q.end(), [](int16_t v) { return v == 0; })) << bad;
+  }
+  for (Weights fmt : {Weights::Int8, Weights::Int4})
+    for (float bad : {nan, inf, -inf})
+      for (int64_t rows : {M, int64_t{70}}) {  // the decode kernels, the prefill path
+        const std::string what =
+            std::string(to_string(fmt)) + " x=" + std::to_string(bad) + " M=" + std::to_string(rows);
+        std::vector<float> x = random_normal(static_cast<size_t>(rows * in), 8);
+        x[1 * in + 40] = bad;  // row 1, group 1
+        const bool want_nan = std::isnan(bad) || rows <= layers::QuantLinear::kDecodeRows;
+        const auto row_nan = [&](const float* y, int64_t m) {
+          return std::all_of(y + m * out, y + (m + 1) * out,
+                             [&](float v) { return want_nan ? std::isnan(v) : !std::isfinite(v); });
+        };
+        const auto row_finite = [&](const float* y, int64_t m) {
+          return std::all_of(y + m * out, y + (m + 1) * out, [](float v) { return std::isfinite(v); });
+        };
+        std::vector<float> y(static_cast<size_t>(rows * out));
+        for (Precision prec : {Precision::FP32, Precision::BF16}) {
+          const layers::QuantLinear ql(in, out, wsrc, fmt, prec);
+          std::fill(y.begin(), y.end(), 0.0f);
+          ql.forward(x.data(), rows, in, y.data(), out);
+          EXPECT_TRUE(row_nan(y.data(), 1)) << what << " " << to_string(prec);
+          for (int64_t m : {int64_t{0}, int64_t{2}, rows - 1})
+            EXPECT_TRUE(row_finite(y.data(), m)) << what << " " << to_string(prec) << " row " << m;
+        }
+        if (rows > layers::QuantLinear::kDecodeRows) continue;
+        const qg::PackedMatrix p(fmt, wsrc.data(), in, out);
+        const auto run = [&](auto gemm) {
+          std::fill(y.begin(), y.end(), 0.0f);
+          gemm();
+          EXPECT_TRUE(row_nan(y.data(), 1)) << what;
+          EXPECT_TRUE(row_finite(y.data(), 0) && row_finite(y.data(), 2)) << what;
+        };
+        for (Isa isa : available_isas())
+          run([&] { qg::gemm(x.data(), rows, in, p.view(), y.data(), out, isa); });
+        run([&] { qg::gemm_reference(x.data(), rows, in, p.view(), y.data(), out); });
+      }
+}
+
+// A NaN or Inf weight is kept as NaN (as a dense projection keeps it): its channel (int8) or group
+// (int4) gets scale NaN, so the outputs of that channel are NaN on every path and the others are as
+// they would be without it.
+TEST(QuantGemm, NonFiniteWeightsGiveNaNChannels) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const int64_t in = 96, out = 13;
+  for (Weights fmt : {Weights::Int8, Weights::Int4})
+    for (float bad : {nan, inf, -inf}) {
+      const std::string what = std::string(to_string(fmt)) + " w=" + std::to_string(bad);
+      std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 32, 0.05f);
+      const layers::QuantLinear clean(in, out, wsrc, fmt, Precision::FP32);
+      wsrc[5 * in + 70] = bad;  // channel 5, group 2
+      const layers::QuantLinear ql(in, out, wsrc, fmt, Precision::FP32);
+      const std::vector<float> wd = ql.dequantized(), wc = clean.dequantized();
+      for (int64_t n = 0; n < out; ++n)
+        for (int64_t k = 0; k < in; ++k) {
+          const bool hit = n == 5 && (fmt == Weights::Int8 || k / qg::kInt4Group == 2);
+          if (hit)
+            EXPECT_TRUE(std::isnan(wd[n * in + k])) << what << " " << n << "," << k;
+          else
+            EXPECT_EQ(wd[n * in + k], wc[n * in + k]) << what << " " << n << "," << k;
+        }
+      for (int64_t rows : {int64_t{3}, int64_t{70}}) {
+        const std::vector<float> x = random_normal(static_cast<size_t>(rows * in), 9);
+        std::vector<float> y(static_cast<size_t>(rows * out)), yc(y.size());
+        ql.forward(x.data(), rows, in, y.data(), out);
+        clean.forward(x.data(), rows, in, yc.data(), out);
+        for (int64_t m = 0; m < rows; ++m)
+          for (int64_t n = 0; n < out; ++n) {
+            if (n == 5)
+              EXPECT_TRUE(std::isnan(y[m * out + n])) << what << " M=" << rows << " " << m;
+            else
+              EXPECT_EQ(y[m * out + n], yc[m * out + n]) << what << " M=" << rows << " " << m << "," << n;
+          }
+      }
+    }
+}
+
+// The prefill path keeps its matmul primitives as Linear does: bounded over many row counts (least
+// recently used dropped), and a row count whose primitives were dropped still computes right.
+TEST(QuantGemm, PrefillPrimitivesStayBoundedOverManyRowCounts) {
+  const int64_t in = 64, out = 300;  // two tiles: two primitives per row count
+  const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 91, 0.05f);
+  const layers::QuantLinear ql(in, out, wsrc, Weights::Int8, Precision::FP32);
+  const std::vector<float> wf = ql.dequantized();
+  const auto check_rows = [&](int64_t M) {
+    const std::vector<float> x = random_normal(static_cast<size_t>(M * in), 300 + M);
+    std::vector<float> y(static_cast<size_t>(M * out));
+    ql.forward(x.data(), M, in, y.data(), out);
+    const std::vector<float> yref = testing::gemm_double(x, in, wf, M, in, out);
+    expect_close_fp32(x, in, wf, M, in, out, y.data(), out, yref.data(), out, "M=" + std::to_string(M));
+  };
+  const int64_t first = layers::QuantLinear::kDecodeRows + 1, counts = layers::QuantLinear::kMaxPrimitives;
+  for (int64_t M = first; M < first + counts; ++M) {
+    check_rows(M);
+    EXPECT_EQ(ql.cached_primitives(),
+              std::min<size_t>(2 * static_cast<size_t>(M - first + 1), layers::QuantLinear::kMaxPrimitives));
+  }
+  check_rows(first);               // dropped long ago
+  check_rows(first + counts - 1);  // still kept
+  EXPECT_EQ(ql.cached_primitives(), layers::QuantLinear::kMaxPrimitives);
 }
 
 // QuantLinear (through Linear, as the layer holds it): the decode path (M <= 64: activations quantized
@@ -229,13 +343,7 @@ TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
               for (int64_t k = 0; k < run; ++k) xg[k] = static_cast<float>(q[k]) * s;
             }
         }
-        std::vector<float> yref(static_cast<size_t>(M * out));
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < out; ++n) {
-            double s = 0.0;
-            for (int64_t k = 0; k < in; ++k) s += static_cast<double>(xr[m * ldx + k]) * wf[n * in + k];
-            yref[m * out + n] = static_cast<float>(s);
-          }
+        const std::vector<float> yref = testing::gemm_double(xr, ldx, wf, M, in, out);
         std::vector<float> y(static_cast<size_t>(M * ldy), 3.0f);
         lin.forward(x.data(), M, ldx, y.data(), ldy);
         expect_close_fp32(xr, ldx, wf, M, in, out, y.data(), ldy, yref.data(), out, what + " f32->f32");

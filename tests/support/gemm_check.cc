@@ -30,4 +30,16 @@ void expect_close_fp32(const std::vector<float>& x, int64_t ldx, const std::vect
   EXPECT_EQ(bad, 0) << what;
 }
 
+std::vector<float> gemm_double(const std::vector<float>& x, int64_t ldx, const std::vector<float>& wf,
+                               int64_t M, int64_t in, int64_t out) {
+  std::vector<float> y(static_cast<size_t>(M * out));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < out; ++n) {
+      double s = 0.0;
+      for (int64_t k = 0; k < in; ++k) s += static_cast<double>(x[m * ldx + k]) * wf[n * in + k];
+      y[m * out + n] = static_cast<float>(s);
+    }
+  return y;
+}
+
 }  // namespace kda::testing

@@ -9,6 +9,7 @@
 // by oneDNN's fp32 matmul, so the packed weights are never resident in a wider form.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -23,6 +24,9 @@ class QuantLinear {
  public:
   static constexpr int64_t kDecodeRows = 64;
   static constexpr int64_t kTile = 256;  // output channels per dequantized tile on the prefill path
+  // The prefill path's matmul primitives kept for reuse: one per (rows, tile width, strides), at most
+  // kMaxPrimitives (least recently used dropped first), as Linear keeps its own.
+  static constexpr size_t kMaxPrimitives = 32;
 
   // weights: Int8 or Int4 (int4 needs in_features % 32 == 0); weight [out, in] in fp32.
   QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Weights weights,
@@ -43,6 +47,8 @@ class QuantLinear {
   void forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
   void forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
   void forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
+
+  size_t cached_primitives() const;
 
  private:
   struct Impl;

@@ -6,12 +6,12 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
 #include "kda/common/isa.h"
-#include "kda/kernels/gemm/bf16_gemm.h"
+#include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
+#include "kda/layers/matmul_cache.h"
 #include "kda/layers/quant_linear.h"
 
 namespace kda::layers {
@@ -22,34 +22,18 @@ struct Linear::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   mutable dnnl::stream stream{engine};
   // The weight, in the layout(s) oneDNN's matmul asks for, reordered from the W^T view of [out, in] once:
-  // with a plain layout that its kernel does not take, every call repacks W, which costs 5-8% at
-  // M = 4096 and up to 3x at the decode sizes (M = 1..64), where the GEMM is one pass over W. The first
+  // with a plain layout that its kernel does not take, every call would repack W, a cost at every M and
+  // the largest at the decode sizes (M = 1..64), where the GEMM itself is one pass over W. The first
   // is the layout for dense input rows at a mid-sized M; a call shape that wants another (strided rows
   // take a plain-layout kernel) gets a copy, or replaces it while no primitive uses it yet.
   std::vector<dnnl::memory> w;
-  // One primitive per (M, ldx, ldy, output type): created on first use, reused after, with the weight memory
-  // it takes. A serving engine calls with a new M at almost every step, so the least recently used is
-  // dropped beyond kMaxPrimitives (oneDNN's own primitive cache makes re-creating a recent one cheap).
-  struct Key {
-    int64_t m, ldx, ldy;
-    bool y_bf16;
-    bool operator<(const Key& o) const {
-      return std::tie(m, ldx, ldy, y_bf16) < std::tie(o.m, o.ldx, o.ldy, o.y_bf16);
-    }
-  };
-  struct Prim {
-    dnnl::matmul matmul;
-    memory::desc src_md, dst_md;
-    dnnl::memory w;
-    uint64_t last_use = 0;
-  };
-  mutable std::map<Key, Prim> prims;
-  mutable uint64_t calls = 0;
+  // One primitive per (M, ldx, ldy, output type), with the weight memory it takes.
+  mutable MatmulCache prims{kMaxPrimitives};
   mutable std::vector<bf16_t> x_bf16;  // bf16 input scratch
   mutable std::mutex mu;
   std::unique_ptr<QuantLinear> quant;  // int8 / int4 weights: every call goes there
   // Bf16Gemm::Widened: W in bf16, packed for the kernels (no oneDNN copy), and the fp32 rows of a call.
-  std::vector<bf16_t> w_packed;
+  std::unique_ptr<kernels::gemm::PackedMatrix> w_packed;
   std::unique_ptr<Fp32Rows> widened;
 };
 
@@ -95,10 +79,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
                                              : Bf16Gemm::Widened;
   }
   if (bf16_gemm_ == Bf16Gemm::Widened) {
-    std::vector<bf16_t> plain(weight.size());
-    f32_to_bf16_array(weight.data(), plain.data(), weight.size());
-    impl_->w_packed.resize(static_cast<size_t>(kernels::gemm::packed_size(in_, out_)));
-    kernels::gemm::pack(plain.data(), in_, out_, impl_->w_packed.data());
+    impl_->w_packed = std::make_unique<kernels::gemm::PackedMatrix>(Weights::BF16, weight.data(), in_, out_);
     impl_->widened = std::make_unique<Fp32Rows>(in_, out_);
     return;
   }
@@ -139,9 +120,9 @@ const bf16_t* Linear::to_bf16(const float* x, int64_t M, int64_t ldx) const {
 }
 
 // bf16 rows with a stride copied to dense rows in the scratch: oneDNN 2.6 runs strided bf16 sources
-// through its generic gemm kernel, measured 1.4x slower than the brgemm one at the gate bottleneck
-// (4096 x 128 x 4096: 1.8 vs 1.3 us/token), far more than the copy costs; strided fp32 sources run as
-// fast as dense ones. Caller holds the mutex.
+// through its generic gemm kernel, slower than its brgemm one by far more than the copy costs (at the
+// gate's shape, the bottleneck); strided fp32 sources take the same kernel as dense ones. Caller holds
+// the mutex.
 const bf16_t* Linear::dense(const bf16_t* x, int64_t M, int64_t ldx) const {
   if (ldx == in_) return x;
   impl_->x_bf16.resize(static_cast<size_t>(M * in_));
@@ -158,7 +139,7 @@ void Linear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) c
   if (impl_->quant) return impl_->quant->forward(x, M, ldx, y, ldy);
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->widened) {
-    const kernels::gemm::Bf16Weights w{impl_->w_packed.data(), in_, out_};
+    const kernels::gemm::PackedWeights w = impl_->w_packed->view();
     impl_->widened->with(x, M, ldx, y, ldy, true,
                          [&](const float* xf, int64_t ldxf, float* yf, int64_t ldyf) {
                            kernels::gemm::gemm(xf, M, ldxf, w, yf, ldyf);
@@ -189,8 +170,7 @@ void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t
 
 int64_t Linear::weight_bytes() const {
   if (impl_->quant) return impl_->quant->weight_bytes();
-  if (impl_->widened)
-    return static_cast<int64_t>(impl_->w_packed.size() * sizeof(bf16_t));  // with its padding
+  if (impl_->widened) return impl_->w_packed->bytes();  // with its padding
   return in_ * out_ * (precision_ == Precision::BF16 ? 2 : 4);
 }
 
@@ -202,9 +182,7 @@ size_t Linear::cached_primitives() const {
 // Caller holds the mutex.
 void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, int64_t ldy) const {
   Impl& im = *impl_;
-  const Impl::Key key{M, ldx, ldy, y_bf16};
-  auto it = im.prims.find(key);
-  if (it == im.prims.end()) {
+  const MatmulCache::Entry& p = im.prims.get({M, out_, ldx, ldy, y_bf16}, [&] {
     // Let matmul pick W's layout for this shape; the same for every M seen so far.
     const auto pd = matmul_pd(im.engine, M, in_, out_, ldx, ldy, im.w[0].get_desc().data_type(), y_bf16);
     auto same = [&](const memory& m) { return m.get_desc() == pd.weights_desc(); };
@@ -213,21 +191,14 @@ void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, in
       memory copy(pd.weights_desc(), im.engine);
       dnnl::reorder(im.w[0], copy).execute(im.stream, im.w[0], copy);
       im.stream.wait();
-      if (im.prims.empty()) im.w.clear();
+      if (im.prims.size() == 0) im.w.clear();
       im.w.push_back(copy);
       w = im.w.end() - 1;
     }
-    if (im.prims.size() >= kMaxPrimitives) {
-      auto older = [](const auto& a, const auto& b) { return a.second.last_use < b.second.last_use; };
-      im.prims.erase(std::min_element(im.prims.begin(), im.prims.end(), older));
-    }
-    Impl::Prim p{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(), *w};
-    it = im.prims.emplace(key, std::move(p)).first;
-  }
-  Impl::Prim& p = it->second;
-  p.last_use = ++im.calls;
-  memory src_m(p.src_md, im.engine, const_cast<void*>(x));
-  memory dst_m(p.dst_md, im.engine, y);
+    return MatmulCache::Entry{dnnl::matmul(pd), pd.src_desc(), pd.weights_desc(), pd.dst_desc(), *w};
+  });
+  memory src_m(p.src, im.engine, const_cast<void*>(x));
+  memory dst_m(p.dst, im.engine, y);
   p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, p.w}, {DNNL_ARG_DST, dst_m}});
   im.stream.wait();
 }

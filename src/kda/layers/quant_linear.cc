@@ -3,15 +3,14 @@
 #include <algorithm>
 #include <cstring>
 #include <dnnl.hpp>
-#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
-#include "kda/kernels/gemm/quant_gemm.h"
+#include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
+#include "kda/layers/matmul_cache.h"
 
 namespace kda::layers {
 
@@ -19,65 +18,38 @@ using dnnl::memory;
 namespace qg = kda::kernels::gemm;
 
 struct QuantLinear::Impl {
-  std::vector<int8_t> q8;
-  std::vector<uint8_t> q4;
-  std::vector<float> scale;
-  qg::Int8Weights w8;
-  qg::Int4Weights w4;
+  Impl(Weights weights, const std::vector<float>& w, int64_t in, int64_t out)
+      : packed(weights, w.data(), in, out), rows(in, out) {}
+  qg::PackedMatrix packed;
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   mutable dnnl::stream stream{engine};
-  // The prefill path's fp32 matmuls, one per (M, tile width, ldx, ldy): created on first use. A serving
-  // engine's prefill row counts vary, so the map is cleared when it grows past kMaxPrimitives (oneDNN's
-  // own primitive cache makes re-creating a recent one cheap).
-  static constexpr size_t kMaxPrimitives = 32;
-  mutable std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, dnnl::matmul> prims;
+  // The prefill path's fp32 matmuls, one per (M, tile width, ldx, ldy).
+  mutable MatmulCache prims{kMaxPrimitives};
   // A call's x and y as fp32 rows; one dequantized weight tile.
-  std::unique_ptr<Fp32Rows> rows;
+  Fp32Rows rows;
   mutable std::vector<float> wt;
   mutable std::mutex mu;
-
-  template <class F>
-  decltype(auto) with_weights(Weights w, F f) const {
-    return w == Weights::Int8 ? f(w8) : f(w4);
-  }
 };
 
 QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
                          Weights weights, Precision precision)
-    : in_(in_features),
-      out_(out_features),
-      weights_(weights),
-      precision_(precision),
-      impl_(std::make_unique<Impl>()) {
+    : in_(in_features), out_(out_features), weights_(weights), precision_(precision) {
   if (weights != Weights::Int8 && weights != Weights::Int4)
     throw std::invalid_argument("QuantLinear: weights must be int8 or int4");
   if (in_ <= 0 || out_ <= 0) throw std::invalid_argument("QuantLinear: features must be positive");
   if (static_cast<int64_t>(weight.size()) != in_ * out_)
     throw std::invalid_argument("QuantLinear: weight has " + std::to_string(weight.size()) +
                                 " values, expected " + std::to_string(out_) + " x " + std::to_string(in_));
-  Impl& im = *impl_;
-  im.rows = std::make_unique<Fp32Rows>(in_, out_);
-  if (weights == Weights::Int8) {
-    qg::quantize_int8(weight.data(), in_, out_, im.q8, im.scale);
-    im.w8 = {im.q8.data(), im.scale.data(), in_, out_};
-  } else {
-    qg::quantize_int4(weight.data(), in_, out_, im.q4, im.scale);
-    im.w4 = {im.q4.data(), im.scale.data(), in_, out_};
-  }
+  impl_ = std::make_unique<Impl>(weights, weight, in_, out_);
 }
 
 QuantLinear::~QuantLinear() = default;
 QuantLinear::QuantLinear(QuantLinear&&) noexcept = default;
 QuantLinear& QuantLinear::operator=(QuantLinear&&) noexcept = default;
 
-int64_t QuantLinear::weight_bytes() const {
-  const Impl& im = *impl_;
-  return static_cast<int64_t>(im.q8.size() + im.q4.size() + sizeof(float) * im.scale.size());
-}
+int64_t QuantLinear::weight_bytes() const { return impl_->packed.bytes(); }
 
-std::vector<float> QuantLinear::dequantized() const {
-  return impl_->with_weights(weights_, [](const auto& w) { return qg::dequantize(w); });
-}
+std::vector<float> QuantLinear::dequantized() const { return qg::dequantize(impl_->packed.view()); }
 
 template <class X, class Y>
 void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const {
@@ -91,14 +63,14 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
   Impl& im = *impl_;
   // x and y as fp32 rows: fp32 x rounded to bf16 in the bf16 precision (its rounding point), as is in
   // the fp32 one.
-  im.rows->with(x, M, ldx, y, ldy, precision_ == Precision::BF16,
-                [&](const float* xf, int64_t ldxf, float* yf, int64_t ldyf) {
-                  if (M <= kDecodeRows) {
-                    im.with_weights(weights_, [&](const auto& w) { qg::gemm(xf, M, ldxf, w, yf, ldyf); });
-                  } else {
-                    prefill(xf, M, ldxf, yf, ldyf);
-                  }
-                });
+  im.rows.with(x, M, ldx, y, ldy, precision_ == Precision::BF16,
+               [&](const float* xf, int64_t ldxf, float* yf, int64_t ldyf) {
+                 if (M <= kDecodeRows) {
+                   qg::gemm(xf, M, ldxf, im.packed.view(), yf, ldyf);
+                 } else {
+                   prefill(xf, M, ldxf, yf, ldyf);
+                 }
+               });
 }
 
 // Dequantized tiles of kTile output channels through oneDNN's fp32 matmul (W^T view of the tile's
@@ -110,26 +82,27 @@ void QuantLinear::prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, i
     const int64_t nt = std::min(kTile, out_ - n0);
     float* wt = im.wt.data();
     const int64_t in = in_;
-    im.with_weights(weights_, [&](const auto& w) {
+    const qg::PackedWeights w = im.packed.view();
 #pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < nt; ++r) qg::dequantize_rows(w, n0 + r, n0 + r + 1, wt + r * in);
-    });
-    const memory::desc src_md({M, in_}, memory::data_type::f32, memory::dims{ldxf, 1});
-    const memory::desc w_md({in_, nt}, memory::data_type::f32, memory::dims{1, in_});
-    const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{ldyf, 1});
-    const auto key = std::make_tuple(M, nt, ldxf, ldyf);
-    auto it = im.prims.find(key);
-    if (it == im.prims.end()) {
-      if (im.prims.size() >= Impl::kMaxPrimitives) im.prims.clear();
+    for (int64_t r = 0; r < nt; ++r) qg::dequantize_rows(w, n0 + r, n0 + r + 1, wt + r * in);
+    const MatmulCache::Entry& p = im.prims.get({M, nt, ldxf, ldyf, false}, [&] {
+      const memory::desc src_md({M, in_}, memory::data_type::f32, memory::dims{ldxf, 1});
+      const memory::desc w_md({in_, nt}, memory::data_type::f32, memory::dims{1, in_});
+      const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{ldyf, 1});
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_md, dst_md), im.engine);
-      it = im.prims.emplace(key, dnnl::matmul(pd)).first;
-    }
-    memory src_m(src_md, im.engine, const_cast<float*>(xf));
-    memory w_m(w_md, im.engine, wt);
-    memory dst_m(dst_md, im.engine, yf + n0);
-    it->second.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
+      return MatmulCache::Entry{dnnl::matmul(pd), src_md, w_md, dst_md, {}};
+    });
+    memory src_m(p.src, im.engine, const_cast<float*>(xf));
+    memory w_m(p.weights, im.engine, wt);
+    memory dst_m(p.dst, im.engine, yf + n0);
+    p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
     im.stream.wait();
   }
+}
+
+size_t QuantLinear::cached_primitives() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->prims.size();
 }
 
 void QuantLinear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const {

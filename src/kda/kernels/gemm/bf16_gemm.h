@@ -6,13 +6,12 @@
 // in registers (a shift: bf16 is the top half of an fp32) and accumulate in fp32, so 1 row or 64 cost about
 // one pass over W (more rows: one pass per 64). Each row's sums run in the same order at any M, so a row's
 // result does not depend on its batch. OpenMP threads split the output channels. Beside the kernels a
-// reference with the same signature: widen W to fp32, then plain loops (the tests compare the two).
+// reference (weight_format.h): widen W to fp32, then plain loops (the tests compare the two).
 #pragma once
 
 #include <cstdint>
 
 #include "kda/common/bf16.h"
-#include "kda/common/isa.h"
 
 namespace kda::kernels::gemm {
 
@@ -22,7 +21,7 @@ namespace kda::kernels::gemm {
 // A call then reads W as one sequential stream per thread and chunk (from the checkpoint layout
 // [out, in] a block of 4 channels was 4 streams 2 * in bytes apart, which the hardware prefetchers kept
 // fewer lines in flight for), and a chunk of x rows stays in L1 while its blocks pass (5 whole rows of
-// 2304 inputs did not, beside the weight stream). README "Precision modes" has the measurements.
+// 2304 inputs did not, beside the weight stream). The measurements are in the performance docs.
 constexpr int64_t kPackChannels = 4, kPackGroup = 32;
 struct Bf16Weights {
   const bf16_t* w = nullptr;  // packed, packed_size(in, out) values
@@ -37,12 +36,6 @@ void pack(const bf16_t* w, int64_t in, int64_t out, bf16_t* packed);
 // Rows [n0, n1) of W widened to fp32 into out [(n1 - n0), in].
 void widen_rows(const Bf16Weights& w, int64_t n0, int64_t n1, float* out);
 
-// x [M, ldx >= in], y [M, ldy >= out]; the copy for best_isa(), or for `isa` (std::invalid_argument
-// when that one is not available: require_isa()).
-void gemm(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy);
-void gemm(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy, Isa isa);
-
-// The reference: widen, then y[m, n] = sum_k x[m, k] W[n, k] in fp32, k ascending.
-void gemm_reference(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy);
+// The entry points, the reference and the packing into owned storage: weight_format.h.
 
 }  // namespace kda::kernels::gemm

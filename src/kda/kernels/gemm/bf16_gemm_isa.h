@@ -1,5 +1,5 @@
 // The bf16 GEMM's per-ISA copies (bf16_gemm.cc compiled once per ISA, see kda/common/isa_target.h),
-// behind the entry points of bf16_gemm.h. Private to the library and its tests.
+// behind the table of weight_format.h. Private to the library and its tests.
 #pragma once
 
 #include <algorithm>
@@ -45,14 +45,16 @@ inline void widen_block(const Bf16Weights& w, int64_t nb, float* out) {
   }
 }
 
+using Bf16Kernel = void(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy);
+
 namespace portable {
-void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy);
+Bf16Kernel gemm_bf16;
 }  // namespace portable
 namespace avx2 {
-void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy);
+Bf16Kernel gemm_bf16;
 }  // namespace avx2
 namespace avx512 {
-void gemm_bf16(const float* x, int64_t M, int64_t ldx, const Bf16Weights& w, float* y, int64_t ldy);
+Bf16Kernel gemm_bf16;
 }  // namespace avx512
 
 }  // namespace kda::kernels::gemm

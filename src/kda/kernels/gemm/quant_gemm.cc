@@ -308,7 +308,8 @@ void gemm_int8(const int16_t* xq, const float* sx, int64_t M, const Int8Weights&
 }
 void gemm_int4(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y, int64_t ldy,
                bool vnni) {
-  // The packed activations: per-thread scratch, grown once (see quant_gemm_dispatch.cc).
+  // The packed activations: per-thread scratch, grown once (as the entry points' quantized x,
+  // weight_format.cc).
   thread_local std::vector<XChunk> xp;
   const int64_t C = (w.in / kInt4Group + 3) / 4;
   pack_x_int4(xq, sx, M, w.in, xp);

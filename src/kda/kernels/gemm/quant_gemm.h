@@ -8,7 +8,7 @@
 // byte once per call (a block of output channels stays in L1 while every row of x passes over it);
 // OpenMP threads split the output channels. Beside each kernel a reference with the same signature
 // that quantizes x the same way, then dequantizes x and W to fp32 and runs plain loops (the tests
-// compare the two within fp32 rounding).
+// compare the two within fp32 rounding; weight_format.h has both).
 //
 // The activation rounding this adds (a relative step of 2^-15 of the row's, or the group's, largest
 // value) is finer than the bf16 rounding of the layer input. The int4 groups of x are the weights'
@@ -18,9 +18,6 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
-
-#include "kda/common/isa.h"
 
 namespace kda::kernels::gemm {
 
@@ -44,36 +41,26 @@ struct Int4Weights {
 };
 
 // Quantization at load (round to nearest, computed in double): int8 scale = max|w| / 127 per output
-// channel, int4 scale = max|w| / 7 per group (a zero row or group gets scale 0). w is [out, in].
-void quantize_int8(const float* w, int64_t in, int64_t out, std::vector<int8_t>& q,
-                   std::vector<float>& scale);
-void quantize_int4(const float* w, int64_t in, int64_t out, std::vector<uint8_t>& q,
-                   std::vector<float>& scale);
-// W back in fp32 [out, in], as the kernels see it; or rows [n0, n1) of it into out [(n1 - n0), in].
-std::vector<float> dequantize(const Int8Weights& w);
-std::vector<float> dequantize(const Int4Weights& w);
-void dequantize_rows(const Int8Weights& w, int64_t n0, int64_t n1, float* out);
-void dequantize_rows(const Int4Weights& w, int64_t n0, int64_t n1, float* out);
+// channel, int4 scale = max|w| / 7 per group (a zero row or group gets scale 0; one holding a NaN or
+// Inf gets scale NaN and zero values, so that it dequantizes to NaN and its outputs are NaN, as a dense
+// projection propagates it). w is [out, in]; q and scale sized as weight_format.h's table says (int8:
+// [out, in] and [out]; int4: [out, in / 2] and [out, in / 32]).
+void quantize_int8(const float* w, int64_t in, int64_t out, int8_t* q, float* scale);
+void quantize_int4(const float* w, int64_t in, int64_t out, uint8_t* q, float* scale);
+// Rows [n0, n1) of W in fp32, as the kernels see it, into out [(n1 - n0), in].
+void dequantize_int8_rows(const Int8Weights& w, int64_t n0, int64_t n1, float* out);
+void dequantize_int4_rows(const Int4Weights& w, int64_t n0, int64_t n1, float* out);
 
 // The activation quantization the kernels and the references share, of x[0..n) (a row for int8
 // weights, each group of 32 for int4 ones): s = max|x| / qmax (as float; 0 for all zeros), q[k] =
-// round to nearest (x[k] / s), clamped to [-qmax, qmax]; returns s. int8 weights take qmax =
+// round to nearest (x[k] / s), clamped to [-qmax, qmax]; returns s (NaN, q all zero, where x holds a
+// NaN or Inf: every output the run feeds is then NaN, as on the dense path). int8 weights take qmax =
 // activation_qmax(in) (32767, less for inputs so long that one int32 lane of the kernel could
 // overflow); int4 weights kInt4ActivationMax.
 inline constexpr int kInt4ActivationMax = 32767;
 int activation_qmax(int64_t in);
 float quantize_activations(const float* x, int64_t n, int qmax, int16_t* q);
 
-// x [M, ldx >= in], y [M, ldy >= out]; the copy for best_isa(), or for `isa` (std::invalid_argument
-// when that one is not available: require_isa()).
-void gemm(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy);
-void gemm(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy);
-void gemm(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy, Isa isa);
-void gemm(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy, Isa isa);
-
-// The references: x quantized as the kernels do and dequantized (x'[m, k] = q[m, k] * s in fp32), W
-// dequantized, then y[m, n] = sum_k x'[m, k] W[n, k] in fp32, k ascending.
-void gemm_reference(const float* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy);
-void gemm_reference(const float* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy);
+// The entry points, the reference and the packing into owned storage: weight_format.h.
 
 }  // namespace kda::kernels::gemm

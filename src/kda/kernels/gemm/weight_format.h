@@ -1,0 +1,86 @@
+// The weight formats of a projection (bf16, int8, int4: kda/common/weights.h) as one table, as ggml-cpu
+// keeps one type_traits entry per quantized type: per format its storage (the packing at load and its
+// size), the way back to fp32 (dequantize), the activation quantization its kernels take and the GEMM
+// copy per ISA. The GEMM entry points, the reference and the projections (layers/linear.cc,
+// layers/quant_linear.cc) read the table instead of taking one overload per format. The formats'
+// kernels and packings are described beside them: bf16_gemm.h, quant_gemm.h.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kda/common/isa.h"
+#include "kda/common/weights.h"
+
+namespace kda::kernels::gemm {
+
+// W [out, in] in one format, as the kernels read it.
+struct PackedWeights {
+  Weights format = Weights::BF16;
+  const void* data = nullptr;    // bf16: the blocks of bf16_gemm.h; int8: int8 [out, in]; int4: nibbles
+  const float* scale = nullptr;  // int8: [out]; int4: [out, in / 32]; bf16: none
+  int64_t in = 0, out = 0;
+};
+
+// x as a format's kernel takes it: the fp32 rows, and for int8 / int4 the int16 rows [M, in] (contiguous)
+// with their scales (quantize_activations).
+struct Activations {
+  const float* x = nullptr;
+  int64_t ldx = 0;
+  const int16_t* xq = nullptr;
+  const float* sx = nullptr;
+};
+using GemmKernel = void (*)(const Activations& x, int64_t M, const PackedWeights& w, float* y, int64_t ldy);
+
+struct WeightFormat {
+  Weights format;
+  const char* name;
+  int64_t in_multiple;  // the input size must be a multiple of it (int4: its group of 32)
+  // Inputs that share an activation scale (int8: the row, int4: a group of 32) and the largest quantized
+  // value; nullptr: the activations stay fp32 (bf16).
+  int64_t (*activation_run)(int64_t in);
+  int (*activation_qmax)(int64_t in);
+  int64_t (*data_bytes)(int64_t in, int64_t out);
+  int64_t (*scale_count)(int64_t in, int64_t out);
+  // W [out, in] in fp32 into data [data_bytes] and scale [scale_count] (in and out already checked).
+  void (*pack)(const float* w, int64_t in, int64_t out, uint8_t* data, float* scale);
+  // Rows [n0, n1) of W as the kernels see it, in fp32 into out [(n1 - n0), in].
+  void (*dequantize_rows)(const PackedWeights& w, int64_t n0, int64_t n1, float* out);
+  GemmKernel gemm[3];  // per Isa (Portable, Avx2, Avx512); nullptr for a copy not in this build
+};
+
+const WeightFormat& weight_format(Weights w);
+
+// W packed in one format, owning its bytes. std::invalid_argument for empty or mis-sized weights, or an
+// input size the format does not take.
+class PackedMatrix {
+ public:
+  PackedMatrix(Weights format, const float* w, int64_t in, int64_t out);
+  PackedWeights view() const {
+    return {format_, data_.data(), scale_.empty() ? nullptr : scale_.data(), in_, out_};
+  }
+  // The bytes a GEMM reads: the packed values (with their padding) and the scales.
+  int64_t bytes() const { return static_cast<int64_t>(data_.size() + sizeof(float) * scale_.size()); }
+
+ private:
+  Weights format_;
+  int64_t in_, out_;
+  std::vector<uint8_t> data_;
+  std::vector<float> scale_;
+};
+
+// W back in fp32 [out, in], as the kernels see it; or rows [n0, n1) of it into out [(n1 - n0), in].
+std::vector<float> dequantize(const PackedWeights& w);
+void dequantize_rows(const PackedWeights& w, int64_t n0, int64_t n1, float* out);
+
+// y = x W^T: x [M, ldx >= in], y [M, ldy >= out]; the copy for best_isa(), or for `isa`
+// (std::invalid_argument when that one is not available: require_isa()). int8 / int4: x quantized to
+// int16 first (quantize_activations).
+void gemm(const float* x, int64_t M, int64_t ldx, const PackedWeights& w, float* y, int64_t ldy);
+void gemm(const float* x, int64_t M, int64_t ldx, const PackedWeights& w, float* y, int64_t ldy, Isa isa);
+
+// The reference: x quantized as the kernels take it and dequantized (int8, int4; bf16: as it is), W
+// dequantized, then y[m, n] = sum_k x[m, k] W[n, k] in fp32, k ascending.
+void gemm_reference(const float* x, int64_t M, int64_t ldx, const PackedWeights& w, float* y, int64_t ldy);
+
+}  // namespace kda::kernels::gemm
