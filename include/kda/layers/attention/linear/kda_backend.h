@@ -10,8 +10,9 @@
 // EXTEND batch's state_snapshots are written by every layer into its own part of the snapshot slots: the
 // recurrent state by the kernel (in the same pass), the conv state by the backend.
 //
-// Thread safety: a backend is not thread-safe (its forward metadata, pending verify batch and scratch are
-// members): one backend per thread that runs forwards; distinct backends may run at once.
+// Thread safety: a backend is not thread-safe (its forward metadata, pending verify batch, verify buffer
+// and scratch are members): one backend per thread that runs forwards; distinct backends may run at once,
+// on disjoint slots of one pool too (TARGET_VERIFY and accept included: each keeps its own verify buffer).
 #pragma once
 
 #include <cstdint>
