@@ -961,7 +961,8 @@ struct TinyLayers {
   std::unique_ptr<MemoryPools> pools;
 
   TinyLayers(int L, int64_t slots, Precision conv, int verify_tokens) {
-    mem_cache::RecurrentStatePoolConfig pc{.size = slots,
+    mem_cache::RecurrentStatePoolConfig pc{.layer_ids = {},
+                                           .size = slots,
                                            .num_heads = H,
                                            .head_k_dim = K,
                                            .head_v_dim = K,
