@@ -1,11 +1,13 @@
 // Thread safety (README, "Thread safety"): what may run from several std::threads at once, run from 4 of
 // them together and compared bit for bit with the same work run serially -- the kernels on distinct
 // pools and on disjoint slots of one pool, the layer forward with its own pools and backend per thread
-// (one layer object each, and one layer shared with a workspace per thread). The same binary, built with
+// (one layer object each, and one layer shared with a workspace per thread), and speculative verify and
+// accept with a backend per thread on disjoint slots of one pool. The same binary, built with
 // -DKDA_TSAN=ON, is the ThreadSanitizer check (scripts/test.sh); Concurrency.DISABLED_DeliberateRace is
 // the race that TSan must report there (registered as a test of its own in that build).
 #include <gtest/gtest.h>
 
+#include <barrier>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -240,7 +242,7 @@ struct LayerProblem {
   explicit LayerProblem(uint64_t seed)
       : x(testing::random_normal((kLen0 + kLen1 + 2 * kSteps) * 256, seed)) {}
 
-  static std::unique_ptr<MemoryPools> make_pools(int64_t slots, Precision p) {
+  static std::unique_ptr<MemoryPools> make_pools(int64_t slots, Precision p, int max_verify_tokens = 0) {
     const io::KimiLinearConfig cfg = layer_config();
     mem_cache::RecurrentStatePoolConfig pc;
     pc.layer_ids = {0};
@@ -251,6 +253,7 @@ struct LayerProblem {
     pc.conv_kernel = cfg.short_conv_kernel_size;
     pc.conv_dim = 3 * cfg.projection_size();
     pc.conv_dtype = p;
+    pc.max_verify_tokens = max_verify_tokens;
     return std::make_unique<MemoryPools>(pc, slots);
   }
 
@@ -389,6 +392,76 @@ TEST(Concurrency, LayersOnDisjointSlotsOfOnePoolEqualSerial) {
       got[w].insert(got[w].end(), st.begin(), st.end());
       EXPECT_TRUE(same_bits(got[w], want[w])) << "round " << round << ", thread " << w;
     }
+  }
+}
+
+// Speculative decoding on one pool: each thread its own requests (slots) and backend, a prefill, then a
+// TARGET_VERIFY of 3 drafts per request, accept (a different position per thread and request) and one
+// DECODE step. Every thread's verify runs before any accept (a barrier), so a verify buffer shared
+// between the backends would hand each accept another thread's kept inputs. Outputs and states equal
+// each thread's work run alone.
+TEST(Concurrency, BackendsVerifyAndAcceptDisjointSlotsOfOnePool) {
+  const io::KimiLinearConfig cfg = layer_config();
+  constexpr int kDrafts = 3;
+  const int64_t D = cfg.hidden_size;
+  models::KimiDeltaAttention layer(cfg, 0, models::KdaLayerWeights::synthetic(cfg, 90), Precision::FP32);
+  std::vector<std::vector<float>>
+      x;  // per thread: 2 x 5 prefill rows, 2 x (kDrafts + 1) verify rows, 2 decode
+  for (int w = 0; w < kThreads; ++w)
+    x.push_back(testing::random_normal((10 + 2 * (kDrafts + 1) + 2) * D, 91 + w));
+  // Thread w's work on its requests; between(): after its verify, before its accept.
+  const auto run = [&](int w, MemoryPools& pools, const std::vector<int32_t>& reqs,
+                       const std::function<void()>& between) {
+    KDAAttnBackend backend;
+    models::KdaWorkspace ws;  // the layer is shared: a workspace per thread
+    std::vector<float> out(x[w].size());
+    int64_t row = 0;
+    auto step = [&](ForwardBatch fb) {
+      fb.attn_backend = &backend;
+      backend.init_forward_metadata(fb, pools.req_to_token_pool.get_recurrent_indices(fb.req_pool_indices));
+      layer.forward(x[w].data() + row * D, fb.num_tokens(), fb, pools.recurrent_state_pool,
+                    out.data() + row * D, &ws);
+      row += fb.num_tokens();
+      return fb;
+    };
+    step(ForwardBatch::extend(reqs, {5, 5}, {0, 0}));
+    const ForwardBatch verify = step(ForwardBatch::target_verify(reqs, {kDrafts, kDrafts}));
+    between();
+    backend.accept(verify, std::vector<int32_t>{w % (kDrafts + 1), (w + 2) % (kDrafts + 1)},
+                   pools.recurrent_state_pool);
+    step(ForwardBatch::decode(reqs));
+    const auto st = LayerProblem::states(pools, reqs);
+    out.insert(out.end(), st.begin(), st.end());
+    return out;
+  };
+  const auto requests = [](MemoryPools& pools) {
+    std::vector<std::vector<int32_t>> r;
+    for (int w = 0; w < kThreads; ++w) r.push_back(pools.req_to_token_pool.alloc(2));
+    return r;
+  };
+  const auto want_pools = LayerProblem::make_pools(2 * kThreads, Precision::FP32, kDrafts + 1);
+  const auto want_reqs = requests(*want_pools);
+  std::vector<std::vector<float>> want(kThreads);
+  for (int w = 0; w < kThreads; ++w) want[w] = run(w, *want_pools, want_reqs[w], [] {});
+  for (int round = 0; round < kRounds; ++round) {
+    const auto pools = LayerProblem::make_pools(2 * kThreads, Precision::FP32, kDrafts + 1);
+    const auto reqs = requests(*pools);
+    std::barrier sync(kThreads);
+    std::vector<std::vector<float>> got(kThreads);
+    run_concurrently([&](int w) {
+      bool arrived = false;  // a thread that fails before the barrier must not leave the others waiting
+      try {
+        got[w] = run(w, *pools, reqs[w], [&] {
+          arrived = true;
+          sync.arrive_and_wait();
+        });
+      } catch (...) {
+        if (!arrived) sync.arrive_and_drop();
+        throw;
+      }
+    });
+    for (int w = 0; w < kThreads; ++w)
+      EXPECT_TRUE(same_bits(got[w], want[w])) << "round " << round << ", thread " << w;
   }
 }
 

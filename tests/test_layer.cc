@@ -130,6 +130,9 @@ struct Stack {
   std::unique_ptr<models::KimiDeltaAttention> layer;
   std::unique_ptr<MemoryPools> pools;
   KDAAttnBackend backend;
+  // A second backend on the same pools, for reference steps between a verify and its accept (a batch on
+  // `backend` itself would end the pending verify).
+  KDAAttnBackend ref_backend;
 
   explicit Stack(int64_t slots, Precision p = Precision::FP32,
                  kernels::KernelImpl kernel = kernels::KernelImpl::Auto)
@@ -159,11 +162,12 @@ struct Stack {
   }
   int64_t D() const { return cfg.hidden_size; }
 
-  // Runs one batch; returns the output rows.
-  std::vector<float> step(ForwardBatch fb, const std::vector<float>& x) {
-    fb.attn_backend = &backend;
+  // Runs one batch (on `backend`, or `be`); returns the output rows.
+  std::vector<float> step(ForwardBatch fb, const std::vector<float>& x) { return step(fb, x, backend); }
+  std::vector<float> step(ForwardBatch fb, const std::vector<float>& x, KDAAttnBackend& be) {
+    fb.attn_backend = &be;
     const auto slots = pools->req_to_token_pool.get_recurrent_indices(fb.req_pool_indices);
-    backend.init_forward_metadata(fb, slots);
+    be.init_forward_metadata(fb, slots);
     std::vector<float> y(x.size());
     layer->forward(x.data(), static_cast<int64_t>(x.size()) / D(), fb, pools->recurrent_state_pool, y.data());
     return y;
@@ -598,14 +602,15 @@ std::unique_ptr<Stack> verify_stack(int64_t slots, Precision p, int verify_token
   return s;
 }
 
-// The same layer computation, done as DECODE steps: outputs of each token and the slot's states after.
+// The same layer computation, done as DECODE steps (on the stack's reference backend, so that a pending
+// verify stays pending): outputs of each token and the slot's states after.
 struct Decoded {
   std::vector<std::vector<float>> y, states;
 };
 Decoded decode_steps(Stack& s, int32_t req, const std::vector<std::vector<float>>& tokens) {
   Decoded d;
   for (const auto& x : tokens) {
-    d.y.push_back(s.step(ForwardBatch::decode({req}), x));
+    d.y.push_back(s.step(ForwardBatch::decode({req}), x, s.ref_backend));
     d.states.push_back(s.states(req));
   }
   return d;
@@ -814,7 +819,8 @@ TEST(Verify, Bf16BackendEqualsDecodeSteps) {
   const std::vector<int32_t> parents = {-1, 0, 1, 0, 3, 1, 5};  // row positions (drafts -1, 0, -1, 2, 0, 4)
   for (int32_t pos = 0; pos <= 6; ++pos) {
     SCOPED_TRACE("accept position " + std::to_string(pos));
-    KDAAttnBackend backend;
+    KDAAttnBackend backend, ref_backend;  // the verify's, and the reference DECODE steps'
+
     mem_cache::RecurrentStatePoolConfig pc{.layer_ids = {0},
                                            .size = 2,
                                            .num_heads = H,
@@ -833,9 +839,10 @@ TEST(Verify, Bf16BackendEqualsDecodeSteps) {
       rec.insert(rec.end(), conv.begin(), conv.end());
       return rec;
     };
-    const auto run = [&](ForwardBatch fb, const bf16_t* rows) {
-      fb.attn_backend = &backend;
-      backend.init_forward_metadata(fb, pools.req_to_token_pool.get_recurrent_indices(fb.req_pool_indices));
+    const auto run = [&](ForwardBatch fb, const bf16_t* rows, KDAAttnBackend* be = nullptr) {
+      if (be == nullptr) be = &backend;
+      fb.attn_backend = be;
+      be->init_forward_metadata(fb, pools.req_to_token_pool.get_recurrent_indices(fb.req_pool_indices));
       std::vector<float> o(fb.num_tokens() * P);
       layer(fb,
             {.mixed_qkv_bf16 = rows,
@@ -855,7 +862,7 @@ TEST(Verify, Bf16BackendEqualsDecodeSteps) {
     std::vector<int32_t> path;
     for (int32_t t = pos; t >= 0; t = parents[t]) path.insert(path.begin(), t);
     std::vector<float> yd;
-    for (int32_t t : path) yd = run(ForwardBatch::decode({reqs[1]}), x.data() + t * ld);
+    for (int32_t t : path) yd = run(ForwardBatch::decode({reqs[1]}), x.data() + t * ld, &ref_backend);
     EXPECT_LE(testing::max_error_ratio(y.data() + pos * P, yd.data(), P, kTol, kTol), 1.0) << "output";
     backend.accept(fb, std::vector<int32_t>{pos}, pools.recurrent_state_pool);
     const auto s0 = state(0), s1 = state(1);
@@ -942,6 +949,236 @@ TEST(Verify, BadInputIsAnErrorThatChangesNothing) {
   } catch (const std::invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("no verify buffer"));
   }
+}
+
+// Several small KDA layers (raw RadixLinearAttention layers, decoder ids 0..L-1) over one pool with a
+// verify buffer: what a verify and its accept do across a stack. Every layer reads the same input rows
+// [T, ld] (q||k||v, gate, beta logits); the weights differ per layer.
+struct TinyLayers {
+  static constexpr int H = 2, K = 16, W = 4;
+  static constexpr int64_t P = H * K, C = 3 * P, ld = C + P + H;
+  std::vector<std::vector<float>> conv_w, A_log, dt_bias;
+  std::vector<std::unique_ptr<layers::RadixLinearAttention>> layers;
+  std::unique_ptr<MemoryPools> pools;
+
+  TinyLayers(int L, int64_t slots, Precision conv, int verify_tokens) {
+    mem_cache::RecurrentStatePoolConfig pc{.layer_ids = {},
+                                           .size = slots,
+                                           .num_heads = H,
+                                           .head_k_dim = K,
+                                           .head_v_dim = K,
+                                           .conv_kernel = W,
+                                           .conv_dim = C,
+                                           .conv_dtype = conv,
+                                           .max_verify_tokens = verify_tokens};
+    for (int l = 0; l < L; ++l) {
+      conv_w.push_back(testing::random_uniform(C * W, 200 + l, -0.5f, 0.5f));
+      A_log.push_back(testing::random_uniform(H, 300 + l, -1.0f, 1.0f));
+      dt_bias.push_back(testing::random_uniform(P, 400 + l, -0.5f, 0.5f));
+      layers.push_back(std::make_unique<layers::RadixLinearAttention>(
+          layers::RadixLinearAttention::Params{.layer_id = l,
+                                               .num_q_heads = H,
+                                               .num_k_heads = H,
+                                               .num_v_heads = H,
+                                               .head_q_dim = K,
+                                               .head_k_dim = K,
+                                               .head_v_dim = K,
+                                               .conv_weights = conv_w.back().data(),
+                                               .conv_kernel = W,
+                                               .A_log = A_log.back().data(),
+                                               .dt_bias = dt_bias.back().data(),
+                                               .bf16_activations = conv == Precision::BF16}));
+      pc.layer_ids.push_back(l);
+    }
+    pools = std::make_unique<MemoryPools>(pc, slots);
+  }
+  static std::vector<float> rows(int64_t T, uint64_t seed) { return testing::random_normal(T * ld, seed); }
+
+  // One batch on `be` through the first `n` layers (all when n < 0); every layer's outputs.
+  std::vector<float> run(ForwardBatch fb, const std::vector<float>& x, KDAAttnBackend& be, int n = -1) {
+    fb.attn_backend = &be;
+    be.init_forward_metadata(fb, pools->req_to_token_pool.get_recurrent_indices(fb.req_pool_indices));
+    const int64_t T = fb.num_tokens();
+    std::vector<float> o(layers.size() * T * P);
+    for (size_t l = 0; l < layers.size() && (n < 0 || static_cast<int>(l) < n); ++l)
+      (*layers[l])(fb, x.data(), ld, x.data() + C, ld, x.data() + C + P, ld, pools->recurrent_state_pool,
+                   o.data() + l * T * P);
+    return o;
+  }
+  // The requests' states in every layer (recurrent, then conv), as fp32.
+  std::vector<float> states(const std::vector<int32_t>& reqs) {
+    const auto slots = pools->req_to_token_pool.get_recurrent_indices(reqs);
+    std::vector<float> out;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      std::vector<float> rec(slots.size() * H * K * K), conv(slots.size() * (W - 1) * C);
+      pools->recurrent_state_pool.read_linear_recurrent_layer_cache(static_cast<int>(l), slots, rec.data(),
+                                                                    conv.data());
+      out.insert(out.end(), rec.begin(), rec.end());
+      out.insert(out.end(), conv.begin(), conv.end());
+    }
+    return out;
+  }
+  std::vector<int32_t> fork(const std::vector<int32_t>& reqs) {
+    std::vector<int32_t> out;
+    for (const int32_t r : reqs) out.push_back(pools->req_to_token_pool.fork(r));
+    return out;
+  }
+};
+
+// A KDA backend whose dispatch_recurrent call number `fail_at` (counted from 0 over its life) throws.
+class FailingBackend : public KDAAttnBackend {
+ public:
+  int64_t calls = 0, fail_at = -1;
+
+ protected:
+  void dispatch_recurrent(const layers::attention::linear::LinearRecurrentDispatch& d) override {
+    if (calls++ == fail_at) throw std::runtime_error("injected failure");
+    KDAAttnBackend::dispatch_recurrent(d);
+  }
+};
+
+// Two backends verifying disjoint slots of one pool, interleaved (A verifies, B verifies, A accepts, B
+// accepts): outputs and states equal each backend's verify and accept run alone, bit for bit.
+TEST(Verify, TwoBackendsOnOnePoolEqualEachAlone) {
+  for (const Precision prec : {Precision::FP32, Precision::BF16}) {
+    SCOPED_TRACE(to_string(prec));
+    TinyLayers s(2, 12, prec, 4);
+    KDAAttnBackend a, b;
+    const auto reqs = s.pools->req_to_token_pool.alloc(4);
+    s.run(ForwardBatch::extend(reqs, {3, 5, 2, 4}, {0, 0, 0, 0}), TinyLayers::rows(14, 501), a);
+    const std::vector<int32_t> ra = {reqs[0], reqs[1]}, rb = {reqs[2], reqs[3]};
+    const std::vector<int32_t> alone_a = s.fork(ra), alone_b = s.fork(rb);
+    const auto xa = TinyLayers::rows(7, 502), xb = TinyLayers::rows(6, 503);
+    const std::vector<int32_t> acc_a = {3, 1}, acc_b = {2, 0};
+    // Alone.
+    auto fa = ForwardBatch::target_verify(alone_a, {3, 2});
+    const auto ya = s.run(fa, xa, a);
+    a.accept(fa, acc_a, s.pools->recurrent_state_pool);
+    auto fb = ForwardBatch::target_verify(alone_b, {2, 2}, {-1, -1, -1, 0});
+    const auto yb = s.run(fb, xb, b);
+    b.accept(fb, acc_b, s.pools->recurrent_state_pool);
+    // Interleaved.
+    fa = ForwardBatch::target_verify(ra, {3, 2});
+    fb = ForwardBatch::target_verify(rb, {2, 2}, {-1, -1, -1, 0});
+    EXPECT_EQ(s.run(fa, xa, a), ya);
+    EXPECT_EQ(s.run(fb, xb, b), yb);
+    a.accept(fa, acc_a, s.pools->recurrent_state_pool);
+    b.accept(fb, acc_b, s.pools->recurrent_state_pool);
+    EXPECT_EQ(s.states(ra), s.states(alone_a)) << "backend A";
+    EXPECT_EQ(s.states(rb), s.states(alone_b)) << "backend B";
+  }
+}
+
+// accept after the verified slots may have moved is an error that changes nothing: a later batch on the
+// same backend (on the same slots or others) ends the pending verify; a batch of another backend on a
+// verified slot, or a pool operation writing one, moves its generation. A batch of another backend on
+// other slots does neither.
+TEST(Verify, LateAcceptIsAnErrorThatChangesNothing) {
+  TinyLayers s(2, 8, Precision::FP32, 4);
+  KDAAttnBackend be, other;
+  const auto reqs = s.pools->req_to_token_pool.alloc(3);
+  s.run(ForwardBatch::extend(reqs, {3, 4, 2}, {0, 0, 0}), TinyLayers::rows(9, 511), be);
+  const std::vector<int32_t> base = {reqs[0], reqs[1]}, bystander = {reqs[2]};
+  struct Case {
+    std::string name, error;
+    std::function<void(const std::vector<int32_t>&)> between;  // given the verified requests
+  };
+  const std::vector<Case> cases = {
+      {"same backend, same slots", "ended by a later DECODE batch on this backend",
+       [&](const std::vector<int32_t>& r) { s.run(ForwardBatch::decode(r), TinyLayers::rows(2, 512), be); }},
+      {"same backend, other slots", "ended by a later EXTEND batch on this backend",
+       [&](const std::vector<int32_t>&) {
+         s.run(ForwardBatch::extend(bystander, {2}, {3}), TinyLayers::rows(2, 513), be);
+       }},
+      {"another backend, a verified slot", "was written after the TARGET_VERIFY batch",
+       [&](const std::vector<int32_t>& r) {
+         s.run(ForwardBatch::decode({r[1]}), TinyLayers::rows(1, 514), other);
+       }},
+      {"copy_slot into a verified slot", "was written after the TARGET_VERIFY batch",
+       [&](const std::vector<int32_t>& r) {
+         s.pools->recurrent_state_pool.copy_slot(s.pools->req_to_token_pool.slot_of(bystander[0]),
+                                                 s.pools->req_to_token_pool.slot_of(r[0]));
+       }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto r = s.fork(base);
+    const auto fb = ForwardBatch::target_verify(r, {2, 3});
+    s.run(fb, TinyLayers::rows(7, 515), be);
+    c.between(r);
+    const auto before = s.states(r);
+    try {
+      be.accept(fb, std::vector<int32_t>{1, 2}, s.pools->recurrent_state_pool);
+      ADD_FAILURE() << "late accept accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(c.error));
+    }
+    EXPECT_EQ(s.states(r), before);
+    s.pools->req_to_token_pool.free(r);
+  }
+  // Another backend's batch on other slots leaves the verify acceptable.
+  const auto r = s.fork(base);
+  const auto fb = ForwardBatch::target_verify(r, {2, 3});
+  s.run(fb, TinyLayers::rows(7, 516), be);
+  const auto before = s.states(r);
+  s.run(ForwardBatch::decode(bystander), TinyLayers::rows(1, 517), other);
+  be.accept(fb, std::vector<int32_t>{1, 2}, s.pools->recurrent_state_pool);
+  EXPECT_NE(s.states(r), before);
+}
+
+// accept computes every layer before it writes any: a failure in the middle layer of three leaves every
+// slot's states (recurrent and conv, every layer) as they were and the verify pending; accepted again,
+// the slots equal a backend's that never failed.
+TEST(Verify, AcceptFailingInALayerChangesNoSlot) {
+  for (const Precision prec : {Precision::FP32, Precision::BF16}) {
+    SCOPED_TRACE(to_string(prec));
+    TinyLayers s(3, 8, prec, 4);
+    FailingBackend be;
+    KDAAttnBackend clean;
+    const auto reqs = s.pools->req_to_token_pool.alloc(2);
+    s.run(ForwardBatch::extend(reqs, {5, 3}, {0, 0}), TinyLayers::rows(8, 521), be);
+    const auto ref = s.fork(reqs);
+    const auto x = TinyLayers::rows(7, 522);
+    const std::vector<int32_t> acc = {2, 1};
+    const auto fr = ForwardBatch::target_verify(ref, {3, 2});
+    s.run(fr, x, clean);
+    clean.accept(fr, acc, s.pools->recurrent_state_pool);
+
+    const auto fb = ForwardBatch::target_verify(reqs, {3, 2});
+    s.run(fb, x, be);
+    const auto before = s.states(reqs);
+    be.fail_at = be.calls + 1;  // the replay of the second layer
+    EXPECT_THROW(be.accept(fb, acc, s.pools->recurrent_state_pool), std::runtime_error);
+    EXPECT_EQ(s.states(reqs), before);
+    EXPECT_TRUE(be.has_pending_verify());
+    be.accept(fb, acc, s.pools->recurrent_state_pool);
+    EXPECT_EQ(s.states(reqs), s.states(ref));
+  }
+}
+
+// A verify batch that failed in a layer, or did not run every KDA layer of the pool, cannot be accepted
+// (the layers after would stay behind): a clear error that changes nothing.
+TEST(Verify, FailedOrPartialVerifyCannotBeAccepted) {
+  TinyLayers s(2, 8, Precision::FP32, 4);
+  FailingBackend be;
+  const auto reqs = s.pools->req_to_token_pool.alloc(2);
+  s.run(ForwardBatch::extend(reqs, {5, 3}, {0, 0}), TinyLayers::rows(8, 531), be);
+  const auto before = s.states(reqs);
+  const auto expect_refused = [&](const ForwardBatch& fb, const std::string& what) {
+    try {
+      be.accept(fb, std::vector<int32_t>{1, 1}, s.pools->recurrent_state_pool);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(what));
+    }
+    EXPECT_EQ(s.states(reqs), before);
+  };
+  const auto fb = ForwardBatch::target_verify(reqs, {3, 2});
+  be.fail_at = be.calls + 1;  // the verify's second layer
+  EXPECT_THROW(s.run(fb, TinyLayers::rows(7, 532), be), std::runtime_error);
+  expect_refused(fb, "a layer of the verify batch failed");
+  s.run(fb, TinyLayers::rows(7, 533), be, 1);
+  expect_refused(fb, "ran 1 of the state pool's 2 KDA layers");
 }
 
 TEST(Layer, BadCaseInputsAreClearErrors) {
@@ -1157,7 +1394,7 @@ TEST(ServerArgs, RecurrentModelAllowsRadixCacheAndSpeculation) {
   ServerArgs a;
   a.enable_mixed_chunk = true;
   a.check_server_args(true);
-  EXPECT_FALSE(a.disable_radix_cache);  // the prefix cache of state snapshots (issue 15)
+  EXPECT_FALSE(a.disable_radix_cache);  // the prefix cache of state snapshots
   EXPECT_TRUE(a.enable_mixed_chunk);
   ServerArgs plain;
   plain.check_server_args(false);

@@ -114,6 +114,67 @@ TEST(RecurrentStatePool, SizesAndBytes) {
   EXPECT_EQ(view.conv_slot_elems, 18);
 }
 
+// The verify buffer's limits: what one backend's buffer takes (every layer, verify_rows rows of
+// max_verify_tokens tokens of 2C + H*K + H floats), and the layer views' limits; none without it.
+TEST(RecurrentStatePool, VerifyBufferLimits) {
+  RecurrentStatePoolConfig c = small_config();
+  EXPECT_EQ(RecurrentStatePool(c).spec_state_bytes(), 0u);
+  EXPECT_EQ(RecurrentStatePool(c).get_linear_recurrent_layer_cache(0).verify_tokens, 0);
+  c.max_verify_tokens = 3;
+  RecurrentStatePool all_rows(c);  // verify_rows 0: one per slot
+  EXPECT_EQ(all_rows.spec_state_bytes(), 5u * 4 * 3 * (2 * 6 + 2 * 3 + 2) * sizeof(float));
+  c.verify_rows = 2;
+  RecurrentStatePool p(c);
+  EXPECT_EQ(p.spec_state_bytes(), 5u * 2 * 3 * (2 * 6 + 2 * 3 + 2) * sizeof(float));
+  EXPECT_EQ(p.total_bytes(), p.bytes() + p.spec_state_bytes());
+  const auto view = p.get_linear_recurrent_layer_cache(4);
+  EXPECT_EQ(view.verify_rows, 2);
+  EXPECT_EQ(view.verify_tokens, 3);
+  EXPECT_EQ(view.verify_token_elems, 2 * 6 + 2 * 3 + 2);
+}
+
+// A slot's generation moves with every write of its state (alloc, free, copy_slot into it, set, a
+// forward's mark_written) and with nothing else (reads, views, another slot's writes).
+TEST(RecurrentStatePool, GenerationMovesWithEveryWriteOfTheSlot) {
+  RecurrentStatePool p(small_config());
+  const auto slots = p.alloc(3);
+  const int32_t a = slots[0], b = slots[1], c = slots[2];
+  const auto gen = [&] {
+    return std::vector<uint64_t>{p.slot_generation(a), p.slot_generation(b), p.slot_generation(c)};
+  };
+  const auto expect_moved = [&](const std::function<void()>& op, const std::vector<bool>& moved,
+                                const std::string& what) {
+    const auto g0 = gen();
+    op();
+    const auto g1 = gen();
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(g1[i] != g0[i], moved[i]) << what << ", slot " << i;
+  };
+  expect_moved([&] { p.copy_slot(a, b); }, {false, true, false}, "copy_slot");
+  expect_moved([&] { write_garbage(p, c, 7); }, {false, false, true}, "set");
+  expect_moved([&] { p.mark_written(std::vector<int32_t>{a, -1, c}); }, {true, false, true}, "mark_written");
+  expect_moved(
+      [&] {
+        read_slot(p, a);
+        p.get_linear_recurrent_layer_cache(0);
+        EXPECT_TRUE(p.is_allocated(b));
+      },
+      {false, false, false}, "reads");
+  expect_moved(
+      [&] {
+        p.free(std::vector<int32_t>{b});
+        EXPECT_EQ(p.alloc(1), std::vector<int32_t>{b});
+      },
+      {false, true, false}, "free and alloc");
+  // A freed slot's generation moves on free, and again when it is handed out.
+  const uint64_t g = p.slot_generation(a);
+  p.free(std::vector<int32_t>{a});
+  EXPECT_NE(p.slot_generation(a), g);
+  const uint64_t freed = p.slot_generation(a);
+  p.alloc(1);
+  EXPECT_NE(p.slot_generation(a), freed);
+  expect_throw_with<std::invalid_argument>([&] { p.slot_generation(5); }, "out of range");
+}
+
 TEST(RecurrentStatePool, SlotZeroNeverHandedOutThenExhaustion) {
   RecurrentStatePool p(small_config());
   EXPECT_TRUE(p.alloc(0).empty());

@@ -3,23 +3,30 @@
 //
 //   recurrent buffer  fp32            [L, N+1, H, K, V]
 //   conv buffer       fp32 or bf16    [L, N+1, W-1, C]   (C = 3P: raw pre-conv q||k||v inputs)
-//   verify buffer     fp32            [L, R, Tv, 2C + H*K + H]   (speculative decoding, optional)
 //
-// The verify buffer holds, per KDA layer, what a TARGET_VERIFY batch keeps for its accept: for each of up
-// to R batch rows and Tv = max_verify_tokens (d_max + 1) tokens, the token's raw conv input (C, as the
-// conv state keeps it), its conv output q||k||v (C), its raw forget gate (H*K) and beta (H) -- the inputs
-// of the recurrence, which accept replays for the accepted tokens only (see KDAAttnBackend::accept for
-// why inputs and not the d_max + 1 per-position states of 2 MiB each at the model's shapes).
+// Speculative decoding (TARGET_VERIFY) keeps, per KDA layer, for each of up to R batch rows and
+// Tv = max_verify_tokens (d_max + 1) tokens, the token's raw conv input (C, as the conv state keeps it),
+// its conv output q||k||v (C), its raw forget gate (H*K) and beta (H): the inputs of the recurrence,
+// which accept replays for the accepted tokens only (see KDAAttnBackend::accept for why inputs and not
+// the d_max + 1 per-position states). That verify buffer [L, R, Tv, 2C + H*K + H] fp32 belongs to the
+// backend that ran the verify batch, not to the pool, so that backends verifying disjoint slots of one
+// pool cannot overwrite each other's kept inputs; the pool's config sets its limits (R, Tv) and
+// spec_state_bytes() what one backend's buffer takes.
 //
 // Slot 0 is reserved (never handed out: a padded row or a dummy request may point at it), so a pool of
 // `size` usable slots has size + 1 rows. Every error is a std::invalid_argument / std::runtime_error
 // naming what is wrong, thrown before anything changes.
 //
+// Each slot has a generation: a counter that moves whenever the slot's state may change (alloc, free,
+// copy_slot into it, set_linear_recurrent_layer_cache, and every forward that writes it, through
+// mark_written). A backend's pending verify records its slots' generations and its accept refuses a
+// slot whose generation moved since: the drafts were verified against a state that is gone.
+//
 // Thread safety: not thread-safe, like a serving engine's scheduler that owns them. alloc, free, fork,
 // copy_slot and set_linear_recurrent_layer_cache change the pools and must not overlap any other call on
 // the same pools or a forward that uses them; the const queries may run together (and beside forwards,
 // on other slots than theirs). Layer forwards (and kernels) on disjoint slots of one pool may run at
-// once: they touch only their batch's slots.
+// once: they touch only their batch's slots (mark_written and slot_generation included).
 #pragma once
 
 #include <cstdint>
@@ -43,7 +50,7 @@ struct RecurrentStatePoolConfig {
   Precision conv_dtype = Precision::FP32;  // fp32 mode: fp32 conv state; bf16 mode: bf16
   // Speculative decoding (TARGET_VERIFY): tokens one verify row may hold (the last accepted token and up to
   // max_verify_tokens - 1 drafts; 0: no verify buffer, TARGET_VERIFY is an error), and rows of a verify
-  // batch (0: `size`, one per request slot).
+  // batch (0: `size`, one per request slot). The limits of each backend's verify buffer.
   int max_verify_tokens = 0;
   int64_t verify_rows = 0;
 };
@@ -57,8 +64,8 @@ struct LinearRecurrentLayerCache {
   int64_t num_slots = 0;             // N+1 rows, slot 0 included
   int64_t recurrent_slot_elems = 0;  // H*K*V
   int64_t conv_slot_elems = 0;       // (W-1)*C
-  // The layer's verify buffer [verify_rows, verify_tokens, verify_token_elems] fp32 (null without one).
-  float* verify = nullptr;
+  // The limits of a backend's verify buffer for this layer: [verify_rows, verify_tokens,
+  // verify_token_elems] fp32 (verify_tokens 0: TARGET_VERIFY is an error).
   int64_t verify_rows = 0;
   int64_t verify_tokens = 0;
   int64_t verify_token_elems = 0;  // 2C + H*K + H: raw conv input | conv output | gate | beta
@@ -74,8 +81,9 @@ class RecurrentStatePool {
   int64_t available() const { return static_cast<int64_t>(free_slots_.size()); }
   int num_layers() const { return static_cast<int>(cfg_.layer_ids.size()); }
   size_t bytes() const;  // the recurrent and conv buffers
-  // The verify buffer (speculative decoding), every layer: what admission adds for TARGET_VERIFY.
-  size_t spec_state_bytes() const { return verify_.size() * sizeof(float); }
+  // A backend's verify buffer (speculative decoding) for every layer of this pool: what admission adds
+  // for TARGET_VERIFY, per backend that verifies on the pool.
+  size_t spec_state_bytes() const;
   size_t total_bytes() const { return bytes() + spec_state_bytes(); }
   // fp32 elements the verify buffer keeps per token and layer: 2C + H*K + H.
   static int64_t verify_token_elems(int64_t conv_dim, int64_t num_heads, int64_t head_k_dim) {
@@ -94,6 +102,12 @@ class RecurrentStatePool {
   // Copies every layer's recurrent and conv state of `src` into `dst` (forking a request).
   void copy_slot(int32_t src, int32_t dst);
 
+  // The slot's generation (see above); slot in [0, N].
+  uint64_t slot_generation(int32_t slot) const;
+  // A forward is about to write these slots' states (-1, a padded row, is skipped; every other slot was
+  // range-checked by the caller). Disjoint slots may be marked from several threads at once.
+  void mark_written(std::span<const int32_t> slots);
+
   // Per-layer views, by decoder layer id (unknown id: error).
   LinearRecurrentLayerCache get_linear_recurrent_layer_cache(int layer_id);
   // Writes states into the given slots of one layer: recurrent [n, H, K, V] and conv [n, W-1, C]
@@ -109,16 +123,17 @@ class RecurrentStatePool {
   int layer_index(int layer_id) const;
   void check_slot(int32_t slot, const char* what) const;
   void clear_slot(int32_t slot);
+  void bump(int32_t slot) { ++generation_[static_cast<size_t>(slot)]; }
 
   RecurrentStatePoolConfig cfg_;
   int64_t rec_slot_ = 0, conv_slot_ = 0;  // elements per slot
   std::vector<float> recurrent_;
   std::vector<float> conv_f32_;
   std::vector<bf16_t> conv_bf16_;
-  int64_t verify_rows_ = 0, verify_token_ = 0;  // rows per layer, elements per token
-  std::vector<float> verify_;
-  std::vector<int32_t> free_slots_;  // LIFO free list
-  std::vector<uint8_t> allocated_;   // [N+1]
+  int64_t verify_rows_ = 0, verify_token_ = 0;  // a verify buffer's rows per layer, elements per token
+  std::vector<uint64_t> generation_;            // [N+1]
+  std::vector<int32_t> free_slots_;             // LIFO free list
+  std::vector<uint8_t> allocated_;              // [N+1]
 };
 
 // Request index -> recurrent slot. A request keeps its slot from alloc until free, across every

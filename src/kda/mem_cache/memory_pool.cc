@@ -75,11 +75,9 @@ RecurrentStatePool::RecurrentStatePool(const RecurrentStatePoolConfig& cfg) : cf
   if (cfg.max_verify_tokens > 0) {
     verify_rows_ = cfg.verify_rows > 0 ? cfg.verify_rows : cfg.size;
     verify_token_ = verify_token_elems(cfg.conv_dim, cfg.num_heads, cfg.head_k_dim);
-    verify_.assign(
-        static_cast<size_t>(cfg.layer_ids.size() * verify_rows_ * cfg.max_verify_tokens * verify_token_),
-        0.0f);
   }
   allocated_.assign(cfg.size + 1, 0);
+  generation_.assign(cfg.size + 1, 0);
   // Pushed high to low so that the first allocations hand out 1, 2, 3, ...
   free_slots_.reserve(cfg.size);
   for (int64_t s = cfg.size; s >= 1; --s) free_slots_.push_back(static_cast<int32_t>(s));
@@ -88,6 +86,11 @@ RecurrentStatePool::RecurrentStatePool(const RecurrentStatePoolConfig& cfg) : cf
 size_t RecurrentStatePool::bytes() const {
   return recurrent_.size() * sizeof(float) + conv_f32_.size() * sizeof(float) +
          conv_bf16_.size() * sizeof(bf16_t);
+}
+
+size_t RecurrentStatePool::spec_state_bytes() const {
+  return static_cast<size_t>(num_layers()) * static_cast<size_t>(verify_rows_) *
+         static_cast<size_t>(cfg_.max_verify_tokens) * static_cast<size_t>(verify_token_) * sizeof(float);
 }
 
 size_t RecurrentStatePool::bytes_per_slot() const {
@@ -119,6 +122,7 @@ void RecurrentStatePool::free(std::span<const int32_t> slots) {
   // Pushed in reverse so that a following alloc(slots.size()) hands them back in the same order.
   for (auto it = slots.rbegin(); it != slots.rend(); ++it) {
     allocated_[*it] = 0;
+    bump(*it);
     free_slots_.push_back(*it);
   }
 }
@@ -138,6 +142,7 @@ void RecurrentStatePool::check_slot(int32_t slot, const char* what) const {
 }
 
 void RecurrentStatePool::clear_slot(int32_t slot) {
+  bump(slot);
   const int64_t rows = cfg_.size + 1;
   for (int64_t l = 0; l < num_layers(); ++l) {
     const int64_t row = l * rows + slot;
@@ -152,6 +157,7 @@ void RecurrentStatePool::copy_slot(int32_t src, int32_t dst) {
   check_slot(dst, "RecurrentStatePool::copy_slot (dst)");
   if (src == dst)
     throw std::invalid_argument("RecurrentStatePool::copy_slot: src and dst are both slot " + str(src));
+  bump(dst);
   const int64_t rows = cfg_.size + 1;
   for (int64_t l = 0; l < num_layers(); ++l) {
     const int64_t s = l * rows + src, d = l * rows + dst;
@@ -162,6 +168,18 @@ void RecurrentStatePool::copy_slot(int32_t src, int32_t dst) {
       std::copy_n(conv_bf16_.begin() + s * conv_slot_, conv_slot_, conv_bf16_.begin() + d * conv_slot_);
     }
   }
+}
+
+uint64_t RecurrentStatePool::slot_generation(int32_t slot) const {
+  if (slot < 0 || slot > cfg_.size)
+    throw std::invalid_argument("RecurrentStatePool::slot_generation: slot " + str(slot) +
+                                " is out of range [0, " + str(cfg_.size) + "]");
+  return generation_[static_cast<size_t>(slot)];
+}
+
+void RecurrentStatePool::mark_written(std::span<const int32_t> slots) {
+  for (const int32_t s : slots)
+    if (s >= 0 && s <= cfg_.size) bump(s);
 }
 
 int RecurrentStatePool::layer_index(int layer_id) const {
@@ -185,11 +203,10 @@ LinearRecurrentLayerCache RecurrentStatePool::get_linear_recurrent_layer_cache(i
   c.num_slots = rows;
   c.recurrent_slot_elems = rec_slot_;
   c.conv_slot_elems = conv_slot_;
-  if (!verify_.empty()) {
+  if (cfg_.max_verify_tokens > 0) {
     c.verify_rows = verify_rows_;
     c.verify_tokens = cfg_.max_verify_tokens;
     c.verify_token_elems = verify_token_;
-    c.verify = verify_.data() + l * verify_rows_ * c.verify_tokens * verify_token_;
   }
   return c;
 }
@@ -201,6 +218,7 @@ void RecurrentStatePool::set_linear_recurrent_layer_cache(int layer_id, std::spa
   check_unique(slots, "RecurrentStatePool::set_linear_recurrent_layer_cache: slot");
   const int64_t rows = cfg_.size + 1;
   for (size_t i = 0; i < slots.size(); ++i) {
+    bump(slots[i]);
     const int64_t row = l * rows + slots[i];
     if (recurrent) std::copy_n(recurrent + i * rec_slot_, rec_slot_, recurrent_.begin() + row * rec_slot_);
     if (!conv) continue;

@@ -10,8 +10,9 @@
 // EXTEND batch's state_snapshots are written by every layer into its own part of the snapshot slots: the
 // recurrent state by the kernel (in the same pass), the conv state by the backend.
 //
-// Thread safety: a backend is not thread-safe (its forward metadata, pending verify batch and scratch are
-// members): one backend per thread that runs forwards; distinct backends may run at once.
+// Thread safety: a backend is not thread-safe (its forward metadata, pending verify batch, verify buffer
+// and scratch are members): one backend per thread that runs forwards; distinct backends may run at once,
+// on disjoint slots of one pool too (TARGET_VERIFY and accept included: each keeps its own verify buffer).
 #pragma once
 
 #include <cstdint>
@@ -84,6 +85,16 @@ struct LinearAttnInputs {
   }
 };
 
+namespace detail {
+// One row of a conv window and where it comes from: a row of a committed window (`old`, of the conv
+// state's type) or a raw input row (fp32). dst is of the conv state's type.
+struct WindowRow {
+  void* dst;
+  const void* old;
+  const float* raw;
+};
+}  // namespace detail
+
 // The arguments a dispatch hands to a kernel, prepared by the base class.
 struct LinearRecurrentDispatch {
   const RadixLinearAttention* layer = nullptr;
@@ -103,6 +114,10 @@ struct LinearRecurrentDispatch {
   const float* beta = nullptr;  // [T, H] sigmoid(b), fp32
   mem_cache::LinearRecurrentLayerCache cache;
   float* o = nullptr;  // [T, H*V]
+  // Where the metadata's snapshots go: [num_snapshot_slots, H, K, V] (null: the pool's recurrent buffer).
+  // accept's replay writes the new states there, to commit them only once every layer has them.
+  float* snapshot_state = nullptr;
+  int64_t num_snapshot_slots = 0;
 };
 
 class LinearRecurrentAttnBackend {
@@ -131,26 +146,32 @@ class LinearRecurrentAttnBackend {
   // Speculative decoding. A TARGET_VERIFY forward (ForwardBatch::target_verify) runs, in every KDA layer,
   // the conv and the recurrence over each row's last accepted token and drafts -- a tree token's conv
   // window is its own ancestors' raw inputs, its state its parent's advanced by it -- and returns an
-  // output for every position; the committed states are only read. Each layer keeps, in the pool's
-  // verify buffer (RecurrentStatePoolConfig::max_verify_tokens), its tokens' raw conv inputs and the
-  // recurrence's inputs (conv output, gate, beta). accept() then leaves in each request's slot, for every
-  // layer that ran the verify batch, exactly the state after its accepted tokens, with no layer pass:
-  // the conv state is the path's last W-1 raw inputs, the recurrent state the committed one advanced by
-  // the accepted tokens (fused_recurrent_kda over their kept inputs).
+  // output for every position; the committed states are only read. Each layer keeps, in this backend's
+  // verify buffer (limits: RecurrentStatePoolConfig::max_verify_tokens and verify_rows), its tokens' raw
+  // conv inputs and the recurrence's inputs (conv output, gate, beta). accept() then leaves in each
+  // request's slot, for every layer, exactly the state after its accepted tokens, with no layer pass: the
+  // conv state is the path's last W-1 raw inputs, the recurrent state the committed one advanced by the
+  // accepted tokens (fused_recurrent_kda over their kept inputs).
   //
-  // Why replay and not the d+1 per-position states kept during verify (measured with the kernels at
-  // H=32, K=V=128, d=4, states in memory, 2 threads; test KdaVerify.DISABLED_TimingKeptStatesVsReplay):
-  // keeping them writes (d+1) x 2 MiB per request per layer and accept still copies 2 MiB, while replay
-  // writes nothing during verify and accept re-runs a+1 tokens on a state it streams once -- batch 1:
-  // 0.95-0.99 ms (kept) vs 0.36-0.54 ms (replay) for verify + accept, a in {0, 2, 4}; batch 8:
-  // 12.9-14.6 ms vs 5.0-9.3 ms. It also needs 2C + H*K + H floats per token (about 112 KiB at the model's
-  // shapes) instead of a 2 MiB state.
+  // Why replay and not the d+1 per-position states kept during verify: keeping them writes (d+1) states
+  // per request per layer and accept still copies one, while replay writes no state during verify and
+  // accept re-runs a+1 tokens on a state it streams once; a kept token is 2C + H*K + H floats, far less
+  // than a state (H*K*V). The verify buffer is the backend's own (not the pool's, indexed by batch row)
+  // so that backends verifying disjoint slots of one pool on several threads keep apart what each
+  // replays; it is sized once, for the pool's limits, at the backend's first verify.
+  //
+  // accept is two-phase: every layer's new conv window and recurrent state is computed into the
+  // backend's scratch first (the replay reads the committed state and writes the new one there), and
+  // only then copied over the slots, so an error in any layer leaves every slot as it was (and the
+  // verify still pending). That scratch holds one recurrent state per verified row and KDA layer.
   //
   // accepted[i]: the row position (0..d_i) of request i's last accepted token. For a chain it is a_i, the
   // number of accepted drafts; for a tree the accepted path is that token and its ancestors. `batch` must
-  // be the verify batch (same rows, lengths and parents), accept must come before any other batch moves
-  // these requests' states, and one verify batch is accepted once. Bad input (a position outside the
-  // row, no pending verify, another batch) is a std::invalid_argument before any state changes.
+  // be the verify batch (same rows, lengths and parents) run through every KDA layer of the pool, and one
+  // verify batch is accepted once. Any later batch on this backend (init_forward_metadata) ends the
+  // pending verify, and a slot written since the verify (by a batch of another backend, or alloc / free /
+  // copy_slot / set_linear_recurrent_layer_cache: its generation moved) cannot be accepted. Bad or late
+  // input is a std::invalid_argument before any state changes.
   void accept(const model_executor::ForwardBatch& batch, std::span<const int32_t> accepted,
               mem_cache::RecurrentStatePool& recurrent_state_pool);
   bool has_pending_verify() const { return verify_pending_; }
@@ -169,20 +190,69 @@ class LinearRecurrentAttnBackend {
   // beta_ [T, H] = sigmoid(W_b x), from the fp32 or bf16 projection (EXTEND / DECODE and verify alike).
   void compute_beta(const RadixLinearAttention& layer, const LinearAttnInputs& in, int64_t T);
 
+  void forward_checked(const RadixLinearAttention& layer, const model_executor::ForwardBatch& forward_batch,
+                       const LinearAttnInputs& in, mem_cache::RecurrentStatePool& recurrent_state_pool,
+                       float* o);
   void forward_verify(const RadixLinearAttention& layer, const LinearAttnInputs& in,
-                      const mem_cache::LinearRecurrentLayerCache& cache, float* o);
+                      const mem_cache::LinearRecurrentLayerCache& cache,
+                      const mem_cache::RecurrentStatePool& recurrent_state_pool, float* o);
+  // accept's checks, everything before the first state is computed.
+  void check_accept(const model_executor::ForwardBatch& batch, std::span<const int32_t> accepted,
+                    const mem_cache::RecurrentStatePool& recurrent_state_pool) const;
+  // The replay of layer `li` of the verify batch into the scratch (accept's first phase).
+  void replay_layer(size_t li, const mem_cache::LinearRecurrentLayerCache& cache);
+  // Layer li's kept row of verify row i, token j.
+  float* kept_row(size_t li, int64_t i, int64_t j);
+
+  // The dispatch of one layer: q, k and v as column slices of one conv output (fp32 or bf16) of row
+  // stride qkv_stride, the gate as given, beta and the output.
+  template <class QkvT>
+  static LinearRecurrentDispatch make_dispatch(const RadixLinearAttention& layer,
+                                               const LinearRecurrentAttnBackendMetadata& md,
+                                               const mem_cache::LinearRecurrentLayerCache& cache,
+                                               const QkvT* qkv, int64_t qkv_stride, const float* a,
+                                               const bf16_t* a_bf16, int64_t a_stride, const float* beta,
+                                               float* o);
+  static int64_t conv_out_stride(const RadixLinearAttention& layer, int64_t elem_bytes);
 
   LinearRecurrentAttnBackendMetadata forward_metadata_;
   bool has_metadata_ = false;
-  // The pending TARGET_VERIFY batch: its metadata, rows and the layers that ran it.
+
+  // The pending TARGET_VERIFY batch: its metadata, rows, pool, its slots' generations and the layers
+  // that ran it (by pool layer, in the order they first ran; kept rows of layer li at li).
   bool verify_pending_ = false;
+  bool verify_failed_ = false;  // a layer of the current verify batch threw: nothing to accept
+  // Why no verify is pending, for accept's error.
+  enum class VerifyEnd : uint8_t { None, Accepted, LaterBatch, LayerFailed };
+  VerifyEnd verify_end_ = VerifyEnd::None;
+  model_executor::ForwardMode verify_ended_by_ = model_executor::ForwardMode::EXTEND;
   LinearRecurrentAttnBackendMetadata verify_md_;
   std::vector<int32_t> verify_req_, verify_lens_, verify_parents_;
+  const mem_cache::RecurrentStatePool* verify_pool_ = nullptr;
+  std::vector<uint64_t> verify_gen_;  // [B] the slots' generations at the verify (0 for padded rows)
   std::vector<const RadixLinearAttention*> verify_layers_;
+  // The verify buffer [pool layers, verify_rows, verify_tokens, verify_token_elems]: each verify token's
+  // raw conv input | conv output | gate | beta.
+  std::vector<float> verify_kept_;
+  int64_t kept_rows_ = 0, kept_tokens_ = 0, kept_elems_ = 0;
   std::vector<float> verify_conv_f32_;  // [T, W-1, C] each verify token's conv window
   std::vector<bf16_t> verify_conv_bf16_;
-  std::vector<float> accept_rows_, accept_beta_, accept_o_, accept_conv_;
-  static int64_t conv_out_stride(const RadixLinearAttention& layer, int64_t elem_bytes);
+
+  // Scratch of forward_verify and accept, reused across layers and steps (grown, never shrunk).
+  std::vector<int32_t> tok_slot_;
+  std::vector<float*> tok_kept_;
+  std::vector<const float*> anc_, rows_;
+  std::vector<int64_t> path_;
+  std::vector<detail::WindowRow> win_rows_;
+  std::vector<int64_t> paths_, path_off_;  // accept: each row's accepted path, row positions, flattened
+  LinearRecurrentAttnBackendMetadata replay_md_;
+  std::vector<mem_cache::LinearRecurrentLayerCache> accept_caches_;
+  std::vector<float> accept_rows_, accept_beta_, accept_o_;
+  // accept's first phase: per verified layer and row, the new conv window [W-1, C] and recurrent state
+  // [H, K, V].
+  std::vector<float> accept_win_f32_;
+  std::vector<bf16_t> accept_win_bf16_;
+  std::vector<float> accept_state_;
 
   // Scratch reused across layers and steps (grown, never shrunk).
   std::vector<float> conv_out_;
@@ -193,7 +263,8 @@ class LinearRecurrentAttnBackend {
 
 // KDA: binds the dispatches to the chunk_kda / fused_recurrent_kda kernels (optimized by default, the
 // reference when asked for, with fallback as kernels/kda decides). One instance serves every KDA layer.
-class KDAAttnBackend final : public LinearRecurrentAttnBackend {
+// Not final: a test derives from it to make one dispatch fail.
+class KDAAttnBackend : public LinearRecurrentAttnBackend {
  public:
   explicit KDAAttnBackend(kernels::KernelImpl kernel = kernels::KernelImpl::Auto) : kernel_(kernel) {}
   kernels::KernelImpl kernel() const { return kernel_; }

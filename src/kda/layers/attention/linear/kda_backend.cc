@@ -89,17 +89,59 @@ void LinearRecurrentAttnBackend::init_forward_metadata(const ForwardBatch& forwa
                                                        std::span<const int32_t> recurrent_indices) {
   forward_metadata_ = get_forward_metadata(forward_batch, recurrent_indices);
   has_metadata_ = true;
+  // Any new batch ends the pending verify: an EXTEND or DECODE moves states the drafts were verified
+  // against, and a new verify batch reuses the verify buffer. A new verify batch can be accepted once
+  // every layer has run it.
+  if (verify_pending_) {
+    verify_end_ = VerifyEnd::LaterBatch;
+    verify_ended_by_ = forward_batch.forward_mode;
+  }
+  verify_pending_ = false;
+  verify_failed_ = false;
+  verify_layers_.clear();
   if (forward_batch.forward_mode == ForwardMode::TARGET_VERIFY) {
-    // A new verify batch: the previous one can no longer be accepted (the verify buffer is reused); this
-    // one can once a layer has run it.
-    verify_pending_ = false;
     verify_md_ = forward_metadata_;
     verify_req_ = forward_batch.req_pool_indices;
     verify_lens_ = forward_batch.extend_seq_lens;
     verify_parents_ = forward_batch.draft_parents;
-    verify_layers_.clear();
   }
 }
+
+template <class QkvT>
+LinearRecurrentDispatch LinearRecurrentAttnBackend::make_dispatch(
+    const RadixLinearAttention& layer, const LinearRecurrentAttnBackendMetadata& md,
+    const mem_cache::LinearRecurrentLayerCache& cache, const QkvT* qkv, int64_t qkv_stride, const float* a,
+    const bf16_t* a_bf16, int64_t a_stride, const float* beta, float* o) {
+  const int64_t qd = layer.q_dim(), kd = layer.k_dim();
+  LinearRecurrentDispatch d;
+  d.layer = &layer;
+  d.metadata = &md;
+  if constexpr (std::is_same_v<QkvT, bf16_t>) {
+    d.q_bf16 = qkv;
+    d.k_bf16 = qkv + qd;
+    d.v_bf16 = qkv + qd + kd;
+  } else {
+    d.q = qkv;
+    d.k = qkv + qd;
+    d.v = qkv + qd + kd;
+  }
+  d.qkv_stride = qkv_stride;
+  d.a = a;
+  d.a_bf16 = a_bf16;
+  d.a_stride = a_stride;
+  d.beta = beta;
+  d.cache = cache;
+  d.o = o;
+  return d;
+}
+template LinearRecurrentDispatch LinearRecurrentAttnBackend::make_dispatch<float>(
+    const RadixLinearAttention&, const LinearRecurrentAttnBackendMetadata&,
+    const mem_cache::LinearRecurrentLayerCache&, const float*, int64_t, const float*, const bf16_t*, int64_t,
+    const float*, float*);
+template LinearRecurrentDispatch LinearRecurrentAttnBackend::make_dispatch<bf16_t>(
+    const RadixLinearAttention&, const LinearRecurrentAttnBackendMetadata&,
+    const mem_cache::LinearRecurrentLayerCache&, const bf16_t*, int64_t, const float*, const bf16_t*, int64_t,
+    const float*, float*);
 
 // Row stride of the conv output, in elements of elem_bytes: the channels padded by one cache line when
 // the row would be a multiple of 4 KB, as q|k|v of the model (3 x 4096 channels) is. Rows 4 KB apart
@@ -238,6 +280,29 @@ void LinearRecurrentAttnBackend::write_conv_snapshots(
 void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, const ForwardBatch& forward_batch,
                                          const LinearAttnInputs& in,
                                          mem_cache::RecurrentStatePool& recurrent_state_pool, float* o) {
+  if (!has_metadata_ || forward_metadata_.forward_mode != ForwardMode::TARGET_VERIFY) {
+    forward_checked(layer, forward_batch, in, recurrent_state_pool, o);
+    return;
+  }
+  // A verify batch that failed in one layer cannot be accepted: the layers after it would replay
+  // nothing (or what an earlier batch kept).
+  try {
+    forward_checked(layer, forward_batch, in, recurrent_state_pool, o);
+  } catch (...) {
+    verify_failed_ = true;
+    if (verify_pending_) {
+      verify_pending_ = false;
+      verify_end_ = VerifyEnd::LayerFailed;
+    }
+    throw;
+  }
+}
+
+void LinearRecurrentAttnBackend::forward_checked(const RadixLinearAttention& layer,
+                                                 const ForwardBatch& forward_batch,
+                                                 const LinearAttnInputs& in,
+                                                 mem_cache::RecurrentStatePool& recurrent_state_pool,
+                                                 float* o) {
   if (!has_metadata_)
     throw std::logic_error("LinearRecurrentAttnBackend::forward before init_forward_metadata for this batch");
   const auto& md = forward_metadata_;
@@ -253,7 +318,6 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
                                 " tokens but its metadata " + std::to_string(T));
   const auto& p = layer.params();
   const int64_t H = p.num_v_heads, K = p.head_k_dim, V = p.head_v_dim;
-  const int64_t qd = layer.q_dim(), kd = layer.k_dim();
 
   if (mode == ForwardMode::IDLE || mode == ForwardMode::DUMMY_FIRST) {
     if (T > 0) std::memset(o, 0, sizeof(float) * T * H * V);
@@ -305,9 +369,14 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   }
 
   if (mode == ForwardMode::TARGET_VERIFY) {
-    forward_verify(layer, in, cache, o);
+    forward_verify(layer, in, cache, recurrent_state_pool, o);
     return;
   }
+  // Every slot checked: from here on the batch's slots (and snapshot slots) are written; a pending
+  // verify of another backend on any of them can no longer be accepted.
+  recurrent_state_pool.mark_written(md.recurrent_indices);
+  for (const kernels::KdaSnapshot& s : md.snapshots)
+    recurrent_state_pool.mark_written(std::span<const int32_t>(&s.slot, 1));
   const bool decode = mode == ForwardMode::DECODE;
   // The bf16 mode's conv output is bf16 values (the spec rounds it there): in EXTEND it is stored as
   // bf16, half the bytes written by the conv and read by chunk_kda. DECODE keeps fp32 rows (a batch of
@@ -326,332 +395,11 @@ void LinearRecurrentAttnBackend::forward(const RadixLinearAttention& layer, cons
   // caller's projection output: the kernels take row strides, so nothing is copied.
   compute_beta(layer, in, T);
 
-  LinearRecurrentDispatch d;
-  d.layer = &layer;
-  d.metadata = &md;
-  if (bf16_out) {
-    d.q_bf16 = conv_out_bf16_.data();
-    d.k_bf16 = conv_out_bf16_.data() + qd;
-    d.v_bf16 = conv_out_bf16_.data() + qd + kd;
-  } else {
-    d.q = conv_out_.data();
-    d.k = conv_out_.data() + qd;
-    d.v = conv_out_.data() + qd + kd;
-  }
-  d.qkv_stride = ys;
-  d.a = in.a;
-  d.a_bf16 = in.a_bf16;
-  d.a_stride = in.a_stride;
-  d.beta = beta_.data();
-  d.cache = cache;
-  d.o = o;
+  const LinearRecurrentDispatch d = bf16_out ? make_dispatch(layer, md, cache, conv_out_bf16_.data(), ys,
+                                                             in.a, in.a_bf16, in.a_stride, beta_.data(), o)
+                                             : make_dispatch(layer, md, cache, conv_out_.data(), ys, in.a,
+                                                             in.a_bf16, in.a_stride, beta_.data(), o);
   decode ? dispatch_recurrent(d) : dispatch_chunk(d);
-}
-
-namespace {
-
-// Values [c0, c1) of token t's raw conv input (fp32 or bf16 rows), as a conv state keeps it: rounded to
-// bf16 in the bf16 mode (then exactly representable in a bf16 state), into dst [C] fp32.
-void raw_input_row(const LinearAttnInputs& in, int64_t t, int64_t c0, int64_t c1, bool round, float* dst) {
-  for (int64_t c = c0; c < c1; ++c) {
-    float v = in.mixed_qkv_bf16 != nullptr ? bf16_to_f32(in.mixed_qkv_bf16[t * in.qkv_stride + c])
-                                           : in.mixed_qkv[t * in.qkv_stride + c];
-    dst[c] = round ? round_bf16(v) : v;
-  }
-}
-
-// One row of a conv window and where it comes from: a row of a committed window, or a raw input row.
-template <class StateT>
-struct WindowRow {
-  StateT* dst;
-  const StateT* old;  // or
-  const float* raw;
-};
-
-// A conv window [W-1, C] into dst: the last W-1 rows of (the committed window `old` ++ the raw rows
-// `path`, oldest first), as rows to copy (copy_window_rows).
-template <class StateT>
-void window_rows(StateT* dst, const StateT* old, int64_t Hn, int64_t C, const std::vector<const float*>& path,
-                 std::vector<WindowRow<StateT>>& rows) {
-  const int64_t n = static_cast<int64_t>(path.size());
-  for (int64_t r = 0; r < Hn; ++r) {
-    const int64_t q = n + r;  // position in (old ++ path)
-    rows.push_back(q < Hn ? WindowRow<StateT>{dst + r * C, old + q * C, nullptr}
-                          : WindowRow<StateT>{dst + r * C, nullptr, path[q - Hn]});
-  }
-}
-
-template <class StateT>
-void copy_window_rows(const std::vector<WindowRow<StateT>>& rows, int64_t C) {
-  parallel_spans(static_cast<int64_t>(rows.size()), C, [&](int64_t r, int64_t c0, int64_t c1) {
-    const WindowRow<StateT>& w = rows[static_cast<size_t>(r)];
-    if (w.old != nullptr) {
-      std::memcpy(w.dst + c0, w.old + c0, sizeof(StateT) * (c1 - c0));
-      return;
-    }
-    for (int64_t c = c0; c < c1; ++c) {
-      if constexpr (std::is_same_v<StateT, bf16_t>) {
-        w.dst[c] = f32_to_bf16(w.raw[c]);
-      } else {
-        w.dst[c] = w.raw[c];
-      }
-    }
-  });
-}
-
-// Row-local positions from the row's first token to position j, following parents (empty: a chain).
-void path_to(const std::vector<int32_t>& parents, int64_t bos, int64_t j, std::vector<int64_t>& path) {
-  path.clear();
-  for (int64_t t = j; t >= 0; t = parents.empty() ? t - 1 : parents[bos + t]) path.push_back(t);
-  std::reverse(path.begin(), path.end());
-}
-
-}  // namespace
-
-// TARGET_VERIFY in one layer: checks the verify buffer, then per token its conv window (its ancestors'
-// raw inputs reaching into the committed conv state) and the decode conv over all tokens at once, the
-// kept inputs, and the recurrence over the rows (parents for trees) without writing the committed states.
-void LinearRecurrentAttnBackend::forward_verify(const RadixLinearAttention& layer, const LinearAttnInputs& in,
-                                                const mem_cache::LinearRecurrentLayerCache& cache, float* o) {
-  const auto& p = layer.params();
-  const auto& md = forward_metadata_;
-  const int64_t B = static_cast<int64_t>(md.recurrent_indices.size()), T = md.num_tokens();
-  const int64_t H = p.num_v_heads, K = p.head_k_dim, C = layer.conv_dim(), Hn = p.conv_kernel - 1;
-  if (cache.verify == nullptr)
-    throw std::invalid_argument(
-        "TARGET_VERIFY: the state pool has no verify buffer "
-        "(RecurrentStatePoolConfig::max_verify_tokens is 0)");
-  if (B > cache.verify_rows)
-    throw std::invalid_argument("TARGET_VERIFY: " + std::to_string(B) +
-                                " rows, more than the verify buffer's " + std::to_string(cache.verify_rows));
-  for (int64_t i = 0; i < B; ++i) {
-    const int64_t len = md.cu_q_lens[i + 1] - md.cu_q_lens[i];
-    if (len > cache.verify_tokens)
-      throw std::invalid_argument("TARGET_VERIFY: row " + std::to_string(i) + " has " +
-                                  std::to_string(len - 1) +
-                                  " drafts, more than the verify buffer holds (max_verify_tokens " +
-                                  std::to_string(cache.verify_tokens) + " = 1 + " +
-                                  std::to_string(cache.verify_tokens - 1) + " drafts)");
-  }
-  if (std::find(verify_layers_.begin(), verify_layers_.end(), &layer) == verify_layers_.end())
-    verify_layers_.push_back(&layer);
-  verify_pending_ = true;
-  if (T == 0) return;
-
-  // Kept per token: raw conv input | conv output | gate | beta.
-  const int64_t E = cache.verify_token_elems;
-  const auto kept = [&](int64_t i, int64_t j) { return cache.verify + (i * cache.verify_tokens + j) * E; };
-  std::vector<int32_t> tok_slot(static_cast<size_t>(T), -1);
-  std::vector<float*> tok_kept(static_cast<size_t>(T));  // each token's kept row
-  for (int64_t i = 0; i < B; ++i)
-    for (int64_t j = 0; j < md.cu_q_lens[i + 1] - md.cu_q_lens[i]; ++j)
-      tok_kept[md.cu_q_lens[i] + j] = kept(i, j);
-  std::vector<const float*> anc;
-  std::vector<int64_t> path;
-  parallel_spans(T, C, [&](int64_t t, int64_t c0, int64_t c1) {
-    raw_input_row(in, t, c0, c1, p.bf16_activations, tok_kept[t]);
-  });
-  // Each token's window before it, in a scratch conv pool of one slot per token.
-  const auto windows = [&](auto* scratch, const auto* conv) {
-    using StateT = std::remove_cv_t<std::remove_pointer_t<decltype(conv)>>;
-    std::vector<WindowRow<StateT>> rows;
-    for (int64_t i = 0; i < B; ++i) {
-      const int32_t slot = md.recurrent_indices[i];
-      if (slot < 0) continue;
-      const int64_t bos = md.cu_q_lens[i];
-      for (int64_t j = 0; j < md.cu_q_lens[i + 1] - bos; ++j) {
-        path_to(md.parents, bos, j, path);
-        anc.clear();
-        for (size_t r = 0; r + 1 < path.size(); ++r) anc.push_back(kept(i, path[r]));
-        window_rows(scratch + (bos + j) * Hn * C, conv + static_cast<int64_t>(slot) * Hn * C, Hn, C, anc,
-                    rows);
-        tok_slot[bos + j] = static_cast<int32_t>(bos + j);
-      }
-    }
-    copy_window_rows(rows, C);
-  };
-  // Scratch sized for the verify buffer's most tokens (rows x tokens), not this batch's T: grown to a
-  // new high-water mark whenever a batch happened to be larger, it made resident memory creep up late in a
-  // long serving run (scripts/soak.sh); sized once, it is all there from the first verify step.
-  const int64_t T_cap = std::max(T, cache.verify_rows * cache.verify_tokens);
-  const int64_t ys = conv_out_stride(layer, sizeof(float));
-  conv_out_.resize(std::max(conv_out_.size(), static_cast<size_t>(T_cap * ys)));
-  auto fill = [&](auto& args) {
-    args.x = in.mixed_qkv;
-    args.x_bf16 = in.mixed_qkv_bf16;
-    args.x_stride = in.qkv_stride;
-    args.T = T;
-    args.C = C;
-    args.weight = p.conv_weights;
-    args.W = p.conv_kernel;
-    args.N = T;
-    args.indices = tok_slot.data();
-    args.num_slots = T;
-    args.round_input_bf16 = p.bf16_activations;
-    args.round_output_bf16 = p.bf16_activations;
-    args.y = conv_out_.data();
-    args.y_stride = ys;
-  };
-  if (cache.conv_f32 != nullptr) {
-    verify_conv_f32_.resize(static_cast<size_t>(T_cap * Hn * C));
-    windows(verify_conv_f32_.data(), cache.conv_f32);
-    kernels::ShortConvArgs<float> args;
-    fill(args);
-    args.state = verify_conv_f32_.data();
-    kernels::short_conv_decode(args);
-  } else {
-    verify_conv_bf16_.resize(static_cast<size_t>(T_cap * Hn * C));
-    windows(verify_conv_bf16_.data(), cache.conv_bf16);
-    kernels::ShortConvArgs<bf16_t> args;
-    fill(args);
-    args.state = verify_conv_bf16_.data();
-    kernels::short_conv_decode(args);
-  }
-
-  compute_beta(layer, in, T);
-  // Kept after the raw input: conv output [C] | gate [H * K] | beta [H].
-  const float* conv_out = conv_out_.data();
-  const float* beta = beta_.data();
-  parallel_spans(T, C + H * K + H, [&](int64_t t, int64_t c0, int64_t c1) {
-    float* k = tok_kept[t] + C;
-    for (int64_t c = c0; c < std::min(c1, C); ++c) k[c] = conv_out[t * ys + c];
-    for (int64_t c = std::max(c0, C); c < std::min(c1, C + H * K); ++c)
-      k[c] = in.a_bf16 != nullptr ? bf16_to_f32(in.a_bf16[t * in.a_stride + c - C])
-                                  : in.a[t * in.a_stride + c - C];
-    for (int64_t c = std::max(c0, C + H * K); c < c1; ++c) k[c] = beta[t * H + c - C - H * K];
-  });
-
-  LinearRecurrentDispatch d;
-  d.layer = &layer;
-  d.metadata = &md;
-  d.q = conv_out_.data();
-  d.k = conv_out_.data() + layer.q_dim();
-  d.v = conv_out_.data() + layer.q_dim() + layer.k_dim();
-  d.qkv_stride = ys;
-  d.a = in.a;
-  d.a_bf16 = in.a_bf16;
-  d.a_stride = in.a_stride;
-  d.beta = beta_.data();
-  d.cache = cache;
-  d.o = o;
-  dispatch_recurrent(d);
-}
-
-void LinearRecurrentAttnBackend::accept(const ForwardBatch& batch, std::span<const int32_t> accepted,
-                                        mem_cache::RecurrentStatePool& recurrent_state_pool) {
-  // Everything is checked before any state is written.
-  if (!verify_pending_)
-    throw std::invalid_argument("accept: no TARGET_VERIFY batch is pending (none ran, or it was accepted)");
-  if (batch.forward_mode != ForwardMode::TARGET_VERIFY || batch.req_pool_indices != verify_req_ ||
-      batch.extend_seq_lens != verify_lens_ || batch.draft_parents != verify_parents_)
-    throw std::invalid_argument(
-        "accept: the batch is not the pending TARGET_VERIFY batch (rows, lengths or "
-        "parents differ)");
-  const auto& md = verify_md_;
-  const int64_t B = static_cast<int64_t>(md.recurrent_indices.size());
-  if (static_cast<int64_t>(accepted.size()) != B)
-    throw std::invalid_argument("accept: " + std::to_string(accepted.size()) + " accepted positions for " +
-                                std::to_string(B) + " rows");
-  for (int64_t i = 0; i < B; ++i) {
-    const int32_t d = md.cu_q_lens[i + 1] - md.cu_q_lens[i] - 1;
-    if (accepted[i] < 0 || accepted[i] > d)
-      throw std::invalid_argument("accept: row " + std::to_string(i) + " accepts position " +
-                                  std::to_string(accepted[i]) + " of its " + std::to_string(d) +
-                                  " drafts (must be in [0, " + std::to_string(d) + "])");
-  }
-  std::vector<mem_cache::LinearRecurrentLayerCache> caches;
-  for (const RadixLinearAttention* layer : verify_layers_) {
-    caches.push_back(recurrent_state_pool.get_linear_recurrent_layer_cache(layer->layer_id()));
-    if (caches.back().verify == nullptr)
-      throw std::invalid_argument("accept: layer " + std::to_string(layer->layer_id()) +
-                                  " of the state pool has no verify buffer");
-  }
-
-  // The accepted paths: for each row, the row positions from the last accepted token back to position 0.
-  LinearRecurrentAttnBackendMetadata rmd;
-  rmd.forward_mode = ForwardMode::DECODE;
-  rmd.recurrent_indices = md.recurrent_indices;
-  rmd.has_initial_state.assign(static_cast<size_t>(B), 1);
-  rmd.cu_q_lens.assign(1, 0);
-  std::vector<std::vector<int64_t>> paths(static_cast<size_t>(B));
-  for (int64_t i = 0; i < B; ++i) {
-    if (md.recurrent_indices[i] >= 0) path_to(md.parents, md.cu_q_lens[i], accepted[i], paths[i]);
-    rmd.cu_q_lens.push_back(rmd.cu_q_lens.back() + static_cast<int32_t>(paths[i].size()));
-  }
-  const int64_t Tp = rmd.cu_q_lens.back();
-  verify_pending_ = false;  // accepted once, whatever happens below
-
-  std::vector<const float*> rows;
-  for (size_t l = 0; l < verify_layers_.size(); ++l) {
-    const RadixLinearAttention& layer = *verify_layers_[l];
-    const auto& cache = caches[l];
-    const auto& p = layer.params();
-    const int64_t H = p.num_v_heads, K = p.head_k_dim, V = p.head_v_dim, C = layer.conv_dim();
-    const int64_t Hn = p.conv_kernel - 1, E = cache.verify_token_elems;
-    const auto kept = [&](int64_t i, int64_t j) { return cache.verify + (i * cache.verify_tokens + j) * E; };
-    // The accepted tokens' kept inputs, contiguous.
-    // Sized for the verify buffer's most tokens (see forward_verify).
-    const int64_t Tcap = std::max<int64_t>(Tp, cache.verify_rows * cache.verify_tokens);
-    accept_rows_.resize(static_cast<size_t>(Tcap * E));
-    accept_beta_.resize(static_cast<size_t>(Tcap * H));
-    accept_o_.resize(static_cast<size_t>(Tcap * H * V));
-    rows.clear();  // each accepted token's kept row, in replay order
-    for (int64_t i = 0; i < B; ++i)
-      for (const int64_t j : paths[i]) rows.push_back(kept(i, j));
-    // Read in place where they already lie one after the other (a single request's chain: its rows
-    // 0..a of the verify buffer), else copied together.
-    bool in_place = true;
-    for (int64_t t = 1; t < Tp && in_place; ++t) in_place = rows[static_cast<size_t>(t)] == rows[0] + t * E;
-    const float* acc_rows = Tp > 0 && in_place ? rows[0] : accept_rows_.data();
-    if (acc_rows == accept_rows_.data()) {
-      float* const dst = accept_rows_.data();
-      parallel_spans(Tp, E, [&](int64_t t, int64_t c0, int64_t c1) {
-        std::memcpy(dst + t * E + c0, rows[static_cast<size_t>(t)] + c0, sizeof(float) * (c1 - c0));
-      });
-    }
-    for (int64_t t = 0; t < Tp; ++t)
-      std::memcpy(accept_beta_.data() + t * H, rows[static_cast<size_t>(t)] + 2 * C + H * K,
-                  sizeof(float) * H);
-    // The conv state: the path's last W-1 raw inputs after the committed window (computed before the
-    // recurrent replay, which does not touch it, and written row by row: rows own distinct slots).
-    const auto conv = [&](auto* pool_conv) {
-      using StateT = std::remove_pointer_t<decltype(pool_conv)>;
-      if (Hn == 0) return;
-      // Each row's new window into `win`, then copied over its slot's (a window reads its old rows).
-      std::vector<StateT> win(static_cast<size_t>(B * Hn * C));
-      std::vector<WindowRow<StateT>> build, back;
-      for (int64_t i = 0; i < B; ++i) {
-        const int32_t slot = md.recurrent_indices[i];
-        if (slot < 0) continue;
-        rows.clear();
-        for (const int64_t j : paths[i]) rows.push_back(kept(i, j));
-        StateT* st = pool_conv + static_cast<int64_t>(slot) * Hn * C;
-        window_rows(win.data() + i * Hn * C, st, Hn, C, rows, build);
-        for (int64_t r = 0; r < Hn; ++r) back.push_back({st + r * C, win.data() + (i * Hn + r) * C, nullptr});
-      }
-      copy_window_rows(build, C);
-      copy_window_rows(back, C);
-    };
-    if (cache.conv_f32 != nullptr) {
-      conv(cache.conv_f32);
-    } else {
-      conv(cache.conv_bf16);
-    }
-    if (Tp == 0) continue;
-    LinearRecurrentDispatch d;
-    d.layer = &layer;
-    d.metadata = &rmd;
-    d.q = acc_rows + C;
-    d.k = d.q + layer.q_dim();
-    d.v = d.k + layer.k_dim();
-    d.qkv_stride = E;
-    d.a = acc_rows + 2 * C;
-    d.a_stride = E;
-    d.beta = accept_beta_.data();
-    d.cache = cache;
-    d.o = accept_o_.data();
-    dispatch_recurrent(d);
-  }
 }
 
 kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) const {
@@ -688,8 +436,8 @@ kernels::KdaArgs KDAAttnBackend::kernel_args(const LinearRecurrentDispatch& d) c
   a.parents = md.parents.empty() ? nullptr : md.parents.data();
   a.snapshots = md.snapshots.data();
   a.num_snapshots = static_cast<int64_t>(md.snapshots.size());
-  a.snapshot_state = d.cache.recurrent;
-  a.num_snapshot_slots = d.cache.num_slots;
+  a.snapshot_state = d.snapshot_state != nullptr ? d.snapshot_state : d.cache.recurrent;
+  a.num_snapshot_slots = d.snapshot_state != nullptr ? d.num_snapshot_slots : d.cache.num_slots;
   a.o = d.o;
   // Between two steps on a request's slot the layer streams its projection weights (tens of MB at
   // the checkpoint's shapes, more than a last-level cache) and other layers run: the states come from
