@@ -143,8 +143,12 @@ void check_mode(const io::KimiLinearConfig& cfg, const models::KdaLayerWeights& 
       "(bound %.1e)\n",
       tag.c_str(), to_string(prec), to_string(fmt), direct.out, direct_bound.out, direct.state,
       direct_bound.state);
-  if (direct_bound.out > 0) EXPECT_LE(direct.out, direct_bound.out) << tag;
-  if (direct_bound.state > 0) EXPECT_LE(direct.state, direct_bound.state) << tag;
+  if (direct_bound.out > 0) {
+    EXPECT_LE(direct.out, direct_bound.out) << tag;
+  }
+  if (direct_bound.state > 0) {
+    EXPECT_LE(direct.state, direct_bound.state) << tag;
+  }
 }
 
 runtime::LayerCase random_case(int64_t D, std::vector<int32_t> cu, uint64_t seed) {
