@@ -24,7 +24,7 @@
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
 #include "kda/mem_cache/radix_cache.h"
-#include "kda/serving/kda_stack.h"
+#include "kda/models/kda_stack.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/scheduler.h"
 #include "kda/serving/simulate.h"
@@ -61,7 +61,7 @@ SimulateOptions small_options(std::vector<RequestSpec> reqs) {
   return o;
 }
 
-int64_t slot_bytes() { return KdaStack::slot_bytes(small_config(), 3, Precision::FP32); }
+int64_t slot_bytes() { return models::KdaStack::slot_bytes(small_config(), 3, Precision::FP32); }
 
 RequestSpec request(int64_t id, int32_t prompt_len, int32_t output_len, int64_t arrival_step) {
   RequestSpec r;
@@ -231,7 +231,7 @@ TEST(Simulate, DecodesAreNotStarvedByAStreamOfPrompts) {
 
   // The scheduler itself: request 0 finishes its 6 decodes within the first 6 * 5 + 1 steps.
   mem_cache::RecurrentStatePoolConfig pc =
-      KdaStack::synthetic(small_config(), 1, Precision::FP32, 1)->pool_config(8);
+      models::KdaStack::synthetic(small_config(), 1, Precision::FP32, 1)->pool_config(8);
   mem_cache::MemoryPools pools(pc, 8);
   SchedulerOptions so;
   so.token_budget = 50;
@@ -622,7 +622,7 @@ TEST(PrefixCache, Bf16SelfCheckPassesWithTheCache) {
   auto w = cache_workload(WorkloadKind::kMultiTurn);
   auto o = cache_options(make_workload(w), true);
   o.precision = Precision::BF16;
-  o.prefix_cache_memory = 64 * KdaStack::slot_bytes(small_config(), 3, Precision::BF16);
+  o.prefix_cache_memory = 64 * models::KdaStack::slot_bytes(small_config(), 3, Precision::BF16);
   o.check = 6;
   const auto r = run_simulation(o);
   ASSERT_EQ(r.serve.requests_completed, 6);
@@ -657,7 +657,7 @@ TEST(PrefixCache, RequestsArrivingTogetherWaitForTheSharedPrefixAndHit) {
 // locked, and every slot of the pool is either free or a snapshot's (the requests freed theirs).
 TEST(PrefixCache, AfterServingTheTreeIsConsistentAndEverySlotIsAccountedFor) {
   const auto reqs = make_workload(cache_workload(WorkloadKind::kMultiTurn));
-  auto stack = KdaStack::synthetic(small_config(), 3, Precision::FP32, 7);
+  auto stack = models::KdaStack::synthetic(small_config(), 3, Precision::FP32, 7);
   ModelRunner runner(*stack, 6, kernels::KernelImpl::Auto);
   auto& pool = runner.pools().recurrent_state_pool;
   mem_cache::RadixCache cache(pool, 3 * pool.bytes_per_slot());

@@ -23,8 +23,8 @@
 #include "kda/layers/attention/linear/kda_backend.h"
 #include "kda/layers/linear.h"
 #include "kda/mem_cache/memory_pool.h"
+#include "kda/models/kda_stack.h"
 #include "kda/models/kimi_linear.h"
-#include "kda/serving/kda_stack.h"
 #include "kda/serving/model_runner.h"
 
 namespace kda::cli {
@@ -540,10 +540,10 @@ void bench_layer(const BenchOptions& o, double cp, nlohmann::json& j, const Say&
 // one step of each in turn, the best of each over the rounds, so that the three meet the same moments of
 // a shared machine (separate `kda simulate` runs minutes apart do not).
 void bench_stack(const BenchOptions& o, nlohmann::json& j, const Say& say) {
-  const io::KimiLinearConfig cfg = serving::kimi_linear_48b_config();
+  const io::KimiLinearConfig cfg = models::kimi_linear_48b_config();
   const int layers = 20;
   struct One {
-    std::unique_ptr<serving::KdaStack> stack;
+    std::unique_ptr<models::KdaStack> stack;
     layers::attention::linear::KDAAttnBackend backend;
     std::unique_ptr<mem_cache::MemoryPools> pools;
     std::vector<int32_t> reqs;
@@ -557,7 +557,7 @@ void bench_stack(const BenchOptions& o, nlohmann::json& j, const Say& say) {
   std::vector<std::unique_ptr<One>> st;
   for (Weights w : modes) {
     auto s = std::make_unique<One>();
-    s->stack = serving::KdaStack::synthetic(cfg, layers, Precision::BF16, 7, {}, 1024, w);
+    s->stack = models::KdaStack::synthetic(cfg, layers, Precision::BF16, 7, {}, 1024, w);
     s->pools = std::make_unique<mem_cache::MemoryPools>(s->stack->pool_config(1), 1);
     s->reqs = s->pools->req_to_token_pool.alloc(1);
     s->fb = model_executor::ForwardBatch::decode(s->reqs);
@@ -637,9 +637,9 @@ void bench_bf16_gemm(nlohmann::json& j, const Say& say) {
 // a replay of d / 2 + 1 tokens), in turns. A verify step that emits n tokens on average beats plain
 // decoding when its time is under n decode steps: at accept rate 0.7 and d = 4, n = 2.77.
 void bench_spec(nlohmann::json& j, const Say& say) {
-  const io::KimiLinearConfig cfg = serving::kimi_linear_48b_config();
+  const io::KimiLinearConfig cfg = models::kimi_linear_48b_config();
   const int layers = 20, dmax = 8;
-  auto stack = serving::KdaStack::synthetic(cfg, layers, Precision::BF16, 7);
+  auto stack = models::KdaStack::synthetic(cfg, layers, Precision::BF16, 7);
   serving::ModelRunner runner(*stack, 1, kernels::KernelImpl::Auto, dmax + 1, 1);
   const std::vector<int32_t> reqs = runner.pools().req_to_token_pool.alloc(1);
   const int64_t D = stack->hidden_size();

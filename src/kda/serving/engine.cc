@@ -17,7 +17,7 @@ double seconds_since(Clock::time_point t0) {
 }  // namespace
 
 ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests, const ServeOptions& opt) {
-  KdaStack& stack = runner.stack();
+  models::KdaStack& stack = runner.stack();
   const int64_t D = stack.hidden_size(), V = stack.vocab_size();
   Scheduler sched(requests, opt.scheduler, runner.pools().req_to_token_pool);
   const int32_t n = sched.parallel_samples();

@@ -16,7 +16,7 @@
 #include "kda/io/npy.h"
 #include "kda/kernels/kda/kda.h"
 #include "kda/mem_cache/radix_cache.h"
-#include "kda/serving/kda_stack.h"
+#include "kda/models/kda_stack.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/trace.h"
 
@@ -97,11 +97,11 @@ Plan make_plan(const SimulateOptions& o) {
       throw std::invalid_argument("--model " + o.model_dir + ": not a directory");
     p.cfg = io::load_config(o.model_dir);
   } else {
-    p.cfg = o.synthetic_config.value_or(kimi_linear_48b_config());
+    p.cfg = o.synthetic_config.value_or(models::kimi_linear_48b_config());
   }
-  p.layers = static_cast<int>(KdaStack::select_layers(p.cfg, o.layers).size());
+  p.layers = static_cast<int>(models::KdaStack::select_layers(p.cfg, o.layers).size());
   models::check_tensor_parallel(p.cfg, o.tp.size);
-  p.slot_bytes = KdaStack::slot_bytes(p.cfg, p.layers, o.precision);
+  p.slot_bytes = models::KdaStack::slot_bytes(p.cfg, p.layers, o.precision);
   // Speculative decoding: the verify buffer holds a row per decode row of a step (at most max_batch and
   // at most the request slots), so the first max_batch slots each cost a verify row too.
   o.spec.validate();
@@ -221,8 +221,8 @@ double ratio_of(const std::vector<float>& a, const std::vector<float>& b, Precis
 // prompt in one EXTEND, then DECODE steps of its own continuations only, each fed the token the batched
 // run generated there. Every position's last-layer output must match the batched run at the spec's
 // tolerance; its own argmax picks are compared with the batched run's tokens and counted.
-CheckReport self_check(const SimulateOptions& o, const Plan& p, KdaStack& stack, const ServeResult& batched,
-                       bool* interrupted) {
+CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack& stack,
+                       const ServeResult& batched, bool* interrupted) {
   CheckReport rep;
   const double limit = bf16_limit(stack.num_layers());
   char metric[48];
@@ -307,14 +307,14 @@ std::string tokens_key(const SequenceOutput& s, int32_t parallel_samples) {
 int64_t resolve_vocab(const std::string& model_dir, int64_t vocab) {
   if (vocab < 0 || vocab > (int64_t{1} << 24))
     throw std::invalid_argument("--vocab must be in 1..2^24, got " + std::to_string(vocab));
-  const int64_t ckpt = model_dir.empty() ? 0 : KdaStack::checkpoint_vocab(model_dir);
+  const int64_t ckpt = model_dir.empty() ? 0 : models::KdaStack::checkpoint_vocab(model_dir);
   if (ckpt > 0 && vocab > 0 && vocab != ckpt)
     throw std::invalid_argument("--vocab " + std::to_string(vocab) + ": the checkpoint " + model_dir +
                                 " has a vocabulary of " + std::to_string(ckpt));
   if (ckpt > (int64_t{1} << 24))
     throw std::invalid_argument(model_dir + ": a vocabulary of " + std::to_string(ckpt) +
                                 " is more than 2^24");
-  return ckpt > 0 ? ckpt : vocab > 0 ? vocab : KdaStack::kDefaultVocab;
+  return ckpt > 0 ? ckpt : vocab > 0 ? vocab : models::KdaStack::kDefaultVocab;
 }
 
 int64_t parse_byte_size(const std::string& text, const std::string& option) {
@@ -598,10 +598,10 @@ SimulateResult run_group(const SimulateOptions& o) {
       res.model + ", " + to_string(o.precision) + ", hidden " + std::to_string(p.cfg.hidden_size) + ", " +
       std::to_string(p.cfg.num_heads) + " heads x " + std::to_string(p.cfg.head_dim) + ")");
   const auto t0 = Clock::now();
-  auto stack =
-      o.model_dir.empty()
-          ? KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed, o.tp, p.vocab, o.weights)
-          : KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision, o.tp, p.vocab, o.seed, o.weights);
+  auto stack = o.model_dir.empty() ? models::KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed, o.tp,
+                                                                 p.vocab, o.weights)
+                                   : models::KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision,
+                                                                       o.tp, p.vocab, o.seed, o.weights);
   res.build_s = seconds_since(t0);
   res.weight_bytes = stack->layer_weight_bytes();
 

@@ -55,7 +55,7 @@ struct SimulateOptions {
   std::string kernel = "auto";  // auto | naive | optimized
   uint64_t seed = 0;            // weights, workload and inputs
   // Vocabulary of the seeded embedding and LM head; 0: the checkpoint's (model.embed_tokens.weight
-  // or lm_head.weight) when it has one, else KdaStack::kDefaultVocab. A value unlike the
+  // or lm_head.weight) when it has one, else models::KdaStack::kDefaultVocab. A value unlike the
   // checkpoint's is an error.
   int64_t vocab = 0;
   std::string workload = "random";  // a label for the summary (the requests are what runs)

@@ -26,7 +26,7 @@ namespace kda::io {
 class Checkpoint;
 }
 
-namespace kda::serving {
+namespace kda::models {
 
 // The Kimi-Linear-48B-A3B geometry (kda-numerics.md): hidden 2304, 27 decoder layers of which 20 are
 // KDA, 32 heads x 128, conv 4, rms_norm_eps 1e-5.
@@ -104,9 +104,9 @@ class KdaStack {
   Weights weights_;
   distributed::TensorParallel tp_;
   std::vector<int> layer_ids_;  // decoder layer ids (0-based), in order
-  std::vector<std::unique_ptr<models::KimiDeltaAttention>> layers_;
+  std::vector<std::unique_ptr<KimiDeltaAttention>> layers_;
   std::vector<std::vector<float>> norm_w_;  // [layer][D]
-  models::KdaWorkspace ws_;                 // shared by every layer: one layer runs at a time
+  KdaWorkspace ws_;                         // shared by every layer: one layer runs at a time
   std::vector<float> normed_, attn_out_;    // [T, D] scratch
   int64_t vocab_ = 0;
   std::vector<float> embed_;  // [vocab, D] (bf16 values in the bf16 precision)
@@ -117,4 +117,4 @@ class KdaStack {
   void init_head(const io::Checkpoint* ckpt, int64_t vocab, uint64_t seed);
 };
 
-}  // namespace kda::serving
+}  // namespace kda::models
