@@ -314,4 +314,17 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
   return res;
 }
 
+void agree_across_ranks(const distributed::TensorParallel& tp, ServeOptions& so) {
+  if (tp.size <= 1) return;
+  so.agree_stop = [comm = tp.comm](bool v) { return comm->allreduce_or(v); };
+  // Token ids (< 2^24) are exact in fp32, so a sum with zeros from every other rank is a broadcast.
+  so.agree_tokens = [comm = tp.comm, rank = tp.rank](std::vector<int32_t>& t) {
+    std::vector<float> f(t.size(), 0.0f);
+    if (rank == 0)
+      for (size_t i = 0; i < t.size(); ++i) f[i] = static_cast<float>(t[i]);
+    comm->allreduce_sum(f.data(), f.size());
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>(f[i]);
+  };
+}
+
 }  // namespace kda::serving
