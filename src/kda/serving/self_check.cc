@@ -22,10 +22,11 @@ namespace kda::serving {
 // on an AVX512_BF16 CPU at these shapes: with every prompt whole (no prefix cache, a token budget above
 // the prompts) batched and alone were equal bit for bit on both paths, decode and verify steps alike.
 // Measured on the synthetic Kimi-shape stack (the worst relative L2 over the re-run requests, both paths
-// alike): about 5e-5 at 1 layer, 2e-3 at 4 and 5e-3 at 20, about 1e-3 x sqrt(layers) once the flips have
-// spread; the bound is three times that. A scheduling bug (a wrong slot, a lost state) moves the
-// output by O(1), far above it.
-double bf16_check_bound(int layers) { return 3e-3 * std::sqrt(static_cast<double>(std::max(layers, 1))); }
+// alike): about 5e-5 at 1 layer, 2e-3 at 4, and at 20 5e-3 with random prompts and 8.4e-3 with
+// multi-turn prompts restored from snapshots. The bound grows as sqrt(layers), as independent roundings
+// add, and is three times the worst at 20 layers (more at fewer). A scheduling bug (a wrong slot, a lost
+// state) moves the output by O(1), far above it.
+double bf16_check_bound(int layers) { return 6e-3 * std::sqrt(static_cast<double>(std::max(layers, 1))); }
 
 namespace {
 
