@@ -1396,6 +1396,7 @@ TEST(SimulateCli, DefaultBf16RunPassesItsSelfCheck) {
   EXPECT_EQ(j["check_ok"], true);
   EXPECT_EQ(j["check_requests"].size(), 2u);
   EXPECT_EQ(j["check_metric"], "rel_l2");
+  ASSERT_TRUE(j.contains("check_worst") && j.contains("check_bound")) << r.out;
   EXPECT_EQ(j["check_bound"].get<double>(), bf16_check_bound(2));
   EXPECT_LE(j["check_worst"].get<double>(), j["check_bound"].get<double>());
   EXPECT_DOUBLE_EQ(j["check_worst_error_ratio"].get<double>(),
