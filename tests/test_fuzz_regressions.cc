@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "kda/io/config.h"
-#include "kda/serving/kda_stack.h"
+#include "kda/io/kimi_linear_48b.h"
 #include "targets.h"
 
 namespace kda {
@@ -54,7 +54,7 @@ TEST(FuzzCorpus, SeedsAreAccepted) {
 // KDA layers and 7 MLA layers, 27 among them, as the engine's own copy of it says.
 TEST(FuzzCorpus, TheKimiLinear48bSeedIsThePublishedConfig) {
   const auto seed = io::load_config(fs::path(KDA_FUZZ_DIR) / "config" / "kimi_linear_48b.json");
-  const auto real = serving::kimi_linear_48b_config();
+  const auto real = io::kimi_linear_48b_config();
   EXPECT_EQ(seed.kda_layers, real.kda_layers);
   EXPECT_EQ(seed.full_attn_layers, real.full_attn_layers);
   EXPECT_EQ(seed.num_hidden_layers, real.num_hidden_layers);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -512,7 +513,9 @@ TEST(Layer, StateSnapshotsEqualStatesOfTruncatedExtends) {
       expect_close(y, y_plain, "output with snapshots");
     } else {
       // The kernel output is rounded to bf16 before the norm: fp32-level differences move roundings.
-      EXPECT_LE(testing::rel_l2(y.data(), y_plain.data(), y.size()), 1e-2) << "output with snapshots";
+      const double rel = testing::rel_l2(y.data(), y_plain.data(), y.size());
+      std::printf("  bf16 output with snapshots against without: rel L2 %.3g\n", rel);
+      EXPECT_LE(rel, 3.5e-4) << "output with snapshots";  // reached 1.2e-4
     }
     for (int i = 0; i < 2; ++i)
       expect_close(s.states(r[i]), plain.states(rp[i]), "final state " + std::to_string(i));

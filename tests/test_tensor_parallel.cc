@@ -18,9 +18,9 @@
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
 #include "kda/mem_cache/memory_pool.h"
+#include "kda/models/kda_stack.h"
 #include "kda/models/kimi_linear.h"
 #include "kda/runtime/layer_runner.h"
-#include "kda/serving/kda_stack.h"
 #include "support/test_support.h"
 
 namespace kda {
@@ -205,7 +205,7 @@ TEST(TensorParallel, PerRankPoolIsOneNth) {
         EXPECT_EQ(lc.num_heads, H / tp);
         EXPECT_EQ(lc.conv_dim, 3 * P / tp);
         EXPECT_EQ(lc.conv_dtype, p);
-        const auto stack = serving::KdaStack::from_checkpoint(testing::dumps_dir(), 0, p, tpr, 16);
+        const auto stack = models::KdaStack::from_checkpoint(testing::dumps_dir(), 0, p, tpr, 16);
         const auto sc = stack->pool_config(8);
         EXPECT_EQ(sc.num_heads, H / tp);
         EXPECT_EQ(sc.conv_dim, 3 * P / tp);

@@ -16,7 +16,7 @@
 #include "kda/io/kimi_linear_48b.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
-#include "kda/serving/kda_stack.h"
+#include "kda/models/kda_stack.h"
 #include "kda/serving/model_runner.h"
 
 namespace kda::bench {
@@ -29,7 +29,7 @@ void bench_stack(const RowOptions& o, nlohmann::json& j, const Say& say) {
   const io::KimiLinearConfig cfg = io::kimi_linear_48b_config();
   const int layers = 20;
   struct One {
-    std::unique_ptr<serving::KdaStack> stack;
+    std::unique_ptr<models::KdaStack> stack;
     layers::attention::linear::KDAAttnBackend backend;
     std::unique_ptr<mem_cache::MemoryPools> pools;
     std::vector<int32_t> reqs;
@@ -43,7 +43,7 @@ void bench_stack(const RowOptions& o, nlohmann::json& j, const Say& say) {
   std::vector<std::unique_ptr<One>> st;
   for (Weights w : modes) {
     auto s = std::make_unique<One>();
-    s->stack = serving::KdaStack::synthetic(cfg, layers, Precision::BF16, 7, {}, 1024, w);
+    s->stack = models::KdaStack::synthetic(cfg, layers, Precision::BF16, 7, {}, 1024, w);
     s->pools = std::make_unique<mem_cache::MemoryPools>(s->stack->pool_config(1), 1);
     s->reqs = s->pools->req_to_token_pool.alloc(1);
     s->fb = model_executor::ForwardBatch::decode(s->reqs);
@@ -85,7 +85,7 @@ void bench_stack(const RowOptions& o, nlohmann::json& j, const Say& say) {
 void bench_spec(nlohmann::json& j, const Say& say) {
   const io::KimiLinearConfig cfg = io::kimi_linear_48b_config();
   const int layers = 20, dmax = 8;
-  auto stack = serving::KdaStack::synthetic(cfg, layers, Precision::BF16, 7);
+  auto stack = models::KdaStack::synthetic(cfg, layers, Precision::BF16, 7);
   serving::ModelRunner runner(*stack, 1, kernels::KernelImpl::Auto, dmax + 1, 1);
   const std::vector<int32_t> reqs = runner.pools().req_to_token_pool.alloc(1);
   const int64_t D = stack->hidden_size();

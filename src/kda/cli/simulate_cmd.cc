@@ -120,8 +120,8 @@ void print_summary(const serving::SimulateResult& r) {
     std::string ids;
     for (const auto id : r.check->request_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
     std::printf(
-        "  self-check    %zu request(s) alone, teacher-forced [%s]: worst %s = %.3g (<= 1 passes)  %s\n",
-        r.check->request_ids.size(), ids.c_str(), r.check->metric.c_str(), r.check->worst_ratio,
+        "  self-check    %zu request(s) alone, teacher-forced [%s]: worst %s = %.3g (bound %.3g)  %s\n",
+        r.check->request_ids.size(), ids.c_str(), r.check->metric.c_str(), r.check->worst, r.check->bound,
         r.check->ok ? "PASS" : "FAIL");
     std::printf("                argmax tokens matched: %s (%lld of %lld)\n",
                 r.check->tokens_all_matched() ? "yes" : "no", static_cast<long long>(r.check->tokens_matched),

@@ -17,7 +17,7 @@ double seconds_since(Clock::time_point t0) {
 }  // namespace
 
 ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests, const ServeOptions& opt) {
-  KdaStack& stack = runner.stack();
+  models::KdaStack& stack = runner.stack();
   const int64_t D = stack.hidden_size(), V = stack.vocab_size();
   Scheduler sched(requests, opt.scheduler, runner.pools().req_to_token_pool);
   const int32_t n = sched.parallel_samples();
@@ -312,6 +312,19 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     res.outputs[s].tokens = std::move(gen[s]);
   }
   return res;
+}
+
+void agree_across_ranks(const distributed::TensorParallel& tp, ServeOptions& so) {
+  if (tp.size <= 1) return;
+  so.agree_stop = [comm = tp.comm](bool v) { return comm->allreduce_or(v); };
+  // Token ids (< 2^24) are exact in fp32, so a sum with zeros from every other rank is a broadcast.
+  so.agree_tokens = [comm = tp.comm, rank = tp.rank](std::vector<int32_t>& t) {
+    std::vector<float> f(t.size(), 0.0f);
+    if (rank == 0)
+      for (size_t i = 0; i < t.size(); ++i) f[i] = static_cast<float>(t[i]);
+    comm->allreduce_sum(f.data(), f.size());
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>(f[i]);
+  };
 }
 
 }  // namespace kda::serving

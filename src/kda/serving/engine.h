@@ -10,6 +10,7 @@
 #include <functional>
 #include <vector>
 
+#include "kda/distributed/communicator.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/request.h"
 #include "kda/serving/scheduler.h"
@@ -46,10 +47,10 @@ struct ServeOptions {
   const std::vector<std::vector<int32_t>>* replay_truth = nullptr;
   // replay's run without speculation: every decode row still runs as a TARGET_VERIFY row, with one
   // placeholder draft, so that the true continuation is what the target computes in a verify step. Greedy
-  // verification keeps the tokens the target's own picks whatever the draft; what this adds is the GEMM
-  // shapes: on CPUs without AVX512_BF16 oneDNN's one-row bf16 GEMM rounds differently from a several-row
-  // one, and a synthetic model's flat logits have near-ties that such a difference flips (measured: 4 bf16
-  // layers, replay at accept-rate 1 against a plain pre-run accepted 5% of the drafts).
+  // verification keeps the tokens the target's own picks whatever the draft; what this adds is the verify
+  // step's shapes and kernels (its rows' GEMM row counts, the recurrent replay), so that nothing but the
+  // drafts differs from the speculative pass: a synthetic model's flat logits have near-ties that any
+  // rounding difference flips (self_check.cc says which differences bf16 shows).
   bool probe_decode = false;
 };
 
@@ -94,5 +95,11 @@ struct ServeResult {
 };
 
 ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests, const ServeOptions& opt);
+
+// Sets `so`'s agree_stop and agree_tokens for a tensor-parallel group (tp.size > 1; nothing otherwise):
+// every rank stops at the same step and feeds rank 0's greedy picks. The ranks compute the same logits
+// from the same allreduced hidden states, but an allreduce need not give every rank the same bits, and
+// one differing pick would give the ranks different inputs. `tp`'s communicator must outlive the pass.
+void agree_across_ranks(const distributed::TensorParallel& tp, ServeOptions& so);
 
 }  // namespace kda::serving

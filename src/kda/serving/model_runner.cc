@@ -11,8 +11,8 @@ mem_cache::RecurrentStatePoolConfig with_verify(mem_cache::RecurrentStatePoolCon
 }
 }  // namespace
 
-ModelRunner::ModelRunner(KdaStack& stack, int64_t slots, kernels::KernelImpl kernel, int max_verify_tokens,
-                         int64_t verify_rows)
+ModelRunner::ModelRunner(models::KdaStack& stack, int64_t slots, kernels::KernelImpl kernel,
+                         int max_verify_tokens, int64_t verify_rows)
     : stack_(&stack),
       pools_(std::make_unique<mem_cache::MemoryPools>(
           with_verify(stack.pool_config(slots), max_verify_tokens, verify_rows), slots)),

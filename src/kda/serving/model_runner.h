@@ -11,7 +11,7 @@
 #include "kda/layers/attention/linear/kda_backend.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
-#include "kda/serving/kda_stack.h"
+#include "kda/models/kda_stack.h"
 
 namespace kda::serving {
 
@@ -19,10 +19,10 @@ class ModelRunner {
  public:
   // A pool of `slots` usable slots (request indices: as many). Speculative decoding: a verify buffer of
   // `verify_rows` rows of `max_verify_tokens` tokens (0: none, TARGET_VERIFY is an error).
-  ModelRunner(KdaStack& stack, int64_t slots, kernels::KernelImpl kernel, int max_verify_tokens = 0,
+  ModelRunner(models::KdaStack& stack, int64_t slots, kernels::KernelImpl kernel, int max_verify_tokens = 0,
               int64_t verify_rows = 0);
 
-  KdaStack& stack() { return *stack_; }
+  models::KdaStack& stack() { return *stack_; }
   mem_cache::MemoryPools& pools() { return *pools_; }
 
   // x [T, D] -> out [T, D] for the batch (T = fb.num_tokens()).
@@ -32,7 +32,7 @@ class ModelRunner {
   void accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted);
 
  private:
-  KdaStack* stack_;
+  models::KdaStack* stack_;
   std::unique_ptr<mem_cache::MemoryPools> pools_;
   layers::attention::linear::KDAAttnBackend backend_;
 };

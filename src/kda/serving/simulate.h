@@ -55,7 +55,7 @@ struct SimulateOptions {
   std::string kernel = "auto";  // auto | naive | optimized
   uint64_t seed = 0;            // weights, workload and inputs
   // Vocabulary of the seeded embedding and LM head; 0: the checkpoint's (model.embed_tokens.weight
-  // or lm_head.weight) when it has one, else KdaStack::kDefaultVocab. A value unlike the
+  // or lm_head.weight) when it has one, else models::KdaStack::kDefaultVocab. A value unlike the
   // checkpoint's is an error.
   int64_t vocab = 0;
   std::string workload = "random";  // a label for the summary (the requests are what runs)
@@ -105,8 +105,13 @@ struct SimulateOptions {
 
 struct CheckReport {
   std::vector<int64_t> request_ids;  // the requests re-run alone
-  std::string metric;                // "max_err_ratio" (fp32) or "rel_l2/<5e-3 x layers> ..." (bf16)
-  double worst_ratio = 0.0;          // worst over every continuation; <= 1 passes
+  // fp32: "max_err_ratio", the worst elementwise |a - b| / (1e-5 + 1e-5 |b|) (the spec's tolerance),
+  // bound 1. bf16: "rel_l2", the relative L2 of a continuation's rows, bound bf16_check_bound(layers)
+  // (self_check.h says why).
+  std::string metric;
+  double worst = 0.0;        // the value reached: the worst over every continuation
+  double bound = 1.0;        // passes when worst <= bound
+  double worst_ratio = 0.0;  // worst / bound
   bool ok = true;
   double wall_s = 0.0;
   // The re-runs' own argmax tokens against the batched run's generated tokens (reported, not required).
@@ -167,7 +172,8 @@ SimulateResult run_simulation(const SimulateOptions& options);
 double percentile(std::vector<double> v, double p);  // nearest-rank, p in [0, 100]
 // The --json summary. prefill_tok_s / decode_tok_s are tokens over the serving loop's wall time (model
 // build and self-check excluded); step_ms_* cover every model step (all layers); pool_bytes is what
-// the pool allocated; check_worst_error_ratio is null without a check. prefill_tokens counts the prompt
+// the pool allocated; check_worst_error_ratio (worst / bound) is null without a check, check_worst the
+// value reached and check_bound its bound (check_metric names the metric). prefill_tokens counts the prompt
 // tokens of the requests served, prefill_tokens_computed those that went through the layers (equal
 // without a prefix cache); ttft_ms_* are the requests' arrival-to-first-token times. prefix_cache_hit_tokens
 // are prompt tokens restored from snapshots, prefix_cache_hit_rate = hit tokens / prompt tokens, and

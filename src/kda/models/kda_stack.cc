@@ -1,4 +1,4 @@
-#include "kda/serving/kda_stack.h"
+#include "kda/models/kda_stack.h"
 
 #include <cmath>
 #include <cstring>
@@ -10,7 +10,7 @@
 #include "kda/io/safetensors.h"
 #include "kda/serving/inputs.h"
 
-namespace kda::serving {
+namespace kda::models {
 
 std::vector<int> KdaStack::select_layers(const io::KimiLinearConfig& cfg, int num_layers) {
   std::vector<int> ids = cfg.kda_layer_ids();
@@ -26,7 +26,7 @@ std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, i
                                               Precision precision, uint64_t seed,
                                               distributed::TensorParallel tp, int64_t vocab,
                                               Weights weights) {
-  models::check_tensor_parallel(cfg, tp.size);
+  check_tensor_parallel(cfg, tp.size);
   std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp, weights));
   s->layer_ids_ = select_layers(cfg, num_layers);
   const int L = static_cast<int>(s->layer_ids_.size());
@@ -38,10 +38,9 @@ std::unique_ptr<KdaStack> KdaStack::synthetic(const io::KimiLinearConfig& cfg, i
 #pragma omp parallel for schedule(dynamic, 1)
   for (int l = 0; l < L; ++l) {
     try {
-      auto w = models::KdaLayerWeights::synthetic(cfg, seed + 1000ULL * static_cast<uint64_t>(l + 1));
+      auto w = KdaLayerWeights::synthetic(cfg, seed + 1000ULL * static_cast<uint64_t>(l + 1));
       if (tp.size > 1) w = w.shard(cfg, tp.rank, tp.size);  // the same weights as TP 1, this rank's part
-      s->layers_[l] =
-          std::make_unique<models::KimiDeltaAttention>(cfg, s->layer_ids_[l], w, precision, tp, weights);
+      s->layers_[l] = std::make_unique<KimiDeltaAttention>(cfg, s->layer_ids_[l], w, precision, tp, weights);
     } catch (...) {
 #pragma omp critical
       err = std::current_exception();
@@ -56,12 +55,12 @@ std::unique_ptr<KdaStack> KdaStack::from_checkpoint(const std::filesystem::path&
                                                     Precision precision, distributed::TensorParallel tp,
                                                     int64_t vocab, uint64_t seed, Weights weights) {
   const auto cfg = io::load_config(dir);
-  models::check_tensor_parallel(cfg, tp.size);
+  check_tensor_parallel(cfg, tp.size);
   std::unique_ptr<KdaStack> s(new KdaStack(cfg, precision, tp, weights));
   s->layer_ids_ = select_layers(cfg, num_layers);
   const io::Checkpoint ckpt(dir);  // memory-mapped: only the tensors read below are touched
   for (const int id : s->layer_ids_) {
-    s->layers_.push_back(models::KimiDeltaAttention::from_checkpoint(ckpt, cfg, id, precision, tp, weights));
+    s->layers_.push_back(KimiDeltaAttention::from_checkpoint(ckpt, cfg, id, precision, tp, weights));
     const std::string key = "model.layers." + std::to_string(id) + ".input_layernorm.weight";
     s->norm_w_.push_back(ckpt.contains(key) ? ckpt.load_f32(key, {cfg.hidden_size})
                                             : std::vector<float>(static_cast<size_t>(cfg.hidden_size), 1.0f));
@@ -106,7 +105,7 @@ void KdaStack::init_head(const io::Checkpoint* ckpt, int64_t vocab, uint64_t see
 #pragma omp parallel for schedule(static)
     for (int64_t v = 0; v < vocab; ++v) {
       float* row = w.data() + v * D;
-      seeded_normals(seed, table, v, D, row);
+      serving::seeded_normals(seed, table, v, D, row);
       for (int64_t d = 0; d < D; ++d) row[d] *= scale;
     }
     return w;
@@ -205,4 +204,4 @@ void KdaStack::forward(const float* x, int64_t T, const model_executor::ForwardB
   }
 }
 
-}  // namespace kda::serving
+}  // namespace kda::models

@@ -17,7 +17,6 @@
 #include "kda/common/precision.h"
 #include "kda/distributed/communicator.h"
 #include "kda/io/config.h"
-#include "kda/io/kimi_linear_48b.h"
 #include "kda/layers/linear.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
@@ -27,9 +26,7 @@ namespace kda::io {
 class Checkpoint;
 }
 
-namespace kda::serving {
-
-using io::kimi_linear_48b_config;  // kda/io/kimi_linear_48b.h
+namespace kda::models {
 
 class KdaStack {
  public:
@@ -103,9 +100,9 @@ class KdaStack {
   Weights weights_;
   distributed::TensorParallel tp_;
   std::vector<int> layer_ids_;  // decoder layer ids (0-based), in order
-  std::vector<std::unique_ptr<models::KimiDeltaAttention>> layers_;
+  std::vector<std::unique_ptr<KimiDeltaAttention>> layers_;
   std::vector<std::vector<float>> norm_w_;  // [layer][D]
-  models::KdaWorkspace ws_;                 // shared by every layer: one layer runs at a time
+  KdaWorkspace ws_;                         // shared by every layer: one layer runs at a time
   std::vector<float> normed_, attn_out_;    // [T, D] scratch
   int64_t vocab_ = 0;
   std::vector<float> embed_;  // [vocab, D] (bf16 values in the bf16 precision)
@@ -116,4 +113,4 @@ class KdaStack {
   void init_head(const io::Checkpoint* ckpt, int64_t vocab, uint64_t seed);
 };
 
-}  // namespace kda::serving
+}  // namespace kda::models

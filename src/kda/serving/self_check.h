@@ -1,0 +1,21 @@
+// kda simulate's self-check: each sampled request re-run alone on a fresh pool, teacher-forced on the
+// batched run's tokens, and every position's last-layer output compared with the batched run's.
+//
+// fp32: the spec's elementwise tolerance |a - b| <= 1e-5 + 1e-5 |b| (metric "max_err_ratio", bound 1).
+// bf16: the relative L2 of each continuation's rows (metric "rel_l2", bound bf16_check_bound(layers)).
+#pragma once
+
+#include "kda/models/kda_stack.h"
+#include "kda/serving/engine.h"
+#include "kda/serving/simulate.h"
+#include "kda/serving/simulate_plan.h"
+
+namespace kda::serving {
+
+double bf16_check_bound(int layers);
+
+// `interrupted` is set when a stop request ended a re-run (the report is then incomplete).
+CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack& stack,
+                       const ServeResult& batched, bool* interrupted);
+
+}  // namespace kda::serving
