@@ -17,7 +17,7 @@ struct ServerArgs {
 
   // A model with recurrent state shares prefixes through the radix cache of state snapshots
   // (mem_cache/radix_cache.h: a snapshot summarises its whole prefix, so a hit is one slot copy), so
-  // disable_radix_cache is left as it is (issue 15; it used to be forced on). Speculative decoding with
+  // disable_radix_cache is left as it is (it used to be forced on). Speculative decoding with
   // drafts from outside the model (NGRAM, REPLAY: TARGET_VERIFY + accept) is allowed; an algorithm with a
   // draft model (DRAFT_EXTEND) is refused. Throws std::invalid_argument naming the option.
   void check_server_args(bool model_has_recurrent_state);
