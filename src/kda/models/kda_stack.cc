@@ -7,8 +7,8 @@
 #include <string>
 
 #include "kda/common/bf16.h"
+#include "kda/common/seeded.h"
 #include "kda/io/safetensors.h"
-#include "kda/serving/inputs.h"
 
 namespace kda::models {
 
@@ -105,7 +105,7 @@ void KdaStack::init_head(const io::Checkpoint* ckpt, int64_t vocab, uint64_t see
 #pragma omp parallel for schedule(static)
     for (int64_t v = 0; v < vocab; ++v) {
       float* row = w.data() + v * D;
-      serving::seeded_normals(seed, table, v, D, row);
+      seeded_normals(seed, table, v, D, row);
       for (int64_t d = 0; d < D; ++d) row[d] *= scale;
     }
     return w;

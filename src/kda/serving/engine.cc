@@ -5,7 +5,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "kda/serving/inputs.h"
+#include "kda/common/seeded.h"
 
 namespace kda::serving {
 

@@ -4,7 +4,7 @@
 #include <cctype>
 #include <stdexcept>
 
-#include "kda/serving/inputs.h"
+#include "kda/common/seeded.h"
 
 namespace kda::serving {
 

@@ -7,9 +7,9 @@
 #include <set>
 #include <stdexcept>
 
+#include "kda/common/seeded.h"
 #include "kda/io/file.h"
 #include "kda/io/json_brief.h"
-#include "kda/serving/inputs.h"
 
 namespace kda::serving {
 

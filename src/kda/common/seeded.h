@@ -1,4 +1,5 @@
-// Seeded draws of the simulation that must not depend on batching or on the order things are built in.
+// Seeded draws that must not depend on batching or on the order things are built in: the simulation's
+// prompts and drafts, the synthetic models' weights.
 //
 // Counter-based: every value is a function of (seed, a key tuple, element) only (splitmix64 over a hash
 // of the tuple, Box-Muller to normals), so a request's random prompt tokens are the same whether its
@@ -8,7 +9,7 @@
 
 #include <cstdint>
 
-namespace kda::serving {
+namespace kda {
 
 // What a seeded token is for: a request's own random prompt tokens, or a shared system prompt's.
 enum class TokenStream : uint64_t { kPrompt = 1, kSharedPrefix = 3 };
@@ -22,4 +23,4 @@ uint64_t seeded_bits(uint64_t seed, uint64_t stream, int64_t a, int64_t b, int64
 // Weight rows: n standard normals of row `row` of the table `table` (embedding, LM head).
 void seeded_normals(uint64_t seed, uint64_t table, int64_t row, int64_t n, float* out);
 
-}  // namespace kda::serving
+}  // namespace kda

@@ -1,9 +1,9 @@
-#include "kda/serving/inputs.h"
+#include "kda/common/seeded.h"
 
 #include <cmath>
 #include <numbers>
 
-namespace kda::serving {
+namespace kda {
 
 namespace {
 
@@ -52,4 +52,4 @@ void seeded_normals(uint64_t seed, uint64_t table, int64_t row, int64_t n, float
   }
 }
 
-}  // namespace kda::serving
+}  // namespace kda
