@@ -81,7 +81,7 @@ struct ServeResult {
   int64_t prefix_cache_hit_tokens = 0, prefix_cache_bytes = 0, prefix_cache_snapshots = 0,
           prefix_cache_evictions = 0;
   // Speculative decoding (zero without it): verify steps and rows, drafted tokens, accepted drafts, tokens
-  // emitted by verify rows (accepted + 1 each), and the pool's verify buffer in bytes.
+  // emitted by verify rows (accepted + 1 each), and the backend's verify buffer in bytes.
   int64_t spec_verify_steps = 0, spec_verify_rows = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0,
           spec_emitted_tokens = 0, spec_state_bytes = 0;
   int64_t replay_diverged =

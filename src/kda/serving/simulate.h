@@ -78,9 +78,9 @@ struct SimulateOptions {
   int64_t cache_interval = 256;
   int32_t parallel_samples = 1;
   // Speculative decoding (serving/speculative.h); server_args.speculative_algorithm must name the same
-  // algorithm. The verify buffer (max_verify_tokens tokens per verify row, one row per decode row of a
-  // step: min(max_batch, request slots), which also caps the rows of a decode step) comes out of
-  // state_memory with the request slots. replay first
+  // algorithm. The backend's verify buffer (max_verify_tokens tokens per verify row, one row per decode
+  // row of a step: min(max_batch, request slots), which also caps the rows of a decode step; its limits
+  // are set in the pool's config) comes out of state_memory with the request slots. replay first
   // serves the workload without speculation for the true continuations; the statistics are the
   // speculative run's.
   SpeculativeOptions spec;
@@ -181,7 +181,7 @@ double percentile(std::vector<double> v, double p);  // nearest-rank, p in [0, 1
 // how many snapshots it evicted. With hits, a kept output's rows start at its restored prefix (rows_from).
 // Speculative decoding: spec_draft_tokens drafted, spec_accepted_tokens accepted, spec_accept_rate =
 // accepted / drafted, spec_tokens_per_step = tokens emitted per request per verify step (accepted + 1),
-// spec_verify_steps, spec_state_bytes the pool's verify buffer; decode_tokens counts generated tokens
+// spec_verify_steps, spec_state_bytes the backend's verify buffer; decode_tokens counts generated tokens
 // either way (drafts are not counted), so decode_tok_s compares with and without speculation.
 nlohmann::json to_json(const SimulateResult& r);
 
