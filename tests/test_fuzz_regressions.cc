@@ -14,6 +14,7 @@
 
 #include "kda/io/config.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "support/test_support.h"
 #include "targets.h"
 
 namespace kda {
@@ -55,14 +56,7 @@ TEST(FuzzCorpus, SeedsAreAccepted) {
 TEST(FuzzCorpus, TheKimiLinear48bSeedIsThePublishedConfig) {
   const auto seed = io::load_config(fs::path(KDA_FUZZ_DIR) / "config" / "kimi_linear_48b.json");
   const auto real = io::kimi_linear_48b_config();
-  EXPECT_EQ(seed.kda_layers, real.kda_layers);
-  EXPECT_EQ(seed.full_attn_layers, real.full_attn_layers);
-  EXPECT_EQ(seed.num_hidden_layers, real.num_hidden_layers);
-  EXPECT_EQ(seed.hidden_size, real.hidden_size);
-  EXPECT_EQ(seed.num_heads, real.num_heads);
-  EXPECT_EQ(seed.head_dim, real.head_dim);
-  EXPECT_EQ(seed.short_conv_kernel_size, real.short_conv_kernel_size);
-  EXPECT_EQ(seed.rms_norm_eps, real.rms_norm_eps);
+  kda::testing::expect_same_stack_config(seed, real);
   EXPECT_EQ(seed.kda_layers.size() + seed.full_attn_layers.size(), 27u);
   EXPECT_FALSE(seed.is_kda_layer(26));
 }

@@ -636,15 +636,7 @@ TEST(Config, Kimi48B) {
 // config, field by field, and its compile-time shape agrees with it.
 TEST(Config, Kimi48BPresetIsThePublishedConfig) {
   const KimiLinearConfig c = parse_config(config_48b().dump(), "config_48b");
-  const KimiLinearConfig p = kimi_linear_48b_config();
-  EXPECT_EQ(p.hidden_size, c.hidden_size);
-  EXPECT_EQ(p.rms_norm_eps, c.rms_norm_eps);
-  EXPECT_EQ(p.num_hidden_layers, c.num_hidden_layers);
-  EXPECT_EQ(p.num_heads, c.num_heads);
-  EXPECT_EQ(p.head_dim, c.head_dim);
-  EXPECT_EQ(p.short_conv_kernel_size, c.short_conv_kernel_size);
-  EXPECT_EQ(p.kda_layers, c.kda_layers);
-  EXPECT_EQ(p.full_attn_layers, c.full_attn_layers);
+  kda::testing::expect_same_stack_config(kimi_linear_48b_config(), c);
   using S = KimiLinear48bShape;
   EXPECT_EQ(S::kHidden, c.hidden_size);
   EXPECT_EQ(S::kHeads, c.num_heads);

@@ -67,4 +67,15 @@ CommandResult run_command(const std::string& cmd) {
   return r;
 }
 
+void expect_same_stack_config(const io::KimiLinearConfig& got, const io::KimiLinearConfig& want) {
+  EXPECT_EQ(got.hidden_size, want.hidden_size);
+  EXPECT_EQ(got.rms_norm_eps, want.rms_norm_eps);
+  EXPECT_EQ(got.num_hidden_layers, want.num_hidden_layers);
+  EXPECT_EQ(got.num_heads, want.num_heads);
+  EXPECT_EQ(got.head_dim, want.head_dim);
+  EXPECT_EQ(got.short_conv_kernel_size, want.short_conv_kernel_size);
+  EXPECT_EQ(got.kda_layers, want.kda_layers);
+  EXPECT_EQ(got.full_attn_layers, want.full_attn_layers);
+}
+
 }  // namespace kda::testing

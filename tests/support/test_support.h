@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "kda/io/config.h"
+
 namespace kda::testing {
 
 // Whether a sanitizer's allocator (ASan, TSan) stands in for the C library's: malloc's statistics and
@@ -55,5 +57,8 @@ void expect_throw_with(const std::function<void()>& fn, const std::string& needl
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
   }
 }
+
+// The KDA stack's fields of two configs agree (sizes, eps, the layer pattern): what the model reads.
+void expect_same_stack_config(const io::KimiLinearConfig& got, const io::KimiLinearConfig& want);
 
 }  // namespace kda::testing
