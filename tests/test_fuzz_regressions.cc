@@ -54,7 +54,7 @@ TEST(FuzzCorpus, SeedsAreAccepted) {
 // The seed named after the published config (moonshotai/Kimi-Linear-48B-A3B-Instruct) is that config: 20
 // KDA layers and 7 MLA layers, 27 among them, as the engine's own copy of it says.
 TEST(FuzzCorpus, TheKimiLinear48bSeedIsThePublishedConfig) {
-  const auto seed = io::load_config(fs::path(KDA_FUZZ_DIR) / "config" / "kimi_linear_48b.json");
+  const auto seed = io::load_model_config(fs::path(KDA_FUZZ_DIR) / "config" / "kimi_linear_48b.json");
   const auto real = io::kimi_linear_48b_config();
   kda::testing::expect_same_stack_config(seed, real);
   EXPECT_EQ(seed.kda_layers.size() + seed.full_attn_layers.size(), 27u);

@@ -602,17 +602,10 @@ TEST(Config, MiniDump) {
   EXPECT_EQ(load_config(kda::testing::dumps_dir() / "config.json").hidden_size, 256);
 }
 
+// The published config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct (the fuzz corpus's seed).
 nlohmann::json config_48b() {
-  return {{"model_type", "kimi_linear"},
-          {"hidden_size", 2304},
-          {"num_hidden_layers", 27},
-          {"rms_norm_eps", 1e-5},
-          {"linear_attn_config",
-           {{"num_heads", 32},
-            {"head_dim", 128},
-            {"short_conv_kernel_size", 4},
-            {"kda_layers", {1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26}},
-            {"full_attn_layers", {4, 8, 12, 16, 20, 24, 27}}}}};
+  return nlohmann::json::parse(
+      kda::testing::read_file(std::filesystem::path(KDA_FUZZ_DIR) / "config" / "kimi_linear_48b.json"));
 }
 
 TEST(Config, Kimi48B) {
@@ -635,7 +628,7 @@ TEST(Config, Kimi48B) {
 // The preset the synthetic models, tests and benchmarks use (kda/io/kimi_linear_48b.h) is the published
 // config, field by field, and its compile-time shape agrees with it.
 TEST(Config, Kimi48BPresetIsThePublishedConfig) {
-  const KimiLinearConfig c = parse_config(config_48b().dump(), "config_48b");
+  const KimiLinearConfig c = parse_model_config(config_48b().dump(), "config_48b");
   kda::testing::expect_same_stack_config(kimi_linear_48b_config(), c);
   using S = KimiLinear48bShape;
   EXPECT_EQ(S::kHidden, c.hidden_size);
@@ -650,6 +643,75 @@ TEST(Config, Kimi48BPresetIsThePublishedConfig) {
   EXPECT_EQ(one.num_hidden_layers, 1);
   EXPECT_EQ(one.kda_layer_ids(), std::vector<int>{0});
   EXPECT_EQ(one.hidden_size, c.hidden_size);
+}
+
+TEST(Config, ModelFieldsOfThe48BModel) {
+  const KimiLinearConfig c = parse_model_config(config_48b().dump(), "cfg.json");
+  EXPECT_TRUE(c.has_model_fields);
+  EXPECT_EQ(c.mla_layer_ids(), (std::vector<int>{3, 7, 11, 15, 19, 23, 26}));
+  EXPECT_EQ(c.qk_head_dim(), 192);
+  EXPECT_EQ(c.kv_cache_dim(), 576);
+  EXPECT_FALSE(c.is_moe_layer(0));  // first_k_dense_replace 1: layer 0 is dense
+  for (int i = 1; i < 27; ++i) EXPECT_TRUE(c.is_moe_layer(i)) << i;
+  // The KDA-only reading leaves the model fields unset.
+  EXPECT_FALSE(parse_config(config_48b().dump(), "cfg.json").has_model_fields);
+}
+
+// The vendored tiny model's config: 4 layers in the real pattern (3 KDA, then MLA; layer 0 dense).
+TEST(Config, TinyModelDumpsConfig) {
+  const KimiLinearConfig c = load_model_config(kda::testing::model_dumps_dir());
+  EXPECT_EQ(c.kda_layer_ids(), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(c.mla_layer_ids(), std::vector<int>{3});
+  EXPECT_EQ(c.vocab_size, 512);
+  EXPECT_EQ(c.num_attention_heads, 4);
+  EXPECT_EQ(c.qk_head_dim(), 48);
+  EXPECT_EQ(c.kv_cache_dim(), 80);
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.num_experts_per_token, 2);
+  EXPECT_EQ(c.moe_intermediate_size, 64);
+  EXPECT_EQ(c.intermediate_size, 256);
+  EXPECT_FALSE(c.is_moe_layer(0));
+  EXPECT_TRUE(c.is_moe_layer(1) && c.is_moe_layer(2) && c.is_moe_layer(3));
+  EXPECT_DOUBLE_EQ(c.routed_scaling_factor, 2.446);
+}
+
+// What the spec does not define is refused by the whole decoder's reading, naming the field.
+TEST(Config, ModelConfigRefusesWhatTheSpecDoesNotDefine) {
+  auto err = [](const nlohmann::json& j) {
+    return runtime_error_of([&] { parse_model_config(j.dump(), "cfg.json"); });
+  };
+  struct Bad {
+    const char* needle;
+    std::function<void(nlohmann::json&)> set;
+  };
+  const Bad bad[] = {
+      {"'q_lora_rank' must be null", [](auto& j) { j["q_lora_rank"] = 1536; }},
+      {"'mla_use_nope' must be true", [](auto& j) { j["mla_use_nope"] = false; }},
+      {"'moe_router_activation_func' must be \"sigmoid\"",
+       [](auto& j) { j["moe_router_activation_func"] = "softmax"; }},
+      {"'num_expert_group' must be 1", [](auto& j) { j["num_expert_group"] = 8; }},
+      {"'topk_group' must be 1", [](auto& j) { j["topk_group"] = 4; }},
+      {"'num_key_value_heads' must equal", [](auto& j) { j["num_key_value_heads"] = 8; }},
+      {"'num_experts_per_token' must be in 1..256", [](auto& j) { j["num_experts_per_token"] = 300; }},
+      {"'hidden_act' must be \"silu\"", [](auto& j) { j["hidden_act"] = "gelu"; }},
+      {"'vocab_size' is missing", [](auto& j) { j.erase("vocab_size"); }},
+      {"'kv_lora_rank' is missing", [](auto& j) { j.erase("kv_lora_rank"); }},
+      {"layer 27 is in neither",
+       [](auto& j) { j["linear_attn_config"]["full_attn_layers"] = {4, 8, 12, 16, 20, 24}; }},
+      {"'routed_scaling_factor' must be a finite number",
+       [](auto& j) { j["routed_scaling_factor"] = "2.4"; }},
+  };
+  for (const auto& b : bad) {
+    nlohmann::json j = config_48b();
+    b.set(j);
+    EXPECT_THAT(err(j), HasSubstr(b.needle)) << b.needle;
+    EXPECT_THAT(err(j), HasSubstr("cfg.json")) << b.needle;
+  }
+  // Grouped top-k with one group is the published model's and is accepted.
+  nlohmann::json j = config_48b();
+  j["use_grouped_topk"] = false;
+  j["num_expert_group"] = 8;
+  EXPECT_EQ(parse_model_config(j.dump(), "cfg.json").num_experts, 256);
 }
 
 TEST(Config, RejectsBadConfigs) {

@@ -118,6 +118,16 @@ bool config(const uint8_t* data, size_t size) {
                    c.num_hidden_layers <= io::kMaxHiddenLayers &&
                    c.hidden_size * c.projection_size() <= io::kMaxProjectionElements);
     for (int id : c.kda_layer_ids()) KDA_FUZZ_CHECK(id >= 0 && id < c.num_hidden_layers);
+    // The whole decoder's reading of the same text: refused cleanly, or every layer is KDA or MLA and
+    // the MoE's top-k fits its experts.
+    try {
+      const io::KimiLinearConfig m = io::parse_model_config(as_text(data, size), "fuzz.config.json");
+      for (int i = 0; i < m.num_hidden_layers; ++i) KDA_FUZZ_CHECK(m.is_kda_layer(i) != m.is_mla_layer(i));
+      KDA_FUZZ_CHECK(m.num_experts == 0 ||
+                     (m.num_experts_per_token >= 1 && m.num_experts_per_token <= m.num_experts));
+      KDA_FUZZ_CHECK(m.vocab_size > 0 && m.vocab_size <= io::kMaxVocab);
+    } catch (const std::runtime_error&) {
+    }
   });
 }
 

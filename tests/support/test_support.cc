@@ -7,10 +7,25 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
 
 namespace kda::testing {
 
 std::filesystem::path dumps_dir() { return std::filesystem::path(KDA_TEST_DATA_DIR) / "kda_dumps" / "mini"; }
+
+std::filesystem::path model_dumps_dir() {
+  return std::filesystem::path(KDA_TEST_DATA_DIR) / "model_dumps" / "tiny";
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot read " + path.string());
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
 
 std::filesystem::path make_temp_dir(const std::string& tag) {
   auto p = std::filesystem::temp_directory_path() / ("kda_test_" + tag + "_" + std::to_string(::getpid()));
@@ -76,6 +91,28 @@ void expect_same_stack_config(const io::KimiLinearConfig& got, const io::KimiLin
   EXPECT_EQ(got.short_conv_kernel_size, want.short_conv_kernel_size);
   EXPECT_EQ(got.kda_layers, want.kda_layers);
   EXPECT_EQ(got.full_attn_layers, want.full_attn_layers);
+  EXPECT_EQ(got.has_model_fields, want.has_model_fields);
+  if (!got.has_model_fields || !want.has_model_fields) return;
+  EXPECT_EQ(got.vocab_size, want.vocab_size);
+  EXPECT_EQ(got.tie_word_embeddings, want.tie_word_embeddings);
+  EXPECT_EQ(got.num_attention_heads, want.num_attention_heads);
+  EXPECT_EQ(got.num_key_value_heads, want.num_key_value_heads);
+  EXPECT_EQ(got.kv_lora_rank, want.kv_lora_rank);
+  EXPECT_EQ(got.qk_nope_head_dim, want.qk_nope_head_dim);
+  EXPECT_EQ(got.qk_rope_head_dim, want.qk_rope_head_dim);
+  EXPECT_EQ(got.v_head_dim, want.v_head_dim);
+  EXPECT_EQ(got.intermediate_size, want.intermediate_size);
+  EXPECT_EQ(got.first_k_dense_replace, want.first_k_dense_replace);
+  EXPECT_EQ(got.moe_layer_freq, want.moe_layer_freq);
+  EXPECT_EQ(got.num_experts, want.num_experts);
+  EXPECT_EQ(got.num_experts_per_token, want.num_experts_per_token);
+  EXPECT_EQ(got.num_shared_experts, want.num_shared_experts);
+  EXPECT_EQ(got.moe_intermediate_size, want.moe_intermediate_size);
+  EXPECT_EQ(got.moe_renormalize, want.moe_renormalize);
+  EXPECT_EQ(got.routed_scaling_factor, want.routed_scaling_factor);
+  EXPECT_EQ(got.bos_token_id, want.bos_token_id);
+  EXPECT_EQ(got.eos_token_id, want.eos_token_id);
+  EXPECT_EQ(got.pad_token_id, want.pad_token_id);
 }
 
 }  // namespace kda::testing

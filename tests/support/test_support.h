@@ -30,6 +30,10 @@ inline constexpr bool kSanitizedMalloc = false;
 
 // The vendored reference dumps: tests/data/kda_dumps/mini.
 std::filesystem::path dumps_dir();
+// The vendored whole-model reference dumps: tests/data/model_dumps/tiny (4 layers in the real pattern).
+std::filesystem::path model_dumps_dir();
+// A file's bytes as text (std::runtime_error when it cannot be read).
+std::string read_file(const std::filesystem::path& path);
 // A fresh empty temporary directory for one test (removed by the OS / next run).
 std::filesystem::path make_temp_dir(const std::string& tag);
 
