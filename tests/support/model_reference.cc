@@ -292,7 +292,8 @@ class RefModel {
     for (size_t b = 0; b < seqs.size(); ++b)
       for (int64_t t = cu[b]; t < cu[b + 1]; ++t) seq_of[t] = static_cast<int64_t>(b);
     std::vector<double> o(T * Hm * dv);
-#pragma omp parallel for collapse(2) schedule(dynamic)
+    const int64_t work = T * Hm * (base.back() + T) * (dq + dv);
+#pragma omp parallel for collapse(2) schedule(dynamic) if (work > (int64_t{1} << 16))
     for (int64_t t = 0; t < T; ++t)
       for (int64_t hh = 0; hh < Hm; ++hh) {
         const int64_t b = seq_of[t], last = base[b] + (t - cu[b]);  // cache rows 0..last

@@ -22,7 +22,8 @@ struct ModelReferenceOptions {
   bool bf16 = false;
   // Weight-only quantization, in float64, by the engine's scheme (int8 per output channel, int4 groups
   // of 32, symmetric, round to nearest) of every projection, expert and dense-MLP weight (not the router,
-  // norms, embeddings, conv, lm_head). Applied after the bf16 weight rounding when both are set.
+  // norms, embeddings, conv, lm_head), from the stored values (with bf16 set, the other weights are
+  // rounded to bf16 and the quantized ones are not).
   enum class Quant { None, Int8, Int4 } quant = Quant::None;
 };
 
