@@ -45,10 +45,13 @@ ModelReference reference_model(const io::KimiLinearConfig& cfg, const TensorMap&
                                const ModelReferenceOptions& opts = {});
 
 // Token ids drawn one at a time so that every MoE routing decision keeps margin >= `margin` in float64
-// and in the bf16 emulation (the dumps' README, "Routing margins": a token is drawn again until its
-// routing, given the tokens before it, is clear). Returns the sequences packed in order. Throws
-// std::runtime_error when a position finds no such token in many draws.
+// and, with bf16_too, in the bf16 emulation as well (the dumps' README, "Routing margins": a token is
+// drawn again until its routing, given the tokens before it, is clear). Returns the sequences packed in
+// order; the same arguments give the same ids. Throws std::runtime_error when a position finds no such
+// token in 4000 draws. Each try runs 8 candidates through the float64 decoder together (one pass over
+// the weights) and the ones it clears through the bf16 emulation.
 std::vector<int32_t> draw_clear_tokens(const io::KimiLinearConfig& cfg, const TensorMap& w,
-                                       const std::vector<int32_t>& seq_lens, uint64_t seed, double margin);
+                                       const std::vector<int32_t>& seq_lens, uint64_t seed, double margin,
+                                       bool bf16_too = true);
 
 }  // namespace kda::testing
