@@ -103,6 +103,20 @@ TEST(ModelReference, ReproducesEveryTinyCase) {
     for (const auto& [i, topk] : r.moe_topk) EXPECT_EQ(topk, c.at("moe_topk_" + std::to_string(i)).to_i32());
     EXPECT_EQ(r.moe_topk.size(), 3u);
     EXPECT_NEAR(r.routing_min_margin, scalar_f64(c.at("routing_min_margin")), 1e-9);
+    if (c.count("prefill_len")) {  // decode_tail: the states after its prefill
+      const int32_t P = c.at("prefill_len").to_i32().at(0);
+      const std::vector<int32_t> head(ids.begin(), ids.begin() + P);
+      const ModelReference p = testing::reference_model(cfg, w, head, {});
+      for (int i : cfg.kda_layer_ids()) {
+        const std::string s = std::to_string(i);
+        EXPECT_LE(worst(p.kda_recurrent_state.at(i), c.at("prefill_kda_recurrent_state_" + s).to_f32(), 1e-8,
+                        kStoredRtol),
+                  1.0);
+        EXPECT_LE(
+            worst(p.kda_conv_state.at(i), c.at("prefill_kda_conv_state_" + s).to_f32(), 1e-8, kStoredRtol),
+            1.0);
+      }
+    }
   }
 }
 
