@@ -138,6 +138,7 @@ class KimiMoE {
   void forward(const float* x, int64_t T, float* out);
 
   int layer_idx() const { return layer_idx_; }
+  int64_t hidden() const { return D_; }
   int num_experts() const { return E_; }
   int top_k() const { return k_; }
   MoeCombine combine() const { return combine_; }
