@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/common/allocator.h"
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
 #include "kda/layers/linear.h"
@@ -151,6 +152,7 @@ MlpWeights MlpWeights::synthetic(int64_t D, int64_t I, uint64_t seed) {
 KimiMLP::KimiMLP(const MlpWeights& w, Precision precision, distributed::TensorParallel tp, Weights weights)
     : precision_(precision), tp_(tp) {
   check_tp(tp, "KimiMLP");
+  configure_allocator();
   mlp_ = std::make_unique<SwigluMlp>(w.hidden, w.intermediate, w.gate_proj, w.up_proj, w.down_proj, precision,
                                      weights);
 }
@@ -343,6 +345,9 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
   if (k_ < 1)
     throw std::invalid_argument("KimiMoE: num_experts_per_token " +
                                 std::to_string(cfg.num_experts_per_token) + " must be >= 1");
+  // Every expert's fp32 weights are freed once converted: with the fixed mmap threshold they go back to
+  // the system instead of staying in the building threads' heaps.
+  configure_allocator();
   // The router stays as stored: dense fp32 logits in every precision and weights mode.
   router_ = std::make_unique<layers::Linear>(D_, E_, src.router, Precision::FP32, Weights::BF16);
   bias_ = src.bias;
