@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kda/common/seeded.h"
 #include "kda/distributed/in_process.h"
 #include "kda/io/config.h"
 #include "kda/io/safetensors.h"
@@ -138,6 +139,25 @@ TEST(MoeRouter, CombineNames) {
   EXPECT_STREQ(models::to_string(MoeCombine::Biased), "biased");
   EXPECT_STREQ(models::to_string(MoeCombine::Unbiased), "unbiased");
   testing::expect_throw_with<std::invalid_argument>([] { models::parse_moe_combine("sigmoid"); }, "sigmoid");
+}
+
+TEST(MoeSynthetic, SeededUniformsHaveUnitVarianceAndDependOnTheKeyOnly) {
+  std::vector<float> a(100000), b(100000), c(100000);
+  seeded_uniforms(9, 3, 7, static_cast<int64_t>(a.size()), a.data());
+  seeded_uniforms(9, 3, 7, 1000, b.data());  // a prefix draws the same values
+  seeded_uniforms(9, 3, 8, static_cast<int64_t>(c.size()), c.data());
+  EXPECT_TRUE(std::equal(b.begin(), b.begin() + 1000, a.begin()));
+  EXPECT_NE(a, c);
+  double mean = 0.0, var = 0.0;
+  for (float v : a) {
+    ASSERT_LT(std::fabs(v), 1.7320509f);
+    mean += v;
+    var += static_cast<double>(v) * v;
+  }
+  mean /= a.size();
+  var = var / a.size() - mean * mean;
+  EXPECT_NEAR(mean, 0.0, 0.02);
+  EXPECT_NEAR(var, 1.0, 0.02);
 }
 
 TEST(MoeSwiglu, SiluMulRowsEqualTheReference) {

@@ -62,7 +62,8 @@ struct MlpWeights {
                          int64_t I, int tp_rank = 0, int tp_size = 1);
   // This rank's intermediate rows of the whole MLP (gate/up rows, down columns).
   MlpWeights shard(int tp_rank, int tp_size) const;
-  // Seeded normals (common/seeded.h): gate/up / sqrt(D), down / sqrt(I); a function of (seed, D, I) only.
+  // Seeded unit-variance draws (common/seeded.h, seeded_uniforms): gate/up / sqrt(D), down / sqrt(I); a
+  // function of (seed, D, I) only.
   static MlpWeights synthetic(int64_t D, int64_t I, uint64_t seed);
 };
 

@@ -125,21 +125,22 @@ MlpWeights MlpWeights::synthetic(int64_t D, int64_t I, uint64_t seed) {
   w.up_proj.resize(static_cast<size_t>(I * D));
   w.down_proj.resize(static_cast<size_t>(D * I));
   const float sd = 1.0f / std::sqrt(static_cast<float>(D)), sd_down = 1.0f / std::sqrt(static_cast<float>(I));
-  // Every row is a function of (seed, table, row) only, so rows are drawn in parallel.
+  // Unit-variance uniforms (seeded_uniforms: a MoE has hundreds of experts, and normals cost several
+  // times more to draw). Every row is a function of (seed, table, row) only, so rows are drawn in parallel.
 #pragma omp parallel for schedule(static) if (I * D >= (int64_t{1} << 18))
   for (int64_t r = 0; r < I + D; ++r) {
     if (r < I) {
       float* g = w.gate_proj.data() + r * D;
       float* u = w.up_proj.data() + r * D;
-      seeded_normals(seed, kGateTable, r, D, g);
-      seeded_normals(seed, kUpTable, r, D, u);
+      seeded_uniforms(seed, kGateTable, r, D, g);
+      seeded_uniforms(seed, kUpTable, r, D, u);
       for (int64_t c = 0; c < D; ++c) {
         g[c] *= sd;
         u[c] *= sd;
       }
     } else {
       float* d = w.down_proj.data() + (r - I) * I;
-      seeded_normals(seed, kDownTable, r - I, I, d);
+      seeded_uniforms(seed, kDownTable, r - I, I, d);
       for (int64_t c = 0; c < I; ++c) d[c] *= sd_down;
     }
   }
