@@ -6,9 +6,9 @@
 //   y = sum_i w_i E_i(x) + shared(x)                     E(x) = down(silu(gate x) * (up x))
 //
 // Prefill groups a batch's tokens by expert: one gate|up GEMM and one down GEMM per selected expert over
-// its tokens, weighted and added into y in increasing expert id for every token (so a token's sum is
-// the same alone or in a batch). Small batches (decode) run the selected experts side by side, one
-// thread each, and read only those experts' weights.
+// its tokens, weighted and added into y in increasing expert id for every token, after the shared
+// expert (so a token's sum is the same alone or in a batch). Small batches (decode) run the selected
+// experts and the shared one side by side, one thread each, and read only those experts' weights.
 //
 // Tensor parallelism: every expert's, the shared expert's and the dense MLP's intermediate rows are split
 // across ranks (gate/up column-parallel, down row-parallel); the router is replicated; the MoE sums the
@@ -80,7 +80,7 @@ struct MoeWeights {
                               const MoeOptions& opts);
 };
 
-// The dense MLP (layers below first_k_dense_replace) and the MoE's shared expert.
+// The dense MLP (layers below first_k_dense_replace); the MoE runs its shared expert with the same math.
 class KimiMLP {
  public:
   // `w` holds this rank's shard (w.intermediate = I / tp.size); `weights`: dense in the precision's type,
@@ -172,7 +172,7 @@ class KimiMoE {
   std::unique_ptr<layers::Linear> router_;  // fp32, dense in every mode
   std::vector<float> bias_;
   std::vector<std::unique_ptr<layers::moe::SwigluMlp>> experts_;
-  std::unique_ptr<KimiMLP> shared_;
+  std::unique_ptr<layers::moe::SwigluMlp> shared_;  // the shared expert (KimiMLP's math, no allreduce)
   std::vector<float> logits_, topk_w_;
   std::vector<int32_t> topk_ids_;
   std::vector<int64_t> offsets_;  // [E + 1] into rows_
