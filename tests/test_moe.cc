@@ -258,7 +258,7 @@ TEST(KimiMoe, Fp32EqualsFloat64AtManyTokenCounts) {
         auto moe = KimiMoE::from_weights(c.w, c.cfg, 1, Precision::FP32, {}, Weights::BF16, {combine, 0});
         EXPECT_EQ(moe->num_experts(), 16);
         EXPECT_EQ(moe->top_k(), 4);
-        for (int64_t T : {1, 7, 16, 17, 63, 64, 65, 300}) {  // T * k <= 64 side by side, above grouped
+        for (int64_t T : {1, 7, 16, 17, 63, 64, 65, 300}) {  // side by side up to 64 (16 rows per expert)
           const auto x = testing::clear_routing_inputs(c.w, c.cfg, c.k, T, T, 1e-3, false);
           const auto ref = testing::moe_reference(c.w, c.cfg, c.k, combine, x, T, false);
           const auto out = run_moe(*moe, x, T);
@@ -288,7 +288,7 @@ TEST(KimiMoe, RealWidthsEqualFloat64) {
   // hidden 2304, experts of 1024 (8 of them: the widths are real, the count is not), top 2 + 1 shared.
   const MoeCase c = make_case(2304, 8, 2, 1024, 1, 77);
   auto moe = KimiMoE::from_weights(c.w, c.cfg, 1, Precision::FP32);
-  for (int64_t T : {1, 40}) {
+  for (int64_t T : {1, 72}) {  // side by side, grouped (18 rows per expert)
     const auto x = testing::clear_routing_inputs(c.w, c.cfg, c.k, T, 100 + T, 1e-3, false);
     const auto ref = testing::moe_reference(c.w, c.cfg, c.k, MoeCombine::Unbiased, x, T, false);
     const auto out = run_moe(*moe, x, T);
@@ -317,7 +317,7 @@ TEST(KimiMoe, BatchEqualsEachTokenAlone) {
   for (Precision p : {Precision::FP32, Precision::BF16}) {
     const MoeCase c = make_case(128, 16, 4, 64, 1, 31);
     auto moe = KimiMoE::from_weights(c.w, c.cfg, 1, p);
-    const int64_t T = 50;  // grouped path; each token alone runs side by side
+    const int64_t T = 100;  // grouped path (25 rows per expert); each token alone runs side by side
     const auto x = testing::clear_routing_inputs(c.w, c.cfg, c.k, T, 4, 1e-3, p == Precision::BF16);
     const auto batch = run_moe(*moe, x, T);
     const auto batch_topk = moe->last_topk();
@@ -356,7 +356,7 @@ TEST(KimiMoe, Bf16EqualsTheEmulation) {
 
 TEST(KimiMoe, QuantizedWeightsStayNearFp32) {
   const MoeCase c = make_case(256, 8, 2, 64, 1, 61);
-  const int64_t T = 40;
+  const int64_t T = 80;  // grouped (20 rows per expert)
   const auto x = testing::clear_routing_inputs(c.w, c.cfg, c.k, T, 3, 1e-3, false);
   auto f = KimiMoE::from_weights(c.w, c.cfg, 1, Precision::FP32);
   const auto ref = run_moe(*f, x, T);
@@ -510,7 +510,7 @@ TEST(KimiMoeLoad, MissingOrMisShapedExpertTensorNamesKeyAndShapes) {
 TEST(KimiMoeTp, Tp2EqualsTp1) {
   const MoeCase c = make_case(128, 16, 4, 64, 1, 91);
   const MlpWeights dense = MlpWeights::synthetic(128, 256, 4);
-  for (int64_t T : {3, 70}) {
+  for (int64_t T : {3, 100}) {  // side by side, grouped
     const auto x = testing::clear_routing_inputs(c.w, c.cfg, c.k, T, T, 1e-3, false);
     auto one = KimiMoE::from_weights(c.w, c.cfg, 1, Precision::FP32);
     const auto ref = run_moe(*one, x, T);

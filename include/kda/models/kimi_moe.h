@@ -150,9 +150,11 @@ class KimiMoE {
   // Its combine weights [T, top_k], in the same order.
   const std::vector<float>& last_topk_weights() const { return topk_w_; }
 
-  // Experts of at most this many selected (token, expert) rows in all run side by side, one per thread
-  // (decode); larger batches run expert after expert with the GEMMs threaded (prefill).
-  static constexpr int64_t kParallelExpertRows = 64;
+  // When the selected experts average at most this many rows (decode, small batches over many experts)
+  // they run side by side, one per thread, each GEMM single-threaded: too few rows to thread one GEMM
+  // well, and every thread streams its own expert's weights. More rows (prefill) run expert after expert
+  // with the GEMMs threaded.
+  static constexpr int64_t kSideBySideRows = 16;
 
  private:
   struct Source;
@@ -177,7 +179,6 @@ class KimiMoE {
   std::vector<int32_t> topk_ids_;
   std::vector<int64_t> offsets_;  // [E + 1] into rows_
   std::vector<int64_t> rows_;     // (token, slot) pairs grouped by expert, tokens ascending: t * k + j
-  std::vector<float> ye_;         // decode: the active experts' outputs side by side
 };
 
 }  // namespace kda::models

@@ -33,6 +33,7 @@ constexpr int64_t kRouterSeed = -1, kSharedSeed = -2;
 struct ThreadScratch {
   SwigluScratch mlp;
   std::vector<float> xe, ye;  // an expert's gathered rows and its output
+  std::vector<float> side;    // the calling thread's: every active expert's output side by side
 };
 ThreadScratch& thread_scratch() {
   thread_local ThreadScratch s;
@@ -420,7 +421,9 @@ void KimiMoE::forward(const float* x, int64_t T, float* out) {
   const bool bf16 = precision_ == Precision::BF16;
   topk_ids_ = std::move(ids);
   topk_w_ = std::move(w);
-  if (T * k <= kParallelExpertRows)
+  int64_t active = 0;
+  for (int e = 0; e < E_; ++e) active += offsets_[e + 1] > offsets_[e];
+  if (T * k <= kSideBySideRows * active)
     run_side_by_side(x, T, out);
   else
     run_grouped(x, T, out);
@@ -483,7 +486,8 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
   std::vector<int64_t> out_at(active.size() + 1, 0);
   for (int a = 0; a < na; ++a)
     out_at[a + 1] = out_at[a] + padded_rows(offsets_[active[a] + 1] - offsets_[active[a]]);
-  ye_.resize(static_cast<size_t>(out_at.back() * D_));
+  std::vector<float>& ye = thread_scratch().side;
+  if (ye.size() < static_cast<size_t>(out_at.back() * D_)) ye.resize(static_cast<size_t>(out_at.back() * D_));
   std::exception_ptr error;
   // One job per thread: at decode each expert is a few rows, too small to thread its GEMMs well.
 #pragma omp parallel for schedule(dynamic, 1) if (jobs > 1)
@@ -498,7 +502,7 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
       const int64_t n = offsets_[e + 1] - offsets_[e], np = out_at[a + 1] - out_at[a];
       if (s.xe.size() < static_cast<size_t>(np * D_)) s.xe.resize(static_cast<size_t>(np * D_));
       gather(x, D_, rows_.data() + offsets_[e], n, k_, s.xe.data(), np);
-      experts_[e]->forward(s.xe.data(), np, D_, ye_.data() + out_at[a] * D_, D_, round_out, s.mlp);
+      experts_[e]->forward(s.xe.data(), np, D_, ye.data() + out_at[a] * D_, D_, round_out, s.mlp);
     } catch (...) {
 #pragma omp critical(kda_moe_forward)
       if (!error) error = std::current_exception();
@@ -509,8 +513,8 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
   // Added in increasing expert id after the shared expert, as run_grouped adds them.
   for (int a = 0; a < na; ++a) {
     const int e = active[a];
-    scatter_add(ye_.data() + out_at[a] * D_, D_, rows_.data() + offsets_[e], offsets_[e + 1] - offsets_[e],
-                k_, topk_w_.data(), y);
+    scatter_add(ye.data() + out_at[a] * D_, D_, rows_.data() + offsets_[e], offsets_[e + 1] - offsets_[e], k_,
+                topk_w_.data(), y);
   }
 }
 
