@@ -538,6 +538,37 @@ TEST(KimiMoeTp, Tp2EqualsTp1) {
   }
 }
 
+TEST(KimiMoeTp, CheckpointShardsEqualTp1) {
+  // Rank r reads only its rows of every expert and of the dense MLP from the tiny dumps.
+  const auto dir = testing::model_dumps_dir();
+  const io::KimiLinearConfig cfg = io::load_model_config(dir);
+  const io::Checkpoint ckpt(dir);
+  const int64_t D = cfg.hidden_size, T = 40;
+  const auto x = testing::random_normal(static_cast<size_t>(T * D), 12);
+  auto one = KimiMoE::from_checkpoint(ckpt, cfg, 2, Precision::FP32);
+  const auto ref = run_moe(*one, x, T);
+  KimiMLP dense1(MlpWeights::load(ckpt, "model.layers.0.mlp", false, D, cfg.intermediate_size),
+                 Precision::FP32);
+  std::vector<float> dref(x.size());
+  dense1.forward(x.data(), T, dref.data());
+  const int tp = 2;
+  distributed::InProcessGroup group(tp);
+  std::vector<std::vector<float>> got(tp), dgot(tp, std::vector<float>(x.size()));
+  group.run([&](int r, distributed::Communicator& comm) {
+    auto moe = KimiMoE::from_checkpoint(ckpt, cfg, 2, Precision::FP32, {r, tp, &comm});
+    got[r] = run_moe(*moe, x, T);
+    KimiMLP dense(MlpWeights::load(ckpt, "model.layers.0.mlp", false, D, cfg.intermediate_size, r, tp),
+                  Precision::FP32, {r, tp, &comm});
+    dense.forward(x.data(), T, dgot[r].data());
+  });
+  for (int r = 0; r < tp; ++r) {
+    EXPECT_LE(testing::max_error_ratio(got[r].data(), ref.data(), ref.size(), 1e-4, 1e-4), 1.0)
+        << "rank " << r;
+    EXPECT_LE(testing::max_error_ratio(dgot[r].data(), dref.data(), dref.size(), 1e-4, 1e-4), 1.0)
+        << "rank " << r;
+  }
+}
+
 TEST(KimiMoeTp, IndivisibleIntermediateIsAClearError) {
   const MoeCase c = make_case(64, 4, 2, 48, 1, 1);
   distributed::InProcessGroup group(5);  // no collective runs: building is rank-local
