@@ -32,12 +32,16 @@ void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const
     throw std::runtime_error("MLA attention: oneDNN sgemm failed (status " + std::to_string(st) + ")");
 }
 
-// Row ii of a query block sees keys [0, prefix + i0 + ii]; the rest of its scores are masked. Softmax in
-// fp32, max-subtracted; masked entries become 0 so the block's value GEMM can run over every key.
-void causal_softmax(float* scores, int64_t ld, int64_t rows, int64_t first_len) {
+// Row ii of a query block (new token i0 + ii) sees keys [0, prefix + i0 + ii]; with a visibility matrix,
+// only those of the new tokens it names. Softmax in fp32, max-subtracted; masked entries become 0 so the
+// block's value GEMM can run over every key.
+void causal_softmax(float* scores, int64_t ld, int64_t rows, const MlaSeq& seq, int64_t i0) {
   for (int64_t ii = 0; ii < rows; ++ii) {
     float* s = scores + ii * ld;
-    const int64_t n = first_len + ii;
+    const int64_t i = i0 + ii, n = seq.prefix + i + 1;
+    if (seq.visible)
+      for (int64_t m = 0; m < i; ++m)
+        if (!seq.visible[i * seq.extend + m]) s[seq.prefix + m] = -INFINITY;
     float m = -INFINITY;
     for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
     float sum = 0.0f;
@@ -127,7 +131,7 @@ void mla_attention_plain(const MlaAttnArgs& a) {
     const float* k = kv.data() + kv_off[static_cast<size_t>(w.seq)] + w.head * (dn + dv);
     sgemm('N', 'T', nb, ns, dn, a.scale, q, a.ldq, k, kvw, 0.0f, scores.data(), ns);
     sgemm('N', 'T', nb, ns, dr, a.scale, q + dn, a.ldq, s.latent + R, lat, 1.0f, scores.data(), ns);
-    causal_softmax(scores.data(), ns, nb, s.prefix + w.i0 + 1);
+    causal_softmax(scores.data(), ns, nb, s, w.i0);
     float* o = a.o + (s.q_row + w.i0) * a.ldo + w.head * dv;
     sgemm('N', 'N', nb, dv, ns, 1.0f, scores.data(), ns, k + dn, kvw, 0.0f, o, a.ldo);
     if (a.bf16)
@@ -187,8 +191,7 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
         }
         sgemm('N', 'T', M, ns, R, a.scale, qt, R, s.latent, lat, 0.0f, scores, ns);
         sgemm('N', 'T', M, ns, dr, a.scale, qpe, dr, s.latent + R, lat, 1.0f, scores, ns);
-        for (int64_t h = w.h0; h < w.h1; ++h)
-          causal_softmax(scores + (h - w.h0) * nb * ns, ns, nb, s.prefix + w.i0 + 1);
+        for (int64_t h = w.h0; h < w.h1; ++h) causal_softmax(scores + (h - w.h0) * nb * ns, ns, nb, s, w.i0);
         sgemm('N', 'N', M, R, ns, 1.0f, scores, ns, s.latent, lat, 0.0f, u, R);
         for (int64_t h = w.h0; h < w.h1; ++h) {
           const float* w_uv = a.w_kvb + (h * (dn + dv) + dn) * R;  // [dv, R]
