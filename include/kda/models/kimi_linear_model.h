@@ -112,7 +112,6 @@ class KimiLinearModel {
   int64_t vocab_size() const { return vocab_; }
   int num_layers() const { return static_cast<int>(layers_.size()); }
   KimiDecoderLayer& layer(int i) { return *layers_[static_cast<size_t>(i)]; }
-  const std::vector<float>& embed_tokens() const { return embed_; }  // [V, D] (bf16 values in bf16)
   const std::vector<float>& norm_weight() const { return norm_; }
   int64_t weight_bytes() const;  // embedding + layers + final norm, this rank
 
@@ -127,7 +126,8 @@ class KimiLinearModel {
   io::KimiLinearConfig cfg_;
   Precision precision_;
   int64_t vocab_;
-  std::vector<float> embed_;
+  std::vector<float> embed_;     // [V, D] fp32 (fp32 precision)
+  std::vector<bf16_t> embed16_;  // [V, D] bf16 (bf16 precision: the table as stored, half the bytes)
   std::vector<std::unique_ptr<KimiDecoderLayer>> layers_;
   std::vector<float> norm_;
   KdaWorkspace ws_;
