@@ -20,6 +20,7 @@
 
 #include "args.h"
 #include "bindings.h"
+#include "forward_batch.h"
 #include "kda/common/bf16.h"
 #include "kda/common/precision.h"
 #include "kda/io/config.h"
@@ -56,24 +57,6 @@ std::string join(const std::vector<int32_t>& v) {
 Precision precision_of(const std::string& s) { return parse_precision(s); }
 
 // ---- KDAAttnBackend and ForwardBatch ----
-
-// The backend and a lock: a layer forward runs without the GIL and uses the backend's metadata and
-// scratch, so forwards (and init_forward_metadata) on one backend from several Python threads take turns.
-struct PyBackend {
-  explicit PyBackend(kernels::KernelImpl k) : be(k) {}
-  KDAAttnBackend be;
-  std::mutex mu;
-};
-
-struct PyForwardBatch {
-  ForwardBatch fb;
-  std::shared_ptr<PyBackend> backend;  // the shared backend (fb.attn_backend points at it)
-
-  void set_backend(std::shared_ptr<PyBackend> b) {
-    backend = std::move(b);
-    fb.attn_backend = backend ? &backend->be : nullptr;
-  }
-};
 
 // recurrent_indices for init_forward_metadata: explicit slots, or the request -> slot mapping of a
 // HybridReqToTokenPool / MemoryPools applied to the batch's req_pool_indices.
