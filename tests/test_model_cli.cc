@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kda/distributed/mpi_communicator.h"
 #include "kda/io/npy.h"
 #include "support/test_support.h"
 
@@ -107,6 +108,27 @@ TEST(ModelCli, MoeCombineBiasedChangesTheLogits) {
   EXPECT_GT(testing::rel_l2(b.data(), a.data(), a.size()), 1e-3);
   // The KDA layer before the first MoE layer does not depend on the combine.
   EXPECT_EQ(f32(unbiased, "kda_recurrent_state_0"), f32(biased, "kda_recurrent_state_0"));
+}
+
+// --tp 2 under mpirun: the MLA heads and the MLP rows split over two ranks, every output equal to TP 1
+// within the fp32 bounds (the KDA states gathered from both ranks' heads), rank 0 writing the file.
+TEST(ModelCli, RunTp2EqualsTp1) {
+  if (!distributed::mpi_available()) GTEST_SKIP() << "built without MPI";
+  if (testing::run_command("command -v mpirun").code != 0) GTEST_SKIP() << "mpirun not installed";
+  const auto tmp = testing::make_temp_dir("model_cli_tp");
+  const std::string args =
+      " run --model " + tiny() + " --tokens " + tiny() + "/varlen_3.npz --decode-tail 1 ";
+  auto r = run_kda(args + "--output " + (tmp / "tp1.npz").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = testing::run_command(
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ASAN_OPTIONS=detect_leaks=0 "
+      "OMP_NUM_THREADS=1 "
+      "timeout 300 mpirun --oversubscribe -np 2 " +
+      std::string(KDA_BINARY_PATH) + args + "--tp 2 --output " + (tmp / "tp2.npz").string() + " 2>&1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto one = io::read_npz(tmp / "tp1.npz"), two = io::read_npz(tmp / "tp2.npz");
+  ASSERT_EQ(one.size(), two.size());
+  expect_fp32_match(two, one, "tp 2 vs tp 1");
 }
 
 TEST(ModelCli, VerifyPassesOnTheTinyModelDumps) {
