@@ -28,6 +28,7 @@
 #include "kda/kernels/kda/kda.h"
 #include "kda/layers/attention/linear/kda_backend.h"
 #include "kda/mem_cache/memory_pool.h"
+#include "kda/mem_cache/mla_token_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
 #include "kda/models/kimi_linear.h"
 #include "tensor.h"
@@ -655,6 +656,22 @@ void register_component(py::module_& m) {
           },
           py::arg("req_pool_indices"), "Slot per request index; -1 stays -1 (padded row).")
       .def("slot_of", &HybridReqToTokenPool::slot_of, py::arg("req_pool_index"))
+      .def("seq_len", &HybridReqToTokenPool::seq_len, py::arg("req_pool_index"),
+           "Tokens the request has run so far (a model step's extend_prefix_lens for it).")
+      .def(
+          "req_to_token",
+          [](const HybridReqToTokenPool& p, int32_t r) {
+            const auto s = p.req_to_token(r);
+            return std::vector<int32_t>(s.begin(), s.end());
+          },
+          py::arg("req_pool_index"),
+          "The request's MLA token slots in position order (empty without an MLA KV pool).")
+      .def_property_readonly(
+          "kv_tokens_available",
+          [](const HybridReqToTokenPool& p) -> int64_t {
+            return p.token_to_kv_pool() ? p.token_to_kv_pool()->available() : 0;
+          },
+          "Free MLA token slots (0 without an MLA KV pool).")
       .def_property_readonly(
           "recurrent_pool", [](HybridReqToTokenPool& p) -> RecurrentStatePool& { return p.recurrent_pool(); },
           py::return_value_policy::reference_internal);

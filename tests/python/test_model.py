@@ -70,6 +70,11 @@ def test_prefill_then_decode_steps_equal_the_whole_sequence(models):
         rows.append(model(ids[t : t + 1], fb, pools))
     logits = np.concatenate(rows)
     assert max_err_ratio(logits, case["logits"], 1e-4) <= 1.0
+    rtp = pools.req_to_token_pool
+    assert rtp.seq_len(req) == len(ids)
+    assert len(rtp.req_to_token(req)) == len(ids) and rtp.kv_tokens_available == 0
+    rtp.free([req])  # the request's MLA token slots go back with it
+    assert rtp.kv_tokens_available == len(ids)
 
 
 @pytest.mark.parametrize("name", ["varlen_3", "decode_tail"])
@@ -131,6 +136,7 @@ def test_bad_input_is_refused_and_changes_nothing(models):
     with pytest.raises(RuntimeError, match="MLA KV pool"):
         model(more, kda.ForwardBatch.extend(reqs, [14]), pools)
     # The request is as fresh as before: the same case now gives the reference logits.
+    assert pools.req_to_token_pool.seq_len(reqs[0]) == 0 and pools.req_to_token_pool.kv_tokens_available == 8
     logits = model(case["input_ids"], kda.ForwardBatch.extend(reqs, [7]), pools)
     assert max_err_ratio(logits, case["logits"], 1e-4) <= 1.0
 
