@@ -126,6 +126,28 @@ TEST(ModelCli, MoeCombineBiasedMatchesItsReference) {
   EXPECT_EQ(f32(unbiased, "kda_recurrent_state_0"), f32(biased, "kda_recurrent_state_0"));
 }
 
+// --weights int8 / int4 on the model dumps: the spec's rule (rel L2 of the logits within 1.1x the scheme's
+// own error, the scheme run as a dense fp32 model on the dequantized weights), fp32 and bf16.
+TEST(ModelCli, VerifyQuantizedWeightsByTheSchemeRule) {
+  const auto dir = testing::make_temp_dir("model_cli_quant");
+  for (const auto& e : fs::directory_iterator(testing::model_dumps_dir()))
+    if (e.path().extension() != ".npz" || e.path().stem() == "T65" || e.path().stem() == "decode_tail")
+      fs::copy_file(e.path(), dir / e.path().filename());
+  const auto scratch = testing::make_temp_dir("model_cli_quant_tmp");  // where the scheme's copy goes
+  for (const std::string w : {"int8", "int4"}) {
+    SCOPED_TRACE(w);
+    const auto r =
+        testing::run_command("TMPDIR=" + scratch.string() + " " + KDA_BINARY_PATH + " verify --dumps " +
+                             dir.string() + " --weights " + w + " --json 2>&1");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("\"ok\": true"));
+    EXPECT_THAT(r.output, HasSubstr("logits (1.1x the " + w + " scheme's)"));
+    EXPECT_THAT(r.output, HasSubstr("logits (1.1x the " + w + " scheme's (+) logits_bf16's)"));
+    EXPECT_THAT(r.output, HasSubstr("invariance: logits"));
+    EXPECT_TRUE(fs::is_empty(scratch));  // the dequantized scratch checkpoint is removed again
+  }
+}
+
 // --tp 2 under mpirun: the MLA heads and the MLP rows split over two ranks, every output equal to TP 1
 // within the fp32 bounds (the KDA states gathered from both ranks' heads), rank 0 writing the file.
 TEST(ModelCli, RunTp2EqualsTp1) {
@@ -274,12 +296,6 @@ TEST(ModelCliBadInput, RunOptionsOfTheTwoKindsDoNotMix) {
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.output, HasSubstr("vocab_size"));
   EXPECT_FALSE(fs::exists("/tmp/kda_model_cli_never.npz"));
-}
-
-TEST(ModelCliBadInput, VerifyRefusesQuantizedWeightsOnModelDumps) {
-  const auto r = run_kda("verify --dumps " + tiny() + " --weights int8");
-  EXPECT_NE(r.code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("--weights int8 on whole-model dumps"));
 }
 
 }  // namespace
