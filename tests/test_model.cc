@@ -13,6 +13,7 @@
 
 #include "kda/distributed/in_process.h"
 #include "kda/io/config.h"
+#include "kda/io/kimi_linear_48b.h"
 #include "kda/models/kimi_linear_case.h"
 #include "kda/models/kimi_linear_model.h"
 #include "support/model_checkpoint.h"
@@ -96,6 +97,7 @@ TEST(KimiLinearModel, DecodeTailAndChunkedPrefillEqualTheReference) {
     ModelCaseOptions o;
     o.prefill_chunks = 3;
     testing::expect_case_fp32(run_model_case(*model, c.input_ids, c.cu_seqlens, o), c, "3 prefill chunks");
+    if (std::string(name) == "T200") continue;  // (every step shape is a new GEMM shape: keep the run short)
     o.decode_tail = 5;  // chunks then decode steps: every path that continues a sequence
     testing::expect_case_fp32(run_model_case(*model, c.input_ids, c.cu_seqlens, o), c,
                               "3 chunks + 5 decodes");
@@ -158,6 +160,69 @@ TEST(KimiLinearModel, TensorParallel2EqualsTp1) {
   for (int r = 0; r < 2; ++r)
     EXPECT_LE(testing::max_error_ratio(logits[r].data(), want.logits.data(), want.logits.size(), 1e-4, 1e-4),
               1.0)
+        << "rank " << r;
+}
+
+TEST(KimiLinearModel, ActiveParametersOfThe48bModelAreTheSpecs) {
+  // The spec: 3.107 B per decoded token (LM head 0.377, experts 1.672, KDA 0.790, MLA 0.204, dense 0.064).
+  const auto cfg = io::kimi_linear_48b_config();
+  EXPECT_NEAR(static_cast<double>(models::kimi_linear_active_params(cfg)), 3.107e9, 1.5e6);
+  // Fewer routed experts change only the router's share; the top-8 stay.
+  const double fewer = static_cast<double>(models::kimi_linear_active_params(cfg, 0, 32));
+  EXPECT_NEAR(fewer, 3.107e9 - 26.0 * (256 - 32) * (2304 + 1), 1.5e6);
+}
+
+TEST(KimiLinearModel, TiedEmbeddingsUseEmbedTokensAsTheHead) {
+  auto cfg = io::load_model_config(model_dumps_dir());
+  auto w = testing::read_model_weights(model_dumps_dir());
+  w["lm_head.weight"] = w.at("model.embed_tokens.weight");
+  const auto untied = testing::make_temp_dir("model_untied");
+  testing::write_model_checkpoint(untied, cfg, w, 2);
+  w.erase("lm_head.weight");
+  cfg.tie_word_embeddings = true;
+  const auto tied = testing::make_temp_dir("model_tied");
+  testing::write_model_checkpoint(tied, cfg, w, 2);
+  const auto c = load_model_dump_case("T7");
+  auto a = KimiLinearForCausalLM::from_pretrained(untied, {});
+  auto b = KimiLinearForCausalLM::from_pretrained(tied, {});
+  const auto ra = run_model_case(*a, c.input_ids, {}), rb = run_model_case(*b, c.input_ids, {});
+  EXPECT_EQ(ra.logits, rb.logits);
+  const auto want = c.f32("logits");  // the dumps' own head differs: the tie is not a no-op
+  EXPECT_GT(testing::rel_l2(rb.logits.data(), want.data(), want.size()), 1e-2);
+}
+
+TEST(KimiLinearModel, SyntheticIsSeededAndEqualAcrossTensorParallelism) {
+  const auto cfg = io::load_model_config(model_dumps_dir());
+  ModelOptions o;
+  o.vocab = 300;
+  o.num_experts = 4;
+  const std::vector<int32_t> ids = {1, 5, 299, 7, 0, 42, 8, 9, 10, 11};
+  const std::vector<int32_t> cu = {0, 3, 10};
+  auto a = KimiLinearForCausalLM::synthetic(cfg, o, 7);
+  EXPECT_EQ(a->vocab_size(), 300);
+  EXPECT_EQ(a->model().layer(1).moe()->num_experts(), 4);
+  EXPECT_LT(a->active_weight_bytes(), a->weight_bytes());
+  const auto ra = run_model_case(*a, ids, cu, ModelCaseOptions{2, 1, false});
+  ASSERT_TRUE(all_finite(ra.logits));
+  const ModelCaseOptions same{2, 1, false};
+  EXPECT_EQ(run_model_case(*KimiLinearForCausalLM::synthetic(cfg, o, 7), ids, cu, same).logits, ra.logits);
+  EXPECT_NE(run_model_case(*KimiLinearForCausalLM::synthetic(cfg, o, 8), ids, cu, same).logits, ra.logits);
+  o.num_layers = 2;  // the first two layers of the pattern: KDA only
+  auto two = KimiLinearForCausalLM::synthetic(cfg, o, 7);
+  EXPECT_EQ(two->num_layers(), 2);
+  EXPECT_TRUE(two->mla_layer_ids().empty());
+  EXPECT_EQ(two->make_pools(1, 8)->token_to_kv_pool, nullptr);
+  o.num_layers = 0;
+  distributed::InProcessGroup group(2);
+  std::vector<std::vector<float>> logits(2);
+  group.run([&](int rank, distributed::Communicator& comm) {
+    auto ro = o;
+    ro.tp = {rank, 2, &comm};
+    auto m = KimiLinearForCausalLM::synthetic(cfg, ro, 7);
+    logits[rank] = run_model_case(*m, ids, cu, ModelCaseOptions{2, 1, false}).logits;
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_LE(testing::max_error_ratio(logits[r].data(), ra.logits.data(), ra.logits.size(), 1e-4, 1e-4), 1.0)
         << "rank " << r;
 }
 

@@ -1,10 +1,11 @@
 // KimiLinearForCausalLM against the float64 reference of the whole decoder (tests/support/model_reference)
-// on random checkpoints in the real layout at real widths (hidden 2304, KDA 32 x 128, MLA 32 heads x
-// 192/128, kv_lora 512, experts of 1024) with 2-4 layers, few experts and a small vocabulary: sequences of
-// 1, 63, 64, 65 and 300 tokens, varlen batches with 0- and 1-token segments, fp32 within the spec's bounds,
-// int8 / int4 weights by the spec's rule, BF16-stored checkpoints.
+// on random checkpoints in the real layout at real widths (hidden 2304, MLA 32 heads x
+// 192/128, kv_lora 512, experts of 1024; KDA 4 x 128) with 2-4 layers, few experts and a small vocabulary:
+// sequences of 1, 63, 64, 65 and 300 tokens, varlen batches with 0- and 1-token segments, fp32 within the
+// spec's bounds, int8 / int4 weights by the spec's rule, BF16-stored checkpoints.
 #include <gtest/gtest.h>
 
+#include <random>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,9 @@ io::KimiLinearConfig real_width_config(int layers, std::vector<int> mla_layers, 
     for (const int m : mla_layers) is_mla |= m == i;
     (is_mla ? cfg.full_attn_layers : cfg.kda_layers).push_back(i + 1);
   }
+  // KDA heads of the real head_dim but fewer of them: the float64 reference's KDA recurrence at 32 heads
+  // would dominate the run (the KDA layer's real shapes are tested on their own in test_layer).
+  cfg.num_heads = 4;
   cfg.num_experts = experts;
   cfg.num_experts_per_token = std::min(cfg.num_experts_per_token, 2);
   cfg.vocab_size = vocab;
@@ -63,6 +67,17 @@ const Fixture& fixture(int layers, std::vector<int> mla, const std::string& tag,
 
 std::vector<float> to_f32(const std::vector<double>& v) { return {v.begin(), v.end()}; }
 
+// Uniform token ids. draw_clear_tokens runs the reference token by token (quadratic in T through the MLA
+// layers), too slow for these lengths at real widths; fp32 moves a routing score by ~1e-6, so instead
+// every test asserts the reference's own minimum routing margin is far above that.
+std::vector<int32_t> uniform_tokens(int64_t T, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& t : ids) t = static_cast<int32_t>(g() % static_cast<uint64_t>(vocab));
+  return ids;
+}
+constexpr double kFp32Margin = 1e-4;
+
 void expect_matches_reference(const models::ModelCaseResult& r, const testing::ModelReference& ref,
                               const std::string& what) {
   const auto logits = to_f32(ref.logits), hidden = to_f32(ref.hidden_final);
@@ -92,8 +107,9 @@ TEST(KimiLinearModelVsReference, RealWidthsSingleSequences) {
   ModelOptions o;
   auto model = KimiLinearForCausalLM::from_pretrained(f.dir, o);
   for (const int T : {1, 63, 64, 65, 300}) {
-    const auto ids = testing::draw_clear_tokens(f.cfg, f.w, {T}, 77 + T, 2e-3);
+    const auto ids = uniform_tokens(T, f.cfg.vocab_size, 77 + T);
     const auto ref = testing::reference_model(f.cfg, f.w, ids, {});
+    ASSERT_GE(ref.routing_min_margin, kFp32Margin) << "T " << T << ": pick another seed";
     expect_matches_reference(models::run_model_case(*model, ids, {}), ref, "T " + std::to_string(T));
   }
 }
@@ -103,10 +119,11 @@ TEST(KimiLinearModelVsReference, RealWidthsVarlenWithEmptyAndOneTokenSegments) {
   const auto& f = fixture(4, {2}, "4layers");
   auto model = KimiLinearForCausalLM::from_pretrained(f.dir, {});
   const std::vector<int32_t> lens = {5, 0, 1, 70, 0, 30};
-  const auto ids = testing::draw_clear_tokens(f.cfg, f.w, lens, 5, 2e-3);
   std::vector<int32_t> cu = {0};
   for (const int32_t l : lens) cu.push_back(cu.back() + l);
+  const auto ids = uniform_tokens(cu.back(), f.cfg.vocab_size, 5);
   const auto ref = testing::reference_model(f.cfg, f.w, ids, cu);
+  ASSERT_GE(ref.routing_min_margin, kFp32Margin) << "pick another seed";
   expect_matches_reference(models::run_model_case(*model, ids, cu), ref, "varlen");
   models::ModelCaseOptions co;
   co.prefill_chunks = 3;
@@ -116,13 +133,15 @@ TEST(KimiLinearModelVsReference, RealWidthsVarlenWithEmptyAndOneTokenSegments) {
 
 TEST(KimiLinearModelVsReference, QuantizedWeightsWithinTheSpecRule) {
   const auto& f = fixture(2, {1}, "2layers");
-  const auto ids = testing::draw_clear_tokens(f.cfg, f.w, {40}, 11, 2e-2);
+  const auto ids = uniform_tokens(40, f.cfg.vocab_size, 11);
   const auto exact = to_f32(testing::reference_model(f.cfg, f.w, ids, {}).logits);
   for (const auto [wmode, q] : {std::pair{Weights::Int8, testing::ModelReferenceOptions::Quant::Int8},
                                 std::pair{Weights::Int4, testing::ModelReferenceOptions::Quant::Int4}}) {
     testing::ModelReferenceOptions ro;
     ro.quant = q;
-    const auto scheme = to_f32(testing::reference_model(f.cfg, f.w, ids, {}, ro).logits);
+    const auto sref = testing::reference_model(f.cfg, f.w, ids, {}, ro);
+    ASSERT_GE(sref.routing_min_margin, kFp32Margin) << to_string(wmode) << ": pick another seed";
+    const auto scheme = to_f32(sref.logits);
     const double bound = 1.1 * testing::rel_l2(scheme.data(), exact.data(), exact.size());
     ModelOptions o;
     o.weights = wmode;
@@ -136,7 +155,8 @@ TEST(KimiLinearModelVsReference, QuantizedWeightsWithinTheSpecRule) {
 
 TEST(KimiLinearModelVsReference, Bf16CheckpointFp32AndBf16Modes) {
   const auto& f = fixture(2, {1}, "2layers_bf16", io::StDType::BF16);
-  const auto ids = testing::draw_clear_tokens(f.cfg, f.w, {65}, 3, 2e-2);
+  // bf16 moves routing scores by up to ~1e-2: tokens drawn with the spec's 2e-2 margin.
+  const auto ids = testing::draw_clear_tokens(f.cfg, f.w, {24}, 3, 2e-2);
   const auto ref = testing::reference_model(f.cfg, f.w, ids, {});
   {
     auto model = KimiLinearForCausalLM::from_pretrained(f.dir, {});

@@ -257,11 +257,11 @@ void KimiLinearForCausalLM::forward(const int32_t* input_ids, int64_t T, model_e
   }
   if (fb.attn_backend == nullptr) fb.attn_backend = &backend_;
   std::vector<int32_t> lens(fb.extend_seq_lens.begin(), fb.extend_seq_lens.end());
-  // The metadata first (it validates the batch against the pool without changing it), then the token
-  // slots: all or nothing, freed again below if a layer throws.
-  if (!kda_ids_.empty()) fb.attn_backend->init_forward_metadata(fb, slots);
+  // The token slots first (all or nothing), so that a step refused for want of them leaves the backend
+  // as it was (its metadata, a pending verify); freed again below if anything after them throws.
   rtp.alloc_tokens(fb.req_pool_indices, lens);
   try {
+    if (!kda_ids_.empty()) fb.attn_backend->init_forward_metadata(fb, slots);
     model_->embed(input_ids, T, hidden_final);
     model_->forward_layers(hidden_final, T, fb, pools);
   } catch (...) {
@@ -321,27 +321,29 @@ int64_t KimiLinearForCausalLM::active_weight_bytes() const {
 }
 
 int64_t KimiLinearForCausalLM::active_params() const {
-  // Counted from the config (every rank's share): what one token multiplies by, as the spec counts it
-  // (projections, conv, routed top-k + shared experts with the router, dense MLPs, LM head).
-  const int64_t D = cfg_.hidden_size, H = cfg_.num_heads, K = cfg_.head_dim, P = H * K;
-  const int64_t W = cfg_.short_conv_kernel_size;
+  return kimi_linear_active_params(cfg_, model_->num_layers(), opts_.num_experts, vocab_size());
+}
+
+int64_t kimi_linear_active_params(const io::KimiLinearConfig& cfg, int num_layers, int num_experts,
+                                  int64_t vocab) {
+  // What one token multiplies by, as the spec counts it: projections and conv of the attention layers,
+  // the router with the top-k routed and the shared experts, dense MLPs, the LM head (not the embedding
+  // row, a lookup); the norms' weights too (a few per layer).
+  const int L = model_layer_count(cfg, num_layers);
+  const int64_t D = cfg.hidden_size, H = cfg.num_heads, K = cfg.head_dim, P = H * K;
+  const int64_t W = cfg.short_conv_kernel_size;
   const int64_t kda = 3 * P * D + 2 * K * D + 2 * P * K + H * D + D * P + 3 * P * W + H + P + K;
-  const int64_t Hm = cfg_.num_attention_heads, R = cfg_.kv_lora_rank, r = cfg_.qk_rope_head_dim;
-  const int64_t mla = Hm * cfg_.qk_head_dim() * D + (R + r) * D + R +
-                      Hm * (cfg_.qk_nope_head_dim + cfg_.v_head_dim) * R + D * Hm * cfg_.v_head_dim;
-  const int64_t dense = 3 * cfg_.intermediate_size * D;
-  int64_t total = vocab_size() * D;  // lm_head
-  for (int i = 0; i < model_->num_layers(); ++i) {
-    auto& l = model_->layer(i);
-    total += 2 * D + (l.is_kda() ? kda : mla);
-    if (l.is_moe()) {
-      const int64_t E = l.moe()->num_experts(), k = l.moe()->top_k();
-      total += E * D + E + (k + cfg_.num_shared_experts) * 3 * cfg_.moe_intermediate_size * D;
-    } else {
-      total += dense;
-    }
-  }
-  return total + D;  // model.norm
+  const int64_t Hm = cfg.num_attention_heads, R = cfg.kv_lora_rank, r = cfg.qk_rope_head_dim;
+  const int64_t mla = Hm * cfg.qk_head_dim() * D + (R + r) * D + R +
+                      Hm * (cfg.qk_nope_head_dim + cfg.v_head_dim) * R + D * Hm * cfg.v_head_dim;
+  const int64_t E = num_experts > 0 ? num_experts : cfg.num_experts;
+  const int64_t k = std::min<int64_t>(cfg.num_experts_per_token, E);
+  const int64_t moe = E * D + E + (k + cfg.num_shared_experts) * 3 * cfg.moe_intermediate_size * D;
+  const int64_t dense = 3 * cfg.intermediate_size * D;
+  int64_t total = (vocab > 0 ? vocab : cfg.vocab_size) * D + D;  // lm_head, model.norm
+  for (int i = 0; i < L; ++i)
+    total += 2 * D + (cfg.is_kda_layer(i) ? kda : mla) + (cfg.is_moe_layer(i) ? moe : dense);
+  return total;
 }
 
 }  // namespace kda::models
