@@ -24,4 +24,7 @@ void register_radix_cache(py::module_& m);
 // The weight-only quantized projection (quant_linear.cc).
 void register_quant_linear(py::module_& m);
 
+// The whole decoder, KimiLinearForCausalLM (model.cc).
+void register_model(py::module_& m);
+
 }  // namespace kda::python

@@ -20,6 +20,7 @@
 
 #include "args.h"
 #include "bindings.h"
+#include "forward_batch.h"
 #include "kda/common/bf16.h"
 #include "kda/common/precision.h"
 #include "kda/io/config.h"
@@ -27,6 +28,7 @@
 #include "kda/kernels/kda/kda.h"
 #include "kda/layers/attention/linear/kda_backend.h"
 #include "kda/mem_cache/memory_pool.h"
+#include "kda/mem_cache/mla_token_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
 #include "kda/models/kimi_linear.h"
 #include "tensor.h"
@@ -56,24 +58,6 @@ std::string join(const std::vector<int32_t>& v) {
 Precision precision_of(const std::string& s) { return parse_precision(s); }
 
 // ---- KDAAttnBackend and ForwardBatch ----
-
-// The backend and a lock: a layer forward runs without the GIL and uses the backend's metadata and
-// scratch, so forwards (and init_forward_metadata) on one backend from several Python threads take turns.
-struct PyBackend {
-  explicit PyBackend(kernels::KernelImpl k) : be(k) {}
-  KDAAttnBackend be;
-  std::mutex mu;
-};
-
-struct PyForwardBatch {
-  ForwardBatch fb;
-  std::shared_ptr<PyBackend> backend;  // the shared backend (fb.attn_backend points at it)
-
-  void set_backend(std::shared_ptr<PyBackend> b) {
-    backend = std::move(b);
-    fb.attn_backend = backend ? &backend->be : nullptr;
-  }
-};
 
 // recurrent_indices for init_forward_metadata: explicit slots, or the request -> slot mapping of a
 // HybridReqToTokenPool / MemoryPools applied to the batch's req_pool_indices.
@@ -672,6 +656,22 @@ void register_component(py::module_& m) {
           },
           py::arg("req_pool_indices"), "Slot per request index; -1 stays -1 (padded row).")
       .def("slot_of", &HybridReqToTokenPool::slot_of, py::arg("req_pool_index"))
+      .def("seq_len", &HybridReqToTokenPool::seq_len, py::arg("req_pool_index"),
+           "Tokens the request has run so far (a model step's extend_prefix_lens for it).")
+      .def(
+          "req_to_token",
+          [](const HybridReqToTokenPool& p, int32_t r) {
+            const auto s = p.req_to_token(r);
+            return std::vector<int32_t>(s.begin(), s.end());
+          },
+          py::arg("req_pool_index"),
+          "The request's MLA token slots in position order (empty without an MLA KV pool).")
+      .def_property_readonly(
+          "kv_tokens_available",
+          [](const HybridReqToTokenPool& p) -> int64_t {
+            return p.token_to_kv_pool() ? p.token_to_kv_pool()->available() : 0;
+          },
+          "Free MLA token slots (0 without an MLA KV pool).")
       .def_property_readonly(
           "recurrent_pool", [](HybridReqToTokenPool& p) -> RecurrentStatePool& { return p.recurrent_pool(); },
           py::return_value_policy::reference_internal);

@@ -41,4 +41,5 @@ PYBIND11_MODULE(_kda, m) {
   register_component(m);
   register_radix_cache(m);
   register_quant_linear(m);
+  register_model(m);
 }

@@ -15,6 +15,8 @@ BINARY = pathlib.Path(os.environ.get("KDA_BINARY") or REPO / "build" / "kda")
 DUMPS = REPO / "tests" / "data" / "kda_dumps"
 MINI = DUMPS / "mini"  # a small Kimi-Linear checkpoint with its cases
 MINI_LAYER = 0  # its KDA layer
+MODEL_DUMPS = REPO / "tests" / "data" / "model_dumps"
+TINY = MODEL_DUMPS / "tiny"  # a 4-layer Kimi-Linear in the real pattern (KDA + dense, KDA + MoE, MLA + MoE)
 
 if os.environ.get("KDA_PYTHONPATH") != "-" and str(PYTHONPATH) not in sys.path:
     sys.path.insert(0, str(PYTHONPATH))

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -99,12 +100,25 @@ class Checkpoint {
 
   const std::filesystem::path& root() const { return root_; }
 
+  // Every tensor name of the checkpoint (sorted), and the shard file holding `name` ("" for a
+  // single-file checkpoint; std::runtime_error when absent).
+  std::vector<std::string> names() const;
+  std::string shard_of(const std::string& name) const;
+  // Unmaps a shard of a sharded checkpoint (it is mapped again if a tensor of it is asked for later),
+  // so that a loader's resident set does not keep every shard it has read. Views from get() into that
+  // shard become invalid. No-op for a shard not mapped, and for a single-file checkpoint.
+  void release_shard(const std::string& shard);
+  // Names get() (and every load) was asked for since construction: a loader lists the unused rest.
+  std::vector<std::string> accessed() const;
+
  private:
   const SafetensorsFile& file_for(const std::string& shard) const;
   std::filesystem::path root_;
   std::map<std::string, std::string> weight_map_;  // tensor -> shard file name (sharded)
   mutable std::mutex files_mu_;  // guards files_: shards are mapped lazily from const methods
   mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
+  mutable std::mutex accessed_mu_;
+  mutable std::set<std::string> accessed_;
 };
 
 }  // namespace kda::io

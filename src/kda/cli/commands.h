@@ -16,13 +16,16 @@ struct VerifyOptions {
 };
 int run_verify(const VerifyOptions& o);
 
+// `kda run`: the whole model on a token case (tokens set), or one KDA layer on a layer case (layer, input).
 struct RunOptions {
   std::string model;
-  int layer = -1;
-  std::string input;
+  std::string tokens;  // whole model: input_ids [, cu_seqlens]
+  int layer = -1;      // KDA layer case
+  std::string input;   // KDA layer case: hidden_states [, cu_seqlens, initial states]
   std::string output;
   std::string precision = "fp32";
-  std::string weights = "bf16";  // bf16 | int8 | int4 (common/weights.h)
+  std::string weights = "bf16";          // bf16 | int8 | int4 (common/weights.h)
+  std::string moe_combine = "unbiased";  // --tokens only: unbiased | biased (models/kimi_moe.h)
   int decode_tail = 0;
   std::string kernel = "auto";
   int tp = 1;  // tensor-parallel ranks (under mpirun -np tp)

@@ -30,17 +30,33 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
 
   kda::cli::RunOptions ro;
-  auto* run = app.add_subcommand("run", "run one KDA layer of a checkpoint on a case");
+  auto* run = app.add_subcommand(
+      "run",
+      "run the whole model on a token case (--tokens), or one KDA layer on a layer case (--layer, --input)");
   run->add_option("--model", ro.model, "checkpoint folder (config.json + safetensors)")->required();
-  run->add_option("--layer", ro.layer, "decoder layer index (0-based; must be a KDA layer)")->required();
-  run->add_option("--input", ro.input, "case .npz: hidden_states [, cu_seqlens, initial_*_state]")
+  auto* tokens = run->add_option(
+      "--tokens", ro.tokens, "whole model: case .npz with input_ids int32 [T] [, cu_seqlens int32 [N+1]]");
+  run->add_option("--layer", ro.layer, "KDA layer case: decoder layer index (0-based; must be a KDA layer)")
+      ->excludes(tokens);
+  run->add_option("--input", ro.input,
+                  "KDA layer case: .npz with hidden_states [, cu_seqlens, initial_*_state]")
+      ->excludes(tokens);
+  run->add_option("--output", ro.output,
+                  "output .npz: --tokens: logits, hidden_final, kda_recurrent_state_{i}, kda_conv_state_{i}, "
+                  "mla_ckv_{i}, mla_kpe_{i}; --layer: out, recurrent_state, conv_state")
       ->required();
-  run->add_option("--output", ro.output, "output .npz: out, recurrent_state, conv_state")->required();
   run->add_option("--precision", ro.precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
   run->add_option("--weights", ro.weights,
                   "bf16 (the precision's dense weights) | int8 | int4: projections quantized at load")
       ->check(CLI::IsMember({"bf16", "int8", "int4"}));
-  run->add_option("--decode-tail", ro.decode_tail, "run each sequence's last K tokens as DECODE steps")
+  run->add_option(
+         "--moe-combine", ro.moe_combine,
+         "--tokens: unbiased (vLLM, sglang) | biased (the HF remote code: scores with the correction bias)")
+      ->check(CLI::IsMember({"unbiased", "biased"}))
+      ->needs(tokens);
+  run->add_option(
+         "--decode-tail", ro.decode_tail,
+         "run each sequence's last K tokens as DECODE steps (--tokens: K at most the shortest sequence)")
       ->check(CLI::NonNegativeNumber);
   run->add_option("--tp", ro.tp, "tensor-parallel ranks (start with mpirun -np N)")
       ->check(CLI::PositiveNumber);

@@ -295,6 +295,10 @@ bool Checkpoint::contains(const std::string& name) const {
 }
 
 const TensorView& Checkpoint::get(const std::string& name) const {
+  {
+    std::lock_guard<std::mutex> lock(accessed_mu_);
+    accessed_.insert(name);
+  }
   if (weight_map_.empty()) {
     const TensorView* v = files_.empty() ? nullptr : files_.begin()->second->find(name);
     if (!v) throw std::runtime_error("missing tensor '" + name + "' in " + root_.string());
@@ -308,6 +312,36 @@ const TensorView& Checkpoint::get(const std::string& name) const {
     throw std::runtime_error("missing tensor '" + name + "' in " + f.path().string() + " (the index of " +
                              root_.string() + " lists it there)");
   return *v;
+}
+
+std::vector<std::string> Checkpoint::names() const {
+  if (weight_map_.empty())
+    return files_.empty() ? std::vector<std::string>{} : files_.begin()->second->names();
+  std::vector<std::string> out;
+  out.reserve(weight_map_.size());
+  for (const auto& [name, shard] : weight_map_) out.push_back(name);
+  return out;
+}
+
+std::string Checkpoint::shard_of(const std::string& name) const {
+  if (weight_map_.empty()) {
+    if (!contains(name)) throw std::runtime_error("missing tensor '" + name + "' in " + root_.string());
+    return "";
+  }
+  const auto it = weight_map_.find(name);
+  if (it == weight_map_.end()) throw std::runtime_error("missing tensor '" + name + "' in " + root_.string());
+  return it->second;
+}
+
+void Checkpoint::release_shard(const std::string& shard) {
+  if (weight_map_.empty()) return;
+  std::lock_guard<std::mutex> lock(files_mu_);
+  files_.erase(shard);
+}
+
+std::vector<std::string> Checkpoint::accessed() const {
+  std::lock_guard<std::mutex> lock(accessed_mu_);
+  return {accessed_.begin(), accessed_.end()};
 }
 
 namespace {

@@ -16,16 +16,9 @@ constexpr double kFp32Tol = 1e-5;    // atol = rtol (spec, fp32)
 constexpr double kBf16RelL2 = 5e-3;  // bf16: against out_bf16, and prefill -> decode invariance
 constexpr double kBf16VsF64 = 1.25;  // bf16: x the reference bf16 output's own error vs float64
 
-// Worst |a - b| / (atol + rtol |b|); infinite when a value is NaN or Inf.
+// Worst |a - b| / (atol + rtol |b|) at the fp32 tolerance; infinite when a value is NaN or Inf.
 double max_err_ratio(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) throw std::runtime_error("compared arrays differ in size");
-  double worst = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
-    worst = std::max(worst, d / (kFp32Tol + kFp32Tol * std::fabs(static_cast<double>(b[i]))));
-  }
-  return worst;
+  return runtime::max_err_ratio(a, b, kFp32Tol);
 }
 
 void add(CaseReport& r, std::string check, std::string metric, double value, double limit) {
