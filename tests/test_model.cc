@@ -172,6 +172,20 @@ TEST(KimiLinearModel, ActiveParametersOfThe48bModelAreTheSpecs) {
   EXPECT_NEAR(fewer, 3.107e9 - 26.0 * (256 - 32) * (2304 + 1), 1.5e6);
 }
 
+TEST(KimiLinearModel, TheHeadInRowBlocksEqualsOneBlock) {
+  const auto c = load_model_dump_case("T7");
+  for (const auto p : {Precision::FP32, Precision::BF16}) {
+    auto one = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(p));
+    auto o = opts_of(p);
+    o.lm_head_block_rows = 100;  // 512 rows: 5 blocks of 100 and one of 12
+    auto blocks = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+    EXPECT_EQ(blocks->head_weight_bytes(), one->head_weight_bytes());
+    const auto a = run_model_case(*one, c.input_ids, {}), b = run_model_case(*blocks, c.input_ids, {});
+    EXPECT_EQ(a.hidden_final, b.hidden_final);
+    EXPECT_LE(testing::max_error_ratio(b.logits.data(), a.logits.data(), a.logits.size(), 1e-6, 1e-6), 1.0);
+  }
+}
+
 TEST(KimiLinearModel, TiedEmbeddingsUseEmbedTokensAsTheHead) {
   auto cfg = io::load_model_config(model_dumps_dir());
   auto w = testing::read_model_weights(model_dumps_dir());

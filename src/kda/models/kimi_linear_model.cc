@@ -125,6 +125,24 @@ KimiLinearModel::KimiLinearModel(const io::KimiLinearConfig& cfg, Precision prec
   }
 }
 
+KimiLinearModel::KimiLinearModel(const io::KimiLinearConfig& cfg, std::vector<bf16_t> embed_tokens,
+                                 int64_t vocab, std::vector<std::unique_ptr<KimiDecoderLayer>> layers,
+                                 std::vector<float> norm)
+    : cfg_(cfg),
+      precision_(Precision::BF16),
+      vocab_(vocab),
+      embed16_(std::move(embed_tokens)),
+      layers_(std::move(layers)),
+      norm_(std::move(norm)) {
+  const int64_t D = cfg.hidden_size;
+  if (static_cast<int64_t>(embed16_.size()) != vocab * D)
+    throw std::invalid_argument("embed_tokens holds " + str(static_cast<int64_t>(embed16_.size())) +
+                                " values, expected [" + str(vocab) + ", " + str(D) + "]");
+  if (static_cast<int64_t>(norm_.size()) != D)
+    throw std::invalid_argument("model.norm holds " + str(static_cast<int64_t>(norm_.size())) +
+                                " values, expected " + str(D));
+}
+
 int64_t KimiLinearModel::weight_bytes() const {
   int64_t b = static_cast<int64_t>(embed_.size()) * 4 + static_cast<int64_t>(embed16_.size()) * 2 +
               static_cast<int64_t>(norm_.size()) * 4;
@@ -306,18 +324,38 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
   head_in_.resize(static_cast<size_t>(M * D));
   rms_norm_rows(hidden, M, D, model_->norm_weight().data(), cfg_.rms_norm_eps, opts_.precision,
                 head_in_.data());
-  lm_head_->forward(head_in_.data(), M, logits);
+  for (size_t b = 0; b < lm_head_.size(); ++b)
+    lm_head_[b].forward(head_in_.data(), M, D, logits + head_begin_[b], vocab_size());
 }
 
-int64_t KimiLinearForCausalLM::weight_bytes() const {
-  return model_->weight_bytes() + lm_head_->weight_bytes();
+int64_t KimiLinearForCausalLM::head_weight_bytes() const {
+  int64_t b = 0;
+  for (const auto& l : lm_head_) b += l.weight_bytes();
+  return b;
 }
+
+void KimiLinearForCausalLM::build_head(int64_t V,
+                                       const std::function<std::vector<float>(int64_t, int64_t)>& rows) {
+  const int64_t D = cfg_.hidden_size;
+  const int64_t per =
+      opts_.lm_head_block_rows > 0 ? opts_.lm_head_block_rows : std::max<int64_t>(1, kHeadBlockValues / D);
+  const Weights hw = opts_.quantize_lm_head ? opts_.weights : Weights::BF16;
+  lm_head_.clear();
+  head_begin_.clear();
+  for (int64_t b = 0; b < V; b += per) {
+    const int64_t e = std::min(V, b + per);
+    lm_head_.emplace_back(D, e - b, rows(b, e), opts_.precision, hw);
+    head_begin_.push_back(b);
+  }
+}
+
+int64_t KimiLinearForCausalLM::weight_bytes() const { return model_->weight_bytes() + head_weight_bytes(); }
 
 int64_t KimiLinearForCausalLM::active_weight_bytes() const {
   const int64_t D = cfg_.hidden_size;
   int64_t b = D * (opts_.precision == Precision::BF16 ? 2 : 4) + D * 4;  // one embedding row, model.norm
   for (int i = 0; i < model_->num_layers(); ++i) b += model_->layer(i).active_weight_bytes();
-  return b + lm_head_->weight_bytes();
+  return b + head_weight_bytes();
 }
 
 int64_t KimiLinearForCausalLM::active_params() const {
