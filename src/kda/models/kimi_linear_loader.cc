@@ -163,10 +163,12 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
   else
     m->build_head(V, [&](int64_t b, int64_t e) { return ckpt.load_f32_slice(kHeadKey, {V, D}, 0, b, e); });
   release_after(L + 1);
-  m->model_ =
-      bf16 ? std::make_unique<KimiLinearModel>(cfg, std::move(embed16), V, std::move(layers), std::move(norm))
-           : std::make_unique<KimiLinearModel>(cfg, prec, std::move(embed), V, std::move(layers),
-                                               std::move(norm));
+  if (bf16)
+    m->model_ =
+        std::make_unique<KimiLinearModel>(cfg, std::move(embed16), V, std::move(layers), std::move(norm));
+  else
+    m->model_ =
+        std::make_unique<KimiLinearModel>(cfg, prec, std::move(embed), V, std::move(layers), std::move(norm));
 
   // One warning listing what the model did not read (layers past num_layers are skipped on purpose).
   const auto used_v = ckpt.accessed();
