@@ -85,14 +85,15 @@ int64_t KimiDecoderLayer::active_weight_bytes() const {
 
 void KimiDecoderLayer::forward(float* h, int64_t T, const model_executor::ForwardBatch& fb,
                                mem_cache::MemoryPools& pools, double eps, Precision precision,
-                               KdaWorkspace& ws, float* normed, float* tmp) {
+                               KdaWorkspace& ws, float* normed, float* tmp,
+                               const model_executor::ForwardBatch* mla_fb) {
   const int64_t D = static_cast<int64_t>(input_layernorm_.size());
   const size_t n = static_cast<size_t>(T * D);
   rms_norm_rows(h, T, D, input_layernorm_.data(), eps, precision, normed);
   if (kda_)
     kda_->forward(normed, T, fb, pools.recurrent_state_pool, tmp, &ws);
   else
-    mla_->forward(normed, T, fb, pools, tmp);
+    mla_->forward(normed, T, mla_fb ? *mla_fb : fb, pools, tmp);
   add_residual(h, tmp, n, precision);
   rms_norm_rows(h, T, D, post_attention_layernorm_.data(), eps, precision, normed);
   if (mlp_)
@@ -166,12 +167,13 @@ void KimiLinearModel::embed(const int32_t* ids, int64_t T, float* h) const {
 }
 
 void KimiLinearModel::forward_layers(float* h, int64_t T, const model_executor::ForwardBatch& fb,
-                                     mem_cache::MemoryPools& pools) {
+                                     mem_cache::MemoryPools& pools,
+                                     const model_executor::ForwardBatch* mla_fb) {
   const size_t n = static_cast<size_t>(T * cfg_.hidden_size);
   normed_.resize(n);
   tmp_.resize(n);
   for (auto& l : layers_)
-    l->forward(h, T, fb, pools, cfg_.rms_norm_eps, precision_, ws_, normed_.data(), tmp_.data());
+    l->forward(h, T, fb, pools, cfg_.rms_norm_eps, precision_, ws_, normed_.data(), tmp_.data(), mla_fb);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -281,7 +283,15 @@ void KimiLinearForCausalLM::forward(const int32_t* input_ids, int64_t T, model_e
   try {
     if (!kda_ids_.empty()) fb.attn_backend->init_forward_metadata(fb, slots);
     model_->embed(input_ids, T, hidden_final);
-    model_->forward_layers(hidden_final, T, fb, pools);
+    if (has_mla && fb.forward_mode == ForwardMode::TARGET_VERIFY) {
+      // A chain's tokens attend causally to the cached prefix and to each other: an EXTEND to the MLA layers.
+      std::vector<int32_t> prefix(old_len.begin(), old_len.end());
+      const auto mla_fb =
+          model_executor::ForwardBatch::extend(fb.req_pool_indices, fb.extend_seq_lens, prefix);
+      model_->forward_layers(hidden_final, T, fb, pools, &mla_fb);
+    } else {
+      model_->forward_layers(hidden_final, T, fb, pools);
+    }
   } catch (...) {
     for (int64_t b = 0; b < B; ++b)
       if (fb.req_pool_indices[b] >= 0) rtp.truncate_tokens(fb.req_pool_indices[b], old_len[b]);
@@ -300,6 +310,16 @@ void KimiLinearForCausalLM::accept(const model_executor::ForwardBatch& fb, std::
   auto& rtp = pools.req_to_token_pool;
   // The verify step appended every row's d + 1 tokens; the accepted chain keeps its first a + 1.
   std::vector<int64_t> keep(accepted.size(), 0);
+  // Tokens on the accepted path of row b: its position and its ancestors (a chain: accepted + 1).
+  std::vector<int64_t> row_off(accepted.size() + 1, 0);
+  for (size_t b = 0; b < accepted.size(); ++b) row_off[b + 1] = row_off[b] + fb.extend_seq_lens[b] - 1;
+  auto path_len = [&](size_t b) -> int64_t {
+    if (fb.draft_parents.empty()) return accepted[b] + 1;
+    int64_t n = 1;
+    for (int64_t p = accepted[b]; p > 0; ++n)
+      p = fb.draft_parents[static_cast<size_t>(row_off[b] + p - 1)] + 1;
+    return n;
+  };
   for (size_t b = 0; b < accepted.size(); ++b) {
     const int32_t r = fb.req_pool_indices[b];
     if (r < 0) continue;
@@ -307,7 +327,7 @@ void KimiLinearForCausalLM::accept(const model_executor::ForwardBatch& fb, std::
       throw std::invalid_argument("KimiLinearForCausalLM::accept: row " + str(static_cast<int64_t>(b)) +
                                   " accepted position " + str(accepted[b]) + " outside [0, " +
                                   str(fb.extend_seq_lens[b]) + ")");
-    keep[b] = rtp.seq_len(r) - fb.extend_seq_lens[b] + accepted[b] + 1;
+    keep[b] = rtp.seq_len(r) - fb.extend_seq_lens[b] + path_len(b);
   }
   if (!kda_ids_.empty()) {
     if (fb.attn_backend == nullptr)
