@@ -177,15 +177,110 @@ TEST_P(MlaForms, ChunkedPrefillAndDecodeStepsMatchTheWholeSequence) {
   check_plan_against_reference(small_config(), GetParam(), {74, 43}, plan, "chunked+decode");
 }
 
-TEST_P(MlaForms, RealWidthsOnAFewTokens) {
-  // hidden 2304, 32 heads of 128 + 64 / 128, kv_lora 512: a 5-token prefill then 2 decode steps, and a
-  // 1-token sequence beside it.
-  check_plan_against_reference(real_config(), GetParam(), {7, 1},
-                               {{{5, 1}}, {{1, 0}, false}, {{1, 0}, false}}, "real widths", 11);
-}
-
 INSTANTIATE_TEST_SUITE_P(Forms, MlaForms, ::testing::Values(MlaForm::Plain, MlaForm::Absorbed, MlaForm::Auto),
                          [](const auto& i) { return std::string(form_name(i.param)); });
+
+TEST(Mla, RealWidthsOnAFewTokens) {
+  // hidden 2304, 32 heads of 128 + 64 / 128, kv_lora 512: a 5-token prefill then 2 decode steps, and a
+  // 1-token sequence beside it, in every form (the weights and the reference built once).
+  const auto cfg = real_config();
+  const auto w = MlaLayerWeights::synthetic(cfg, 11);
+  const std::vector<std::vector<float>> xs = {inputs(cfg, 7, 1), inputs(cfg, 1, 2)};
+  std::vector<testing::MlaReference> refs;
+  for (const auto& x : xs)
+    refs.push_back(
+        testing::reference_mla(cfg, w, x.data(), static_cast<int64_t>(x.size()) / cfg.hidden_size));
+  for (const MlaForm f : {MlaForm::Plain, MlaForm::Absorbed, MlaForm::Auto}) {
+    KimiMLAAttention layer(cfg, kLayer, w, Precision::FP32, {}, Weights::BF16, {.form = f});
+    auto pools = make_pools(cfg, 16);
+    const auto res = run_plan(layer, *pools, xs, {{{5, 1}}, {{1, 0}, false}, {{1, 0}, false}});
+    for (size_t i = 0; i < xs.size(); ++i) {
+      const std::string tag = std::string(form_name(f)) + " seq " + std::to_string(i);
+      expect_close(res.outs[i], refs[i].out, 1e-4, tag + " out");
+      const auto [ckv, kpe] = cache_rows(*pools, cfg, res.reqs[i]);
+      expect_close(ckv, refs[i].ckv, 1e-5, tag + " c_hat");
+      expect_close(kpe, refs[i].kpe, 1e-5, tag + " k_pe");
+    }
+  }
+}
+
+// Rows [r] of x ([n, D]) in the given order: a sequence made of some tokens of another.
+std::vector<float> pick_rows(const std::vector<float>& x, int64_t D, const std::vector<int64_t>& rows) {
+  std::vector<float> out;
+  for (const int64_t r : rows) out.insert(out.end(), x.begin() + r * D, x.begin() + (r + 1) * D);
+  return out;
+}
+
+std::vector<float> rows_of(const std::vector<double>& v, int64_t D, int64_t r0, int64_t r1) {
+  return std::vector<float>(v.begin() + r0 * D, v.begin() + r1 * D);
+}
+
+TEST(Mla, TargetVerifyChainAndTreeThenAccept) {
+  // A 20-token prefix, then a verify row of the last accepted token and 4 drafts: as a chain (causal,
+  // then 3 tokens accepted with truncate_tokens) and as a tree (drafts 0 and 1 children of the accepted
+  // token, 2 of 0, 3 of 2; the path 0, 2, 3 accepted with accept_tokens). Each token's output equals the
+  // reference over the prefix and its ancestors; a decode step after the accept equals the reference over
+  // the accepted sequence.
+  const auto cfg = small_config();
+  const int64_t D = cfg.hidden_size, P = 20;
+  const auto w = MlaLayerWeights::synthetic(cfg, 23);
+  const auto x = inputs(cfg, P + 6, 3);  // prefix, the verify row's 5 tokens, one more decode token
+  std::vector<int64_t> prefix_rows;
+  for (int64_t i = 0; i < P; ++i) prefix_rows.push_back(i);
+  auto with = [&](std::vector<int64_t> tail) {
+    std::vector<int64_t> r = prefix_rows;
+    r.insert(r.end(), tail.begin(), tail.end());
+    return r;
+  };
+  for (const MlaForm f : {MlaForm::Plain, MlaForm::Absorbed, MlaForm::Auto}) {
+    for (const bool tree : {false, true}) {
+      const std::string tag = std::string(form_name(f)) + (tree ? " tree" : " chain");
+      KimiMLAAttention layer(cfg, kLayer, w, Precision::FP32, {}, Weights::BF16, {.form = f});
+      auto pools = make_pools(cfg, 64);
+      auto& rtp = pools->req_to_token_pool;
+      const auto reqs = rtp.alloc(1);
+      std::vector<float> y(static_cast<size_t>(6 * D));
+      rtp.alloc_tokens(reqs, std::vector<int32_t>{static_cast<int32_t>(P)});
+      std::vector<float> ypre(static_cast<size_t>(P * D));
+      layer.forward(x.data(), P, ForwardBatch::extend(reqs, {static_cast<int32_t>(P)}, {0}), *pools,
+                    ypre.data());
+      rtp.alloc_tokens(reqs, std::vector<int32_t>{5});
+      const std::vector<int32_t> parents = tree ? std::vector<int32_t>{-1, -1, 0, 2} : std::vector<int32_t>{};
+      layer.forward(x.data() + P * D, 5, ForwardBatch::target_verify(reqs, {4}, parents), *pools, y.data());
+      // Each verify token against the reference over the prefix and its ancestors (itself last).
+      const std::vector<std::vector<int64_t>> paths =
+          tree ? std::vector<std::vector<int64_t>>{{0}, {0, 1}, {0, 2}, {0, 1, 3}, {0, 1, 3, 4}}
+               : std::vector<std::vector<int64_t>>{{0}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}, {0, 1, 2, 3, 4}};
+      for (int64_t t = 0; t < 5; ++t) {
+        std::vector<int64_t> tail;
+        for (const int64_t m : paths[t]) tail.push_back(P + m);
+        const auto seq = pick_rows(x, D, with(tail));
+        const int64_t n = static_cast<int64_t>(seq.size()) / D;
+        const auto ref = testing::reference_mla(cfg, w, seq.data(), n);
+        expect_close(std::vector<float>(y.begin() + t * D, y.begin() + (t + 1) * D),
+                     rows_of(ref.out, D, n - 1, n), 1e-4, tag + " verify token " + std::to_string(t));
+      }
+      // Accept 0 (the last accepted token) and a path of drafts, then decode one more token.
+      std::vector<int64_t> accepted;
+      if (tree) {
+        rtp.accept_tokens(reqs[0], P, std::vector<int32_t>{0, 1, 3, 4});
+        accepted = {P + 0, P + 1, P + 3, P + 4};
+      } else {
+        rtp.truncate_tokens(reqs[0], P + 3);
+        accepted = {P + 0, P + 1, P + 2};
+      }
+      EXPECT_EQ(pools->token_to_kv_pool->available(), 64 - P - static_cast<int64_t>(accepted.size())) << tag;
+      rtp.alloc_tokens(reqs, std::vector<int32_t>{1});
+      layer.forward(x.data() + (P + 5) * D, 1, ForwardBatch::decode(reqs), *pools, y.data());
+      accepted.push_back(P + 5);
+      const auto seq = pick_rows(x, D, with(accepted));
+      const int64_t n = static_cast<int64_t>(seq.size()) / D;
+      const auto ref = testing::reference_mla(cfg, w, seq.data(), n);
+      expect_close(std::vector<float>(y.begin(), y.begin() + D), rows_of(ref.out, D, n - 1, n), 1e-4,
+                   tag + " decode after accept");
+    }
+  }
+}
 
 TEST(Mla, AbsorbedEqualsPlainExtendAndDecode) {
   const auto cfg = small_config();
@@ -344,7 +439,11 @@ TEST(Mla, BadInputIsAClearErrorThatChangesNothing) {
       [&] { layer.forward(x.data(), 3, ForwardBatch::extend(reqs, {4}, {0}), *pools, out.data()); },
       "3 hidden-state rows");
   testing::expect_throw_with<std::runtime_error>(
-      [&] { layer.forward(x.data(), 4, ForwardBatch::target_verify(reqs, {3}), *pools, out.data()); },
+      [&] {
+        ForwardBatch draft = ForwardBatch::extend(reqs, {4}, {0});
+        draft.forward_mode = model_executor::ForwardMode::DRAFT_EXTEND;
+        layer.forward(x.data(), 4, draft, *pools, out.data());
+      },
       "not supported by the MLA layer");
   auto no_kv = std::make_unique<mem_cache::MemoryPools>(mem_cache::RecurrentStatePoolConfig{.layer_ids = {0},
                                                                                             .size = 2,

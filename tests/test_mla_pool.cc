@@ -170,6 +170,27 @@ TEST(HybridReqToTokenPool, TokenSlotsFollowTheRequest) {
   EXPECT_EQ(rtp.req_to_token(child)[0], kept);
   EXPECT_EQ(kv.available(), 4);
   expect_throw_with<std::invalid_argument>([&] { rtp.truncate_tokens(child, 2); }, "outside [0, 1]");
+  // accept_tokens keeps a path of a verify row's slots, in the path's order, and frees the rest.
+  rtp.alloc_tokens(std::vector<int32_t>{child}, std::vector<int32_t>{3});  // positions 1, 2, 3 of the child
+  const std::vector<int32_t> row(rtp.req_to_token(child).begin() + 1, rtp.req_to_token(child).end());
+  expect_throw_with<std::invalid_argument>(
+      [&] {
+        rtp.accept_tokens(child, 1, std::vector<int32_t>{0, 3});
+      },
+      "outside the 3 tokens");
+  expect_throw_with<std::invalid_argument>(
+      [&] {
+        rtp.accept_tokens(child, 1, std::vector<int32_t>{2, 2});
+      },
+      "listed twice");
+  EXPECT_EQ(rtp.seq_len(child), 4);
+  rtp.accept_tokens(child, 1, std::vector<int32_t>{2, 0});
+  EXPECT_EQ(rtp.seq_len(child), 3);
+  EXPECT_EQ(rtp.req_to_token(child)[0], kept);
+  EXPECT_EQ(rtp.req_to_token(child)[1], row[2]);
+  EXPECT_EQ(rtp.req_to_token(child)[2], row[0]);
+  EXPECT_FALSE(kv.is_allocated(row[1]));
+  EXPECT_EQ(kv.available(), 2);
   // Free returns every token slot with the request.
   rtp.free(std::vector<int32_t>{reqs[0], child});
   EXPECT_EQ(kv.available(), 8);

@@ -10,6 +10,9 @@ namespace {
 
 double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
 
+// Below this many multiply-adds a loop runs on one thread: a team's start costs more than the work.
+constexpr int64_t kParallelWork = int64_t{1} << 16;
+
 }  // namespace
 
 KdaRefWeights ref_weights(const models::KdaLayerWeights& w) {
@@ -38,7 +41,7 @@ void kda_reference_segments(const io::KimiLinearConfig& cfg, const KdaRefWeights
   const float* conv_w[3] = {w.q_conv1d, w.k_conv1d, w.v_conv1d};
   for (int64_t n = 0; n < N; ++n) {
     double* window = conv[n];  // [W-1, C], oldest first
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((cu[n + 1] - cu[n]) * C * W > kParallelWork)
     for (int64_t c = 0; c < C; ++c) {
       const float* wc = conv_w[c / P] + (c % P) * W;
       for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
@@ -66,7 +69,7 @@ void kda_reference_segments(const io::KimiLinearConfig& cfg, const KdaRefWeights
   // Steps 5-7 per (segment, head), token by token: l2norm, decay, delta rule, output from the updated
   // state, gated RMS norm.
   std::vector<double> y(T * P);
-#pragma omp parallel for collapse(2) schedule(dynamic)
+#pragma omp parallel for collapse(2) schedule(dynamic) if (T * H * K * K > kParallelWork)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
       double* Sh = recurrent[n] + h * K * K;

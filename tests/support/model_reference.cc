@@ -4,6 +4,7 @@
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -292,7 +293,8 @@ class RefModel {
     for (size_t b = 0; b < seqs.size(); ++b)
       for (int64_t t = cu[b]; t < cu[b + 1]; ++t) seq_of[t] = static_cast<int64_t>(b);
     std::vector<double> o(T * Hm * dv);
-#pragma omp parallel for collapse(2) schedule(dynamic)
+    const int64_t work = T * Hm * (base.back() + T) * (dq + dv);
+#pragma omp parallel for collapse(2) schedule(dynamic) if (work > (int64_t{1} << 16))
     for (int64_t t = 0; t < T; ++t)
       for (int64_t hh = 0; hh < Hm; ++hh) {
         const int64_t b = seq_of[t], last = base[b] + (t - cu[b]);  // cache rows 0..last
@@ -453,38 +455,51 @@ ModelReference reference_model(const io::KimiLinearConfig& cfg, const TensorMap&
 }
 
 std::vector<int32_t> draw_clear_tokens(const io::KimiLinearConfig& cfg, const TensorMap& w,
-                                       const std::vector<int32_t>& seq_lens, uint64_t seed, double margin) {
+                                       const std::vector<int32_t>& seq_lens, uint64_t seed, double margin,
+                                       bool bf16_too) {
   ModelReferenceOptions bf;
   bf.bf16 = true;
-  const RefModel exact(cfg, w, {}), emulated(cfg, w, bf);
+  const RefModel exact(cfg, w, {});
+  std::unique_ptr<RefModel> emulated;
+  if (bf16_too) emulated = std::make_unique<RefModel>(cfg, w, bf);
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(cfg.vocab_size - 1));
   // Candidates are tried kBatch at a time, each continuing a copy of the sequence's states, so that one
-  // pass over the weights serves several draws; the first clear one in draw order is kept.
-  constexpr int kBatch = 4;
-  constexpr int kMaxDraws = 2000;
+  // pass over the weights serves several draws; the bf16 emulation runs only the candidates float64
+  // clears, and the first candidate in draw order that both clear is kept.
+  constexpr int kBatch = 8;
+  constexpr int kMaxDraws = 4000;
+  auto run = [](const RefModel& m, const SeqState& from, const std::vector<int32_t>& cand,
+                std::vector<SeqState>& states, StepOut& out) {
+    states.assign(cand.size(), from);
+    std::vector<SeqState*> ptrs;
+    std::vector<int64_t> cu = {0};
+    for (auto& s : states) ptrs.push_back(&s), cu.push_back(static_cast<int64_t>(cu.size()));
+    m.forward(ptrs, cand.data(), cu, false, out);
+  };
   std::vector<int32_t> ids;
   for (size_t b = 0; b < seq_lens.size(); ++b) {
     if (seq_lens[b] < 0) throw std::invalid_argument("draw_clear_tokens: negative sequence length");
-    SeqState se = exact.empty_state(), sb = emulated.empty_state();
+    SeqState se = exact.empty_state(), sb = emulated ? emulated->empty_state() : SeqState{};
     for (int32_t pos = 0; pos < seq_lens[b]; ++pos) {
       bool found = false;
       for (int tries = 0; tries < kMaxDraws && !found; tries += kBatch) {
         std::vector<int32_t> cand(kBatch);
         for (auto& c : cand) c = pick(rng);
-        std::vector<SeqState> ce(kBatch, se), cb(kBatch, sb);
-        std::vector<SeqState*> pe, pb;
-        std::vector<int64_t> cu(kBatch + 1);
-        for (int j = 0; j < kBatch; ++j) pe.push_back(&ce[j]), pb.push_back(&cb[j]), cu[j + 1] = j + 1;
+        std::vector<SeqState> ce, cb;
         StepOut oe, ob;
-        exact.forward(pe, cand.data(), cu, false, oe);
-        emulated.forward(pb, cand.data(), cu, false, ob);
-        for (int j = 0; j < kBatch && !found; ++j)
-          if (oe.margin[j] >= margin && ob.margin[j] >= margin) {
+        run(exact, se, cand, ce, oe);
+        std::vector<int32_t> clear, which;
+        for (int j = 0; j < kBatch; ++j)
+          if (oe.margin[j] >= margin) clear.push_back(cand[j]), which.push_back(j);
+        if (clear.empty()) continue;
+        if (emulated) run(*emulated, sb, clear, cb, ob);
+        for (size_t j = 0; j < clear.size() && !found; ++j)
+          if (!emulated || ob.margin[j] >= margin) {
             found = true;
-            ids.push_back(cand[j]);
-            se = std::move(ce[j]);
-            sb = std::move(cb[j]);
+            ids.push_back(clear[j]);
+            se = std::move(ce[which[j]]);
+            if (emulated) sb = std::move(cb[j]);
           }
       }
       if (!found)

@@ -22,7 +22,8 @@ struct ModelReferenceOptions {
   bool bf16 = false;
   // Weight-only quantization, in float64, by the engine's scheme (int8 per output channel, int4 groups
   // of 32, symmetric, round to nearest) of every projection, expert and dense-MLP weight (not the router,
-  // norms, embeddings, conv, lm_head). Applied after the bf16 weight rounding when both are set.
+  // norms, embeddings, conv, lm_head), from the stored values (with bf16 set, the other weights are
+  // rounded to bf16 and the quantized ones are not).
   enum class Quant { None, Int8, Int4 } quant = Quant::None;
 };
 
@@ -44,10 +45,13 @@ ModelReference reference_model(const io::KimiLinearConfig& cfg, const TensorMap&
                                const ModelReferenceOptions& opts = {});
 
 // Token ids drawn one at a time so that every MoE routing decision keeps margin >= `margin` in float64
-// and in the bf16 emulation (the dumps' README, "Routing margins": a token is drawn again until its
-// routing, given the tokens before it, is clear). Returns the sequences packed in order. Throws
-// std::runtime_error when a position finds no such token in many draws.
+// and, with bf16_too, in the bf16 emulation as well (the dumps' README, "Routing margins": a token is
+// drawn again until its routing, given the tokens before it, is clear). Returns the sequences packed in
+// order; the same arguments give the same ids. Throws std::runtime_error when a position finds no such
+// token in 4000 draws. Each try runs 8 candidates through the float64 decoder together (one pass over
+// the weights) and the ones it clears through the bf16 emulation.
 std::vector<int32_t> draw_clear_tokens(const io::KimiLinearConfig& cfg, const TensorMap& w,
-                                       const std::vector<int32_t>& seq_lens, uint64_t seed, double margin);
+                                       const std::vector<int32_t>& seq_lens, uint64_t seed, double margin,
+                                       bool bf16_too = true);
 
 }  // namespace kda::testing

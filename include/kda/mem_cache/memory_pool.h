@@ -173,6 +173,11 @@ class HybridReqToTokenPool {
   void alloc_tokens(std::span<const int32_t> reqs, std::span<const int32_t> lens);
   // Frees the request's token slots past position len (0 <= len <= seq_len) and sets its length to len.
   void truncate_tokens(int32_t req_pool_index, int64_t len);
+  // Speculative accept (a tree's accepted path): of the request's tokens past position `committed` (a
+  // verify row's), keeps those at offsets kept[0], kept[1], ... (in that order: they become positions
+  // committed, committed + 1, ...) and frees the rest; the length becomes committed + kept.size(). An
+  // offset outside the row or listed twice: error, nothing changed. A chain's accept is truncate_tokens.
+  void accept_tokens(int32_t req_pool_index, int64_t committed, std::span<const int32_t> kept);
 
   RecurrentStatePool& recurrent_pool() { return *rec_; }
   MLATokenToKVPool* token_to_kv_pool() { return kv_; }

@@ -87,7 +87,10 @@ class KimiMLAAttention {
   int64_t weight_bytes() const;
 
   // hidden_states [T, D] (already input-RMS-normed) -> out [T, D] (allreduced under TP). EXTEND (each row
-  // with extend_prefix_lens[b] cached tokens) and DECODE; IDLE / DUMMY_FIRST give zeros and touch nothing.
+  // with extend_prefix_lens[b] cached tokens), DECODE and TARGET_VERIFY (each row's tokens attend to the
+  // committed prefix and to their ancestors in the row: a chain, or fb.draft_parents' tree; the caller
+  // then keeps the accepted path's token slots with HybridReqToTokenPool::accept_tokens); IDLE /
+  // DUMMY_FIRST give zeros and touch nothing.
   // The caller has already called pools.req_to_token_pool.alloc_tokens for this step, so req_to_token(req)
   // holds prefix + new tokens; the layer writes the new tokens' cache rows and attends over the whole
   // sequence. A padded row (-1) gives zero output. Errors (a length mismatch, no KV pool, a mode it does not

@@ -401,6 +401,37 @@ void HybridReqToTokenPool::truncate_tokens(int32_t req_pool_index, int64_t len) 
   seq_len_[req_pool_index] = len;
 }
 
+void HybridReqToTokenPool::accept_tokens(int32_t req_pool_index, int64_t committed,
+                                         std::span<const int32_t> kept) {
+  check_req(req_pool_index);
+  const int64_t len = seq_len_[req_pool_index];
+  if (committed < 0 || committed > len)
+    throw std::invalid_argument("HybridReqToTokenPool::accept_tokens: committed length " + str(committed) +
+                                " outside [0, " + str(len) + "] for request " + str(req_pool_index));
+  const int64_t row = len - committed;
+  for (const int32_t k : kept)
+    if (k < 0 || k >= row)
+      throw std::invalid_argument("HybridReqToTokenPool::accept_tokens: offset " + str(k) + " outside the " +
+                                  str(row) + " tokens past the committed " + str(committed) + " of request " +
+                                  str(req_pool_index));
+  check_unique(kept, "HybridReqToTokenPool::accept_tokens: offset");
+  if (kv_) {
+    auto& toks = req_to_token_[req_pool_index];
+    std::vector<uint8_t> keep(static_cast<size_t>(row), 0);
+    std::vector<int32_t> path, dropped;
+    for (const int32_t k : kept) {
+      keep[static_cast<size_t>(k)] = 1;
+      path.push_back(toks[static_cast<size_t>(committed + k)]);
+    }
+    for (int64_t m = 0; m < row; ++m)
+      if (!keep[static_cast<size_t>(m)]) dropped.push_back(toks[static_cast<size_t>(committed + m)]);
+    kv_->free(dropped);
+    toks.resize(static_cast<size_t>(committed));
+    toks.insert(toks.end(), path.begin(), path.end());
+  }
+  seq_len_[req_pool_index] = committed + static_cast<int64_t>(kept.size());
+}
+
 void HybridReqToTokenPool::check_req(int32_t r) const {
   if (r < 0 || r >= max_requests_) {
     throw std::invalid_argument("HybridReqToTokenPool: request index " + str(r) + " is out of range [0, " +

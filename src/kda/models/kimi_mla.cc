@@ -218,13 +218,12 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
     if (T > 0) std::memset(out, 0, sizeof(float) * static_cast<size_t>(T * D_));
     return;
   }
-  if (mode != ForwardMode::EXTEND && mode != ForwardMode::DECODE)
+  const bool verify = mode == ForwardMode::TARGET_VERIFY;
+  if (mode != ForwardMode::EXTEND && mode != ForwardMode::DECODE && !verify)
     throw std::runtime_error(who + ": forward mode " + model_executor::to_string(mode) +
-                             " is not supported by the MLA layer (EXTEND, DECODE, IDLE, DUMMY_FIRST)");
-  if (!fb.state_snapshots.empty())
-    throw std::invalid_argument(who +
-                                ": state snapshots are the KDA layers' (prefix caching); the MLA layer "
-                                "keeps none");
+                             " is not supported by the MLA layer (EXTEND, DECODE, TARGET_VERIFY, IDLE, "
+                             "DUMMY_FIRST)");
+  // State snapshots (prefix caching) are the KDA layers' business: the batch carries them for those.
   mem_cache::MLATokenToKVPool* pool = pools.token_to_kv_pool.get();
   if (!pool) throw std::invalid_argument(who + ": the memory pools have no MLA KV pool (token_to_kv_pool)");
   const mem_cache::MLAKVLayerView view = pool->get_kv_buffer(layer_idx_);  // unknown layer: error
@@ -248,9 +247,9 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
     // DECODE carries no prefix lengths (every row continues its sequence): the pool's length says it.
     // EXTEND's are the caller's claim, checked against the pool (empty: no cached prefix, as the KDA
     // backend reads it).
-    const int64_t P = mode == ForwardMode::DECODE     ? L - E
-                      : fb.extend_prefix_lens.empty() ? 0
-                                                      : fb.extend_prefix_lens[b];
+    const int64_t P = mode == ForwardMode::DECODE || verify ? L - E
+                      : fb.extend_prefix_lens.empty()       ? 0
+                                                            : fb.extend_prefix_lens[b];
     if (P < 0 || L != P + E || static_cast<int64_t>(toks[b].size()) != L)
       throw std::invalid_argument(who + ": batch row " + str(b) + " (request " + str(req) + ") has " +
                                   str(L) + " tokens and " + str(static_cast<int64_t>(toks[b].size())) +
@@ -302,6 +301,23 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
         f32_to_bf16_array(src, view.kv_bf16 + slot * lw, static_cast<size_t>(lw));
     }
   }
+  // TARGET_VERIFY trees: each row's visibility matrix (a token sees its ancestors and itself); chains
+  // (no draft_parents) are causal.
+  std::vector<std::vector<uint8_t>> visible(verify && !fb.draft_parents.empty() ? static_cast<size_t>(B) : 0);
+  for (int64_t b = 0, at_parent = 0; b < static_cast<int64_t>(visible.size()); ++b) {
+    const int64_t E = row0[b + 1] - row0[b];
+    auto& v = visible[static_cast<size_t>(b)];
+    v.assign(static_cast<size_t>(E * E), 0);
+    for (int64_t i = 0; i < E; ++i) {
+      v[static_cast<size_t>(i * E + i)] = 1;
+      if (i == 0) continue;
+      // Token i is draft i - 1; its parent draft p is token p + 1 (-1: the last accepted token, token 0).
+      const int64_t parent = fb.draft_parents[static_cast<size_t>(at_parent + i - 1)] + 1;
+      for (int64_t m = 0; m < parent + 1; ++m)
+        v[static_cast<size_t>(i * E + m)] = v[static_cast<size_t>(parent * E + m)];
+    }
+    at_parent += E - 1;
+  }
   lat_.resize(static_cast<size_t>(lat_rows * lw));
   std::vector<mla::MlaSeq> plain, absorbed;
   const mla::MlaDims dims{static_cast<int>(Hm_), static_cast<int>(dn_), static_cast<int>(dr_),
@@ -322,7 +338,8 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
         bf16_to_f32_array(view.kv_bf16 + slot * lw, dst + s * lw, static_cast<size_t>(lw));
     }
     at += L;
-    const mla::MlaSeq seq{row0[b], L - E, E, dst};
+    const mla::MlaSeq seq{row0[b], L - E, E, dst,
+                          visible.empty() ? nullptr : visible[static_cast<size_t>(b)].data()};
     const bool absorb = options_.form == MlaForm::Absorbed ||
                         (options_.form == MlaForm::Auto && mla::prefer_absorbed(dims, L - E, E));
     (absorb ? absorbed : plain).push_back(seq);

@@ -1,5 +1,6 @@
 #include "kda/layers/attention/mla/mla_attention.h"
 
+#include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
@@ -31,12 +32,16 @@ void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const
     throw std::runtime_error("MLA attention: oneDNN sgemm failed (status " + std::to_string(st) + ")");
 }
 
-// Row ii of a query block sees keys [0, prefix + i0 + ii]; the rest of its scores are masked. Softmax in
-// fp32, max-subtracted; masked entries become 0 so the block's value GEMM can run over every key.
-void causal_softmax(float* scores, int64_t ld, int64_t rows, int64_t first_len) {
+// Row ii of a query block (new token i0 + ii) sees keys [0, prefix + i0 + ii]; with a visibility matrix,
+// only those of the new tokens it names. Softmax in fp32, max-subtracted; masked entries become 0 so the
+// block's value GEMM can run over every key.
+void causal_softmax(float* scores, int64_t ld, int64_t rows, const MlaSeq& seq, int64_t i0) {
   for (int64_t ii = 0; ii < rows; ++ii) {
     float* s = scores + ii * ld;
-    const int64_t n = first_len + ii;
+    const int64_t i = i0 + ii, n = seq.prefix + i + 1;
+    if (seq.visible)
+      for (int64_t m = 0; m < i; ++m)
+        if (!seq.visible[i * seq.extend + m]) s[seq.prefix + m] = -INFINITY;
     float m = -INFINITY;
     for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
     float sum = 0.0f;
@@ -126,7 +131,7 @@ void mla_attention_plain(const MlaAttnArgs& a) {
     const float* k = kv.data() + kv_off[static_cast<size_t>(w.seq)] + w.head * (dn + dv);
     sgemm('N', 'T', nb, ns, dn, a.scale, q, a.ldq, k, kvw, 0.0f, scores.data(), ns);
     sgemm('N', 'T', nb, ns, dr, a.scale, q + dn, a.ldq, s.latent + R, lat, 1.0f, scores.data(), ns);
-    causal_softmax(scores.data(), ns, nb, s.prefix + w.i0 + 1);
+    causal_softmax(scores.data(), ns, nb, s, w.i0);
     float* o = a.o + (s.q_row + w.i0) * a.ldo + w.head * dv;
     sgemm('N', 'N', nb, dv, ns, 1.0f, scores.data(), ns, k + dn, kvw, 0.0f, o, a.ldo);
     if (a.bf16)
@@ -134,31 +139,74 @@ void mla_attention_plain(const MlaAttnArgs& a) {
   });
 }
 
+// The absorbed form: a work item is a query block of one sequence and a group of heads, whose q~ rows are
+// stacked into one [G * nb, R] matrix against the sequence's latent rows, which every head shares. So a
+// decode step (nb = 1) multiplies a [G, R] block by the latent rows once per group, not once per head
+// (one pass over the cache per group instead of a matrix-vector product per head).
 void mla_attention_absorbed(const MlaAttnArgs& a) {
   check_args(a);
   const MlaDims& d = a.dims;
-  const int64_t dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
+  const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
   const int64_t lat = R + dr, qw = dn + dr;
-  parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& buf) {
-    const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
-    const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1;
-    buf.resize(static_cast<size_t>(nb * ns + 2 * nb * R));
-    float* scores = buf.data();
-    float* qt = scores + nb * ns;  // q~ [nb, R]
-    float* u = qt + nb * R;        // sum_s p_s c_hat_s [nb, R]
-    const float* q = a.q + (s.q_row + w.i0) * a.ldq + w.head * qw;
-    const float* w_uk = a.w_kvb + w.head * (dn + dv) * R;  // [dn, R]
-    const float* w_uv = w_uk + dn * R;                     // [dv, R]
-    sgemm('N', 'N', nb, R, dn, 1.0f, q, a.ldq, w_uk, R, 0.0f, qt, R);
-    sgemm('N', 'T', nb, ns, R, a.scale, qt, R, s.latent, lat, 0.0f, scores, ns);
-    sgemm('N', 'T', nb, ns, dr, a.scale, q + dn, a.ldq, s.latent + R, lat, 1.0f, scores, ns);
-    causal_softmax(scores, ns, nb, s.prefix + w.i0 + 1);
-    sgemm('N', 'N', nb, R, ns, 1.0f, scores, ns, s.latent, lat, 0.0f, u, R);
-    float* o = a.o + (s.q_row + w.i0) * a.ldo + w.head * dv;
-    sgemm('N', 'T', nb, dv, R, 1.0f, u, R, w_uv, R, 0.0f, o, a.ldo);
-    if (a.bf16)
-      for (int64_t ii = 0; ii < nb; ++ii) round_bf16_inplace(o + ii * a.ldo, static_cast<size_t>(dv));
-  });
+  // Head groups: up to kMaxStacked stacked rows per item, and enough items for every thread.
+  constexpr int64_t kMaxStacked = 256;
+  int64_t blocks = 0;
+  for (const MlaSeq& s : a.seqs) blocks += (s.extend + kQueryBlock - 1) / kQueryBlock;
+  if (blocks == 0) return;
+  const int64_t threads = omp_get_max_threads();
+  const int64_t groups_for_threads = std::max<int64_t>(1, (threads + blocks - 1) / blocks);
+  struct Item {
+    int64_t seq, i0, i1, h0, h1;
+  };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < static_cast<int64_t>(a.seqs.size()); ++b)
+    for (int64_t i0 = 0; i0 < a.seqs[b].extend; i0 += kQueryBlock) {
+      const int64_t i1 = std::min(a.seqs[b].extend, i0 + kQueryBlock), nb = i1 - i0;
+      const int64_t G = std::max<int64_t>(
+          1, std::min({Hm, kMaxStacked / nb, (Hm + groups_for_threads - 1) / groups_for_threads}));
+      for (int64_t h0 = 0; h0 < Hm; h0 += G) items.push_back({b, i0, i1, h0, std::min(Hm, h0 + G)});
+    }
+  std::exception_ptr err;
+#pragma omp parallel
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k) {
+      try {
+        const Item& w = items[static_cast<size_t>(k)];
+        const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
+        const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1, M = (w.h1 - w.h0) * nb;
+        buf.resize(static_cast<size_t>(M * ns + 2 * M * R + M * dr));
+        float* scores = buf.data();
+        float* qt = scores + M * ns;  // q~ [M, R], row (g, ii)
+        float* u = qt + M * R;        // sum_s p_s c_hat_s [M, R]
+        float* qpe = u + M * R;       // q_pe [M, dr]
+        const float* q0 = a.q + (s.q_row + w.i0) * a.ldq;
+        for (int64_t h = w.h0; h < w.h1; ++h) {
+          const int64_t r0 = (h - w.h0) * nb;
+          const float* w_uk = a.w_kvb + h * (dn + dv) * R;  // [dn, R]
+          sgemm('N', 'N', nb, R, dn, 1.0f, q0 + h * qw, a.ldq, w_uk, R, 0.0f, qt + r0 * R, R);
+          for (int64_t ii = 0; ii < nb; ++ii)
+            std::copy_n(q0 + ii * a.ldq + h * qw + dn, dr, qpe + (r0 + ii) * dr);
+        }
+        sgemm('N', 'T', M, ns, R, a.scale, qt, R, s.latent, lat, 0.0f, scores, ns);
+        sgemm('N', 'T', M, ns, dr, a.scale, qpe, dr, s.latent + R, lat, 1.0f, scores, ns);
+        for (int64_t h = w.h0; h < w.h1; ++h) causal_softmax(scores + (h - w.h0) * nb * ns, ns, nb, s, w.i0);
+        sgemm('N', 'N', M, R, ns, 1.0f, scores, ns, s.latent, lat, 0.0f, u, R);
+        for (int64_t h = w.h0; h < w.h1; ++h) {
+          const float* w_uv = a.w_kvb + (h * (dn + dv) + dn) * R;  // [dv, R]
+          float* o = a.o + (s.q_row + w.i0) * a.ldo + h * dv;
+          sgemm('N', 'T', nb, dv, R, 1.0f, u + (h - w.h0) * nb * R, R, w_uv, R, 0.0f, o, a.ldo);
+          if (a.bf16)
+            for (int64_t ii = 0; ii < nb; ++ii) round_bf16_inplace(o + ii * a.ldo, static_cast<size_t>(dv));
+        }
+      } catch (...) {
+#pragma omp critical(mla_attention_error)
+        if (!err) err = std::current_exception();
+      }
+    }
+  }
+  if (err) std::rethrow_exception(err);
 }
 
 }  // namespace kda::layers::attention::mla

@@ -15,7 +15,8 @@
 // to S (a whole-prompt prefill): prefer_absorbed() compares the two.
 //
 // Both forms: softmax in fp32, max-subtracted, causal within a sequence (new token i sits at position
-// prefix + i and sees positions 0..prefix + i). bf16: o is rounded before o_proj in both; the plain
+// prefix + i and sees positions 0..prefix + i; with a visibility matrix, the prefix and the new tokens it
+// names). bf16: o is rounded before o_proj in both; the plain
 // form rounds kv (a GEMM output, a spec rounding point); the absorbed form has no kv and keeps its own
 // intermediates (q~, u) fp32. GEMM-shaped work goes through oneDNN's sgemm, OpenMP over (sequence, head,
 // query block).
@@ -41,6 +42,9 @@ struct MlaSeq {
   int64_t prefix = 0;
   int64_t extend = 0;
   const float* latent = nullptr;
+  // Speculative verify trees: [extend, extend] row-major, visible[i * extend + m] != 0 when new token i
+  // attends to new token m (its ancestors and itself; every m <= i). Null: causal (a chain).
+  const uint8_t* visible = nullptr;
 };
 
 struct MlaAttnArgs {
