@@ -124,56 +124,76 @@ TEST(KimiLinearModel, VarlenBatchEqualsEachSequenceAlone) {
   }
 }
 
-// Speculative decoding on the whole model: a chain verify of 4 tokens after a 40-token prefill gives the
-// reference's logits at those positions; accepting 3 of them leaves the KDA states and the MLA rows of 43
-// tokens, from which an EXTEND of the rest ends on the reference's final states.
-TEST(KimiLinearModel, ChainVerifyAndAcceptEqualTheReference) {
+// Speculative decoding on the whole model, after a 40-token prefill: a verify row gives the reference's
+// logits at its true positions; accepting a path leaves the KDA states and the MLA rows of 43 tokens, from
+// which an EXTEND of the rest ends on the reference's final states. A chain (4 tokens, 3 accepted), and a
+// tree whose second draft is a wrong sibling of the first.
+TEST(KimiLinearModel, VerifyAndAcceptEqualTheReference) {
   auto model = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
   const auto c = load_model_dump_case("decode_tail");
   const int64_t D = model->hidden_size(), V = model->vocab_size(), T = 48;
   const auto want = c.f32("logits");
-  auto pools = model->make_pools(1, 64, 4, 1);
-  const auto req = pools->req_to_token_pool.alloc(1);
-  std::vector<float> h(T * D), logits;
-  auto expect_rows = [&](int64_t from, int64_t n, const std::string& what) {
-    logits.resize(n * V);
-    model->compute_logits(h.data(), n, logits.data());
-    EXPECT_LE(testing::max_error_ratio(logits.data(), want.data() + from * V, n * V, 1e-4, 1e-4), 1.0)
-        << what;
-  };
-  auto pre = model_executor::ForwardBatch::extend(req, {40}, {0});
-  model->forward(c.input_ids.data(), 40, pre, *pools, h.data());
-  expect_rows(0, 40, "prefill");
-  auto verify = model_executor::ForwardBatch::target_verify(req, {3});
-  model->forward(c.input_ids.data() + 40, 4, verify, *pools, h.data());
-  expect_rows(40, 4, "verify");
-  const std::vector<int32_t> accepted = {2};
-  model->accept(verify, accepted, *pools);
-  EXPECT_EQ(pools->req_to_token_pool.seq_len(req[0]), 43);
-  auto rest = model_executor::ForwardBatch::extend(req, {5}, {43});
-  model->forward(c.input_ids.data() + 43, 5, rest, *pools, h.data());
-  expect_rows(43, 5, "after accept");
-  const int32_t slot = pools->req_to_token_pool.slot_of(req[0]);
-  const auto& pc = pools->recurrent_state_pool.config();
-  std::vector<float> rec(size_t(pc.num_heads) * pc.head_k_dim * pc.head_v_dim);
-  for (const int id : model->kda_layer_ids()) {
-    pools->recurrent_state_pool.read_linear_recurrent_layer_cache(id, {&slot, 1}, rec.data(), nullptr);
-    const auto ref = c.f32("kda_recurrent_state_" + std::to_string(id));
-    EXPECT_LE(testing::max_error_ratio(rec.data(), ref.data(), ref.size(), 1e-5, 1e-5), 1.0)
-        << "layer " << id;
+  const auto& ids = c.input_ids;
+  for (const bool tree : {false, true}) {
+    const std::string what = tree ? "tree" : "chain";
+    auto pools = model->make_pools(1, 64, 5, 1);
+    const auto req = pools->req_to_token_pool.alloc(1);
+    std::vector<float> h(T * D), logits;
+    auto expect_rows = [&](const std::vector<int64_t>& rows, const std::vector<int64_t>& pos,
+                           const std::string& at) {
+      logits.resize(rows.size() * V);
+      model->compute_logits(h.data(), static_cast<int64_t>(rows.size()), logits.data());
+      for (size_t i = 0; i < rows.size(); ++i) {
+        if (pos[i] < 0) continue;  // a wrong draft: no reference row
+        EXPECT_LE(testing::max_error_ratio(logits.data() + i * V, want.data() + pos[i] * V, V, 1e-4, 1e-4),
+                  1.0)
+            << what << " " << at << " row " << i;
+      }
+    };
+    auto pre = model_executor::ForwardBatch::extend(req, {40}, {0});
+    model->forward(ids.data(), 40, pre, *pools, h.data());
+    std::vector<int32_t> row;
+    std::vector<int64_t> pos;
+    model_executor::ForwardBatch verify;
+    int32_t accept_at = 0;
+    if (!tree) {
+      row = {ids[40], ids[41], ids[42], ids[43]};
+      pos = {40, 41, 42, 43};
+      verify = model_executor::ForwardBatch::target_verify(req, {3});
+      accept_at = 2;  // tokens 40, 41, 42
+    } else {
+      // positions: 0 = token 40, 1 = token 41 (parent 40), 2 = a wrong sibling, 3 = token 42 (parent 1),
+      // 4 = token 43 (parent 3); accepting position 3 keeps 0, 1, 3.
+      row = {ids[40], ids[41], (ids[41] + 1) % static_cast<int32_t>(V), ids[42], ids[43]};
+      pos = {40, 41, -1, 42, 43};
+      verify = model_executor::ForwardBatch::target_verify(req, {4}, {-1, -1, 0, 2});
+      accept_at = 3;
+    }
+    model->forward(row.data(), static_cast<int64_t>(row.size()), verify, *pools, h.data());
+    expect_rows(std::vector<int64_t>(row.size()), pos, "verify");
+    const std::vector<int32_t> accepted = {accept_at};
+    model->accept(verify, accepted, *pools);
+    EXPECT_EQ(pools->req_to_token_pool.seq_len(req[0]), 43) << what;
+    auto rest = model_executor::ForwardBatch::extend(req, {5}, {43});
+    model->forward(ids.data() + 43, 5, rest, *pools, h.data());
+    expect_rows(std::vector<int64_t>(5), {43, 44, 45, 46, 47}, "after accept");
+    const int32_t slot = pools->req_to_token_pool.slot_of(req[0]);
+    const auto& pc = pools->recurrent_state_pool.config();
+    std::vector<float> rec(size_t(pc.num_heads) * pc.head_k_dim * pc.head_v_dim);
+    for (const int id : model->kda_layer_ids()) {
+      pools->recurrent_state_pool.read_linear_recurrent_layer_cache(id, {&slot, 1}, rec.data(), nullptr);
+      const auto ref = c.f32("kda_recurrent_state_" + std::to_string(id));
+      EXPECT_LE(testing::max_error_ratio(rec.data(), ref.data(), ref.size(), 1e-5, 1e-5), 1.0)
+          << what << " " << id;
+    }
+    const auto toks = pools->req_to_token_pool.req_to_token(req[0]);
+    ASSERT_EQ(toks.size(), 48u);
+    const int R = model->config().kv_lora_rank, r = model->config().qk_rope_head_dim;
+    std::vector<float> ckv(48 * R), kpe(48 * r);
+    pools->token_to_kv_pool->read_kv(3, toks, ckv.data(), kpe.data());
+    const auto ref = c.f32("mla_ckv_3");
+    EXPECT_LE(testing::max_error_ratio(ckv.data(), ref.data(), ref.size(), 1e-5, 1e-5), 1.0) << what;
   }
-  const auto toks = pools->req_to_token_pool.req_to_token(req[0]);
-  ASSERT_EQ(toks.size(), 48u);
-  const int R = model->config().kv_lora_rank, r = model->config().qk_rope_head_dim;
-  std::vector<float> ckv(48 * R), kpe(48 * r);
-  pools->token_to_kv_pool->read_kv(3, toks, ckv.data(), kpe.data());
-  const auto ref = c.f32("mla_ckv_3");
-  EXPECT_LE(testing::max_error_ratio(ckv.data(), ref.data(), ref.size(), 1e-5, 1e-5), 1.0);
-  // Trees need the MLA layer's ancestor mask: refused before anything changes.
-  auto tree = model_executor::ForwardBatch::target_verify(req, {2}, {-1, -1});
-  std::vector<int32_t> three = {1, 2, 3};
-  EXPECT_THROW(model->forward(three.data(), 3, tree, *pools, h.data()), std::invalid_argument);
-  EXPECT_EQ(pools->req_to_token_pool.seq_len(req[0]), 48);
 }
 
 TEST(KimiLinearModel, BothMoeCombineModesMatchTheirReference) {

@@ -92,11 +92,9 @@ class KimiDecoderLayer {
   int64_t weight_bytes() const;         // attention + MLP (+ the two norms), this rank
   int64_t active_weight_bytes() const;  // what one decoded token reads of them
 
-  // h [T, D] in place: h += attn(norm(h)); h += mlp(norm(h)). `normed` / `tmp`: [T, D] scratch. An MLA
-  // layer runs `mla_fb` where given (a chain verify is an EXTEND to it), else `fb`.
+  // h [T, D] in place: h += attn(norm(h)); h += mlp(norm(h)). `normed` / `tmp`: [T, D] scratch.
   void forward(float* h, int64_t T, const model_executor::ForwardBatch& fb, mem_cache::MemoryPools& pools,
-               double eps, Precision precision, KdaWorkspace& ws, float* normed, float* tmp,
-               const model_executor::ForwardBatch* mla_fb = nullptr);
+               double eps, Precision precision, KdaWorkspace& ws, float* normed, float* tmp);
 
  private:
   int layer_idx_;
@@ -127,7 +125,7 @@ class KimiLinearModel {
   void embed(const int32_t* ids, int64_t T, float* h) const;
   // h [T, D] through every layer, in place (the residual stream before model.norm).
   void forward_layers(float* h, int64_t T, const model_executor::ForwardBatch& fb,
-                      mem_cache::MemoryPools& pools, const model_executor::ForwardBatch* mla_fb = nullptr);
+                      mem_cache::MemoryPools& pools);
 
  private:
   io::KimiLinearConfig cfg_;
@@ -177,21 +175,20 @@ class KimiLinearForCausalLM {
                                                      int max_verify_tokens = 0,
                                                      int64_t verify_rows = 0) const;
 
-  // One step over fb's rows (EXTEND / DECODE; IDLE / DUMMY_FIRST give zeros; TARGET_VERIFY: trees on
-  // KDA-only models, chains with MLA layers -- a chain of d + 1 tokens is, to an MLA layer, an EXTEND of
-  // them after the request's cached tokens, whose rows accept() then cuts back to the accepted ones):
-  // input_ids [T], T == fb.num_tokens(). When fb.attn_backend is null the model's own KDA backend is used
-  // (fb.attn_backend is set to it). Before any layer runs: fb is validated, every id is checked against the
-  // vocabulary, each row's extend_prefix_lens must equal its request's seq_len, the step's MLA token slots
-  // are allocated (all or nothing) and the backend's metadata initialised. An error before the first layer
-  // changes nothing; an error inside a layer frees the step's token slots again (the requests' KDA states are
-  // then those of a half-run step: free or reset the requests). hidden_final [T, D]: the residual stream
-  // after the last layer, before model.norm.
+  // One step over fb's rows (EXTEND / DECODE / TARGET_VERIFY, chains and trees; IDLE / DUMMY_FIRST give
+  // zeros): input_ids [T], T == fb.num_tokens(). When fb.attn_backend is null the model's own KDA backend is
+  // used (fb.attn_backend is set to it). Before any layer runs: fb is validated, every id is checked against
+  // the vocabulary, each row's extend_prefix_lens must equal its request's seq_len, the step's MLA token
+  // slots are allocated (all or nothing) and the backend's metadata initialised. An error before the first
+  // layer changes nothing; an error inside a layer frees the step's token slots again (the requests' KDA
+  // states are then those of a half-run step: free or reset the requests). hidden_final [T, D]: the residual
+  // stream after the last layer, before model.norm.
   void forward(const int32_t* input_ids, int64_t T, model_executor::ForwardBatch& fb,
                mem_cache::MemoryPools& pools, float* hidden_final);
   // model.norm + lm_head on M rows of hidden [M, D] -> logits [M, V] fp32.
   void compute_logits(const float* hidden, int64_t M, float* logits);
-  // After a TARGET_VERIFY forward: the KDA states move to the accepted tokens (KDAAttnBackend::accept).
+  // After a TARGET_VERIFY forward: the KDA states move to the accepted tokens (KDAAttnBackend::accept) and
+  // each request keeps the accepted path's MLA token slots (HybridReqToTokenPool::accept_tokens).
   void accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted,
               mem_cache::MemoryPools& pools);
   layers::attention::linear::KDAAttnBackend& backend() { return backend_; }

@@ -85,15 +85,14 @@ int64_t KimiDecoderLayer::active_weight_bytes() const {
 
 void KimiDecoderLayer::forward(float* h, int64_t T, const model_executor::ForwardBatch& fb,
                                mem_cache::MemoryPools& pools, double eps, Precision precision,
-                               KdaWorkspace& ws, float* normed, float* tmp,
-                               const model_executor::ForwardBatch* mla_fb) {
+                               KdaWorkspace& ws, float* normed, float* tmp) {
   const int64_t D = static_cast<int64_t>(input_layernorm_.size());
   const size_t n = static_cast<size_t>(T * D);
   rms_norm_rows(h, T, D, input_layernorm_.data(), eps, precision, normed);
   if (kda_)
     kda_->forward(normed, T, fb, pools.recurrent_state_pool, tmp, &ws);
   else
-    mla_->forward(normed, T, mla_fb ? *mla_fb : fb, pools, tmp);
+    mla_->forward(normed, T, fb, pools, tmp);
   add_residual(h, tmp, n, precision);
   rms_norm_rows(h, T, D, post_attention_layernorm_.data(), eps, precision, normed);
   if (mlp_)
@@ -167,13 +166,12 @@ void KimiLinearModel::embed(const int32_t* ids, int64_t T, float* h) const {
 }
 
 void KimiLinearModel::forward_layers(float* h, int64_t T, const model_executor::ForwardBatch& fb,
-                                     mem_cache::MemoryPools& pools,
-                                     const model_executor::ForwardBatch* mla_fb) {
+                                     mem_cache::MemoryPools& pools) {
   const size_t n = static_cast<size_t>(T * cfg_.hidden_size);
   normed_.resize(n);
   tmp_.resize(n);
   for (auto& l : layers_)
-    l->forward(h, T, fb, pools, cfg_.rms_norm_eps, precision_, ws_, normed_.data(), tmp_.data(), mla_fb);
+    l->forward(h, T, fb, pools, cfg_.rms_norm_eps, precision_, ws_, normed_.data(), tmp_.data());
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -245,10 +243,6 @@ void KimiLinearForCausalLM::forward(const int32_t* input_ids, int64_t T, model_e
     std::fill(hidden_final, hidden_final + T * D, 0.0f);
     return;
   }
-  if (fb.forward_mode == ForwardMode::TARGET_VERIFY && !mla_ids_.empty() && !fb.draft_parents.empty())
-    throw std::invalid_argument(
-        "KimiLinearForCausalLM::forward: tree drafts (draft_parents) on a model with MLA "
-        "layers are not supported; verify chains");
   if (fb.forward_mode == ForwardMode::DRAFT_EXTEND)
     throw std::invalid_argument("KimiLinearForCausalLM::forward: DRAFT_EXTEND is not supported");
   // Every check before anything changes: the ids, the requests, the MLA prefixes.
@@ -283,15 +277,7 @@ void KimiLinearForCausalLM::forward(const int32_t* input_ids, int64_t T, model_e
   try {
     if (!kda_ids_.empty()) fb.attn_backend->init_forward_metadata(fb, slots);
     model_->embed(input_ids, T, hidden_final);
-    if (has_mla && fb.forward_mode == ForwardMode::TARGET_VERIFY) {
-      // A chain's tokens attend causally to the cached prefix and to each other: an EXTEND to the MLA layers.
-      std::vector<int32_t> prefix(old_len.begin(), old_len.end());
-      const auto mla_fb =
-          model_executor::ForwardBatch::extend(fb.req_pool_indices, fb.extend_seq_lens, prefix);
-      model_->forward_layers(hidden_final, T, fb, pools, &mla_fb);
-    } else {
-      model_->forward_layers(hidden_final, T, fb, pools);
-    }
+    model_->forward_layers(hidden_final, T, fb, pools);
   } catch (...) {
     for (int64_t b = 0; b < B; ++b)
       if (fb.req_pool_indices[b] >= 0) rtp.truncate_tokens(fb.req_pool_indices[b], old_len[b]);
@@ -308,26 +294,29 @@ void KimiLinearForCausalLM::accept(const model_executor::ForwardBatch& fb, std::
         "KimiLinearForCausalLM::accept: " + str(static_cast<int64_t>(accepted.size())) +
         " accepted positions for " + str(fb.batch_size()) + " rows");
   auto& rtp = pools.req_to_token_pool;
-  // The verify step appended every row's d + 1 tokens; the accepted chain keeps its first a + 1.
-  std::vector<int64_t> keep(accepted.size(), 0);
-  // Tokens on the accepted path of row b: its position and its ancestors (a chain: accepted + 1).
-  std::vector<int64_t> row_off(accepted.size() + 1, 0);
-  for (size_t b = 0; b < accepted.size(); ++b) row_off[b + 1] = row_off[b] + fb.extend_seq_lens[b] - 1;
-  auto path_len = [&](size_t b) -> int64_t {
-    if (fb.draft_parents.empty()) return accepted[b] + 1;
-    int64_t n = 1;
-    for (int64_t p = accepted[b]; p > 0; ++n)
-      p = fb.draft_parents[static_cast<size_t>(row_off[b] + p - 1)] + 1;
-    return n;
-  };
+  // The verify step appended every row's d + 1 tokens after its committed ones; the accepted path keeps
+  // its tokens (a chain: the first a + 1; a tree: the accepted position and its ancestors, in order).
+  std::vector<int64_t> row_off(accepted.size() + 1, 0), committed(accepted.size(), 0);
+  std::vector<std::vector<int32_t>> kept(accepted.size());
   for (size_t b = 0; b < accepted.size(); ++b) {
+    row_off[b + 1] = row_off[b] + fb.extend_seq_lens[b] - 1;
     const int32_t r = fb.req_pool_indices[b];
     if (r < 0) continue;
     if (accepted[b] < 0 || accepted[b] >= fb.extend_seq_lens[b])
       throw std::invalid_argument("KimiLinearForCausalLM::accept: row " + str(static_cast<int64_t>(b)) +
                                   " accepted position " + str(accepted[b]) + " outside [0, " +
                                   str(fb.extend_seq_lens[b]) + ")");
-    keep[b] = rtp.seq_len(r) - fb.extend_seq_lens[b] + path_len(b);
+    committed[b] = rtp.seq_len(r) - fb.extend_seq_lens[b];
+    if (committed[b] < 0)
+      throw std::invalid_argument("KimiLinearForCausalLM::accept: request " + str(r) + " holds " +
+                                  str(rtp.seq_len(r)) + " tokens, fewer than its verify row's " +
+                                  str(fb.extend_seq_lens[b]));
+    for (int64_t p = accepted[b];;) {
+      kept[b].push_back(static_cast<int32_t>(p));
+      if (p == 0) break;
+      p = fb.draft_parents.empty() ? p - 1 : fb.draft_parents[static_cast<size_t>(row_off[b] + p - 1)] + 1;
+    }
+    std::reverse(kept[b].begin(), kept[b].end());
   }
   if (!kda_ids_.empty()) {
     if (fb.attn_backend == nullptr)
@@ -335,7 +324,7 @@ void KimiLinearForCausalLM::accept(const model_executor::ForwardBatch& fb, std::
     fb.attn_backend->accept(fb, accepted, pools.recurrent_state_pool);
   }
   for (size_t b = 0; b < accepted.size(); ++b)
-    if (fb.req_pool_indices[b] >= 0) rtp.truncate_tokens(fb.req_pool_indices[b], keep[b]);
+    if (fb.req_pool_indices[b] >= 0) rtp.accept_tokens(fb.req_pool_indices[b], committed[b], kept[b]);
 }
 
 void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float* logits) {
