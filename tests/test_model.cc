@@ -258,6 +258,24 @@ TEST(KimiLinearModel, TheHeadInRowBlocksEqualsOneBlock) {
   }
 }
 
+TEST(KimiLinearModel, TheHeadIsDenseUnlessAskedToQuantize) {
+  const auto c = load_model_dump_case("T7");
+  auto dense = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
+  auto o = opts_of(Precision::FP32);
+  o.weights = Weights::Int8;
+  auto int8 = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+  EXPECT_EQ(int8->head_weight_bytes(), dense->head_weight_bytes());  // --weights leaves the head dense
+  EXPECT_LT(int8->weight_bytes(), dense->weight_bytes());
+  o.quantize_lm_head = true;
+  auto int8_head = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+  EXPECT_LT(int8_head->head_weight_bytes(), dense->head_weight_bytes() / 3);
+  const auto a = run_model_case(*int8, c.input_ids, {}), b = run_model_case(*int8_head, c.input_ids, {});
+  EXPECT_EQ(a.hidden_final, b.hidden_final);
+  const double d = testing::rel_l2(b.logits.data(), a.logits.data(), a.logits.size());
+  EXPECT_GT(d, 0.0);
+  EXPECT_LT(d, 2e-2);
+}
+
 TEST(KimiLinearModel, TiedEmbeddingsUseEmbedTokensAsTheHead) {
   auto cfg = io::load_model_config(model_dumps_dir());
   auto w = testing::read_model_weights(model_dumps_dir());
