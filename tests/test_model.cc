@@ -217,6 +217,34 @@ TEST(KimiLinearModel, BothMoeCombineModesMatchTheirReference) {
   }
 }
 
+TEST(KimiLinearModel, MlaOptionsReachTheLayer) {
+  const auto c = load_model_dump_case("varlen_3");
+  // Both attention forms equal the reference (and so each other) within the fp32 bound.
+  for (const auto form : {models::MlaForm::Plain, models::MlaForm::Absorbed}) {
+    auto o = opts_of(Precision::FP32);
+    o.mla_form = form;
+    auto m = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+    testing::expect_case_fp32(run_model_case(*m, c.input_ids, c.cu_seqlens, ModelCaseOptions{3, 1, true}), c,
+                              form == models::MlaForm::Plain ? "plain MLA" : "absorbed MLA");
+  }
+  // kv_norm_eps 1e-6 (the HF remote code's) against the reference with the same eps.
+  auto o = opts_of(Precision::FP32);
+  o.kv_norm_eps = 1e-6;
+  auto m = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+  const auto r = run_model_case(*m, c.input_ids, c.cu_seqlens);
+  testing::ModelReferenceOptions ro;
+  ro.kv_norm_eps = 1e-6;
+  const auto ref =
+      testing::reference_model(io::load_model_config(model_dumps_dir()),
+                               testing::read_model_weights(model_dumps_dir()), c.input_ids, c.cu_seqlens, ro);
+  const std::vector<float> want(ref.mla_ckv.at(3).begin(), ref.mla_ckv.at(3).end());
+  EXPECT_LE(testing::max_error_ratio(r.mla_ckv.at(3).data(), want.data(), want.size(), 1e-5, 1e-5), 1.0);
+  const std::vector<float> logits(ref.logits.begin(), ref.logits.end());
+  EXPECT_LE(testing::max_error_ratio(r.logits.data(), logits.data(), logits.size(), 1e-4, 1e-4), 1.0);
+  const auto dflt = c.f32("mla_ckv_3");  // the eps shows in the cache rows
+  EXPECT_GT(testing::rel_l2(r.mla_ckv.at(3).data(), dflt.data(), dflt.size()), 1e-7);
+}
+
 TEST(KimiLinearModel, TensorParallel2EqualsTp1) {
   const auto c = load_model_dump_case("varlen_3");
   auto one = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
