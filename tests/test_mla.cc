@@ -282,6 +282,30 @@ TEST(Mla, TargetVerifyChainAndTreeThenAccept) {
   }
 }
 
+TEST(Mla, KvNormEpsOption) {
+  // Small inputs make mean(c^2) comparable to eps, so the HF remote code's 1e-6 and rms_norm_eps (1e-5)
+  // give visibly different c_hat: the option must be the one used.
+  const auto cfg = small_config();
+  const auto w = MlaLayerWeights::synthetic(cfg, 29);
+  auto x = inputs(cfg, 9, 4);
+  for (auto& v : x) v *= 1e-3f;
+  KimiMLAAttention layer(cfg, kLayer, w, Precision::FP32, {}, Weights::BF16, {.kv_norm_eps = 1e-6});
+  auto pools = make_pools(cfg, 16);
+  const auto res = run_plan(layer, *pools, {x}, {{{9}}});
+  const auto want = testing::reference_mla(cfg, w, x.data(), 9, false, 1e-6);
+  const auto other = testing::reference_mla(cfg, w, x.data(), 9, false, 0.0);
+  const auto [ckv, kpe] = cache_rows(*pools, cfg, res.reqs[0]);
+  expect_close(ckv, want.ckv, 1e-5, "c_hat with kv_norm_eps 1e-6");
+  expect_close(res.outs[0], want.out, 1e-4, "out with kv_norm_eps 1e-6");
+  const auto o = to_f32(other.ckv);
+  EXPECT_GT(testing::max_error_ratio(ckv.data(), o.data(), ckv.size(), 1e-5, 1e-5), 10.0);
+  testing::expect_throw_with<std::invalid_argument>(
+      [&] {
+        KimiMLAAttention bad(cfg, kLayer, w, Precision::FP32, {}, Weights::BF16, {.kv_norm_eps = -1.0});
+      },
+      "kv_norm_eps");
+}
+
 TEST(Mla, AbsorbedEqualsPlainExtendAndDecode) {
   const auto cfg = small_config();
   const auto w = MlaLayerWeights::synthetic(cfg, 3);

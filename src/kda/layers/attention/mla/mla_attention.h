@@ -12,7 +12,11 @@
 // then E * s_avg * (dn + dr + dv); absorbed projects each query in and out, E * R * (dn + dv), then
 // E * s_avg * (2R + dr). The expansion dominates when E is small beside S (decode, a short extend on a
 // long cached prefix), the per-token latent width 2R + dr (1088) vs dn + dr + dv (320) when E is close
-// to S (a whole-prompt prefill): prefer_absorbed() compares the two.
+// to S (a whole-prompt prefill): prefer_absorbed() compares the two. Timing both forms of the layer at the
+// real shapes (Hm 32, R 512, dn 128, dr 64, dv 128; fp32 and bf16; a 2048-token prefill, decode at 1k-8k
+// of context in batches of 1 and 16, extends of 128 and 512 tokens on a 4k prefix) agrees with the model:
+// absorbed wins decode by an order of magnitude, plain wins the whole-prompt prefill and the 512-token
+// extend, and the 128-token extend on 4k, which the model calls absorbed, is a near tie.
 //
 // Both forms: softmax in fp32, max-subtracted, causal within a sequence (new token i sits at position
 // prefix + i and sees positions 0..prefix + i; with a visibility matrix, the prefix and the new tokens it
