@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <zip.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -399,6 +400,31 @@ TEST(Safetensors, VendoredCheckpointMatchesWeightsNpz) {
   // A path to the file works the same.
   const Checkpoint by_file(kda::testing::dumps_dir() / "model.safetensors");
   EXPECT_EQ(by_file.load_f32("model.layers.0.self_attn.A_log", {1, 1, 4, 1}), ref.at("A_log").to_f32());
+}
+
+// What a layer-by-layer loader asks of a sharded checkpoint: every name, each one's shard, which names
+// were read, and a shard unmapped once done (mapped again if asked for later).
+TEST(Safetensors, ShardedCheckpointNamesShardsReleaseAndAccessed) {
+  Checkpoint ckpt(kda::testing::model_dumps_dir());
+  const auto names = ckpt.names();
+  EXPECT_EQ(names.size(), 151u);
+  EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
+  const std::string first = "model.embed_tokens.weight", last = "lm_head.weight";
+  EXPECT_EQ(ckpt.shard_of(first), "model-00001-of-00002.safetensors");
+  EXPECT_EQ(ckpt.shard_of(last), "model-00002-of-00002.safetensors");
+  EXPECT_THROW(ckpt.shard_of("model.nope"), std::runtime_error);
+  EXPECT_TRUE(ckpt.accessed().empty());
+  const auto head = ckpt.load_f32(last, {512, 256});
+  ckpt.release_shard(ckpt.shard_of(last));
+  ckpt.release_shard("not-a-shard.safetensors");     // a no-op
+  EXPECT_EQ(ckpt.load_f32(last, {512, 256}), head);  // mapped again
+  const auto slice = ckpt.load_f32_slice(first, {512, 256}, 0, 3, 5);
+  EXPECT_EQ(slice.size(), 2u * 256u);
+  EXPECT_EQ(ckpt.accessed(), (std::vector<std::string>{last, first}));
+  // A single-file checkpoint: every name in shard "".
+  const Checkpoint single(kda::testing::dumps_dir());
+  EXPECT_EQ(single.shard_of("model.layers.0.self_attn.A_log"), "");
+  EXPECT_FALSE(single.names().empty());
 }
 
 TEST(Safetensors, ConvertsF32Bf16F16) {

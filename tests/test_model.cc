@@ -124,6 +124,78 @@ TEST(KimiLinearModel, VarlenBatchEqualsEachSequenceAlone) {
   }
 }
 
+// Speculative decoding on the whole model, after a 40-token prefill: a verify row gives the reference's
+// logits at its true positions; accepting a path leaves the KDA states and the MLA rows of 43 tokens, from
+// which an EXTEND of the rest ends on the reference's final states. A chain (4 tokens, 3 accepted), and a
+// tree whose second draft is a wrong sibling of the first.
+TEST(KimiLinearModel, VerifyAndAcceptEqualTheReference) {
+  auto model = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
+  const auto c = load_model_dump_case("decode_tail");
+  const int64_t D = model->hidden_size(), V = model->vocab_size(), T = 48;
+  const auto want = c.f32("logits");
+  const auto& ids = c.input_ids;
+  for (const bool tree : {false, true}) {
+    const std::string what = tree ? "tree" : "chain";
+    auto pools = model->make_pools(1, 64, 5, 1);
+    const auto req = pools->req_to_token_pool.alloc(1);
+    std::vector<float> h(T * D), logits;
+    auto expect_rows = [&](const std::vector<int64_t>& rows, const std::vector<int64_t>& pos,
+                           const std::string& at) {
+      logits.resize(rows.size() * V);
+      model->compute_logits(h.data(), static_cast<int64_t>(rows.size()), logits.data());
+      for (size_t i = 0; i < rows.size(); ++i) {
+        if (pos[i] < 0) continue;  // a wrong draft: no reference row
+        EXPECT_LE(testing::max_error_ratio(logits.data() + i * V, want.data() + pos[i] * V, V, 1e-4, 1e-4),
+                  1.0)
+            << what << " " << at << " row " << i;
+      }
+    };
+    auto pre = model_executor::ForwardBatch::extend(req, {40}, {0});
+    model->forward(ids.data(), 40, pre, *pools, h.data());
+    std::vector<int32_t> row;
+    std::vector<int64_t> pos;
+    model_executor::ForwardBatch verify;
+    int32_t accept_at = 0;
+    if (!tree) {
+      row = {ids[40], ids[41], ids[42], ids[43]};
+      pos = {40, 41, 42, 43};
+      verify = model_executor::ForwardBatch::target_verify(req, {3});
+      accept_at = 2;  // tokens 40, 41, 42
+    } else {
+      // positions: 0 = token 40, 1 = token 41 (parent 40), 2 = a wrong sibling, 3 = token 42 (parent 1),
+      // 4 = token 43 (parent 3); accepting position 3 keeps 0, 1, 3.
+      row = {ids[40], ids[41], (ids[41] + 1) % static_cast<int32_t>(V), ids[42], ids[43]};
+      pos = {40, 41, -1, 42, 43};
+      verify = model_executor::ForwardBatch::target_verify(req, {4}, {-1, -1, 0, 2});
+      accept_at = 3;
+    }
+    model->forward(row.data(), static_cast<int64_t>(row.size()), verify, *pools, h.data());
+    expect_rows(std::vector<int64_t>(row.size()), pos, "verify");
+    const std::vector<int32_t> accepted = {accept_at};
+    model->accept(verify, accepted, *pools);
+    EXPECT_EQ(pools->req_to_token_pool.seq_len(req[0]), 43) << what;
+    auto rest = model_executor::ForwardBatch::extend(req, {5}, {43});
+    model->forward(ids.data() + 43, 5, rest, *pools, h.data());
+    expect_rows(std::vector<int64_t>(5), {43, 44, 45, 46, 47}, "after accept");
+    const int32_t slot = pools->req_to_token_pool.slot_of(req[0]);
+    const auto& pc = pools->recurrent_state_pool.config();
+    std::vector<float> rec(size_t(pc.num_heads) * pc.head_k_dim * pc.head_v_dim);
+    for (const int id : model->kda_layer_ids()) {
+      pools->recurrent_state_pool.read_linear_recurrent_layer_cache(id, {&slot, 1}, rec.data(), nullptr);
+      const auto ref = c.f32("kda_recurrent_state_" + std::to_string(id));
+      EXPECT_LE(testing::max_error_ratio(rec.data(), ref.data(), ref.size(), 1e-5, 1e-5), 1.0)
+          << what << " " << id;
+    }
+    const auto toks = pools->req_to_token_pool.req_to_token(req[0]);
+    ASSERT_EQ(toks.size(), 48u);
+    const int R = model->config().kv_lora_rank, r = model->config().qk_rope_head_dim;
+    std::vector<float> ckv(48 * R), kpe(48 * r);
+    pools->token_to_kv_pool->read_kv(3, toks, ckv.data(), kpe.data());
+    const auto ref = c.f32("mla_ckv_3");
+    EXPECT_LE(testing::max_error_ratio(ckv.data(), ref.data(), ref.size(), 1e-5, 1e-5), 1.0) << what;
+  }
+}
+
 TEST(KimiLinearModel, BothMoeCombineModesMatchTheirReference) {
   const auto cfg = io::load_model_config(model_dumps_dir());
   const auto w = testing::read_model_weights(model_dumps_dir());
@@ -143,6 +215,34 @@ TEST(KimiLinearModel, BothMoeCombineModesMatchTheirReference) {
       EXPECT_GT(testing::rel_l2(r.logits.data(), unbiased.data(), unbiased.size()), 1e-3);
     }
   }
+}
+
+TEST(KimiLinearModel, MlaOptionsReachTheLayer) {
+  const auto c = load_model_dump_case("varlen_3");
+  // Both attention forms equal the reference (and so each other) within the fp32 bound.
+  for (const auto form : {models::MlaForm::Plain, models::MlaForm::Absorbed}) {
+    auto o = opts_of(Precision::FP32);
+    o.mla_form = form;
+    auto m = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+    testing::expect_case_fp32(run_model_case(*m, c.input_ids, c.cu_seqlens, ModelCaseOptions{3, 1, true}), c,
+                              form == models::MlaForm::Plain ? "plain MLA" : "absorbed MLA");
+  }
+  // kv_norm_eps 1e-6 (the HF remote code's) against the reference with the same eps.
+  auto o = opts_of(Precision::FP32);
+  o.kv_norm_eps = 1e-6;
+  auto m = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+  const auto r = run_model_case(*m, c.input_ids, c.cu_seqlens);
+  testing::ModelReferenceOptions ro;
+  ro.kv_norm_eps = 1e-6;
+  const auto ref =
+      testing::reference_model(io::load_model_config(model_dumps_dir()),
+                               testing::read_model_weights(model_dumps_dir()), c.input_ids, c.cu_seqlens, ro);
+  const std::vector<float> want(ref.mla_ckv.at(3).begin(), ref.mla_ckv.at(3).end());
+  EXPECT_LE(testing::max_error_ratio(r.mla_ckv.at(3).data(), want.data(), want.size(), 1e-5, 1e-5), 1.0);
+  const std::vector<float> logits(ref.logits.begin(), ref.logits.end());
+  EXPECT_LE(testing::max_error_ratio(r.logits.data(), logits.data(), logits.size(), 1e-4, 1e-4), 1.0);
+  const auto dflt = c.f32("mla_ckv_3");  // the eps shows in the cache rows
+  EXPECT_GT(testing::rel_l2(r.mla_ckv.at(3).data(), dflt.data(), dflt.size()), 1e-7);
 }
 
 TEST(KimiLinearModel, TensorParallel2EqualsTp1) {
@@ -170,6 +270,38 @@ TEST(KimiLinearModel, ActiveParametersOfThe48bModelAreTheSpecs) {
   // Fewer routed experts change only the router's share; the top-8 stay.
   const double fewer = static_cast<double>(models::kimi_linear_active_params(cfg, 0, 32));
   EXPECT_NEAR(fewer, 3.107e9 - 26.0 * (256 - 32) * (2304 + 1), 1.5e6);
+}
+
+TEST(KimiLinearModel, TheHeadInRowBlocksEqualsOneBlock) {
+  const auto c = load_model_dump_case("T7");
+  for (const auto p : {Precision::FP32, Precision::BF16}) {
+    auto one = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(p));
+    auto o = opts_of(p);
+    o.lm_head_block_rows = 100;  // 512 rows: 5 blocks of 100 and one of 12
+    auto blocks = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+    EXPECT_EQ(blocks->head_weight_bytes(), one->head_weight_bytes());
+    const auto a = run_model_case(*one, c.input_ids, {}), b = run_model_case(*blocks, c.input_ids, {});
+    EXPECT_EQ(a.hidden_final, b.hidden_final);
+    EXPECT_LE(testing::max_error_ratio(b.logits.data(), a.logits.data(), a.logits.size(), 1e-6, 1e-6), 1.0);
+  }
+}
+
+TEST(KimiLinearModel, TheHeadIsDenseUnlessAskedToQuantize) {
+  const auto c = load_model_dump_case("T7");
+  auto dense = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
+  auto o = opts_of(Precision::FP32);
+  o.weights = Weights::Int8;
+  auto int8 = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+  EXPECT_EQ(int8->head_weight_bytes(), dense->head_weight_bytes());  // --weights leaves the head dense
+  EXPECT_LT(int8->weight_bytes(), dense->weight_bytes());
+  o.quantize_lm_head = true;
+  auto int8_head = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+  EXPECT_LT(int8_head->head_weight_bytes(), dense->head_weight_bytes() / 3);
+  const auto a = run_model_case(*int8, c.input_ids, {}), b = run_model_case(*int8_head, c.input_ids, {});
+  EXPECT_EQ(a.hidden_final, b.hidden_final);
+  const double d = testing::rel_l2(b.logits.data(), a.logits.data(), a.logits.size());
+  EXPECT_GT(d, 0.0);
+  EXPECT_LT(d, 2e-2);
 }
 
 TEST(KimiLinearModel, TiedEmbeddingsUseEmbedTokensAsTheHead) {

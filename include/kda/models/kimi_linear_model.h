@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -61,10 +62,11 @@ struct ModelOptions {
   double kv_norm_eps = 0.0;  // kv_a_layernorm's eps (0: rms_norm_eps)
   MlaForm mla_form = MlaForm::Auto;
   distributed::TensorParallel tp = {};
-  int num_layers = 0;             // the first N decoder layers of the config's pattern (0: all)
-  int num_experts = 0;            // synthetic only: routed experts per MoE layer (0: the config's)
-  int64_t vocab = 0;              // synthetic only: vocabulary (0: the config's vocab_size)
-  bool quantize_lm_head = false;  // the LM head in `weights` too (int8 / int4); default dense
+  int num_layers = 0;              // the first N decoder layers of the config's pattern (0: all)
+  int num_experts = 0;             // synthetic only: routed experts per MoE layer (0: the config's)
+  int64_t vocab = 0;               // synthetic only: vocabulary (0: the config's vocab_size)
+  bool quantize_lm_head = false;   // the LM head in `weights` too (int8 / int4); default dense
+  int64_t lm_head_block_rows = 0;  // LM head rows per block (0: as many as keep a block <= 64 M weights)
   kernels::KernelImpl kernel = kernels::KernelImpl::Auto;  // the model's own KDA backend's kernel
 };
 
@@ -108,6 +110,9 @@ class KimiLinearModel {
   KimiLinearModel(const io::KimiLinearConfig& cfg, Precision precision, std::vector<float> embed_tokens,
                   int64_t vocab, std::vector<std::unique_ptr<KimiDecoderLayer>> layers,
                   std::vector<float> norm);
+  // The bf16 precision's table as bf16 values (a loader reads it so, without an fp32 copy).
+  KimiLinearModel(const io::KimiLinearConfig& cfg, std::vector<bf16_t> embed_tokens, int64_t vocab,
+                  std::vector<std::unique_ptr<KimiDecoderLayer>> layers, std::vector<float> norm);
 
   int64_t vocab_size() const { return vocab_; }
   int num_layers() const { return static_cast<int>(layers_.size()); }
@@ -170,19 +175,20 @@ class KimiLinearForCausalLM {
                                                      int max_verify_tokens = 0,
                                                      int64_t verify_rows = 0) const;
 
-  // One step over fb's rows (EXTEND / DECODE; IDLE / DUMMY_FIRST give zeros; TARGET_VERIFY where every
-  // layer supports it): input_ids [T], T == fb.num_tokens(). When fb.attn_backend is null the model's own
-  // KDA backend is used (fb.attn_backend is set to it). Before any layer runs: fb is validated, every id
-  // is checked against the vocabulary, each row's extend_prefix_lens must equal its request's seq_len,
-  // the step's MLA token slots are allocated (all or nothing) and the backend's metadata initialised. An
-  // error before the first layer changes nothing; an error inside a layer frees the step's token slots
-  // again (the requests' KDA states are then those of a half-run step: free or reset the requests).
-  // hidden_final [T, D]: the residual stream after the last layer, before model.norm.
+  // One step over fb's rows (EXTEND / DECODE / TARGET_VERIFY, chains and trees; IDLE / DUMMY_FIRST give
+  // zeros): input_ids [T], T == fb.num_tokens(). When fb.attn_backend is null the model's own KDA backend is
+  // used (fb.attn_backend is set to it). Before any layer runs: fb is validated, every id is checked against
+  // the vocabulary, each row's extend_prefix_lens must equal its request's seq_len, the step's MLA token
+  // slots are allocated (all or nothing) and the backend's metadata initialised. An error before the first
+  // layer changes nothing; an error inside a layer frees the step's token slots again (the requests' KDA
+  // states are then those of a half-run step: free or reset the requests). hidden_final [T, D]: the residual
+  // stream after the last layer, before model.norm.
   void forward(const int32_t* input_ids, int64_t T, model_executor::ForwardBatch& fb,
                mem_cache::MemoryPools& pools, float* hidden_final);
   // model.norm + lm_head on M rows of hidden [M, D] -> logits [M, V] fp32.
   void compute_logits(const float* hidden, int64_t M, float* logits);
-  // After a TARGET_VERIFY forward: the KDA states move to the accepted tokens (KDAAttnBackend::accept).
+  // After a TARGET_VERIFY forward: the KDA states move to the accepted tokens (KDAAttnBackend::accept) and
+  // each request keeps the accepted path's MLA token slots (HybridReqToTokenPool::accept_tokens).
   void accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted,
               mem_cache::MemoryPools& pools);
   layers::attention::linear::KDAAttnBackend& backend() { return backend_; }
@@ -191,9 +197,11 @@ class KimiLinearForCausalLM {
   int64_t hidden_size() const { return cfg_.hidden_size; }
   int64_t weight_bytes() const;  // resident on this rank: embedding, layers, norms, LM head
   int64_t active_weight_bytes()
-      const;                      // read per decoded token (this rank): one embedding row, every
-                                  // layer's attention, dense MLP / router + top-k + shared experts, head
-  int64_t active_params() const;  // the whole model's active parameters per token (every rank's)
+      const;  // read per decoded token (this rank): one embedding row, every
+              // layer's attention, dense MLP / router + top-k + shared experts, head
+  int64_t active_params() const;
+  int64_t head_weight_bytes() const;  // the LM head's (dense unless quantize_lm_head)  // the whole model's
+                                      // active parameters per token (every rank's)
 
  private:
   KimiLinearForCausalLM(const io::KimiLinearConfig& cfg, const ModelOptions& opts);
@@ -203,7 +211,13 @@ class KimiLinearForCausalLM {
   ModelOptions opts_;
   std::vector<int> kda_ids_, mla_ids_;
   std::unique_ptr<KimiLinearModel> model_;
-  std::unique_ptr<layers::Linear> lm_head_;  // [V, D]
+  // lm_head [V, D] in row blocks of at most kHeadBlockValues weights: a loader's fp32 copy of the head
+  // (the real one is 1.5 GB in fp32) is then one block at a time. Block b holds rows from head_begin_[b].
+  static constexpr int64_t kHeadBlockValues = int64_t{1} << 26;
+  std::vector<layers::Linear> lm_head_;
+  std::vector<int64_t> head_begin_;
+  // Builds the head's blocks from rows(begin, end) -> fp32 [end - begin, D].
+  void build_head(int64_t V, const std::function<std::vector<float>(int64_t, int64_t)>& rows);
   layers::attention::linear::KDAAttnBackend backend_;
   std::vector<float> head_in_;
 };

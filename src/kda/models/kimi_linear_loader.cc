@@ -1,4 +1,5 @@
 // KimiLinearForCausalLM::from_pretrained and ::synthetic: building the decoder layer by layer.
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <iostream>
@@ -44,6 +45,9 @@ void check_options(const io::KimiLinearConfig& cfg, const ModelOptions& o) {
   if (o.kv_norm_eps < 0.0 || !std::isfinite(o.kv_norm_eps))
     throw std::invalid_argument("kv_norm_eps must be >= 0 (0: rms_norm_eps), got " +
                                 std::to_string(o.kv_norm_eps));
+  if (o.lm_head_block_rows < 0)
+    throw std::invalid_argument("lm_head_block_rows must be >= 0, got " +
+                                std::to_string(o.lm_head_block_rows));
   if (o.tp.size < 1 || o.tp.rank < 0 || o.tp.rank >= o.tp.size)
     throw std::invalid_argument("tensor parallel rank " + std::to_string(o.tp.rank) + " of " +
                                 std::to_string(o.tp.size));
@@ -58,11 +62,13 @@ void check_options(const io::KimiLinearConfig& cfg, const ModelOptions& o) {
 MlaOptions mla_options(const ModelOptions& o) { return MlaOptions{o.kv_norm_eps, o.mla_form}; }
 MoeOptions moe_options(const ModelOptions& o) { return MoeOptions{o.moe_combine, o.num_experts}; }
 
-std::vector<float> seeded_table(uint64_t seed, uint64_t table, int64_t rows, int64_t D, float scale) {
-  std::vector<float> w(static_cast<size_t>(rows * D));
+// Rows [begin, end) of a seeded table.
+std::vector<float> seeded_table(uint64_t seed, uint64_t table, int64_t begin, int64_t end, int64_t D,
+                                float scale) {
+  std::vector<float> w(static_cast<size_t>((end - begin) * D));
 #pragma omp parallel for schedule(static)
-  for (int64_t v = 0; v < rows; ++v) {
-    float* row = w.data() + v * D;
+  for (int64_t v = begin; v < end; ++v) {
+    float* row = w.data() + (v - begin) * D;
     seeded_normals(seed, table, v, D, row);
     for (int64_t d = 0; d < D; ++d) row[d] *= scale;
   }
@@ -90,7 +96,7 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
   // and the shards still in use, never the whole checkpoint.
   const bool tied = cfg.tie_word_embeddings;
   auto stage_of = [&](const std::string& key) {
-    if (key == kEmbedKey) return tied ? L + 1 : 0;  // tied: the head is built from it last
+    if (key == kEmbedKey) return 0;  // tied too: the head is built from the copy in memory
     if (key == kNormKey || (key == kHeadKey && !tied)) return L + 1;
     const int l = layer_of(key);
     return l >= 0 && l < L ? l + 1 : -1;
@@ -108,8 +114,15 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
       if (last == stage) ckpt.release_shard(shard);
   };
 
-  std::vector<float> embed = ckpt.load_f32(kEmbedKey, {V, D});
-  if (!tied) release_after(0);
+  // The table as the precision keeps it: bf16 read as bf16 (no fp32 copy of 1.5 GB at the real vocab).
+  const bool bf16 = prec == Precision::BF16;
+  std::vector<float> embed;
+  std::vector<bf16_t> embed16;
+  if (bf16)
+    embed16 = ckpt.load_bf16(kEmbedKey, {V, D});
+  else
+    embed = ckpt.load_f32(kEmbedKey, {V, D});
+  release_after(0);
   std::vector<std::unique_ptr<KimiDecoderLayer>> layers;
   layers.reserve(static_cast<size_t>(L));
   for (int i = 0; i < L; ++i) {
@@ -136,19 +149,26 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
     release_after(i + 1);
   }
   auto norm = ckpt.load_f32(kNormKey, {D});
-  {
-    // The head dense in the precision's type (an explicit option quantizes it); tied: embed_tokens.
-    const Weights hw = opts.quantize_lm_head ? opts.weights : Weights::BF16;
-    if (tied) {
-      m->lm_head_ = std::make_unique<layers::Linear>(D, V, embed, prec, hw);
-    } else {
-      const auto head = ckpt.load_f32(kHeadKey, {V, D});
-      m->lm_head_ = std::make_unique<layers::Linear>(D, V, head, prec, hw);
-    }
-  }
+  // The head dense in the precision's type (an explicit option quantizes it), block by block; tied: the
+  // embedding's rows.
+  if (tied)
+    m->build_head(V, [&](int64_t b, int64_t e) {
+      std::vector<float> rows(static_cast<size_t>((e - b) * D));
+      if (bf16)
+        bf16_to_f32_array(embed16.data() + b * D, rows.data(), rows.size());
+      else
+        std::copy(embed.begin() + b * D, embed.begin() + e * D, rows.begin());
+      return rows;
+    });
+  else
+    m->build_head(V, [&](int64_t b, int64_t e) { return ckpt.load_f32_slice(kHeadKey, {V, D}, 0, b, e); });
   release_after(L + 1);
-  m->model_ =
-      std::make_unique<KimiLinearModel>(cfg, prec, std::move(embed), V, std::move(layers), std::move(norm));
+  if (bf16)
+    m->model_ =
+        std::make_unique<KimiLinearModel>(cfg, std::move(embed16), V, std::move(layers), std::move(norm));
+  else
+    m->model_ =
+        std::make_unique<KimiLinearModel>(cfg, prec, std::move(embed), V, std::move(layers), std::move(norm));
 
   // One warning listing what the model did not read (layers past num_layers are skipped on purpose).
   const auto used_v = ckpt.accessed();
@@ -225,13 +245,10 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::synthetic(const io
         i, std::vector<float>(static_cast<size_t>(D), 1.0f), std::vector<float>(static_cast<size_t>(D), 1.0f),
         std::move(kda[i]), std::move(mla[i]), std::move(mlp), std::move(moe)));
   }
-  {
-    const auto head = seeded_table(seed, kHeadTable, V, D, static_cast<float>(1.0 / std::sqrt(double(D))));
-    const Weights hw = opts.quantize_lm_head ? opts.weights : Weights::BF16;
-    m->lm_head_ = std::make_unique<layers::Linear>(D, V, head, prec, hw);
-  }
+  const float head_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  m->build_head(V, [&](int64_t b, int64_t e) { return seeded_table(seed, kHeadTable, b, e, D, head_scale); });
   m->model_ =
-      std::make_unique<KimiLinearModel>(cfg, prec, seeded_table(seed, kEmbedTable, V, D, 1.0f), V,
+      std::make_unique<KimiLinearModel>(cfg, prec, seeded_table(seed, kEmbedTable, 0, V, D, 1.0f), V,
                                         std::move(layers), std::vector<float>(static_cast<size_t>(D), 1.0f));
   return m;
 }

@@ -125,6 +125,24 @@ KimiLinearModel::KimiLinearModel(const io::KimiLinearConfig& cfg, Precision prec
   }
 }
 
+KimiLinearModel::KimiLinearModel(const io::KimiLinearConfig& cfg, std::vector<bf16_t> embed_tokens,
+                                 int64_t vocab, std::vector<std::unique_ptr<KimiDecoderLayer>> layers,
+                                 std::vector<float> norm)
+    : cfg_(cfg),
+      precision_(Precision::BF16),
+      vocab_(vocab),
+      embed16_(std::move(embed_tokens)),
+      layers_(std::move(layers)),
+      norm_(std::move(norm)) {
+  const int64_t D = cfg.hidden_size;
+  if (static_cast<int64_t>(embed16_.size()) != vocab * D)
+    throw std::invalid_argument("embed_tokens holds " + str(static_cast<int64_t>(embed16_.size())) +
+                                " values, expected [" + str(vocab) + ", " + str(D) + "]");
+  if (static_cast<int64_t>(norm_.size()) != D)
+    throw std::invalid_argument("model.norm holds " + str(static_cast<int64_t>(norm_.size())) +
+                                " values, expected " + str(D));
+}
+
 int64_t KimiLinearModel::weight_bytes() const {
   int64_t b = static_cast<int64_t>(embed_.size()) * 4 + static_cast<int64_t>(embed16_.size()) * 2 +
               static_cast<int64_t>(norm_.size()) * 4;
@@ -225,10 +243,6 @@ void KimiLinearForCausalLM::forward(const int32_t* input_ids, int64_t T, model_e
     std::fill(hidden_final, hidden_final + T * D, 0.0f);
     return;
   }
-  if (fb.forward_mode == ForwardMode::TARGET_VERIFY && !mla_ids_.empty() && !fb.draft_parents.empty())
-    throw std::invalid_argument(
-        "KimiLinearForCausalLM::forward: tree drafts (draft_parents) on a model with MLA "
-        "layers are not supported; verify chains");
   if (fb.forward_mode == ForwardMode::DRAFT_EXTEND)
     throw std::invalid_argument("KimiLinearForCausalLM::forward: DRAFT_EXTEND is not supported");
   // Every check before anything changes: the ids, the requests, the MLA prefixes.
@@ -280,16 +294,29 @@ void KimiLinearForCausalLM::accept(const model_executor::ForwardBatch& fb, std::
         "KimiLinearForCausalLM::accept: " + str(static_cast<int64_t>(accepted.size())) +
         " accepted positions for " + str(fb.batch_size()) + " rows");
   auto& rtp = pools.req_to_token_pool;
-  // The verify step appended every row's d + 1 tokens; the accepted chain keeps its first a + 1.
-  std::vector<int64_t> keep(accepted.size(), 0);
+  // The verify step appended every row's d + 1 tokens after its committed ones; the accepted path keeps
+  // its tokens (a chain: the first a + 1; a tree: the accepted position and its ancestors, in order).
+  std::vector<int64_t> row_off(accepted.size() + 1, 0), committed(accepted.size(), 0);
+  std::vector<std::vector<int32_t>> kept(accepted.size());
   for (size_t b = 0; b < accepted.size(); ++b) {
+    row_off[b + 1] = row_off[b] + fb.extend_seq_lens[b] - 1;
     const int32_t r = fb.req_pool_indices[b];
     if (r < 0) continue;
     if (accepted[b] < 0 || accepted[b] >= fb.extend_seq_lens[b])
       throw std::invalid_argument("KimiLinearForCausalLM::accept: row " + str(static_cast<int64_t>(b)) +
                                   " accepted position " + str(accepted[b]) + " outside [0, " +
                                   str(fb.extend_seq_lens[b]) + ")");
-    keep[b] = rtp.seq_len(r) - fb.extend_seq_lens[b] + accepted[b] + 1;
+    committed[b] = rtp.seq_len(r) - fb.extend_seq_lens[b];
+    if (committed[b] < 0)
+      throw std::invalid_argument("KimiLinearForCausalLM::accept: request " + str(r) + " holds " +
+                                  str(rtp.seq_len(r)) + " tokens, fewer than its verify row's " +
+                                  str(fb.extend_seq_lens[b]));
+    for (int64_t p = accepted[b];;) {
+      kept[b].push_back(static_cast<int32_t>(p));
+      if (p == 0) break;
+      p = fb.draft_parents.empty() ? p - 1 : fb.draft_parents[static_cast<size_t>(row_off[b] + p - 1)] + 1;
+    }
+    std::reverse(kept[b].begin(), kept[b].end());
   }
   if (!kda_ids_.empty()) {
     if (fb.attn_backend == nullptr)
@@ -297,7 +324,7 @@ void KimiLinearForCausalLM::accept(const model_executor::ForwardBatch& fb, std::
     fb.attn_backend->accept(fb, accepted, pools.recurrent_state_pool);
   }
   for (size_t b = 0; b < accepted.size(); ++b)
-    if (fb.req_pool_indices[b] >= 0) rtp.truncate_tokens(fb.req_pool_indices[b], keep[b]);
+    if (fb.req_pool_indices[b] >= 0) rtp.accept_tokens(fb.req_pool_indices[b], committed[b], kept[b]);
 }
 
 void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float* logits) {
@@ -306,18 +333,38 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
   head_in_.resize(static_cast<size_t>(M * D));
   rms_norm_rows(hidden, M, D, model_->norm_weight().data(), cfg_.rms_norm_eps, opts_.precision,
                 head_in_.data());
-  lm_head_->forward(head_in_.data(), M, logits);
+  for (size_t b = 0; b < lm_head_.size(); ++b)
+    lm_head_[b].forward(head_in_.data(), M, D, logits + head_begin_[b], vocab_size());
 }
 
-int64_t KimiLinearForCausalLM::weight_bytes() const {
-  return model_->weight_bytes() + lm_head_->weight_bytes();
+int64_t KimiLinearForCausalLM::head_weight_bytes() const {
+  int64_t b = 0;
+  for (const auto& l : lm_head_) b += l.weight_bytes();
+  return b;
 }
+
+void KimiLinearForCausalLM::build_head(int64_t V,
+                                       const std::function<std::vector<float>(int64_t, int64_t)>& rows) {
+  const int64_t D = cfg_.hidden_size;
+  const int64_t per =
+      opts_.lm_head_block_rows > 0 ? opts_.lm_head_block_rows : std::max<int64_t>(1, kHeadBlockValues / D);
+  const Weights hw = opts_.quantize_lm_head ? opts_.weights : Weights::BF16;
+  lm_head_.clear();
+  head_begin_.clear();
+  for (int64_t b = 0; b < V; b += per) {
+    const int64_t e = std::min(V, b + per);
+    lm_head_.emplace_back(D, e - b, rows(b, e), opts_.precision, hw);
+    head_begin_.push_back(b);
+  }
+}
+
+int64_t KimiLinearForCausalLM::weight_bytes() const { return model_->weight_bytes() + head_weight_bytes(); }
 
 int64_t KimiLinearForCausalLM::active_weight_bytes() const {
   const int64_t D = cfg_.hidden_size;
   int64_t b = D * (opts_.precision == Precision::BF16 ? 2 : 4) + D * 4;  // one embedding row, model.norm
   for (int i = 0; i < model_->num_layers(); ++i) b += model_->layer(i).active_weight_bytes();
-  return b + lm_head_->weight_bytes();
+  return b + head_weight_bytes();
 }
 
 int64_t KimiLinearForCausalLM::active_params() const {
