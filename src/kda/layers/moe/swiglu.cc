@@ -1,0 +1,105 @@
+#include "kda/layers/moe/swiglu.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace kda::layers::moe {
+
+namespace {
+
+std::vector<float> stack_rows(const std::vector<float>& a, const std::vector<float>& b) {
+  std::vector<float> out;
+  out.reserve(a.size() + b.size());
+  out.insert(out.end(), a.begin(), a.end());
+  out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
+void check_size(const std::vector<float>& v, int64_t n, const char* name) {
+  if (static_cast<int64_t>(v.size()) != n)
+    throw std::invalid_argument(std::string("SwiGLU MLP: ") + name + " has " + std::to_string(v.size()) +
+                                " values, expected " + std::to_string(n));
+}
+
+const std::vector<float>& checked(const std::vector<float>& gate, const std::vector<float>& up,
+                                  const std::vector<float>& down, int64_t D, int64_t I) {
+  if (D < 1 || I < 1)
+    throw std::invalid_argument("SwiGLU MLP: hidden " + std::to_string(D) + " and intermediate " +
+                                std::to_string(I) + " must be positive");
+  check_size(gate, I * D, "gate_proj");
+  check_size(up, I * D, "up_proj");
+  check_size(down, D * I, "down_proj");
+  return gate;
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// Rows parallel where there are enough of them; the GEMMs thread themselves.
+constexpr int64_t kParallelElems = 1 << 15;
+
+}  // namespace
+
+SwigluMlp::SwigluMlp(int64_t D, int64_t I, const std::vector<float>& gate, const std::vector<float>& up,
+                     const std::vector<float>& down, Precision precision, Weights weights)
+    : D_(D),
+      I_(I),
+      precision_(precision),
+      gate_up_(D, 2 * I, stack_rows(checked(gate, up, down, D, I), up), precision, weights),
+      down_(I, D, down, precision, weights) {}
+
+void SwigluMlp::forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
+                        SwigluScratch& s) const {
+  if (T <= 0) return;
+  const size_t nh = static_cast<size_t>(T * 2 * I_), na = static_cast<size_t>(T * I_);
+  if (precision_ == Precision::BF16) {
+    if (s.h16.size() < nh) s.h16.resize(nh);
+    if (s.a16.size() < na) s.a16.resize(na);
+    gate_up_.forward(x, T, ldx, s.h16.data(), 2 * I_);
+    silu_mul(s.h16.data(), T, I_, s.a16.data());
+    down_.forward(s.a16.data(), T, I_, out, ldo);
+    if (round_out)
+      for (int64_t t = 0; t < T; ++t) round_bf16_inplace(out + t * ldo, static_cast<size_t>(D_));
+  } else {
+    if (s.h.size() < nh) s.h.resize(nh);
+    if (s.a.size() < na) s.a.resize(na);
+    gate_up_.forward(x, T, ldx, s.h.data(), 2 * I_);
+    silu_mul(s.h.data(), T, I_, s.a.data());
+    down_.forward(s.a.data(), T, I_, out, ldo);
+  }
+}
+
+void silu_mul_reference(const float* h, int64_t T, int64_t I, float* a, bool round) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < I; ++i) {
+      const float v = silu(h[t * 2 * I + i]) * h[t * 2 * I + I + i];
+      a[t * I + i] = round ? round_bf16(v) : v;
+    }
+}
+
+void silu_mul(const float* h, int64_t T, int64_t I, float* a) {
+#pragma omp parallel for schedule(static) if (T * I >= kParallelElems)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = h + t * 2 * I;
+    const float* u = g + I;
+    float* o = a + t * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) o[i] = silu(g[i]) * u[i];
+  }
+}
+
+void silu_mul(const bf16_t* h, int64_t T, int64_t I, bf16_t* a) {
+#pragma omp parallel for schedule(static) if (T * I >= kParallelElems)
+  for (int64_t t = 0; t < T; ++t) {
+    const bf16_t* g = h + t * 2 * I;
+    const bf16_t* u = g + I;
+    bf16_t* o = a + t * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+      const float gv = bf16_to_f32(g[i]);
+      o[i] = f32_to_bf16(silu(gv) * bf16_to_f32(u[i]));
+    }
+  }
+}
+
+}  // namespace kda::layers::moe

@@ -1,0 +1,504 @@
+#include "kda/models/kimi_moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+#include "kda/common/bf16.h"
+#include "kda/common/seeded.h"
+#include "kda/layers/linear.h"
+#include "kda/layers/moe/router.h"
+#include "kda/layers/moe/swiglu.h"
+
+namespace kda::models {
+
+namespace {
+
+using layers::moe::SwigluMlp;
+using layers::moe::SwigluScratch;
+
+// seeded_normals tables of the synthetic weights (the KDA stack's embedding and head use 1 and 2).
+constexpr uint64_t kGateTable = 0x4d4c5001, kUpTable = 0x4d4c5002, kDownTable = 0x4d4c5003;
+constexpr uint64_t kRouterTable = 0x524f5501, kBiasTable = 0x524f5502;
+constexpr uint64_t kMoeSeedStream = 32;  // seeded_bits stream: per-layer / per-expert seeds
+constexpr int64_t kRouterSeed = -1, kSharedSeed = -2;
+
+// Scratch of the calling thread, shared by every MLP and MoE layer it runs (they run one after another):
+// sized by the largest call, never one buffer per layer.
+struct ThreadScratch {
+  SwigluScratch mlp;
+  std::vector<float> xe, ye;  // an expert's gathered rows and its output
+};
+ThreadScratch& thread_scratch() {
+  thread_local ThreadScratch s;
+  return s;
+}
+
+void check_tp(const distributed::TensorParallel& tp, const char* what) {
+  if (tp.size < 1 || tp.rank < 0 || tp.rank >= tp.size)
+    throw std::invalid_argument(std::string(what) + ": tensor-parallel rank " + std::to_string(tp.rank) +
+                                " of " + std::to_string(tp.size) + " is not a rank of the group");
+  if (tp.size > 1 && (!tp.comm || tp.comm->size() != tp.size || tp.comm->rank() != tp.rank))
+    throw std::invalid_argument(std::string(what) + ": tensor-parallel rank " + std::to_string(tp.rank) +
+                                " of " + std::to_string(tp.size) +
+                                " needs a communicator of that size and rank");
+}
+
+void check_split(int64_t I, int tp_size, const std::string& what) {
+  if (tp_size < 1 || I % tp_size != 0)
+    throw std::invalid_argument(what + ": intermediate size " + std::to_string(I) +
+                                " cannot be split evenly over " + std::to_string(tp_size) +
+                                " tensor-parallel ranks");
+}
+
+// GEMM row counts are padded to few distinct shapes (powers of two up to 64, then multiples of 64): a
+// Linear creates a oneDNN primitive per shape, and the number of tokens an expert gets varies per call.
+int64_t padded_rows(int64_t n) {
+  if (n > 64) return (n + 63) / 64 * 64;
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+constexpr int64_t kParallelCopy = 1 << 15;  // elements: gather / scatter in parallel from here
+
+}  // namespace
+
+const char* to_string(MoeCombine c) { return c == MoeCombine::Biased ? "biased" : "unbiased"; }
+
+MoeCombine parse_moe_combine(std::string_view s) {
+  if (s == "unbiased") return MoeCombine::Unbiased;
+  if (s == "biased") return MoeCombine::Biased;
+  throw std::invalid_argument("unknown MoE combine '" + std::string(s) + "' (expected unbiased or biased)");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// MlpWeights
+
+MlpWeights MlpWeights::load(const io::Checkpoint& ckpt, const std::string& prefix, bool expert_names,
+                            int64_t D, int64_t I, int tp_rank, int tp_size) {
+  check_split(I, tp_size, prefix);
+  if (tp_rank < 0 || tp_rank >= tp_size)
+    throw std::invalid_argument(prefix + ": tensor-parallel rank " + std::to_string(tp_rank) +
+                                " outside [0, " + std::to_string(tp_size) + ")");
+  const int64_t i0 = I / tp_size * tp_rank, i1 = I / tp_size * (tp_rank + 1);
+  const std::string g = prefix + (expert_names ? ".w1.weight" : ".gate_proj.weight");
+  const std::string u = prefix + (expert_names ? ".w3.weight" : ".up_proj.weight");
+  const std::string d = prefix + (expert_names ? ".w2.weight" : ".down_proj.weight");
+  MlpWeights w;
+  w.hidden = D;
+  w.intermediate = i1 - i0;
+  w.gate_proj = ckpt.load_f32_slice(g, {I, D}, 0, i0, i1);
+  w.up_proj = ckpt.load_f32_slice(u, {I, D}, 0, i0, i1);
+  w.down_proj = ckpt.load_f32_slice(d, {D, I}, 1, i0, i1);
+  return w;
+}
+
+MlpWeights MlpWeights::shard(int tp_rank, int tp_size) const {
+  check_split(intermediate, tp_size, "MlpWeights::shard");
+  if (tp_rank < 0 || tp_rank >= tp_size)
+    throw std::invalid_argument("MlpWeights::shard: rank " + std::to_string(tp_rank) + " outside [0, " +
+                                std::to_string(tp_size) + ")");
+  const int64_t D = hidden, I = intermediate, n = I / tp_size, i0 = n * tp_rank;
+  MlpWeights s;
+  s.hidden = D;
+  s.intermediate = n;
+  s.gate_proj.assign(gate_proj.begin() + i0 * D, gate_proj.begin() + (i0 + n) * D);
+  s.up_proj.assign(up_proj.begin() + i0 * D, up_proj.begin() + (i0 + n) * D);
+  s.down_proj.resize(static_cast<size_t>(D * n));
+  for (int64_t r = 0; r < D; ++r)
+    std::copy(down_proj.begin() + r * I + i0, down_proj.begin() + r * I + i0 + n,
+              s.down_proj.begin() + r * n);
+  return s;
+}
+
+MlpWeights MlpWeights::synthetic(int64_t D, int64_t I, uint64_t seed) {
+  MlpWeights w;
+  w.hidden = D;
+  w.intermediate = I;
+  w.gate_proj.resize(static_cast<size_t>(I * D));
+  w.up_proj.resize(static_cast<size_t>(I * D));
+  w.down_proj.resize(static_cast<size_t>(D * I));
+  const float sd = 1.0f / std::sqrt(static_cast<float>(D)), sd_down = 1.0f / std::sqrt(static_cast<float>(I));
+  // Every row is a function of (seed, table, row) only, so rows are drawn in parallel.
+#pragma omp parallel for schedule(static) if (I * D >= (int64_t{1} << 18))
+  for (int64_t r = 0; r < I + D; ++r) {
+    if (r < I) {
+      float* g = w.gate_proj.data() + r * D;
+      float* u = w.up_proj.data() + r * D;
+      seeded_normals(seed, kGateTable, r, D, g);
+      seeded_normals(seed, kUpTable, r, D, u);
+      for (int64_t c = 0; c < D; ++c) {
+        g[c] *= sd;
+        u[c] *= sd;
+      }
+    } else {
+      float* d = w.down_proj.data() + (r - I) * I;
+      seeded_normals(seed, kDownTable, r - I, I, d);
+      for (int64_t c = 0; c < I; ++c) d[c] *= sd_down;
+    }
+  }
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// KimiMLP
+
+KimiMLP::KimiMLP(const MlpWeights& w, Precision precision, distributed::TensorParallel tp, Weights weights)
+    : precision_(precision), tp_(tp) {
+  check_tp(tp, "KimiMLP");
+  mlp_ = std::make_unique<SwigluMlp>(w.hidden, w.intermediate, w.gate_proj, w.up_proj, w.down_proj, precision,
+                                     weights);
+}
+
+KimiMLP::~KimiMLP() = default;
+KimiMLP::KimiMLP(KimiMLP&&) noexcept = default;
+KimiMLP& KimiMLP::operator=(KimiMLP&&) noexcept = default;
+
+int64_t KimiMLP::hidden() const { return mlp_->hidden(); }
+int64_t KimiMLP::intermediate() const { return mlp_->intermediate(); }
+int64_t KimiMLP::weight_bytes() const { return mlp_->weight_bytes(); }
+
+void KimiMLP::forward(const float* x, int64_t T, float* out, bool allreduce) {
+  if (T < 0) throw std::invalid_argument("KimiMLP::forward: negative token count " + std::to_string(T));
+  if (T == 0) return;
+  const int64_t D = mlp_->hidden();
+  const bool bf16 = precision_ == Precision::BF16;
+  // Under TP the down output is a partial sum: the rounding point is the summed output.
+  mlp_->forward(x, T, D, out, D, bf16 && tp_.size == 1, thread_scratch().mlp);
+  if (tp_.size > 1 && allreduce) {
+    tp_.comm->allreduce_sum(out, static_cast<size_t>(T * D));
+    if (bf16) round_bf16_inplace(out, static_cast<size_t>(T * D));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// KimiMoE
+
+// Where a layer's weights come from: expert(e) gives this rank's shard of expert e, called from several
+// threads at once.
+struct KimiMoE::Source {
+  std::vector<float> router, bias;
+  std::function<MlpWeights(int e)> expert;
+  std::function<MlpWeights()> shared;  // null: no shared expert
+};
+
+namespace {
+
+int config_experts(const io::KimiLinearConfig& cfg, int layer_idx, const MoeOptions& opts, const char* what) {
+  if (layer_idx < 0 || layer_idx >= cfg.num_hidden_layers)
+    throw std::invalid_argument(std::string(what) + ": layer " + std::to_string(layer_idx) +
+                                " is outside the model's " + std::to_string(cfg.num_hidden_layers) +
+                                " decoder layers");
+  if (!cfg.is_moe_layer(layer_idx))
+    throw std::invalid_argument(std::string(what) + ": decoder layer " + std::to_string(layer_idx) +
+                                " has a dense MLP, not a MoE (num_experts " +
+                                std::to_string(cfg.num_experts) + ", first_k_dense_replace " +
+                                std::to_string(cfg.first_k_dense_replace) + ", moe_layer_freq " +
+                                std::to_string(cfg.moe_layer_freq) + ")");
+  if (opts.num_experts < 0)
+    throw std::invalid_argument(std::string(what) + ": num_experts " + std::to_string(opts.num_experts) +
+                                " must be >= 1 (0: the config's)");
+  return opts.num_experts > 0 ? opts.num_experts : cfg.num_experts;
+}
+
+std::string moe_prefix(int layer_idx) {
+  return "model.layers." + std::to_string(layer_idx) + ".block_sparse_moe.";
+}
+
+}  // namespace
+
+std::unique_ptr<KimiMoE> KimiMoE::from_checkpoint(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg,
+                                                  int layer_idx, Precision precision,
+                                                  distributed::TensorParallel tp, Weights weights,
+                                                  MoeOptions opts) {
+  const int E = config_experts(cfg, layer_idx, opts, "KimiMoE::from_checkpoint");
+  if (E != cfg.num_experts)
+    throw std::invalid_argument("KimiMoE::from_checkpoint: num_experts " + std::to_string(E) +
+                                " differs from the checkpoint's config (" + std::to_string(cfg.num_experts) +
+                                "); fewer experts are for synthetic weights only");
+  check_tp(tp, "KimiMoE");
+  const int64_t D = cfg.hidden_size, Ie = cfg.moe_intermediate_size, S = cfg.num_shared_experts;
+  const std::string pre = moe_prefix(layer_idx);
+  check_split(Ie, tp.size, pre + "experts");
+  Source src;
+  src.router = ckpt.load_f32(pre + "gate.weight", {E, D});
+  src.bias = ckpt.load_f32(pre + "gate.e_score_correction_bias", {E});
+  src.expert = [&, pre](int e) {
+    return MlpWeights::load(ckpt, pre + "experts." + std::to_string(e), true, D, Ie, tp.rank, tp.size);
+  };
+  if (S > 0)
+    src.shared = [&, pre] {
+      return MlpWeights::load(ckpt, pre + "shared_experts", false, D, Ie * S, tp.rank, tp.size);
+    };
+  opts.num_experts = E;
+  return std::unique_ptr<KimiMoE>(new KimiMoE(cfg, layer_idx, src, precision, tp, weights, opts));
+}
+
+namespace {
+
+uint64_t moe_seed(uint64_t seed, int layer_idx, int64_t which) {
+  return seeded_bits(seed, kMoeSeedStream, layer_idx, which, 0);
+}
+
+void synthetic_router(const io::KimiLinearConfig& cfg, int layer_idx, uint64_t seed, int E,
+                      std::vector<float>& router, std::vector<float>& bias) {
+  const int64_t D = cfg.hidden_size;
+  const uint64_t s = moe_seed(seed, layer_idx, kRouterSeed);
+  router.resize(static_cast<size_t>(E * D));
+  const float sd = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int e = 0; e < E; ++e) {
+    seeded_normals(s, kRouterTable, e, D, router.data() + e * D);
+    for (int64_t c = 0; c < D; ++c) router[e * D + c] *= sd;
+  }
+  bias.resize(static_cast<size_t>(E));
+  seeded_normals(s, kBiasTable, 0, E, bias.data());
+  for (auto& b : bias) b *= 0.01f;
+}
+
+}  // namespace
+
+MoeWeights MoeWeights::synthetic(const io::KimiLinearConfig& cfg, int layer_idx, uint64_t seed,
+                                 const MoeOptions& opts) {
+  const int E = config_experts(cfg, layer_idx, opts, "MoeWeights::synthetic");
+  const int64_t D = cfg.hidden_size, Ie = cfg.moe_intermediate_size, S = cfg.num_shared_experts;
+  MoeWeights w;
+  synthetic_router(cfg, layer_idx, seed, E, w.router, w.bias);
+  for (int e = 0; e < E; ++e) w.experts.push_back(MlpWeights::synthetic(D, Ie, moe_seed(seed, layer_idx, e)));
+  if (S > 0) w.shared = MlpWeights::synthetic(D, Ie * S, moe_seed(seed, layer_idx, kSharedSeed));
+  w.shared.hidden = D;
+  return w;
+}
+
+std::unique_ptr<KimiMoE> KimiMoE::synthetic(const io::KimiLinearConfig& cfg, int layer_idx, uint64_t seed,
+                                            Precision precision, distributed::TensorParallel tp,
+                                            Weights weights, MoeOptions opts) {
+  const int E = config_experts(cfg, layer_idx, opts, "KimiMoE::synthetic");
+  check_tp(tp, "KimiMoE");
+  const int64_t D = cfg.hidden_size, Ie = cfg.moe_intermediate_size, S = cfg.num_shared_experts;
+  check_split(Ie, tp.size, "KimiMoE::synthetic experts");
+  Source src;
+  synthetic_router(cfg, layer_idx, seed, E, src.router, src.bias);
+  src.expert = [=](int e) {
+    return MlpWeights::synthetic(D, Ie, moe_seed(seed, layer_idx, e)).shard(tp.rank, tp.size);
+  };
+  if (S > 0)
+    src.shared = [=] {
+      return MlpWeights::synthetic(D, Ie * S, moe_seed(seed, layer_idx, kSharedSeed)).shard(tp.rank, tp.size);
+    };
+  opts.num_experts = E;
+  return std::unique_ptr<KimiMoE>(new KimiMoE(cfg, layer_idx, src, precision, tp, weights, opts));
+}
+
+std::unique_ptr<KimiMoE> KimiMoE::from_weights(const MoeWeights& w, const io::KimiLinearConfig& cfg,
+                                               int layer_idx, Precision precision,
+                                               distributed::TensorParallel tp, Weights weights,
+                                               MoeOptions opts) {
+  config_experts(cfg, layer_idx, opts, "KimiMoE::from_weights");
+  check_tp(tp, "KimiMoE");
+  const int E = static_cast<int>(w.experts.size());
+  const int64_t D = cfg.hidden_size, Ie = cfg.moe_intermediate_size, S = cfg.num_shared_experts;
+  if (E < 1 || (opts.num_experts > 0 && opts.num_experts != E))
+    throw std::invalid_argument("KimiMoE::from_weights: " + std::to_string(E) + " experts given, " +
+                                std::to_string(opts.num_experts) + " asked for");
+  auto check_mlp = [&](const MlpWeights& m, int64_t I, const std::string& what) {
+    if (m.hidden != D || m.intermediate != I || static_cast<int64_t>(m.gate_proj.size()) != I * D ||
+        static_cast<int64_t>(m.up_proj.size()) != I * D || static_cast<int64_t>(m.down_proj.size()) != I * D)
+      throw std::invalid_argument("KimiMoE::from_weights: " + what + " is [" +
+                                  std::to_string(m.intermediate) + ", " + std::to_string(m.hidden) +
+                                  "], expected [" + std::to_string(I) + ", " + std::to_string(D) +
+                                  "] (or its tensors' sizes disagree)");
+  };
+  for (int e = 0; e < E; ++e) check_mlp(w.experts[e], Ie, "expert " + std::to_string(e));
+  if (S > 0) check_mlp(w.shared, Ie * S, "the shared expert");
+  if (static_cast<int64_t>(w.router.size()) != E * D || static_cast<int64_t>(w.bias.size()) != E)
+    throw std::invalid_argument("KimiMoE::from_weights: router has " + std::to_string(w.router.size()) +
+                                " values and bias " + std::to_string(w.bias.size()) + ", expected " +
+                                std::to_string(E) + " x " + std::to_string(D) + " and " + std::to_string(E));
+  check_split(Ie, tp.size, "KimiMoE::from_weights experts");
+  Source src;
+  src.router = w.router;
+  src.bias = w.bias;
+  src.expert = [&](int e) { return w.experts[e].shard(tp.rank, tp.size); };
+  if (S > 0) src.shared = [&] { return w.shared.shard(tp.rank, tp.size); };
+  opts.num_experts = E;
+  return std::unique_ptr<KimiMoE>(new KimiMoE(cfg, layer_idx, src, precision, tp, weights, opts));
+}
+
+KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& src, Precision precision,
+                 distributed::TensorParallel tp, Weights weights, MoeOptions opts)
+    : layer_idx_(layer_idx),
+      D_(cfg.hidden_size),
+      E_(opts.num_experts),
+      k_(std::min(cfg.num_experts_per_token, opts.num_experts)),
+      combine_(opts.combine),
+      renormalize_(cfg.moe_renormalize),
+      factor_(static_cast<float>(cfg.routed_scaling_factor)),
+      precision_(precision),
+      tp_(tp) {
+  if (k_ < 1)
+    throw std::invalid_argument("KimiMoE: num_experts_per_token " +
+                                std::to_string(cfg.num_experts_per_token) + " must be >= 1");
+  // The router stays as stored: dense fp32 logits in every precision and weights mode.
+  router_ = std::make_unique<layers::Linear>(D_, E_, src.router, Precision::FP32, Weights::BF16);
+  bias_ = src.bias;
+  // Expert by expert, in parallel: each thread holds one expert's fp32 weights while it builds it.
+  experts_.resize(static_cast<size_t>(E_));
+  std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int e = 0; e < E_; ++e) {
+    try {
+      const MlpWeights w = src.expert(e);
+      experts_[e] = std::make_unique<SwigluMlp>(D_, w.intermediate, w.gate_proj, w.up_proj, w.down_proj,
+                                                precision, weights);
+    } catch (...) {
+#pragma omp critical(kda_moe_build)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  if (src.shared) shared_ = std::make_unique<KimiMLP>(src.shared(), precision, tp, weights);
+}
+
+KimiMoE::~KimiMoE() = default;
+
+int64_t KimiMoE::weight_bytes() const {
+  int64_t b = router_->weight_bytes() + static_cast<int64_t>(bias_.size() * sizeof(float));
+  for (const auto& e : experts_) b += e->weight_bytes();
+  if (shared_) b += shared_->weight_bytes();
+  return b;
+}
+
+int64_t KimiMoE::active_weight_bytes() const {
+  return router_->weight_bytes() + static_cast<int64_t>(bias_.size() * sizeof(float)) +
+         k_ * experts_.front()->weight_bytes() + (shared_ ? shared_->weight_bytes() : 0);
+}
+
+void KimiMoE::forward(const float* x, int64_t T, float* out) {
+  if (T < 0) throw std::invalid_argument("KimiMoE::forward: negative token count " + std::to_string(T));
+  if (T == 0) {
+    topk_ids_.clear();
+    topk_w_.clear();
+    return;
+  }
+  const int64_t k = k_;
+  // Router logits, selection and combine weights, all fp32.
+  logits_.resize(static_cast<size_t>(T * E_));
+  router_->forward(x, T, logits_.data());
+  std::vector<int32_t> ids(static_cast<size_t>(T * k));
+  std::vector<float> w(static_cast<size_t>(T * k));
+  layers::moe::RouterParams rp{.num_experts = E_,
+                               .top_k = k_,
+                               .renormalize = renormalize_,
+                               .routed_scaling_factor = factor_,
+                               .biased_combine = combine_ == MoeCombine::Biased};
+  layers::moe::select_experts(logits_.data(), T, bias_.data(), rp, ids.data(), w.data());
+  // Group the (token, slot) pairs by expert, tokens ascending within each (a counting sort).
+  offsets_.assign(static_cast<size_t>(E_ + 1), 0);
+  for (int64_t i = 0; i < T * k; ++i) ++offsets_[ids[i] + 1];
+  for (int e = 0; e < E_; ++e) offsets_[e + 1] += offsets_[e];
+  rows_.resize(static_cast<size_t>(T * k));
+  {
+    std::vector<int64_t> fill(offsets_.begin(), offsets_.end() - 1);
+    for (int64_t i = 0; i < T * k; ++i) rows_[fill[ids[i]]++] = i;
+  }
+  // y = shared(x) (this rank's partial under TP), then the routed experts added in increasing id.
+  const bool bf16 = precision_ == Precision::BF16;
+  if (shared_)
+    shared_->forward(x, T, out, /*allreduce=*/false);
+  else
+    std::memset(out, 0, sizeof(float) * static_cast<size_t>(T * D_));
+  topk_ids_ = std::move(ids);
+  topk_w_ = std::move(w);
+  if (T * k <= kParallelExpertRows)
+    run_side_by_side(x, T, out);
+  else
+    run_grouped(x, T, out);
+  if (tp_.size > 1) tp_.comm->allreduce_sum(out, static_cast<size_t>(T * D_));
+  if (bf16) round_bf16_inplace(out, static_cast<size_t>(T * D_));
+}
+
+namespace {
+
+// xe [padded(n), D] = the rows of x of the expert's (token, slot) pairs; padding rows zero.
+void gather(const float* x, int64_t D, const int64_t* rows, int64_t n, int64_t k, float* xe, int64_t n_pad) {
+#pragma omp parallel for schedule(static) if (n * D >= kParallelCopy)
+  for (int64_t j = 0; j < n; ++j) std::memcpy(xe + j * D, x + rows[j] / k * D, sizeof(float) * D);
+  if (n_pad > n) std::memset(xe + n * D, 0, sizeof(float) * static_cast<size_t>((n_pad - n) * D));
+}
+
+// y[token] += w * ye[j] for the expert's pairs; each token appears once per expert, so rows never race.
+void scatter_add(const float* ye, int64_t D, const int64_t* rows, int64_t n, int64_t k, const float* w,
+                 float* y) {
+#pragma omp parallel for schedule(static) if (n * D >= kParallelCopy)
+  for (int64_t j = 0; j < n; ++j) {
+    const float wj = w[rows[j]];
+    float* yr = y + rows[j] / k * D;
+    const float* er = ye + j * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) yr[d] += wj * er[d];
+  }
+}
+
+}  // namespace
+
+void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
+  (void)T;
+  const bool round_out = precision_ == Precision::BF16 && tp_.size == 1;
+  ThreadScratch& s = thread_scratch();
+  for (int e = 0; e < E_; ++e) {
+    const int64_t n = offsets_[e + 1] - offsets_[e];
+    if (n == 0) continue;  // an expert no token picked: its weights are not read
+    const int64_t np = padded_rows(n);
+    if (s.xe.size() < static_cast<size_t>(np * D_)) s.xe.resize(static_cast<size_t>(np * D_));
+    if (s.ye.size() < static_cast<size_t>(np * D_)) s.ye.resize(static_cast<size_t>(np * D_));
+    const int64_t* rows = rows_.data() + offsets_[e];
+    gather(x, D_, rows, n, k_, s.xe.data(), np);
+    experts_[e]->forward(s.xe.data(), np, D_, s.ye.data(), D_, round_out, s.mlp);
+    scatter_add(s.ye.data(), D_, rows, n, k_, topk_w_.data(), y);
+  }
+}
+
+void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
+  (void)T;
+  const bool round_out = precision_ == Precision::BF16 && tp_.size == 1;
+  std::vector<int> active;
+  for (int e = 0; e < E_; ++e)
+    if (offsets_[e + 1] > offsets_[e]) active.push_back(e);
+  // Each active expert's output rows, at its pairs' positions in rows_ (padded per expert).
+  std::vector<int64_t> out_at(active.size() + 1, 0);
+  for (size_t a = 0; a < active.size(); ++a)
+    out_at[a + 1] = out_at[a] + padded_rows(offsets_[active[a] + 1] - offsets_[active[a]]);
+  std::vector<float>& ye = ye_;
+  ye.resize(static_cast<size_t>(out_at.back() * D_));
+  std::exception_ptr error;
+  const int na = static_cast<int>(active.size());
+  // One expert per thread: at decode each expert is a few rows, too small to thread its GEMMs well.
+#pragma omp parallel for schedule(dynamic, 1) if (na > 1)
+  for (int a = 0; a < na; ++a) {
+    try {
+      const int e = active[a];
+      const int64_t n = offsets_[e + 1] - offsets_[e], np = out_at[a + 1] - out_at[a];
+      ThreadScratch& s = thread_scratch();
+      if (s.xe.size() < static_cast<size_t>(np * D_)) s.xe.resize(static_cast<size_t>(np * D_));
+      gather(x, D_, rows_.data() + offsets_[e], n, k_, s.xe.data(), np);
+      experts_[e]->forward(s.xe.data(), np, D_, ye.data() + out_at[a] * D_, D_, round_out, s.mlp);
+    } catch (...) {
+#pragma omp critical(kda_moe_forward)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  // Added in increasing expert id, as run_grouped adds them.
+  for (int a = 0; a < na; ++a) {
+    const int e = active[a];
+    scatter_add(ye.data() + out_at[a] * D_, D_, rows_.data() + offsets_[e], offsets_[e + 1] - offsets_[e], k_,
+                topk_w_.data(), y);
+  }
+}
+
+}  // namespace kda::models
