@@ -59,7 +59,7 @@ double metric_of(const std::vector<float>& a, const std::vector<float>& b, Preci
 // Each sampled request alone on a fresh pool, teacher-forced on the batched run's tokens: its whole
 // prompt in one EXTEND, then DECODE steps of its own continuations only, each fed the token the batched
 // run generated there. Its own argmax picks are compared with the batched run's tokens and counted.
-CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack& stack,
+CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KimiLinearForCausalLM& model,
                        const ServeResult& batched, bool* interrupted) {
   CheckReport rep;
   if (o.precision == Precision::FP32) {
@@ -67,7 +67,7 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack
     rep.bound = 1.0;
   } else {
     rep.metric = "rel_l2";
-    rep.bound = bf16_check_bound(stack.num_layers());
+    rep.bound = bf16_check_bound(model.num_layers());
   }
   const auto t0 = std::chrono::steady_clock::now();
   const int32_t n = o.parallel_samples;
@@ -81,7 +81,7 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack
     spec.prompt_len = static_cast<int32_t>(spec.prompt.size());
     for (int32_t j = 0; j < n; ++j) spec.forced.push_back(batched.outputs[r * n + j].tokens);
     rep.request_ids.push_back(spec.id);
-    ModelRunner alone(stack, slots_for(spec, n), p.kernel);
+    ModelRunner alone(model, slots_for(spec, n), kv_tokens_for(spec, n), p.kernel);
     ServeOptions so;
     so.scheduler.token_budget = spec.prompt_len;
     so.scheduler.max_batch = n;
@@ -99,7 +99,7 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack
       const auto& b = batched.outputs[r * n + j];
       // A prefix-cache hit's rows start at rows_from: compare the positions both runs computed.
       const auto& full = ar.outputs[j].rows;
-      const size_t skip = static_cast<size_t>(b.rows_from) * static_cast<size_t>(stack.hidden_size());
+      const size_t skip = static_cast<size_t>(b.rows_from) * static_cast<size_t>(model.hidden_size());
       const std::vector<float> tail(full.begin() + static_cast<std::ptrdiff_t>(std::min(skip, full.size())),
                                     full.end());
       rep.worst = std::max(rep.worst, metric_of(b.rows, tail, o.precision));

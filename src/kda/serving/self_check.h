@@ -5,7 +5,7 @@
 // bf16: the relative L2 of each continuation's rows (metric "rel_l2", bound bf16_check_bound(layers)).
 #pragma once
 
-#include "kda/models/kda_stack.h"
+#include "kda/models/kimi_linear_model.h"
 #include "kda/serving/engine.h"
 #include "kda/serving/simulate.h"
 #include "kda/serving/simulate_plan.h"
@@ -15,7 +15,7 @@ namespace kda::serving {
 double bf16_check_bound(int layers);
 
 // `interrupted` is set when a stop request ended a re-run (the report is then incomplete).
-CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack& stack,
+CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KimiLinearForCausalLM& model,
                        const ServeResult& batched, bool* interrupted);
 
 }  // namespace kda::serving
