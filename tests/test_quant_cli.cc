@@ -68,7 +68,7 @@ TEST(QuantCli, SimulateReportsWeightBytes) {
   int64_t bytes[3] = {0, 0, 0};
   int i = 0;
   for (const char* w : {"bf16", "int8", "int4"}) {
-    const auto r = run_kda(std::string("simulate --model ") + testing::dumps_dir().string() +
+    const auto r = run_kda(std::string("simulate --model ") + testing::model_dumps_dir().string() +
                            " --requests 2 --prompt-len 8:16 --output-len 3 --check 1 --json --weights " + w);
     ASSERT_EQ(r.code, 0) << r.output;
     const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
