@@ -88,7 +88,7 @@ SimulateOptions small_options(std::vector<RequestSpec> reqs) {
 
 // One request slot's bytes over the 3 KDA layers (both configs): recurrent fp32 + conv state.
 int64_t slot_bytes(Precision p = Precision::FP32) {
-  return 3 * (2 * 128 * 128 * 4 + 3 * 2 * 128 * (p == Precision::BF16 ? 2 : 4));
+  return 3 * (2 * 128 * 128 * 4 + 3 * 3 * 2 * 128 * (p == Precision::BF16 ? 2 : 4));
 }
 
 // The self-check ran and passed; the value it reached is printed beside its bound (the headroom shows in
@@ -657,7 +657,9 @@ TEST(PrefixCache, Bf16SelfCheckPassesWithTheCache) {
   ASSERT_EQ(r.serve.requests_completed, 6);
   EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
   expect_check_passes(r);
-  EXPECT_LE(r.check->worst, 4.5e-4);  // reached 1.4e-4: snapshot positions end chunks the re-run does not
+  // Reached 1.2e-3 (1.4e-4 with the KDA layers alone, before the MLPs): snapshot positions end chunks the
+  // re-run does not.
+  EXPECT_LE(r.check->worst, 3.5e-3);
 }
 
 // Requests arriving together with one long prefix: the first writes the prefix's snapshots, the others

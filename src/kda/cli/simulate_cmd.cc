@@ -43,6 +43,16 @@ std::string mib(double bytes) {
   return buf;
 }
 
+// 3.02e9 -> "3.02 B", 2.09e6 -> "2.09 M".
+std::string count(double n) {
+  char buf[32];
+  if (n >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2f B", n / 1e9);
+  else
+    std::snprintf(buf, sizeof buf, "%.2f M", n / 1e6);
+  return buf;
+}
+
 void print_summary(const serving::SimulateResult& r) {
   const auto& s = r.serve;
   const double wall = s.wall_s > 0 ? s.wall_s : 1e-9;
@@ -54,9 +64,10 @@ void print_summary(const serving::SimulateResult& r) {
       s.interrupted ? "  [INTERRUPTED]" : "");
   if (r.moe_layers > 0)
     std::printf(
-        "  MoE           %d layers of top-%d of %d routed experts + shared; %.2f B active parameters "
-        "per token (the real model's: top-k experts of the same size whatever --experts)\n",
-        r.moe_layers, r.experts_per_token, r.num_experts, static_cast<double>(r.active_params) / 1e9);
+        "  MoE           %d layers of top-%d of %d routed experts + shared; %s active parameters per token "
+        "(the real model's whenever top-k and the expert size are, whatever --experts)\n",
+        r.moe_layers, r.experts_per_token, r.num_experts,
+        count(static_cast<double>(r.active_params)).c_str());
   std::printf(
       "  weights       %s, %.2f GB resident (%.1f MB per decoder layer), %.2f GB read per decoded "
       "token\n",
@@ -82,8 +93,8 @@ void print_summary(const serving::SimulateResult& r) {
               mib(static_cast<double>(r.pool_bytes)).c_str(), static_cast<long long>(s.peak_slots),
               static_cast<long long>(s.slot_reuses));
   if (r.mla_layers > 0)
-    std::printf("  MLA KV pool   %lld token slots x %s = %s; peak %lld in use\n",
-                static_cast<long long>(r.kv_tokens), mib(static_cast<double>(r.kv_token_bytes)).c_str(),
+    std::printf("  MLA KV pool   %lld token slots x %lld bytes = %s; peak %lld in use\n",
+                static_cast<long long>(r.kv_tokens), static_cast<long long>(r.kv_token_bytes),
                 mib(static_cast<double>(r.kv_bytes)).c_str(), static_cast<long long>(s.peak_kv_tokens));
   std::printf("  scheduler     token budget %lld, max batch %lld, mixed %s, radix cache %s\n",
               static_cast<long long>(r.token_budget), static_cast<long long>(r.max_batch),

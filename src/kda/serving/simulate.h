@@ -113,8 +113,8 @@ struct SimulateOptions {
 struct CheckReport {
   std::vector<int64_t> request_ids;  // the requests re-run alone
   // fp32: "max_err_ratio", the worst elementwise |a - b| / (1e-5 + 1e-5 |b|) (the spec's tolerance),
-  // bound 1. bf16: "rel_l2", the relative L2 of a continuation's rows, bound bf16_check_bound(layers)
-  // (self_check.h says why).
+  // bound 1. bf16: "rel_l2", the relative L2 of a continuation's rows, bound bf16_check_bound(layers);
+  // int8 / int4 weights: "rel_l2", bound quantized_check_bound() (self_check.cc says why).
   std::string metric;
   double worst = 0.0;        // the value reached: the worst over every continuation
   double bound = 1.0;        // passes when worst <= bound
