@@ -20,9 +20,9 @@
 //   (verifying 4 drafted tokens cost what decoding them one by one does) and below its fp32 matmul's
 //   speed at prefill.
 //
-// Thread safety: forward may be called from several threads at once; the primitive cache, the oneDNN
-// stream and the bf16 input scratch are behind a mutex per object, so calls on one Linear take turns
-// (distinct objects run in parallel).
+// Thread safety: forward may be called from several threads at once; the primitive cache and the oneDNN
+// stream are behind a mutex per object, so calls on one Linear take turns (distinct objects run in
+// parallel); input / output conversion scratch is the calling thread's, shared by all its projections.
 #pragma once
 
 #include <cstdint>

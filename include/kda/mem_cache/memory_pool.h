@@ -30,12 +30,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
 
 #include "kda/common/bf16.h"
 #include "kda/common/precision.h"
+#include "kda/mem_cache/mla_token_pool.h"
 
 namespace kda::mem_cache {
 
@@ -136,43 +138,75 @@ class RecurrentStatePool {
   std::vector<uint8_t> allocated_;              // [N+1]
 };
 
-// Request index -> recurrent slot. A request keeps its slot from alloc until free, across every
-// chunked-prefill and decode step in between.
+// Request index -> recurrent slot, and (with an MLA KV pool) -> the request's token slots in position order.
+// A request keeps its recurrent slot from alloc until free, across every chunked-prefill and decode step in
+// between; its token slots grow with alloc_tokens (one per token a step adds) and shrink with
+// truncate_tokens (speculative reject, a failed step's rollback). Without a KV pool (KDA-only models) only
+// the sequence lengths are kept.
 class HybridReqToTokenPool {
  public:
-  HybridReqToTokenPool(int64_t max_requests, RecurrentStatePool& recurrent_pool);
+  HybridReqToTokenPool(int64_t max_requests, RecurrentStatePool& recurrent_pool,
+                       MLATokenToKVPool* token_to_kv_pool = nullptr);
 
   int64_t size() const { return max_requests_; }
   int64_t available() const { return static_cast<int64_t>(free_reqs_.size()); }
 
-  // n request indices, each bound to a fresh cleared slot; all or nothing.
+  // n request indices, each bound to a fresh cleared slot and no token slots; all or nothing.
   std::vector<int32_t> alloc(int64_t n);
-  // Frees the requests and their slots; unknown index: error, nothing freed.
+  // Frees the requests, their recurrent slots and their token slots; unknown index: error, nothing freed.
   void free(std::span<const int32_t> req_pool_indices);
-  // A new request whose state is a copy of `parent`'s (parallel sampling); error when none is free.
+  // A new request whose state is a copy of `parent`'s (parallel sampling): a copy of its recurrent slot
+  // and fresh token slots holding copies of its KV rows. All or nothing: an error when a request, a
+  // recurrent slot or the token slots are short.
   int32_t fork(int32_t parent_req_pool_index);
 
   // The RFC's get_recurrent_indices: slot per request index; -1 stays -1 (padded row).
   std::vector<int32_t> get_recurrent_indices(std::span<const int32_t> req_pool_indices) const;
   int32_t slot_of(int32_t req_pool_index) const;
 
+  // The request's token slots in position order (empty without a KV pool); its length in tokens.
+  std::span<const int32_t> req_to_token(int32_t req_pool_index) const;
+  int64_t seq_len(int32_t req_pool_index) const;
+  // Appends lens[i] token slots to request reqs[i] (-1 rows skipped) -- all or nothing over the whole
+  // batch: a too-small KV pool is a std::runtime_error naming the need and what is free, nothing taken.
+  // Without a KV pool only the lengths move.
+  void alloc_tokens(std::span<const int32_t> reqs, std::span<const int32_t> lens);
+  // Frees the request's token slots past position len (0 <= len <= seq_len) and sets its length to len.
+  void truncate_tokens(int32_t req_pool_index, int64_t len);
+  // Speculative accept (a tree's accepted path): of the request's tokens past position `committed` (a
+  // verify row's), keeps those at offsets kept[0], kept[1], ... (in that order: they become positions
+  // committed, committed + 1, ...) and frees the rest; the length becomes committed + kept.size(). An
+  // offset outside the row or listed twice: error, nothing changed. A chain's accept is truncate_tokens.
+  void accept_tokens(int32_t req_pool_index, int64_t committed, std::span<const int32_t> kept);
+
   RecurrentStatePool& recurrent_pool() { return *rec_; }
+  MLATokenToKVPool* token_to_kv_pool() { return kv_; }
+  const MLATokenToKVPool* token_to_kv_pool() const { return kv_; }
 
  private:
   void check_req(int32_t r) const;
   int64_t max_requests_;
   RecurrentStatePool* rec_;
-  std::vector<int32_t> req_to_slot_;  // -1 when free
+  MLATokenToKVPool* kv_;
+  std::vector<int32_t> req_to_slot_;                // -1 when free
+  std::vector<std::vector<int32_t>> req_to_token_;  // token slots per request (with a KV pool)
+  std::vector<int64_t> seq_len_;
   std::vector<int32_t> free_reqs_;
 };
 
-// The pools a model runner holds (the RFC's memory_pool argument).
+// The pools a model runner holds (the RFC's memory_pool argument): the KDA layers' recurrent states and
+// (when the model has MLA layers and kv.size > 0) the MLA layers' token-level KV cache.
 struct MemoryPools {
   RecurrentStatePool recurrent_state_pool;
+  std::unique_ptr<MLATokenToKVPool> token_to_kv_pool;  // null when kv.size == 0 or no MLA layer
   HybridReqToTokenPool req_to_token_pool;
 
-  MemoryPools(const RecurrentStatePoolConfig& cfg, int64_t max_requests)
-      : recurrent_state_pool(cfg), req_to_token_pool(max_requests, recurrent_state_pool) {}
+  MemoryPools(const RecurrentStatePoolConfig& cfg, int64_t max_requests,
+              const MLATokenToKVPoolConfig& kv = {})
+      : recurrent_state_pool(cfg),
+        token_to_kv_pool(kv.size > 0 && !kv.layer_ids.empty() ? std::make_unique<MLATokenToKVPool>(kv)
+                                                              : nullptr),
+        req_to_token_pool(max_requests, recurrent_state_pool, token_to_kv_pool.get()) {}
   MemoryPools(const MemoryPools&) = delete;
   MemoryPools& operator=(const MemoryPools&) = delete;
 };

@@ -208,6 +208,13 @@ class KimiLinearForCausalLM {
   std::vector<float> head_in_;
 };
 
+// Active parameters per decoded token of the first `num_layers` layers (0: all) of `cfg`, with
+// `num_experts` routed experts per MoE layer (0: the config's; top-k clamped to it) and `vocab` (0: the
+// config's): attention projections and conv, router + top-k + shared experts, dense MLPs, norms, LM head
+// (the embedding row is a lookup). The 48B config gives the spec's 3.107 B.
+int64_t kimi_linear_active_params(const io::KimiLinearConfig& cfg, int num_layers = 0, int num_experts = 0,
+                                  int64_t vocab = 0);
+
 // The decoder layer ids a model with `num_layers` (0: all) runs: 0..N-1. Throws std::invalid_argument
 // when num_layers is outside 0..num_hidden_layers.
 int model_layer_count(const io::KimiLinearConfig& cfg, int num_layers);

@@ -6,9 +6,9 @@
 //   y = sum_i w_i E_i(x) + shared(x)                     E(x) = down(silu(gate x) * (up x))
 //
 // Prefill groups a batch's tokens by expert: one gate|up GEMM and one down GEMM per selected expert over
-// its tokens, weighted and added into y in increasing expert id for every token (so a token's sum is
-// the same alone or in a batch). Small batches (decode) run the selected experts side by side, one
-// thread each, and read only those experts' weights.
+// its tokens, weighted and added into y in increasing expert id for every token, after the shared
+// expert (so a token's sum is the same alone or in a batch). Small batches (decode) run the selected
+// experts and the shared one side by side, one thread each, and read only those experts' weights.
 //
 // Tensor parallelism: every expert's, the shared expert's and the dense MLP's intermediate rows are split
 // across ranks (gate/up column-parallel, down row-parallel); the router is replicated; the MoE sums the
@@ -62,7 +62,8 @@ struct MlpWeights {
                          int64_t I, int tp_rank = 0, int tp_size = 1);
   // This rank's intermediate rows of the whole MLP (gate/up rows, down columns).
   MlpWeights shard(int tp_rank, int tp_size) const;
-  // Seeded normals (common/seeded.h): gate/up / sqrt(D), down / sqrt(I); a function of (seed, D, I) only.
+  // Seeded unit-variance draws (common/seeded.h, seeded_uniforms): gate/up / sqrt(D), down / sqrt(I); a
+  // function of (seed, D, I) only.
   static MlpWeights synthetic(int64_t D, int64_t I, uint64_t seed);
 };
 
@@ -79,7 +80,7 @@ struct MoeWeights {
                               const MoeOptions& opts);
 };
 
-// The dense MLP (layers below first_k_dense_replace) and the MoE's shared expert.
+// The dense MLP (layers below first_k_dense_replace); the MoE runs its shared expert with the same math.
 class KimiMLP {
  public:
   // `w` holds this rank's shard (w.intermediate = I / tp.size); `weights`: dense in the precision's type,
@@ -138,6 +139,7 @@ class KimiMoE {
   void forward(const float* x, int64_t T, float* out);
 
   int layer_idx() const { return layer_idx_; }
+  int64_t hidden() const { return D_; }
   int num_experts() const { return E_; }
   int top_k() const { return k_; }
   MoeCombine combine() const { return combine_; }
@@ -170,7 +172,7 @@ class KimiMoE {
   std::unique_ptr<layers::Linear> router_;  // fp32, dense in every mode
   std::vector<float> bias_;
   std::vector<std::unique_ptr<layers::moe::SwigluMlp>> experts_;
-  std::unique_ptr<KimiMLP> shared_;
+  std::unique_ptr<layers::moe::SwigluMlp> shared_;  // the shared expert (KimiMLP's math, no allreduce)
   std::vector<float> logits_, topk_w_;
   std::vector<int32_t> topk_ids_;
   std::vector<int64_t> offsets_;  // [E + 1] into rows_

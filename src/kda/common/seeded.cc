@@ -24,7 +24,7 @@ uint64_t key_of(uint64_t seed, int64_t a, int64_t b, int64_t c, uint64_t stream)
   return splitmix64(k ^ stream);
 }
 
-constexpr uint64_t kWeightStream = 4;
+constexpr uint64_t kWeightStream = 4, kUniformStream = 5;
 
 }  // namespace
 
@@ -49,6 +49,16 @@ void seeded_normals(uint64_t seed, uint64_t table, int64_t row, int64_t n, float
     const double t = 2.0 * std::numbers::pi * u2;
     out[i] = static_cast<float>(r * std::cos(t));
     if (i + 1 < n) out[i + 1] = static_cast<float>(r * std::sin(t));
+  }
+}
+
+void seeded_uniforms(uint64_t seed, uint64_t table, int64_t row, int64_t n, float* out) {
+  const uint64_t key = key_of(seed, static_cast<int64_t>(table), row, 0, kUniformStream);
+  // 24 random bits per value, centred: (u + 0.5) / 2^24 in (0, 1), mapped onto (-sqrt 3, sqrt 3).
+  constexpr float kScale = 2.0f * 1.7320508075688772f / 16777216.0f, kSqrt3 = 1.7320508075688772f;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t u = splitmix64(key + static_cast<uint64_t>(i)) >> 40;
+    out[i] = (static_cast<float>(u) + 0.5f) * kScale - kSqrt3;
   }
 }
 

@@ -23,4 +23,8 @@ uint64_t seeded_bits(uint64_t seed, uint64_t stream, int64_t a, int64_t b, int64
 // Weight rows: n standard normals of row `row` of the table `table` (embedding, LM head).
 void seeded_normals(uint64_t seed, uint64_t table, int64_t row, int64_t n, float* out);
 
+// n values of row `row` of the table `table`, uniform on [-sqrt(3), sqrt(3)] (mean 0, variance 1): a
+// cheap stand-in for normals where a model's bulk weights are drawn (a MoE layer's hundreds of experts).
+void seeded_uniforms(uint64_t seed, uint64_t table, int64_t row, int64_t n, float* out);
+
 }  // namespace kda

@@ -29,7 +29,6 @@ struct Linear::Impl {
   std::vector<dnnl::memory> w;
   // One primitive per (M, ldx, ldy, output type), with the weight memory it takes.
   mutable MatmulCache prims{kMaxPrimitives};
-  mutable std::vector<bf16_t> x_bf16;  // bf16 input scratch
   mutable std::mutex mu;
   std::unique_ptr<QuantLinear> quant;  // int8 / int4 weights: every call goes there
   // Bf16Gemm::Widened: W in bf16, packed for the kernels (no oneDNN copy), and the fp32 rows of a call.
@@ -108,11 +107,19 @@ void Linear::check(int64_t M, int64_t ldx, int64_t ldy, bool bf16_io) const {
   if (M < 0 || ldx < in_ || ldy < out_) throw std::invalid_argument("Linear::forward: bad M or row strides");
 }
 
+// The bf16 input scratch of the calling thread, shared by every Linear it calls (a model holds thousands
+// of projections: scratch per object would keep each one's largest call resident).
+static std::vector<bf16_t>& x_bf16_scratch() {
+  thread_local std::vector<bf16_t> v;
+  return v;
+}
+
 // Packs fp32 rows to dense bf16 rows in the scratch; in the bf16 mode the values are bf16 already, so the
 // conversion is exact. Caller holds the mutex.
 const bf16_t* Linear::to_bf16(const float* x, int64_t M, int64_t ldx) const {
-  impl_->x_bf16.resize(static_cast<size_t>(M * in_));
-  bf16_t* xb = impl_->x_bf16.data();
+  std::vector<bf16_t>& scratch = x_bf16_scratch();
+  scratch.resize(static_cast<size_t>(M * in_));
+  bf16_t* xb = scratch.data();
   const int64_t in = in_;
 #pragma omp parallel for schedule(static) if (M * in >= (int64_t{1} << 16))
   for (int64_t i = 0; i < M; ++i) f32_to_bf16_array(x + i * ldx, xb + i * in, static_cast<size_t>(in));
@@ -125,8 +132,9 @@ const bf16_t* Linear::to_bf16(const float* x, int64_t M, int64_t ldx) const {
 // the mutex.
 const bf16_t* Linear::dense(const bf16_t* x, int64_t M, int64_t ldx) const {
   if (ldx == in_) return x;
-  impl_->x_bf16.resize(static_cast<size_t>(M * in_));
-  bf16_t* xb = impl_->x_bf16.data();
+  std::vector<bf16_t>& scratch = x_bf16_scratch();
+  scratch.resize(static_cast<size_t>(M * in_));
+  bf16_t* xb = scratch.data();
   for (int64_t i = 0; i < M; ++i) std::memcpy(xb + i * in_, x + i * ldx, sizeof(bf16_t) * in_);
   return xb;
 }

@@ -25,9 +25,8 @@ struct QuantLinear::Impl {
   mutable dnnl::stream stream{engine};
   // The prefill path's fp32 matmuls, one per (M, tile width, ldx, ldy).
   mutable MatmulCache prims{kMaxPrimitives};
-  // A call's x and y as fp32 rows; one dequantized weight tile.
+  // A call's x and y as fp32 rows (the calling thread's scratch, as the dequantized tile below).
   Fp32Rows rows;
-  mutable std::vector<float> wt;
   mutable std::mutex mu;
 };
 
@@ -77,10 +76,12 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
 // [nt, in] rows), each writing its columns of y. Caller holds the mutex.
 void QuantLinear::prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const {
   Impl& im = *impl_;
-  im.wt.resize(static_cast<size_t>(kTile * in_));
+  // One dequantized weight tile: the calling thread's, shared by every QuantLinear it calls.
+  thread_local std::vector<float> tile;
+  tile.resize(static_cast<size_t>(kTile * in_));
   for (int64_t n0 = 0; n0 < out_; n0 += kTile) {
     const int64_t nt = std::min(kTile, out_ - n0);
-    float* wt = im.wt.data();
+    float* wt = tile.data();
     const int64_t in = in_;
     const qg::PackedWeights w = im.packed.view();
 #pragma omp parallel for schedule(static)

@@ -248,12 +248,15 @@ void RecurrentStatePool::read_linear_recurrent_layer_cache(int layer_id, std::sp
 // ---------------------------------------------------------------------------------------------------------
 // HybridReqToTokenPool
 
-HybridReqToTokenPool::HybridReqToTokenPool(int64_t max_requests, RecurrentStatePool& recurrent_pool)
-    : max_requests_(max_requests), rec_(&recurrent_pool) {
+HybridReqToTokenPool::HybridReqToTokenPool(int64_t max_requests, RecurrentStatePool& recurrent_pool,
+                                           MLATokenToKVPool* token_to_kv_pool)
+    : max_requests_(max_requests), rec_(&recurrent_pool), kv_(token_to_kv_pool) {
   if (max_requests <= 0) {
     throw std::invalid_argument("HybridReqToTokenPool: max_requests must be > 0, got " + str(max_requests));
   }
   req_to_slot_.assign(max_requests, -1);
+  req_to_token_.resize(static_cast<size_t>(max_requests));
+  seq_len_.assign(static_cast<size_t>(max_requests), 0);
   // Pushed high to low so that the first allocations hand out 0, 1, 2, ...
   free_reqs_.reserve(max_requests);
   for (int64_t r = max_requests - 1; r >= 0; --r) free_reqs_.push_back(static_cast<int32_t>(r));
@@ -274,6 +277,8 @@ std::vector<int32_t> HybridReqToTokenPool::alloc(int64_t n) {
     const int32_t r = free_reqs_.back();
     free_reqs_.pop_back();
     req_to_slot_[r] = slots[i];
+    req_to_token_[r].clear();
+    seq_len_[r] = 0;
     reqs.push_back(r);
   }
   return reqs;
@@ -284,18 +289,43 @@ void HybridReqToTokenPool::free(std::span<const int32_t> req_pool_indices) {
   check_unique(req_pool_indices, "HybridReqToTokenPool::free: request");
   std::vector<int32_t> slots;
   slots.reserve(req_pool_indices.size());
-  for (const int32_t r : req_pool_indices) slots.push_back(req_to_slot_[r]);
-  rec_->free(slots);  // validates the slots too; throws before anything here changes
+  for (const int32_t r : req_pool_indices) {
+    slots.push_back(req_to_slot_[r]);
+    // Checked here, before the token slots go back, so that a bad recurrent slot changes nothing.
+    if (!rec_->is_allocated(req_to_slot_[r]))
+      throw std::invalid_argument("HybridReqToTokenPool::free: request " + str(r) + "'s recurrent slot " +
+                                  str(req_to_slot_[r]) + " is not allocated");
+  }
+  if (kv_) {
+    std::vector<int32_t> tokens;
+    for (const int32_t r : req_pool_indices)
+      tokens.insert(tokens.end(), req_to_token_[r].begin(), req_to_token_[r].end());
+    kv_->free(tokens);  // validates every slot before freeing any
+  }
+  rec_->free(slots);
   for (auto it = req_pool_indices.rbegin(); it != req_pool_indices.rend(); ++it) {
     req_to_slot_[*it] = -1;
+    req_to_token_[*it].clear();
+    seq_len_[*it] = 0;
     free_reqs_.push_back(*it);
   }
 }
 
 int32_t HybridReqToTokenPool::fork(int32_t parent_req_pool_index) {
   check_req(parent_req_pool_index);
+  const std::vector<int32_t>& parent_tokens = req_to_token_[parent_req_pool_index];
+  if (kv_ && static_cast<int64_t>(parent_tokens.size()) > kv_->available())
+    throw std::runtime_error("MLA KV pool exhausted: forking request " + str(parent_req_pool_index) +
+                             " needs " + str(static_cast<int64_t>(parent_tokens.size())) + " token slots, " +
+                             str(kv_->available()) + " of " + str(kv_->size()) + " free");
   const int32_t child = alloc(1)[0];
   rec_->copy_slot(req_to_slot_[parent_req_pool_index], req_to_slot_[child]);
+  if (kv_) {
+    std::vector<int32_t> fresh = kv_->alloc(static_cast<int64_t>(parent_tokens.size()));
+    kv_->copy_tokens(parent_tokens, fresh);
+    req_to_token_[child] = std::move(fresh);
+  }
+  seq_len_[child] = seq_len_[parent_req_pool_index];
   return child;
 }
 
@@ -311,6 +341,95 @@ int32_t HybridReqToTokenPool::slot_of(int32_t req_pool_index) const {
   if (req_pool_index == -1) return -1;
   check_req(req_pool_index);
   return req_to_slot_[req_pool_index];
+}
+
+std::span<const int32_t> HybridReqToTokenPool::req_to_token(int32_t req_pool_index) const {
+  check_req(req_pool_index);
+  return req_to_token_[req_pool_index];
+}
+
+int64_t HybridReqToTokenPool::seq_len(int32_t req_pool_index) const {
+  check_req(req_pool_index);
+  return seq_len_[req_pool_index];
+}
+
+void HybridReqToTokenPool::alloc_tokens(std::span<const int32_t> reqs, std::span<const int32_t> lens) {
+  if (reqs.size() != lens.size())
+    throw std::invalid_argument(
+        "HybridReqToTokenPool::alloc_tokens: " + str(static_cast<int64_t>(reqs.size())) + " requests and " +
+        str(static_cast<int64_t>(lens.size())) + " lengths");
+  int64_t total = 0;
+  std::vector<int32_t> listed;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    if (reqs[i] == -1) continue;
+    check_req(reqs[i]);
+    if (lens[i] < 0)
+      throw std::invalid_argument("HybridReqToTokenPool::alloc_tokens: request " + str(reqs[i]) +
+                                  " asks for a negative length " + str(lens[i]));
+    listed.push_back(reqs[i]);
+    total += lens[i];
+  }
+  check_unique(listed, "HybridReqToTokenPool::alloc_tokens: request");
+  if (kv_ && total > kv_->available())
+    throw std::runtime_error("MLA KV pool exhausted: the step needs " + str(total) + " token slots, " +
+                             str(kv_->available()) + " of " + str(kv_->size()) + " free");
+  std::vector<int32_t> fresh = kv_ ? kv_->alloc(total) : std::vector<int32_t>{};
+  size_t next = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    if (reqs[i] == -1) continue;
+    if (kv_) {
+      auto& toks = req_to_token_[reqs[i]];
+      toks.insert(toks.end(), fresh.begin() + static_cast<std::ptrdiff_t>(next),
+                  fresh.begin() + static_cast<std::ptrdiff_t>(next + lens[i]));
+      next += static_cast<size_t>(lens[i]);
+    }
+    seq_len_[reqs[i]] += lens[i];
+  }
+}
+
+void HybridReqToTokenPool::truncate_tokens(int32_t req_pool_index, int64_t len) {
+  check_req(req_pool_index);
+  if (len < 0 || len > seq_len_[req_pool_index])
+    throw std::invalid_argument("HybridReqToTokenPool::truncate_tokens: length " + str(len) +
+                                " outside [0, " + str(seq_len_[req_pool_index]) + "] for request " +
+                                str(req_pool_index));
+  if (kv_) {
+    auto& toks = req_to_token_[req_pool_index];
+    kv_->free(std::span<const int32_t>(toks).subspan(static_cast<size_t>(len)));
+    toks.resize(static_cast<size_t>(len));
+  }
+  seq_len_[req_pool_index] = len;
+}
+
+void HybridReqToTokenPool::accept_tokens(int32_t req_pool_index, int64_t committed,
+                                         std::span<const int32_t> kept) {
+  check_req(req_pool_index);
+  const int64_t len = seq_len_[req_pool_index];
+  if (committed < 0 || committed > len)
+    throw std::invalid_argument("HybridReqToTokenPool::accept_tokens: committed length " + str(committed) +
+                                " outside [0, " + str(len) + "] for request " + str(req_pool_index));
+  const int64_t row = len - committed;
+  for (const int32_t k : kept)
+    if (k < 0 || k >= row)
+      throw std::invalid_argument("HybridReqToTokenPool::accept_tokens: offset " + str(k) + " outside the " +
+                                  str(row) + " tokens past the committed " + str(committed) + " of request " +
+                                  str(req_pool_index));
+  check_unique(kept, "HybridReqToTokenPool::accept_tokens: offset");
+  if (kv_) {
+    auto& toks = req_to_token_[req_pool_index];
+    std::vector<uint8_t> keep(static_cast<size_t>(row), 0);
+    std::vector<int32_t> path, dropped;
+    for (const int32_t k : kept) {
+      keep[static_cast<size_t>(k)] = 1;
+      path.push_back(toks[static_cast<size_t>(committed + k)]);
+    }
+    for (int64_t m = 0; m < row; ++m)
+      if (!keep[static_cast<size_t>(m)]) dropped.push_back(toks[static_cast<size_t>(committed + m)]);
+    kv_->free(dropped);
+    toks.resize(static_cast<size_t>(committed));
+    toks.insert(toks.end(), path.begin(), path.end());
+  }
+  seq_len_[req_pool_index] = committed + static_cast<int64_t>(kept.size());
 }
 
 void HybridReqToTokenPool::check_req(int32_t r) const {

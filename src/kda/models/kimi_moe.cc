@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/common/allocator.h"
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
 #include "kda/layers/linear.h"
@@ -124,21 +125,22 @@ MlpWeights MlpWeights::synthetic(int64_t D, int64_t I, uint64_t seed) {
   w.up_proj.resize(static_cast<size_t>(I * D));
   w.down_proj.resize(static_cast<size_t>(D * I));
   const float sd = 1.0f / std::sqrt(static_cast<float>(D)), sd_down = 1.0f / std::sqrt(static_cast<float>(I));
-  // Every row is a function of (seed, table, row) only, so rows are drawn in parallel.
+  // Unit-variance uniforms (seeded_uniforms: a MoE has hundreds of experts, and normals cost several
+  // times more to draw). Every row is a function of (seed, table, row) only, so rows are drawn in parallel.
 #pragma omp parallel for schedule(static) if (I * D >= (int64_t{1} << 18))
   for (int64_t r = 0; r < I + D; ++r) {
     if (r < I) {
       float* g = w.gate_proj.data() + r * D;
       float* u = w.up_proj.data() + r * D;
-      seeded_normals(seed, kGateTable, r, D, g);
-      seeded_normals(seed, kUpTable, r, D, u);
+      seeded_uniforms(seed, kGateTable, r, D, g);
+      seeded_uniforms(seed, kUpTable, r, D, u);
       for (int64_t c = 0; c < D; ++c) {
         g[c] *= sd;
         u[c] *= sd;
       }
     } else {
       float* d = w.down_proj.data() + (r - I) * I;
-      seeded_normals(seed, kDownTable, r - I, I, d);
+      seeded_uniforms(seed, kDownTable, r - I, I, d);
       for (int64_t c = 0; c < I; ++c) d[c] *= sd_down;
     }
   }
@@ -151,6 +153,7 @@ MlpWeights MlpWeights::synthetic(int64_t D, int64_t I, uint64_t seed) {
 KimiMLP::KimiMLP(const MlpWeights& w, Precision precision, distributed::TensorParallel tp, Weights weights)
     : precision_(precision), tp_(tp) {
   check_tp(tp, "KimiMLP");
+  configure_allocator();
   mlp_ = std::make_unique<SwigluMlp>(w.hidden, w.intermediate, w.gate_proj, w.up_proj, w.down_proj, precision,
                                      weights);
 }
@@ -343,6 +346,9 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
   if (k_ < 1)
     throw std::invalid_argument("KimiMoE: num_experts_per_token " +
                                 std::to_string(cfg.num_experts_per_token) + " must be >= 1");
+  // Every expert's fp32 weights are freed once converted: with the fixed mmap threshold they go back to
+  // the system instead of staying in the building threads' heaps.
+  configure_allocator();
   // The router stays as stored: dense fp32 logits in every precision and weights mode.
   router_ = std::make_unique<layers::Linear>(D_, E_, src.router, Precision::FP32, Weights::BF16);
   bias_ = src.bias;
@@ -361,7 +367,11 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
     }
   }
   if (error) std::rethrow_exception(error);
-  if (src.shared) shared_ = std::make_unique<KimiMLP>(src.shared(), precision, tp, weights);
+  if (src.shared) {
+    const MlpWeights w = src.shared();
+    shared_ = std::make_unique<SwigluMlp>(D_, w.intermediate, w.gate_proj, w.up_proj, w.down_proj, precision,
+                                          weights);
+  }
 }
 
 KimiMoE::~KimiMoE() = default;
@@ -408,10 +418,6 @@ void KimiMoE::forward(const float* x, int64_t T, float* out) {
   }
   // y = shared(x) (this rank's partial under TP), then the routed experts added in increasing id.
   const bool bf16 = precision_ == Precision::BF16;
-  if (shared_)
-    shared_->forward(x, T, out, /*allreduce=*/false);
-  else
-    std::memset(out, 0, sizeof(float) * static_cast<size_t>(T * D_));
   topk_ids_ = std::move(ids);
   topk_w_ = std::move(w);
   if (T * k <= kParallelExpertRows)
@@ -447,9 +453,12 @@ void scatter_add(const float* ye, int64_t D, const int64_t* rows, int64_t n, int
 }  // namespace
 
 void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
-  (void)T;
   const bool round_out = precision_ == Precision::BF16 && tp_.size == 1;
   ThreadScratch& s = thread_scratch();
+  if (shared_)
+    shared_->forward(x, T, D_, y, D_, round_out, s.mlp);
+  else
+    std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * D_));
   for (int e = 0; e < E_; ++e) {
     const int64_t n = offsets_[e + 1] - offsets_[e];
     if (n == 0) continue;  // an expert no token picked: its weights are not read
@@ -464,40 +473,44 @@ void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
 }
 
 void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
-  (void)T;
   const bool round_out = precision_ == Precision::BF16 && tp_.size == 1;
+  // Jobs: the active experts in increasing id, then the shared expert (job na, straight into y).
   std::vector<int> active;
   for (int e = 0; e < E_; ++e)
     if (offsets_[e + 1] > offsets_[e]) active.push_back(e);
+  const int na = static_cast<int>(active.size()), jobs = na + (shared_ ? 1 : 0);
   // Each active expert's output rows, at its pairs' positions in rows_ (padded per expert).
   std::vector<int64_t> out_at(active.size() + 1, 0);
-  for (size_t a = 0; a < active.size(); ++a)
+  for (int a = 0; a < na; ++a)
     out_at[a + 1] = out_at[a] + padded_rows(offsets_[active[a] + 1] - offsets_[active[a]]);
-  std::vector<float>& ye = ye_;
-  ye.resize(static_cast<size_t>(out_at.back() * D_));
+  ye_.resize(static_cast<size_t>(out_at.back() * D_));
   std::exception_ptr error;
-  const int na = static_cast<int>(active.size());
-  // One expert per thread: at decode each expert is a few rows, too small to thread its GEMMs well.
-#pragma omp parallel for schedule(dynamic, 1) if (na > 1)
-  for (int a = 0; a < na; ++a) {
+  // One job per thread: at decode each expert is a few rows, too small to thread its GEMMs well.
+#pragma omp parallel for schedule(dynamic, 1) if (jobs > 1)
+  for (int a = 0; a < jobs; ++a) {
     try {
+      ThreadScratch& s = thread_scratch();
+      if (a == na) {
+        shared_->forward(x, T, D_, y, D_, round_out, s.mlp);
+        continue;
+      }
       const int e = active[a];
       const int64_t n = offsets_[e + 1] - offsets_[e], np = out_at[a + 1] - out_at[a];
-      ThreadScratch& s = thread_scratch();
       if (s.xe.size() < static_cast<size_t>(np * D_)) s.xe.resize(static_cast<size_t>(np * D_));
       gather(x, D_, rows_.data() + offsets_[e], n, k_, s.xe.data(), np);
-      experts_[e]->forward(s.xe.data(), np, D_, ye.data() + out_at[a] * D_, D_, round_out, s.mlp);
+      experts_[e]->forward(s.xe.data(), np, D_, ye_.data() + out_at[a] * D_, D_, round_out, s.mlp);
     } catch (...) {
 #pragma omp critical(kda_moe_forward)
       if (!error) error = std::current_exception();
     }
   }
   if (error) std::rethrow_exception(error);
-  // Added in increasing expert id, as run_grouped adds them.
+  if (!shared_) std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * D_));
+  // Added in increasing expert id after the shared expert, as run_grouped adds them.
   for (int a = 0; a < na; ++a) {
     const int e = active[a];
-    scatter_add(ye.data() + out_at[a] * D_, D_, rows_.data() + offsets_[e], offsets_[e + 1] - offsets_[e], k_,
-                topk_w_.data(), y);
+    scatter_add(ye_.data() + out_at[a] * D_, D_, rows_.data() + offsets_[e], offsets_[e + 1] - offsets_[e],
+                k_, topk_w_.data(), y);
   }
 }
 

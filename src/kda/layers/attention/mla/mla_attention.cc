@@ -1,0 +1,212 @@
+#include "kda/layers/attention/mla/mla_attention.h"
+
+#include <omp.h>
+#include <oneapi/dnnl/dnnl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/common/bf16.h"
+
+namespace kda::layers::attention::mla {
+namespace {
+
+// Queries per work item: a block of a sequence's new tokens shares one pass over its keys.
+constexpr int64_t kQueryBlock = 64;
+
+// Row-major C = alpha op(A) op(B) + beta C through oneDNN (single-threaded inside a parallel region).
+void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+           const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+    return;
+  }
+  const dnnl_status_t st = dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  if (st != dnnl_success)
+    throw std::runtime_error("MLA attention: oneDNN sgemm failed (status " + std::to_string(st) + ")");
+}
+
+// Row ii of a query block (new token i0 + ii) sees keys [0, prefix + i0 + ii]; with a visibility matrix,
+// only those of the new tokens it names. Softmax in fp32, max-subtracted; masked entries become 0 so the
+// block's value GEMM can run over every key.
+void causal_softmax(float* scores, int64_t ld, int64_t rows, const MlaSeq& seq, int64_t i0) {
+  for (int64_t ii = 0; ii < rows; ++ii) {
+    float* s = scores + ii * ld;
+    const int64_t i = i0 + ii, n = seq.prefix + i + 1;
+    if (seq.visible)
+      for (int64_t m = 0; m < i; ++m)
+        if (!seq.visible[i * seq.extend + m]) s[seq.prefix + m] = -INFINITY;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+    std::fill(s + n, s + ld, 0.0f);
+  }
+}
+
+struct WorkItem {
+  int64_t seq, head, i0, i1;
+};
+
+std::vector<WorkItem> work_items(const MlaAttnArgs& a) {
+  std::vector<WorkItem> items;
+  for (int64_t b = 0; b < static_cast<int64_t>(a.seqs.size()); ++b)
+    for (int64_t h = 0; h < a.dims.heads; ++h)
+      for (int64_t i0 = 0; i0 < a.seqs[b].extend; i0 += kQueryBlock)
+        items.push_back({b, h, i0, std::min(a.seqs[b].extend, i0 + kQueryBlock)});
+  return items;
+}
+
+void check_args(const MlaAttnArgs& a) {
+  for (const MlaSeq& s : a.seqs)
+    if (s.prefix < 0 || s.extend < 0 || (s.prefix + s.extend > 0 && !s.latent))
+      throw std::invalid_argument("MLA attention: a sequence with prefix " + std::to_string(s.prefix) +
+                                  ", extend " + std::to_string(s.extend) + " and no latent rows");
+}
+
+// Runs body(item, thread scratch) over the items in parallel; the first exception is rethrown after the
+// region (none may escape it).
+template <class Body>
+void parallel_items(const std::vector<WorkItem>& items, Body&& body) {
+  std::exception_ptr err;
+#pragma omp parallel
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k) {
+      try {
+        body(items[static_cast<size_t>(k)], scratch);
+      } catch (...) {
+#pragma omp critical(mla_attention_error)
+        if (!err) err = std::current_exception();
+      }
+    }
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace
+
+bool prefer_absorbed(const MlaDims& d, int64_t prefix, int64_t extend) {
+  const double R = d.kv_lora, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head;
+  const double S = static_cast<double>(prefix + extend), E = static_cast<double>(extend);
+  const double s_avg = static_cast<double>(prefix) + 0.5 * (E + 1.0);
+  const double plain = S * R * (dn + dv) + E * s_avg * (dn + dr + dv);
+  const double absorbed = E * R * (dn + dv) + E * s_avg * (2.0 * R + dr);
+  return absorbed < plain;
+}
+
+void mla_attention_plain(const MlaAttnArgs& a) {
+  check_args(a);
+  const MlaDims& d = a.dims;
+  const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
+  const int64_t lat = R + dr, kvw = Hm * (dn + dv), qw = dn + dr;
+  // Expand every sequence's attended tokens: kv [S, Hm * (dn + dv)] (a threaded GEMM per sequence).
+  std::vector<int64_t> kv_off(a.seqs.size() + 1, 0);
+  for (size_t b = 0; b < a.seqs.size(); ++b)
+    kv_off[b + 1] = kv_off[b] + (a.seqs[b].prefix + a.seqs[b].extend) * kvw;
+  std::vector<float> kv(static_cast<size_t>(kv_off.back()));
+  for (size_t b = 0; b < a.seqs.size(); ++b) {
+    const int64_t S = a.seqs[b].prefix + a.seqs[b].extend;
+    if (a.seqs[b].extend == 0 || S == 0) continue;
+    sgemm('N', 'T', S, kvw, R, 1.0f, a.seqs[b].latent, lat, a.w_kvb, R, 0.0f, kv.data() + kv_off[b], kvw);
+    if (a.bf16) round_bf16_inplace(kv.data() + kv_off[b], static_cast<size_t>(S * kvw));
+  }
+  parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& scores) {
+    const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
+    const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1;  // keys the block's last query sees
+    scores.resize(static_cast<size_t>(nb * ns));
+    const float* q = a.q + (s.q_row + w.i0) * a.ldq + w.head * qw;
+    const float* k = kv.data() + kv_off[static_cast<size_t>(w.seq)] + w.head * (dn + dv);
+    sgemm('N', 'T', nb, ns, dn, a.scale, q, a.ldq, k, kvw, 0.0f, scores.data(), ns);
+    sgemm('N', 'T', nb, ns, dr, a.scale, q + dn, a.ldq, s.latent + R, lat, 1.0f, scores.data(), ns);
+    causal_softmax(scores.data(), ns, nb, s, w.i0);
+    float* o = a.o + (s.q_row + w.i0) * a.ldo + w.head * dv;
+    sgemm('N', 'N', nb, dv, ns, 1.0f, scores.data(), ns, k + dn, kvw, 0.0f, o, a.ldo);
+    if (a.bf16)
+      for (int64_t ii = 0; ii < nb; ++ii) round_bf16_inplace(o + ii * a.ldo, static_cast<size_t>(dv));
+  });
+}
+
+// The absorbed form: a work item is a query block of one sequence and a group of heads, whose q~ rows are
+// stacked into one [G * nb, R] matrix against the sequence's latent rows, which every head shares. So a
+// decode step (nb = 1) multiplies a [G, R] block by the latent rows once per group, not once per head
+// (one pass over the cache per group instead of a matrix-vector product per head).
+void mla_attention_absorbed(const MlaAttnArgs& a) {
+  check_args(a);
+  const MlaDims& d = a.dims;
+  const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
+  const int64_t lat = R + dr, qw = dn + dr;
+  // Head groups: up to kMaxStacked stacked rows per item, and enough items for every thread.
+  constexpr int64_t kMaxStacked = 256;
+  int64_t blocks = 0;
+  for (const MlaSeq& s : a.seqs) blocks += (s.extend + kQueryBlock - 1) / kQueryBlock;
+  if (blocks == 0) return;
+  const int64_t threads = omp_get_max_threads();
+  const int64_t groups_for_threads = std::max<int64_t>(1, (threads + blocks - 1) / blocks);
+  struct Item {
+    int64_t seq, i0, i1, h0, h1;
+  };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < static_cast<int64_t>(a.seqs.size()); ++b)
+    for (int64_t i0 = 0; i0 < a.seqs[b].extend; i0 += kQueryBlock) {
+      const int64_t i1 = std::min(a.seqs[b].extend, i0 + kQueryBlock), nb = i1 - i0;
+      const int64_t G = std::max<int64_t>(
+          1, std::min({Hm, kMaxStacked / nb, (Hm + groups_for_threads - 1) / groups_for_threads}));
+      for (int64_t h0 = 0; h0 < Hm; h0 += G) items.push_back({b, i0, i1, h0, std::min(Hm, h0 + G)});
+    }
+  std::exception_ptr err;
+#pragma omp parallel
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k) {
+      try {
+        const Item& w = items[static_cast<size_t>(k)];
+        const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
+        const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1, M = (w.h1 - w.h0) * nb;
+        buf.resize(static_cast<size_t>(M * ns + 2 * M * R + M * dr));
+        float* scores = buf.data();
+        float* qt = scores + M * ns;  // q~ [M, R], row (g, ii)
+        float* u = qt + M * R;        // sum_s p_s c_hat_s [M, R]
+        float* qpe = u + M * R;       // q_pe [M, dr]
+        const float* q0 = a.q + (s.q_row + w.i0) * a.ldq;
+        for (int64_t h = w.h0; h < w.h1; ++h) {
+          const int64_t r0 = (h - w.h0) * nb;
+          const float* w_uk = a.w_kvb + h * (dn + dv) * R;  // [dn, R]
+          sgemm('N', 'N', nb, R, dn, 1.0f, q0 + h * qw, a.ldq, w_uk, R, 0.0f, qt + r0 * R, R);
+          for (int64_t ii = 0; ii < nb; ++ii)
+            std::copy_n(q0 + ii * a.ldq + h * qw + dn, dr, qpe + (r0 + ii) * dr);
+        }
+        sgemm('N', 'T', M, ns, R, a.scale, qt, R, s.latent, lat, 0.0f, scores, ns);
+        sgemm('N', 'T', M, ns, dr, a.scale, qpe, dr, s.latent + R, lat, 1.0f, scores, ns);
+        for (int64_t h = w.h0; h < w.h1; ++h) causal_softmax(scores + (h - w.h0) * nb * ns, ns, nb, s, w.i0);
+        sgemm('N', 'N', M, R, ns, 1.0f, scores, ns, s.latent, lat, 0.0f, u, R);
+        for (int64_t h = w.h0; h < w.h1; ++h) {
+          const float* w_uv = a.w_kvb + (h * (dn + dv) + dn) * R;  // [dv, R]
+          float* o = a.o + (s.q_row + w.i0) * a.ldo + h * dv;
+          sgemm('N', 'T', nb, dv, R, 1.0f, u + (h - w.h0) * nb * R, R, w_uv, R, 0.0f, o, a.ldo);
+          if (a.bf16)
+            for (int64_t ii = 0; ii < nb; ++ii) round_bf16_inplace(o + ii * a.ldo, static_cast<size_t>(dv));
+        }
+      } catch (...) {
+#pragma omp critical(mla_attention_error)
+        if (!err) err = std::current_exception();
+      }
+    }
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace kda::layers::attention::mla

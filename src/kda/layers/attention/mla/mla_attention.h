@@ -1,0 +1,69 @@
+// MLA attention (NoPE) over the latent cache, in two forms with one signature (kimi-linear-model.md,
+// "MLA attention (NoPE)"):
+//
+// - plain (the reference form): each sequence's attended tokens are expanded through kv_b,
+//   kv_s = W_kvb c_hat_s (k_nope | v per head), then score = (q_nope . k_nope + q_pe . k_pe) * scale,
+//   o = sum_s softmax(score)_s v_s.
+// - absorbed: W_UK folded into the query, q~ = W_UK[h]^T q_nope (R values), score = (q~ . c_hat_s +
+//   q_pe . k_pe_s) * scale, u = sum_s p_s c_hat_s, o = W_UV[h] u. Exact here because nothing is rotated.
+//
+// Cost per head, for E new tokens over a sequence of S = prefix + E tokens (s_avg = prefix + E/2
+// attended tokens per query on average, causal): plain expands every attended token, S * R * (dn + dv),
+// then E * s_avg * (dn + dr + dv); absorbed projects each query in and out, E * R * (dn + dv), then
+// E * s_avg * (2R + dr). The expansion dominates when E is small beside S (decode, a short extend on a
+// long cached prefix), the per-token latent width 2R + dr (1088) vs dn + dr + dv (320) when E is close
+// to S (a whole-prompt prefill): prefer_absorbed() compares the two.
+//
+// Both forms: softmax in fp32, max-subtracted, causal within a sequence (new token i sits at position
+// prefix + i and sees positions 0..prefix + i; with a visibility matrix, the prefix and the new tokens it
+// names). bf16: o is rounded before o_proj in both; the plain
+// form rounds kv (a GEMM output, a spec rounding point); the absorbed form has no kv and keeps its own
+// intermediates (q~, u) fp32. GEMM-shaped work goes through oneDNN's sgemm, OpenMP over (sequence, head,
+// query block).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace kda::layers::attention::mla {
+
+struct MlaDims {
+  int heads = 0;    // Hm on this rank
+  int qk_nope = 0;  // dn
+  int qk_rope = 0;  // dr
+  int v_head = 0;   // dv
+  int kv_lora = 0;  // R
+};
+
+// One sequence of the batch: its new tokens are rows [q_row, q_row + extend) of q and o; latent holds
+// all its prefix + extend tokens' cache rows (c_hat | k_pe, R + dr values each) in position order.
+struct MlaSeq {
+  int64_t q_row = 0;
+  int64_t prefix = 0;
+  int64_t extend = 0;
+  const float* latent = nullptr;
+  // Speculative verify trees: [extend, extend] row-major, visible[i * extend + m] != 0 when new token i
+  // attends to new token m (its ancestors and itself; every m <= i). Null: causal (a chain).
+  const uint8_t* visible = nullptr;
+};
+
+struct MlaAttnArgs {
+  MlaDims dims;
+  const float* q = nullptr;  // [T, heads * (dn + dr)], row stride ldq: per head q_nope | q_pe
+  int64_t ldq = 0;
+  std::span<const MlaSeq> seqs;
+  const float* w_kvb = nullptr;  // [heads * (dn + dv), R]: the kv_b weights the layer multiplies by
+  float scale = 0.0f;            // 1 / sqrt(dn + dr)
+  bool bf16 = false;             // the bf16 mode's rounding points
+  float* o = nullptr;            // [T, heads * dv], row stride ldo; rows of the sequences' new tokens written
+  int64_t ldo = 0;
+};
+
+void mla_attention_plain(const MlaAttnArgs& a);
+void mla_attention_absorbed(const MlaAttnArgs& a);
+
+// Whether the absorbed form does less work for a sequence of `extend` new tokens after `prefix` cached
+// ones (the cost model above).
+bool prefer_absorbed(const MlaDims& d, int64_t prefix, int64_t extend);
+
+}  // namespace kda::layers::attention::mla

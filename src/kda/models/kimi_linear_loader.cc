@@ -1,0 +1,239 @@
+// KimiLinearForCausalLM::from_pretrained and ::synthetic: building the decoder layer by layer.
+#include <cmath>
+#include <exception>
+#include <iostream>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+
+#include "kda/common/seeded.h"
+#include "kda/io/safetensors.h"
+#include "kda/models/kimi_linear_model.h"
+
+namespace kda::models {
+
+namespace {
+constexpr const char* kEmbedKey = "model.embed_tokens.weight";
+constexpr const char* kHeadKey = "lm_head.weight";
+constexpr const char* kNormKey = "model.norm.weight";
+constexpr uint64_t kEmbedTable = 1, kHeadTable = 2;  // seeded_normals tables (as KdaStack's)
+
+std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "."; }
+
+// Layer i of a key "model.layers.{i}.…", else -1.
+int layer_of(const std::string& key) {
+  static const std::string p = "model.layers.";
+  if (key.compare(0, p.size(), p) != 0) return -1;
+  size_t pos = p.size();
+  int v = 0;
+  bool any = false;
+  while (pos < key.size() && key[pos] >= '0' && key[pos] <= '9' && v < (1 << 20)) {
+    v = v * 10 + (key[pos++] - '0');
+    any = true;
+  }
+  return any && pos < key.size() && key[pos] == '.' ? v : -1;
+}
+
+void check_options(const io::KimiLinearConfig& cfg, const ModelOptions& o) {
+  if (!cfg.has_model_fields)
+    throw std::invalid_argument(
+        "KimiLinearForCausalLM: the config lacks the whole model's fields "
+        "(io::parse_model_config reads them)");
+  model_layer_count(cfg, o.num_layers);
+  if (o.kv_norm_eps < 0.0 || !std::isfinite(o.kv_norm_eps))
+    throw std::invalid_argument("kv_norm_eps must be >= 0 (0: rms_norm_eps), got " +
+                                std::to_string(o.kv_norm_eps));
+  if (o.tp.size < 1 || o.tp.rank < 0 || o.tp.rank >= o.tp.size)
+    throw std::invalid_argument("tensor parallel rank " + std::to_string(o.tp.rank) + " of " +
+                                std::to_string(o.tp.size));
+  if (o.tp.size > 1) {
+    check_tensor_parallel(cfg, o.tp.size);  // KDA heads
+    if (cfg.num_attention_heads % o.tp.size != 0)
+      throw std::invalid_argument("tensor parallelism: " + std::to_string(cfg.num_attention_heads) +
+                                  " MLA heads do not split over " + std::to_string(o.tp.size) + " ranks");
+  }
+}
+
+MlaOptions mla_options(const ModelOptions& o) { return MlaOptions{o.kv_norm_eps, o.mla_form}; }
+MoeOptions moe_options(const ModelOptions& o) { return MoeOptions{o.moe_combine, o.num_experts}; }
+
+std::vector<float> seeded_table(uint64_t seed, uint64_t table, int64_t rows, int64_t D, float scale) {
+  std::vector<float> w(static_cast<size_t>(rows * D));
+#pragma omp parallel for schedule(static)
+  for (int64_t v = 0; v < rows; ++v) {
+    float* row = w.data() + v * D;
+    seeded_normals(seed, table, v, D, row);
+    for (int64_t d = 0; d < D; ++d) row[d] *= scale;
+  }
+  return w;
+}
+}  // namespace
+
+std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
+    const std::filesystem::path& dir, const ModelOptions& opts) {
+  if (opts.num_experts != 0 || opts.vocab != 0)
+    throw std::invalid_argument(
+        "from_pretrained: num_experts / vocab overrides apply to synthetic models only");
+  const io::KimiLinearConfig cfg = io::load_model_config(dir);  // refuses what the spec does not define
+  check_options(cfg, opts);
+  std::unique_ptr<KimiLinearForCausalLM> m(new KimiLinearForCausalLM(cfg, opts));
+  m->init_ids();
+  const int L = model_layer_count(cfg, opts.num_layers);
+  const int64_t D = cfg.hidden_size, V = cfg.vocab_size;
+  const Precision prec = opts.precision;
+  const auto& tp = opts.tp;
+  io::Checkpoint ckpt(dir);
+
+  // Stages: 0 the embedding, 1..L the layers, L+1 the final norm and the head. A shard's mapping is
+  // dropped after the last stage that reads from it, so the resident set holds the weights built so far
+  // and the shards still in use, never the whole checkpoint.
+  const bool tied = cfg.tie_word_embeddings;
+  auto stage_of = [&](const std::string& key) {
+    if (key == kEmbedKey) return tied ? L + 1 : 0;  // tied: the head is built from it last
+    if (key == kNormKey || (key == kHeadKey && !tied)) return L + 1;
+    const int l = layer_of(key);
+    return l >= 0 && l < L ? l + 1 : -1;
+  };
+  std::map<std::string, int> shard_last;  // shard -> last stage reading it
+  const auto names = ckpt.names();
+  for (const auto& key : names) {
+    const int s = stage_of(key);
+    if (s < 0) continue;
+    int& last = shard_last[ckpt.shard_of(key)];
+    last = std::max(last, s);
+  }
+  auto release_after = [&](int stage) {
+    for (const auto& [shard, last] : shard_last)
+      if (last == stage) ckpt.release_shard(shard);
+  };
+
+  std::vector<float> embed = ckpt.load_f32(kEmbedKey, {V, D});
+  if (!tied) release_after(0);
+  std::vector<std::unique_ptr<KimiDecoderLayer>> layers;
+  layers.reserve(static_cast<size_t>(L));
+  for (int i = 0; i < L; ++i) {
+    const std::string p = layer_prefix(i);
+    auto in_norm = ckpt.load_f32(p + "input_layernorm.weight", {D});
+    auto post_norm = ckpt.load_f32(p + "post_attention_layernorm.weight", {D});
+    std::unique_ptr<KimiDeltaAttention> kda;
+    std::unique_ptr<KimiMLAAttention> mla;
+    if (cfg.is_kda_layer(i))
+      kda = KimiDeltaAttention::from_checkpoint(ckpt, cfg, i, prec, tp, opts.weights);
+    else
+      mla = KimiMLAAttention::from_checkpoint(ckpt, cfg, i, prec, tp, opts.weights, mla_options(opts));
+    std::unique_ptr<KimiMLP> mlp;
+    std::unique_ptr<KimiMoE> moe;
+    if (cfg.is_moe_layer(i)) {
+      moe = KimiMoE::from_checkpoint(ckpt, cfg, i, prec, tp, opts.weights, moe_options(opts));
+    } else {
+      const auto w = MlpWeights::load(ckpt, p + "mlp", false, D, cfg.intermediate_size, tp.rank, tp.size);
+      mlp = std::make_unique<KimiMLP>(w, prec, tp, opts.weights);
+    }
+    layers.push_back(std::make_unique<KimiDecoderLayer>(i, std::move(in_norm), std::move(post_norm),
+                                                        std::move(kda), std::move(mla), std::move(mlp),
+                                                        std::move(moe)));
+    release_after(i + 1);
+  }
+  auto norm = ckpt.load_f32(kNormKey, {D});
+  {
+    // The head dense in the precision's type (an explicit option quantizes it); tied: embed_tokens.
+    const Weights hw = opts.quantize_lm_head ? opts.weights : Weights::BF16;
+    if (tied) {
+      m->lm_head_ = std::make_unique<layers::Linear>(D, V, embed, prec, hw);
+    } else {
+      const auto head = ckpt.load_f32(kHeadKey, {V, D});
+      m->lm_head_ = std::make_unique<layers::Linear>(D, V, head, prec, hw);
+    }
+  }
+  release_after(L + 1);
+  m->model_ =
+      std::make_unique<KimiLinearModel>(cfg, prec, std::move(embed), V, std::move(layers), std::move(norm));
+
+  // One warning listing what the model did not read (layers past num_layers are skipped on purpose).
+  const auto used_v = ckpt.accessed();
+  const std::set<std::string> used(used_v.begin(), used_v.end());
+  std::string unused;
+  int n_unused = 0, n_skipped = 0;
+  for (const auto& key : names) {
+    if (used.count(key)) continue;
+    const int l = layer_of(key);
+    if (l >= L && l < cfg.num_hidden_layers) {
+      ++n_skipped;
+      continue;
+    }
+    unused += (n_unused++ ? ", " : "") + key;
+  }
+  if (n_unused > 0)
+    std::cerr << "warning: " << dir.string() << ": " << n_unused << " tensor" << (n_unused > 1 ? "s" : "")
+              << " not used by the model: " << unused << "\n";
+  (void)n_skipped;
+  return m;
+}
+
+std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::synthetic(const io::KimiLinearConfig& cfg,
+                                                                        const ModelOptions& opts,
+                                                                        uint64_t seed) {
+  check_options(cfg, opts);
+  if (opts.vocab < 0 || opts.num_experts < 0)
+    throw std::invalid_argument("synthetic: vocab and num_experts must be >= 0 (0: the config's)");
+  std::unique_ptr<KimiLinearForCausalLM> m(new KimiLinearForCausalLM(cfg, opts));
+  m->init_ids();
+  const int L = model_layer_count(cfg, opts.num_layers);
+  const int64_t D = cfg.hidden_size, V = opts.vocab > 0 ? opts.vocab : cfg.vocab_size;
+  if (V < 1) throw std::invalid_argument("synthetic: the vocabulary must be >= 1");
+  const Precision prec = opts.precision;
+  const auto& tp = opts.tp;
+  std::vector<std::unique_ptr<KimiDeltaAttention>> kda(static_cast<size_t>(L));
+  std::vector<std::unique_ptr<KimiMLAAttention>> mla(static_cast<size_t>(L));
+  // Drawing the attention weights is the slow part of a real-shape start-up and layers are independent
+  // (each its own seed): built in parallel, errors carried out of the region. The MLPs draw per expert
+  // inside, one layer at a time, to keep the transient fp32 weights to one layer's.
+  std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int i = 0; i < L; ++i) {
+    try {
+      const uint64_t s = seed + 1000ULL * static_cast<uint64_t>(i + 1);
+      if (cfg.is_kda_layer(i)) {
+        auto w = KdaLayerWeights::synthetic(cfg, s);
+        if (tp.size > 1) w = w.shard(cfg, tp.rank, tp.size);
+        kda[i] = std::make_unique<KimiDeltaAttention>(cfg, i, w, prec, tp, opts.weights);
+      } else {
+        auto w = MlaLayerWeights::synthetic(cfg, s);
+        if (tp.size > 1) w = w.shard(cfg, tp.rank, tp.size);
+        mla[i] = std::make_unique<KimiMLAAttention>(cfg, i, w, prec, tp, opts.weights, mla_options(opts));
+      }
+    } catch (...) {
+#pragma omp critical
+      err = std::current_exception();
+    }
+  }
+  if (err) std::rethrow_exception(err);
+  std::vector<std::unique_ptr<KimiDecoderLayer>> layers;
+  for (int i = 0; i < L; ++i) {
+    const uint64_t s = seed + 1000ULL * static_cast<uint64_t>(i + 1) + 500;
+    std::unique_ptr<KimiMLP> mlp;
+    std::unique_ptr<KimiMoE> moe;
+    if (cfg.is_moe_layer(i)) {
+      moe = KimiMoE::synthetic(cfg, i, s, prec, tp, opts.weights, moe_options(opts));
+    } else {
+      auto w = MlpWeights::synthetic(D, cfg.intermediate_size, s);
+      if (tp.size > 1) w = w.shard(tp.rank, tp.size);
+      mlp = std::make_unique<KimiMLP>(w, prec, tp, opts.weights);
+    }
+    layers.push_back(std::make_unique<KimiDecoderLayer>(
+        i, std::vector<float>(static_cast<size_t>(D), 1.0f), std::vector<float>(static_cast<size_t>(D), 1.0f),
+        std::move(kda[i]), std::move(mla[i]), std::move(mlp), std::move(moe)));
+  }
+  {
+    const auto head = seeded_table(seed, kHeadTable, V, D, static_cast<float>(1.0 / std::sqrt(double(D))));
+    const Weights hw = opts.quantize_lm_head ? opts.weights : Weights::BF16;
+    m->lm_head_ = std::make_unique<layers::Linear>(D, V, head, prec, hw);
+  }
+  m->model_ =
+      std::make_unique<KimiLinearModel>(cfg, prec, seeded_table(seed, kEmbedTable, V, D, 1.0f), V,
+                                        std::move(layers), std::vector<float>(static_cast<size_t>(D), 1.0f));
+  return m;
+}
+
+}  // namespace kda::models

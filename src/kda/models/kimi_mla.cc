@@ -1,0 +1,364 @@
+#include "kda/models/kimi_mla.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kda/common/bf16.h"
+#include "kda/common/seeded.h"
+#include "kda/layers/attention/mla/mla_attention.h"
+#include "kda/layers/quant_linear.h"
+
+namespace kda::models {
+namespace {
+
+namespace mla = layers::attention::mla;
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// bf16 mode rounds a parameter to bf16, as a bf16 checkpoint stores it.
+std::vector<float> param(const std::vector<float>& v, Precision p) {
+  std::vector<float> out = v;
+  if (p == Precision::BF16) round_bf16_inplace(out.data(), out.size());
+  return out;
+}
+
+void check_size(const std::vector<float>& v, int64_t n, const char* name) {
+  if (static_cast<int64_t>(v.size()) != n)
+    throw std::invalid_argument(std::string("MlaLayerWeights: ") + name + " has " +
+                                str(static_cast<int64_t>(v.size())) + " values, expected " + str(n));
+}
+
+void check_mla_config(const io::KimiLinearConfig& cfg) {
+  if (!cfg.has_model_fields || cfg.num_attention_heads <= 0 || cfg.kv_lora_rank <= 0 ||
+      cfg.qk_nope_head_dim <= 0 || cfg.qk_rope_head_dim <= 0 || cfg.v_head_dim <= 0)
+    throw std::invalid_argument(
+        "MLA layer: the config has no MLA fields (num_attention_heads, kv_lora_rank, qk_nope_head_dim, "
+        "qk_rope_head_dim, v_head_dim): load it with parse_model_config / load_model_config");
+}
+
+void check_layer(const io::KimiLinearConfig& cfg, int layer_idx) {
+  check_mla_config(cfg);
+  if (layer_idx < 0 || layer_idx >= cfg.num_hidden_layers)
+    throw std::invalid_argument("layer " + str(layer_idx) + " is outside the model's " +
+                                str(cfg.num_hidden_layers) + " decoder layers");
+  if (!cfg.is_mla_layer(layer_idx))
+    throw std::invalid_argument(
+        "decoder layer " + str(layer_idx) +
+        " (0-based) is not an MLA layer: linear_attn_config.full_attn_layers (1-based) does "
+        "not list " +
+        str(layer_idx + 1));
+}
+
+void check_rank(int tp_rank, int tp_size) {
+  if (tp_rank < 0 || tp_rank >= tp_size)
+    throw std::invalid_argument("tensor-parallel rank " + str(tp_rank) + " outside [0, " + str(tp_size) +
+                                ")");
+}
+
+}  // namespace
+
+void check_mla_tensor_parallel(const io::KimiLinearConfig& cfg, int tp_size) {
+  if (tp_size < 1) throw std::invalid_argument("--tp must be >= 1, got " + str(tp_size));
+  if (cfg.num_attention_heads % tp_size != 0)
+    throw std::invalid_argument("tensor parallelism over " + str(tp_size) + " ranks cannot split " +
+                                str(cfg.num_attention_heads) +
+                                " MLA heads evenly (num_attention_heads must be divisible by --tp)");
+}
+
+MlaLayerWeights MlaLayerWeights::load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg,
+                                      int layer_idx, int tp_rank, int tp_size) {
+  check_layer(cfg, layer_idx);
+  check_mla_tensor_parallel(cfg, tp_size);
+  check_rank(tp_rank, tp_size);
+  const int64_t D = cfg.hidden_size, Hm = cfg.num_attention_heads, dn = cfg.qk_nope_head_dim,
+                dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, R = cfg.kv_lora_rank;
+  const int64_t h0 = tp_rank * Hm / tp_size, h1 = (tp_rank + 1) * Hm / tp_size;
+  const std::string pre = "model.layers." + str(layer_idx) + ".self_attn.";
+  MlaLayerWeights w;
+  w.q_proj =
+      ckpt.load_f32_slice(pre + "q_proj.weight", {Hm * (dn + dr), D}, 0, h0 * (dn + dr), h1 * (dn + dr));
+  w.kv_a_proj_with_mqa = ckpt.load_f32(pre + "kv_a_proj_with_mqa.weight", {R + dr, D});
+  w.kv_a_layernorm = ckpt.load_f32(pre + "kv_a_layernorm.weight", {R});
+  w.kv_b_proj =
+      ckpt.load_f32_slice(pre + "kv_b_proj.weight", {Hm * (dn + dv), R}, 0, h0 * (dn + dv), h1 * (dn + dv));
+  w.o_proj = ckpt.load_f32_slice(pre + "o_proj.weight", {D, Hm * dv}, 1, h0 * dv, h1 * dv);
+  return w;
+}
+
+MlaLayerWeights MlaLayerWeights::shard(const io::KimiLinearConfig& cfg, int tp_rank, int tp_size) const {
+  check_mla_config(cfg);
+  check_mla_tensor_parallel(cfg, tp_size);
+  check_rank(tp_rank, tp_size);
+  const int64_t D = cfg.hidden_size, Hm = cfg.num_attention_heads, dn = cfg.qk_nope_head_dim,
+                dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, R = cfg.kv_lora_rank;
+  check_size(q_proj, Hm * (dn + dr) * D, "q_proj");
+  check_size(kv_b_proj, Hm * (dn + dv) * R, "kv_b_proj");
+  check_size(o_proj, D * Hm * dv, "o_proj");
+  const int64_t h0 = tp_rank * Hm / tp_size, h1 = (tp_rank + 1) * Hm / tp_size;
+  auto rows = [](const std::vector<float>& v, int64_t cols, int64_t b, int64_t e) {
+    return std::vector<float>(v.begin() + b * cols, v.begin() + e * cols);
+  };
+  MlaLayerWeights s;
+  s.q_proj = rows(q_proj, D, h0 * (dn + dr), h1 * (dn + dr));
+  s.kv_a_proj_with_mqa = kv_a_proj_with_mqa;
+  s.kv_a_layernorm = kv_a_layernorm;
+  s.kv_b_proj = rows(kv_b_proj, R, h0 * (dn + dv), h1 * (dn + dv));
+  const int64_t c0 = h0 * dv, c1 = h1 * dv, P = Hm * dv;
+  s.o_proj.resize(static_cast<size_t>(D * (c1 - c0)));
+  for (int64_t d = 0; d < D; ++d)
+    std::copy(o_proj.begin() + d * P + c0, o_proj.begin() + d * P + c1, s.o_proj.begin() + d * (c1 - c0));
+  return s;
+}
+
+MlaLayerWeights MlaLayerWeights::synthetic(const io::KimiLinearConfig& cfg, uint64_t seed) {
+  check_mla_config(cfg);
+  const int64_t D = cfg.hidden_size, Hm = cfg.num_attention_heads, dn = cfg.qk_nope_head_dim,
+                dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, R = cfg.kv_lora_rank;
+  // Tables of this layer's draws (seeded_normals' `table`), apart from the embedding / LM head tables.
+  constexpr uint64_t kTableBase = 0x4d4c4100;  // "MLA"
+  auto matrix = [&](uint64_t table, int64_t out, int64_t in, double stddev) {
+    std::vector<float> v(static_cast<size_t>(out * in));
+    for (int64_t r = 0; r < out; ++r) seeded_normals(seed, kTableBase + table, r, in, v.data() + r * in);
+    for (auto& x : v) x *= static_cast<float>(stddev);
+    return v;
+  };
+  MlaLayerWeights w;
+  w.q_proj = matrix(1, Hm * (dn + dr), D, 1.0 / std::sqrt(static_cast<double>(D)));
+  w.kv_a_proj_with_mqa = matrix(2, R + dr, D, 1.0 / std::sqrt(static_cast<double>(D)));
+  w.kv_a_layernorm = matrix(3, 1, R, 0.1);
+  for (auto& x : w.kv_a_layernorm) x += 1.0f;  // near 1, as a trained norm weight
+  w.kv_b_proj = matrix(4, Hm * (dn + dv), R, 1.0 / std::sqrt(static_cast<double>(R)));
+  w.o_proj = matrix(5, D, Hm * dv, 1.0 / std::sqrt(static_cast<double>(Hm * dv)));
+  return w;
+}
+
+namespace {
+
+const MlaLayerWeights& checked(const MlaLayerWeights& w, const io::KimiLinearConfig& cfg, int tp_size) {
+  check_mla_config(cfg);
+  check_mla_tensor_parallel(cfg, tp_size);
+  const int64_t D = cfg.hidden_size, Hm = cfg.num_attention_heads / tp_size, dn = cfg.qk_nope_head_dim,
+                dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, R = cfg.kv_lora_rank;
+  check_size(w.q_proj, Hm * (dn + dr) * D, "q_proj");
+  check_size(w.kv_a_proj_with_mqa, (R + dr) * D, "kv_a_proj_with_mqa");
+  check_size(w.kv_a_layernorm, R, "kv_a_layernorm");
+  check_size(w.kv_b_proj, Hm * (dn + dv) * R, "kv_b_proj");
+  check_size(w.o_proj, D * Hm * dv, "o_proj");
+  return w;
+}
+
+// kv_b as the attention kernels multiply by it: the precision's values (bf16-rounded in the bf16 mode),
+// or the int8 / int4 scheme's dequantized values, so that both forms see what a kv_b Linear would.
+std::vector<float> effective_kvb(const std::vector<float>& w, int64_t R, int64_t out, Precision p,
+                                 Weights weights) {
+  if (weights == Weights::BF16) return param(w, p);
+  return layers::QuantLinear(R, out, w, weights, p).dequantized();
+}
+
+}  // namespace
+
+KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_idx, const MlaLayerWeights& w,
+                                   Precision precision, distributed::TensorParallel tp, Weights weights,
+                                   MlaOptions options)
+    : layer_idx_(layer_idx),
+      precision_(precision),
+      tp_(tp),
+      options_(options),
+      D_(cfg.hidden_size),
+      Hm_(cfg.num_attention_heads / std::max(tp.size, 1)),
+      dn_(cfg.qk_nope_head_dim),
+      dr_(cfg.qk_rope_head_dim),
+      dv_(cfg.v_head_dim),
+      R_(cfg.kv_lora_rank),
+      eps_(options.kv_norm_eps > 0.0 ? options.kv_norm_eps : cfg.rms_norm_eps),
+      scale_(static_cast<float>(1.0 /
+                                std::sqrt(static_cast<double>(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)))),
+      norm_w_(param(checked(w, cfg, std::max(tp.size, 1)).kv_a_layernorm, precision)),
+      q_proj_(D_, Hm_ * (dn_ + dr_), w.q_proj, precision, weights),
+      kv_a_(D_, R_ + dr_, w.kv_a_proj_with_mqa, precision, weights),
+      o_proj_(Hm_ * dv_, D_, w.o_proj, precision, weights),
+      w_kvb_(effective_kvb(w.kv_b_proj, R_, Hm_ * (dn_ + dv_), precision, weights)) {
+  check_layer(cfg, layer_idx);
+  if (options.kv_norm_eps < 0.0)
+    throw std::invalid_argument("MlaOptions.kv_norm_eps must be >= 0 (0: rms_norm_eps), got " +
+                                std::to_string(options.kv_norm_eps));
+  if (tp.size > 1 && (!tp.comm || tp.comm->size() != tp.size || tp.comm->rank() != tp.rank))
+    throw std::invalid_argument("KimiMLAAttention: tensor-parallel rank " + str(tp.rank) + " of " +
+                                str(tp.size) + " needs a communicator of that size and rank");
+}
+
+std::unique_ptr<KimiMLAAttention> KimiMLAAttention::from_checkpoint(const io::Checkpoint& ckpt,
+                                                                    const io::KimiLinearConfig& cfg,
+                                                                    int layer_idx, Precision precision,
+                                                                    distributed::TensorParallel tp,
+                                                                    Weights weights, MlaOptions options) {
+  return std::make_unique<KimiMLAAttention>(cfg, layer_idx,
+                                            MlaLayerWeights::load(ckpt, cfg, layer_idx, tp.rank, tp.size),
+                                            precision, tp, weights, options);
+}
+
+int64_t KimiMLAAttention::weight_bytes() const {
+  return q_proj_.weight_bytes() + kv_a_.weight_bytes() + o_proj_.weight_bytes() +
+         static_cast<int64_t>(w_kvb_.size() * sizeof(float));
+}
+
+void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const model_executor::ForwardBatch& fb,
+                               mem_cache::MemoryPools& pools, float* out) {
+  using model_executor::ForwardMode;
+  fb.validate();
+  const std::string who = "KimiMLAAttention layer " + str(layer_idx_);
+  if (fb.num_tokens() != T)
+    throw std::invalid_argument(who + ": " + str(T) + " hidden-state rows for a batch of " +
+                                str(fb.num_tokens()) + " tokens");
+  const ForwardMode mode = fb.forward_mode;
+  if (mode == ForwardMode::IDLE || mode == ForwardMode::DUMMY_FIRST) {
+    if (T > 0) std::memset(out, 0, sizeof(float) * static_cast<size_t>(T * D_));
+    return;
+  }
+  const bool verify = mode == ForwardMode::TARGET_VERIFY;
+  if (mode != ForwardMode::EXTEND && mode != ForwardMode::DECODE && !verify)
+    throw std::runtime_error(who + ": forward mode " + model_executor::to_string(mode) +
+                             " is not supported by the MLA layer (EXTEND, DECODE, TARGET_VERIFY, IDLE, "
+                             "DUMMY_FIRST)");
+  // State snapshots (prefix caching) are the KDA layers' business: the batch carries them for those.
+  mem_cache::MLATokenToKVPool* pool = pools.token_to_kv_pool.get();
+  if (!pool) throw std::invalid_argument(who + ": the memory pools have no MLA KV pool (token_to_kv_pool)");
+  const mem_cache::MLAKVLayerView view = pool->get_kv_buffer(layer_idx_);  // unknown layer: error
+  if (view.row_elems != R_ + dr_)
+    throw std::invalid_argument(who + ": the KV pool's rows hold " + str(view.row_elems) +
+                                " values, the layer " + str(R_ + dr_) + " (kv_lora_rank + qk_rope_head_dim)");
+  const auto& rtp = pools.req_to_token_pool;
+
+  // Every check before anything is written: the rows' lengths against the pool's mapping.
+  const int64_t B = fb.batch_size();
+  std::vector<std::span<const int32_t>> toks(static_cast<size_t>(B));
+  std::vector<int64_t> row0(static_cast<size_t>(B) + 1, 0);
+  int64_t lat_rows = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t req = fb.req_pool_indices[b];
+    const int64_t E = fb.extend_seq_lens[b];
+    row0[b + 1] = row0[b] + E;
+    if (req == -1) continue;
+    toks[b] = rtp.req_to_token(req);
+    const int64_t L = rtp.seq_len(req);
+    // DECODE carries no prefix lengths (every row continues its sequence): the pool's length says it.
+    // EXTEND's are the caller's claim, checked against the pool (empty: no cached prefix, as the KDA
+    // backend reads it).
+    const int64_t P = mode == ForwardMode::DECODE || verify ? L - E
+                      : fb.extend_prefix_lens.empty()       ? 0
+                                                            : fb.extend_prefix_lens[b];
+    if (P < 0 || L != P + E || static_cast<int64_t>(toks[b].size()) != L)
+      throw std::invalid_argument(who + ": batch row " + str(b) + " (request " + str(req) + ") has " +
+                                  str(L) + " tokens and " + str(static_cast<int64_t>(toks[b].size())) +
+                                  " token slots, the step prefix " + str(P) + " + extend " + str(E) +
+                                  " (call alloc_tokens before the forward)");
+    for (const int32_t s : toks[b])
+      if (s < 1 || s >= view.num_slots)
+        throw std::invalid_argument(who + ": request " + str(req) + " maps to token slot " + str(s) +
+                                    " outside the KV pool [1, " + str(view.num_slots - 1) + "]");
+    if (E > 0) lat_rows += L;
+  }
+  if (T == 0) return;
+
+  const bool bf16 = precision_ == Precision::BF16;
+  const int64_t qw = Hm_ * (dn_ + dr_), lw = R_ + dr_;
+  // 1. q and a = [c | k_pe]; in the bf16 mode each is a GEMM output, rounded.
+  q_.resize(static_cast<size_t>(T * qw));
+  a_.resize(static_cast<size_t>(T * lw));
+  q_proj_.forward(hidden_states, T, q_.data());
+  kv_a_.forward(hidden_states, T, a_.data());
+  if (bf16) {
+    round_bf16_inplace(q_.data(), q_.size());
+    round_bf16_inplace(a_.data(), a_.size());
+  }
+  // 2. c_hat = RMSNorm(c; kv_a_layernorm), statistics in fp32, rounded once after the weight multiply.
+  const float eps = static_cast<float>(eps_);
+#pragma omp parallel for if (T > 64)
+  for (int64_t t = 0; t < T; ++t) {
+    float* c = a_.data() + t * lw;
+    float ss = 0.0f;
+    for (int64_t j = 0; j < R_; ++j) ss += c[j] * c[j];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(R_) + eps);
+    for (int64_t j = 0; j < R_; ++j) {
+      const float v = c[j] * inv * norm_w_[static_cast<size_t>(j)];
+      c[j] = bf16 ? round_bf16(v) : v;
+    }
+  }
+  // 3. The new tokens' cache rows (c_hat | k_pe), then every attended sequence's rows gathered in position
+  // order (the new ones read back: in the bf16 mode what the cache holds is what is attended to).
+  for (int64_t b = 0; b < B; ++b) {
+    if (fb.req_pool_indices[b] == -1) continue;
+    const int64_t E = row0[b + 1] - row0[b], P = static_cast<int64_t>(toks[b].size()) - E;
+    for (int64_t i = 0; i < E; ++i) {
+      const int64_t slot = toks[b][static_cast<size_t>(P + i)];
+      const float* src = a_.data() + (row0[b] + i) * lw;
+      if (view.kv_f32)
+        std::copy_n(src, lw, view.kv_f32 + slot * lw);
+      else
+        f32_to_bf16_array(src, view.kv_bf16 + slot * lw, static_cast<size_t>(lw));
+    }
+  }
+  // TARGET_VERIFY trees: each row's visibility matrix (a token sees its ancestors and itself); chains
+  // (no draft_parents) are causal.
+  std::vector<std::vector<uint8_t>> visible(verify && !fb.draft_parents.empty() ? static_cast<size_t>(B) : 0);
+  for (int64_t b = 0, at_parent = 0; b < static_cast<int64_t>(visible.size()); ++b) {
+    const int64_t E = row0[b + 1] - row0[b];
+    auto& v = visible[static_cast<size_t>(b)];
+    v.assign(static_cast<size_t>(E * E), 0);
+    for (int64_t i = 0; i < E; ++i) {
+      v[static_cast<size_t>(i * E + i)] = 1;
+      if (i == 0) continue;
+      // Token i is draft i - 1; its parent draft p is token p + 1 (-1: the last accepted token, token 0).
+      const int64_t parent = fb.draft_parents[static_cast<size_t>(at_parent + i - 1)] + 1;
+      for (int64_t m = 0; m < parent + 1; ++m)
+        v[static_cast<size_t>(i * E + m)] = v[static_cast<size_t>(parent * E + m)];
+    }
+    at_parent += E - 1;
+  }
+  lat_.resize(static_cast<size_t>(lat_rows * lw));
+  std::vector<mla::MlaSeq> plain, absorbed;
+  const mla::MlaDims dims{static_cast<int>(Hm_), static_cast<int>(dn_), static_cast<int>(dr_),
+                          static_cast<int>(dv_), static_cast<int>(R_)};
+  int64_t at = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t E = row0[b + 1] - row0[b];
+    if (fb.req_pool_indices[b] == -1 || E == 0) continue;
+    const int64_t L = static_cast<int64_t>(toks[b].size());
+    float* dst = lat_.data() + at * lw;
+    const auto& tk = toks[b];
+#pragma omp parallel for if (L > 256)
+    for (int64_t s = 0; s < L; ++s) {
+      const int64_t slot = tk[static_cast<size_t>(s)];
+      if (view.kv_f32)
+        std::copy_n(view.kv_f32 + slot * lw, lw, dst + s * lw);
+      else
+        bf16_to_f32_array(view.kv_bf16 + slot * lw, dst + s * lw, static_cast<size_t>(lw));
+    }
+    at += L;
+    const mla::MlaSeq seq{row0[b], L - E, E, dst,
+                          visible.empty() ? nullptr : visible[static_cast<size_t>(b)].data()};
+    const bool absorb = options_.form == MlaForm::Absorbed ||
+                        (options_.form == MlaForm::Auto && mla::prefer_absorbed(dims, L - E, E));
+    (absorb ? absorbed : plain).push_back(seq);
+  }
+  // 4. Attention; a padded row's o stays zero, so its output is zero.
+  o_.assign(static_cast<size_t>(T * Hm_ * dv_), 0.0f);
+  mla::MlaAttnArgs args{dims, q_.data(), qw, {}, w_kvb_.data(), scale_, bf16, o_.data(), Hm_ * dv_};
+  if (!plain.empty()) {
+    args.seqs = plain;
+    mla::mla_attention_plain(args);
+  }
+  if (!absorbed.empty()) {
+    args.seqs = absorbed;
+    mla::mla_attention_absorbed(args);
+  }
+  // 5. o_proj; under tensor parallelism each rank holds a partial sum over its heads.
+  o_proj_.forward(o_.data(), T, out);
+  if (tp_.size > 1) tp_.comm->allreduce_sum(out, static_cast<size_t>(T * D_));
+  if (bf16) round_bf16_inplace(out, static_cast<size_t>(T * D_));
+}
+
+}  // namespace kda::models

@@ -1,0 +1,394 @@
+// KimiLinearForCausalLM on the tiny whole-model dumps (tests/data/model_dumps/tiny): every case within the
+// spec's fp32 tolerances and its bf16 rule, the decode tail, a chunked prefill and a varlen batch against
+// each sequence alone, both MoE combine modes against the float64 reference of each, tensor parallelism,
+// and bad input (checkpoints, configs, ids, batches, pools) refused with nothing changed.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kda/distributed/in_process.h"
+#include "kda/io/config.h"
+#include "kda/io/kimi_linear_48b.h"
+#include "kda/models/kimi_linear_case.h"
+#include "kda/models/kimi_linear_model.h"
+#include "support/model_checkpoint.h"
+#include "support/model_dump_case.h"
+#include "support/model_reference.h"
+#include "support/test_support.h"
+
+namespace kda {
+namespace {
+
+using models::KimiLinearForCausalLM;
+using models::ModelCaseOptions;
+using models::ModelOptions;
+using models::run_model_case;
+using testing::load_model_dump_case;
+using testing::model_dump_case_names;
+using testing::model_dumps_dir;
+
+ModelOptions opts_of(Precision p, models::MoeCombine combine = models::MoeCombine::Unbiased) {
+  ModelOptions o;
+  o.precision = p;
+  o.moe_combine = combine;
+  return o;
+}
+
+bool all_finite(const std::vector<float>& v) {
+  for (const float x : v)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
+TEST(KimiLinearModel, TinyDumpsFp32EveryCase) {
+  auto model = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
+  ASSERT_EQ(model->num_layers(), 4);
+  EXPECT_EQ(model->kda_layer_ids(), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(model->mla_layer_ids(), (std::vector<int>{3}));
+  EXPECT_EQ(model->moe_layer_ids(), (std::vector<int>{1, 2, 3}));
+  for (const auto& name : model_dump_case_names()) {
+    const auto c = load_model_dump_case(name);
+    const auto r = run_model_case(*model, c.input_ids, c.cu_seqlens);
+    EXPECT_EQ(r.kda_recurrent_state.size(), 3u);
+    EXPECT_EQ(r.mla_ckv.size(), 1u);
+    testing::expect_case_fp32(r, c, "fp32 one prefill");
+    // One EXTEND over every token: the MoE layers' last routing is the whole case's.
+    for (const int id : model->moe_layer_ids()) {
+      const auto want = c.npz.at("moe_topk_" + std::to_string(id)).to_i32();
+      EXPECT_EQ(model->model().layer(id).moe()->last_topk(), want) << name << " layer " << id;
+    }
+  }
+}
+
+TEST(KimiLinearModel, TinyDumpsBf16WithinTwiceTheEmulation) {
+  auto model = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::BF16));
+  for (const auto& name : model_dump_case_names()) {
+    const auto c = load_model_dump_case(name);
+    for (const int tail : {0, 8}) {
+      if (tail > 0 && name != "decode_tail") continue;
+      ModelCaseOptions o;
+      o.decode_tail = tail;
+      const auto r = run_model_case(*model, c.input_ids, c.cu_seqlens, o);
+      ASSERT_TRUE(all_finite(r.logits)) << name;
+      const auto ref = c.f32("logits"), emu = c.f32("logits_bf16");
+      const double bound = 2.0 * testing::rel_l2(emu.data(), ref.data(), ref.size());
+      const double err = testing::rel_l2(r.logits.data(), ref.data(), ref.size());
+      EXPECT_LE(err, bound) << name << " decode tail " << tail;
+      EXPECT_GT(err, 0.0) << name << ": bf16 should differ from float64 at all";
+    }
+  }
+}
+
+TEST(KimiLinearModel, DecodeTailAndChunkedPrefillEqualTheReference) {
+  auto model = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
+  {
+    const auto c = load_model_dump_case("decode_tail");
+    ModelCaseOptions o;
+    o.decode_tail = 8;  // the case's 40-token prefill, then 8 DECODE steps
+    testing::expect_case_fp32(run_model_case(*model, c.input_ids, c.cu_seqlens, o), c, "decode tail 8");
+  }
+  for (const auto& name : {"T200", "T65", "varlen_3"}) {
+    const auto c = load_model_dump_case(name);
+    ModelCaseOptions o;
+    o.prefill_chunks = 3;
+    testing::expect_case_fp32(run_model_case(*model, c.input_ids, c.cu_seqlens, o), c, "3 prefill chunks");
+    if (std::string(name) == "T200") continue;  // (every step shape is a new GEMM shape: keep the run short)
+    o.decode_tail = 5;  // chunks then decode steps: every path that continues a sequence
+    testing::expect_case_fp32(run_model_case(*model, c.input_ids, c.cu_seqlens, o), c,
+                              "3 chunks + 5 decodes");
+  }
+}
+
+TEST(KimiLinearModel, VarlenBatchEqualsEachSequenceAlone) {
+  auto model = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
+  const auto c = load_model_dump_case("varlen_3");
+  const auto batch = run_model_case(*model, c.input_ids, c.cu_seqlens);
+  const int64_t V = model->vocab_size(), D = model->hidden_size();
+  for (size_t i = 0; i + 1 < c.cu_seqlens.size(); ++i) {
+    const int64_t b = c.cu_seqlens[i], e = c.cu_seqlens[i + 1];
+    const std::vector<int32_t> ids(c.input_ids.begin() + b, c.input_ids.begin() + e);
+    const auto alone = run_model_case(*model, ids, {});
+    EXPECT_LE(testing::max_error_ratio(batch.logits.data() + b * V, alone.logits.data(), alone.logits.size(),
+                                       1e-4, 1e-4),
+              1.0)
+        << "sequence " << i;
+    EXPECT_LE(testing::max_error_ratio(batch.hidden_final.data() + b * D, alone.hidden_final.data(),
+                                       alone.hidden_final.size(), 1e-4, 1e-4),
+              1.0)
+        << "sequence " << i;
+  }
+}
+
+TEST(KimiLinearModel, BothMoeCombineModesMatchTheirReference) {
+  const auto cfg = io::load_model_config(model_dumps_dir());
+  const auto w = testing::read_model_weights(model_dumps_dir());
+  const auto c = load_model_dump_case("varlen_3");
+  for (const auto combine : {models::MoeCombine::Unbiased, models::MoeCombine::Biased}) {
+    auto model = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32, combine));
+    const auto r = run_model_case(*model, c.input_ids, c.cu_seqlens);
+    testing::ModelReferenceOptions ro;
+    ro.combine =
+        combine == models::MoeCombine::Biased ? testing::RefCombine::Biased : testing::RefCombine::Unbiased;
+    const auto ref = testing::reference_model(cfg, w, c.input_ids, c.cu_seqlens, ro);
+    const std::vector<float> want(ref.logits.begin(), ref.logits.end());
+    EXPECT_LE(testing::max_error_ratio(r.logits.data(), want.data(), want.size(), 1e-4, 1e-4), 1.0)
+        << models::to_string(combine);
+    if (combine == models::MoeCombine::Biased) {  // the option changes the result
+      const auto unbiased = c.f32("logits");
+      EXPECT_GT(testing::rel_l2(r.logits.data(), unbiased.data(), unbiased.size()), 1e-3);
+    }
+  }
+}
+
+TEST(KimiLinearModel, TensorParallel2EqualsTp1) {
+  const auto c = load_model_dump_case("varlen_3");
+  auto one = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
+  const auto want = run_model_case(*one, c.input_ids, c.cu_seqlens, ModelCaseOptions{3, 2, false});
+  distributed::InProcessGroup group(2);
+  std::vector<std::vector<float>> logits(2);
+  group.run([&](int rank, distributed::Communicator& comm) {
+    auto o = opts_of(Precision::FP32);
+    o.tp = {rank, 2, &comm};
+    auto m = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), o);
+    logits[rank] = run_model_case(*m, c.input_ids, c.cu_seqlens, ModelCaseOptions{3, 2, false}).logits;
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_LE(testing::max_error_ratio(logits[r].data(), want.logits.data(), want.logits.size(), 1e-4, 1e-4),
+              1.0)
+        << "rank " << r;
+}
+
+TEST(KimiLinearModel, ActiveParametersOfThe48bModelAreTheSpecs) {
+  // The spec: 3.107 B per decoded token (LM head 0.377, experts 1.672, KDA 0.790, MLA 0.204, dense 0.064).
+  const auto cfg = io::kimi_linear_48b_config();
+  EXPECT_NEAR(static_cast<double>(models::kimi_linear_active_params(cfg)), 3.107e9, 1.5e6);
+  // Fewer routed experts change only the router's share; the top-8 stay.
+  const double fewer = static_cast<double>(models::kimi_linear_active_params(cfg, 0, 32));
+  EXPECT_NEAR(fewer, 3.107e9 - 26.0 * (256 - 32) * (2304 + 1), 1.5e6);
+}
+
+TEST(KimiLinearModel, TiedEmbeddingsUseEmbedTokensAsTheHead) {
+  auto cfg = io::load_model_config(model_dumps_dir());
+  auto w = testing::read_model_weights(model_dumps_dir());
+  w["lm_head.weight"] = w.at("model.embed_tokens.weight");
+  const auto untied = testing::make_temp_dir("model_untied");
+  testing::write_model_checkpoint(untied, cfg, w, 2);
+  w.erase("lm_head.weight");
+  cfg.tie_word_embeddings = true;
+  const auto tied = testing::make_temp_dir("model_tied");
+  testing::write_model_checkpoint(tied, cfg, w, 2);
+  const auto c = load_model_dump_case("T7");
+  auto a = KimiLinearForCausalLM::from_pretrained(untied, {});
+  auto b = KimiLinearForCausalLM::from_pretrained(tied, {});
+  const auto ra = run_model_case(*a, c.input_ids, {}), rb = run_model_case(*b, c.input_ids, {});
+  EXPECT_EQ(ra.logits, rb.logits);
+  const auto want = c.f32("logits");  // the dumps' own head differs: the tie is not a no-op
+  EXPECT_GT(testing::rel_l2(rb.logits.data(), want.data(), want.size()), 1e-2);
+}
+
+TEST(KimiLinearModel, SyntheticIsSeededAndEqualAcrossTensorParallelism) {
+  const auto cfg = io::load_model_config(model_dumps_dir());
+  ModelOptions o;
+  o.vocab = 300;
+  o.num_experts = 4;
+  const std::vector<int32_t> ids = {1, 5, 299, 7, 0, 42, 8, 9, 10, 11};
+  const std::vector<int32_t> cu = {0, 3, 10};
+  auto a = KimiLinearForCausalLM::synthetic(cfg, o, 7);
+  EXPECT_EQ(a->vocab_size(), 300);
+  EXPECT_EQ(a->model().layer(1).moe()->num_experts(), 4);
+  EXPECT_LT(a->active_weight_bytes(), a->weight_bytes());
+  const auto ra = run_model_case(*a, ids, cu, ModelCaseOptions{2, 1, false});
+  ASSERT_TRUE(all_finite(ra.logits));
+  const ModelCaseOptions same{2, 1, false};
+  EXPECT_EQ(run_model_case(*KimiLinearForCausalLM::synthetic(cfg, o, 7), ids, cu, same).logits, ra.logits);
+  EXPECT_NE(run_model_case(*KimiLinearForCausalLM::synthetic(cfg, o, 8), ids, cu, same).logits, ra.logits);
+  o.num_layers = 2;  // the first two layers of the pattern: KDA only
+  auto two = KimiLinearForCausalLM::synthetic(cfg, o, 7);
+  EXPECT_EQ(two->num_layers(), 2);
+  EXPECT_TRUE(two->mla_layer_ids().empty());
+  EXPECT_EQ(two->make_pools(1, 8)->token_to_kv_pool, nullptr);
+  o.num_layers = 0;
+  distributed::InProcessGroup group(2);
+  std::vector<std::vector<float>> logits(2);
+  group.run([&](int rank, distributed::Communicator& comm) {
+    auto ro = o;
+    ro.tp = {rank, 2, &comm};
+    auto m = KimiLinearForCausalLM::synthetic(cfg, ro, 7);
+    logits[rank] = run_model_case(*m, ids, cu, ModelCaseOptions{2, 1, false}).logits;
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_LE(testing::max_error_ratio(logits[r].data(), ra.logits.data(), ra.logits.size(), 1e-4, 1e-4), 1.0)
+        << "rank " << r;
+}
+
+// --- bad input -------------------------------------------------------------------------------------
+
+class KimiLinearModelBadInput : public ::testing::Test {
+ protected:
+  static std::filesystem::path copy_of_tiny(const std::string& tag, const testing::TensorMap& w) {
+    const auto dir = testing::make_temp_dir(tag);
+    testing::write_model_checkpoint(dir, io::load_model_config(model_dumps_dir()), w, 2);
+    return dir;
+  }
+  static std::string error_of(const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  }
+};
+
+TEST_F(KimiLinearModelBadInput, MissingAndMisShapedTensorsNameTheKey) {
+  auto w = testing::read_model_weights(model_dumps_dir());
+  const std::string mla_key = "model.layers.3.self_attn.kv_b_proj.weight";
+  const std::string norm_key = "model.layers.1.post_attention_layernorm.weight";
+  {
+    auto broken = w;
+    broken.erase(mla_key);
+    const auto dir = copy_of_tiny("model_missing", broken);
+    const auto msg = error_of([&] { KimiLinearForCausalLM::from_pretrained(dir, {}); });
+    EXPECT_NE(msg.find(mla_key), std::string::npos) << msg;
+  }
+  {
+    auto broken = w;
+    broken[norm_key].shape = {128, 2};  // 256 values, the wrong shape
+    const auto dir = copy_of_tiny("model_misshaped", broken);
+    const auto msg = error_of([&] { KimiLinearForCausalLM::from_pretrained(dir, {}); });
+    EXPECT_NE(msg.find(norm_key), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[128, 2]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[256]"), std::string::npos) << msg;
+  }
+  {
+    auto broken = w;
+    broken.erase("lm_head.weight");
+    const auto dir = copy_of_tiny("model_no_head", broken);
+    const auto msg = error_of([&] { KimiLinearForCausalLM::from_pretrained(dir, {}); });
+    EXPECT_NE(msg.find("lm_head.weight"), std::string::npos) << msg;
+  }
+}
+
+TEST_F(KimiLinearModelBadInput, UnusedTensorsInOneWarning) {
+  auto w = testing::read_model_weights(model_dumps_dir());
+  w["model.layers.0.self_attn.rotary_emb.inv_freq"] = io::StTensor{{4}, {1, 2, 3, 4}, io::StDType::F32};
+  w["model.extra.weight"] = io::StTensor{{2}, {1, 2}, io::StDType::F32};
+  const auto dir = copy_of_tiny("model_unused", w);
+  ::testing::internal::CaptureStderr();
+  auto m = KimiLinearForCausalLM::from_pretrained(dir, {});
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("2 tensors not used"), std::string::npos) << err;
+  EXPECT_NE(err.find("model.extra.weight"), std::string::npos) << err;
+  EXPECT_NE(err.find("rotary_emb.inv_freq"), std::string::npos) << err;
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+}
+
+TEST_F(KimiLinearModelBadInput, ConfigsTheSpecDoesNotDefineAreRefusedNamingTheField) {
+  const auto w = testing::read_model_weights(model_dumps_dir());
+  const auto text = testing::read_file(model_dumps_dir() / "config.json");
+  const std::vector<std::pair<std::string, std::string>> edits = {
+      {"\"q_lora_rank\": null", "\"q_lora_rank\": 64"},
+      {"\"mla_use_nope\": true", "\"mla_use_nope\": false"},
+      {"\"moe_router_activation_func\": \"sigmoid\"", "\"moe_router_activation_func\": \"softmax\""},
+      {"\"num_expert_group\": 1", "\"num_expert_group\": 2"},
+  };
+  for (const auto& [from, to] : edits) {
+    const auto dir = copy_of_tiny("model_cfg", w);
+    std::string t = text;
+    const auto pos = t.find(from);
+    ASSERT_NE(pos, std::string::npos) << from;
+    t.replace(pos, from.size(), to);
+    std::ofstream(dir / "config.json") << t;
+    const std::string field = from.substr(1, from.find('"', 1) - 1);
+    const auto msg = error_of([&] { KimiLinearForCausalLM::from_pretrained(dir, {}); });
+    EXPECT_NE(msg.find(field), std::string::npos) << field << ": " << msg;
+  }
+}
+
+TEST_F(KimiLinearModelBadInput, BadStepsChangeNothing) {
+  auto model = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::FP32));
+  const int64_t D = model->hidden_size();
+  auto pools = model->make_pools(2, 16);
+  auto& rtp = pools->req_to_token_pool;
+  const auto reqs = rtp.alloc(2);
+  // A first step so that the requests hold state.
+  std::vector<int32_t> ids = {1, 2, 3, 4, 5};
+  std::vector<float> h(ids.size() * D);
+  auto fb = model_executor::ForwardBatch::extend({reqs[0]}, {5}, {0});
+  model->forward(ids.data(), 5, fb, *pools, h.data());
+  const auto snapshot = [&] {
+    std::vector<float> s;
+    for (const int id : model->kda_layer_ids()) {
+      const auto& pc = pools->recurrent_state_pool.config();
+      std::vector<float> r(size_t(pc.num_heads) * pc.head_k_dim * pc.head_v_dim),
+          cv(size_t(pc.conv_kernel - 1) * pc.conv_dim);
+      const int32_t slot = rtp.slot_of(reqs[0]);
+      pools->recurrent_state_pool.read_linear_recurrent_layer_cache(id, {&slot, 1}, r.data(), cv.data());
+      s.insert(s.end(), r.begin(), r.end());
+      s.insert(s.end(), cv.begin(), cv.end());
+    }
+    return s;
+  };
+  const auto before = snapshot();
+  const int64_t free_before = pools->token_to_kv_pool->available();
+  auto unchanged = [&](const std::string& what) {
+    EXPECT_EQ(rtp.seq_len(reqs[0]), 5) << what;
+    EXPECT_EQ(rtp.seq_len(reqs[1]), 0) << what;
+    EXPECT_EQ(pools->token_to_kv_pool->available(), free_before) << what;
+    EXPECT_EQ(snapshot(), before) << what;
+  };
+  {  // an id >= vocab_size
+    std::vector<int32_t> bad = {7, static_cast<int32_t>(model->vocab_size())};
+    auto b = model_executor::ForwardBatch::extend({reqs[0]}, {2}, {5});
+    const auto msg = error_of([&] { model->forward(bad.data(), 2, b, *pools, h.data()); });
+    EXPECT_NE(msg.find("token id 512"), std::string::npos) << msg;
+    unchanged("id >= vocab");
+  }
+  {  // a negative id
+    std::vector<int32_t> bad = {-1};
+    auto b = model_executor::ForwardBatch::decode({reqs[0]});
+    EXPECT_NE(error_of([&] { model->forward(bad.data(), 1, b, *pools, h.data()); }).find("token id -1"),
+              std::string::npos);
+    unchanged("negative id");
+  }
+  {  // input ids that disagree with the batch
+    auto b = model_executor::ForwardBatch::extend({reqs[0]}, {3}, {5});
+    EXPECT_NE(error_of([&] { model->forward(ids.data(), 2, b, *pools, h.data()); }).find("input ids"),
+              std::string::npos);
+    unchanged("T vs batch");
+  }
+  {  // a prefix that is not what the request holds
+    auto b = model_executor::ForwardBatch::extend({reqs[0]}, {2}, {3});
+    const auto msg = error_of([&] { model->forward(ids.data(), 2, b, *pools, h.data()); });
+    EXPECT_NE(msg.find("extend_prefix_lens 3"), std::string::npos) << msg;
+    unchanged("prefix");
+  }
+  {  // the MLA pool too small: 16 slots, 5 taken, 12 asked
+    std::vector<int32_t> many(12, 3);
+    std::vector<float> hh(12 * D);
+    auto b = model_executor::ForwardBatch::extend({reqs[1]}, {12}, {0});
+    const auto msg = error_of([&] { model->forward(many.data(), 12, b, *pools, hh.data()); });
+    EXPECT_NE(msg.find("exhausted"), std::string::npos) << msg;
+    unchanged("pool too small");
+  }
+  {  // cu_seqlens against input_ids
+    std::vector<int32_t> cu = {0, 2, 4};
+    EXPECT_NE(error_of([&] { run_model_case(*model, ids, cu); }).find("cu_seqlens ends at 4"),
+              std::string::npos);
+    cu = {0, 3, 2, 5};
+    EXPECT_NE(error_of([&] { run_model_case(*model, ids, cu); }).find("cu_seqlens[2]"), std::string::npos);
+  }
+  // Still usable: the next real step goes on from the 5 tokens.
+  std::vector<int32_t> more = {6, 7};
+  auto b = model_executor::ForwardBatch::extend({reqs[0]}, {2}, {5});
+  model->forward(more.data(), 2, b, *pools, h.data());
+  EXPECT_EQ(rtp.seq_len(reqs[0]), 7);
+}
+
+}  // namespace
+}  // namespace kda
