@@ -1327,7 +1327,12 @@ TEST(Speculative, TokensAndRowsEqualPlainGreedyDecodingForEveryDrafter) {
     expect_check_passes(r);
     EXPECT_GT(r.serve.spec_draft_tokens, 0);
     EXPECT_GT(r.serve.spec_accepted_tokens, 0);
-    EXPECT_LT(r.serve.decode_steps, plain.serve.decode_steps);  // accepted drafts save steps
+    // Accepted drafts save steps: replay's at its acceptance rate always; ngram's only where they fall on
+    // the sequences that decode longest (its acceptances follow the model's tokens).
+    if (c.a == SpecAlgorithm::kReplay)
+      EXPECT_LT(r.serve.decode_steps, plain.serve.decode_steps);
+    else
+      EXPECT_LE(r.serve.decode_steps, plain.serve.decode_steps);
     const DraftCount n = recount_drafts(o, r, plain);
     EXPECT_EQ(r.serve.spec_draft_tokens, n.drafted);
     EXPECT_EQ(r.serve.spec_accepted_tokens, n.accepted);
