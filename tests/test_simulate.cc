@@ -1001,6 +1001,14 @@ TEST(Simulate, BadOptionsAreClearErrorsBeforeAnyWork) {
   o.num_experts = -1;
   expect_invalid(run(o), "--experts must be in 1..");
   o = opts();
+  o.num_experts = 300;
+  expect_invalid(run(o), "--experts 300: the config has 256 routed experts per MoE layer");
+  o = opts();
+  o.num_experts = 256;  // the real model's experts: ~90 GB in bf16
+  o.tp = {};
+  if (static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE) < 80e9)
+    expect_invalid(run(o), "--experts 256: the routed experts alone would take");
+  o = opts();
   o.kv_memory = 1000;  // the 7 MLA layers' 576 values a token: 8064 bytes in bf16
   expect_invalid(run(o), "--kv-memory 1000 bytes holds 0 MLA KV token slots");
   o = opts();

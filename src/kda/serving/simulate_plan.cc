@@ -1,5 +1,7 @@
 #include "kda/serving/simulate_plan.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
@@ -107,6 +109,27 @@ Plan make_plan(const SimulateOptions& o) {
                   : o.model_dir.empty() && !o.synthetic_config.has_value() ? kDefaultExperts
                                                                            : p.cfg.num_experts;
   if (p.moe_layers == 0) p.num_experts = 0;
+  if (o.num_experts > p.cfg.num_experts)
+    throw std::invalid_argument("--experts " + std::to_string(o.num_experts) + ": the config has " +
+                                std::to_string(p.cfg.num_experts) + " routed experts per MoE layer");
+  // The routed experts' weights alone, against the machine's memory: a model that cannot be resident is
+  // refused before it is drawn (at 256 experts the real model's experts are ~90 GB in bf16).
+  {
+    const double per_weight = o.weights == Weights::Int4       ? 0.56
+                              : o.weights == Weights::Int8     ? 1.0
+                              : o.precision == Precision::BF16 ? 2.0
+                                                               : 4.0;
+    const double experts_bytes = double(p.moe_layers) * p.num_experts * 3.0 * double(p.cfg.hidden_size) *
+                                 double(p.cfg.moe_intermediate_size) * per_weight / std::max(o.tp.size, 1);
+    const double phys = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    if (phys > 0 && experts_bytes > phys)
+      throw std::invalid_argument("--experts " + std::to_string(p.num_experts) +
+                                  ": the routed experts alone "
+                                  "would take " +
+                                  std::to_string(static_cast<int64_t>(experts_bytes / 1e9)) +
+                                  " GB, more than this machine's " +
+                                  std::to_string(static_cast<int64_t>(phys / 1e9)) + " GB of memory");
+  }
   models::check_tensor_parallel(p.cfg, o.tp.size);
   check_model_tensor_parallel(p.cfg, p.layers, o.tp.size);
   p.slot_bytes = kda_slot_bytes(p.cfg, p.kda_layers, o.precision);
