@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: build (Release) and run `kda simulate` on its defaults -- 20 Kimi-Linear-48B-A3B KDA
-# layers (synthetic bf16 weights) serving 32 requests with continuous batching, then the self-check --
-# and then a multi-turn chat workload with a shared 256-token system prompt, where the prefix cache
-# (on by default) serves the system prompt and each conversation's history from state snapshots.
+# The main job: build (Release) and run `kda simulate` on its defaults -- the whole Kimi-Linear-48B-A3B
+# at its real shapes (27 layers, synthetic bf16 weights, 16 routed experts per MoE layer, top-8) serving
+# 32 requests with continuous batching, then the self-check -- and then a multi-turn chat workload with a
+# shared 256-token system prompt. (The prefix cache of KDA state snapshots serves models without MLA
+# layers only, e.g. --layers 3; with the MLA layers every prompt token is computed.)
 # Extra arguments go to both `kda simulate` runs (e.g. --model DIR for a real checkpoint).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -84,7 +84,8 @@ TEST(Cli, ErrorsAreClear) {
 // The prefix cache's own options with the cache turned off are refused by the parser, before anything
 // runs, as --draft-* options are without --speculative.
 TEST(Cli, SimulateRefusesPrefixCacheOptionsWithTheCacheOff) {
-  const std::string tiny = "simulate --layers 1 --requests 1 --prompt-len 4 --output-len 1 --check 0 ";
+  const std::string tiny =
+      "simulate --layers 1 --vocab 1024 --requests 1 --prompt-len 4 --output-len 1 --check 0 ";
   for (const char* opt : {"--prefix-cache-memory 64MiB", "--cache-interval 128"}) {
     const auto r = run_kda(tiny + "--no-prefix-cache " + opt);
     EXPECT_NE(r.code, 0) << opt << "\n" << r.output;
@@ -133,7 +134,8 @@ TEST(CliKernel, NaiveAndOptimizedPassRunVerifyAndSimulate) {
     }
 
     r = run_kda(
-        "simulate --layers 1 --requests 3 --prompt-len 4:70 --output-len 3 --precision fp32 --check 3 "
+        "simulate --layers 1 --vocab 1024 --requests 3 --prompt-len 4:70 --output-len 3 --precision fp32 "
+        "--check 3 "
         "--json --outputs " +
         (tmp / ("sim_" + k + ".npz")).string() + " --kernel " + k);
     ASSERT_EQ(r.code, 0) << r.output;
@@ -159,7 +161,7 @@ TEST(CliKernel, AnUnknownKernelIsRefused) {
   const auto dir = testing::dumps_dir().string();
   for (const std::string& cmd :
        {"run --model " + dir + " --layer 0 --input " + dir + "/T8.npz --output /tmp/kda_k.npz",
-        "verify --dumps " + dir, std::string("simulate --layers 1")}) {
+        "verify --dumps " + dir, std::string("simulate --layers 1 --vocab 1024")}) {
     SCOPED_TRACE(cmd);
     const auto r = run_kda(cmd + " --kernel fastest");
     EXPECT_NE(r.code, 0) << r.output;

@@ -79,7 +79,8 @@ TEST_F(Mpi, VerifyPassesUnderTp2) {
 TEST_F(Mpi, SimulateTp2EqualsTp1) {
   const auto tmp = testing::make_temp_dir("mpi_sim");
   const std::string args =
-      " simulate --layers 2 --requests 5 --prompt-len 4:40 --output-len 3 --precision fp32 --token-budget 50 "
+      " simulate --layers 2 --vocab 1024 --requests 5 --prompt-len 4:40 --output-len 3 --precision fp32 "
+      "--token-budget 50 "
       "--mixed --check 1 --json --no-prefix-cache --outputs ";  // pool_bytes: the request slots alone
   const auto one = sh(std::string(KDA_BINARY_PATH) + args + (tmp / "tp1.npz").string() + " 2>/dev/null");
   ASSERT_EQ(one.code, 0) << one.output;
@@ -107,7 +108,8 @@ TEST_F(Mpi, SimulateTp2EqualsTp1) {
 TEST_F(Mpi, SimulateDp2EqualsOneGroup) {
   const auto tmp = testing::make_temp_dir("mpi_dp");
   const std::string args =
-      " simulate --layers 2 --requests 5 --prompt-len 4:40 --output-len 3 --precision fp32 --token-budget 50 "
+      " simulate --layers 2 --vocab 1024 --requests 5 --prompt-len 4:40 --output-len 3 --precision fp32 "
+      "--token-budget 50 "
       "--mixed --check 2 --json --outputs ";
   const auto one = sh(std::string(KDA_BINARY_PATH) + args + (tmp / "dp1.npz").string() + " 2>/dev/null");
   ASSERT_EQ(one.code, 0) << one.output;
@@ -133,7 +135,8 @@ TEST_F(Mpi, SimulateDp2EqualsOneGroup) {
     }
   }
   const auto bad =
-      sh(mpirun(2) + " simulate --layers 1 --requests 1 --prompt-len 4:8 --output-len 1 --check 0 --dp 2");
+      sh(mpirun(2) +
+         " simulate --layers 1 --vocab 1024 --requests 1 --prompt-len 4:8 --output-len 1 --check 0 --dp 2");
   EXPECT_NE(bad.code, 0);
   EXPECT_THAT(bad.output, HasSubstr("at least as many requests"));
 }

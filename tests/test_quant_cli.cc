@@ -68,7 +68,7 @@ TEST(QuantCli, SimulateReportsWeightBytes) {
   int64_t bytes[3] = {0, 0, 0};
   int i = 0;
   for (const char* w : {"bf16", "int8", "int4"}) {
-    const auto r = run_kda(std::string("simulate --model ") + testing::dumps_dir().string() +
+    const auto r = run_kda(std::string("simulate --model ") + testing::model_dumps_dir().string() +
                            " --requests 2 --prompt-len 8:16 --output-len 3 --check 1 --json --weights " + w);
     ASSERT_EQ(r.code, 0) << r.output;
     const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
@@ -76,8 +76,11 @@ TEST(QuantCli, SimulateReportsWeightBytes) {
     bytes[i++] = j["weight_bytes"].get<int64_t>();
   }
   EXPECT_GT(bytes[0], 0);
-  EXPECT_LT(bytes[1], bytes[0] * 0.52);  // one byte per weight + scales, against two
-  EXPECT_LT(bytes[2], bytes[0] * 0.32);  // half a byte + a scale per 32
+  // One byte per weight + scales, against two; half a byte + a scale per 32. The MoE routers (fp32 in
+  // every weights mode), the norms and the KDA conv weights stay as stored: a few percent above half and
+  // a quarter on the tiny model.
+  EXPECT_LT(bytes[1], bytes[0] * 0.53);
+  EXPECT_LT(bytes[2], bytes[0] * 0.33);
 }
 
 // TP 2 with quantized weights: each rank holds the packed bytes of its shard only (about half, f_a and

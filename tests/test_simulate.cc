@@ -1,7 +1,9 @@
-// kda simulate: the serving scheduler over a stack of KDA layers. Outputs must not depend on batching,
-// slot assignment, slot reuse or forking (each request's tokens equal the request run alone), the pool
-// must make requests wait when full, and bad workloads and options must fail before any work.
-// A small synthetic model (hidden 256, 2 heads x 128, 3 layers, fp32) keeps the suite fast.
+// kda simulate: the serving scheduler over the whole Kimi-Linear decoder. Outputs must not depend on
+// batching, slot assignment, slot reuse or forking (each request's tokens equal the request run alone), the
+// pools must make requests wait when full, and bad workloads and options must fail before any work.
+// Small synthetic models keep the suite fast: hidden 256, KDA 2 heads x 128, a dense MLP then MoE layers of
+// top-2 of 4 experts; small_config() has 3 KDA layers only (the prefix cache and speculative decoding
+// serve it), hybrid_config() the real pattern's shape in little (KDA, KDA, MLA, KDA).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -25,7 +27,7 @@
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
 #include "kda/mem_cache/radix_cache.h"
-#include "kda/models/kda_stack.h"
+#include "kda/models/kimi_linear_model.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/scheduler.h"
 #include "kda/serving/self_check.h"
@@ -39,18 +41,39 @@ namespace {
 
 using ::testing::HasSubstr;
 
-io::KimiLinearConfig small_config() {
+// The model fields of both configs: MLA 2 heads (nope 32, rope 16, v 32, kv_lora 64), a dense MLP of
+// 512 at layer 0, MoE layers of 4 experts of 64 (top 2) and one shared expert.
+io::KimiLinearConfig model_config(int layers, std::vector<int> kda, std::vector<int> mla) {
   io::KimiLinearConfig c;
   c.hidden_size = 256;
   c.rms_norm_eps = 1e-5;
-  c.num_hidden_layers = 4;
+  c.num_hidden_layers = layers;
   c.num_heads = 2;
   c.head_dim = 128;
   c.short_conv_kernel_size = 4;
-  c.kda_layers = {1, 2, 4};  // decoder layer 2 (0-based) is an attention layer: ids 0, 1, 3
-  c.full_attn_layers = {3};
+  c.kda_layers = std::move(kda);
+  c.full_attn_layers = std::move(mla);
+  c.has_model_fields = true;
+  c.vocab_size = 8192;
+  c.num_attention_heads = c.num_key_value_heads = 2;
+  c.kv_lora_rank = 64;
+  c.qk_nope_head_dim = 32;
+  c.qk_rope_head_dim = 16;
+  c.v_head_dim = 32;
+  c.intermediate_size = 512;
+  c.first_k_dense_replace = 1;
+  c.moe_layer_freq = 1;
+  c.num_experts = 4;
+  c.num_experts_per_token = 2;
+  c.num_shared_experts = 1;
+  c.moe_intermediate_size = 64;
+  c.routed_scaling_factor = 2.5;
   return c;
 }
+
+io::KimiLinearConfig small_config() { return model_config(3, {1, 2, 3}, {}); }
+// Decoder layer 2 (0-based) is an MLA layer, as in the real pattern's first four layers' shape.
+io::KimiLinearConfig hybrid_config() { return model_config(4, {1, 2, 4}, {3}); }
 
 SimulateOptions small_options(std::vector<RequestSpec> reqs) {
   SimulateOptions o;
@@ -63,7 +86,10 @@ SimulateOptions small_options(std::vector<RequestSpec> reqs) {
   return o;
 }
 
-int64_t slot_bytes() { return models::KdaStack::slot_bytes(small_config(), 3, Precision::FP32); }
+// One request slot's bytes over the 3 KDA layers (both configs): recurrent fp32 + conv state.
+int64_t slot_bytes(Precision p = Precision::FP32) {
+  return 3 * (2 * 128 * 128 * 4 + 3 * 3 * 2 * 128 * (p == Precision::BF16 ? 2 : 4));
+}
 
 // The self-check ran and passed; the value it reached is printed beside its bound (the headroom shows in
 // the test log).
@@ -238,12 +264,12 @@ TEST(Simulate, DecodesAreNotStarvedByAStreamOfPrompts) {
   EXPECT_GT(r.serve.decode_steps, 0);
 
   // The scheduler itself: request 0 finishes its 6 decodes within the first 6 * 5 + 1 steps.
-  mem_cache::RecurrentStatePoolConfig pc =
-      models::KdaStack::synthetic(small_config(), 1, Precision::FP32, 1)->pool_config(8);
-  mem_cache::MemoryPools pools(pc, 8);
+  models::ModelOptions mo;
+  mo.num_layers = 1;
+  auto pools = models::KimiLinearForCausalLM::synthetic(small_config(), mo, 1)->make_pools(8, 0);
   SchedulerOptions so;
   so.token_budget = 50;
-  Scheduler s(reqs, so, pools.req_to_token_pool);
+  Scheduler s(reqs, so, pools->req_to_token_pool);
   int64_t finished_at = -1;
   for (int step = 0; step < 200 && !s.done(); ++step) {
     const auto b = s.schedule();
@@ -625,13 +651,15 @@ TEST(PrefixCache, Bf16SelfCheckPassesWithTheCache) {
   auto w = cache_workload(WorkloadKind::kMultiTurn);
   auto o = cache_options(make_workload(w), true);
   o.precision = Precision::BF16;
-  o.prefix_cache_memory = 64 * models::KdaStack::slot_bytes(small_config(), 3, Precision::BF16);
+  o.prefix_cache_memory = 64 * slot_bytes(Precision::BF16);
   o.check = 6;
   const auto r = run_simulation(o);
   ASSERT_EQ(r.serve.requests_completed, 6);
   EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
   expect_check_passes(r);
-  EXPECT_LE(r.check->worst, 4.5e-4);  // reached 1.4e-4: snapshot positions end chunks the re-run does not
+  // Reached 1.2e-3 (1.4e-4 with the KDA layers alone, before the MLPs): snapshot positions end chunks the
+  // re-run does not.
+  EXPECT_LE(r.check->worst, 3.5e-3);
 }
 
 // Requests arriving together with one long prefix: the first writes the prefix's snapshots, the others
@@ -660,8 +688,8 @@ TEST(PrefixCache, RequestsArrivingTogetherWaitForTheSharedPrefixAndHit) {
 // locked, and every slot of the pool is either free or a snapshot's (the requests freed theirs).
 TEST(PrefixCache, AfterServingTheTreeIsConsistentAndEverySlotIsAccountedFor) {
   const auto reqs = make_workload(cache_workload(WorkloadKind::kMultiTurn));
-  auto stack = models::KdaStack::synthetic(small_config(), 3, Precision::FP32, 7);
-  ModelRunner runner(*stack, 6, kernels::KernelImpl::Auto);
+  auto model = models::KimiLinearForCausalLM::synthetic(small_config(), {}, 7);
+  ModelRunner runner(*model, 6, 0, kernels::KernelImpl::Auto);
   auto& pool = runner.pools().recurrent_state_pool;
   mem_cache::RadixCache cache(pool, 3 * pool.bytes_per_slot());
   ServeOptions so;
@@ -687,6 +715,172 @@ TEST(PrefixCache, BadCacheOptionsAreClearErrors) {
   o.cache_interval = 64;
   o.prefix_cache_memory = slot_bytes() - 1;
   expect_invalid([&] { run_simulation(o); }, "--prefix-cache-memory");
+}
+
+// --- the whole model with an MLA layer (hybrid_config) --------------------------------------------------
+
+SimulateOptions hybrid_options(std::vector<RequestSpec> reqs) {
+  auto o = small_options(std::move(reqs));
+  o.synthetic_config = hybrid_config();
+  return o;
+}
+
+// MLA KV bytes per token of hybrid_config's one MLA layer (kv_lora 64 + rope 16 values) in fp32.
+constexpr int64_t kHybridKvTokenBytes = (64 + 16) * 4;
+
+// Batching, chunking and slot reuse change nothing with an MLA layer either; every request's KV token
+// slots are freed with it (the run's accounting), and the self-check passes.
+TEST(WholeModel, OutputsDoNotDependOnBatchingAndKvIsFreedWithRequests) {
+  auto big = hybrid_options(varied_workload());
+  big.server_args.chunked_prefill_size = 4096;
+  big.server_args.enable_mixed_chunk = true;
+  const auto a = run_simulation(big);
+
+  auto small = hybrid_options(varied_workload());
+  small.server_args.chunked_prefill_size = 97;
+  small.max_batch = 3;
+  small.state_memory = 4 * slot_bytes();
+  small.check = 3;
+  const auto b = run_simulation(small);
+
+  for (const auto* r : {&a, &b}) {
+    ASSERT_EQ(r->serve.requests_completed, 8);
+    EXPECT_EQ(r->layers, 4);
+    EXPECT_EQ(r->kda_layers, 3);
+    EXPECT_EQ(r->mla_layers, 1);
+    EXPECT_EQ(r->moe_layers, 3);
+    EXPECT_EQ(r->num_experts, 4);
+    EXPECT_EQ(r->experts_per_token, 2);
+    EXPECT_EQ(r->kv_token_bytes, kHybridKvTokenBytes);
+    EXPECT_GT(r->serve.peak_kv_tokens, 0);
+    EXPECT_LE(r->serve.peak_kv_tokens, r->kv_tokens);
+    EXPECT_EQ(r->leaked_kv_tokens, 0);
+    EXPECT_TRUE(r->accounting_ok()) << r->accounting_error;
+    EXPECT_GT(r->active_params, 0);
+    EXPECT_GT(r->model_weight_bytes, r->active_weight_bytes);  // 2 of 4 experts read per token
+  }
+  int64_t kv_total = 0;
+  for (const auto& r : varied_workload()) kv_total += r.prompt_len + r.output_len;
+  EXPECT_EQ(a.kv_tokens, kv_total);
+  EXPECT_EQ(a.kv_bytes, (kv_total + 1) * kHybridKvTokenBytes);  // row 0 is reserved
+  EXPECT_GT(b.serve.slot_reuses, 0);
+  expect_check_passes(b);
+  const auto ka = outputs_by_key(a), kb = outputs_by_key(b);
+  ASSERT_EQ(ka.size(), 8u);
+  EXPECT_LE(worst_ratio(kb, ka), 1.0);
+  for (size_t i = 0; i < a.serve.outputs.size(); ++i)
+    EXPECT_EQ(a.serve.outputs[i].tokens, b.serve.outputs[i].tokens) << "sequence " << i;
+}
+
+// A KV pool that holds one request's tokens at a time: the others wait at admission (never a failed
+// alloc mid-step), every request completes, and the outputs are those of a roomy pool. The freed token
+// slots are reused by the next request, whose rows must not see the previous one's.
+TEST(WholeModel, ASmallKvPoolMakesRequestsWaitAndChangesNothing) {
+  auto reqs = make_workload(5, {10, 60}, 4, 21);
+  int64_t most = 0;
+  for (const auto& r : reqs) most = std::max<int64_t>(most, r.prompt_len + r.output_len);
+  auto roomy = hybrid_options(reqs);
+  const auto a = run_simulation(roomy);
+  auto tight = hybrid_options(reqs);
+  tight.kv_memory = most * kHybridKvTokenBytes;
+  tight.check = 2;
+  const auto b = run_simulation(tight);
+  EXPECT_EQ(b.kv_tokens, most);
+  EXPECT_LE(b.serve.peak_kv_tokens, most);
+  EXPECT_LT(b.serve.peak_slots, a.serve.peak_slots);  // the KV pool, not the state pool, made them wait
+  ASSERT_EQ(b.serve.requests_completed, 5);
+  EXPECT_EQ(b.leaked_kv_tokens, 0);
+  expect_check_passes(b);
+  EXPECT_LE(worst_ratio(outputs_by_key(b), outputs_by_key(a)), 1.0);
+  for (size_t i = 0; i < a.serve.outputs.size(); ++i)
+    EXPECT_EQ(a.serve.outputs[i].tokens, b.serve.outputs[i].tokens) << "sequence " << i;
+}
+
+// A KV pool too small for one request is a clear error before any work (the plan), and so is a scheduler
+// handed such a pool; a prefix cache on a model with MLA layers is refused by the scheduler and turned off
+// by the plan (a KDA snapshot cannot restore the prefix's MLA KV rows).
+TEST(WholeModel, KvPoolTooSmallAndPrefixCacheAreClearErrorsOrOff) {
+  auto reqs = make_workload(3, {10, 30}, 4, 2);
+  bool built = false;
+  auto o = hybrid_options(reqs);
+  o.log = [&](const std::string&) { built = true; };
+  int64_t most = 0;
+  for (const auto& r : reqs) most = std::max<int64_t>(most, r.prompt_len + r.output_len);
+  o.kv_memory = (most - 1) * kHybridKvTokenBytes;
+  expect_invalid([&] { run_simulation(o); }, "but a request needs " + std::to_string(most));
+  o.kv_memory = 0;
+  expect_invalid([&] { run_simulation(o); }, "--kv-memory must be positive");
+  EXPECT_FALSE(built);
+
+  auto model = models::KimiLinearForCausalLM::synthetic(hybrid_config(), {}, 3);
+  auto pools = model->make_pools(4, most - 1);
+  SchedulerOptions so;
+  expect_invalid([&] { Scheduler(reqs, so, pools->req_to_token_pool); }, "MLA KV token slots");
+  auto roomy = model->make_pools(4, 1000);
+  mem_cache::RadixCache cache(roomy->recurrent_state_pool, roomy->recurrent_state_pool.bytes_per_slot());
+  so.cache = &cache;
+  expect_invalid([&] { Scheduler(reqs, so, roomy->req_to_token_pool); }, "the model has MLA layers");
+
+  auto c = hybrid_options(reqs);
+  c.server_args.disable_radix_cache = false;  // asked for: the plan turns it off
+  const auto r = run_simulation(c);
+  EXPECT_TRUE(r.radix_cache_disabled);
+  EXPECT_EQ(r.serve.prefix_cache_hit_tokens, 0);
+  EXPECT_EQ(r.serve.requests_completed, 3);
+}
+
+// Forked continuations get copies of the parent's prompt KV rows: each equals a fresh run of its own.
+TEST(WholeModel, ForkedContinuationsCopyThePromptsKvRows) {
+  auto o = hybrid_options(make_workload(2, {20, 70}, 4, 5));
+  o.parallel_samples = 3;
+  o.server_args.chunked_prefill_size = 32;
+  const auto r = run_simulation(o);
+  EXPECT_EQ(r.serve.requests_completed, 2);
+  EXPECT_EQ(r.leaked_kv_tokens, 0);
+  const auto k = outputs_by_key(r);
+  for (const auto& req : o.requests) {
+    const std::string base = "req_" + std::to_string(req.id);
+    for (int32_t j = 0; j < 3; ++j) {
+      RequestSpec fresh = req;
+      fresh.sample_base = j;
+      const auto fk = outputs_by_key(run_simulation(hybrid_options({fresh})));
+      const std::string key = base + "_s" + std::to_string(j);
+      EXPECT_LE(worst_ratio({{key, k.at(key)}}, {{key, fk.at(base)}}), 1.0) << key;
+    }
+  }
+}
+
+// bf16 and int8 weights serve the hybrid model with the self-check passing; tensor parallelism over 2
+// ranks gives the tokens of one.
+TEST(WholeModel, Bf16Int8AndTensorParallelKeepWorking) {
+  const auto reqs = make_workload(4, {8, 40}, 4, 13);
+  for (const Weights w : {Weights::BF16, Weights::Int8}) {
+    auto o = hybrid_options(reqs);
+    o.precision = Precision::BF16;
+    o.weights = w;
+    o.check = 2;
+    const auto r = run_simulation(o);
+    EXPECT_EQ(r.serve.requests_completed, 4) << to_string(w);
+    expect_check_passes(r);
+  }
+  auto o = hybrid_options(reqs);
+  o.check = 1;
+  const auto one = run_simulation(o);
+  distributed::InProcessGroup group(2);
+  std::vector<SimulateResult> res(2);
+  ASSERT_NO_THROW(group.run([&](int rank, distributed::Communicator& comm) {
+    auto ot = o;
+    ot.tp = {rank, 2, &comm};
+    res[rank] = run_simulation(ot);
+  }));
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(res[rank].serve.requests_completed, 4);
+    expect_check_passes(res[rank]);
+    EXPECT_EQ(res[rank].leaked_kv_tokens, 0);
+    for (size_t i = 0; i < one.serve.outputs.size(); ++i)
+      EXPECT_EQ(res[rank].serve.outputs[i].tokens, one.serve.outputs[i].tokens) << "rank " << rank;
+  }
+  EXPECT_LE(worst_ratio(outputs_by_key(res[0]), outputs_by_key(one)), 1.0);
 }
 
 TEST(Simulate, BadTracesAreClearErrors) {
@@ -801,8 +995,26 @@ TEST(Simulate, BadOptionsAreClearErrorsBeforeAnyWork) {
   };
   auto run = [&](SimulateOptions o) { return [o] { run_simulation(o); }; };
   auto o = opts();
-  o.layers = 21;
-  expect_invalid(run(o), "--layers 21: the model has 20 KDA layers");
+  o.layers = 28;
+  expect_invalid(run(o), "--layers 28: must be in 0..27");
+  o = opts();
+  o.num_experts = -1;
+  expect_invalid(run(o), "--experts must be in 1..");
+  o = opts();
+  o.num_experts = 300;
+  expect_invalid(run(o), "--experts 300: the config has 256 routed experts per MoE layer");
+  o = opts();
+  o.num_experts = 256;  // the real model's experts: ~90 GB in bf16
+  o.tp = {};
+  if (static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE) < 80e9)
+    expect_invalid(run(o), "--experts 256: the routed experts alone would take");
+  o = opts();
+  o.kv_memory = 1000;  // the 7 MLA layers' 576 values a token: 8064 bytes in bf16
+  expect_invalid(run(o), "--kv-memory 1000 bytes holds 0 MLA KV token slots");
+  o = opts();
+  o.spec.algorithm = SpecAlgorithm::kNgram;
+  o.server_args.speculative_algorithm = "ngram";
+  expect_invalid(run(o), "MLA layer(s) among its decoder layers, and the MLA layer has no TARGET_VERIFY");
   o = opts();
   o.state_memory = 1 << 20;
   expect_invalid(run(o), "--state-memory 1048576 bytes is too small for one state slot");
@@ -834,9 +1046,9 @@ TEST(Simulate, BadOptionsAreClearErrorsBeforeAnyWork) {
   o.outputs_path = "/nonexistent/dir/out.npz";
   expect_invalid(run(o), "/nonexistent/dir");
   o = opts();
-  o.requests[1].prompt = {1, 2, 3, 8192};
+  o.requests[1].prompt = {1, 2, 3, 163840};
   o.requests[1].prompt_len = 4;
-  expect_invalid(run(o), "request 1: prompt: token id 8192 at position 3 is >= the vocabulary size 8192");
+  expect_invalid(run(o), "request 1: prompt: token id 163840 at position 3 is >= the vocabulary size 163840");
   o = opts();
   o.vocab = 100;
   o.requests[0].prompt = {1, 2, 3, 100};
@@ -873,7 +1085,8 @@ CliResult run_kda(const std::string& args, bool with_stderr) {
 
 TEST(SimulateCli, OneRealShapeLayerPrintsJson) {
   const auto r = run_kda(
-      "simulate --layers 1 --requests 2 --prompt-len 4:8 --output-len 2 --json --precision fp32", false);
+      "simulate --layers 1 --requests 2 --prompt-len 4:8 --output-len 2 --json --precision fp32 --vocab 1024",
+      false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   for (const char* key :
@@ -1122,7 +1335,12 @@ TEST(Speculative, TokensAndRowsEqualPlainGreedyDecodingForEveryDrafter) {
     expect_check_passes(r);
     EXPECT_GT(r.serve.spec_draft_tokens, 0);
     EXPECT_GT(r.serve.spec_accepted_tokens, 0);
-    EXPECT_LT(r.serve.decode_steps, plain.serve.decode_steps);  // accepted drafts save steps
+    // Accepted drafts save steps: replay's at its acceptance rate always; ngram's only where they fall on
+    // the sequences that decode longest (its acceptances follow the model's tokens).
+    if (c.a == SpecAlgorithm::kReplay)
+      EXPECT_LT(r.serve.decode_steps, plain.serve.decode_steps);
+    else
+      EXPECT_LE(r.serve.decode_steps, plain.serve.decode_steps);
     const DraftCount n = recount_drafts(o, r, plain);
     EXPECT_EQ(r.serve.spec_draft_tokens, n.drafted);
     EXPECT_EQ(r.serve.spec_accepted_tokens, n.accepted);
@@ -1387,8 +1605,9 @@ TEST(Soak, AReusedSlotComputesBitForBitWhatAFreshPoolDoes) {
 // simulate's default precision is bf16 (the main job): a small run in it passes its teacher-forced
 // self-check against the per-layer bf16 tolerance and exits 0.
 TEST(SimulateCli, DefaultBf16RunPassesItsSelfCheck) {
-  const auto r =
-      run_kda("simulate --layers 2 --requests 3 --prompt-len 4:12 --output-len 3 --check 2 --json", false);
+  const auto r = run_kda(
+      "simulate --layers 2 --vocab 1024 --requests 3 --prompt-len 4:12 --output-len 3 --check 2 --json",
+      false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["precision"], "bf16");
@@ -1406,8 +1625,8 @@ TEST(SimulateCli, DefaultBf16RunPassesItsSelfCheck) {
   char line[96];
   std::snprintf(line, sizeof(line), "worst rel_l2 = %.3g (bound %.3g)  PASS", j["check_worst"].get<double>(),
                 bf16_check_bound(2));
-  const auto text =
-      run_kda("simulate --layers 2 --requests 3 --prompt-len 4:12 --output-len 3 --check 2", false);
+  const auto text = run_kda(
+      "simulate --layers 2 --vocab 1024 --requests 3 --prompt-len 4:12 --output-len 3 --check 2", false);
   ASSERT_EQ(text.code, 0) << text.out;
   EXPECT_THAT(text.out, HasSubstr(line));
 }
@@ -1472,8 +1691,9 @@ struct Child {
 // [INTERRUPTED], the self-check skipped, exit code 130 (128 + SIGINT). The workload (1600 decode steps
 // one request at a time) would take far longer than the first progress line.
 TEST(SimulateCli, SigintStopsAfterTheCurrentStepWithExitCode130) {
-  Child c({"simulate", "--layers", "1", "--precision", "fp32", "--requests", "4", "--prompt-len", "200:200",
-           "--output-len", "400", "--max-batch", "1", "--check", "1", "--no-prefix-cache"});
+  Child c({"simulate", "--layers", "1", "--vocab", "1024", "--precision", "fp32", "--requests", "4",
+           "--prompt-len", "200:200", "--output-len", "400", "--max-batch", "1", "--check", "1",
+           "--no-prefix-cache"});
   ASSERT_GT(c.pid, 0);
   ASSERT_TRUE(c.read_until("progress: ", 300)) << c.out;
   ASSERT_EQ(::kill(c.pid, SIGINT), 0);
@@ -1484,37 +1704,42 @@ TEST(SimulateCli, SigintStopsAfterTheCurrentStepWithExitCode130) {
   EXPECT_THAT(c.out, ::testing::Not(HasSubstr("4 of 4 completed")));
 }
 
-// `kda simulate --model DIR` on a small checkpoint written here (the mini layer, hidden 256, 4 heads)
-// with an embedding and LM head of 64 rows, a final norm and the layer's input norm: the vocabulary is
-// the checkpoint's, and each of those tensors is the one used. With the input norm zeroed the layer sees
-// zeros and adds nothing, so every prompt row of the last-layer outputs is the embedding row of its
-// token; a zero final norm or LM head makes every logit 0, so every pick is token 0 (the lowest id on
-// the tie), which the checkpoint as written does not give.
+// `kda simulate --model DIR` on the vendored tiny checkpoint (4 decoder layers in the real pattern: 3 KDA,
+// then MLA; a dense MLP, then MoE; 2 shards + index): the model's own config and vocabulary, the MLA KV
+// pool freed with the requests, the self-check passing. A copy with lm_head.weight zeroed makes every
+// logit 0, so every pick is token 0 (the lowest id on the tie), which the checkpoint as written does not
+// give: the checkpoint's tensors are the ones served.
 TEST(SimulateCli, ModelDirServesTheCheckpointsTensors) {
-  const int64_t V = 64, D = 256;
-  const auto write_model = [&](const std::string& tag, const std::string& zeroed) {
+  const auto copy_model = [&](const std::string& tag, bool zero_head) {
     const auto dir = testing::make_temp_dir(tag);
-    const io::Checkpoint mini(testing::dumps_dir());
-    std::map<std::string, io::StTensor> t;
-    const io::SafetensorsFile f(testing::dumps_dir() / "model.safetensors");
-    for (const auto& name : f.names())
-      t[name] = {mini.get(name).shape, mini.load_f32(name, mini.get(name).shape)};
-    t["model.embed_tokens.weight"] = {{V, D}, testing::random_normal(V * D, 1)};
-    t["lm_head.weight"] = {{V, D}, testing::random_normal(V * D, 2, 0.0625f)};
-    t["model.norm.weight"] = {{D}, testing::random_uniform(D, 3, 0.5f, 1.5f)};
-    t["model.layers.0.input_layernorm.weight"] = {{D}, testing::random_uniform(D, 4, 0.5f, 1.5f)};
-    if (!zeroed.empty()) std::fill(t.at(zeroed).values.begin(), t.at(zeroed).values.end(), 0.0f);
-    io::write_safetensors(dir / "model.safetensors", t);
-    std::filesystem::copy_file(testing::dumps_dir() / "config.json", dir / "config.json");
+    for (const auto& e : std::filesystem::directory_iterator(testing::model_dumps_dir()))
+      if (e.path().extension() != ".npz")
+        std::filesystem::copy_file(e.path(), dir / e.path().filename(),
+                                   std::filesystem::copy_options::overwrite_existing);
+    if (zero_head) {
+      const auto shard = dir / "model-00002-of-00002.safetensors";
+      std::map<std::string, io::StTensor> t;
+      {
+        const io::Checkpoint ck(shard);
+        for (const auto& name : io::SafetensorsFile(shard).names()) {
+          const auto shape = ck.get(name).shape;
+          t[name] = {shape, ck.load_f32(name, shape)};
+        }
+      }
+      auto& head = t.at("lm_head.weight").values;
+      std::fill(head.begin(), head.end(), 0.0f);
+      io::write_safetensors(shard, t);
+    }
     std::ofstream(dir / "trace.json")
         << R"([{"prompt": [3, 5, 7, 9, 11, 60], "output_len": 6, "arrival_step": 0},
                                             {"prompt": [1, 2], "output_len": 4, "arrival_step": 1}])";
-    return std::pair{dir, t.at("model.embed_tokens.weight").values};
+    return dir;
   };
-  const auto run = [&](const std::filesystem::path& dir) {
-    const auto r = run_kda("simulate --model " + dir.string() + " --trace " + (dir / "trace.json").string() +
-                               " --precision fp32 --check 2 --json --outputs " + (dir / "o.npz").string(),
-                           false);
+  const auto run = [&](const std::filesystem::path& dir, const std::string& extra) {
+    const auto r =
+        run_kda("simulate --model " + dir.string() + " --trace " + (dir / "trace.json").string() +
+                    " --precision fp32 --check 2 --json --outputs " + (dir / "o.npz").string() + extra,
+                false);
     EXPECT_EQ(r.code, 0) << r.out;
     return std::pair{nlohmann::json::parse(r.out), io::read_npz(dir / "o.npz")};
   };
@@ -1522,36 +1747,40 @@ TEST(SimulateCli, ModelDirServesTheCheckpointsTensors) {
     return std::all_of(v.begin(), v.end(), [](int32_t x) { return x == 0; });
   };
 
-  const auto [dir, embed] = write_model("sim_model", "");
-  const auto [j, npz] = run(dir);
-  EXPECT_EQ(j["vocab"], V);
-  EXPECT_EQ(j["hidden"], D);
-  EXPECT_EQ(j["layers"], 1);
+  const auto dir = copy_model("sim_model", false);
+  const auto [j, npz] = run(dir, "");
+  EXPECT_EQ(j["vocab"], 512);
+  EXPECT_EQ(j["hidden"], 256);
+  EXPECT_EQ(j["layers"], 4);
+  EXPECT_EQ(j["kda_layers"], 3);
+  EXPECT_EQ(j["mla_layers"], 1);
+  EXPECT_EQ(j["moe_layers"], 3);
+  EXPECT_EQ(j["num_experts"], 8);
+  EXPECT_EQ(j["experts_per_token"], 2);
+  EXPECT_EQ(j["radix_cache_disabled"], true);        // MLA layers: no prefix cache
+  EXPECT_EQ(j["kv_tokens"], 12 + 6);                 // the two requests' prompt + output tokens
+  EXPECT_GT(j["peak_kv_tokens"].get<int64_t>(), 6);  // both held token slots at once
+  EXPECT_LE(j["peak_kv_tokens"].get<int64_t>(), 12 + 6);
+  EXPECT_EQ(j["leaked_kv_tokens"], 0);
   EXPECT_EQ(j["requests_completed"], 2);
   EXPECT_EQ(j["check_ok"], true);
   EXPECT_EQ(j["check_tokens_total"], 7 + 5);
   const auto tokens0 = npz.at("tokens_0").to_i32();
   ASSERT_EQ(tokens0.size(), 7u);
-  for (const int32_t t : tokens0) EXPECT_TRUE(t >= 0 && t < V) << t;
+  for (const int32_t t : tokens0) EXPECT_TRUE(t >= 0 && t < 512) << t;
   EXPECT_FALSE(all_zero(tokens0) && all_zero(npz.at("tokens_1").to_i32()));
+  // The first 3 decoder layers are all KDA: no KV pool, and the prefix cache serves them.
+  const auto [j3, npz3] = run(dir, " --layers 3");
+  EXPECT_EQ(j3["layers"], 3);
+  EXPECT_EQ(j3["mla_layers"], 0);
+  EXPECT_EQ(j3["kv_tokens"], 0);
+  EXPECT_EQ(j3["radix_cache_disabled"], false);
+  EXPECT_EQ(j3["check_ok"], true);
 
-  {
-    const auto [d, e] = write_model("sim_model_in_norm", "model.layers.0.input_layernorm.weight");
-    const auto [jz, z] = run(d);
-    const auto rows = z.at("req_0").to_f32();
-    ASSERT_EQ(rows.size(), static_cast<size_t>((6 + 6) * D));
-    const int32_t prompt[6] = {3, 5, 7, 9, 11, 60};
-    for (int i = 0; i < 6; ++i)
-      EXPECT_TRUE(std::equal(rows.begin() + i * D, rows.begin() + (i + 1) * D, e.begin() + prompt[i] * D))
-          << "prompt row " << i << " is not embedding row " << prompt[i];
-  }
-  for (const char* zeroed : {"model.norm.weight", "lm_head.weight"}) {
-    SCOPED_TRACE(zeroed);
-    const auto [d, e] = write_model(std::string("sim_model_") + (zeroed[0] == 'l' ? "head" : "norm"), zeroed);
-    const auto [jz, z] = run(d);
-    EXPECT_TRUE(all_zero(z.at("tokens_0").to_i32()));
-    EXPECT_TRUE(all_zero(z.at("tokens_1").to_i32()));
-  }
+  const auto zd = copy_model("sim_model_head", true);
+  const auto [jz, z] = run(zd, "");
+  EXPECT_TRUE(all_zero(z.at("tokens_0").to_i32()));
+  EXPECT_TRUE(all_zero(z.at("tokens_1").to_i32()));
 }
 
 }  // namespace

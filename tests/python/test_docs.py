@@ -2,9 +2,9 @@
 
 - The `--json` keys documented in docs/serving.md (`kda simulate`) and docs/performance.md (`kda bench`)
   are the keys the binary emits: a key either side gains or loses fails a test. `kda simulate` runs on
-  the vendored mini checkpoint in every documented condition (a second or less each). `kda bench` has no
+  the vendored tiny model checkpoint in every documented condition (a second or less each). `kda bench` has no
   small shapes: `--only gemm` (about 20 s) runs by default, the other sections (minutes each) when
-  KDA_TEST_BENCH_SECTIONS names them (e.g. `all,kernels,layer,stack,spec`); without it, every documented
+  KDA_TEST_BENCH_SECTIONS names them (e.g. `all,kernels,layer,stack,spec,model`); without it, every documented
   bench key must still occur as a string literal in the sources.
 - Every relative link of README.md and docs/*.md resolves: the file exists, and a `#anchor` into a
   Markdown file names one of its headings.
@@ -22,6 +22,8 @@ import pytest
 REPO = kda_paths.REPO
 DOCS = REPO / "docs"
 MINI = kda_paths.DUMPS / "mini"
+# The whole model's vendored checkpoint (4 decoder layers: 3 KDA, then MLA): kda simulate serves it.
+TINY_MODEL = REPO / "tests" / "data" / "model_dumps" / "tiny"
 
 
 def documented_keys(page, table):
@@ -82,10 +84,10 @@ def test_simulate_json_keys_are_the_documented_ones(name):
     doc = documented_keys("serving.md", "simulate-json-keys")
     unknown = {k: c for k, c in doc.items() if c not in SIMULATE_CONDITIONS}
     assert not unknown, f"docs/serving.md: conditions the test does not know: {unknown}"
-    args = ["simulate", "--model", str(MINI), "--requests", "3", "--prompt-len", "4:12", "--output-len", "4"]
-    args += ["--vocab", "64", "--check", "1" if run["check"] else "0", "--json"]
-    if run["spec"]:
-        args += ["--speculative", run["spec"]]
+    args = ["simulate", "--model", str(TINY_MODEL), "--requests", "3", "--prompt-len", "4:12", "--output-len", "4"]
+    args += ["--check", "1" if run["check"] else "0", "--json"]
+    if run["spec"]:  # the MLA layer has no TARGET_VERIFY: its first 3 (KDA) layers serve speculation
+        args += ["--speculative", run["spec"], "--layers", "3"]
     out = run_json(*args)
     expected = {k for k, c in doc.items() if SIMULATE_CONDITIONS[c](run)}
     compare(out.keys(), expected, f"kda {' '.join(args)}")
@@ -93,7 +95,7 @@ def test_simulate_json_keys_are_the_documented_ones(name):
 
 # kda bench --json: nested keys as paths, `a.b` for an object's member and `a[].b` for a member of an
 # array's rows (the union over its rows).
-BENCH_SECTIONS = ("all", "kernels", "layer", "stack", "gemm", "spec")
+BENCH_SECTIONS = ("all", "kernels", "layer", "stack", "gemm", "spec", "model")
 
 
 def key_paths(obj, prefix=""):

@@ -17,7 +17,6 @@
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
 #include "kda/models/kda_stack.h"
-#include "kda/serving/model_runner.h"
 
 namespace kda::bench {
 
@@ -86,8 +85,13 @@ void bench_spec(nlohmann::json& j, const Say& say) {
   const io::KimiLinearConfig cfg = io::kimi_linear_48b_config();
   const int layers = 20, dmax = 8;
   auto stack = models::KdaStack::synthetic(cfg, layers, Precision::BF16, 7);
-  serving::ModelRunner runner(*stack, 1, kernels::KernelImpl::Auto, dmax + 1, 1);
-  const std::vector<int32_t> reqs = runner.pools().req_to_token_pool.alloc(1);
+  auto pc = stack->pool_config(1);
+  pc.max_verify_tokens = dmax + 1;
+  pc.verify_rows = 1;
+  mem_cache::MemoryPools pools(pc, 1);
+  layers::attention::linear::KDAAttnBackend backend;
+  const std::vector<int32_t> reqs = pools.req_to_token_pool.alloc(1);
+  const auto slots = pools.req_to_token_pool.get_recurrent_indices(reqs);
   const int64_t D = stack->hidden_size();
   std::vector<float> x(static_cast<size_t>((dmax + 1) * D)), y(x.size());
   std::vector<int32_t> toks(dmax + 1, 1), picks(dmax + 1);
@@ -97,10 +101,12 @@ void bench_spec(nlohmann::json& j, const Say& say) {
     fns.push_back([&, d] {
       auto fb = d == 0 ? model_executor::ForwardBatch::decode(reqs)
                        : model_executor::ForwardBatch::target_verify(reqs, {d});
+      fb.attn_backend = &backend;
+      backend.init_forward_metadata(fb, slots);
       stack->embed(toks.data(), d + 1, x.data());
-      runner.forward(fb, x.data(), y.data());
+      stack->forward(x.data(), d + 1, fb, pools.recurrent_state_pool, y.data());
       stack->next_tokens(y.data(), d + 1, picks.data());
-      if (d > 0) runner.accept(fb, std::vector<int32_t>{d / 2});
+      if (d > 0) backend.accept(fb, std::vector<int32_t>{d / 2}, pools.recurrent_state_pool);
     });
   }
   const auto t = best_interleaved(fns, 10, 20.0);

@@ -1,6 +1,6 @@
 // The rows of `kda bench` (src/kda/cli/bench_cmd.cc prints them around the ceilings): each measures one
 // part at the Kimi-Linear shape, in turns with what it is compared against, and adds its results to the
-// JSON report under its key ("kernels", "layer", "stack", "bf16_gemm", "spec").
+// JSON report under its key ("kernels", "layer", "stack", "bf16_gemm", "spec", "model").
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -17,6 +17,7 @@ struct RowOptions {
       "optimized";              // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
   bool skip_naive = false;      // do not time the reference kernels
   std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
+  int experts = 0;  // the whole model's routed experts per MoE layer (0: serving::kDefaultExperts)
 };
 
 // chunk_kda rows against the fp32 GEMM ceiling g32, which is measured in turns with them, and the
@@ -34,5 +35,8 @@ void bench_stack(const RowOptions& o, nlohmann::json& j, const Say& say);
 void bench_bf16_gemm(nlohmann::json& j, const Say& say);
 // Speculative decoding's cost side: verify steps against a decode step.
 void bench_spec(nlohmann::json& j, const Say& say);
+// The whole model at its real shapes per weights mode: decode batch 1 and 16, a 2048-token prefill,
+// beside this run's read bandwidth and bf16 GEMM ceilings ("model" rows, their "ceilings").
+void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say);
 
 }  // namespace kda::bench

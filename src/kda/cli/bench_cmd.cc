@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,8 @@ int run_bench(const BenchOptions& o) {
   const int threads = omp_get_max_threads();
   nlohmann::json j;
   const Say say{o.json};
-  const bench::RowOptions ro{o.kernel, o.skip_naive, o.weights};
+  const bench::RowOptions ro{o.kernel, o.skip_naive, o.weights, o.experts};
+  if (o.experts != 0 && o.only != "model") throw std::invalid_argument("--experts is for --only model");
   // Which copy of the optimized kernels runs (kernels::kernel_name): the one this CPU runs fastest, or
   // the one --kernel forces; the short conv and the gated norm take this CPU's best (KDA_ISA caps it).
   const char* ran = kernels::kernel_name(kernels::parse_kernel_impl(o.kernel));
@@ -51,6 +53,11 @@ int run_bench(const BenchOptions& o) {
   if (o.only == "spec") {  // no ceilings: the rows are ratios to the decode step
     j["spec"] = nlohmann::json::array();
     bench::bench_spec(j, say);
+    if (o.json) std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  if (o.only == "model") {  // its own ceilings (read bandwidth, the bf16 GEMM at the prefill's rows)
+    bench::bench_model(ro, j, say);
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }

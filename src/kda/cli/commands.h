@@ -39,17 +39,19 @@ struct BenchOptions {
   std::string kernel =
       "optimized";  // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
   // all | kernels | layer (the ceilings always run: every row is a ratio) | stack (bench_stack only) |
-  // gemm (bench_bf16_gemm only)
+  // gemm (bench_bf16_gemm only) | spec | model (the whole model with its own ceilings)
   std::string only = "all";
   std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
+  int experts = 0;              // --only model: routed experts per MoE layer (0: the default)
 };
 int run_bench(const BenchOptions& o);
 
 // kda simulate (src/kda/serving/simulate.h). The defaults are the README's main job; they are sized to
 // finish in about a minute on 2 cores while still filling the pool and reusing slots.
 struct SimulateCliOptions {
-  std::string model;  // empty: synthetic Kimi-Linear-48B-A3B KDA layers
-  int layers = 0;     // 0: all KDA layers
+  std::string model;  // empty: synthetic Kimi-Linear-48B-A3B
+  int layers = 0;     // 0: all decoder layers
+  int experts = 0;    // synthetic: routed experts per MoE layer (0: serving::kDefaultExperts)
   std::string precision = "bf16";
   std::string weights = "bf16";  // bf16 | int8 | int4 (common/weights.h)
   std::string kernel = "auto";
@@ -61,15 +63,19 @@ struct SimulateCliOptions {
   int64_t prefix_groups = 1;
   int64_t shared_prefix_len = -1;  // -1: 64 for shared-prefix, 0 (none) for multi-turn
   int64_t turns = -1;              // multi-turn: turns per conversation (-1: 2)
-  int64_t vocab = 0;               // 0: the checkpoint's, else 8192
+  int64_t vocab = 0;               // 0: the config's (the checkpoint's, else 163840)
   uint64_t seed = 0;
   int64_t token_budget = 4096;
   int64_t max_batch = 64;
   bool mixed = false;
   std::string state_memory = "1GiB";
+  std::string kv_memory = "1GiB";  // the MLA layers' token KV pool
   bool no_prefix_cache = false;
   std::string prefix_cache_memory = "1GiB";  // snapshot slots, on top of state_memory
   int64_t cache_interval = 256;
+  // --prefix-cache-memory or --cache-interval given: an error on a model with MLA layers, which serves
+  // without the prefix cache.
+  bool prefix_cache_options_given = false;
   int64_t parallel_samples = 1;
   int64_t check = 2;
   std::string speculative;  // empty: off; ngram | replay

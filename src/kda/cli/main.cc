@@ -75,8 +75,14 @@ int main(int argc, char** argv) {
           "--only", bo.only,
           "all | kernels | layer (ceilings are always measured) | stack (the 20-layer stack decoding "
           "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns) | "
-          "spec (a decode step and verify steps of 1-8 drafts, in turns)")
-      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec"}));
+          "spec (a decode step and verify steps of 1-8 drafts, in turns) | model (the whole model at its "
+          "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode)")
+      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec", "model"}));
+  bench
+      ->add_option(
+          "--experts", bo.experts,
+          "--only model: routed experts per MoE layer, top-8 of them (default 16; 256 is the real model)")
+      ->check(CLI::PositiveNumber);
   bench
       ->add_option("--weights", bo.weights,
                    "all | bf16 | int8 | int4: quantized layer rows beside the dense ones")
@@ -84,10 +90,15 @@ int main(int argc, char** argv) {
 
   kda::cli::SimulateCliOptions so;
   auto* sim = app.add_subcommand(
-      "simulate", "a serving scheduler driving a stack of KDA layers with continuous batching (main job)");
+      "simulate",
+      "a serving scheduler driving the whole Kimi-Linear model with continuous batching (main job)");
   sim->add_option("--model", so.model,
-                  "checkpoint folder (default: synthetic Kimi-Linear-48B-A3B KDA layers)");
-  sim->add_option("--layers", so.layers, "the first N KDA layers (default: all)");
+                  "checkpoint folder (default: synthetic Kimi-Linear-48B-A3B at its real shapes)");
+  sim->add_option("--layers", so.layers, "the first N decoder layers of the pattern (default: all)");
+  sim->add_option(
+      "--experts", so.experts,
+      "synthetic: routed experts per MoE layer, top-k of the config's (default: 16, the most that "
+      "fits 14 GiB; 256 is the real model)");
   sim->add_option("--precision", so.precision, "fp32 | bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
@@ -125,7 +136,8 @@ int main(int argc, char** argv) {
       ->excludes(spl)
       ->excludes(turns);
   sim->add_option("--vocab", so.vocab,
-                  "vocabulary of the seeded embedding and LM head (default: the checkpoint's, else 8192)");
+                  "vocabulary of the seeded embedding and LM head (default: the config's, 163840; a "
+                  "checkpoint's own)");
   sim->add_option("--seed", so.seed, "seed of weights, workload and inputs")->capture_default_str();
   sim->add_option("--token-budget", so.token_budget, "tokens per step (chunked prefill)")
       ->capture_default_str();
@@ -133,17 +145,20 @@ int main(int argc, char** argv) {
   sim->add_flag("--mixed", so.mixed, "prefill chunks and decodes in one EXTEND batch");
   sim->add_option("--state-memory", so.state_memory, "bytes for the state pool (e.g. 2GiB, 512MiB)")
       ->capture_default_str();
+  sim->add_option("--kv-memory", so.kv_memory, "bytes for the MLA layers' token KV pool (e.g. 1GiB)")
+      ->capture_default_str();
   auto* no_cache =
       sim->add_flag("--no-prefix-cache", so.no_prefix_cache, "turn the prefix cache of state snapshots off");
   // The cache's own options with the cache off would be accepted and ignored: refused instead.
-  sim->add_option("--prefix-cache-memory", so.prefix_cache_memory,
-                  "bytes of state snapshots for the prefix cache, on top of --state-memory")
-      ->capture_default_str()
-      ->excludes(no_cache);
-  sim->add_option("--cache-interval", so.cache_interval,
-                  "a prefix-cache snapshot every N prompt tokens (N % 64 == 0)")
-      ->capture_default_str()
-      ->excludes(no_cache);
+  auto* pcm = sim->add_option("--prefix-cache-memory", so.prefix_cache_memory,
+                              "bytes of state snapshots for the prefix cache, on top of --state-memory "
+                              "(models without MLA layers)")
+                  ->capture_default_str()
+                  ->excludes(no_cache);
+  auto* civ = sim->add_option("--cache-interval", so.cache_interval,
+                              "a prefix-cache snapshot every N prompt tokens (N % 64 == 0)")
+                  ->capture_default_str()
+                  ->excludes(no_cache);
   sim->add_option("--parallel-samples", so.parallel_samples, "continuations forked per request after prefill")
       ->capture_default_str();
   sim->add_option("--check", so.check, "requests re-run alone and compared (0: off)")->capture_default_str();
@@ -170,7 +185,10 @@ int main(int argc, char** argv) {
     if (verify->parsed()) return kda::cli::run_verify(vo);
     if (run->parsed()) return kda::cli::run_run(ro);
     if (bench->parsed()) return kda::cli::run_bench(bo);
-    if (sim->parsed()) return kda::cli::run_simulate(so);
+    if (sim->parsed()) {
+      so.prefix_cache_options_given = pcm->count() > 0 || civ->count() > 0;
+      return kda::cli::run_simulate(so);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kda: error: %s\n", e.what());
     kda::distributed::abort_other_ranks(2);

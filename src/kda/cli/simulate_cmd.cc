@@ -2,6 +2,7 @@
 // progress display, and the summary (text or JSON).
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -9,6 +10,8 @@
 
 #include "kda/cli/commands.h"
 #include "kda/distributed/parallel.h"
+#include "kda/io/config.h"
+#include "kda/io/kimi_linear_48b.h"
 #include "kda/serving/progress.h"
 #include "kda/serving/simulate.h"
 #include "kda/serving/trace.h"
@@ -40,15 +43,36 @@ std::string mib(double bytes) {
   return buf;
 }
 
+// 3.02e9 -> "3.02 B", 2.09e6 -> "2.09 M".
+std::string count(double n) {
+  char buf[32];
+  if (n >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2f B", n / 1e9);
+  else
+    std::snprintf(buf, sizeof buf, "%.2f M", n / 1e6);
+  return buf;
+}
+
 void print_summary(const serving::SimulateResult& r) {
   const auto& s = r.serve;
   const double wall = s.wall_s > 0 ? s.wall_s : 1e-9;
-  std::printf("\nkda simulate: %d KDA layer%s (%s, %s, hidden %lld, vocab %lld), built in %.1f s%s\n",
-              r.layers, r.layers == 1 ? "" : "s", r.model.c_str(), to_string(r.precision),
-              static_cast<long long>(r.hidden), static_cast<long long>(r.vocab), r.build_s,
-              s.interrupted ? "  [INTERRUPTED]" : "");
-  std::printf("  weights       %s projections, %.1f MB resident per layer\n", to_string(r.weights),
-              static_cast<double>(r.weight_bytes) / 1e6);
+  std::printf(
+      "\nkda simulate: %d decoder layer%s, %d KDA + %d MLA (%s, %s, hidden %lld, vocab %lld), built in %.1f "
+      "s%s\n",
+      r.layers, r.layers == 1 ? "" : "s", r.kda_layers, r.mla_layers, r.model.c_str(), to_string(r.precision),
+      static_cast<long long>(r.hidden), static_cast<long long>(r.vocab), r.build_s,
+      s.interrupted ? "  [INTERRUPTED]" : "");
+  if (r.moe_layers > 0)
+    std::printf(
+        "  MoE           %d layers of top-%d of %d routed experts + shared; %s active parameters per token "
+        "(the real model's whenever top-k and the expert size are, whatever --experts)\n",
+        r.moe_layers, r.experts_per_token, r.num_experts,
+        count(static_cast<double>(r.active_params)).c_str());
+  std::printf(
+      "  weights       %s, %.2f GB resident (%.1f MB per decoder layer), %.2f GB read per decoded "
+      "token\n",
+      to_string(r.weights), static_cast<double>(r.model_weight_bytes) / 1e9,
+      static_cast<double>(r.weight_bytes) / 1e6, static_cast<double>(r.active_weight_bytes) / 1e9);
   std::printf(
       "  requests      %lld of %lld completed (%s, parallel samples %d); %lld steps: %lld extend, %lld "
       "decode, %lld mixed\n",
@@ -68,9 +92,16 @@ void print_summary(const serving::SimulateResult& r) {
               static_cast<long long>(r.pool_slots), mib(static_cast<double>(r.slot_bytes)).c_str(),
               mib(static_cast<double>(r.pool_bytes)).c_str(), static_cast<long long>(s.peak_slots),
               static_cast<long long>(s.slot_reuses));
+  if (r.mla_layers > 0)
+    std::printf("  MLA KV pool   %lld token slots x %lld bytes = %s; peak %lld in use\n",
+                static_cast<long long>(r.kv_tokens), static_cast<long long>(r.kv_token_bytes),
+                mib(static_cast<double>(r.kv_bytes)).c_str(), static_cast<long long>(s.peak_kv_tokens));
   std::printf("  scheduler     token budget %lld, max batch %lld, mixed %s, radix cache %s\n",
               static_cast<long long>(r.token_budget), static_cast<long long>(r.max_batch),
-              r.mixed ? "on" : "off", r.radix_cache_disabled ? "off" : "on");
+              r.mixed ? "on" : "off",
+              !r.radix_cache_disabled ? "on"
+              : r.mla_layers > 0      ? "off (MLA layers: a KDA snapshot cannot restore their KV)"
+                                      : "off");
   if (!r.radix_cache_disabled) {
     const double rate = s.prefill_tokens > 0 ? static_cast<double>(s.prefix_cache_hit_tokens) /
                                                    static_cast<double>(s.prefill_tokens)
@@ -109,7 +140,9 @@ void print_summary(const serving::SimulateResult& r) {
   if (!s.interrupted) {
     if (r.accounting_ok())
       std::printf(
-          "  accounting    every state slot and request index accounted for; RSS %s at the end (%+.1f%% "
+          "  accounting    every state slot, request index and KV token slot accounted for; RSS %s at the "
+          "end "
+          "(%+.1f%% "
           "since the first tenth of the steps)\n",
           mib(r.rss_bytes.empty() ? 0.0 : static_cast<double>(r.rss_bytes.back())).c_str(),
           100.0 * r.rss_growth());
@@ -137,6 +170,7 @@ int run_simulate(const SimulateCliOptions& o) {
   serving::SimulateOptions so;
   so.model_dir = o.model;
   so.layers = o.layers;
+  so.num_experts = o.experts;
   so.precision = parse_precision(o.precision);
   so.weights = parse_weights(o.weights);
   so.kernel = o.kernel;
@@ -174,6 +208,19 @@ int run_simulate(const SimulateCliOptions& o) {
   so.server_args.enable_mixed_chunk = o.mixed;
   so.max_batch = o.max_batch;
   so.state_memory = serving::parse_byte_size(o.state_memory, "--state-memory");
+  so.kv_memory = serving::parse_byte_size(o.kv_memory, "--kv-memory");
+  // The CLI serves with the prefix cache by default; a model with MLA layers serves without it (a KDA
+  // snapshot cannot restore their KV), so its options would be parsed and ignored there: refused.
+  if (o.prefix_cache_options_given && !o.no_prefix_cache) {
+    const auto cfg = o.model.empty() ? io::kimi_linear_48b_config() : io::load_model_config(o.model);
+    const int n = o.layers > 0 ? std::min(o.layers, cfg.num_hidden_layers) : cfg.num_hidden_layers;
+    for (int i = 0; i < n; ++i)
+      if (cfg.is_mla_layer(i))
+        throw std::invalid_argument(
+            "--prefix-cache-memory / --cache-interval: the model's decoder layer " + std::to_string(i) +
+            " is an MLA layer, and a model with MLA layers serves without the prefix cache (a KDA state "
+            "snapshot cannot restore the prefix's MLA KV rows)");
+  }
   so.server_args.disable_radix_cache = o.no_prefix_cache;  // the CLI serves with the cache by default
   so.prefix_cache_memory = o.prefix_cache_memory == "0"
                                ? 0

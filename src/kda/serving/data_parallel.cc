@@ -27,6 +27,7 @@ constexpr std::pair<const char*, int64_t ServeResult::*> kCounters[] = {
     {"requests_completed", &ServeResult::requests_completed},
     {"peak_slots", &ServeResult::peak_slots},
     {"slot_reuses", &ServeResult::slot_reuses},
+    {"peak_kv_tokens", &ServeResult::peak_kv_tokens},
     {"prefix_cache_hit_tokens", &ServeResult::prefix_cache_hit_tokens},
     {"prefix_cache_bytes", &ServeResult::prefix_cache_bytes},
     {"prefix_cache_snapshots", &ServeResult::prefix_cache_snapshots},
@@ -50,6 +51,7 @@ std::vector<uint8_t> pack(const SimulateResult& r) {
                       {"has_check", r.check.has_value()},
                       {"leaked_slots", r.leaked_slots},
                       {"leaked_request_indices", r.leaked_request_indices},
+                      {"leaked_kv_tokens", r.leaked_kv_tokens},
                       {"cache_consistent", r.cache_consistent},
                       {"accounting_error", r.accounting_error}};
   for (const auto& [name, field] : kCounters) j[name] = s.*field;
@@ -88,6 +90,7 @@ void unpack_into(const std::vector<uint8_t>& bytes, SimulateResult& m) {
   s.interrupted = s.interrupted || j.at("interrupted").get<bool>();
   m.leaked_slots += j.at("leaked_slots").get<int64_t>();
   m.leaked_request_indices += j.at("leaked_request_indices").get<int64_t>();
+  m.leaked_kv_tokens += j.at("leaked_kv_tokens").get<int64_t>();
   m.cache_consistent = m.cache_consistent && j.at("cache_consistent").get<bool>();
   if (m.accounting_error.empty()) m.accounting_error = j.at("accounting_error").get<std::string>();
   if (j.at("has_check").get<bool>()) {
@@ -155,7 +158,7 @@ SimulateResult run_data_parallel(const SimulateOptions& o,
   m.serve = ServeResult{};
   m.serve.hidden = mine.serve.hidden;
   m.check.reset();
-  m.leaked_slots = m.leaked_request_indices = 0;  // summed over the groups below
+  m.leaked_slots = m.leaked_request_indices = m.leaked_kv_tokens = 0;  // summed over the groups below
   m.cache_consistent = true;
   m.accounting_error.clear();
   for (const auto& b : all)

@@ -17,8 +17,8 @@ double seconds_since(Clock::time_point t0) {
 }  // namespace
 
 ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests, const ServeOptions& opt) {
-  models::KdaStack& stack = runner.stack();
-  const int64_t D = stack.hidden_size(), V = stack.vocab_size();
+  models::KimiLinearForCausalLM& model = runner.model();
+  const int64_t D = model.hidden_size(), V = model.vocab_size();
   Scheduler sched(requests, opt.scheduler, runner.pools().req_to_token_pool);
   const int32_t n = sched.parallel_samples();
   const auto& seqs = sched.sequences();
@@ -82,7 +82,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
   prog.requests_total = R;
   for (const auto& r : requests) prog.tokens_total += r.prompt_len + int64_t{n} * r.output_len;
 
-  std::vector<float> x, y, head;
+  std::vector<float> y, head;
   std::vector<int32_t> toks, picks, accepted;
   std::vector<size_t> pick_rows;
   // Speculative decoding: each verify row's drafts and verdict.
@@ -158,7 +158,6 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
       }
     }
     const int64_t T = b.num_tokens();
-    x.resize(static_cast<size_t>(T * D));
     y.resize(static_cast<size_t>(T * D));
     toks.resize(static_cast<size_t>(T));
     int64_t t = 0;
@@ -176,16 +175,15 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
         if (pos >= q.prompt_len) sched.add_fed_token(row.seq, toks[t]);
       }
     }
-    stack.embed(toks.data(), T, x.data());
     auto fb = sched.forward_batch(b);
     const auto t0 = Clock::now();
-    runner.forward(fb, x.data(), y.data());
+    runner.forward(fb, toks.data(), y.data());
     if (verify) {
       // The target's argmax at every row position, greedy verification, then each slot moves to the
       // state after its accepted tokens (no layer pass). Under TP the picks are rank 0's, so every rank
       // accepts the same.
       picks.resize(static_cast<size_t>(T));
-      stack.next_tokens(y.data(), T, picks.data());
+      runner.next_tokens(y.data(), T, picks.data());
       if (opt.agree_tokens) opt.agree_tokens(picks);
       accepted.clear();
       verdicts.clear();
@@ -238,7 +236,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
         head.insert(head.end(), y.data() + (t - 1) * D, y.data() + t * D);
       }
       picks.resize(pick_rows.size());
-      stack.next_tokens(head.data(), static_cast<int64_t>(pick_rows.size()), picks.data());
+      runner.next_tokens(head.data(), static_cast<int64_t>(pick_rows.size()), picks.data());
       if (opt.agree_tokens) opt.agree_tokens(picks);
       const auto t_picked = Clock::now();
       res.step_ms.push_back(std::chrono::duration<double, std::milli>(t_picked - t0).count());
@@ -301,6 +299,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
   res.requests_completed = sched.finished_requests();
   res.peak_slots = sched.peak_slots();
   res.slot_reuses = sched.slot_reuses();
+  res.peak_kv_tokens = sched.peak_kv_tokens();
   res.prefix_cache_hit_tokens = sched.cache_hit_tokens();
   if (const auto* c = opt.scheduler.cache) {
     res.prefix_cache_bytes = static_cast<int64_t>(c->bytes());

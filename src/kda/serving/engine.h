@@ -1,5 +1,5 @@
-// The serving loop: the scheduler picks each step's batch, the engine builds its inputs (the embeddings
-// of the prompt tokens, or of the token each sequence generated last), runs the model step, picks each
+// The serving loop: the scheduler picks each step's batch, the engine builds its inputs (the prompt
+// tokens, or the token each sequence generated last), runs the model step, picks each
 // finished position's next token greedily (final norm, LM head, argmax) and hands it back as the next
 // decode input. When a session's turn finishes, the engine builds its next turn's prompt. Used for the
 // simulation itself and for the self-check's runs of single requests.
@@ -76,6 +76,7 @@ struct ServeResult {
   int64_t decode_tokens = 0;
   int64_t requests_completed = 0;
   int64_t peak_slots = 0, slot_reuses = 0;
+  int64_t peak_kv_tokens = 0;  // MLA KV token slots in use at the busiest step (0 without MLA layers)
   // Prefix cache (zero without one): prompt tokens restored from snapshots; at the end, the snapshots
   // held and their bytes; snapshots evicted.
   int64_t prefix_cache_hit_tokens = 0, prefix_cache_bytes = 0, prefix_cache_snapshots = 0,

@@ -1,32 +1,57 @@
 #include "kda/serving/model_runner.h"
 
+#include <stdexcept>
+
 namespace kda::serving {
 
-namespace {
-mem_cache::RecurrentStatePoolConfig with_verify(mem_cache::RecurrentStatePoolConfig pc, int tokens,
-                                                int64_t rows) {
-  pc.max_verify_tokens = tokens;
-  pc.verify_rows = rows;
-  return pc;
-}
-}  // namespace
-
-ModelRunner::ModelRunner(models::KdaStack& stack, int64_t slots, kernels::KernelImpl kernel,
-                         int max_verify_tokens, int64_t verify_rows)
-    : stack_(&stack),
-      pools_(std::make_unique<mem_cache::MemoryPools>(
-          with_verify(stack.pool_config(slots), max_verify_tokens, verify_rows), slots)),
+ModelRunner::ModelRunner(models::KimiLinearForCausalLM& model, int64_t slots, int64_t kv_tokens,
+                         kernels::KernelImpl kernel, int max_verify_tokens, int64_t verify_rows)
+    : model_(&model),
+      pools_(model.make_pools(slots, model.mla_layer_ids().empty() ? 0 : kv_tokens, max_verify_tokens,
+                              verify_rows)),
       backend_(kernel) {}
 
-void ModelRunner::accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted) {
-  backend_.accept(fb, accepted, pools_->recurrent_state_pool);
+void ModelRunner::forward(model_executor::ForwardBatch& fb, const int32_t* input_ids, float* out) {
+  fb.attn_backend = &backend_;
+  verify_lens_.clear();
+  if (fb.forward_mode == model_executor::ForwardMode::TARGET_VERIFY)
+    for (const int32_t r : fb.req_pool_indices)
+      verify_lens_.push_back(r < 0 ? 0 : pools_->req_to_token_pool.seq_len(r));
+  model_->forward(input_ids, fb.num_tokens(), fb, *pools_, out);
 }
 
-void ModelRunner::forward(model_executor::ForwardBatch& fb, const float* x, float* out) {
-  fb.attn_backend = &backend_;
-  const auto slots = pools_->req_to_token_pool.get_recurrent_indices(fb.req_pool_indices);
-  backend_.init_forward_metadata(fb, slots);  // once per step, shared by all layers
-  stack_->forward(x, fb.num_tokens(), fb, pools_->recurrent_state_pool, out);
+void ModelRunner::accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted) {
+  if (verify_lens_.size() != fb.req_pool_indices.size() || accepted.size() != verify_lens_.size())
+    throw std::logic_error("ModelRunner::accept: not after this batch's TARGET_VERIFY forward");
+  backend_.accept(fb, accepted, pools_->recurrent_state_pool);
+  // Each request's length becomes its committed tokens: the row's token and its accepted drafts (the
+  // verify step may have appended every row position).
+  auto& rtp = pools_->req_to_token_pool;
+  for (size_t i = 0; i < accepted.size(); ++i) {
+    const int32_t r = fb.req_pool_indices[i];
+    if (r < 0) continue;
+    const int64_t target = verify_lens_[i] + accepted[i] + 1, now = rtp.seq_len(r);
+    if (now > target) {
+      rtp.truncate_tokens(r, target);
+    } else if (now < target) {
+      const int32_t add = static_cast<int32_t>(target - now);
+      rtp.alloc_tokens(std::span<const int32_t>(&r, 1), std::span<const int32_t>(&add, 1));
+    }
+  }
+  verify_lens_.clear();
+}
+
+void ModelRunner::next_tokens(const float* h, int64_t M, int32_t* tokens) {
+  const int64_t V = model_->vocab_size();
+  logits_.resize(static_cast<size_t>(M * V));
+  model_->compute_logits(h, M, logits_.data());
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = logits_.data() + m * V;
+    int64_t best = 0;
+    for (int64_t v = 1; v < V; ++v)
+      if (row[v] > row[best]) best = v;
+    tokens[m] = static_cast<int32_t>(best);
+  }
 }
 
 }  // namespace kda::serving

@@ -1,40 +1,50 @@
-// ModelRunner: one model step, as sglang's model runner does it: the memory pools (request -> slot
-// and the recurrent state pool, layer ids = the stack's KDA layers), one KDAAttnBackend shared by
-// every layer, and the per-step metadata computed once (init_forward_metadata) before the first layer.
+// ModelRunner: one model step, as sglang's model runner does it: the memory pools (request -> KDA slot and
+// MLA token slots, the recurrent state pool, the MLA token KV pool; the model's geometry), one
+// KDAAttnBackend shared by every KDA layer of the step, and the greedy pick from the last-layer rows.
+// The model (KimiLinearForCausalLM) allocates each step's MLA token slots and initialises the backend's
+// per-step metadata before its first layer.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "kda/kernels/kda/kda.h"
 #include "kda/layers/attention/linear/kda_backend.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
-#include "kda/models/kda_stack.h"
+#include "kda/models/kimi_linear_model.h"
 
 namespace kda::serving {
 
 class ModelRunner {
  public:
-  // A pool of `slots` usable slots (request indices: as many). Speculative decoding: a verify buffer of
-  // `verify_rows` rows of `max_verify_tokens` tokens (0: none, TARGET_VERIFY is an error).
-  ModelRunner(models::KdaStack& stack, int64_t slots, kernels::KernelImpl kernel, int max_verify_tokens = 0,
-              int64_t verify_rows = 0);
+  // `slots` request slots (request indices: as many) and `kv_tokens` MLA token slots (unused by a model
+  // without MLA layers). Speculative decoding: a verify buffer of `verify_rows` rows of
+  // `max_verify_tokens` tokens (0: none, TARGET_VERIFY is an error).
+  ModelRunner(models::KimiLinearForCausalLM& model, int64_t slots, int64_t kv_tokens,
+              kernels::KernelImpl kernel, int max_verify_tokens = 0, int64_t verify_rows = 0);
 
-  models::KdaStack& stack() { return *stack_; }
+  models::KimiLinearForCausalLM& model() { return *model_; }
   mem_cache::MemoryPools& pools() { return *pools_; }
 
-  // x [T, D] -> out [T, D] for the batch (T = fb.num_tokens()).
-  void forward(model_executor::ForwardBatch& fb, const float* x, float* out);
+  // input_ids [T] -> out [T, D], the residual stream after the last layer (T = fb.num_tokens()).
+  void forward(model_executor::ForwardBatch& fb, const int32_t* input_ids, float* out);
   // After a TARGET_VERIFY forward of `fb`: each request's slot moves to the state after its accepted
-  // tokens (accepted[i]: row position of request i's last accepted token; KDAAttnBackend::accept).
+  // tokens (accepted[i]: row position of request i's last accepted token; KDAAttnBackend::accept), and its
+  // length (and token slots) back to the committed tokens.
   void accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted);
+  // The greedy next token of each of M last-layer rows h [M, D]: model.norm, the LM head's logits
+  // [M, vocab], argmax (the lowest id on a tie).
+  void next_tokens(const float* h, int64_t M, int32_t* tokens);
 
  private:
-  models::KdaStack* stack_;
+  models::KimiLinearForCausalLM* model_;
   std::unique_ptr<mem_cache::MemoryPools> pools_;
   layers::attention::linear::KDAAttnBackend backend_;
+  std::vector<int64_t> verify_lens_;  // the last TARGET_VERIFY step's request lengths before it
+  std::vector<float> logits_;
 };
 
 }  // namespace kda::serving

@@ -11,7 +11,11 @@ using model_executor::ForwardMode;
 
 Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOptions& options,
                      mem_cache::HybridReqToTokenPool& pool)
-    : requests_(requests), opt_(options), n_(options.parallel_samples), pool_(&pool) {
+    : requests_(requests),
+      opt_(options),
+      n_(options.parallel_samples),
+      pool_(&pool),
+      kv_(pool.token_to_kv_pool()) {
   if (opt_.token_budget < 1)
     throw std::invalid_argument("--token-budget must be >= 1, got " + std::to_string(opt_.token_budget));
   if (opt_.max_batch < 1)
@@ -35,6 +39,12 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
                                   std::to_string(slots_needed(r)) +
                                   " state slots (--parallel-samples) but the pool holds " +
                                   std::to_string(pool.size()) + " (raise --state-memory)");
+    if (kv_ && kv_tokens_needed(r) > kv_->size())
+      throw std::invalid_argument("request " + std::to_string(r) + " needs " +
+                                  std::to_string(kv_tokens_needed(r)) +
+                                  " MLA KV token slots (prompt + output tokens per continuation) but the "
+                                  "pool holds " +
+                                  std::to_string(kv_->size()) + " (raise --kv-memory)");
     for (int32_t j = 0; j < n_; ++j) {
       Sequence& s = seqs_[seq_index(r, j)];
       s.request = r;
@@ -50,6 +60,13 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
   unfinished_.assign(static_cast<size_t>(R), n_);
   slot_used_.assign(static_cast<size_t>(pool.recurrent_pool().size() + 1), 0);
   cache_ = opt_.cache && opt_.cache->enabled() ? opt_.cache : nullptr;
+  // A snapshot holds the KDA layers' states only: restoring it would leave the prefix's MLA KV rows
+  // missing, so a model with MLA layers takes no prefix-cache hits at all.
+  if (opt_.cache && kv_)
+    throw std::invalid_argument(
+        "prefix cache: the model has MLA layers, whose KV rows a KDA state snapshot cannot restore "
+        "(serve it with the radix cache disabled)");
+  kv_share_.assign(seqs_.size(), 0);
   if (opt_.cache && opt_.cache_interval < 1)
     throw std::invalid_argument("--cache-interval must be >= 1, got " + std::to_string(opt_.cache_interval));
   if (cache_) {
@@ -93,11 +110,21 @@ int64_t Scheduler::slots_in_use() const { return pool_->size() - pool_->availabl
 // its continuations would all equal the prompt, so nothing is forked.
 int32_t Scheduler::slots_needed(int64_t request) const { return requests_[request].output_len > 0 ? n_ : 1; }
 
+// MLA KV token slots a request can hold at once: each continuation holds a row per token it processes
+// (the prompt's, copied into each fork, then its decode inputs); a prefill-only request holds its prompt.
+int64_t Scheduler::kv_tokens_needed(int64_t request) const {
+  const RequestSpec& r = requests_[request];
+  return r.output_len > 0 ? int64_t{n_} * (int64_t{r.prompt_len} + r.output_len) : r.prompt_len;
+}
+
 // With a prefix cache, evictable snapshots count as free: admission evicts what it needs.
 bool Scheduler::can_admit(int64_t request) const {
   int64_t free = pool_->available();
   if (cache_) free = std::min(free, pool_->recurrent_pool().available() + cache_->evictable_snapshots());
-  return free - reserved_ >= slots_needed(request);
+  if (free - reserved_ < slots_needed(request)) return false;
+  // Admission promises a request every KV token slot it can come to hold, so that no step's
+  // alloc_tokens (nor a fork) ever finds the KV pool short: a request waits here instead.
+  return !kv_ || kv_promised_ + kv_tokens_needed(request) <= kv_->size();
 }
 
 int32_t Scheduler::take_slot(int32_t req_pool_index) {
@@ -128,6 +155,11 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
     // The forks' slots are promised before the request's own snapshots are planned: a snapshot must not
     // take the slot its own request forks into.
     reserved_ += slots_needed(r) - 1;
+    if (kv_) {
+      const int64_t per_seq = kv_tokens_needed(r) / (q.output_len > 0 ? n_ : 1);
+      for (int32_t j = 0; j < (q.output_len > 0 ? n_ : 1); ++j) kv_share_[seq_index(r, j)] = per_seq;
+      kv_promised_ += kv_tokens_needed(r);
+    }
     const int32_t slot = take_slot(q.req_pool_index);
     // Prefix cache: the deepest Ready snapshot of the prompt minus its last token is copied into the
     // slot; the prefill then runs only the rest (the row's start is k, its ForwardBatch prefix k > 0).
@@ -140,6 +172,9 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
         cache_->dec_lock_ref(m.hit.node);
         q.prefix_len = static_cast<int32_t>(m.hit.len);
         cache_hit_tokens_ += q.prefix_len;
+        // The request's length is the restored prefix (no MLA layer: no token slot behind it).
+        const int32_t idx = q.req_pool_index, len = q.prefix_len;
+        pool_->alloc_tokens(std::span<const int32_t>(&idx, 1), std::span<const int32_t>(&len, 1));
       }
       plan_snapshots(s, m);
     }
@@ -282,8 +317,10 @@ void Scheduler::finish(int64_t seq, StepEvents& ev) {
   }
   if (q.req_pool_index >= 0) {
     const int32_t idx = q.req_pool_index;
-    pool_->free(std::span<const int32_t>(&idx, 1));
+    pool_->free(std::span<const int32_t>(&idx, 1));  // its MLA token slots too
   }
+  kv_promised_ -= kv_share_[seq];
+  kv_share_[seq] = 0;
   q.req_pool_index = -1;
   q.phase = SeqPhase::kFinished;
   ev.finished.push_back(seq);
@@ -314,8 +351,13 @@ void Scheduler::check_fork_slots(const ScheduledBatch& b) const {
                            " slot(s) to give (slots reserved for forks were taken outside the scheduler)");
 }
 
+void Scheduler::note_kv_use() {
+  if (kv_) peak_kv_tokens_ = std::max(peak_kv_tokens_, kv_->size() - kv_->available());
+}
+
 StepEvents Scheduler::complete(const ScheduledBatch& b) {
   check_fork_slots(b);
+  note_kv_use();
   StepEvents ev;
   std::vector<int64_t> requeue, ready;
   for (const auto& row : b.rows) {
@@ -359,6 +401,7 @@ StepEvents Scheduler::complete(const ScheduledBatch& b) {
   // Sequences that waited go first; those that just ran, then new ones, queue behind them.
   decode_queue_.insert(decode_queue_.end(), requeue.begin(), requeue.end());
   decode_queue_.insert(decode_queue_.end(), ready.begin(), ready.end());
+  note_kv_use();  // the forks' copied rows
   ++step_;
   // A finished turn's next turn arrives arrival_step steps from the next step on.
   for (const int64_t r : ev.finished_requests)

@@ -31,6 +31,12 @@
 //     state after all its processed tokens is inserted before its slot is freed (a session's next turn
 //     starts with exactly those tokens). Snapshots and requests share the pool: admission counts
 //     evictable snapshots as free slots and evicts (LRU) what it needs, so a full cache costs speed only.
+//     A snapshot holds KDA states only, so a model with MLA layers serves without the cache (the
+//     constructor refuses one): the prefix's MLA KV rows could not be restored with it.
+//   - MLA KV token slots (models with MLA layers): the model allocates a step's token slots as it runs
+//     it and HybridReqToTokenPool::free returns a request's with it. Admission promises a request the
+//     most it can hold (prompt + output tokens per continuation) and waits while the pool cannot promise
+//     that; a request that could never fit is an error at construction.
 #pragma once
 
 #include <cstdint>
@@ -115,6 +121,9 @@ class Scheduler {
   int64_t slot_reuses() const { return slot_reuses_; }
   int64_t slots_in_use() const;
   int64_t cache_hit_tokens() const { return cache_hit_tokens_; }
+  // MLA KV token slots promised to the admitted, unfinished requests (0 without a KV pool); its peak.
+  int64_t kv_tokens_promised() const { return kv_promised_; }
+  int64_t peak_kv_tokens() const { return peak_kv_tokens_; }
 
   // Prefix cache only (no-ops without one): a request's whole prompt, before it can be admitted (a
   // session's next turn: when its previous turn finished), and the token each decode step of a sequence
@@ -124,6 +133,8 @@ class Scheduler {
 
  private:
   int32_t slots_needed(int64_t request) const;
+  int64_t kv_tokens_needed(int64_t request) const;
+  void note_kv_use();  // the KV pool's use after a step ran, before its finished requests free theirs
   bool can_admit(int64_t request) const;
   bool waits_for_snapshot(int64_t request);  // a deeper snapshot of its prompt is being written
   bool admissible(int64_t request) { return can_admit(request) && !waits_for_snapshot(request); }
@@ -140,6 +151,9 @@ class Scheduler {
   SchedulerOptions opt_;
   int32_t n_;
   mem_cache::HybridReqToTokenPool* pool_;
+  mem_cache::MLATokenToKVPool* kv_;  // the pool's MLA token KV pool; null for a model without MLA layers
+  std::vector<int64_t> kv_share_;    // per sequence: the KV token slots promised to it while it runs
+  int64_t kv_promised_ = 0, peak_kv_tokens_ = 0;
   std::vector<Sequence> seqs_;          // [request * n + sample]
   std::vector<int64_t> arrival_order_;  // requests without a previous turn, by (arrival_step, index)
   size_t next_arrival_ = 0;             // into arrival_order_

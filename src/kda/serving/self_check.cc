@@ -28,14 +28,25 @@ namespace kda::serving {
 // state) moves the output by O(1), far above it.
 double bf16_check_bound(int layers) { return 6e-3 * std::sqrt(static_cast<double>(std::max(layers, 1))); }
 
+// Quantized weights (int8 / int4) are held to a looser bound, in either precision. QuantLinear multiplies
+// up to kDecodeRows rows with its packed kernels and more rows by dequantizing tiles for oneDNN's fp32
+// matmul, and the two agree only to about 1e-3 relative (the fp32 error ratio of a KDA-only stack
+// re-run alone was already 2 on the mini checkpoint). A MoE layer's top-k selection turns such a
+// difference into an O(1) one wherever a token's k-th and (k+1)-th experts nearly tie, and the KDA states
+// carry it to every later position. Measured on the tiny model checkpoint (8 requests of up to 120
+// tokens, a token budget of 64, every request re-run, seeds 1-3) the worst relative L2 was 0.09 (int8) and
+// 0.11 (int4), in bf16 and fp32 alike, and 0.12 on the test suite's hybrid config; the bound is twice the
+// worst. A request served from another's state, or fed other tokens, moves its rows by O(1).
+double quantized_check_bound() { return 0.25; }
+
 namespace {
 
 // The metric's value for one continuation: fp32 the worst elementwise error ratio, bf16 the relative L2
 // (infinite when the sizes differ or a value is not finite).
-double metric_of(const std::vector<float>& a, const std::vector<float>& b, Precision p) {
+double metric_of(const std::vector<float>& a, const std::vector<float>& b, const std::string& metric) {
   constexpr double kInf = std::numeric_limits<double>::infinity();
   if (a.size() != b.size() || a.empty()) return kInf;
-  if (p == Precision::FP32) {
+  if (metric == "max_err_ratio") {
     double worst = 0.0;
     for (size_t i = 0; i < a.size(); ++i) {
       const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
@@ -59,15 +70,18 @@ double metric_of(const std::vector<float>& a, const std::vector<float>& b, Preci
 // Each sampled request alone on a fresh pool, teacher-forced on the batched run's tokens: its whole
 // prompt in one EXTEND, then DECODE steps of its own continuations only, each fed the token the batched
 // run generated there. Its own argmax picks are compared with the batched run's tokens and counted.
-CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack& stack,
+CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KimiLinearForCausalLM& model,
                        const ServeResult& batched, bool* interrupted) {
   CheckReport rep;
-  if (o.precision == Precision::FP32) {
+  if (o.weights != Weights::BF16) {
+    rep.metric = "rel_l2";
+    rep.bound = quantized_check_bound();
+  } else if (o.precision == Precision::FP32) {
     rep.metric = "max_err_ratio";
     rep.bound = 1.0;
   } else {
     rep.metric = "rel_l2";
-    rep.bound = bf16_check_bound(stack.num_layers());
+    rep.bound = bf16_check_bound(model.num_layers());
   }
   const auto t0 = std::chrono::steady_clock::now();
   const int32_t n = o.parallel_samples;
@@ -81,7 +95,7 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack
     spec.prompt_len = static_cast<int32_t>(spec.prompt.size());
     for (int32_t j = 0; j < n; ++j) spec.forced.push_back(batched.outputs[r * n + j].tokens);
     rep.request_ids.push_back(spec.id);
-    ModelRunner alone(stack, slots_for(spec, n), p.kernel);
+    ModelRunner alone(model, slots_for(spec, n), kv_tokens_for(spec, n), p.kernel);
     ServeOptions so;
     so.scheduler.token_budget = spec.prompt_len;
     so.scheduler.max_batch = n;
@@ -99,10 +113,10 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KdaStack
       const auto& b = batched.outputs[r * n + j];
       // A prefix-cache hit's rows start at rows_from: compare the positions both runs computed.
       const auto& full = ar.outputs[j].rows;
-      const size_t skip = static_cast<size_t>(b.rows_from) * static_cast<size_t>(stack.hidden_size());
+      const size_t skip = static_cast<size_t>(b.rows_from) * static_cast<size_t>(model.hidden_size());
       const std::vector<float> tail(full.begin() + static_cast<std::ptrdiff_t>(std::min(skip, full.size())),
                                     full.end());
-      rep.worst = std::max(rep.worst, metric_of(b.rows, tail, o.precision));
+      rep.worst = std::max(rep.worst, metric_of(b.rows, tail, rep.metric));
       const auto& mine = ar.outputs[j].tokens;
       rep.tokens_total += static_cast<int64_t>(std::max(b.tokens.size(), mine.size()));
       for (size_t k = 0; k < std::min(b.tokens.size(), mine.size()); ++k)

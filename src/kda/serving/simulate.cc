@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kda/mem_cache/radix_cache.h"
-#include "kda/models/kda_stack.h"
+#include "kda/models/kimi_linear_model.h"
 #include "kda/serving/data_parallel.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/self_check.h"
@@ -46,13 +46,15 @@ void attach_cache(const Plan& p, ModelRunner& runner, ServeOptions& so,
   so.scheduler.cache = &*cache;
 }
 
-// After a completed pass: every state slot is a request's or a snapshot's, every request index is back,
-// and the cache's tree is consistent with nothing pending or locked. The first inconsistency is named.
+// After a completed pass: every state slot is a request's or a snapshot's, every request index and MLA
+// KV token slot is back, and the cache's tree is consistent with nothing pending or locked. The first
+// inconsistency is named.
 void account(ModelRunner& runner, const mem_cache::RadixCache* cache, SimulateResult& res) {
   auto& pools = runner.pools();
   const int64_t snapshots = cache ? cache->snapshots() : 0;
   res.leaked_slots = pools.recurrent_state_pool.size() - pools.recurrent_state_pool.available() - snapshots;
   res.leaked_request_indices = pools.req_to_token_pool.size() - pools.req_to_token_pool.available();
+  if (const auto* kv = pools.token_to_kv_pool.get()) res.leaked_kv_tokens = kv->size() - kv->available();
   if (cache) {
     try {
       cache->check_invariants();
@@ -72,6 +74,8 @@ void account(ModelRunner& runner, const mem_cache::RadixCache* cache, SimulateRe
     res.accounting_error = std::to_string(res.leaked_slots) + " state slots held by no request or snapshot";
   if (res.leaked_request_indices != 0 && res.accounting_error.empty())
     res.accounting_error = std::to_string(res.leaked_request_indices) + " request indices never freed";
+  if (res.leaked_kv_tokens != 0 && res.accounting_error.empty())
+    res.accounting_error = std::to_string(res.leaked_kv_tokens) + " MLA KV token slots never freed";
 }
 
 SimulateResult run_group(const SimulateOptions& o) {
@@ -101,16 +105,43 @@ SimulateResult run_group(const SimulateOptions& o) {
     res.cache_interval = o.cache_interval;
   }
 
-  log("building " + std::to_string(p.layers) + (p.layers == 1 ? " KDA layer (" : " KDA layers (") +
-      res.model + ", " + to_string(o.precision) + ", hidden " + std::to_string(p.cfg.hidden_size) + ", " +
-      std::to_string(p.cfg.num_heads) + " heads x " + std::to_string(p.cfg.head_dim) + ")");
+  res.kda_layers = p.kda_layers;
+  res.mla_layers = p.mla_layers;
+  res.moe_layers = p.moe_layers;
+  res.num_experts = p.num_experts;
+  res.experts_per_token = p.num_experts > 0 ? std::min(p.cfg.num_experts_per_token, p.num_experts) : 0;
+  res.kv_tokens = p.kv_tokens;
+  res.kv_token_bytes = p.kv_token_bytes;
+
+  std::string what = std::to_string(p.layers) + (p.layers == 1 ? " decoder layer (" : " decoder layers (") +
+                     std::to_string(p.kda_layers) + " KDA + " + std::to_string(p.mla_layers) + " MLA";
+  if (p.moe_layers > 0)
+    what += "; " + std::to_string(p.moe_layers) + " MoE of top-" + std::to_string(res.experts_per_token) +
+            " of " + std::to_string(p.num_experts) + " experts";
+  log("building " + what + "; " + res.model + ", " + to_string(o.precision) + ", " + to_string(o.weights) +
+      " weights, hidden " + std::to_string(p.cfg.hidden_size) + ", vocab " + std::to_string(p.vocab) + ")");
   const auto t0 = Clock::now();
-  auto stack = o.model_dir.empty() ? models::KdaStack::synthetic(p.cfg, p.layers, o.precision, o.seed, o.tp,
-                                                                 p.vocab, o.weights)
-                                   : models::KdaStack::from_checkpoint(o.model_dir, p.layers, o.precision,
-                                                                       o.tp, p.vocab, o.seed, o.weights);
+  models::ModelOptions mo;
+  mo.precision = o.precision;
+  mo.weights = o.weights;
+  mo.tp = o.tp;
+  mo.num_layers = p.layers;
+  mo.kernel = p.kernel;
+  std::unique_ptr<models::KimiLinearForCausalLM> model;
+  if (o.model_dir.empty()) {
+    mo.num_experts = p.num_experts;
+    mo.vocab = p.vocab;
+    model = models::KimiLinearForCausalLM::synthetic(p.cfg, mo, o.seed);
+  } else {
+    model = models::KimiLinearForCausalLM::from_pretrained(o.model_dir, mo);
+  }
   res.build_s = seconds_since(t0);
-  res.weight_bytes = stack->layer_weight_bytes();
+  res.model_weight_bytes = model->weight_bytes();
+  res.active_weight_bytes = model->active_weight_bytes();
+  res.active_params = model->active_params();
+  int64_t layer_bytes = 0;
+  for (int i = 0; i < model->num_layers(); ++i) layer_bytes += model->model().layer(i).weight_bytes();
+  res.weight_bytes = model->num_layers() > 0 ? layer_bytes / model->num_layers() : 0;
 
   ServeOptions so;
   so.scheduler = p.sched;
@@ -132,7 +163,7 @@ SimulateResult run_group(const SimulateOptions& o) {
     pre.keep.assign(o.requests.size(), 0);
     pre.probe_decode = true;
     const auto tp0 = Clock::now();
-    ModelRunner runner(*stack, p.slots + p.cache_slots, p.kernel, 2, p.verify_rows);
+    ModelRunner runner(*model, p.slots + p.cache_slots, p.kv_tokens, p.kernel, 2, p.verify_rows);
     std::optional<mem_cache::RadixCache> cache;
     attach_cache(p, runner, pre, cache);
     ServeResult r0 = serve(runner, o.requests, pre);
@@ -147,11 +178,19 @@ SimulateResult run_group(const SimulateOptions& o) {
   so.replay_truth = &truth;
   {
     // Freed before the check's pools.
-    ModelRunner runner(*stack, p.slots + p.cache_slots, p.kernel, p.verify_tokens, p.verify_rows);
+    ModelRunner runner(*model, p.slots + p.cache_slots, p.kv_tokens, p.kernel, p.verify_tokens,
+                       p.verify_rows);
     res.pool_bytes = static_cast<int64_t>(runner.pools().recurrent_state_pool.total_bytes());
+    if (const auto* kv = runner.pools().token_to_kv_pool.get())
+      res.kv_bytes = static_cast<int64_t>(kv->bytes());
     log("state pool: " + std::to_string(p.slots) + " request + " + std::to_string(p.cache_slots) +
         " snapshot slots x " + std::to_string(p.slot_bytes) + " bytes; " + std::to_string(res.requests) +
-        " requests");
+        " requests" +
+        (p.mla_layers > 0 ? "; MLA KV pool: " + std::to_string(p.kv_tokens) + " token slots x " +
+                                std::to_string(p.kv_token_bytes) +
+                                " bytes (prefix cache off: a KDA "
+                                "snapshot cannot restore the MLA layers' KV)"
+                          : std::string()));
     std::optional<mem_cache::RadixCache> cache;
     attach_cache(p, runner, so, cache);
     so.progress = [&](const ProgressInfo& pi) {
@@ -170,7 +209,7 @@ SimulateResult run_group(const SimulateOptions& o) {
   if (o.check > 0 && !res.serve.interrupted) {
     log("self-check: re-running " + std::to_string(o.check) + " request(s) alone on a fresh pool");
     bool interrupted = false;
-    CheckReport rep = self_check(o, p, *stack, res.serve, &interrupted);
+    CheckReport rep = self_check(o, p, *model, res.serve, &interrupted);
     if (interrupted)
       res.serve.interrupted = true;
     else

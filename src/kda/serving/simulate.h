@@ -1,18 +1,19 @@
-// kda simulate as a library: a serving engine's scheduler driving a stack of KDA layers with
-// continuous batching, its statistics, the --outputs archive and the self-check.
+// kda simulate as a library: a serving engine's scheduler driving the whole Kimi-Linear decoder
+// (models::KimiLinearForCausalLM: KDA and MLA layers, dense MLP and MoE) with continuous batching, its
+// statistics, the --outputs archive and the self-check.
 //
 // Everything the options can get wrong is checked before any work (no model is built, no pool
 // allocated): each error is a std::invalid_argument naming the option.
 //
 // A request runs its prompt_len prompt tokens (EXTEND, chunked by the token budget), then output_len
-// decode tokens per continuation, each the embedding of the token generated just before (greedy: final
-// norm, LM head, argmax), output_len + 1 tokens generated in all (request.h). With --parallel-samples n
-// the request itself is continuation 0 and keeps its slot; continuations 1..n-1 are forked from it after
-// the prompt (with greedy decoding they generate the same tokens). Outputs (--outputs, SimulateResult):
-// per continuation, the last-layer output (the residual stream after the last KDA layer, before the
-// final norm) of every token it processed, [prompt_len + output_len, hidden] float32, key "req_<id>"
-// (n = 1) or "req_<id>_s<j>" (n > 1, the prompt rows repeated in every continuation), and the generated
-// token ids, [output_len + 1] int32, key "tokens_<id>" or "tokens_<id>_s<j>".
+// decode tokens per continuation, each the token generated just before (greedy: final norm, LM head,
+// argmax), output_len + 1 tokens generated in all (request.h). With --parallel-samples n the request
+// itself is continuation 0 and keeps its slot; continuations 1..n-1 are forked from it after the prompt
+// (with greedy decoding they generate the same tokens). Outputs (--outputs, SimulateResult): per
+// continuation, the last-layer output (the residual stream after the last decoder layer, before the final
+// norm) of every token it processed, [prompt_len + output_len, hidden] float32, key "req_<id>" (n = 1) or
+// "req_<id>_s<j>" (n > 1, the prompt rows repeated in every continuation), and the generated token ids,
+// [output_len + 1] int32, key "tokens_<id>" or "tokens_<id>_s<j>".
 //
 // The self-check teacher-forces: each checked request is re-run alone on a fresh pool on the token
 // sequence the batched run produced (its prompt, then each continuation's generated tokens as the
@@ -22,7 +23,10 @@
 //
 // The pool holds min(state_memory / slot bytes, the workload's sequence count) request slots, plus
 // min(prefix_cache_memory / slot bytes, the snapshots the workload could create) with the cache: more could
-// never be in use at once.
+// never be in use at once. With MLA layers, min(kv_memory / bytes per token, the workload's tokens) MLA KV
+// token slots beside it; a model with MLA layers serves without the prefix cache (a KDA state snapshot
+// cannot restore the prefix's MLA KV rows) and refuses speculative decoding (the MLA layer has no
+// TARGET_VERIFY).
 #pragma once
 
 #include <atomic>
@@ -46,17 +50,19 @@ namespace kda::serving {
 
 struct SimulateOptions {
   // Model: a checkpoint folder, or (empty) seeded synthetic weights at `synthetic_config`'s shapes
-  // (default: Kimi-Linear-48B-A3B).
+  // (default: Kimi-Linear-48B-A3B; a synthetic config needs the model fields, has_model_fields).
   std::string model_dir;
   std::optional<io::KimiLinearConfig> synthetic_config;
-  int layers = 0;  // the first N KDA layers; 0: all
+  int layers = 0;  // the first N decoder layers of the config's pattern; 0: all
+  // Synthetic only: routed experts per MoE layer (top-k stays the config's, so the active parameters
+  // per token are the config's). 0: kDefaultExperts for the default 48B config, else the config's.
+  int num_experts = 0;
   Precision precision = Precision::BF16;
   Weights weights = Weights::BF16;
   std::string kernel = "auto";  // auto | naive | optimized
   uint64_t seed = 0;            // weights, workload and inputs
-  // Vocabulary of the seeded embedding and LM head; 0: the checkpoint's (model.embed_tokens.weight
-  // or lm_head.weight) when it has one, else models::KdaStack::kDefaultVocab. A value unlike the
-  // checkpoint's is an error.
+  // Vocabulary of the seeded embedding and LM head; 0: the config's vocab_size (a checkpoint's always:
+  // a value unlike it is an error).
   int64_t vocab = 0;
   std::string workload = "random";  // a label for the summary (the requests are what runs)
 
@@ -70,6 +76,7 @@ struct SimulateOptions {
   }();
   int64_t max_batch = 64;
   int64_t state_memory = int64_t{2} << 30;  // bytes for the recurrent state pool (requests)
+  int64_t kv_memory = int64_t{1} << 30;     // bytes for the MLA token KV pool (models with MLA layers)
   // Prefix cache of state snapshots (mem_cache::RadixCache), on unless server_args.disable_radix_cache:
   // the pool gets prefix_cache_memory bytes of snapshot slots on top of state_memory (one pool accounts
   // for both; admission evicts snapshots when requests need their slots). A snapshot every
@@ -106,8 +113,8 @@ struct SimulateOptions {
 struct CheckReport {
   std::vector<int64_t> request_ids;  // the requests re-run alone
   // fp32: "max_err_ratio", the worst elementwise |a - b| / (1e-5 + 1e-5 |b|) (the spec's tolerance),
-  // bound 1. bf16: "rel_l2", the relative L2 of a continuation's rows, bound bf16_check_bound(layers)
-  // (self_check.h says why).
+  // bound 1. bf16: "rel_l2", the relative L2 of a continuation's rows, bound bf16_check_bound(layers);
+  // int8 / int4 weights: "rel_l2", bound quantized_check_bound() (self_check.cc says why).
   std::string metric;
   double worst = 0.0;        // the value reached: the worst over every continuation
   double bound = 1.0;        // passes when worst <= bound
@@ -119,11 +126,23 @@ struct CheckReport {
   bool tokens_all_matched() const { return tokens_matched == tokens_total; }
 };
 
+// The synthetic 48B model's routed experts per MoE layer by default: the most that keeps the default
+// `kda simulate` within 14 GiB of resident memory on the 23 GiB development machine (bf16 weights: each
+// expert is 14 MB per MoE layer, 26 MoE layers; the rest of the model is about 5 GB).
+inline constexpr int kDefaultExperts = 16;
+
 struct SimulateResult {
   std::string model;  // "synthetic" or the checkpoint folder
   Precision precision = Precision::BF16;
   Weights weights = Weights::BF16;
-  int64_t weight_bytes = 0;  // resident projection weight bytes per layer (this rank)
+  int64_t weight_bytes = 0;  // resident weight bytes per decoder layer, the mean (this rank)
+  // The whole model on this rank (embedding, layers, LM head), what a decoded token reads of it, and the
+  // model's active parameters per token (every rank's: the config's top-k experts whatever num_experts).
+  int64_t model_weight_bytes = 0, active_weight_bytes = 0, active_params = 0;
+  int kda_layers = 0, mla_layers = 0, moe_layers = 0;
+  int num_experts = 0, experts_per_token = 0;  // routed experts per MoE layer, top-k (0 without MoE)
+  // MLA token KV pool (zero without MLA layers): token slots, bytes per token over every MLA layer, bytes.
+  int64_t kv_tokens = 0, kv_token_bytes = 0, kv_bytes = 0;
   int layers = 0;
   int64_t hidden = 0;
   bool mixed = false, radix_cache_disabled = false;
@@ -145,9 +164,12 @@ struct SimulateResult {
   // cached snapshot, request indices still taken, and whether the prefix cache's tree is consistent with
   // nothing pending or locked. A leak fails the run (ok() false). Summed over --dp groups.
   int64_t leaked_slots = 0, leaked_request_indices = 0;
+  int64_t leaked_kv_tokens = 0;  // MLA KV token slots still taken after the run
   bool cache_consistent = true;
   std::string accounting_error;  // the first inconsistency, empty when none
-  bool accounting_ok() const { return leaked_slots == 0 && leaked_request_indices == 0 && cache_consistent; }
+  bool accounting_ok() const {
+    return leaked_slots == 0 && leaked_request_indices == 0 && leaked_kv_tokens == 0 && cache_consistent;
+  }
   // Resident memory (VmRSS) after each step of the serving loop, bytes; rss_growth = the last sample over
   // the sample at the end of the first tenth of the steps, minus 1 (a soak's leak shows as growth).
   std::vector<int64_t> rss_bytes;
@@ -162,7 +184,9 @@ std::string tokens_key(const SequenceOutput& s, int32_t parallel_samples);
 
 // The vocabulary a run uses (SimulateOptions::vocab): needed before the model is built, to generate
 // a workload's token ids and check a trace's. Reads only a checkpoint's tensor headers.
-int64_t resolve_vocab(const std::string& model_dir, int64_t vocab);
+// `vocab` 0: the checkpoint's config's vocab_size, else the synthetic config's (default: the 48B model's).
+int64_t resolve_vocab(const std::string& model_dir, int64_t vocab,
+                      const std::optional<io::KimiLinearConfig>& synthetic_config = std::nullopt);
 
 // "2GiB", "512MiB", "64M", "1073741824": bytes (binary units; B, K/KiB, M/MiB, G/GiB, T/TiB).
 int64_t parse_byte_size(const std::string& text, const std::string& option);
@@ -183,6 +207,12 @@ double percentile(std::vector<double> v, double p);  // nearest-rank, p in [0, 1
 // accepted / drafted, spec_tokens_per_step = tokens emitted per request per verify step (accepted + 1),
 // spec_verify_steps, spec_state_bytes the backend's verify buffer; decode_tokens counts generated tokens
 // either way (drafts are not counted), so decode_tok_s compares with and without speculation.
+// The model: layers decoder layers, kda_layers / mla_layers / moe_layers of them, num_experts routed experts
+// per MoE layer and experts_per_token (top-k) of them per token, weight_bytes the mean resident bytes of a
+// decoder layer, model_weight_bytes the whole model's, active_weight_bytes what one decoded token reads,
+// active_params the parameters one token uses (the real model's whenever top-k and the expert size are).
+// MLA KV pool: kv_tokens token slots of kv_token_bytes (every MLA layer), kv_bytes allocated,
+// peak_kv_tokens in use at the busiest step, leaked_kv_tokens still taken after the run (0 or the run fails).
 nlohmann::json to_json(const SimulateResult& r);
 
 }  // namespace kda::serving

@@ -1,5 +1,7 @@
 #include "kda/serving/simulate_plan.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
@@ -9,20 +11,56 @@
 
 #include "kda/io/kimi_linear_48b.h"
 #include "kda/mem_cache/memory_pool.h"
-#include "kda/models/kda_stack.h"
 #include "kda/models/kimi_linear.h"
+#include "kda/models/kimi_linear_model.h"
 #include "kda/serving/trace.h"
 
 namespace kda::serving {
 
 int32_t slots_for(const RequestSpec& r, int32_t n) { return r.output_len > 0 ? n : 1; }
 
+int64_t kv_tokens_for(const RequestSpec& r, int32_t n) {
+  return r.output_len > 0 ? int64_t{n} * (int64_t{r.prompt_len} + r.output_len) : r.prompt_len;
+}
+
+namespace {
+
+// One request slot's bytes over `kda_layers` KDA layers: recurrent state fp32 and conv state (fp32, or
+// bf16 in the bf16 precision), as the RecurrentStatePool lays them out.
+int64_t kda_slot_bytes(const io::KimiLinearConfig& cfg, int kda_layers, Precision precision) {
+  const int64_t H = cfg.num_heads, K = cfg.head_dim, W = cfg.short_conv_kernel_size;
+  const int64_t rec = H * K * K * static_cast<int64_t>(sizeof(float));
+  const int64_t conv = (W - 1) * 3 * H * K * (precision == Precision::BF16 ? 2 : 4);
+  return kda_layers * (rec + conv);
+}
+
+// Whatever --tp splits besides the KDA heads (models::check_tensor_parallel): the MLA heads and every
+// MLP's intermediate rows.
+void check_model_tensor_parallel(const io::KimiLinearConfig& cfg, int layers, int tp) {
+  if (tp <= 1) return;
+  auto need = [&](int64_t what, const char* name) {
+    if (what % tp != 0)
+      throw std::invalid_argument("--tp " + std::to_string(tp) + ": " + name + " " + std::to_string(what) +
+                                  " is not divisible by the ranks");
+  };
+  bool dense = false, moe = false, mla = false;
+  for (int i = 0; i < layers; ++i) {
+    mla = mla || cfg.is_mla_layer(i);
+    (cfg.is_moe_layer(i) ? moe : dense) = true;
+  }
+  if (mla) need(cfg.num_attention_heads, "num_attention_heads (MLA heads)");
+  if (dense) need(cfg.intermediate_size, "intermediate_size (dense MLP)");
+  if (moe) need(cfg.moe_intermediate_size, "moe_intermediate_size (experts)");
+}
+
+}  // namespace
+
 Plan make_plan(const SimulateOptions& o) {
   validate_workload(o.requests);
   Plan p;
   if (!o.model_dir.empty() && !std::filesystem::is_directory(o.model_dir))
     throw std::invalid_argument("--model " + o.model_dir + ": not a directory");
-  p.vocab = resolve_vocab(o.model_dir, o.vocab);
+  p.vocab = resolve_vocab(o.model_dir, o.vocab, o.synthetic_config);
   validate_workload(o.requests, p.vocab);
   p.server_args = o.server_args;
   if (p.server_args.chunked_prefill_size < 1)
@@ -43,16 +81,71 @@ Plan make_plan(const SimulateOptions& o) {
   if (!o.model_dir.empty()) {
     if (!std::filesystem::is_directory(o.model_dir))
       throw std::invalid_argument("--model " + o.model_dir + ": not a directory");
-    p.cfg = io::load_config(o.model_dir);
+    p.cfg = io::load_model_config(o.model_dir);
+    if (o.num_experts != 0)
+      throw std::invalid_argument("--experts is for synthetic weights: the checkpoint " + o.model_dir +
+                                  " has its own " + std::to_string(p.cfg.num_experts));
   } else {
     p.cfg = o.synthetic_config.value_or(io::kimi_linear_48b_config());
+    if (!p.cfg.has_model_fields)
+      throw std::invalid_argument(
+          "synthetic config: the whole model's fields (MLA, MoE, vocab) are missing (has_model_fields)");
   }
-  p.layers = static_cast<int>(models::KdaStack::select_layers(p.cfg, o.layers).size());
+  if (o.layers < 0 || o.layers > p.cfg.num_hidden_layers)
+    throw std::invalid_argument("--layers " + std::to_string(o.layers) + ": must be in 0.." +
+                                std::to_string(p.cfg.num_hidden_layers) + " (0: all decoder layers)");
+  p.layers = o.layers == 0 ? p.cfg.num_hidden_layers : o.layers;
+  for (int i = 0; i < p.layers; ++i) {
+    (p.cfg.is_mla_layer(i) ? p.mla_layers : p.kda_layers) += 1;
+    p.moe_layers += p.cfg.is_moe_layer(i) ? 1 : 0;
+  }
+  if (o.num_experts < 0 || o.num_experts > io::kMaxExperts)
+    throw std::invalid_argument("--experts must be in 1.." + std::to_string(io::kMaxExperts) + ", got " +
+                                std::to_string(o.num_experts));
+  if (o.num_experts > 0 && p.cfg.num_experts == 0)
+    throw std::invalid_argument("--experts " + std::to_string(o.num_experts) +
+                                ": the config has no MoE layers");
+  p.num_experts = o.num_experts > 0                                        ? o.num_experts
+                  : o.model_dir.empty() && !o.synthetic_config.has_value() ? kDefaultExperts
+                                                                           : p.cfg.num_experts;
+  if (p.moe_layers == 0) p.num_experts = 0;
+  if (o.num_experts > p.cfg.num_experts)
+    throw std::invalid_argument("--experts " + std::to_string(o.num_experts) + ": the config has " +
+                                std::to_string(p.cfg.num_experts) + " routed experts per MoE layer");
+  // The routed experts' weights alone, against the machine's memory: a model that cannot be resident is
+  // refused before it is drawn (at 256 experts the real model's experts are ~90 GB in bf16).
+  {
+    const double per_weight = o.weights == Weights::Int4       ? 0.56
+                              : o.weights == Weights::Int8     ? 1.0
+                              : o.precision == Precision::BF16 ? 2.0
+                                                               : 4.0;
+    const double experts_bytes = double(p.moe_layers) * p.num_experts * 3.0 * double(p.cfg.hidden_size) *
+                                 double(p.cfg.moe_intermediate_size) * per_weight / std::max(o.tp.size, 1);
+    const double phys = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    if (phys > 0 && experts_bytes > phys)
+      throw std::invalid_argument("--experts " + std::to_string(p.num_experts) +
+                                  ": the routed experts alone "
+                                  "would take " +
+                                  std::to_string(static_cast<int64_t>(experts_bytes / 1e9)) +
+                                  " GB, more than this machine's " +
+                                  std::to_string(static_cast<int64_t>(phys / 1e9)) + " GB of memory");
+  }
   models::check_tensor_parallel(p.cfg, o.tp.size);
-  p.slot_bytes = models::KdaStack::slot_bytes(p.cfg, p.layers, o.precision);
+  check_model_tensor_parallel(p.cfg, p.layers, o.tp.size);
+  p.slot_bytes = kda_slot_bytes(p.cfg, p.kda_layers, o.precision);
+  if (p.slot_bytes == 0)
+    throw std::invalid_argument("--layers " + std::to_string(p.layers) +
+                                ": no KDA layer among them (the serving pool's request slots are KDA slots)");
   // Speculative decoding: the verify buffer holds a row per decode row of a step (at most max_batch and
   // at most the request slots), so the first max_batch slots each cost a verify row too.
   o.spec.validate();
+  if (o.spec.enabled() && p.mla_layers > 0)
+    throw std::invalid_argument(
+        std::string("--speculative ") + to_string(o.spec.algorithm) + ": the model has " +
+        std::to_string(p.mla_layers) +
+        " MLA layer(s) among its decoder layers, and the MLA layer has no TARGET_VERIFY (verifying drafts "
+        "against the latent KV cache); speculative decoding serves models whose layers are all KDA "
+        "(--layers below the first MLA layer)");
   if (o.spec.enabled()) {
     std::string named = p.server_args.speculative_algorithm;
     for (char& c : named) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -65,7 +158,7 @@ Plan make_plan(const SimulateOptions& o) {
     throw std::invalid_argument("server_args.speculative_algorithm '" + p.server_args.speculative_algorithm +
                                 "' without SimulateOptions::spec");
   }
-  const int64_t row_bytes = int64_t{p.verify_tokens} * p.layers * static_cast<int64_t>(sizeof(float)) *
+  const int64_t row_bytes = int64_t{p.verify_tokens} * p.kda_layers * static_cast<int64_t>(sizeof(float)) *
                             mem_cache::RecurrentStatePool::verify_token_elems(
                                 3 * int64_t{p.cfg.projection_size()}, p.cfg.num_heads, p.cfg.head_dim);
   int64_t budget_slots = o.state_memory / (p.slot_bytes + row_bytes);
@@ -75,7 +168,7 @@ Plan make_plan(const SimulateOptions& o) {
     throw std::invalid_argument(
         "--state-memory " + std::to_string(o.state_memory) +
         " bytes is too small for one state slot: a slot needs " + std::to_string(p.slot_bytes) + " bytes (" +
-        std::to_string(p.layers) + " layers x (recurrent + conv state))" +
+        std::to_string(p.kda_layers) + " KDA layers x (recurrent + conv state))" +
         (row_bytes > 0 ? " + " + std::to_string(row_bytes) + " bytes of verify buffer (--draft-tokens)"
                        : ""));
   int64_t need = 0, total = 0;
@@ -91,6 +184,28 @@ Plan make_plan(const SimulateOptions& o) {
   // More slots than the workload has sequences could never be used: do not allocate them.
   p.slots = std::min(budget_slots, total);
   if (p.verify_tokens > 0) p.verify_rows = std::min(o.max_batch, p.slots);
+  // MLA token KV pool: as many token slots as the budget holds, at most what the workload could hold.
+  if (p.mla_layers > 0) {
+    p.kv_token_bytes =
+        int64_t{p.mla_layers} * p.cfg.kv_cache_dim() * (o.precision == Precision::BF16 ? 2 : 4);
+    if (o.kv_memory < 1)
+      throw std::invalid_argument("--kv-memory must be positive, got " + std::to_string(o.kv_memory));
+    const int64_t budget = o.kv_memory / p.kv_token_bytes;
+    int64_t kv_need = 0, kv_total = 0;
+    for (const auto& r : o.requests) {
+      kv_need = std::max(kv_need, kv_tokens_for(r, o.parallel_samples));
+      kv_total += kv_tokens_for(r, o.parallel_samples);
+    }
+    if (budget < kv_need)
+      throw std::invalid_argument("--kv-memory " + std::to_string(o.kv_memory) + " bytes holds " +
+                                  std::to_string(budget) + " MLA KV token slots (" +
+                                  std::to_string(p.kv_token_bytes) + " bytes each over " +
+                                  std::to_string(p.mla_layers) + " MLA layers), but a request needs " +
+                                  std::to_string(kv_need) + " (prompt + output tokens per continuation)");
+    p.kv_tokens = std::min(budget, kv_total);
+    // A KDA state snapshot cannot restore the prefix's MLA KV rows: no prefix cache on such a model.
+    p.server_args.disable_radix_cache = true;
+  }
   p.cache = !p.server_args.disable_radix_cache;
   if (p.cache) {
     if (o.cache_interval < 64 || o.cache_interval % 64 != 0)
@@ -135,17 +250,22 @@ Plan make_plan(const SimulateOptions& o) {
   return p;
 }
 
-int64_t resolve_vocab(const std::string& model_dir, int64_t vocab) {
+int64_t resolve_vocab(const std::string& model_dir, int64_t vocab,
+                      const std::optional<io::KimiLinearConfig>& synthetic_config) {
   if (vocab < 0 || vocab > (int64_t{1} << 24))
     throw std::invalid_argument("--vocab must be in 1..2^24, got " + std::to_string(vocab));
-  const int64_t ckpt = model_dir.empty() ? 0 : models::KdaStack::checkpoint_vocab(model_dir);
+  const int64_t ckpt = model_dir.empty() ? 0 : io::load_model_config(model_dir).vocab_size;
   if (ckpt > 0 && vocab > 0 && vocab != ckpt)
     throw std::invalid_argument("--vocab " + std::to_string(vocab) + ": the checkpoint " + model_dir +
                                 " has a vocabulary of " + std::to_string(ckpt));
   if (ckpt > (int64_t{1} << 24))
     throw std::invalid_argument(model_dir + ": a vocabulary of " + std::to_string(ckpt) +
                                 " is more than 2^24");
-  return ckpt > 0 ? ckpt : vocab > 0 ? vocab : models::KdaStack::kDefaultVocab;
+  if (ckpt > 0) return ckpt;
+  if (vocab > 0) return vocab;
+  const int64_t v = synthetic_config.value_or(io::kimi_linear_48b_config()).vocab_size;
+  if (v < 1) throw std::invalid_argument("synthetic config: no vocab_size (and no --vocab)");
+  return v;
 }
 
 int64_t parse_byte_size(const std::string& text, const std::string& option) {

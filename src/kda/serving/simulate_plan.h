@@ -18,7 +18,10 @@ namespace kda::serving {
 
 struct Plan {
   io::KimiLinearConfig cfg;
-  int layers = 0;
+  int layers = 0;                                      // decoder layers (the first N of the pattern)
+  int kda_layers = 0, mla_layers = 0, moe_layers = 0;  // of those
+  int num_experts = 0;                                 // routed experts per MoE layer the model is built with
+  int64_t kv_token_bytes = 0, kv_tokens = 0;           // MLA token KV pool (0 / 0 without MLA layers)
   kernels::KernelImpl kernel = kernels::KernelImpl::Auto;
   ServerArgs server_args;
   SchedulerOptions sched;
@@ -33,6 +36,9 @@ struct Plan {
 
 // State slots a request holds while it decodes: one per continuation (one when it only prefills).
 int32_t slots_for(const RequestSpec& r, int32_t n);
+// MLA KV token slots it can hold at once: prompt + output tokens per continuation (its prompt alone
+// when it only prefills), as the scheduler's admission promises them.
+int64_t kv_tokens_for(const RequestSpec& r, int32_t n);
 
 Plan make_plan(const SimulateOptions& o);
 
