@@ -1012,10 +1012,6 @@ TEST(Simulate, BadOptionsAreClearErrorsBeforeAnyWork) {
   o.kv_memory = 1000;  // the 7 MLA layers' 576 values a token: 8064 bytes in bf16
   expect_invalid(run(o), "--kv-memory 1000 bytes holds 0 MLA KV token slots");
   o = opts();
-  o.spec.algorithm = SpecAlgorithm::kNgram;
-  o.server_args.speculative_algorithm = "ngram";
-  expect_invalid(run(o), "MLA layer(s) among its decoder layers, and the MLA layer has no TARGET_VERIFY");
-  o = opts();
   o.state_memory = 1 << 20;
   expect_invalid(run(o), "--state-memory 1048576 bytes is too small for one state slot");
   o = opts();
@@ -1356,6 +1352,34 @@ TEST(Speculative, TokensAndRowsEqualPlainGreedyDecodingForEveryDrafter) {
     EXPECT_DOUBLE_EQ(j["spec_tokens_per_step"].get<double>(),
                      static_cast<double>(r.serve.spec_verify_rows + n.accepted) / r.serve.spec_verify_rows);
     EXPECT_GT(j["spec_state_bytes"].get<int64_t>(), 0);
+  }
+}
+
+// With an MLA layer too: the verify step attends each draft to the committed prefix and its ancestors, and
+// accept keeps the accepted path's MLA token slots (a tree's need not be the row's first ones), so the
+// tokens and rows are plain decoding's, no KV token slot is left behind, and the self-check passes.
+TEST(Speculative, WholeModelWithMlaLayersEqualsPlainGreedyDecoding) {
+  auto plain_o = hybrid_options(spec_workload());
+  plain_o.vocab = kSpecVocab;
+  plain_o.server_args.chunked_prefill_size = 23;
+  plain_o.max_batch = 4;
+  const auto plain = run_simulation(plain_o);
+  ASSERT_EQ(plain.mla_layers, 1);
+  for (const int32_t topk : {1, 3}) {
+    SCOPED_TRACE("replay topk " + std::to_string(topk));
+    auto o = spec_options(spec_workload(), SpecAlgorithm::kReplay, topk, 0.6);
+    o.synthetic_config = hybrid_config();
+    o.vocab = kSpecVocab;
+    o.server_args.chunked_prefill_size = 23;
+    o.max_batch = 4;
+    o.check = 3;
+    const auto r = run_simulation(o);
+    expect_same_tokens_and_rows(r, plain);
+    expect_check_passes(r);
+    EXPECT_GT(r.serve.spec_accepted_tokens, 0);
+    EXPECT_LT(r.serve.decode_steps, plain.serve.decode_steps);
+    EXPECT_EQ(r.leaked_kv_tokens, 0);
+    EXPECT_TRUE(r.accounting_ok()) << r.accounting_error;
   }
 }
 

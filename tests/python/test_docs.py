@@ -86,7 +86,7 @@ def test_simulate_json_keys_are_the_documented_ones(name):
     assert not unknown, f"docs/serving.md: conditions the test does not know: {unknown}"
     args = ["simulate", "--model", str(TINY_MODEL), "--requests", "3", "--prompt-len", "4:12", "--output-len", "4"]
     args += ["--check", "1" if run["check"] else "0", "--json"]
-    if run["spec"]:  # the MLA layer has no TARGET_VERIFY: its first 3 (KDA) layers serve speculation
+    if run["spec"]:  # its first 3 (KDA) layers: a shorter run with the same keys
         args += ["--speculative", run["spec"], "--layers", "3"]
     out = run_json(*args)
     expected = {k for k, c in doc.items() if SIMULATE_CONDITIONS[c](run)}

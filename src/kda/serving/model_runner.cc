@@ -23,21 +23,10 @@ void ModelRunner::forward(model_executor::ForwardBatch& fb, const int32_t* input
 void ModelRunner::accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted) {
   if (verify_lens_.size() != fb.req_pool_indices.size() || accepted.size() != verify_lens_.size())
     throw std::logic_error("ModelRunner::accept: not after this batch's TARGET_VERIFY forward");
-  backend_.accept(fb, accepted, pools_->recurrent_state_pool);
-  // Each request's length becomes its committed tokens: the row's token and its accepted drafts (the
-  // verify step may have appended every row position).
-  auto& rtp = pools_->req_to_token_pool;
-  for (size_t i = 0; i < accepted.size(); ++i) {
-    const int32_t r = fb.req_pool_indices[i];
-    if (r < 0) continue;
-    const int64_t target = verify_lens_[i] + accepted[i] + 1, now = rtp.seq_len(r);
-    if (now > target) {
-      rtp.truncate_tokens(r, target);
-    } else if (now < target) {
-      const int32_t add = static_cast<int32_t>(target - now);
-      rtp.alloc_tokens(std::span<const int32_t>(&r, 1), std::span<const int32_t>(&add, 1));
-    }
-  }
+  // The KDA states move to the accepted tokens; each request keeps the token slots of its accepted path
+  // (a chain's first accepted + 1 row tokens; a tree's accepted token and its ancestors) and frees the
+  // rest, so its length becomes its committed tokens.
+  model_->accept(fb, accepted, *pools_);
   verify_lens_.clear();
 }
 

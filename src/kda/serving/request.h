@@ -43,6 +43,14 @@ struct RequestSpec {
   int32_t own_start() const { return prompt_len - own_len(); }  // position of its first own token
 };
 
+// MLA KV token slots a request can hold at once with n continuations: each holds a row per token it
+// processes (the prompt's, copied into each fork, then its decode inputs) and, during a speculative verify
+// step, up to verify_extra drafted tokens beyond them; a prefill-only request holds its prompt. What the
+// scheduler's admission promises, and what the plan sizes the KV pool by.
+inline int64_t kv_tokens_for(const RequestSpec& r, int32_t n, int32_t verify_extra = 0) {
+  return r.output_len > 0 ? int64_t{n} * (int64_t{r.prompt_len} + r.output_len + verify_extra) : r.prompt_len;
+}
+
 // One continuation of a request: continuation 0 is the request itself (it runs the prompt and keeps
 // its slot); continuations 1..n-1 are forked from it with copy_slot once the prompt is done.
 enum class SeqPhase { kWaiting, kPrefill, kForkPending, kDecode, kFinished };

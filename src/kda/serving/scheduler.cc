@@ -110,11 +110,10 @@ int64_t Scheduler::slots_in_use() const { return pool_->size() - pool_->availabl
 // its continuations would all equal the prompt, so nothing is forked.
 int32_t Scheduler::slots_needed(int64_t request) const { return requests_[request].output_len > 0 ? n_ : 1; }
 
-// MLA KV token slots a request can hold at once: each continuation holds a row per token it processes
-// (the prompt's, copied into each fork, then its decode inputs); a prefill-only request holds its prompt.
+// MLA KV token slots a request can hold at once (request.h, kv_tokens_for).
 int64_t Scheduler::kv_tokens_needed(int64_t request) const {
   const RequestSpec& r = requests_[request];
-  return r.output_len > 0 ? int64_t{n_} * (int64_t{r.prompt_len} + r.output_len) : r.prompt_len;
+  return kv_tokens_for(r, n_, opt_.verify_extra_tokens);
 }
 
 // With a prefix cache, evictable snapshots count as free: admission evicts what it needs.

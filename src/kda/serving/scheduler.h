@@ -61,6 +61,10 @@ struct SchedulerOptions {
   int max_prefill_streak = 4;
   mem_cache::RadixCache* cache = nullptr;  // prefix cache over the same recurrent pool; null: off
   int64_t cache_interval = 256;            // a snapshot every this many prompt tokens (> 0)
+  // Speculative decoding: the MLA KV token slots a continuation may hold beyond its committed tokens
+  // during a TARGET_VERIFY step (max_verify_tokens - 1: a tree row's drafts need not lie on one path),
+  // promised at admission with the rest. 0 without speculative decoding.
+  int32_t verify_extra_tokens = 0;
 };
 
 struct BatchRow {

@@ -24,9 +24,9 @@
 // The pool holds min(state_memory / slot bytes, the workload's sequence count) request slots, plus
 // min(prefix_cache_memory / slot bytes, the snapshots the workload could create) with the cache: more could
 // never be in use at once. With MLA layers, min(kv_memory / bytes per token, the workload's tokens) MLA KV
-// token slots beside it; a model with MLA layers serves without the prefix cache (a KDA state snapshot
-// cannot restore the prefix's MLA KV rows) and refuses speculative decoding (the MLA layer has no
-// TARGET_VERIFY).
+// token slots beside it (with speculative decoding, each continuation's verify drafts too); a model with
+// MLA layers serves without the prefix cache (a KDA state snapshot cannot restore the prefix's MLA KV
+// rows).
 #pragma once
 
 #include <atomic>

@@ -19,10 +19,6 @@ namespace kda::serving {
 
 int32_t slots_for(const RequestSpec& r, int32_t n) { return r.output_len > 0 ? n : 1; }
 
-int64_t kv_tokens_for(const RequestSpec& r, int32_t n) {
-  return r.output_len > 0 ? int64_t{n} * (int64_t{r.prompt_len} + r.output_len) : r.prompt_len;
-}
-
 namespace {
 
 // One request slot's bytes over `kda_layers` KDA layers: recurrent state fp32 and conv state (fp32, or
@@ -139,13 +135,6 @@ Plan make_plan(const SimulateOptions& o) {
   // Speculative decoding: the verify buffer holds a row per decode row of a step (at most max_batch and
   // at most the request slots), so the first max_batch slots each cost a verify row too.
   o.spec.validate();
-  if (o.spec.enabled() && p.mla_layers > 0)
-    throw std::invalid_argument(
-        std::string("--speculative ") + to_string(o.spec.algorithm) + ": the model has " +
-        std::to_string(p.mla_layers) +
-        " MLA layer(s) among its decoder layers, and the MLA layer has no TARGET_VERIFY (verifying drafts "
-        "against the latent KV cache); speculative decoding serves models whose layers are all KDA "
-        "(--layers below the first MLA layer)");
   if (o.spec.enabled()) {
     std::string named = p.server_args.speculative_algorithm;
     for (char& c : named) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -193,8 +182,9 @@ Plan make_plan(const SimulateOptions& o) {
     const int64_t budget = o.kv_memory / p.kv_token_bytes;
     int64_t kv_need = 0, kv_total = 0;
     for (const auto& r : o.requests) {
-      kv_need = std::max(kv_need, kv_tokens_for(r, o.parallel_samples));
-      kv_total += kv_tokens_for(r, o.parallel_samples);
+      const int32_t extra = o.spec.enabled() ? o.spec.max_verify_tokens() - 1 : 0;
+      kv_need = std::max(kv_need, kv_tokens_for(r, o.parallel_samples, extra));
+      kv_total += kv_tokens_for(r, o.parallel_samples, extra);
     }
     if (budget < kv_need)
       throw std::invalid_argument("--kv-memory " + std::to_string(o.kv_memory) + " bytes holds " +
@@ -239,6 +229,7 @@ Plan make_plan(const SimulateOptions& o) {
   p.sched.mixed = p.server_args.enable_mixed_chunk;
   p.sched.parallel_samples = o.parallel_samples;
   p.sched.cache_interval = o.cache_interval;
+  p.sched.verify_extra_tokens = o.spec.enabled() ? o.spec.max_verify_tokens() - 1 : 0;
 
   // The requests to re-run alone: a seeded draw (Fisher-Yates on the raw stream, portable).
   std::vector<int64_t> idx(static_cast<size_t>(R));

@@ -36,9 +36,6 @@ struct Plan {
 
 // State slots a request holds while it decodes: one per continuation (one when it only prefills).
 int32_t slots_for(const RequestSpec& r, int32_t n);
-// MLA KV token slots it can hold at once: prompt + output tokens per continuation (its prompt alone
-// when it only prefills), as the scheduler's admission promises them.
-int64_t kv_tokens_for(const RequestSpec& r, int32_t n);
 
 Plan make_plan(const SimulateOptions& o);
 
