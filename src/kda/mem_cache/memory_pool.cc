@@ -6,20 +6,12 @@
 #include <string>
 
 #include "kda/common/allocator.h"
+#include "kda/mem_cache/slot_checks.h"
 
 namespace kda::mem_cache {
 namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
-
-// Rejects a list naming one slot (or request) twice: freeing or writing it twice is a caller bug.
-void check_unique(std::span<const int32_t> ids, const char* what) {
-  std::vector<int32_t> sorted(ids.begin(), ids.end());
-  std::sort(sorted.begin(), sorted.end());
-  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  if (dup != sorted.end())
-    throw std::invalid_argument(std::string(what) + " " + str(*dup) + " is listed twice");
-}
 
 }  // namespace
 

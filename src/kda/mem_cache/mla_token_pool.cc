@@ -6,19 +6,12 @@
 #include <string>
 
 #include "kda/common/allocator.h"
+#include "kda/mem_cache/slot_checks.h"
 
 namespace kda::mem_cache {
 namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
-
-void check_unique(std::span<const int32_t> ids, const char* what) {
-  std::vector<int32_t> sorted(ids.begin(), ids.end());
-  std::sort(sorted.begin(), sorted.end());
-  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  if (dup != sorted.end())
-    throw std::invalid_argument(std::string(what) + ": slot " + str(*dup) + " is listed twice");
-}
 
 }  // namespace
 
@@ -84,7 +77,7 @@ std::vector<int32_t> MLATokenToKVPool::alloc(int64_t n) {
 
 void MLATokenToKVPool::free(std::span<const int32_t> slots) {
   for (const int32_t s : slots) check_slot(s, "MLATokenToKVPool::free");
-  check_unique(slots, "MLATokenToKVPool::free");
+  check_unique(slots, "MLATokenToKVPool::free: slot");
   // Pushed in reverse so that a following alloc(slots.size()) hands them back in the same order.
   for (auto it = slots.rbegin(); it != slots.rend(); ++it) {
     allocated_[static_cast<size_t>(*it)] = 0;
@@ -130,7 +123,7 @@ void MLATokenToKVPool::set_kv(int layer_id, std::span<const int32_t> slots, cons
                               const float* kpe) {
   const int64_t l = layer_index(layer_id);
   for (const int32_t s : slots) check_slot(s, "MLATokenToKVPool::set_kv");
-  check_unique(slots, "MLATokenToKVPool::set_kv");
+  check_unique(slots, "MLATokenToKVPool::set_kv: slot");
   if (!slots.empty() && (!ckv || !kpe))
     throw std::invalid_argument("MLATokenToKVPool::set_kv: null ckv or kpe");
   const int64_t R = cfg_.kv_lora_rank, r = cfg_.qk_rope_head_dim;
@@ -169,7 +162,7 @@ void MLATokenToKVPool::copy_tokens(std::span<const int32_t> src, std::span<const
                                 " destinations");
   for (const int32_t s : src) check_slot(s, "MLATokenToKVPool::copy_tokens (src)");
   for (const int32_t s : dst) check_slot(s, "MLATokenToKVPool::copy_tokens (dst)");
-  check_unique(dst, "MLATokenToKVPool::copy_tokens (dst)");
+  check_unique(dst, "MLATokenToKVPool::copy_tokens: destination slot");
   std::vector<int32_t> both(src.begin(), src.end());
   both.insert(both.end(), dst.begin(), dst.end());
   std::sort(both.begin(), both.end());
