@@ -9,6 +9,7 @@
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
 #include "kda/io/safetensors.h"
+#include "kda/models/kimi_linear_model.h"
 
 namespace kda::models {
 
@@ -131,27 +132,13 @@ void KdaStack::embed(const int32_t* tokens, int64_t T, float* x) const {
   }
 }
 
-namespace {
-// y = x * rsqrt(mean(x^2) + eps) * w, in fp32 (the decoder's RMSNorm), T rows of D.
-void rms_norm(const float* x, int64_t T, int64_t D, const float* w, float eps, float* y) {
-#pragma omp parallel for schedule(static) if (T > 16)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* h = x + t * D;
-    float* o = y + t * D;
-    float ss = 0.0f;
-    for (int64_t d = 0; d < D; ++d) ss += h[d] * h[d];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-    for (int64_t d = 0; d < D; ++d) o[d] = h[d] * inv * w[d];
-  }
-}
-}  // namespace
-
 void KdaStack::next_tokens(const float* h, int64_t M, int32_t* tokens) {
   const int64_t D = cfg_.hidden_size;
   if (M == 0) return;
   head_in_.resize(static_cast<size_t>(M * D));
   logits_.resize(static_cast<size_t>(M * vocab_));
-  rms_norm(h, M, D, final_norm_w_.data(), static_cast<float>(cfg_.rms_norm_eps), head_in_.data());
+  // The stack keeps its norms in fp32 in either precision (it models the KDA layers alone).
+  rms_norm_rows(h, M, D, final_norm_w_.data(), cfg_.rms_norm_eps, Precision::FP32, head_in_.data());
   lm_head_->forward(head_in_.data(), M, logits_.data());
   for (int64_t m = 0; m < M; ++m) {
     const float* l = logits_.data() + m * vocab_;
@@ -196,9 +183,8 @@ void KdaStack::forward(const float* x, int64_t T, const model_executor::ForwardB
   std::memcpy(out, x, sizeof(float) * n);
   normed_.resize(n);
   attn_out_.resize(n);
-  const float eps = static_cast<float>(cfg_.rms_norm_eps);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    rms_norm(out, T, D, norm_w_[l].data(), eps, normed_.data());  // the decoder layer's input RMSNorm
+    rms_norm_rows(out, T, D, norm_w_[l].data(), cfg_.rms_norm_eps, Precision::FP32, normed_.data());
     layers_[l]->forward(normed_.data(), T, fb, pool, attn_out_.data(), &ws_);
     for (size_t i = 0; i < n; ++i) out[i] += attn_out_[i];
   }
