@@ -427,6 +427,33 @@ TEST(Safetensors, ShardedCheckpointNamesShardsReleaseAndAccessed) {
   EXPECT_FALSE(single.names().empty());
 }
 
+// A converting load leaves its tensor's mapped pages out of the resident set: a loader going tensor by
+// tensor holds the weights built so far, not every tensor it read from the shards still open. A load's
+// RSS growth is its own copy (with the mapped pages resident too, it would be twice that); read again, the
+// pages come back from the file.
+TEST(Safetensors, ALoadLeavesItsTensorsMappedPagesOutOfTheResidentSet) {
+  if (kda::testing::kSanitizedMalloc) GTEST_SKIP() << "a sanitizer's allocator measures its own bookkeeping";
+  const auto dir = kda::testing::make_temp_dir("st_rss");
+  constexpr int64_t n = int64_t{16} << 20;  // 64 MiB of fp32
+  {
+    io::StTensor t{{n}, std::vector<float>(static_cast<size_t>(n)), StDType::F32};
+    for (int64_t i = 0; i < n; ++i) t.values[static_cast<size_t>(i)] = static_cast<float>(i % 1000);
+    io::write_safetensors(dir / "model.safetensors", {{"w", t}});
+  }
+  const Checkpoint ckpt(dir);
+  constexpr int64_t kSlackKb = 16 << 10;
+  const int64_t before = kda::testing::proc_status_kb("VmRSS");
+  ASSERT_GT(before, 0);
+  const auto a = ckpt.load_f32("w", {n});
+  EXPECT_LT(kda::testing::proc_status_kb("VmRSS") - before, n * 4 / 1024 + kSlackKb);
+  EXPECT_EQ(a[12345], 345.0f);
+  const int64_t mid = kda::testing::proc_status_kb("VmRSS");
+  const auto b = ckpt.load_bf16("w", {n});
+  EXPECT_LT(kda::testing::proc_status_kb("VmRSS") - mid, n * 2 / 1024 + kSlackKb);
+  EXPECT_EQ(bf16_to_f32(b[255]), 255.0f);
+  EXPECT_EQ(ckpt.load_f32_slice("w", {n}, 0, 12345, 12346), std::vector<float>{345.0f});
+}
+
 TEST(Safetensors, ConvertsF32Bf16F16) {
   const auto dir = kda::testing::make_temp_dir("st_good");
   const std::vector<float> f = {1.0f, -2.5f, 3.14159f, 1e-30f, 65536.0f, -0.0f};

@@ -178,15 +178,6 @@ TEST(KimiLinearModelVsReference, Bf16CheckpointFp32AndBf16Modes) {
             2.0 * testing::rel_l2(emu.data(), exact.data(), exact.size()));
 }
 
-// kB of a /proc/self/status field (VmRSS, VmHWM), -1 when unavailable.
-int64_t status_kb(const std::string& field) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.compare(0, field.size() + 1, field + ":") == 0) return std::stoll(line.substr(field.size() + 1));
-  return -1;
-}
-
 // The spec's loading bound: peak RSS while loading <= the resident weights + one shard's largest tensor
 // group + 1 GiB. Measured from a peak reset just before the load (/proc/self/clear_refs).
 TEST(KimiLinearModelVsReference, LoadingPeakRssWithinTheBound) {
@@ -197,16 +188,20 @@ TEST(KimiLinearModelVsReference, LoadingPeakRssWithinTheBound) {
     if (e.path().extension() == ".safetensors") largest_shard = std::max(largest_shard, e.file_size());
   for (const auto p : {Precision::FP32, Precision::BF16}) {
     if (!(std::ofstream("/proc/self/clear_refs") << "5")) GTEST_SKIP() << "cannot reset the peak RSS";
-    const int64_t before = status_kb("VmRSS");
+    const int64_t before = testing::proc_status_kb("VmRSS");
     if (before < 0) GTEST_SKIP() << "no /proc/self/status";
     ModelOptions o;
     o.precision = p;
     auto model = KimiLinearForCausalLM::from_pretrained(f.dir, o);
-    const int64_t peak = (status_kb("VmHWM") - before) * 1024;
+    const int64_t peak = (testing::proc_status_kb("VmHWM") - before) * 1024;
     const int64_t bound = model->weight_bytes() + static_cast<int64_t>(largest_shard) + (int64_t{1} << 30);
     std::printf("loading %s: peak RSS growth %.1f MB, resident weights %.1f MB, largest shard %.1f MB\n",
                 to_string(p), peak / 1e6, model->weight_bytes() / 1e6, largest_shard / 1e6);
     EXPECT_LE(peak, bound) << to_string(p);
+    // At this scale the spec's 1 GiB of slack would hide a loader that kept every shard's pages resident
+    // (or an fp32 copy of the model): the peak stays within the weights + one shard + 128 MB.
+    EXPECT_LE(peak, model->weight_bytes() + static_cast<int64_t>(largest_shard) + (int64_t{128} << 20))
+        << to_string(p);
   }
 }
 

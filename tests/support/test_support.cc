@@ -19,6 +19,14 @@ std::filesystem::path model_dumps_dir() {
   return std::filesystem::path(KDA_TEST_DATA_DIR) / "model_dumps" / "tiny";
 }
 
+int64_t proc_status_kb(const std::string& field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.compare(0, field.size() + 1, field + ":") == 0) return std::stoll(line.substr(field.size() + 1));
+  return -1;
+}
+
 std::string read_file(const std::filesystem::path& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error("cannot read " + path.string());

@@ -32,6 +32,8 @@ inline constexpr bool kSanitizedMalloc = false;
 std::filesystem::path dumps_dir();
 // The vendored whole-model reference dumps: tests/data/model_dumps/tiny (4 layers in the real pattern).
 std::filesystem::path model_dumps_dir();
+// kB of a /proc/self/status field (VmRSS, VmHWM), -1 when unavailable.
+int64_t proc_status_kb(const std::string& field);
 // A file's bytes as text (std::runtime_error when it cannot be read).
 std::string read_file(const std::filesystem::path& path);
 // A fresh empty temporary directory for one test (removed by the OS / next run).

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -379,6 +380,17 @@ void convert_f32(const TensorView& v, size_t first, size_t n, float* out) {
   }
 }
 
+// A converting load has copied what it needs, so the tensor's whole pages of the read-only file mapping
+// leave the resident set (they are clean: read again, they come back from the file). Loading a checkpoint
+// tensor by tensor then holds one tensor's mapped pages at a time beside the weights built so far, not
+// every tensor of the shards still open.
+void drop_resident_pages(const TensorView& v) {
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(v.data), end = begin + v.nbytes;
+  const uintptr_t lo = (begin + page - 1) / page * page, hi = end / page * page;
+  if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
 }  // namespace
 
 std::vector<float> Checkpoint::load_f32(const std::string& name,
@@ -386,6 +398,7 @@ std::vector<float> Checkpoint::load_f32(const std::string& name,
   const TensorView& v = check_shape(get(name), expected_shape);
   std::vector<float> out(static_cast<size_t>(v.numel()));
   convert_f32(v, 0, out.size(), out.data());
+  drop_resident_pages(v);
   return out;
 }
 
@@ -406,6 +419,7 @@ std::vector<float> Checkpoint::load_f32_slice(const std::string& name,
   std::vector<float> out(outer * run);
   for (size_t o = 0; o < outer; ++o)
     convert_f32(v, o * extent + static_cast<size_t>(begin) * inner, run, out.data() + o * run);
+  drop_resident_pages(v);
   return out;
 }
 
@@ -430,6 +444,7 @@ std::vector<bf16_t> Checkpoint::load_bf16(const std::string& name,
       for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(f16_to_f32(load_u16(v.data + 2 * i)));
       break;
   }
+  drop_resident_pages(v);
   return out;
 }
 
