@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "kda/server/protocol.h"
+#include "kda/server/request_output.h"
+#include "kda/tokenizer/tokenizer.h"
 
 namespace {
 
@@ -295,6 +297,120 @@ TEST(ServerProtocol, ResponseShapes) {
   EXPECT_TRUE(u["choices"].empty());
   EXPECT_EQ(u["usage"]["completion_tokens"], 2);
   EXPECT_EQ(sse(json{{"a", 1}}), "data: {\"a\":1}\n\n");
+}
+
+}  // namespace
+
+// RequestOutput: the engine's token events -> each continuation's text, finish reason and logprobs.
+namespace {
+
+using kda::server::RequestOutput;
+using kda::serving::FinishReason;
+using kda::serving::TokenEvent;
+
+TokenEvent event(int32_t index, int32_t token, FinishReason finish = FinishReason::kNone) {
+  TokenEvent e;
+  e.request = 1;
+  e.index = index;
+  e.token = token;
+  e.finish = finish;
+  e.prompt_tokens = 5;
+  e.cached_tokens = 2;
+  return e;
+}
+
+const kda::tokenizer::Tokenizer& byte_tokenizer() {
+  static const auto tok = kda::tokenizer::Tokenizer::synthetic(512);  // ids 0..255: the single bytes
+  return tok;
+}
+
+TEST(ServerOutput, TextUpToWholeCharactersAndTheStopTokenHidden) {
+  const auto& tok = byte_tokenizer();
+  RequestOutput out(tok, 1, {}, false);
+  std::string streamed;
+  // "a", then U+4F60 in three byte tokens: nothing shows until the character is whole.
+  for (const int32_t id : {0x61, 0xe4, 0xbd}) streamed += out.apply(event(0, id)).text;
+  EXPECT_EQ(streamed, "a");
+  const auto u = out.apply(event(0, 0xa0));
+  EXPECT_EQ(u.text, "\xe4\xbd\xa0");
+  EXPECT_EQ(u.text_offset, 1);
+  streamed += u.text;
+  EXPECT_FALSE(out.done());
+  // A special token's text never shows; the stop token ends the continuation unseen.
+  EXPECT_EQ(out.apply(event(0, tok.bos_id())).text, "");
+  const auto last = out.apply(event(0, tok.im_end_id(), FinishReason::kStop));
+  EXPECT_EQ(last.text, "");
+  ASSERT_TRUE(last.finish.has_value());
+  EXPECT_EQ(*last.finish, "stop");
+  EXPECT_TRUE(out.done());
+  EXPECT_TRUE(out.engine_done());
+  EXPECT_EQ(out.completion_tokens(), 6);  // the stop token counts
+  EXPECT_EQ(out.prompt_tokens(), 5);
+  EXPECT_EQ(out.cached_tokens(), 2);
+  const auto choices = out.choices(true);
+  ASSERT_EQ(choices.size(), 1u);
+  EXPECT_EQ(choices[0].text, streamed);
+  EXPECT_EQ(choices[0].finish_reason, "stop");
+  EXPECT_EQ(choices[0].token_ids->size(), 6u);
+  EXPECT_EQ(out.finish_reason(), "stop");
+}
+
+TEST(ServerOutput, AnIncompleteCharacterAtTheEndIsReplaced) {
+  RequestOutput out(byte_tokenizer(), 1, {}, false);
+  EXPECT_EQ(out.apply(event(0, 0x62)).text, "b");
+  const auto u = out.apply(event(0, 0xe4, FinishReason::kLength));
+  EXPECT_EQ(u.text, "\xef\xbf\xbd");
+  EXPECT_EQ(*u.finish, "length");
+  EXPECT_EQ(out.choices(false)[0].text, "b\xef\xbf\xbd");
+}
+
+TEST(ServerOutput, StopStringAcrossTokensEndsTheContinuation) {
+  RequestOutput out(byte_tokenizer(), 2, {"cd"}, true);
+  std::string s0, s1;
+  auto push = [&](int32_t index, int32_t id) {
+    TokenEvent e = event(index, id);
+    kda::sampling::TokenLogprob lp;
+    lp.token = id;
+    lp.logprob = -0.5f;
+    lp.top = {{id, -0.5f}, {0x7a, -1.0f}};
+    e.logprob = lp;
+    const auto u = out.apply(e);
+    (index == 0 ? s0 : s1) += u.text;
+    return u;
+  };
+  for (const char c : std::string("abc")) push(0, c);
+  push(1, 'x');
+  EXPECT_EQ(s0, "ab");  // "c" is held back: it may start the stop string
+  const auto u = push(0, 'd');
+  ASSERT_TRUE(u.finish.has_value());
+  EXPECT_EQ(*u.finish, "stop");
+  EXPECT_EQ(s0, "ab");
+  EXPECT_FALSE(out.done());
+  // Continuation 0's later events change nothing; continuation 1 goes on to its length.
+  EXPECT_EQ(push(0, 'e').text, "");
+  push(1, 'c');
+  const auto u1 = out.apply(event(1, 'e', FinishReason::kLength));
+  EXPECT_EQ(u1.text, "ce");
+  EXPECT_TRUE(out.done());
+  EXPECT_FALSE(out.engine_done());  // continuation 0 still runs in the engine: the server aborts it
+  out.apply(event(0, -1, FinishReason::kAbort));
+  EXPECT_TRUE(out.engine_done());
+  const auto choices = out.choices(false);
+  EXPECT_EQ(choices[0].text, "ab");
+  EXPECT_EQ(choices[1].text, "xce");
+  EXPECT_EQ(choices[0].logprobs->size(), 4u);  // a, b, c, d: up to the stop
+  EXPECT_EQ((*choices[0].logprobs)[0].token, "a");
+  EXPECT_EQ((*choices[0].logprobs)[0].top[1].first, "z");
+  EXPECT_EQ(out.finish_reason(), "stop");
+}
+
+TEST(ServerOutput, AbortWithoutAToken) {
+  RequestOutput out(byte_tokenizer(), 1, {}, false);
+  out.apply(event(0, 'q'));
+  const auto u = out.apply(event(0, -1, FinishReason::kAbort));
+  EXPECT_EQ(*u.finish, "abort");
+  EXPECT_EQ(out.completion_tokens(), 1);
+  EXPECT_EQ(out.finish_reason(), "abort");
 }
 
 }  // namespace

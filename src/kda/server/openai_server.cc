@@ -230,6 +230,7 @@ struct OpenAIServer::Impl {
       q->events.push_back(e);
       q->cv.notify_one();
     };
+    auto out = std::make_shared<RequestOutput>(tok, n, pr.stop, pr.params.logprobs >= 0);
     int64_t id = 0;
     try {
       id = engine.submit(std::move(g), std::move(sink));
@@ -239,7 +240,6 @@ struct OpenAIServer::Impl {
       throw ApiError(400, field, e.what());
     }
     ResponseHead head{ep, new_response_id(ep), unix_now(), opt.model_name};
-    auto out = std::make_shared<RequestOutput>(tok, n, pr.stop, pr.params.logprobs >= 0);
     if (!pr.stream) {
       // Collect every event; the server stopping aborts the request.
       std::unique_lock lock(q->mu);

@@ -7,6 +7,8 @@
 #include <random>
 #include <utility>
 
+#include "kda/sampling/stop_strings.h"
+
 namespace kda::server {
 
 using nlohmann::json;
@@ -302,6 +304,11 @@ ParsedRequest parse_request(Endpoint ep, std::string_view body, int64_t vocab) {
     }
     for (const auto& s1 : r.stop)
       if (s1.empty()) bad("stop", "a stop string must not be empty");
+    try {
+      sampling::StopStringMatcher check(r.stop);
+    } catch (const std::invalid_argument& e) {
+      bad("stop", e.what());
+    }
   }
 
   if (ep == Endpoint::kChat) {
