@@ -6,6 +6,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <thread>
@@ -13,6 +14,8 @@
 
 #include "kda/tokenizer/base64.h"
 #include "kda/tokenizer/bpe.h"
+#include "kda/tokenizer/chat_format.h"
+#include "kda/tokenizer/sha256.h"
 #include "kda/tokenizer/tokenizer.h"
 #include "kda/tokenizer/utf8.h"
 
@@ -345,4 +348,59 @@ TEST(Tokenizer, ThreadSafeEncode) {
     });
   for (auto& th : threads) th.join();
   EXPECT_EQ(bad.load(), 0);
+}
+
+TEST(ChatFormat, RendersTheSpecFormat) {
+  const auto f = kt::ChatFormat::builtin();
+  const std::vector<kt::ChatMessage> m = {{"system", "Be brief.", ""},
+                                          {"user", "Hi", ""},
+                                          {"assistant", "Hello", "kimi"},
+                                          {"tool", "{\"x\": 1}", ""}};
+  EXPECT_EQ(
+      f.render(m),
+      "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>Hi<|im_end|>"
+      "<|im_assistant|>kimi<|im_middle|>Hello<|im_end|><|im_system|>tool<|im_middle|>{\"x\": 1}<|im_end|>"
+      "<|im_assistant|>assistant<|im_middle|>");
+  EXPECT_EQ(f.render(std::span(m).first(1), false), "<|im_system|>system<|im_middle|>Be brief.<|im_end|>");
+  const std::vector<kt::ChatMessage> bad = {{"user", "x", ""}, {"robot", "y", ""}};
+  try {
+    f.render(bad);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("messages[1].role: unknown role \"robot\""), std::string::npos)
+        << e.what();
+  }
+  // The rendered prompt's special strings become the chat format's ids.
+  const auto ids = tok().encode(f.render(std::span(m).first(2)));
+  EXPECT_EQ(ids.front(), *tok().special_id("<|im_system|>"));
+  EXPECT_EQ(ids.back(), *tok().special_id("<|im_middle|>"));
+}
+
+TEST(ChatFormat, FromDirAcceptsOnlyKnownTemplates) {
+  EXPECT_EQ(kda::tokenizer::sha256_hex("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(kda::tokenizer::sha256_hex(""),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(kda::tokenizer::sha256_hex(std::string(1000, 'a')).size(), 64u);
+  const std::string dir = temp_dir("chat");
+  EXPECT_NO_THROW(kt::ChatFormat::from_dir(dir));  // no template: the built-in format
+  std::ifstream in(std::string(KDA_TEST_DATA_DIR) + "/chat_template/kimi_builtin.jinja", std::ios::binary);
+  const std::string builtin((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(builtin.empty());
+  write(dir + "/chat_template.jinja", "\n" + builtin + "  \n\n");  // normalized: the same digest
+  EXPECT_NO_THROW(kt::ChatFormat::from_dir(dir));
+  write(dir + "/chat_template.jinja", builtin + "{{ bos_token }}");
+  try {
+    kt::ChatFormat::from_dir(dir);
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("chat_template.jinja"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--chat-template builtin"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(kt::ChatFormat::from_dir(dir, /*override_builtin=*/true));
+  std::filesystem::remove_all(dir);
+  const std::string dir2 = temp_dir("chat2");
+  write(dir2 + "/tokenizer_config.json", R"({"chat_template": "{{ messages }}"})");
+  EXPECT_THROW(kt::ChatFormat::from_dir(dir2), std::runtime_error);
+  std::filesystem::remove_all(dir2);
 }

@@ -21,7 +21,7 @@ class Tokenizer {
   // tokens take ids B .. B+257 as Kimi's tokenization_kimi.py numbers them (named from the config, else
   // <|reserved_token_{id}|>). vocab_size: the model's embedding rows; ids >= vocab_size (Kimi's last two
   // reserved ones) are never produced by encode (their text is encoded as plain text) and refused by decode.
-  // Errors name the file and line.
+  // vocab_size <= 0: B + 256, as Kimi's config.json has it. Errors name the file and line.
   static Tokenizer from_dir(const std::string& dir, int64_t vocab_size);
   // A generated tiktoken-format vocabulary for a synthetic model with vocab_size ids (>= 512): B = vocab_size
   // - 256 base tokens (the 256 single bytes, then tokens made by concatenating two earlier tokens, drawn from

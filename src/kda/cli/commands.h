@@ -116,5 +116,18 @@ struct ServeCliOptions {
   int threads = 0;            // HTTP worker threads (0: 2 x max batch, at least 8)
 };
 int run_serve(const ServeCliOptions& o);
+// kda tokenize / detokenize (tokenize_cmd.cc): the checkpoint's tokenizer (or a synthetic one) on stdin.
+struct TokenizeOptions {
+  std::string model;            // folder with tiktoken.model (+ tokenizer_config.json, config.json)
+  int64_t synthetic_vocab = 0;  // > 0: Tokenizer::synthetic(N, seed) instead of --model
+  uint64_t seed = 0;
+  bool chat = false;                   // stdin: a JSON messages array, rendered with the generation prompt
+  std::string chat_template = "auto";  // auto (the folder's, if known) | builtin
+  bool text = false;                   // --chat: print the rendered prompt text, not its ids
+  bool no_special = false;             // special-token strings are plain text
+  std::string save;                    // write the tokenizer's files to this folder (and read no stdin)
+};
+int run_tokenize(const TokenizeOptions& o);
+int run_detokenize(const TokenizeOptions& o);
 
 }  // namespace kda::cli

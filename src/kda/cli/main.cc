@@ -236,6 +236,33 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"builtin"}));
   serve->add_option("--threads", svo.threads, "HTTP worker threads (default: 2 x max batch, at least 8)")
       ->check(CLI::PositiveNumber);
+  kda::cli::TokenizeOptions to;
+  auto* tokenize =
+      app.add_subcommand("tokenize", "text on stdin -> token ids on stdout (separated by spaces)");
+  auto* detokenize = app.add_subcommand("detokenize", "token ids on stdin -> text on stdout");
+  for (auto* sub : {tokenize, detokenize}) {
+    sub->add_option(
+        "--model", to.model,
+        "folder with tiktoken.model (+ tokenizer_config.json; config.json's vocab_size, else B + 256)");
+    sub->add_option("--synthetic-vocab", to.synthetic_vocab,
+                    "a synthetic tokenizer of N ids (>= 512) instead")
+        ->check(CLI::PositiveNumber);
+    sub->add_option("--seed", to.seed, "--synthetic-vocab: the vocabulary's seed")->capture_default_str();
+  }
+  tokenize->add_flag(
+      "--chat", to.chat,
+      "stdin is a JSON array of messages ({role, content[, name]}): the rendered prompt's ids, "
+      "with the generation prompt");
+  tokenize
+      ->add_option("--chat-template", to.chat_template,
+                   "auto (the folder's chat_template.jinja when the built-in format is known to match it) | "
+                   "builtin (the built-in format whatever the folder has)")
+      ->check(CLI::IsMember({"auto", "builtin"}));
+  tokenize->add_flag("--text", to.text, "--chat: print the rendered prompt text instead of its ids");
+  tokenize->add_flag("--no-special", to.no_special, "special-token strings in the text are plain text");
+  tokenize->add_option(
+      "--save", to.save,
+      "write the tokenizer's tiktoken.model + tokenizer_config.json to this folder (no stdin)");
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -246,6 +273,8 @@ int main(int argc, char** argv) {
       if (svo.model.empty() && !svo.synthetic) throw std::invalid_argument("kda serve: give --model DIR or --synthetic");
       return kda::cli::run_serve(svo);
     }
+    if (tokenize->parsed()) return kda::cli::run_tokenize(to);
+    if (detokenize->parsed()) return kda::cli::run_detokenize(to);
     if (sim->parsed()) {
       so.prefix_cache_options_given = pcm->count() > 0 || civ->count() > 0;
       return kda::cli::run_simulate(so);

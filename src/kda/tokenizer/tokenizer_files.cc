@@ -100,6 +100,7 @@ Tokenizer Tokenizer::from_dir(const std::string& dir, int64_t vocab_size) {
   const std::string config = (std::filesystem::path(dir) / "tokenizer_config.json").string();
   std::vector<std::string> base = read_tiktoken_model(model);
   std::vector<std::string> specials = read_special_names(config, static_cast<int64_t>(base.size()));
+  if (vocab_size <= 0) vocab_size = static_cast<int64_t>(base.size()) + 256;  // Kimi's: B + 256
   return Tokenizer(build_tokenizer_data(std::move(base), std::move(specials), vocab_size, dir));
 }
 
