@@ -96,13 +96,15 @@ def test_stream_concatenates_to_the_whole_text_and_usage_counts(server, path):
 def test_curl_streams(server):
     if shutil.which("curl") is None:
         pytest.skip("no curl")
-    body = json.dumps(chat_body("hello", max_tokens=8, temperature=0))
+    body = chat_body("hello", max_tokens=8, temperature=0)
     out = subprocess.run(
-        ["curl", "-sN", f"http://127.0.0.1:{server.port}{CHAT}", "-H", "Content-Type: application/json", "-d", body],
+        ["curl", "-sN", f"http://127.0.0.1:{server.port}{CHAT}", "-H", "Content-Type: application/json", "-d",
+         json.dumps({**body, "stream": True})],
         capture_output=True, text=True, timeout=60, check=True).stdout
-    status, whole = server.post(CHAT, json.loads(body))
-    text, finish = stream_text(parse_sse(out.replace("data: [DONE]\n\n", "")) + ["[DONE]"])
-    assert out.rstrip().endswith("data: [DONE]")
+    status, whole = server.post(CHAT, body)
+    events = parse_sse(out)
+    assert events[-1] == "[DONE]"
+    text, finish = stream_text(events)
     assert text == whole["choices"][0]["message"]["content"]
     # Non-streaming through curl too.
     out = subprocess.run(
@@ -162,16 +164,16 @@ def test_seeds_are_reproducible(server):
 def test_logprobs_match_the_models_logits(server, ckpt):
     import kda
 
-    prompt = prompt_ids(3, 16)
-    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 5, "return_token_ids": True,
-            "ignore_eos": True}
-    status, r = server.post(CMPL, body)
-    assert status == 200
-    ids = r["choices"][0]["token_ids"]
-    lp = r["choices"][0]["logprobs"]
-    assert len(lp["token_logprobs"]) == len(ids)
-    for top in lp["top_logprobs"]:
-        assert len(top) == 5 and sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5
+    body = chat_body("logprobs, please", max_tokens=12, temperature=0, logprobs=True, top_logprobs=5,
+                     return_token_ids=True, ignore_eos=True)
+    status, r = server.post(CHAT, body)
+    assert status == 200, r
+    prompt, ids = r["prompt_token_ids"], r["choices"][0]["token_ids"]
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids) == 12
+    for e in content:
+        assert len(e["top_logprobs"]) == 5 and sum(math.exp(t["logprob"]) for t in e["top_logprobs"]) <= 1.0 + 1e-5
+        assert isinstance(e["bytes"], list)
 
     model = kda.KimiLinearForCausalLM.from_pretrained(ckpt, precision="fp32")
     seq = np.array(prompt + ids[:-1], np.int32)
@@ -183,24 +185,22 @@ def test_logprobs_match_the_models_logits(server, ckpt):
     ref = ref - np.log(np.exp(ref).sum(axis=1, keepdims=True))
     for k, tok in enumerate(ids):
         assert tok == int(np.argmax(rows[k]))
-        assert abs(lp["token_logprobs"][k] - ref[k, tok]) < 1e-4
-        best = np.argsort(-ref[k], kind="stable")[:5]
-        # Byte tokens: the completions API keys alternatives by their text.
-        got = sorted(lp["top_logprobs"][k].values(), reverse=True)
-        assert np.allclose(got, ref[k, best], atol=1e-4)
-    # chat: logprobs + top_logprobs, the sum of exp over the alternatives <= 1.
-    status, r = server.post(CHAT, chat_body("hi", max_tokens=6, temperature=0, logprobs=True, top_logprobs=3))
-    content = r["choices"][0]["logprobs"]["content"]
-    assert len(content) >= 1
-    for e in content:
-        assert len(e["top_logprobs"]) == 3 and sum(math.exp(t["logprob"]) for t in e["top_logprobs"]) <= 1.0 + 1e-5
-        assert e["logprob"] <= 0.0 and isinstance(e["bytes"], list)
+        assert abs(content[k]["logprob"] - ref[k, tok]) < 1e-4
+        best = np.sort(ref[k])[::-1][:5]
+        assert np.allclose([t["logprob"] for t in content[k]["top_logprobs"]], best, atol=1e-4)
+    # completions: logprobs N, the chosen token's logprob per position.
+    status, c = server.post(CMPL, {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 2,
+                                   "ignore_eos": True, "return_token_ids": True})
+    assert c["choices"][0]["token_ids"] == ids
+    assert np.allclose(c["choices"][0]["logprobs"]["token_logprobs"], [e["logprob"] for e in content], atol=1e-6)
 
 
 def client_params(k):
     """32 different requests: greedy and seeded, different prompts, lengths and sampling parameters."""
-    p = {"prompt": prompt_ids(100 + k, 8 + 3 * k), "max_tokens": 6 + k % 11, "return_token_ids": True,
-         "logprobs": 2, "ignore_eos": True}
+    rng = np.random.default_rng(100 + k)
+    text = "".join(chr(c) for c in rng.integers(97, 123, size=4 + 3 * k))
+    p = chat_body(text, max_tokens=6 + k % 11, return_token_ids=True, logprobs=True, top_logprobs=2,
+                  ignore_eos=True)
     if k % 2:
         p.update(temperature=0.7 + 0.05 * (k % 5), seed=k, top_p=0.95, top_k=20 + k)
         if k % 4 == 1:
@@ -212,24 +212,21 @@ def client_params(k):
 
 def tokens_and_gaps(r):
     c = r["choices"][0]
-    gaps = []
-    for top in c["logprobs"]["top_logprobs"]:
-        v = sorted(top.values(), reverse=True)
-        gaps.append(v[0] - v[1] if len(v) > 1 else math.inf)
+    gaps = [e["top_logprobs"][0]["logprob"] - e["top_logprobs"][1]["logprob"] for e in c["logprobs"]["content"]]
     return c["token_ids"], gaps
 
 
 def test_32_concurrent_clients_get_what_they_get_alone(server):
-    alone = [tokens_and_gaps(server.post(CMPL, client_params(k))[1]) for k in range(32)]
+    alone = [tokens_and_gaps(server.post(CHAT, client_params(k))[1]) for k in range(32)]
     results = [None] * 32
 
     def run(k):
         try:
             if k % 3 == 0:
-                events = server.stream(CMPL, client_params(k))
+                events = server.stream(CHAT, client_params(k))
                 results[k] = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
             else:
-                results[k] = server.post(CMPL, client_params(k))[1]["choices"][0]["token_ids"]
+                results[k] = server.post(CHAT, client_params(k))[1]["choices"][0]["token_ids"]
         except Exception as e:  # noqa: BLE001  (reported below)
             results[k] = e
 
@@ -258,34 +255,43 @@ def wait_idle(server, timeout=30):
         time.sleep(0.05)
 
 
-def test_clients_leaving_mid_stream_free_their_slots(server):
-    before = wait_idle(server)
-    socks = []
-    for k in range(16):
-        s = socket.create_connection((server.host, server.port), timeout=60)
-        body = json.dumps({"prompt": prompt_ids(200 + k, 10), "max_tokens": 900, "temperature": 0,
-                           "ignore_eos": True, "stream": True})
-        s.sendall((f"POST {CMPL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
-        socks.append(s)
-    for s in socks:  # every stream has begun: its headers and first chunks arrived
-        assert b"200" in s.recv(4096)
-    busy = server.metrics()
-    assert busy["kda_slots_used"] > 0
-    for s in socks[:8]:
-        s.close()
-    # The other half reads its streams to the end.
-    for s in socks[8:]:
-        data = b""
-        while not data.endswith(b"0\r\n\r\n"):
-            chunk = s.recv(65536)
-            assert chunk, "stream ended early"
-            data += chunk
-        assert b"data: [DONE]" in data
-        s.close()
-    after = wait_idle(server)
-    assert after['kda_requests_total{finish_reason="abort"}'] - before['kda_requests_total{finish_reason="abort"}'] == 8
-    answer_next(server)
+def open_stream(server, body):
+    s = socket.create_connection((server.host, server.port), timeout=60)
+    data = json.dumps({**body, "stream": True})
+    s.sendall((f"POST {CMPL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(data)}\r\n\r\n{data}").encode())
+    return s
+
+
+def test_clients_leaving_mid_stream_free_their_slots(ckpt):
+    # A context long enough that the streams left behind cannot end before their clients go: they end by
+    # abort only.
+    server = Server(ckpt, "--max-batch", 16, "--context-length", 200000, "--kv-memory", "256MiB")
+    try:
+        leaving = [open_stream(server, {"prompt": prompt_ids(200 + k, 10), "max_tokens": 100000,
+                                        "temperature": 0, "ignore_eos": True}) for k in range(8)]
+        staying = [open_stream(server, {"prompt": prompt_ids(300 + k, 10), "max_tokens": 40, "temperature": 0,
+                                        "ignore_eos": True}) for k in range(8)]
+        for s in leaving:  # every stream has begun: its headers and first chunk arrived
+            assert b"200" in s.recv(4096)
+        busy = server.metrics()
+        assert busy["kda_slots_used"] >= 8 and busy["kda_kv_tokens_used"] >= 80
+        for s in leaving:
+            s.close()
+        for s in staying:  # the other half reads its streams to the end
+            data = b""
+            while not data.endswith(b"0\r\n\r\n"):
+                chunk = s.recv(65536)
+                assert chunk, "stream ended early"
+                data += chunk
+            assert b"data: [DONE]" in data and b'"finish_reason":"length"' in data
+            s.close()
+        after = wait_idle(server)
+        assert after['kda_requests_total{finish_reason="abort"}'] == 8
+        assert after['kda_requests_total{finish_reason="length"}'] == 8
+        answer_next(server)
+    finally:
+        server.stop()
 
 
 def test_rss_is_flat_over_1000_requests(server):
@@ -359,7 +365,7 @@ def test_bad_transport(server):
 
 
 def test_api_key(ckpt):
-    s = Server(ckpt, "--api-key", "sekret", "--max-batch", 4)
+    s = Server(ckpt, "--api-key", "sekret", "--max-batch", 4, "--kv-memory", "4MiB")
     try:
         assert s.request("GET", "/health")[0] == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}):

@@ -90,7 +90,7 @@ struct OpenAIServer::Impl {
     metrics.count_rejected(401);
     json body = json::parse(error_body(e));
     body["error"]["code"] = "invalid_api_key";
-    send_json(res, 401, body.dump());
+    send_json(res, 401, body.dump(-1, ' ', false, json::error_handler_t::replace));
     return false;
   }
 
@@ -100,6 +100,9 @@ struct OpenAIServer::Impl {
                         : static_cast<int>(std::max<int64_t>(8, 2 * std::min<int64_t>(opt.max_batch, 512)));
     http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
     http.set_payload_max_length(opt.max_body_bytes);
+    // Streamed chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each behind the
+    // client's delayed ACK.
+    http.set_tcp_nodelay(true);
     http.set_read_timeout(30, 0);
     http.set_write_timeout(30, 0);
     http.set_keep_alive_timeout(5);
@@ -114,7 +117,9 @@ struct OpenAIServer::Impl {
       if (!authorized(req, res)) return;
       json m = {{"id", opt.model_name}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kda"}};
       if (opt.max_context > 0) m["max_model_len"] = opt.max_context;
-      send_json(res, 200, json{{"object", "list"}, {"data", json::array({m})}}.dump());
+      send_json(res, 200,
+                json{{"object", "list"}, {"data", json::array({m})}}.dump(-1, ' ', false,
+                                                                          json::error_handler_t::replace));
     });
     http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
       send_json(res, 200, R"({"status":"ok"})");

@@ -19,7 +19,9 @@ ApiError::ApiError(int status_, std::string param_, const std::string& message, 
 std::string error_body(const ApiError& e) {
   json err = {{"message", e.what()}, {"type", e.type}, {"param", nullptr}, {"code", nullptr}};
   if (!e.param.empty()) err["param"] = e.param;
-  return json{{"error", err}}.dump();
+  // A message may quote the request (a JSON parse error shows what it read last): bytes that are not
+  // UTF-8 are replaced.
+  return json{{"error", err}}.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 namespace {
