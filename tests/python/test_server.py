@@ -379,3 +379,22 @@ def test_api_key(ckpt):
         assert s.request("GET", "/v1/models", headers=ok)[0] == 200
     finally:
         s.stop()
+
+
+def test_cli_refuses_what_it_cannot_serve(server, ckpt):
+    import kda_paths
+
+    def run(*args):
+        return subprocess.run([str(kda_paths.BINARY), "serve", *map(str, args)], capture_output=True, text=True,
+                              timeout=120)
+
+    r = run()
+    assert r.returncode != 0 and "--model DIR or --synthetic" in r.stderr
+    r = run("--model", ckpt / "missing")
+    assert r.returncode != 0 and "missing" in r.stderr
+    # The port the module's server holds: an error naming host:port.
+    r = run("--model", ckpt, "--port", server.port, "--kv-memory", "4MiB")
+    assert r.returncode == 2 and f"127.0.0.1:{server.port}" in r.stderr, r.stderr
+    r = run("--model", ckpt, "--context-length", 100000, "--kv-memory", "1MiB")
+    assert r.returncode == 2 and "--context-length" in r.stderr, r.stderr
+    answer_next(server)

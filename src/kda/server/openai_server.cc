@@ -1,6 +1,7 @@
 #include "kda/server/openai_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -103,6 +104,13 @@ struct OpenAIServer::Impl {
     // Streamed chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each behind the
     // client's delayed ACK.
     http.set_tcp_nodelay(true);
+    // SO_REUSEADDR (a restarted server binds while old connections linger in TIME_WAIT) but not
+    // httplib's default SO_REUSEPORT, with which a second server would bind the same port and take half
+    // of the first one's connections.
+    http.set_socket_options([](socket_t sock) {
+      int yes = 1;
+      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    });
     http.set_read_timeout(30, 0);
     http.set_write_timeout(30, 0);
     http.set_keep_alive_timeout(5);
