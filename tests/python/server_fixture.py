@@ -62,9 +62,11 @@ class Server:
     """A `kda serve` process; stop() ends it (SIGTERM) and checks that it exits cleanly."""
 
     def __init__(self, model_dir, *args, log_dir=None):
-        cmd = [str(kda_paths.BINARY), "serve", "--model", str(model_dir), "--port", "0", "--precision", "fp32",
-               *map(str, args)]
-        self.log = open(pathlib.Path(log_dir or model_dir) / f"serve-{os.getpid()}-{time.monotonic_ns()}.log", "w+")
+        """model_dir: a checkpoint folder, or None for --synthetic (args then say its shape)."""
+        source = ["--model", str(model_dir)] if model_dir is not None else ["--synthetic"]
+        cmd = [str(kda_paths.BINARY), "serve", *source, "--port", "0", "--precision", "fp32", *map(str, args)]
+        log_dir = pathlib.Path(log_dir or model_dir)
+        self.log = open(log_dir / f"serve-{os.getpid()}-{time.monotonic_ns()}.log", "w+")
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         line = self._first_line(timeout=120)

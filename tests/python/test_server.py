@@ -401,3 +401,25 @@ def test_cli_refuses_what_it_cannot_serve(server, ckpt):
     r = run("--model", ckpt, "--context-length", 100000, "--kv-memory", "1MiB")
     assert r.returncode == 2 and "--context-length" in r.stderr, r.stderr
     answer_next(server)
+
+
+def test_synthetic_quick_start(tmp_path):
+    """The README's quick start on a smaller synthetic model: one command starts it, one curl streams."""
+    if shutil.which("curl") is None:
+        pytest.skip("no curl")
+    s = Server(None, "--layers", 1, "--vocab", 1024, "--kv-memory", "4MiB", log_dir=tmp_path)
+    try:
+        out = subprocess.run(
+            ["curl", "-sN", f"http://127.0.0.1:{s.port}{CHAT}", "-H", "Content-Type: application/json", "-d",
+             json.dumps({"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "stream": True})],
+            capture_output=True, text=True, timeout=60, check=True).stdout
+        events = parse_sse(out)
+        assert events[-1] == "[DONE]"
+        text, finish = stream_text(events)
+        assert finish in ("length", "stop")
+        status, body = s.post(CHAT, {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8,
+                                     "return_token_ids": True})
+        assert status == 200 and 1 <= body["usage"]["completion_tokens"] <= 8
+        assert all(0 <= t < 1024 for t in body["choices"][0]["token_ids"])
+    finally:
+        s.stop()

@@ -115,8 +115,9 @@ int run_serve(const ServeCliOptions& o) {
     mo.num_experts = o.experts > 0 ? o.experts : kSyntheticExperts;
     mo.vocab = o.vocab > 0 ? o.vocab : kSyntheticVocab;
     std::fprintf(stderr,
-                 "kda serve: building a synthetic model (%d decoder layers, %d experts, vocab %lld, %s)\n",
-                 mo.num_layers, mo.num_experts, static_cast<long long>(mo.vocab), o.precision.c_str());
+                 "kda serve: building a synthetic model (%d decoder layer%s, %d experts, vocab %lld, %s)\n",
+                 mo.num_layers, mo.num_layers == 1 ? "" : "s", mo.num_experts,
+                 static_cast<long long>(mo.vocab), o.precision.c_str());
     model = models::KimiLinearForCausalLM::synthetic(io::kimi_linear_48b_config(), mo, o.seed);
     tok = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::synthetic(mo.vocab, o.seed));
     chat = std::make_unique<tokenizer::ChatFormat>(tokenizer::ChatFormat::builtin());
