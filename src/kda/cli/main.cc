@@ -76,8 +76,9 @@ int main(int argc, char** argv) {
           "all | kernels | layer (ceilings are always measured) | stack (the 20-layer stack decoding "
           "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns) | "
           "spec (a decode step and verify steps of 1-8 drafts, in turns) | model (the whole model at its "
-          "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode)")
-      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec", "model"}));
+          "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode) | tokenizer (encoding "
+          "MB/s on one thread, the 100 KB single-word case)")
+      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec", "model", "tokenizer"}));
   bench
       ->add_option(
           "--experts", bo.experts,
