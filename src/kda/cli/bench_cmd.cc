@@ -67,6 +67,11 @@ int run_bench(const BenchOptions& o) {
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
+  if (o.only == "tokenizer") {  // no ceilings: MB/s on one thread, and a ratio between two inputs
+    bench::bench_tokenizer(j, say);
+    if (o.json) std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
   if (o.only == "gemm") {  // no ceilings: the rows are ratios between the two bf16 paths
     j["bf16_gemm"] = nlohmann::json::array();
     bench::bench_bf16_gemm(j, say);

@@ -14,6 +14,11 @@ constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
 // Above this length the scan's quadratic cost outgrows the heap's constant.
 constexpr size_t kScanMaxBytes = 64;
 
+int32_t pair_or_none(const RankTable& r, int32_t a, int32_t b) {
+  const int32_t k = r.find_pair(a, b);
+  return k < 0 ? kNone : k;
+}
+
 int32_t rank_or_none(const RankTable& r, std::string_view s) {
   const int32_t k = r.find(s);
   return k < 0 ? kNone : k;
@@ -61,6 +66,28 @@ RankTable::RankTable(const std::vector<std::string>& tokens) {
     slots_[i] = static_cast<int32_t>(r);
     if (t.size() == 1) byte_rank_[static_cast<uint8_t>(t[0])] = static_cast<int32_t>(r);
   }
+  // Every way a token splits into two tokens.
+  std::vector<std::pair<uint64_t, int32_t>> splits;
+  for (size_t r = 0; r < tokens.size(); ++r) {
+    const std::string_view t = tokens[r];
+    for (size_t k = 1; k < t.size(); ++k) {
+      const int32_t a = find(t.substr(0, k));
+      if (a < 0) continue;
+      const int32_t b = find(t.substr(k));
+      if (b < 0) continue;
+      splits.emplace_back((static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b),
+                          static_cast<int32_t>(r));
+    }
+  }
+  const uint64_t pcap = std::bit_ceil<uint64_t>(splits.size() * 2 + 16);
+  pair_shift_ = 64 - std::countr_zero(pcap);
+  pair_mask_ = pcap - 1;
+  pairs_.assign(pcap, PairSlot{});
+  for (const auto& [k, merged] : splits) {
+    uint64_t i = (k * 0x9E3779B97F4A7C15ull) >> pair_shift_;
+    while (pairs_[i].merged >= 0) i = (i + 1) & pair_mask_;
+    pairs_[i] = {k, merged};
+  }
 }
 
 void bpe_merge_reference(const RankTable& ranks, std::string_view piece, std::vector<int32_t>& out) {
@@ -90,20 +117,16 @@ void bpe_merge_scan(const RankTable& ranks, std::string_view piece, std::vector<
     out.push_back(token_rank(ranks, piece));
     return;
   }
-  // parts[i] = (start of part i, rank of merging part i with part i+1); two sentinels at the end.
+  // parts[i]: part i's token and the rank of it merged with part i+1 (tiktoken's layout, with the parts'
+  // tokens kept so that a merge's rank is a pair lookup).
   struct Part {
-    size_t start;
+    int32_t tok;
     int32_t rank;
   };
-  std::vector<Part> parts;
-  parts.reserve(n + 1);
-  for (size_t i = 0; i + 1 < n; ++i) parts.push_back({i, rank_or_none(ranks, piece.substr(i, 2))});
-  parts.push_back({n - 1, kNone});
-  parts.push_back({n, kNone});
-  auto rank_at = [&](size_t i) {  // the rank of parts i and i+1 merged, once parts i+1 is removed
-    if (i + 3 >= parts.size()) return kNone;
-    return rank_or_none(ranks, piece.substr(parts[i].start, parts[i + 3].start - parts[i].start));
-  };
+  std::vector<Part> parts(n);
+  for (size_t i = 0; i < n; ++i) parts[i].tok = ranks.byte_rank(static_cast<uint8_t>(piece[i]));
+  for (size_t i = 0; i + 1 < n; ++i) parts[i].rank = pair_or_none(ranks, parts[i].tok, parts[i + 1].tok);
+  parts[n - 1].rank = kNone;
   for (;;) {
     int32_t best = kNone;
     size_t at = 0;
@@ -114,12 +137,12 @@ void bpe_merge_scan(const RankTable& ranks, std::string_view piece, std::vector<
       }
     }
     if (best == kNone) break;
-    if (at > 0) parts[at - 1].rank = rank_at(at - 1);
-    parts[at].rank = rank_at(at);
+    parts[at].tok = best;
     parts.erase(parts.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+    if (at > 0) parts[at - 1].rank = pair_or_none(ranks, parts[at - 1].tok, best);
+    parts[at].rank = at + 1 < parts.size() ? pair_or_none(ranks, best, parts[at + 1].tok) : kNone;
   }
-  for (size_t i = 0; i + 1 < parts.size(); ++i)
-    out.push_back(token_rank(ranks, piece.substr(parts[i].start, parts[i + 1].start - parts[i].start)));
+  for (const Part& p : parts) out.push_back(p.tok);
 }
 
 void bpe_merge_heap(const RankTable& ranks, std::string_view piece, std::vector<int32_t>& out,
@@ -135,7 +158,8 @@ void bpe_merge_heap(const RankTable& ranks, std::string_view piece, std::vector<
   // whose rank is no longer its part's current rank is stale and skipped. Equal ranks pop leftmost first,
   // as tiktoken's scan picks the first minimum.
   std::vector<uint32_t> next(n), prev(n);
-  std::vector<int32_t> rank(n, kNone);
+  std::vector<int32_t> rank(n, kNone), tok(n);
+  for (size_t i = 0; i < n; ++i) tok[i] = ranks.byte_rank(static_cast<uint8_t>(piece[i]));
   std::vector<uint8_t> alive(n, 1);
   for (size_t i = 0; i < n; ++i) {
     next[i] = static_cast<uint32_t>(i + 1);
@@ -143,16 +167,14 @@ void bpe_merge_heap(const RankTable& ranks, std::string_view piece, std::vector<
   }
   auto pair_rank = [&](size_t i) {
     const size_t j = next[i];
-    if (j >= n) return kNone;
-    const size_t end = next[j];  // n when j is the last part
-    return rank_or_none(ranks, piece.substr(i, end - i));
+    return j >= n ? kNone : pair_or_none(ranks, tok[i], tok[j]);
   };
   std::priority_queue<uint64_t, std::vector<uint64_t>, std::greater<>> heap;
   auto key = [](int32_t r, size_t i) { return (static_cast<uint64_t>(r) << 32) | i; };
   std::vector<uint64_t> init;
   init.reserve(n);
   for (size_t i = 0; i + 1 < n; ++i) {
-    rank[i] = rank_or_none(ranks, piece.substr(i, 2));
+    rank[i] = pair_or_none(ranks, tok[i], tok[i + 1]);
     if (rank[i] != kNone) init.push_back(key(rank[i], i));
   }
   heap =
@@ -166,6 +188,7 @@ void bpe_merge_heap(const RankTable& ranks, std::string_view piece, std::vector<
     const auto i = static_cast<size_t>(k & 0xffffffffu);
     if (!alive[i] || rank[i] != r) continue;
     const size_t j = next[i];
+    tok[i] = r;
     alive[j] = 0;
     next[i] = next[j];
     if (next[j] < n) prev[next[j]] = static_cast<uint32_t>(i);
@@ -178,7 +201,7 @@ void bpe_merge_heap(const RankTable& ranks, std::string_view piece, std::vector<
     }
   }
   if (steps) *steps += pops;
-  for (size_t i = 0; i < n; i = next[i]) out.push_back(token_rank(ranks, piece.substr(i, next[i] - i)));
+  for (size_t i = 0; i < n; i = next[i]) out.push_back(tok[i]);
 }
 
 void bpe_encode_piece(const RankTable& ranks, std::string_view piece, std::vector<int32_t>& out) {

@@ -24,10 +24,27 @@ class RankTable {
     }
   }
   int32_t byte_rank(uint8_t b) const { return byte_rank_[b]; }
+  // The rank of token a's bytes followed by token b's, or -1: what a merge looks up, by the two parts'
+  // ranks instead of their bytes (every part of a merge is a token). Equal to find(bytes(a) + bytes(b)).
+  int32_t find_pair(int32_t a, int32_t b) const {
+    const uint64_t k = (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
+    for (uint64_t i = (k * 0x9E3779B97F4A7C15ull) >> pair_shift_;; i = (i + 1) & pair_mask_) {
+      const PairSlot& s = pairs_[i];
+      if (s.merged < 0) return -1;
+      if (s.key == k) return s.merged;
+    }
+  }
   size_t size() const { return offsets_.empty() ? 0 : offsets_.size() - 1; }
 
  private:
   static uint64_t hash(std::string_view s);
+  struct PairSlot {
+    uint64_t key = 0;
+    int32_t merged = -1;
+  };
+  std::vector<PairSlot> pairs_;  // (a, b) -> rank, for every token that splits into two tokens
+  int pair_shift_ = 64;
+  uint64_t pair_mask_ = 0;
   std::string arena_;
   std::vector<uint32_t> offsets_;
   std::vector<int32_t> slots_;
