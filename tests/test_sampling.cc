@@ -39,7 +39,7 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-enum class Row { kNormal, kTies, kNegInf, kHuge, kPeaked, kEqual };
+enum class Row { kNormal, kTies, kNegInf, kHuge, kPeaked, kEqual, kHalves };
 
 std::vector<float> make_row(int64_t V, Row kind, std::mt19937_64& rng) {
   std::normal_distribution<float> nd(0.0f, 2.0f);
@@ -62,6 +62,11 @@ std::vector<float> make_row(int64_t V, Row kind, std::mt19937_64& rng) {
       break;
     case Row::kEqual:  // every weight 1: top-p's sums are exact, p * Z lands on one of them
       std::fill(l.begin(), l.end(), 0.5f);
+      break;
+    case Row::kHalves:  // weights 1 (a ids) and 0.5 (2a ids), the rest 0: top-p 0.5 ends exactly at the 1s
+      std::fill(l.begin(), l.end(), -kInf);
+      for (int64_t i = 0, a = std::max<int64_t>(1, V / 50); i < 3 * a && i < V; ++i)
+        l[(i * 37) % V] = i < a ? 0.0f : std::log(0.5f);
       break;
     case Row::kPeaked:  // an LLM-like row: a few ids carry almost all the mass
       for (auto& x : l) x *= 3.0f;
@@ -163,7 +168,8 @@ void compare(int64_t V, Row kind, const SamplingParams& p, bool masked, uint64_t
 TEST(Sampling, OptimizedMatchesReference) {
   const std::vector<SamplingParams> cases = param_cases();
   for (int64_t V : {7, 512}) {
-    for (Row kind : {Row::kNormal, Row::kTies, Row::kNegInf, Row::kHuge, Row::kPeaked, Row::kEqual})
+    for (Row kind :
+         {Row::kNormal, Row::kTies, Row::kNegInf, Row::kHuge, Row::kPeaked, Row::kEqual, Row::kHalves})
       for (size_t c = 0; c < cases.size(); ++c)
         for (bool masked : {false, true}) compare(V, kind, cases[c], masked, 100 + c, 6);
   }
@@ -172,7 +178,7 @@ TEST(Sampling, OptimizedMatchesReference) {
 TEST(Sampling, OptimizedMatchesReferenceFullVocab) {
   const std::vector<SamplingParams> cases = param_cases();
   const int64_t V = 163840;
-  for (Row kind : {Row::kNormal, Row::kTies, Row::kHuge, Row::kPeaked, Row::kEqual})
+  for (Row kind : {Row::kNormal, Row::kTies, Row::kHuge, Row::kPeaked, Row::kEqual, Row::kHalves})
     for (size_t c = 0; c < cases.size(); ++c) compare(V, kind, cases[c], c % 3 == 0, 500 + c, 1);
   compare(V, Row::kNegInf, cases[8], true, 42, 2);
 }

@@ -13,11 +13,22 @@
 namespace kda::sampling {
 
 using detail::before;
+using detail::Mass;
+using detail::mass;
 using detail::weight;
 
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Weight buckets for top-p's histogram: a weight in [0, 1] by its float bits' exponent and top three
+// mantissa bits (eight buckets per octave).
+constexpr size_t kBuckets = (0x3F800000u >> 20) + 1;
+inline size_t bucket(float w) {
+  uint32_t bits;
+  std::memcpy(&bits, &w, sizeof bits);
+  return bits >> 20;
+}
 
 inline bool ok(const uint8_t* allowed, int64_t i) { return allowed == nullptr || allowed[i] != 0; }
 
@@ -141,23 +152,24 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
   const bool top_p = params_.top_p < 1.0f;
   const double min_p = params_.min_p;  // the largest kept weight is always 1: the top id's exp(0)
 
+  const uint64_t u = detail::draw53(seed_, generated_);
   if (top_k) {
     // A small set: gather it, then the reference's steps on it alone.
-    ids_.reserve(std::max<size_t>(2 * params_.top_k, 256));
+    const size_t cap = std::max<size_t>(2 * static_cast<size_t>(params_.top_k), 256);
+    if (ids_.capacity() < cap) ids_.reserve(cap);
+    if (ids2_.capacity() < cap) ids2_.reserve(cap);
     select_top(l, allowed, V, static_cast<size_t>(params_.top_k), ids_);
     for (int32_t id : ids_) l[id] = weight(l[id], m);  // w from here on
     std::vector<int32_t>& kept = ids_;
     std::vector<int32_t>& by_id = ids2_;
     if (top_p) {
-      by_id.assign(kept.begin(), kept.end());
-      std::sort(by_id.begin(), by_id.end());
-      double z = 0.0;
-      for (int32_t id : by_id) z += l[id];
+      Mass z = 0;
+      for (int32_t id : kept) z += mass(l[id]);
       std::sort(kept.begin(), kept.end(), [l](int32_t a, int32_t b) { return before(l[a], a, l[b], b); });
-      const double target = static_cast<double>(params_.top_p) * z;
-      double cum = 0.0;
+      const Mass target = detail::scale(z, detail::frac53(params_.top_p));
+      Mass cum = 0;
       for (size_t i = 0; i < kept.size(); ++i) {
-        cum += l[kept[i]];
+        cum += mass(l[kept[i]]);
         if (cum >= target) {
           kept.resize(i + 1);
           break;
@@ -168,77 +180,68 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
     for (int32_t id : kept)
       if (!(static_cast<double>(l[id]) < min_p)) by_id.push_back(id);
     std::sort(by_id.begin(), by_id.end());
-    double z = 0.0;
-    for (int32_t id : by_id) z += l[id];
-    const double target = draw_uniform(seed_, generated_) * z;
-    double cum = 0.0;
-    int32_t last = -1;
+    Mass z = 0;
+    for (int32_t id : by_id) z += mass(l[id]);
+    const Mass target = detail::scale(z, u);
+    Mass cum = 0;
     for (int32_t id : by_id) {
-      cum += l[id];
+      cum += mass(l[id]);
       if (cum > target) return id;
-      if (l[id] > 0.0f) last = id;
     }
-    return last;
+    throw std::logic_error("sampler: the draw passed every kept id");  // z > target: unreachable
   }
 
-  // The whole row: w in place, Z over every allowed id in id order.
-  double z = 0.0;
+  // The whole row: w in place, its total mass.
+  Mass z = 0;
   for (int64_t i = 0; i < V; ++i) {
     if (!ok(allowed, i)) continue;
     l[i] = weight(l[i], m);
-    z += l[i];
+    z += mass(l[i]);
   }
-  // top-p as a boundary (wb, ib): the kept ids are those ordered no later than it. Found by bands of
-  // weight, each gathered and sorted in turn and walked until the sum reaches p * Z; a peaked distribution
-  // needs the first band only.
+  // top-p as a boundary (wb, ib): the kept ids are those ordered no later than it. Masses add exactly, so
+  // a histogram over weight buckets (a weight's float bits, monotone in it) tells which bucket the sum
+  // crosses p * Z in; only that bucket's ids are sorted and walked.
   float wb = 0.0f;
   int32_t ib = std::numeric_limits<int32_t>::max();
   if (top_p) {
-    const double target = static_cast<double>(params_.top_p) * z;
-    double cum = 0.0;
-    float hi = std::numeric_limits<float>::infinity(), lo = 0x1.0p-6f;
+    hist_.assign(kBuckets, 0);
+    for (int64_t i = 0; i < V; ++i)
+      if (ok(allowed, i)) hist_[bucket(l[i])] += mass(l[i]);
+    const Mass target = detail::scale(z, detail::frac53(params_.top_p));
+    Mass cum = 0;
+    size_t b = kBuckets - 1;
+    while (cum + hist_[b] < target) cum += hist_[b--];  // target <= z: some bucket reaches it
     std::vector<int32_t>& band = ids_;
-    band.reserve(static_cast<size_t>(V));
-    bool found = false;
-    int32_t last = -1;
-    while (!found) {
-      band.clear();
-      for (int64_t i = 0; i < V; ++i)
-        if (ok(allowed, i) && l[i] < hi && l[i] >= lo) band.push_back(static_cast<int32_t>(i));
-      std::sort(band.begin(), band.end(), [l](int32_t a, int32_t b) { return before(l[a], a, l[b], b); });
-      for (int32_t id : band) {
-        cum += l[id];
-        last = id;
-        if (cum >= target) {
-          found = true;
-          break;
-        }
+    if (band.capacity() < static_cast<size_t>(V)) band.reserve(static_cast<size_t>(V));  // any bucket fits
+    band.clear();
+    for (int64_t i = 0; i < V; ++i)
+      if (ok(allowed, i) && bucket(l[i]) == b) band.push_back(static_cast<int32_t>(i));
+    std::sort(band.begin(), band.end(), [l](int32_t x, int32_t y) { return before(l[x], x, l[y], y); });
+    for (int32_t id : band) {
+      cum += mass(l[id]);
+      if (cum >= target) {
+        wb = l[id];
+        ib = id;
+        break;
       }
-      if (lo < 0.0f) break;  // every band walked: rounding kept the sum below p * Z, keep them all
-      hi = lo;
-      lo = lo > 1e-37f ? lo * 0x1.0p-6f : -1.0f;
     }
-    wb = l[last];
-    ib = last;
   }
   auto kept = [&](int64_t i) {
     const int32_t id = static_cast<int32_t>(i);
     return ok(allowed, i) && (!top_p || id == ib || before(l[i], id, wb, ib)) &&
            !(static_cast<double>(l[i]) < min_p);
   };
-  double zs = 0.0;
+  Mass zs = 0;
   for (int64_t i = 0; i < V; ++i)
-    if (kept(i)) zs += l[i];
-  const double target = draw_uniform(seed_, generated_) * zs;
-  double cum = 0.0;
-  int32_t last = -1;
+    if (kept(i)) zs += mass(l[i]);
+  const Mass target = detail::scale(zs, u);
+  Mass cum = 0;
   for (int64_t i = 0; i < V; ++i) {
     if (!kept(i)) continue;
-    cum += l[i];
+    cum += mass(l[i]);
     if (cum > target) return static_cast<int32_t>(i);
-    if (l[i] > 0.0f) last = static_cast<int32_t>(i);
   }
-  return last;
+  throw std::logic_error("sampler: the draw passed every kept id");  // zs > target: unreachable
 }
 
 }  // namespace kda::sampling

@@ -35,11 +35,30 @@ inline bool before(float va, int32_t a, float vb, int32_t b) { return va > vb ||
   throw std::invalid_argument("logits: NaN at id " + std::to_string(id));
 }
 
+// Masses: a weight w in [0, 1] as an integer count of 2^-62 (truncated; a w below 2^-62 of the top one
+// weighs nothing). Sums of masses are exact, so every order of adding them gives the same bits: a pass
+// in id order, a histogram and a sorted walk all agree on where a running sum crosses a target.
+using Mass = unsigned __int128;
+inline uint64_t mass(float w) { return static_cast<uint64_t>(static_cast<double>(w) * 0x1.0p62); }
+
+// floor(f * z / 2^53) exactly, for f <= 2^53 (a fraction in 53 bits) and z < 2^93 (2^31 masses).
+inline Mass scale(Mass z, uint64_t f) {
+  const auto hi = static_cast<uint64_t>(z >> 64), lo = static_cast<uint64_t>(z);
+  return ((static_cast<Mass>(f) * hi) << 11) + ((static_cast<Mass>(f) * lo) >> 53);
+}
+// p in (0, 1] as a 53-bit fraction (a float p is exact in it down to 2^-29).
+inline uint64_t frac53(float p) { return static_cast<uint64_t>(static_cast<double>(p) * 0x1.0p53); }
+
 inline uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
+}
+
+// The k-th generated token's draw: 53 random bits (u = draw53 / 2^53 in [0, 1)).
+inline uint64_t draw53(uint64_t seed, int64_t k) {
+  return splitmix64(splitmix64(seed) + static_cast<uint64_t>(k)) >> 11;
 }
 
 }  // namespace kda::sampling::detail
