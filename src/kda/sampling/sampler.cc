@@ -192,12 +192,15 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
   }
 
   // The whole row: w in place, its total mass.
-  Mass z = 0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (!ok(allowed, i)) continue;
-    l[i] = weight(l[i], m);
-    z += mass(l[i]);
+  // (Over every id: a loop without the mask vectorizes; the disallowed ids' values are never read.)
+  if (std::isfinite(m)) {
+    for (int64_t i = 0; i < V; ++i) l[i] = detail::exp_nonpositive(l[i] - m);
+  } else {
+    for (int64_t i = 0; i < V; ++i) l[i] = weight(l[i], m);
   }
+  Mass z = 0;
+  for (int64_t i = 0; i < V; ++i)
+    if (ok(allowed, i)) z += mass(l[i]);
   // top-p as a boundary (wb, ib): the kept ids are those ordered no later than it. Masses add exactly, so
   // a histogram over weight buckets (a weight's float bits, monotone in it) tells which bucket the sum
   // crosses p * Z in; only that bucket's ids are sorted and walked.
