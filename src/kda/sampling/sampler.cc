@@ -109,21 +109,29 @@ int32_t RequestSampler::sample(std::span<float> logits, const uint8_t* allowed, 
   const int32_t chosen = pick(logits, allowed);
 
   if (lp != nullptr) {
-    const float* r = raw_.data();
+    float* r = raw_.data();
     float m = kNegInf;
     for (int64_t i = 0; i < V; ++i)
       if (ok(allowed, i)) m = std::max(m, r[i]);
-    double z = 0.0;
-    for (int64_t i = 0; i < V; ++i)
-      if (ok(allowed, i)) z += weight(r[i], m);
     lp->token = chosen;
-    lp->logprob = detail::log_prob(r[chosen], m, z);
     lp->top.clear();
     if (params_.logprobs > 0) {
       select_top(r, allowed, V, static_cast<size_t>(params_.logprobs), ids_);
       std::sort(ids_.begin(), ids_.end(), [r](int32_t a, int32_t b) { return before(r[a], a, r[b], b); });
-      for (int32_t id : ids_) lp->top.emplace_back(id, detail::log_prob(r[id], m, z));
+      for (int32_t id : ids_) lp->top.emplace_back(id, r[id]);  // raw logits for now
     }
+    const float chosen_logit = r[chosen];
+    // The weights over the raw row in place (a loop without the mask vectorizes), then their sum.
+    if (std::isfinite(m)) {
+      for (int64_t i = 0; i < V; ++i) r[i] = detail::exp_nonpositive(r[i] - m);
+    } else {
+      for (int64_t i = 0; i < V; ++i) r[i] = weight(r[i], m);
+    }
+    double z = 0.0;
+    for (int64_t i = 0; i < V; ++i)
+      if (ok(allowed, i)) z += r[i];
+    lp->logprob = detail::log_prob(chosen_logit, m, z);
+    for (auto& [id, v] : lp->top) v = detail::log_prob(v, m, z);
   }
   return chosen;
 }

@@ -22,7 +22,8 @@ inline float presence_frequency(float l, int32_t count, float presence, float fr
 inline float exp_nonpositive(float x) {
   uint32_t xb;
   std::memcpy(&xb, &x, sizeof xb);
-  const uint32_t keep = 0u - static_cast<uint32_t>((xb == 0u) | ((xb - 0x80000000u) < 0x42AE0000u));  // -87 < x <= 0
+  const uint32_t keep =
+      0u - static_cast<uint32_t>((xb == 0u) | ((xb - 0x80000000u) < 0x42AE0000u));  // -87 < x <= 0
   const uint32_t cb = (xb & keep) | (0xC2AE0000u & ~keep);  // -87 elsewhere: the arithmetic stays finite
   float xc;
   std::memcpy(&xc, &cb, sizeof xc);
