@@ -486,16 +486,17 @@ TEST(Sampling, SampleAllocatesNothingAfterItsFirstCall) {
   const int64_t V = 163840;
   std::mt19937_64 rng(4);
   const std::vector<float> row = make_row(V, Row::kNormal, rng);
-  for (SamplingParams p : param_cases()) {
-    p.logprobs = -1;
+  for (const SamplingParams& p : param_cases()) {  // logprobs 5 included: lp's vectors are reused
     RequestSampler s(p, std::vector<int32_t>{1, 2, 3}, 5);
+    TokenLogprob lp;
     std::vector<float> scratch = row;
-    s.accept(s.sample(scratch, nullptr, nullptr));
+    s.accept(s.sample(scratch, nullptr, &lp));
     scratch = row;
     const int64_t before = g_allocations;
-    const int32_t t = s.sample(scratch, nullptr, nullptr);
+    const int32_t t = s.sample(scratch, nullptr, &lp);
     EXPECT_EQ(g_allocations, before) << "T=" << p.temperature << " k=" << p.top_k << " p=" << p.top_p;
     EXPECT_GE(t, 0);
+    EXPECT_EQ(lp.token, t);
   }
 }
 

@@ -52,6 +52,7 @@ class RequestSampler {
   std::vector<int32_t> seen_;                   // distinct ids of prompt + generated (repetition penalty)
   std::unordered_set<int32_t> seen_set_;
   std::unordered_map<int32_t, int32_t> counts_;  // generated id -> count (presence / frequency)
+  int32_t max_id_ = -1;                          // the largest id the penalties touch
   // Scratch, grown on the first call and kept: sample() allocates nothing after it.
   std::vector<float> raw_;
   std::vector<int32_t> ids_, ids2_;

@@ -72,14 +72,17 @@ RequestSampler::RequestSampler(const SamplingParams& params, std::span<const int
   repetition_ = params_.repetition_penalty != 1.0f;
   additive_ = params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f;
   if (repetition_)
-    for (int32_t id : prompt)
+    for (int32_t id : prompt) {
       if (seen_set_.insert(id).second) seen_.push_back(id);
+      max_id_ = std::max(max_id_, id);
+    }
 }
 
 void RequestSampler::accept(int32_t token) {
   if (token < 0) throw std::invalid_argument("accept: negative token id " + std::to_string(token));
   if (repetition_ && seen_set_.insert(token).second) seen_.push_back(token);
   if (additive_) ++counts_[token];
+  if (repetition_ || additive_) max_id_ = std::max(max_id_, token);
   ++generated_;
 }
 
@@ -87,10 +90,9 @@ int32_t RequestSampler::sample(std::span<float> logits, const uint8_t* allowed, 
   const int64_t V = static_cast<int64_t>(logits.size());
   if (V == 0) throw std::invalid_argument("logits: empty row");
   // Every check before the row changes, so that a refused call leaves it (and the sampler) as it was.
-  for (int32_t id : seen_)
-    if (id >= V) throw std::invalid_argument("prompt/generated: id " + std::to_string(id) + " outside vocab");
-  for (const auto& [id, c] : counts_)
-    if (id >= V) throw std::invalid_argument("generated: id " + std::to_string(id) + " outside vocab");
+  if (max_id_ >= V)
+    throw std::invalid_argument("prompt/generated: id " + std::to_string(max_id_) + " is outside the row's " +
+                                std::to_string(V) + " logits");
   float* l = logits.data();
   bool any = false;
   for (int64_t i = 0; i < V; ++i) {
