@@ -89,19 +89,11 @@ void RequestSampler::accept(int32_t token) {
 int32_t RequestSampler::sample(std::span<float> logits, const uint8_t* allowed, TokenLogprob* lp) {
   const int64_t V = static_cast<int64_t>(logits.size());
   if (V == 0) throw std::invalid_argument("logits: empty row");
-  // Every check before the row changes, so that a refused call leaves it (and the sampler) as it was.
+  // A refused call (here, or a NaN logit or no allowed id in pick) leaves the sampler as it was.
   if (max_id_ >= V)
     throw std::invalid_argument("prompt/generated: id " + std::to_string(max_id_) + " is outside the row's " +
                                 std::to_string(V) + " logits");
   float* l = logits.data();
-  bool any = false;
-  for (int64_t i = 0; i < V; ++i) {
-    if (!ok(allowed, i)) continue;
-    any = true;
-    if (std::isnan(l[i])) detail::nan_logit(i);
-  }
-  if (!any) throw std::invalid_argument("allowed: every id is disallowed");
-
   if (lp != nullptr) raw_.assign(l, l + V);  // the raw row, for the log-probabilities after the draw
   if (repetition_)
     for (int32_t id : seen_) l[id] = detail::repetition(l[id], params_.repetition_penalty);
@@ -141,10 +133,16 @@ int32_t RequestSampler::sample(std::span<float> logits, const uint8_t* allowed, 
 int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
   const int64_t V = static_cast<int64_t>(logits.size());
   float* l = logits.data();
+  // The NaN checks ride on the first pass: penalties and temperature make no NaN of a number (inf / T and
+  // inf - c stay inf), so a NaN here is one of the row as it came.
   if (params_.greedy()) {
     int64_t best = -1;
-    for (int64_t i = 0; i < V; ++i)
-      if (ok(allowed, i) && (best < 0 || l[i] > l[best])) best = i;
+    for (int64_t i = 0; i < V; ++i) {
+      if (!ok(allowed, i)) continue;
+      if (std::isnan(l[i])) detail::nan_logit(i);
+      if (best < 0 || l[i] > l[best]) best = i;
+    }
+    if (best < 0) throw std::invalid_argument("allowed: every id is disallowed");
     return static_cast<int32_t>(best);
   }
 
@@ -154,10 +152,12 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
   int64_t n = 0;
   for (int64_t i = 0; i < V; ++i) {
     if (!ok(allowed, i)) continue;
+    if (std::isnan(l[i])) detail::nan_logit(i);
     if (T != 1.0f) l[i] /= T;
     m = std::max(m, l[i]);
     ++n;
   }
+  if (n == 0) throw std::invalid_argument("allowed: every id is disallowed");
   const bool top_k = params_.top_k > 0 && params_.top_k < n;
   const bool top_p = params_.top_p < 1.0f;
   const double min_p = params_.min_p;  // the largest kept weight is always 1: the top id's exp(0)
@@ -208,9 +208,6 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
   } else {
     for (int64_t i = 0; i < V; ++i) l[i] = weight(l[i], m);
   }
-  Mass z = 0;
-  for (int64_t i = 0; i < V; ++i)
-    if (ok(allowed, i)) z += mass(l[i]);
   // top-p as a boundary (wb, ib): the kept ids are those ordered no later than it. Masses add exactly, so
   // a histogram over weight buckets (a weight's float bits, monotone in it) tells which bucket the sum
   // crosses p * Z in; only that bucket's ids are sorted and walked.
@@ -218,8 +215,13 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
   int32_t ib = std::numeric_limits<int32_t>::max();
   if (top_p) {
     hist_.assign(kBuckets, 0);
+    Mass z = 0;
     for (int64_t i = 0; i < V; ++i)
-      if (ok(allowed, i)) hist_[bucket(l[i])] += mass(l[i]);
+      if (ok(allowed, i)) {
+        const uint64_t q = mass(l[i]);
+        hist_[bucket(l[i])] += q;
+        z += q;
+      }
     const Mass target = detail::scale(z, detail::frac53(params_.top_p));
     Mass cum = 0;
     size_t b = kBuckets - 1;
