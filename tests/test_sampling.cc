@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <new>
 #include <numeric>
@@ -31,15 +32,25 @@ void* operator new(std::size_t n) {
   if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
   throw std::bad_alloc();
 }
+void* operator new[](std::size_t n) { return operator new(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  ++g_allocations;
+  return std::malloc(n == 0 ? 1 : n);
+}
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace kda::sampling {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-enum class Row { kNormal, kTies, kNegInf, kHuge, kPeaked, kEqual };
+enum class Row { kNormal, kTies, kNegInf, kHuge, kPeaked, kEqual, kHalves };
 
 std::vector<float> make_row(int64_t V, Row kind, std::mt19937_64& rng) {
   std::normal_distribution<float> nd(0.0f, 2.0f);
@@ -62,6 +73,11 @@ std::vector<float> make_row(int64_t V, Row kind, std::mt19937_64& rng) {
       break;
     case Row::kEqual:  // every weight 1: top-p's sums are exact, p * Z lands on one of them
       std::fill(l.begin(), l.end(), 0.5f);
+      break;
+    case Row::kHalves:  // weights 1 (a ids) and 0.5 (2a ids), the rest 0: top-p 0.5 ends exactly at the 1s
+      std::fill(l.begin(), l.end(), -kInf);
+      for (int64_t i = 0, a = std::max<int64_t>(1, V / 50); i < 3 * a && i < V; ++i)
+        l[(i * 37) % V] = i < a ? 0.0f : std::log(0.5f);
       break;
     case Row::kPeaked:  // an LLM-like row: a few ids carry almost all the mass
       for (auto& x : l) x *= 3.0f;
@@ -163,7 +179,8 @@ void compare(int64_t V, Row kind, const SamplingParams& p, bool masked, uint64_t
 TEST(Sampling, OptimizedMatchesReference) {
   const std::vector<SamplingParams> cases = param_cases();
   for (int64_t V : {7, 512}) {
-    for (Row kind : {Row::kNormal, Row::kTies, Row::kNegInf, Row::kHuge, Row::kPeaked, Row::kEqual})
+    for (Row kind :
+         {Row::kNormal, Row::kTies, Row::kNegInf, Row::kHuge, Row::kPeaked, Row::kEqual, Row::kHalves})
       for (size_t c = 0; c < cases.size(); ++c)
         for (bool masked : {false, true}) compare(V, kind, cases[c], masked, 100 + c, 6);
   }
@@ -172,9 +189,11 @@ TEST(Sampling, OptimizedMatchesReference) {
 TEST(Sampling, OptimizedMatchesReferenceFullVocab) {
   const std::vector<SamplingParams> cases = param_cases();
   const int64_t V = 163840;
-  for (Row kind : {Row::kNormal, Row::kTies, Row::kHuge, Row::kPeaked, Row::kEqual})
-    for (size_t c = 0; c < cases.size(); ++c) compare(V, kind, cases[c], c % 3 == 0, 500 + c, 1);
-  compare(V, Row::kNegInf, cases[8], true, 42, 2);
+  const Row kinds[] = {Row::kNormal, Row::kTies,  Row::kNegInf, Row::kHuge,
+                       Row::kPeaked, Row::kEqual, Row::kHalves};
+  const size_t n = std::size(kinds);
+  for (size_t c = 0; c < cases.size(); ++c)  // two kinds of row per case, every kind with every few cases
+    for (size_t r : {c % n, (c + 3) % n}) compare(V, kinds[r], cases[c], c % 3 == 0, 500 + c, 1);
 }
 
 TEST(Sampling, DisallowedIdsNeverComeOut) {
@@ -467,16 +486,17 @@ TEST(Sampling, SampleAllocatesNothingAfterItsFirstCall) {
   const int64_t V = 163840;
   std::mt19937_64 rng(4);
   const std::vector<float> row = make_row(V, Row::kNormal, rng);
-  for (SamplingParams p : param_cases()) {
-    p.logprobs = -1;
+  for (const SamplingParams& p : param_cases()) {  // logprobs 5 included: lp's vectors are reused
     RequestSampler s(p, std::vector<int32_t>{1, 2, 3}, 5);
+    TokenLogprob lp;
     std::vector<float> scratch = row;
-    s.accept(s.sample(scratch, nullptr, nullptr));
+    s.accept(s.sample(scratch, nullptr, &lp));
     scratch = row;
     const int64_t before = g_allocations;
-    const int32_t t = s.sample(scratch, nullptr, nullptr);
+    const int32_t t = s.sample(scratch, nullptr, &lp);
     EXPECT_EQ(g_allocations, before) << "T=" << p.temperature << " k=" << p.top_k << " p=" << p.top_p;
     EXPECT_GE(t, 0);
+    EXPECT_EQ(lp.token, t);
   }
 }
 

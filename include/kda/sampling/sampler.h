@@ -1,20 +1,19 @@
 // Per-request token sampling: penalties -> temperature -> top-k -> top-p -> min-p -> a seeded draw.
 //
 // The math, shared bit for bit by RequestSampler (the optimized path) and sample_reference:
-//  - logits l (fp32). Repetition penalty r over the distinct ids of prompt + generated: l > 0 ? l / r : l *
-//  r.
-//    Then over the generated ids with count c > 0: l -= presence + frequency * c.
+//  - logits l (fp32). Repetition penalty r over the distinct ids of prompt + generated:
+//    l > 0 ? l / r : l * r. Then over the generated ids with count c > 0: l -= presence + frequency * c.
 //  - Greedy (temperature 0): the lowest allowed id with the largest penalized logit.
 //  - Else s = l / T (fp32) over the allowed ids, m = max s. Weights w = exp(s - m) (fp32 std::exp); when m is
 //    infinite (a logit of +inf, or every allowed one -inf), w = 1 where s == m and 0 elsewhere.
 //  - top-k keeps the k first allowed ids by (s descending, id ascending).
-//  - top-p: Z = the double sum of w over the kept ids in ascending id order; walking the kept ids by
-//    (w descending, id ascending) and adding w in double, keep up to and including the first id where the
-//    sum reaches p * Z (all of them if rounding never lets it).
+//  - Sums of weights are exact: each w as an integer mass, w * 2^62 truncated (a w below 2^-62 of the top
+//    one weighs nothing), added in 128 bits, so that any order of adding gives the same sum.
+//  - top-p: Z = the kept ids' total mass; walking them by (w descending, id ascending), keep up to and
+//    including the first id where the running mass reaches floor(p * Z) (p as a 53-bit fraction).
 //  - min-p drops w < min_p * w_max (w_max = the largest kept w).
-//  - The draw: u in [0, 1) from (seed, k) only, k = the number of tokens generated so far (splitmix64);
-//    over the kept ids in ascending id order, the first whose running double sum of w exceeds u * (their
-//    sum).
+//  - The draw: 53 bits d from (seed, k) only, k = the number of tokens generated so far (splitmix64);
+//    over the kept ids in ascending id order, the first whose running mass exceeds floor(d * Z_kept / 2^53).
 //  - Logprobs: log_softmax of the raw logits over the allowed ids (fp32 exp, double sum in id order).
 #pragma once
 
@@ -53,9 +52,11 @@ class RequestSampler {
   std::vector<int32_t> seen_;                   // distinct ids of prompt + generated (repetition penalty)
   std::unordered_set<int32_t> seen_set_;
   std::unordered_map<int32_t, int32_t> counts_;  // generated id -> count (presence / frequency)
+  int32_t max_id_ = -1;                          // the largest id the penalties touch
   // Scratch, grown on the first call and kept: sample() allocates nothing after it.
   std::vector<float> raw_;
   std::vector<int32_t> ids_, ids2_;
+  std::vector<unsigned __int128> hist_;  // top-p's masses per weight bucket
 };
 
 // The reference beside it, same math by the plainest code (full sort, double sums): tests compare.

@@ -61,16 +61,14 @@ int32_t sample_reference(std::span<const float> logits, const uint8_t* allowed, 
     for (int32_t id : kept) w[id] = weight(s[id], m);
     // top-p
     if (p.top_p < 1.0f) {
-      std::vector<int32_t> by_id = kept;
-      std::sort(by_id.begin(), by_id.end());
-      double z = 0.0;
-      for (int32_t id : by_id) z += w[id];
+      detail::Mass z = 0;
+      for (int32_t id : kept) z += detail::mass(w[id]);
       std::sort(kept.begin(), kept.end(), [&](int32_t a, int32_t b) { return before(w[a], a, w[b], b); });
-      const double target = static_cast<double>(p.top_p) * z;
-      double cum = 0.0;
+      const detail::Mass target = detail::scale(z, detail::frac53(p.top_p));
+      detail::Mass cum = 0;
       size_t n = kept.size();
       for (size_t i = 0; i < kept.size(); ++i) {
-        cum += w[kept[i]];
+        cum += detail::mass(w[kept[i]]);
         if (cum >= target) {
           n = i + 1;
           break;
@@ -88,22 +86,20 @@ int32_t sample_reference(std::span<const float> logits, const uint8_t* allowed, 
         if (!(static_cast<double>(w[id]) < floor)) rest.push_back(id);
       kept = rest;
     }
-    // the draw
+    // the draw: the top id (mass 2^62) is always kept, so z > target and some id's running sum passes it
     std::sort(kept.begin(), kept.end());
-    double z = 0.0;
-    for (int32_t id : kept) z += w[id];
-    const double target = draw_uniform(seed, static_cast<int64_t>(generated.size())) * z;
-    double cum = 0.0;
+    detail::Mass z = 0;
+    for (int32_t id : kept) z += detail::mass(w[id]);
+    const detail::Mass target =
+        detail::scale(z, detail::draw53(seed, static_cast<int64_t>(generated.size())));
+    detail::Mass cum = 0;
     for (int32_t id : kept) {
-      cum += w[id];
+      cum += detail::mass(w[id]);
       if (cum > target) {
         chosen = id;
         break;
       }
     }
-    if (chosen < 0)  // u * z rounded up to z: the last id that carries weight
-      for (int32_t id : kept)
-        if (w[id] > 0.0f) chosen = id;
   }
 
   if (lp != nullptr) {
@@ -124,8 +120,7 @@ int32_t sample_reference(std::span<const float> logits, const uint8_t* allowed, 
 }
 
 double draw_uniform(uint64_t seed, int64_t k) {
-  const uint64_t h = detail::splitmix64(detail::splitmix64(seed) + static_cast<uint64_t>(k));
-  return static_cast<double>(h >> 11) * 0x1.0p-53;
+  return static_cast<double>(detail::draw53(seed, k)) * 0x1.0p-53;
 }
 
 }  // namespace kda::sampling
