@@ -430,6 +430,83 @@ TEST(Engine, BadSubmitsThrowNamingTheFieldAndChangeNothing) {
                std::invalid_argument);
 }
 
+GenerateRequest sampled(std::vector<int32_t> prompt, int32_t max_tokens, uint64_t seed, int32_t n = 1) {
+  GenerateRequest r;
+  r.prompt = std::move(prompt);
+  r.params.temperature = 0.9f;
+  r.params.top_k = 40;
+  r.params.top_p = 0.95f;
+  r.params.repetition_penalty = 1.1f;
+  r.params.seed = seed;
+  r.params.max_tokens = max_tokens;
+  r.params.logprobs = 2;
+  r.n = n;
+  return r;
+}
+
+TEST(Engine, SeededSamplingIsTheSameAloneAndBatchedAndContinuationsUseSeedPlusJ) {
+  auto& model = hybrid_model();
+  ModelRunner runner(model, 8, 4096, kernels::KernelImpl::Auto);
+  const PoolCounts start = counts(runner);
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < 6; ++i)
+    reqs.push_back(i % 3 == 2 ? greedy(random_prompt(8 + 7 * i, 40 + i), 10)
+                              : sampled(random_prompt(8 + 7 * i, 40 + i), 10, 1000 + i));
+  Engine e(runner, options(32, 8));
+  Collector c;
+  std::vector<int64_t> ids;
+  for (const auto& r : reqs) ids.push_back(e.submit(r, c.sink()));
+  drain(e);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const auto ev = c.of(ids[i]);
+    const Outcome batched = check_stream(ev, 1, static_cast<int32_t>(reqs[i].prompt.size()));
+    const Outcome one = alone(runner, options(32, 8), reqs[i]);
+    ASSERT_EQ(batched.tokens[0].size(), 10u);
+    expect_same_or_near_tie(model, reqs[i].prompt, batched.tokens[0], one.tokens[0]);
+    for (const auto& x : ev) {  // logprobs when asked: the chosen token's and its top alternatives
+      ASSERT_EQ(x.logprob.has_value(), reqs[i].params.logprobs >= 0);
+      if (!x.logprob) continue;
+      EXPECT_EQ(x.logprob->token, x.token);
+      EXPECT_LE(x.logprob->logprob, 0.0f);
+      EXPECT_EQ(x.logprob->top.size(), 2u);
+    }
+  }
+  // Sampling does not draw the same tokens for different seeds (a check the test can fail).
+  const Outcome s0 = alone(runner, options(), sampled(reqs[0].prompt, 10, 1));
+  const Outcome s1 = alone(runner, options(), sampled(reqs[0].prompt, 10, 2));
+  EXPECT_NE(s0.tokens[0], s1.tokens[0]);
+  // Continuation j of a request seeded s draws as a request seeded s + j.
+  const Outcome two = alone(runner, options(), sampled(reqs[0].prompt, 10, 1, 2));
+  expect_same_or_near_tie(model, reqs[0].prompt, two.tokens[0], s0.tokens[0]);
+  expect_same_or_near_tie(model, reqs[0].prompt, two.tokens[1], s1.tokens[0]);
+  EXPECT_EQ(counts(runner), start);
+}
+
+// Thousands of short requests: what the engine and scheduler keep per request goes back (or is reused).
+TEST(Engine, ResidentMemoryStaysFlatOverThousandsOfRequests) {
+  if (testing::kSanitizedMalloc) GTEST_SKIP() << "a sanitizer's allocator measures itself";
+  ModelRunner runner(hybrid_model(), 32, 4096, kernels::KernelImpl::Auto);
+  Engine e(runner, options(256, 64));
+  std::atomic<int64_t> finishes{0};
+  auto wave = [&](int requests) {
+    for (int i = 0; i < requests; ++i) {
+      auto r =
+          i % 2 ? greedy(random_prompt(4, i), 2, 1 + i % 2) : sampled(random_prompt(4, i), 2, i, 1 + i % 2);
+      e.submit(std::move(r), [&](const TokenEvent& ev) {
+        if (ev.finish != FinishReason::kNone) ++finishes;
+      });
+    }
+    drain(e);
+  };
+  for (int k = 0; k < 3; ++k) wave(100);  // warm: every size of bookkeeping reached once
+  const int64_t before = testing::proc_status_kb("VmRSS");
+  for (int k = 0; k < 12; ++k) wave(100);
+  const int64_t after = testing::proc_status_kb("VmRSS");
+  EXPECT_EQ(e.stats().requests_finished, 1500);
+  EXPECT_EQ(e.stats().slots_used, 0);
+  EXPECT_LT(after - before, 1024) << "resident memory grew by " << after - before << " kB over 1200 requests";
+}
+
 TEST(Engine, PrefixCacheHitsReportCachedTokensAndChangeNoToken) {
   auto& model = kda_model();
   ModelRunner runner(model, 6, 0, kernels::KernelImpl::Auto);

@@ -23,6 +23,7 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
   if (n_ < 1) throw std::invalid_argument("--parallel-samples must be >= 1, got " + std::to_string(n_));
   if (opt_.max_prefill_streak < 1) throw std::invalid_argument("max_prefill_streak must be >= 1");
   const int64_t R = static_cast<int64_t>(requests_.size());
+  added_requests_ = R;
   next_turn_.assign(static_cast<size_t>(R), -1);
   n_of_.assign(static_cast<size_t>(R), n_);
   for (int64_t r = 0; r < R; ++r) {
@@ -95,13 +96,36 @@ int64_t Scheduler::add_request(RequestSpec spec, int32_t n, std::vector<int32_t>
     throw std::invalid_argument("scheduler: a prompt of " + std::to_string(prompt.size()) +
                                 " tokens, prompt_len says " + std::to_string(spec.prompt_len));
   check_request(spec, n);
-  const int64_t r = static_cast<int64_t>(requests_.size());
   spec.arrival_step = step_;
   spec.prompt.clear();  // the scheduler needs only its lengths (and the cache its tokens, below)
   spec.forced.clear();
+  ++added_requests_;
+  // A finished online request's index (and its n sequences) is taken again, so that a server's
+  // bookkeeping stays as large as its busiest moment, not as its number of requests so far.
+  auto& free = recycled_[n];
+  if (!free.empty()) {
+    const int64_t r = free.back();
+    free.pop_back();
+    requests_[r] = std::move(spec);
+    unfinished_[r] = n;
+    for (int32_t j = 0; j < n; ++j) {
+      Sequence& q = seqs_[seq_index(r, j)];
+      q = Sequence{};
+      q.request = r;
+      q.sample = j;
+      q.prompt_len = requests_[r].prompt_len;
+      q.output_len = requests_[r].output_len;
+    }
+    if (cache_) prompts_[r] = std::move(prompt);
+    online_.push_back(r);
+    return r;
+  }
+  const int64_t r = static_cast<int64_t>(requests_.size());
   requests_.push_back(std::move(spec));
   n_of_.push_back(n);
   next_turn_.push_back(-1);
+  recyclable_.resize(requests_.size(), 0);
+  recyclable_[r] = 1;
   add_sequences(r);
   if (cache_) {
     prompts_.push_back(std::move(prompt));
@@ -374,6 +398,8 @@ void Scheduler::finish(int64_t seq, StepEvents& ev) {
     if (admitted) --admitted_unfinished_;
     ev.finished_requests.push_back(q.request);
     if (cache_) std::vector<int32_t>().swap(prompts_[q.request]);
+    if (static_cast<size_t>(q.request) < recyclable_.size() && recyclable_[q.request])
+      recycled_[n_of_[q.request]].push_back(q.request);
   }
 }
 

@@ -41,6 +41,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <set>
 #include <span>
 #include <string>
@@ -103,7 +104,7 @@ class Scheduler {
   Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOptions& options,
             mem_cache::HybridReqToTokenPool& pool);
 
-  bool done() const { return finished_requests_ == static_cast<int64_t>(requests_.size()); }
+  bool done() const { return finished_requests_ == added_requests_; }
   // Nothing admitted and unfinished, nothing waiting (online serving: the engine sleeps).
   bool idle() const { return prefilling_.empty() && decode_queue_.empty() && waiting_requests() == 0; }
   int64_t step() const { return step_; }
@@ -131,7 +132,8 @@ class Scheduler {
   void check_request(const RequestSpec& spec, int32_t n, const std::string& name = "request") const;
   // A request arriving now with n continuations (seen by the next schedule()), its prompt's token ids
   // (prompt_len of them; kept only with a prefix cache). spec.after must be -1. Checked first
-  // (check_request). Returns its request index.
+  // (check_request). Returns its request index: a finished online request's index may be reused (with its
+  // sequences' indices), so a request index names a request only until it finished.
   int64_t add_request(RequestSpec spec, int32_t n, std::vector<int32_t> prompt);
   // Sequence `seq` ends now, whatever its phase (a stop token, an abort): its slot and MLA token slots go
   // back to the pool, its pending snapshots are dropped, a continuation still to be forked gives back its
@@ -191,6 +193,9 @@ class Scheduler {
   std::vector<int32_t> n_of_;      // per request: its continuations
   std::deque<int64_t> online_;     // requests added online, not yet seen by schedule()
   int64_t admitted_unfinished_ = 0;
+  int64_t added_requests_ = 0;                        // the workload's + every add_request
+  std::vector<uint8_t> recyclable_;                   // per request: added online (its index is reused)
+  std::map<int32_t, std::vector<int64_t>> recycled_;  // by n: finished online requests' indices
   std::vector<int64_t> arrival_order_;  // requests without a previous turn, by (arrival_step, index)
   size_t next_arrival_ = 0;             // into arrival_order_
   std::vector<int64_t> next_turn_;      // per request: the request of its session's next turn, or -1
