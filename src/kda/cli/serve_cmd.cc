@@ -8,8 +8,10 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -57,7 +59,8 @@ int64_t kv_token_bytes(const models::KimiLinearForCausalLM& m) {
 }
 
 // SIGINT / SIGTERM are blocked in every thread (the mask is set before any thread starts) and taken by
-// one thread with sigtimedwait, which stops the server: no work in a signal handler.
+// one thread with sigtimedwait: no work in a signal handler. Before the server exists (loading the
+// model) a signal ends the process at once; after, it stops the server.
 class SignalStopper {
  public:
   SignalStopper() {
@@ -65,31 +68,51 @@ class SignalStopper {
     sigaddset(&set_, SIGINT);
     sigaddset(&set_, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set_, nullptr);
+    thread_ = std::thread([this] { loop(); });
   }
   ~SignalStopper() {
     done_.store(true);
-    if (thread_.joinable()) thread_.join();
+    thread_.join();
   }
-  void start(server::OpenAIServer& srv) {
-    thread_ = std::thread([this, &srv] {
-      const timespec poll = {0, 200 * 1000 * 1000};
-      bool signalled = false;
-      while (!done_.load()) {
-        const int sig = sigtimedwait(&set_, nullptr, &poll);
-        if (sig == SIGINT || sig == SIGTERM) {
-          if (!signalled)
-            std::fprintf(stderr, "kda serve: %s, stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
-          signalled = true;
-        }
-        // Repeated until serve() returns: a stop that raced with the start of serve() is not lost.
-        if (signalled) srv.stop();
-      }
-    });
+  void attach(server::OpenAIServer& srv) {
+    std::lock_guard lock(mu_);
+    srv_ = &srv;
+  }
+  // Before the server goes (a stop() in flight finishes first).
+  void detach() {
+    std::lock_guard lock(mu_);
+    srv_ = nullptr;
   }
 
  private:
+  void loop() {
+    const timespec poll = {0, 200 * 1000 * 1000};
+    bool signalled = false;
+    while (!done_.load()) {
+      const int sig = sigtimedwait(&set_, nullptr, &poll);
+      if (sig == SIGINT || sig == SIGTERM) {
+        if (!signalled)
+          std::fprintf(stderr, "kda serve: %s, stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+        signalled = true;
+        if (!attached()) std::_Exit(128 + sig);  // still loading: nothing to stop cleanly
+      }
+      std::lock_guard lock(mu_);
+      attached_ = attached_ || srv_ != nullptr;
+      // Repeated until serve() returns: a stop that raced with the start of serve() is not lost.
+      if (signalled && srv_) srv_->stop();
+    }
+  }
+
+  bool attached() {
+    std::lock_guard lock(mu_);
+    return attached_ || srv_ != nullptr;
+  }
+
   sigset_t set_;
   std::atomic<bool> done_{false};
+  std::mutex mu_;
+  server::OpenAIServer* srv_ = nullptr;
+  bool attached_ = false;  // the loop thread's own: the server was there once
   std::thread thread_;
 };
 
@@ -179,7 +202,11 @@ int run_serve(const ServeCliOptions& o) {
       static_cast<long long>(context), static_cast<long long>(model->vocab_size()));
   std::printf("kda serve: listening on http://%s:%d\n", o.host.c_str(), port);
   std::fflush(stdout);
-  signals.start(srv);
+  signals.attach(srv);
+  struct Detach {
+    SignalStopper& s;
+    ~Detach() { s.detach(); }
+  } detach{signals};  // on any way out, before srv goes
   srv.serve();
   std::fprintf(stderr, "kda serve: stopped\n");
   return 0;
