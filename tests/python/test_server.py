@@ -159,6 +159,10 @@ def test_seeds_are_reproducible(server):
         for c in e["choices"]:
             per[c["index"]] += c.get("token_ids") or []
     assert per[0] == a  # continuation 0 keeps the seed; n = 2 changes nothing for it
+    status, r = server.post(CMPL, {**body, "n": 2})
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert [c["token_ids"] for c in r["choices"]] == [per[0], per[1]]
+    assert r["usage"]["completion_tokens"] == len(per[0]) + len(per[1])
 
 
 def test_logprobs_match_the_models_logits(server, ckpt):
@@ -315,6 +319,7 @@ def test_rss_is_flat_over_1000_requests(server):
         one(k)
     rss1 = server.rss_kb()
     c.close()
+    print(f"RSS {rss0} kB after 100 requests, {rss1} kB after 1,100 ({rss1 - rss0:+d} kB)")
     assert rss1 - rss0 < 16 * 1024, f"RSS grew by {rss1 - rss0} kB over 1000 requests"
 
 
