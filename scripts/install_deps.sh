@@ -8,7 +8,8 @@ PKGS=(build-essential cmake ninja-build pkg-config git
       pre-commit clang-format cppcheck
       clang libclang-rt-14-dev libomp-dev
       python3 python3-dev python3-venv python3-pip python3-setuptools pybind11-dev python3-pybind11 libdlpack-dev
-      python3-numpy python3-torch python3-pytest)
+      libpcre2-dev libcpp-httplib-dev curl
+      python3-numpy python3-torch python3-pytest python3-jinja2)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
