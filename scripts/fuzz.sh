@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Fuzzes every parser of outside input (tests/fuzz: npy, npz, safetensors header, safetensors index,
-# config.json, the --trace JSON) with libFuzzer + ASan + UBSan, each for a bounded time, and fails on
-# any crash, leak, hang (-timeout), out-of-memory (-rss_limit_mb) or UB report. The seeds in
-# tests/fuzz/<target>/ and the regression inputs in tests/fuzz/regressions/<target>/ are read, never
-# written: new inputs go to a temporary folder, removed at the end. A target that fails leaves its
-# crash-* / leak-* / timeout-* file in build-fuzz/artifacts/<target>/ to copy into regressions/.
+# config.json, the --trace JSON, text through the tokenizer) with libFuzzer + ASan + UBSan, each for a
+# bounded time, and fails on any crash, leak, hang (-timeout), out-of-memory (-rss_limit_mb) or UB
+# report. The seeds in tests/fuzz/<target>/ and the regression inputs in tests/fuzz/regressions/<target>/
+# are read, never written: new inputs go to a temporary folder, removed at the end. A target that fails
+# leaves its crash-* / leak-* / timeout-* file in build-fuzz/artifacts/<target>/ to copy into regressions/.
 #
-#   scripts/fuzz.sh [seconds_per_target]   (default 10: about a minute for the six targets)
+#   scripts/fuzz.sh [seconds_per_target]   (default 10: about a minute for the seven targets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-10}
-TARGETS=(npy npz safetensors safetensors_index config trace)
+TARGETS=(npy npz safetensors safetensors_index config trace tokenizer_text)
 BUILD=build-fuzz
 
 cmake -S . -B "$BUILD" -G Ninja -DKDA_FUZZ=ON -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null

@@ -18,14 +18,19 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$PY
 cmake --build build -j "$JOBS"
 ctest --test-dir build --output-on-failure -j "$JOBS"
 
-echo "== Python tests (pytest, build/python)"
-KDA_PYTHONPATH=build/python KDA_BINARY=build/kda $PY -m pytest -q tests/python
-
-echo "== pip install --no-build-isolation . into a venv (offline), pytest on the installed package"
+echo "== the test venv: Debian's NumPy, PyTorch and pytest, and from PyPI the outside references the tests"
+echo "   compare against (tiktoken) and the clients they drive the server with (openai)"
 rm -rf build-venv
 $PY -m venv --system-site-packages build-venv
+build-venv/bin/pip install -q -r tests/python/requirements.txt
+VPY=build-venv/bin/python
+
+echo "== Python tests (pytest, build/python)"
+KDA_PYTHONPATH=build/python KDA_BINARY=build/kda $VPY -m pytest -q tests/python
+
+echo "== pip install --no-build-isolation . into the venv (offline), pytest on the installed package"
 build-venv/bin/pip install -q --no-build-isolation --no-index .
-KDA_PYTHONPATH=- KDA_BINARY=build/kda build-venv/bin/python -m pytest -q tests/python
+KDA_PYTHONPATH=- KDA_BINARY=build/kda $VPY -m pytest -q tests/python
 
 echo "== kernel tests without AVX-512 (KDA_ENABLE_AVX512=OFF)"
 cmake -S . -B build-portable -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_ENABLE_AVX512=OFF -DKDA_BUILD_BENCH=OFF \

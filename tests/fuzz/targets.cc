@@ -11,6 +11,8 @@
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
 #include "kda/serving/trace.h"
+#include "kda/tokenizer/tokenizer.h"
+#include "kda/tokenizer/utf8.h"
 
 namespace kda::fuzz {
 
@@ -145,6 +147,36 @@ bool trace(const uint8_t* data, size_t size) {
     std::abort();
   }
   KDA_FUZZ_CHECK(serving::parse_trace(text, "again", 0).size() == reqs.size());
+  return true;
+}
+
+bool tokenizer_text(const uint8_t* data, size_t size) {
+  // A vocabulary with merges and Kimi's special tokens; built once.
+  static const tokenizer::Tokenizer tok = tokenizer::Tokenizer::synthetic(4096, 1);
+  const std::string text(reinterpret_cast<const char*>(data), size);
+  // The bytes as single-byte tokens through the streaming decoder: always valid UTF-8, the same text as
+  // decoding the whole buffer at once, and the text itself when the bytes are valid.
+  tokenizer::StreamDecoder sd(tok);
+  std::string streamed;
+  for (size_t i = 0; i < size; ++i) {
+    const std::string piece = sd.push(data[i]);  // synthetic(): rank b is the byte b
+    KDA_FUZZ_CHECK(tokenizer::utf8_invalid_offset(piece) == std::string::npos);
+    streamed += piece;
+  }
+  streamed += sd.flush();
+  std::string whole;
+  tokenizer::utf8_decode_replace(text, whole, /*final=*/true);
+  KDA_FUZZ_CHECK(streamed == whole);
+  std::vector<int32_t> ids;
+  if (!refused_cleanly([&] { ids = tok.encode(text); })) {
+    KDA_FUZZ_CHECK(tokenizer::utf8_invalid_offset(text) != std::string::npos);
+    return false;
+  }
+  KDA_FUZZ_CHECK(streamed == text);
+  KDA_FUZZ_CHECK(tok.decode(ids) == text);
+  const auto plain = tok.encode(text, /*allow_special=*/false);
+  for (int32_t id : plain) KDA_FUZZ_CHECK(!tok.is_special(id));
+  KDA_FUZZ_CHECK(tok.decode_bytes(plain) == text);
   return true;
 }
 

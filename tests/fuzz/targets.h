@@ -19,6 +19,8 @@ bool safetensors(const uint8_t* data, size_t size);
 bool safetensors_index(const uint8_t* data, size_t size);
 bool config(const uint8_t* data, size_t size);
 bool trace(const uint8_t* data, size_t size);
+// Text through the tokenizer: encode (invalid UTF-8 refused), decode round trips, the streaming decoder.
+bool tokenizer_text(const uint8_t* data, size_t size);
 
 struct Target {
   const char* name;  // the folder of its seeds: tests/fuzz/<name>/, regressions/<name>/
@@ -31,6 +33,7 @@ inline constexpr Target kTargets[] = {
     {"safetensors_index", safetensors_index},
     {"config", config},
     {"trace", trace},
+    {"tokenizer_text", tokenizer_text},
 };
 
 }  // namespace kda::fuzz

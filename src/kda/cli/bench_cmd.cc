@@ -61,14 +61,14 @@ int run_bench(const BenchOptions& o) {
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  if (o.only == "sampling") {  // no ceilings: the rows are ratios to the reference and to the LM-head GEMV
-    j["sampling"] = nlohmann::json::array();
-    bench::bench_sampling(j, say);
+  if (o.only == "tokenizer") {  // no ceilings: MB/s on one thread, and a ratio between two inputs
+    bench::bench_tokenizer(j, say);
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  if (o.only == "tokenizer") {  // no ceilings: MB/s on one thread, and a ratio between two inputs
-    bench::bench_tokenizer(j, say);
+  if (o.only == "sampling") {  // no ceilings: the rows are ratios to the reference and to the LM-head GEMV
+    j["sampling"] = nlohmann::json::array();
+    bench::bench_sampling(j, say);
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }

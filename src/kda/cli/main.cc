@@ -77,11 +77,11 @@ int main(int argc, char** argv) {
           "all | kernels | layer (ceilings are always measured) | stack (the 20-layer stack decoding "
           "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns) | "
           "spec (a decode step and verify steps of 1-8 drafts, in turns) | model (the whole model at its "
-          "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode) | sampling (the "
-          "sampler on a 163840-wide row against its reference and one LM-head GEMV) | tokenizer (encoding "
-          "MB/s on one thread, the 100 KB single-word case)")
+          "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode) | tokenizer (encoding "
+          "MB/s on one thread, the 100 KB single-word case) | sampling (the sampler on a 163840-wide row "
+          "against its reference and one LM-head GEMV)")
       ->check(CLI::IsMember(
-          {"all", "kernels", "layer", "stack", "gemm", "spec", "model", "sampling", "tokenizer"}));
+          {"all", "kernels", "layer", "stack", "gemm", "spec", "model", "tokenizer", "sampling"}));
   bench
       ->add_option(
           "--experts", bo.experts,

@@ -1,5 +1,6 @@
 #include "kda/tokenizer/bpe.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <limits>
@@ -83,7 +84,12 @@ RankTable::RankTable(const std::vector<std::string>& tokens) {
   pair_shift_ = 64 - std::countr_zero(pcap);
   pair_mask_ = pcap - 1;
   pairs_.assign(pcap, PairSlot{});
+  const uint64_t fbits = std::max<uint64_t>(std::bit_ceil<uint64_t>(splits.size() * 16), 64);
+  filter_shift_ = 64 - std::countr_zero(fbits);
+  filter_.assign(fbits / 64, 0);
   for (const auto& [k, merged] : splits) {
+    const uint64_t f = (k * 0xD6E8FEB86659FD93ull) >> filter_shift_;
+    filter_[f >> 6] |= uint64_t{1} << (f & 63);
     uint64_t i = (k * 0x9E3779B97F4A7C15ull) >> pair_shift_;
     while (pairs_[i].merged >= 0) i = (i + 1) & pair_mask_;
     pairs_[i] = {k, merged};

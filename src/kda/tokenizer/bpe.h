@@ -28,6 +28,10 @@ class RankTable {
   // ranks instead of their bytes (every part of a merge is a token). Equal to find(bytes(a) + bytes(b)).
   int32_t find_pair(int32_t a, int32_t b) const {
     const uint64_t k = (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
+    // Most pairs a merge asks about are no token: a bit filter small enough to stay in cache answers
+    // those without touching the table.
+    const uint64_t f = (k * 0xD6E8FEB86659FD93ull) >> filter_shift_;
+    if (!((filter_[f >> 6] >> (f & 63)) & 1)) return -1;
     for (uint64_t i = (k * 0x9E3779B97F4A7C15ull) >> pair_shift_;; i = (i + 1) & pair_mask_) {
       const PairSlot& s = pairs_[i];
       if (s.merged < 0) return -1;
@@ -44,6 +48,8 @@ class RankTable {
   };
   std::vector<PairSlot> pairs_;  // (a, b) -> rank, for every token that splits into two tokens
   int pair_shift_ = 64;
+  std::vector<uint64_t> filter_;  // one bit per (a, b) hash, ~16 bits per pair
+  int filter_shift_ = 64;
   uint64_t pair_mask_ = 0;
   std::string arena_;
   std::vector<uint32_t> offsets_;
