@@ -370,6 +370,10 @@ def test_bad_transport(server):
     status, got = server.request("POST", CMPL, raw='{"prompt": "x", "temperature": NaN}')
     assert status == 400
     answer_next(server)
+    # A header line beyond cpp-httplib's bound (8 KB).
+    status, got = server.request("POST", CMPL, {"prompt": "x", "max_tokens": 1}, headers={"X-Big": "a" * 20000})
+    assert status == 400 and got["error"]["type"] == "invalid_request_error"
+    answer_next(server)
 
 
 def test_api_key(ckpt):
