@@ -225,16 +225,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     } else {
       // The next token of every row that reached the prompt's last position (a finished prompt or a
       // decode): final norm, LM head and argmax on its last output row.
-      pick_rows.clear();
-      head.clear();
-      t = 0;
-      for (size_t i = 0; i < b.rows.size(); ++i) {
-        const auto& row = b.rows[i];
-        t += row.len;
-        if (row.start + row.len < seqs[row.seq].prompt_len) continue;
-        pick_rows.push_back(i);
-        head.insert(head.end(), y.data() + (t - 1) * D, y.data() + t * D);
-      }
+      pick_rows = gather_pick_rows(b, seqs, y.data(), D, head);
       picks.resize(pick_rows.size());
       runner.next_tokens(head.data(), static_cast<int64_t>(pick_rows.size()), picks.data());
       if (opt.agree_tokens) opt.agree_tokens(picks);

@@ -267,16 +267,7 @@ bool Engine::step() {
 
   // The logits of every row that reached its prompt's last position (a finished prompt: the first token
   // of each continuation) or decoded.
-  std::vector<size_t> pick_rows;
-  head_.clear();
-  t = 0;
-  for (size_t i = 0; i < b.rows.size(); ++i) {
-    const auto& row = b.rows[i];
-    t += row.len;
-    if (row.start + row.len < seqs[row.seq].prompt_len) continue;
-    pick_rows.push_back(i);
-    head_.insert(head_.end(), y_.data() + (t - 1) * D_, y_.data() + t * D_);
-  }
+  const std::vector<size_t> pick_rows = gather_pick_rows(b, seqs, y_.data(), D_, head_);
   const int64_t M = static_cast<int64_t>(pick_rows.size());
   logits_.resize(static_cast<size_t>(M * V_));
   runner_.logits(head_.data(), M, logits_.data());

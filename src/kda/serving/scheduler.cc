@@ -9,6 +9,21 @@ namespace kda::serving {
 using model_executor::ForwardBatch;
 using model_executor::ForwardMode;
 
+std::vector<size_t> gather_pick_rows(const ScheduledBatch& b, const std::vector<Sequence>& seqs,
+                                     const float* y, int64_t D, std::vector<float>& head) {
+  std::vector<size_t> pick;
+  head.clear();
+  int64_t t = 0;
+  for (size_t i = 0; i < b.rows.size(); ++i) {
+    const auto& row = b.rows[i];
+    t += row.len;
+    if (row.start + row.len < seqs[row.seq].prompt_len) continue;
+    pick.push_back(i);
+    head.insert(head.end(), y + (t - 1) * D, y + t * D);
+  }
+  return pick;
+}
+
 Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOptions& options,
                      mem_cache::HybridReqToTokenPool& pool)
     : requests_(requests),

@@ -97,6 +97,12 @@ struct StepEvents {
   std::vector<int64_t> finished_requests;          // requests whose last continuation finished
 };
 
+// The rows of a batch that give a next token (a prompt's last position reached, or a decode): their
+// indices into b.rows, and each one's last output row of y [T, D] gathered into head [M, D]. What both
+// serving loops (serve(), Engine) pick from.
+std::vector<size_t> gather_pick_rows(const ScheduledBatch& b, const std::vector<Sequence>& seqs,
+                                     const float* y, int64_t D, std::vector<float>& head);
+
 class Scheduler {
  public:
   // `pool` must outlive the scheduler. Throws std::invalid_argument for options it cannot serve
