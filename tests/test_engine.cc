@@ -1,15 +1,18 @@
 // The online engine (serving/engine.h): requests submitted while it runs, streamed events, stop / length /
 // abort finishes, every slot freed, results equal to serve()'s and to a request run alone.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -17,6 +20,7 @@
 #include "kda/models/kimi_linear_model.h"
 #include "kda/serving/engine.h"
 #include "kda/serving/model_runner.h"
+#include "support/model_checkpoint.h"
 #include "support/test_support.h"
 
 namespace kda::serving {
@@ -116,7 +120,9 @@ Outcome check_stream(const std::vector<TokenEvent>& ev, int32_t n, int32_t promp
     if (o.cached_tokens < 0) o.cached_tokens = e.cached_tokens;
     EXPECT_EQ(e.cached_tokens, o.cached_tokens);
     if (e.token >= 0) o.tokens[e.index].push_back(e.token);
-    if (e.token < 0) EXPECT_EQ(e.finish, FinishReason::kAbort) << "only an abort's finish carries no token";
+    if (e.token < 0) {
+      EXPECT_EQ(e.finish, FinishReason::kAbort) << "only an abort's finish carries no token";
+    }
     o.finish[e.index] = e.finish;
   }
   for (int32_t j = 0; j < n; ++j)
@@ -537,6 +543,49 @@ TEST(Engine, PrefixCacheHitsReportCachedTokensAndChangeNoToken) {
   EXPECT_NO_THROW(cache.check_invariants());
   EXPECT_EQ(cache.pending_snapshots(), 0);
   EXPECT_EQ(rec.available() + cache.snapshots(), rec.size());
+}
+
+}  // namespace
+}  // namespace kda::serving
+
+namespace kda::serving {
+namespace {
+
+// A request whose logits are NaN (token 7's embedding row is NaN in this checkpoint) makes the sampler
+// refuse its row: that request alone finishes with kAbort and gives its slots back; a request batched
+// with it finishes as it does alone.
+TEST(Engine, ARequestTheSamplerRefusesIsAbortedAloneAndTheOthersGoOn) {
+  const auto cfg = config({1, 2, 4}, {3});
+  auto w = testing::random_model_weights(cfg, 5, io::StDType::F32);
+  auto& emb = w.at("model.embed_tokens.weight");
+  const int64_t D = emb.shape.at(1);
+  std::fill(emb.values.begin() + 7 * D, emb.values.begin() + 8 * D, std::numeric_limits<float>::quiet_NaN());
+  const auto dir = std::filesystem::temp_directory_path() / ("kda_engine_nan_" + std::to_string(::getpid()));
+  testing::write_model_checkpoint(dir, cfg, w);
+  auto model = models::KimiLinearForCausalLM::from_pretrained(dir);
+  std::filesystem::remove_all(dir);
+  ModelRunner runner(*model, 4, 1024, kernels::KernelImpl::Auto);
+  const PoolCounts start = counts(runner);
+
+  GenerateRequest bad = greedy({1, 7, 3}, 4);
+  bad.params.temperature = 1.0f;
+  bad.params.seed = 3;
+  GenerateRequest good = greedy(random_prompt(9, 2), 4);
+  const Outcome solo = alone(runner, options(), good);
+
+  Engine e(runner, options());
+  Collector c;
+  const int64_t bad_id = e.submit(bad, c.sink());
+  const int64_t good_id = e.submit(good, c.sink());
+  drain(e);
+  const Outcome b = check_stream(c.of(bad_id), 1, 3);
+  EXPECT_EQ(b.finish[0], FinishReason::kAbort);
+  EXPECT_TRUE(b.tokens[0].empty());
+  const Outcome g = check_stream(c.of(good_id), 1, 9);
+  EXPECT_EQ(g.finish[0], FinishReason::kLength);
+  expect_same_or_near_tie(*model, good.prompt, g.tokens[0], solo.tokens[0]);
+  EXPECT_EQ(counts(runner), start);
+  EXPECT_EQ(e.stats().requests_aborted, 1);
 }
 
 }  // namespace

@@ -279,9 +279,14 @@ bool Engine::step() {
     std::optional<sampling::TokenLogprob> lp;
   };
   std::vector<Pick> picks;
+  // Requests whose sampler refused their logits row (a NaN from the model): they are aborted after the
+  // step, alone; everyone else in the batch goes on.
+  std::vector<int64_t> failed;
+  auto has_failed = [&](int64_t r) { return std::find(failed.begin(), failed.end(), r) != failed.end(); };
   for (int64_t k = 0; k < M; ++k) {
     const auto& row = b.rows[pick_rows[k]];
     const Sequence& q = seqs[row.seq];
+    if (has_failed(q.request)) continue;
     Live& L = live_.at(q.request);
     const float* lg = logits_.data() + k * V_;
     // A finished prompt gives every continuation its first token from the same row.
@@ -295,7 +300,12 @@ bool Engine::step() {
       } else {
         scratch_.assign(lg, lg + V_);
         sampling::TokenLogprob lp;
-        p.token = c.sampler->sample(scratch_, allowed, L.req.params.logprobs >= 0 ? &lp : nullptr);
+        try {
+          p.token = c.sampler->sample(scratch_, allowed, L.req.params.logprobs >= 0 ? &lp : nullptr);
+        } catch (const std::invalid_argument&) {
+          failed.push_back(q.request);
+          break;
+        }
         if (L.req.params.logprobs >= 0) p.lp = std::move(lp);
         c.sampler->accept(p.token);
       }
@@ -306,6 +316,7 @@ bool Engine::step() {
 
   StepEvents ev = sched_.complete(b);
   for (auto& p : picks) {
+    if (has_failed(p.r)) continue;
     Live& L = live_.at(p.r);
     Continuation& c = L.cont[p.j];
     c.last = p.token;
@@ -324,6 +335,8 @@ bool Engine::step() {
       finish_continuation(p.r, p.j, f);
     }
   }
+  for (const int64_t r : failed)
+    if (live_.count(r)) abort_live(r);
   ++totals_.steps;
   totals_.prompt_tokens += b.prefill_tokens + b.cached_tokens;
   totals_.prompt_tokens_computed += b.prefill_tokens;
