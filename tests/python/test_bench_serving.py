@@ -229,3 +229,53 @@ def test_percentile_matches_linear_interpolation():
     assert bs.percentile(v, 100) == 10.0 and bs.percentile([5.0], 99) == 5.0
     s = bs.summary_ms([0.001, 0.003])
     assert s == pytest.approx({"mean": 2.0, "median": 2.0, "p90": 2.8, "p99": 2.98, "max": 3.0})
+
+
+def kda_has_serve():
+    if not kda_paths.BINARY.exists():
+        return False
+    p = subprocess.run([str(kda_paths.BINARY), "serve", "--help"], capture_output=True, text=True, timeout=60)
+    return p.returncode == 0 and "--synthetic" in p.stdout
+
+
+@pytest.mark.skipif(not kda_has_serve(), reason="the kda binary has no `serve` subcommand")
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_against_kda_serve(tmp_path, endpoint):
+    """A short run against the real server on synthetic weights: every request gets its max_tokens
+    (ignore_eos), the server's usage counts add up, and each reply's first token comes before its end."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(kda_paths.BINARY), "serve", "--synthetic", "--host", "127.0.0.1", "--port",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.time() < deadline, "kda serve did not answer /health within 120 s"
+            time.sleep(0.2)
+        out = tmp_path / "report.json"
+        p = subprocess.run([sys.executable, str(SCRIPT), "--base-url", url, "--endpoint", endpoint,
+                            "--num-prompts", "6", "--request-rate", "20", "--random-input-len", "40",
+                            "--random-output-len", "6", "--random-range-ratio", "0.5", "--output-file",
+                            str(out)], capture_output=True, text=True, timeout=300)
+        rep = json.loads(out.read_text())
+        assert p.returncode == 0, rep["errors"]
+        assert (rep["completed"], rep["failed"]) == (6, 0)
+        assert rep["token_counts"] == "server usage"
+        assert rep["output_tokens"] == rep["requested_output_tokens"]
+        assert rep["input_tokens"] >= 6 * 20  # at least a token a word
+        assert 0 < rep["ttft_ms"]["median"] <= rep["e2e_ms"]["median"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
