@@ -2,7 +2,7 @@
 # Installs the Debian packages the build, the tests and the lint need -- only those that are missing.
 set -euo pipefail
 PKGS=(build-essential cmake ninja-build pkg-config git
-      libdnnl-dev nlohmann-json3-dev libzip-dev zlib1g-dev libcli11-dev
+      libdnnl-dev nlohmann-json3-dev libzip-dev zlib1g-dev libcli11-dev libcpp-httplib-dev libpcre2-dev
       libgtest-dev libgmock-dev libbenchmark-dev
       libopenmpi-dev openmpi-bin
       pre-commit clang-format cppcheck

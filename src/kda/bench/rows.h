@@ -38,5 +38,8 @@ void bench_spec(nlohmann::json& j, const Say& say);
 // The whole model at its real shapes per weights mode: decode batch 1 and 16, a 2048-token prefill,
 // beside this run's read bandwidth and bf16 GEMM ceilings ("model" rows, their "ceilings").
 void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say);
+// The sampler on a 163840-wide row, optimized against the reference, beside one LM-head GEMV
+// ("sampling", "sampling_gemv").
+void bench_sampling(nlohmann::json& j, const Say& say);
 
 }  // namespace kda::bench

@@ -89,4 +89,45 @@ struct SimulateCliOptions {
 };
 int run_simulate(const SimulateCliOptions& o);
 
+// kda serve (src/kda/server/openai_server.h): an OpenAI-compatible HTTP server on a checkpoint folder or
+// on synthetic weights with a generated tokenizer.
+struct ServeCliOptions {
+  std::string model;       // checkpoint folder (config, weights, tiktoken.model, tokenizer_config.json)
+  bool synthetic = false;  // synthetic Kimi-Linear weights + Tokenizer::synthetic
+  // --synthetic's model: the first `layers` decoder layers, `experts` routed experts per MoE layer, a
+  // `vocab`-row vocabulary. 0: the quick start's defaults (serve_cmd.cc), small enough to start in seconds.
+  int layers = 0;
+  int experts = 0;
+  int64_t vocab = 0;
+  uint64_t seed = 0;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string precision = "bf16";
+  std::string weights = "bf16";
+  std::string kernel = "auto";
+  int64_t max_batch = 32;
+  int64_t token_budget = 2048;
+  std::string state_memory = "1GiB";
+  std::string kv_memory = "1GiB";
+  int64_t context_length = 0;  // 0: what the MLA KV pool holds (at most 1M tokens)
+  std::string api_key;
+  std::string served_model_name = "kimi-linear";
+  std::string chat_template;  // "builtin": the built-in chat format whatever the folder's template
+  int threads = 0;            // HTTP worker threads (0: 2 x max batch, at least 8)
+};
+int run_serve(const ServeCliOptions& o);
+// kda tokenize / detokenize (tokenize_cmd.cc): the checkpoint's tokenizer (or a synthetic one) on stdin.
+struct TokenizeOptions {
+  std::string model;            // folder with tiktoken.model (+ tokenizer_config.json, config.json)
+  int64_t synthetic_vocab = 0;  // > 0: Tokenizer::synthetic(N, seed) instead of --model
+  uint64_t seed = 0;
+  bool chat = false;                   // stdin: a JSON messages array, rendered with the generation prompt
+  std::string chat_template = "auto";  // auto (the folder's, if known) | builtin
+  bool text = false;                   // --chat: print the rendered prompt text, not its ids
+  bool no_special = false;             // special-token strings are plain text
+  std::string save;                    // write the tokenizer's files to this folder (and read no stdin)
+};
+int run_tokenize(const TokenizeOptions& o);
+int run_detokenize(const TokenizeOptions& o);
+
 }  // namespace kda::cli

@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
+#include <stdexcept>
 
 #include "kda/cli/commands.h"
 #include "kda/common/allocator.h"
@@ -76,8 +77,9 @@ int main(int argc, char** argv) {
           "all | kernels | layer (ceilings are always measured) | stack (the 20-layer stack decoding "
           "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns) | "
           "spec (a decode step and verify steps of 1-8 drafts, in turns) | model (the whole model at its "
-          "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode)")
-      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec", "model"}));
+          "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode) | sampling (the "
+          "sampler on a 163840-wide row against its reference and one LM-head GEMV)")
+      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec", "model", "sampling"}));
   bench
       ->add_option(
           "--experts", bo.experts,
@@ -180,11 +182,100 @@ int main(int argc, char** argv) {
   sim->add_option("--outputs", so.outputs, ".npz of every request's last-layer outputs");
   sim->add_flag("--json", so.json, "print the summary as JSON");
 
+  kda::cli::ServeCliOptions svo;
+  auto* serve = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (chat and text completions, streaming)");
+  auto* serve_model = serve->add_option("--model", svo.model,
+                                        "checkpoint folder (config.json, safetensors, tiktoken.model, "
+                                        "tokenizer_config.json[, chat_template.jinja])");
+  auto* serve_synth =
+      serve->add_flag("--synthetic", svo.synthetic, "synthetic Kimi-Linear weights and a generated tokenizer")
+          ->excludes(serve_model);
+  serve_model->excludes(serve_synth);
+  serve->add_option("--layers", svo.layers, "--synthetic: the first N decoder layers (default 4)")
+      ->check(CLI::PositiveNumber)
+      ->needs(serve_synth);
+  serve->add_option("--experts", svo.experts, "--synthetic: routed experts per MoE layer (default 8)")
+      ->check(CLI::PositiveNumber)
+      ->needs(serve_synth);
+  serve->add_option("--vocab", svo.vocab, "--synthetic: vocabulary size, >= 512 (default 32768)")
+      ->check(CLI::Range(int64_t{512}, int64_t{1} << 24))
+      ->needs(serve_synth);
+  serve->add_option("--seed", svo.seed, "--synthetic: seed of the weights and the tokenizer")
+      ->capture_default_str()
+      ->needs(serve_synth);
+  serve->add_option("--host", svo.host, "address to listen on")->capture_default_str();
+  serve->add_option("--port", svo.port, "port (0: any free port)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  serve->add_option("--precision", svo.precision, "fp32 | bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  serve->add_option("--weights", svo.weights, "bf16 (the precision's dense weights) | int8 | int4")
+      ->check(CLI::IsMember({"bf16", "int8", "int4"}))
+      ->capture_default_str();
+  serve->add_option("--kernel", svo.kernel, "auto | naive | optimized | portable | avx2 | avx512")
+      ->check(CLI::IsMember({"auto", "naive", "optimized", "portable", "avx2", "avx512"}))
+      ->capture_default_str();
+  serve->add_option("--max-batch", svo.max_batch, "decode rows per step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  serve->add_option("--token-budget", svo.token_budget, "tokens per step (chunked prefill)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  serve->add_option("--state-memory", svo.state_memory, "bytes of request state slots (e.g. 1GiB)")
+      ->capture_default_str();
+  serve->add_option("--kv-memory", svo.kv_memory, "bytes of the MLA layers' token KV pool (e.g. 1GiB)")
+      ->capture_default_str();
+  serve->add_option("--context-length", svo.context_length,
+                    "prompt + generated tokens per request (default: what the KV pool holds, at most 1M)")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--api-key", svo.api_key, "require \"Authorization: Bearer KEY\" (all but /health)");
+  serve->add_option("--served-model-name", svo.served_model_name, "the model name clients send")
+      ->capture_default_str();
+  serve->add_option("--chat-template", svo.chat_template,
+                    "builtin: the built-in chat format whatever the folder's chat_template.jinja")
+      ->check(CLI::IsMember({"builtin"}));
+  serve->add_option("--threads", svo.threads, "HTTP worker threads (default: 2 x max batch, at least 8)")
+      ->check(CLI::PositiveNumber);
+  kda::cli::TokenizeOptions to;
+  auto* tokenize =
+      app.add_subcommand("tokenize", "text on stdin -> token ids on stdout (separated by spaces)");
+  auto* detokenize = app.add_subcommand("detokenize", "token ids on stdin -> text on stdout");
+  for (auto* sub : {tokenize, detokenize}) {
+    sub->add_option(
+        "--model", to.model,
+        "folder with tiktoken.model (+ tokenizer_config.json; config.json's vocab_size, else B + 256)");
+    sub->add_option("--synthetic-vocab", to.synthetic_vocab,
+                    "a synthetic tokenizer of N ids (>= 512) instead")
+        ->check(CLI::PositiveNumber);
+    sub->add_option("--seed", to.seed, "--synthetic-vocab: the vocabulary's seed")->capture_default_str();
+  }
+  tokenize->add_flag(
+      "--chat", to.chat,
+      "stdin is a JSON array of messages ({role, content[, name]}): the rendered prompt's ids, "
+      "with the generation prompt");
+  tokenize
+      ->add_option("--chat-template", to.chat_template,
+                   "auto (the folder's chat_template.jinja when the built-in format is known to match it) | "
+                   "builtin (the built-in format whatever the folder has)")
+      ->check(CLI::IsMember({"auto", "builtin"}));
+  tokenize->add_flag("--text", to.text, "--chat: print the rendered prompt text instead of its ids");
+  tokenize->add_flag("--no-special", to.no_special, "special-token strings in the text are plain text");
+  tokenize->add_option(
+      "--save", to.save,
+      "write the tokenizer's tiktoken.model + tokenizer_config.json to this folder (no stdin)");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (verify->parsed()) return kda::cli::run_verify(vo);
     if (run->parsed()) return kda::cli::run_run(ro);
     if (bench->parsed()) return kda::cli::run_bench(bo);
+    if (serve->parsed()) {
+      if (svo.model.empty() && !svo.synthetic) throw std::invalid_argument("kda serve: give --model DIR or --synthetic");
+      return kda::cli::run_serve(svo);
+    }
+    if (tokenize->parsed()) return kda::cli::run_tokenize(to);
+    if (detokenize->parsed()) return kda::cli::run_detokenize(to);
     if (sim->parsed()) {
       so.prefix_cache_options_given = pcm->count() > 0 || civ->count() > 0;
       return kda::cli::run_simulate(so);

@@ -6,11 +6,19 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <unordered_map>
 #include <vector>
 
 #include "kda/distributed/communicator.h"
+#include "kda/sampling/sampler.h"
+#include "kda/sampling/sampling_params.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/request.h"
 #include "kda/serving/scheduler.h"
@@ -102,5 +110,130 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
 // from the same allreduced hidden states, but an allreduce need not give every rank the same bits, and
 // one differing pick would give the ranks different inputs. `tp`'s communicator must outlive the pass.
 void agree_across_ranks(const distributed::TensorParallel& tp, ServeOptions& so);
+
+// --- The online engine: requests submitted while it runs, tokens streamed back as they are made. ---
+
+enum class FinishReason { kNone, kStop, kLength, kAbort };
+const char* finish_reason_name(FinishReason r);  // "stop" | "length" | "abort" ("" for kNone)
+
+struct GenerateRequest {
+  std::vector<int32_t> prompt;      // token ids (non-empty, each < vocab)
+  sampling::SamplingParams params;  // max_tokens, stop ids, seed, logprobs, ...
+  int32_t n = 1;                    // parallel samples (continuation j's seed: seed + j)
+};
+
+struct TokenEvent {
+  int64_t request = 0;                            // the id submit() returned
+  int32_t index = 0;                              // continuation 0..n-1
+  int32_t token = -1;                             // -1 on a finish event that carries no token (abort)
+  std::optional<sampling::TokenLogprob> logprob;  // when params.logprobs >= 0
+  FinishReason finish = FinishReason::kNone;      // set on the continuation's last event
+  int32_t prompt_tokens = 0;                      // every event: the prompt's length
+  int32_t cached_tokens = 0;                      // every event: prompt tokens a prefix-cache hit restored
+};
+
+// Called on the engine's thread after each step: must not block; may call Engine::abort only.
+using EventSink = std::function<void(const TokenEvent&)>;
+
+struct EngineOptions {
+  SchedulerOptions scheduler;       // parallel_samples is not used: each request brings its n
+  std::vector<int32_t> stop_ids;    // the model's (tokenizer's) stop ids
+  std::vector<uint8_t> producible;  // [vocab] or empty (all producible)
+  int64_t max_context = 0;          // prompt + max_tokens limit (0: the pools' limit only)
+};
+
+struct EngineStats {
+  int64_t running = 0, waiting = 0;
+  int64_t requests_finished = 0, requests_aborted = 0;
+  int64_t prompt_tokens = 0, prompt_tokens_computed = 0, generation_tokens = 0;  // totals
+  int64_t slots_total = 0, slots_used = 0;            // request slots (KDA state pool)
+  int64_t kv_tokens_total = 0, kv_tokens_used = 0;    // MLA token slots (0 without MLA layers)
+  int64_t cached_tokens = 0, prefix_cache_bytes = 0;  // prefix cache (0 without one)
+  int64_t steps = 0;
+};
+
+// The serving loop of `kda serve`: the scheduler of serve() over requests that arrive while it runs.
+// Each step: the inbox (submits, aborts) is applied, the scheduler's batch runs, each finished position's
+// logits give its continuations their next tokens (argmax for a plain greedy request, else the
+// continuation's RequestSampler; ids not producible are never picked), a stop id or max_tokens ends a
+// continuation (its slot freed at once), and the step's events go to the requests' sinks.
+class Engine {
+ public:
+  // `runner` must outlive the engine. std::invalid_argument for options it cannot serve.
+  Engine(ModelRunner& runner, EngineOptions opt);
+  ~Engine();
+
+  // Thread safe. Checks everything first (empty prompt, ids >= vocab, params.validate, n > the pool's slots,
+  // prompt + max_tokens beyond max_context or beyond what the pools can ever hold) -> std::invalid_argument
+  // "<field>: <what is wrong>", nothing queued. Returns the request's id (increasing from 1).
+  int64_t submit(GenerateRequest req, EventSink sink);
+  // Thread safe. The request finishes with kAbort before the engine's next step: every continuation gets a
+  // finish event, its slots and MLA token slots are freed. Unknown or finished id: no-op.
+  void abort(int64_t id);
+  // The serving loop on the caller's thread: steps while there is work, waits (condition variable) when idle,
+  // returns once `stop` is set (after the step in flight), aborting what is left.
+  void run(const std::atomic<bool>& stop);
+  // One step when there is work (false when idle). Not concurrently with run().
+  bool step();
+  EngineStats stats() const;  // thread safe
+  int64_t vocab_size() const { return V_; }
+
+ private:
+  struct Continuation {
+    std::unique_ptr<sampling::RequestSampler> sampler;  // null on the plain greedy path
+    int32_t last = -1;                                  // its last generated token (the next decode input)
+    int32_t generated = 0;
+    bool finished = false;
+  };
+  struct Live {
+    int64_t id = 0;
+    GenerateRequest req;
+    std::shared_ptr<EventSink> sink;
+    std::vector<Continuation> cont;
+    int32_t unfinished = 0;
+    bool plain_greedy = false;  // argmax, no penalties, no logprobs: no sampler
+  };
+  struct Submitted {
+    int64_t id = 0;
+    GenerateRequest req;
+    EventSink sink;
+    uint64_t seed = 0;
+  };
+  struct Pending {  // one event, delivered after the step
+    std::shared_ptr<EventSink> sink;
+    TokenEvent ev;
+  };
+
+  void apply_inbox();
+  void admit(Submitted s);
+  void abort_live(int64_t r);  // scheduler request index
+  void emit(int64_t r, int32_t j, int32_t token, std::optional<sampling::TokenLogprob> lp, FinishReason f);
+  void finish_continuation(int64_t r, int32_t j, FinishReason f);
+  void deliver();
+  void publish_stats();
+
+  ModelRunner& runner_;
+  EngineOptions opt_;
+  int64_t V_ = 0, D_ = 0, slots_ = 0, kv_tokens_ = 0;
+  Scheduler sched_;
+  std::vector<uint8_t> is_stop_;  // [V]: the model's stop ids
+
+  // Engine thread only.
+  std::unordered_map<int64_t, Live> live_;      // by scheduler request index
+  std::unordered_map<int64_t, int64_t> by_id_;  // submit id -> scheduler request index
+  std::vector<Pending> out_;
+  std::vector<float> y_, head_, logits_, scratch_;
+  std::vector<int32_t> toks_;
+  EngineStats totals_;
+
+  // Shared with submitters.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Submitted> inbox_;
+  std::vector<int64_t> aborts_;
+  int64_t next_id_ = 1;
+  std::mt19937_64 seeds_;
+  EngineStats stats_;
+};
 
 }  // namespace kda::serving

@@ -18,6 +18,10 @@
 
 namespace kda::serving {
 
+// The id of row[0..V)'s largest value among those `allowed` marks (null: all), the lowest id on a tie;
+// -1 when none is allowed.
+int32_t argmax_allowed(const float* row, int64_t V, const uint8_t* allowed);
+
 class ModelRunner {
  public:
   // `slots` request slots (request indices: as many) and `kv_tokens` MLA token slots (unused by a model
@@ -36,8 +40,10 @@ class ModelRunner {
   // length (and token slots) back to the committed tokens.
   void accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted);
   // The greedy next token of each of M last-layer rows h [M, D]: model.norm, the LM head's logits
-  // [M, vocab], argmax (the lowest id on a tie).
-  void next_tokens(const float* h, int64_t M, int32_t* tokens);
+  // [M, vocab], argmax (the lowest id on a tie) over the ids `allowed` marks (null: every id).
+  void next_tokens(const float* h, int64_t M, int32_t* tokens, const uint8_t* allowed = nullptr);
+  // The logits of M last-layer rows h [M, D]: model.norm and the LM head -> out [M, vocab] fp32.
+  void logits(const float* h, int64_t M, float* out);
 
  private:
   models::KimiLinearForCausalLM* model_;

@@ -23,8 +23,8 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
   if (n_ < 1) throw std::invalid_argument("--parallel-samples must be >= 1, got " + std::to_string(n_));
   if (opt_.max_prefill_streak < 1) throw std::invalid_argument("max_prefill_streak must be >= 1");
   const int64_t R = static_cast<int64_t>(requests_.size());
-  seqs_.resize(static_cast<size_t>(R * n_));
   next_turn_.assign(static_cast<size_t>(R), -1);
+  n_of_.assign(static_cast<size_t>(R), n_);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t prev = requests_[r].after;
     if (prev >= 0) {
@@ -34,30 +34,13 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
                                     " must come before it and have no other next turn");
       next_turn_[prev] = r;
     }
-    if (slots_needed(r) > pool.size())
-      throw std::invalid_argument("request " + std::to_string(r) + " needs " +
-                                  std::to_string(slots_needed(r)) +
-                                  " state slots (--parallel-samples) but the pool holds " +
-                                  std::to_string(pool.size()) + " (raise --state-memory)");
-    if (kv_ && kv_tokens_needed(r) > kv_->size())
-      throw std::invalid_argument("request " + std::to_string(r) + " needs " +
-                                  std::to_string(kv_tokens_needed(r)) +
-                                  " MLA KV token slots (prompt + output tokens per continuation) but the "
-                                  "pool holds " +
-                                  std::to_string(kv_->size()) + " (raise --kv-memory)");
-    for (int32_t j = 0; j < n_; ++j) {
-      Sequence& s = seqs_[seq_index(r, j)];
-      s.request = r;
-      s.sample = j;
-      s.prompt_len = requests_[r].prompt_len;
-      s.output_len = requests_[r].output_len;
-    }
+    check_request(requests_[r], n_, "request " + std::to_string(r));
+    add_sequences(r);
     if (prev < 0) arrival_order_.push_back(r);  // a next turn arrives when its previous one finishes
   }
   std::stable_sort(arrival_order_.begin(), arrival_order_.end(), [&](int64_t a, int64_t b) {
     return requests_[a].arrival_step < requests_[b].arrival_step;
   });
-  unfinished_.assign(static_cast<size_t>(R), n_);
   slot_used_.assign(static_cast<size_t>(pool.recurrent_pool().size() + 1), 0);
   cache_ = opt_.cache && opt_.cache->enabled() ? opt_.cache : nullptr;
   // A snapshot holds the KDA layers' states only: restoring it would leave the prefix's MLA KV rows
@@ -66,14 +49,66 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
     throw std::invalid_argument(
         "prefix cache: the model has MLA layers, whose KV rows a KDA state snapshot cannot restore "
         "(serve it with the radix cache disabled)");
-  kv_share_.assign(seqs_.size(), 0);
   if (opt_.cache && opt_.cache_interval < 1)
     throw std::invalid_argument("--cache-interval must be >= 1, got " + std::to_string(opt_.cache_interval));
   if (cache_) {
     prompts_.resize(static_cast<size_t>(R));
     fed_.resize(seqs_.size());
   }
+}
+
+void Scheduler::check_request(const RequestSpec& spec, int32_t n, const std::string& name) const {
+  if (slots_needed(spec, n) > pool_->size())
+    throw std::invalid_argument(name + " needs " + std::to_string(slots_needed(spec, n)) +
+                                " state slots (--parallel-samples) but the pool holds " +
+                                std::to_string(pool_->size()) + " (raise --state-memory)");
+  if (kv_ && kv_tokens_needed(spec, n) > kv_->size())
+    throw std::invalid_argument(name + " needs " + std::to_string(kv_tokens_needed(spec, n)) +
+                                " MLA KV token slots (prompt + output tokens per continuation) but the "
+                                "pool holds " +
+                                std::to_string(kv_->size()) + " (raise --kv-memory)");
+}
+
+void Scheduler::add_sequences(int64_t r) {
+  const int32_t n = n_of_[r];
+  seq_base_.push_back(static_cast<int64_t>(seqs_.size()));
+  for (int32_t j = 0; j < n; ++j) {
+    Sequence s;
+    s.request = r;
+    s.sample = j;
+    s.prompt_len = requests_[r].prompt_len;
+    s.output_len = requests_[r].output_len;
+    seqs_.push_back(s);
+  }
+  unfinished_.push_back(n);
+  kv_share_.resize(seqs_.size(), 0);
   pending_.resize(seqs_.size());
+}
+
+int64_t Scheduler::add_request(RequestSpec spec, int32_t n, std::vector<int32_t> prompt) {
+  if (n < 1) throw std::invalid_argument("n: must be >= 1, got " + std::to_string(n));
+  if (spec.after >= 0)
+    throw std::invalid_argument("scheduler: an online request cannot be a session's next turn");
+  if (spec.prompt_len < 1 || spec.output_len < 0)
+    throw std::invalid_argument("scheduler: a request needs prompt_len >= 1 and output_len >= 0");
+  if (cache_ && static_cast<int64_t>(prompt.size()) != spec.prompt_len)
+    throw std::invalid_argument("scheduler: a prompt of " + std::to_string(prompt.size()) +
+                                " tokens, prompt_len says " + std::to_string(spec.prompt_len));
+  check_request(spec, n);
+  const int64_t r = static_cast<int64_t>(requests_.size());
+  spec.arrival_step = step_;
+  spec.prompt.clear();  // the scheduler needs only its lengths (and the cache its tokens, below)
+  spec.forced.clear();
+  requests_.push_back(std::move(spec));
+  n_of_.push_back(n);
+  next_turn_.push_back(-1);
+  add_sequences(r);
+  if (cache_) {
+    prompts_.push_back(std::move(prompt));
+    fed_.resize(seqs_.size());
+  }
+  online_.push_back(r);
+  return r;
 }
 
 void Scheduler::set_prompt(int64_t request, std::vector<int32_t> tokens) {
@@ -108,12 +143,13 @@ int64_t Scheduler::slots_in_use() const { return pool_->size() - pool_->availabl
 
 // A request that decodes needs a slot per continuation; a prefill-only one (output_len 0) needs one:
 // its continuations would all equal the prompt, so nothing is forked.
-int32_t Scheduler::slots_needed(int64_t request) const { return requests_[request].output_len > 0 ? n_ : 1; }
+int32_t Scheduler::slots_needed(int64_t request) const {
+  return slots_needed(requests_[request], n_of_[request]);
+}
 
 // MLA KV token slots a request can hold at once (request.h, kv_tokens_for).
 int64_t Scheduler::kv_tokens_needed(int64_t request) const {
-  const RequestSpec& r = requests_[request];
-  return kv_tokens_for(r, n_, opt_.verify_extra_tokens);
+  return kv_tokens_needed(requests_[request], n_of_[request]);
 }
 
 // With a prefix cache, evictable snapshots count as free: admission evicts what it needs.
@@ -155,8 +191,9 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
     // take the slot its own request forks into.
     reserved_ += slots_needed(r) - 1;
     if (kv_) {
-      const int64_t per_seq = kv_tokens_needed(r) / (q.output_len > 0 ? n_ : 1);
-      for (int32_t j = 0; j < (q.output_len > 0 ? n_ : 1); ++j) kv_share_[seq_index(r, j)] = per_seq;
+      const int32_t holders = q.output_len > 0 ? n_of_[r] : 1;
+      const int64_t per_seq = kv_tokens_needed(r) / holders;
+      for (int32_t j = 0; j < holders; ++j) kv_share_[seq_index(r, j)] = per_seq;
       kv_promised_ += kv_tokens_needed(r);
     }
     const int32_t slot = take_slot(q.req_pool_index);
@@ -180,7 +217,8 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
     q.processed = q.prefix_len;
     b.cached_tokens += q.prefix_len;
     q.phase = SeqPhase::kPrefill;
-    for (int32_t j = 1; j < n_; ++j) seqs_[seq_index(r, j)].phase = SeqPhase::kForkPending;
+    for (int32_t j = 1; j < n_of_[r]; ++j) seqs_[seq_index(r, j)].phase = SeqPhase::kForkPending;
+    ++admitted_unfinished_;
     prefilling_.push_back(s);
     const int32_t take = static_cast<int32_t>(std::min<int64_t>(q.remaining_prompt(), budget));
     b.rows.push_back({s, q.processed, take, false});
@@ -252,6 +290,10 @@ ScheduledBatch Scheduler::schedule() {
     waiting_.push_back(r);
     b.arrived.push_back(r);
   }
+  for (; !online_.empty(); online_.pop_front()) {  // added between steps: they arrive now
+    waiting_.push_back(online_.front());
+    b.arrived.push_back(online_.front());
+  }
 
   const bool has_prefill = !prefilling_.empty() || (!waiting_.empty() && admissible(waiting_.front()));
   const bool has_decode = !decode_queue_.empty();
@@ -320,13 +362,49 @@ void Scheduler::finish(int64_t seq, StepEvents& ev) {
   }
   kv_promised_ -= kv_share_[seq];
   kv_share_[seq] = 0;
+  const bool admitted = q.phase != SeqPhase::kWaiting;
   q.req_pool_index = -1;
   q.phase = SeqPhase::kFinished;
   ev.finished.push_back(seq);
+  // What a finished sequence held goes back now, so that memory stays flat over a long online run.
+  std::vector<PendingSnapshot>().swap(pending_[seq]);
+  if (cache_) std::vector<int32_t>().swap(fed_[seq]);
   if (--unfinished_[q.request] == 0) {
     ++finished_requests_;
+    if (admitted) --admitted_unfinished_;
     ev.finished_requests.push_back(q.request);
+    if (cache_) std::vector<int32_t>().swap(prompts_[q.request]);
   }
+}
+
+void Scheduler::finish_now(int64_t seq, StepEvents& ev) {
+  Sequence& q = seqs_[seq];
+  const int64_t r = q.request;
+  switch (q.phase) {
+    case SeqPhase::kFinished:
+      return;
+    case SeqPhase::kWaiting:  // queued: none of its continuations holds anything
+      if (auto it = std::find(waiting_.begin(), waiting_.end(), r); it != waiting_.end()) waiting_.erase(it);
+      if (auto it = std::find(online_.begin(), online_.end(), r); it != online_.end()) online_.erase(it);
+      break;
+    case SeqPhase::kPrefill:
+      prefilling_.erase(std::find(prefilling_.begin(), prefilling_.end(), seq));
+      break;
+    case SeqPhase::kForkPending:  // its slot was promised at admission (a request that decodes)
+      if (q.output_len > 0) --reserved_;
+      break;
+    case SeqPhase::kDecode:
+      if (auto it = std::find(decode_queue_.begin(), decode_queue_.end(), seq); it != decode_queue_.end())
+        decode_queue_.erase(it);
+      break;
+  }
+  finish(seq, ev);
+}
+
+void Scheduler::abort_request(int64_t request, StepEvents& ev) {
+  const int32_t n = n_of_[request];
+  // A waiting request's continuations are all kWaiting: finish_now takes it out of the queue once.
+  for (int32_t j = 0; j < n; ++j) finish_now(seq_index(request, j), ev);
 }
 
 // The slots this step's forks take, had from the pool (free, or a snapshot evicted) before complete()
@@ -338,7 +416,7 @@ void Scheduler::check_fork_slots(const ScheduledBatch& b) const {
     const Sequence& q = seqs_[row.seq];
     if (!row.decode && q.output_len > 0 && q.processed < q.prompt_len &&
         int64_t{q.processed} + row.len >= q.prompt_len)
-      forks += n_ - 1;
+      forks += n_of_[q.request] - 1;
   }
   if (forks == 0) return;
   auto& rec = pool_->recurrent_pool();
@@ -374,17 +452,18 @@ StepEvents Scheduler::complete(const ScheduledBatch& b) {
     // The prompt is done: fork the other continuations from its state, then decode all of them.
     prefilling_.erase(std::find(prefilling_.begin(), prefilling_.end(), row.seq));
     const int64_t r = q.request;
-    for (int32_t j = 1; j < n_; ++j) {
+    const int32_t n = n_of_[r];
+    for (int32_t j = 1; j < n; ++j) {
       seqs_[seq_index(r, j)].processed = q.processed;
       ev.forks.emplace_back(row.seq, seq_index(r, j));
     }
     if (q.output_len == 0) {  // nothing to decode: every continuation is the prompt, no slot forked
-      for (int32_t j = 0; j < n_; ++j) finish(seq_index(r, j), ev);
+      for (int32_t j = 0; j < n; ++j) finish(seq_index(r, j), ev);
       continue;
     }
     q.phase = SeqPhase::kDecode;
     ready.push_back(row.seq);
-    for (int32_t j = 1; j < n_; ++j) {
+    for (int32_t j = 1; j < n; ++j) {
       Sequence& child = seqs_[seq_index(r, j)];
       // check_fork_slots made sure of the slot; this evicts a snapshot only when none is free.
       if (cache_ && !cache_->ensure_free_slots(1))

@@ -43,6 +43,7 @@
 #include <deque>
 #include <set>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -103,6 +104,8 @@ class Scheduler {
             mem_cache::HybridReqToTokenPool& pool);
 
   bool done() const { return finished_requests_ == static_cast<int64_t>(requests_.size()); }
+  // Nothing admitted and unfinished, nothing waiting (online serving: the engine sleeps).
+  bool idle() const { return prefilling_.empty() && decode_queue_.empty() && waiting_requests() == 0; }
   int64_t step() const { return step_; }
 
   // The next step's batch (admitting requests, which takes slots). Empty when nothing can run before
@@ -117,8 +120,28 @@ class Scheduler {
   bool skip_to_next_arrival();
 
   const std::vector<Sequence>& sequences() const { return seqs_; }
-  int64_t seq_index(int64_t request, int32_t sample) const { return request * n_ + sample; }
-  int32_t parallel_samples() const { return n_; }
+  // A workload's sequences are [request * n + sample]; an online request's follow those before it.
+  int64_t seq_index(int64_t request, int32_t sample) const { return seq_base_[request] + sample; }
+  int32_t parallel_samples() const { return n_; }                       // the workload's
+  int32_t samples_of(int64_t request) const { return n_of_[request]; }  // any request's
+
+  // Online serving (the engine), between steps only:
+  // Why a request could never be admitted (a slot per continuation beyond the pool, more MLA KV token
+  // slots than the pool has), as std::invalid_argument naming the field; nothing changes.
+  void check_request(const RequestSpec& spec, int32_t n, const std::string& name = "request") const;
+  // A request arriving now with n continuations (seen by the next schedule()), its prompt's token ids
+  // (prompt_len of them; kept only with a prefix cache). spec.after must be -1. Checked first
+  // (check_request). Returns its request index.
+  int64_t add_request(RequestSpec spec, int32_t n, std::vector<int32_t> prompt);
+  // Sequence `seq` ends now, whatever its phase (a stop token, an abort): its slot and MLA token slots go
+  // back to the pool, its pending snapshots are dropped, a continuation still to be forked gives back its
+  // reserved slot. No-op for a finished sequence. Events: the sequence, and its request when it was the
+  // last continuation.
+  void finish_now(int64_t seq, StepEvents& ev);
+  // Every unfinished continuation of `request` ends now (finish_now).
+  void abort_request(int64_t request, StepEvents& ev);
+  int64_t waiting_requests() const { return static_cast<int64_t>(waiting_.size() + online_.size()); }
+  int64_t running_requests() const { return admitted_unfinished_; }
 
   int64_t finished_requests() const { return finished_requests_; }
   int64_t peak_slots() const { return peak_slots_; }
@@ -138,6 +161,10 @@ class Scheduler {
  private:
   int32_t slots_needed(int64_t request) const;
   int64_t kv_tokens_needed(int64_t request) const;
+  static int32_t slots_needed(const RequestSpec& r, int32_t n) { return r.output_len > 0 ? n : 1; }
+  int64_t kv_tokens_needed(const RequestSpec& r, int32_t n) const {
+    return kv_tokens_for(r, n, opt_.verify_extra_tokens);
+  }
   void note_kv_use();  // the KV pool's use after a step ran, before its finished requests free theirs
   bool can_admit(int64_t request) const;
   bool waits_for_snapshot(int64_t request);  // a deeper snapshot of its prompt is being written
@@ -150,6 +177,7 @@ class Scheduler {
   void take_decodes(ScheduledBatch& b, int64_t limit);
   void check_fork_slots(const ScheduledBatch& b) const;
   void finish(int64_t seq, StepEvents& ev);
+  void add_sequences(int64_t request);  // seqs_ entries of a request appended to requests_
 
   std::vector<RequestSpec> requests_;
   SchedulerOptions opt_;
@@ -158,7 +186,11 @@ class Scheduler {
   mem_cache::MLATokenToKVPool* kv_;  // the pool's MLA token KV pool; null for a model without MLA layers
   std::vector<int64_t> kv_share_;    // per sequence: the KV token slots promised to it while it runs
   int64_t kv_promised_ = 0, peak_kv_tokens_ = 0;
-  std::vector<Sequence> seqs_;          // [request * n + sample]
+  std::vector<Sequence> seqs_;     // [seq_base_[request] + sample]
+  std::vector<int64_t> seq_base_;  // per request: its first sequence
+  std::vector<int32_t> n_of_;      // per request: its continuations
+  std::deque<int64_t> online_;     // requests added online, not yet seen by schedule()
+  int64_t admitted_unfinished_ = 0;
   std::vector<int64_t> arrival_order_;  // requests without a previous turn, by (arrival_step, index)
   size_t next_arrival_ = 0;             // into arrival_order_
   std::vector<int64_t> next_turn_;      // per request: the request of its session's next turn, or -1

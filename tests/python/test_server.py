@@ -1,0 +1,375 @@
+"""`kda serve` through real clients (http.client, curl, the openai SDK) on the tiny checkpoint with a byte
+tokenizer, fp32: chat and completions, streamed and not (the chunks concatenate to the whole text), usage,
+stop strings, seeds, logprobs against the model's own logits, 32 concurrent clients getting what they get
+alone, clients that leave mid-stream freeing their slots, flat RSS over 1,000 requests, and every bad
+request answered with its status while the server keeps serving."""
+
+import json
+import math
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+from server_fixture import Server, make_checkpoint, parse_sse, stream_text
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+CONTEXT = 1024
+MAX_BATCH = 40  # request slots: 4 x max batch = 160
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    s = Server(ckpt, "--max-batch", MAX_BATCH, "--context-length", CONTEXT, "--kv-memory", "4MiB")
+    yield s
+    s.stop()
+
+
+def chat_body(text, **kw):
+    return {"model": "kimi-linear", "messages": [{"role": "user", "content": text}], **kw}
+
+
+def prompt_ids(k, n):
+    """A prompt of n byte ids (< 256), different for each k."""
+    rng = np.random.default_rng(1000 + k)
+    return [int(x) for x in rng.integers(32, 127, size=n)]
+
+
+def answer_next(server):
+    status, body = server.post(CMPL, {"prompt": "ok", "max_tokens": 2, "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_health_models_and_localhost(server):
+    assert server.host == "127.0.0.1"
+    status, body = server.request("GET", "/health")
+    assert status == 200
+    status, body = server.request("GET", "/v1/models")
+    assert status == 200 and body["data"][0]["id"] == "kimi-linear"
+    assert body["data"][0]["max_model_len"] == CONTEXT
+    m = server.metrics()
+    assert m["kda_slots_total"] == 4 * MAX_BATCH and m["kda_slots_used"] == 0
+    assert "kda_time_to_first_token_seconds_count" in m
+
+
+@pytest.mark.parametrize("path", [CHAT, CMPL])
+def test_stream_concatenates_to_the_whole_text_and_usage_counts(server, path):
+    chat = path == CHAT
+    body = chat_body("Tell me a story.") if chat else {"prompt": "Once upon a time"}
+    body.update(max_tokens=40, temperature=0, return_token_ids=True)
+    status, whole = server.post(path, body)
+    assert status == 200, whole
+    assert whole["object"] == ("chat.completion" if chat else "text_completion")
+    choice = whole["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    ids = choice["token_ids"]
+    prompt = whole["prompt_token_ids"] if chat else choice["prompt_token_ids"]
+    u = whole["usage"]
+    assert u["completion_tokens"] == len(ids) and 1 <= len(ids) <= 40
+    assert u["prompt_tokens"] == len(prompt) and u["total_tokens"] == len(prompt) + len(ids)
+    assert choice["finish_reason"] == ("length" if len(ids) == 40 else "stop")
+    if not chat:  # a byte tokenizer: the prompt's ids are its bytes
+        assert prompt == list(b"Once upon a time")
+
+    events = server.stream(path, {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == u
+    streamed, finish = stream_text(events, chat=chat)
+    assert streamed == text and finish == choice["finish_reason"]
+    if chat:
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    got = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    assert got == ids
+
+
+def test_curl_streams(server):
+    if shutil.which("curl") is None:
+        pytest.skip("no curl")
+    body = json.dumps(chat_body("hello", max_tokens=8, temperature=0))
+    out = subprocess.run(
+        ["curl", "-sN", f"http://127.0.0.1:{server.port}{CHAT}", "-H", "Content-Type: application/json", "-d", body],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    status, whole = server.post(CHAT, json.loads(body))
+    text, finish = stream_text(parse_sse(out.replace("data: [DONE]\n\n", "")) + ["[DONE]"])
+    assert out.rstrip().endswith("data: [DONE]")
+    assert text == whole["choices"][0]["message"]["content"]
+    # Non-streaming through curl too.
+    out = subprocess.run(
+        ["curl", "-s", f"http://127.0.0.1:{server.port}{CHAT}", "-H", "Content-Type: application/json", "-d",
+         json.dumps(chat_body("hello", max_tokens=8, temperature=0, stream=False))],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    assert json.loads(out)["choices"][0]["message"]["content"] == text
+
+
+def test_openai_sdk(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(model="kimi-linear", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=12, temperature=0)
+    text = r.choices[0].message.content
+    assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("stop", "length")
+    chunks = client.chat.completions.create(model="kimi-linear", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    c = client.completions.create(model="kimi-linear", prompt="abc", max_tokens=10, temperature=0)
+    chunks = client.completions.create(model="kimi-linear", prompt="abc", max_tokens=10, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="kimi-linear", prompt="abc", max_tokens=10, top_p=1.5)
+    assert [m.id for m in client.models.list()] == ["kimi-linear"]
+
+
+def test_stop_strings(server):
+    body = {"prompt": prompt_ids(1, 12), "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    status, whole = server.post(CMPL, body)
+    text = whole["choices"][0]["text"]
+    assert len(text) >= 20, text
+    stop = text[10:13]
+    first = text.find(stop)
+    status, got = server.post(CMPL, {**body, "stop": [stop, "\x00never"]})
+    assert status == 200
+    assert got["choices"][0]["text"] == text[:first]
+    assert got["choices"][0]["finish_reason"] == "stop"
+    events = server.stream(CMPL, {**body, "stop": stop})
+    assert stream_text(events, chat=False) == (text[:first], "stop")
+
+
+def test_seeds_are_reproducible(server):
+    body = {"prompt": prompt_ids(2, 10), "max_tokens": 24, "temperature": 1.0, "top_k": 50, "seed": 1234,
+            "return_token_ids": True}
+    a = server.post(CMPL, body)[1]["choices"][0]["token_ids"]
+    b = server.post(CMPL, body)[1]["choices"][0]["token_ids"]
+    assert a == b
+    events = server.stream(CMPL, {**body, "n": 2})
+    per = {0: [], 1: []}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            per[c["index"]] += c.get("token_ids") or []
+    assert per[0] == a  # continuation 0 keeps the seed; n = 2 changes nothing for it
+
+
+def test_logprobs_match_the_models_logits(server, ckpt):
+    import kda
+
+    prompt = prompt_ids(3, 16)
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 5, "return_token_ids": True,
+            "ignore_eos": True}
+    status, r = server.post(CMPL, body)
+    assert status == 200
+    ids = r["choices"][0]["token_ids"]
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids)
+    for top in lp["top_logprobs"]:
+        assert len(top) == 5 and sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5
+
+    model = kda.KimiLinearForCausalLM.from_pretrained(ckpt, precision="fp32")
+    seq = np.array(prompt + ids[:-1], np.int32)
+    pools = model.make_pools(max_requests=1, kv_tokens=len(seq))
+    reqs = pools.req_to_token_pool.alloc(1)
+    logits = model(seq, kda.ForwardBatch.extend(reqs, [len(seq)]), pools).astype(np.float64)
+    rows = logits[len(prompt) - 1:]
+    ref = rows - rows.max(axis=1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(axis=1, keepdims=True))
+    for k, tok in enumerate(ids):
+        assert tok == int(np.argmax(rows[k]))
+        assert abs(lp["token_logprobs"][k] - ref[k, tok]) < 1e-4
+        best = np.argsort(-ref[k], kind="stable")[:5]
+        # Byte tokens: the completions API keys alternatives by their text.
+        got = sorted(lp["top_logprobs"][k].values(), reverse=True)
+        assert np.allclose(got, ref[k, best], atol=1e-4)
+    # chat: logprobs + top_logprobs, the sum of exp over the alternatives <= 1.
+    status, r = server.post(CHAT, chat_body("hi", max_tokens=6, temperature=0, logprobs=True, top_logprobs=3))
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) >= 1
+    for e in content:
+        assert len(e["top_logprobs"]) == 3 and sum(math.exp(t["logprob"]) for t in e["top_logprobs"]) <= 1.0 + 1e-5
+        assert e["logprob"] <= 0.0 and isinstance(e["bytes"], list)
+
+
+def client_params(k):
+    """32 different requests: greedy and seeded, different prompts, lengths and sampling parameters."""
+    p = {"prompt": prompt_ids(100 + k, 8 + 3 * k), "max_tokens": 6 + k % 11, "return_token_ids": True,
+         "logprobs": 2, "ignore_eos": True}
+    if k % 2:
+        p.update(temperature=0.7 + 0.05 * (k % 5), seed=k, top_p=0.95, top_k=20 + k)
+        if k % 4 == 1:
+            p.update(repetition_penalty=1.1, presence_penalty=0.3)
+    else:
+        p.update(temperature=0)
+    return p
+
+
+def tokens_and_gaps(r):
+    c = r["choices"][0]
+    gaps = []
+    for top in c["logprobs"]["top_logprobs"]:
+        v = sorted(top.values(), reverse=True)
+        gaps.append(v[0] - v[1] if len(v) > 1 else math.inf)
+    return c["token_ids"], gaps
+
+
+def test_32_concurrent_clients_get_what_they_get_alone(server):
+    alone = [tokens_and_gaps(server.post(CMPL, client_params(k))[1]) for k in range(32)]
+    results = [None] * 32
+
+    def run(k):
+        try:
+            if k % 3 == 0:
+                events = server.stream(CMPL, client_params(k))
+                results[k] = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+            else:
+                results[k] = server.post(CMPL, client_params(k))[1]["choices"][0]["token_ids"]
+        except Exception as e:  # noqa: BLE001  (reported below)
+            results[k] = e
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for k in range(32):
+        got = results[k]
+        assert isinstance(got, list), f"client {k}: {got!r}"
+        want, gaps = alone[k]
+        if got != want:
+            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            assert gaps[i] < 1e-4, f"client {k} differs at {i} where the top-2 gap is {gaps[i]}"
+
+
+def wait_idle(server, timeout=30):
+    t0 = time.monotonic()
+    while True:
+        m = server.metrics()
+        if m["kda_slots_used"] == 0 and m["kda_kv_tokens_used"] == 0 and m["kda_requests_running"] == 0:
+            return m
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"still busy after {timeout} s: {m}")
+        time.sleep(0.05)
+
+
+def test_clients_leaving_mid_stream_free_their_slots(server):
+    before = wait_idle(server)
+    socks = []
+    for k in range(16):
+        s = socket.create_connection((server.host, server.port), timeout=60)
+        body = json.dumps({"prompt": prompt_ids(200 + k, 10), "max_tokens": 900, "temperature": 0,
+                           "ignore_eos": True, "stream": True})
+        s.sendall((f"POST {CMPL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+        socks.append(s)
+    for s in socks:  # every stream has begun: its headers and first chunks arrived
+        assert b"200" in s.recv(4096)
+    busy = server.metrics()
+    assert busy["kda_slots_used"] > 0
+    for s in socks[:8]:
+        s.close()
+    # The other half reads its streams to the end.
+    for s in socks[8:]:
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):
+            chunk = s.recv(65536)
+            assert chunk, "stream ended early"
+            data += chunk
+        assert b"data: [DONE]" in data
+        s.close()
+    after = wait_idle(server)
+    assert after['kda_requests_total{finish_reason="abort"}'] - before['kda_requests_total{finish_reason="abort"}'] == 8
+    answer_next(server)
+
+
+def test_rss_is_flat_over_1000_requests(server):
+    c = server.conn()
+
+    def one(k):
+        body = json.dumps({"prompt": prompt_ids(k % 50, 20 + k % 7), "max_tokens": 2, "temperature": 0,
+                           "logprobs": 1, "stop": ["zz"]})
+        c.request("POST", CMPL, body=body, headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200
+        r.read()
+
+    for k in range(100):
+        one(k)
+    rss0 = server.rss_kb()
+    for k in range(1000):
+        one(k)
+    rss1 = server.rss_kb()
+    c.close()
+    assert rss1 - rss0 < 16 * 1024, f"RSS grew by {rss1 - rss0} kB over 1000 requests"
+
+
+BAD = [
+    # (path, raw body or JSON, status, param or None, a word of the message)
+    (CHAT, "{not json", 400, None, "JSON"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\xff"}]}', 400, None, "JSON"),
+    (CHAT, {"messages": "hi"}, 400, "messages", "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "wizard"),
+    (CHAT, chat_body("x", temperature=-1), 400, "temperature", "temperature"),
+    (CHAT, chat_body("x", top_p="high"), 400, "top_p", "top_p"),
+    (CHAT, chat_body("x", max_tokens=-3), 400, "max_tokens", "max_tokens"),
+    (CHAT, chat_body("x", presence_penalty=9), 400, "presence_penalty", "presence_penalty"),
+    (CHAT, {**chat_body("x"), "model": "gpt-4"}, 404, "model", "gpt-4"),
+    (CMPL, {"prompt": "x", "n": 1000}, 400, "n", "n"),
+    (CMPL, {"prompt": [1, 2, 512]}, 400, "prompt[2]", "512"),
+    (CMPL, {"prompt": [5] * (CONTEXT + 1)}, 400, "prompt", "context"),
+    (CMPL, {"prompt": [5] * 100, "max_tokens": CONTEXT}, 400, "max_tokens", "context"),
+    (CMPL, {"prompt": [5] * 100, "max_tokens": 800, "n": 32}, 400, None, ""),  # beyond the KV pool
+    (CMPL, {"prompt": "x", "stop_token_ids": [600]}, 400, "stop_token_ids[0]", "600"),
+    (CMPL, {"prompt": "x", "logprobs": 9}, 400, "logprobs", "logprobs"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_bad_requests(server, case):
+    path, body, status, param, word = BAD[case]
+    if isinstance(body, (str, bytes)):
+        got_status, got = server.request("POST", path, raw=body)
+    else:
+        got_status, got = server.post(path, body)
+    assert got_status == status, got
+    err = got["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] is None
+    if param is not None:
+        assert err["param"] == param, err
+    assert word in err["message"], err
+    answer_next(server)
+
+
+def test_bad_transport(server):
+    # Body too large, unknown path, NaN (not JSON), then the server still answers.
+    status, got = server.request("POST", CMPL, raw=b"{" + b" " * (5 << 20) + b"}")
+    assert status == 413 and "larger" in got["error"]["message"]
+    answer_next(server)
+    status, got = server.request("GET", "/v2/nothing")
+    assert status == 404 and "not found" in got["error"]["message"]
+    status, got = server.request("POST", CMPL, raw='{"prompt": "x", "temperature": NaN}')
+    assert status == 400
+    answer_next(server)
+
+
+def test_api_key(ckpt):
+    s = Server(ckpt, "--api-key", "sekret", "--max-batch", 4)
+    try:
+        assert s.request("GET", "/health")[0] == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            status, got = s.post(CMPL, {"prompt": "x", "max_tokens": 1}, headers=headers)
+            assert status == 401 and got["error"]["code"] == "invalid_api_key"
+            assert s.request("GET", "/v1/models", headers=headers)[0] == 401
+            assert s.request("GET", "/metrics", headers=headers)[0] == 401
+        ok = {"Authorization": "Bearer sekret"}
+        status, got = s.post(CMPL, {"prompt": "x", "max_tokens": 1}, headers=ok)
+        assert status == 200 and got["usage"]["completion_tokens"] == 1
+        assert s.request("GET", "/v1/models", headers=ok)[0] == 200
+    finally:
+        s.stop()

@@ -1,0 +1,466 @@
+// The online engine (serving/engine.h): requests submitted while it runs, streamed events, stop / length /
+// abort finishes, every slot freed, results equal to serve()'s and to a request run alone.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kda/mem_cache/radix_cache.h"
+#include "kda/models/kimi_linear_model.h"
+#include "kda/serving/engine.h"
+#include "kda/serving/model_runner.h"
+#include "support/test_support.h"
+
+namespace kda::serving {
+namespace {
+
+constexpr int64_t kVocab = 512;
+
+// Small widths; decoder layer 0 is the dense MLP, the rest MoE (4 experts, top 2).
+io::KimiLinearConfig config(std::vector<int> kda, std::vector<int> mla) {
+  io::KimiLinearConfig c;
+  c.hidden_size = 256;
+  c.rms_norm_eps = 1e-5;
+  c.num_hidden_layers = static_cast<int>(kda.size() + mla.size());
+  c.num_heads = 2;
+  c.head_dim = 128;
+  c.short_conv_kernel_size = 4;
+  c.kda_layers = std::move(kda);
+  c.full_attn_layers = std::move(mla);
+  c.has_model_fields = true;
+  c.vocab_size = kVocab;
+  c.num_attention_heads = c.num_key_value_heads = 2;
+  c.kv_lora_rank = 64;
+  c.qk_nope_head_dim = 32;
+  c.qk_rope_head_dim = 16;
+  c.v_head_dim = 32;
+  c.intermediate_size = 512;
+  c.first_k_dense_replace = 1;
+  c.moe_layer_freq = 1;
+  c.num_experts = 4;
+  c.num_experts_per_token = 2;
+  c.num_shared_experts = 1;
+  c.moe_intermediate_size = 64;
+  c.routed_scaling_factor = 2.5;
+  return c;
+}
+
+// KDA, KDA, MLA, KDA (1-based layer ids as the config has them).
+models::KimiLinearForCausalLM& hybrid_model() {
+  static auto m = models::KimiLinearForCausalLM::synthetic(config({1, 2, 4}, {3}), {}, 11);
+  return *m;
+}
+models::KimiLinearForCausalLM& kda_model() {
+  static auto m = models::KimiLinearForCausalLM::synthetic(config({1, 2, 3}, {}), {}, 12);
+  return *m;
+}
+
+std::vector<int32_t> random_prompt(int32_t len, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::vector<int32_t> p(static_cast<size_t>(len));
+  for (auto& t : p) t = static_cast<int32_t>(g() % kVocab);
+  return p;
+}
+
+GenerateRequest greedy(std::vector<int32_t> prompt, int32_t max_tokens, int32_t n = 1) {
+  GenerateRequest r;
+  r.prompt = std::move(prompt);
+  r.params.temperature = 0.0f;
+  r.params.max_tokens = max_tokens;
+  r.n = n;
+  return r;
+}
+
+// Every event a request got, thread safe (sinks run on the engine's thread, tests read from theirs).
+struct Collector {
+  std::mutex mu;
+  std::map<int64_t, std::vector<TokenEvent>> events;  // by request id
+  EventSink sink() {
+    return [this](const TokenEvent& e) {
+      std::lock_guard<std::mutex> lk(mu);
+      events[e.request].push_back(e);
+    };
+  }
+  std::vector<TokenEvent> of(int64_t id) {
+    std::lock_guard<std::mutex> lk(mu);
+    return events[id];
+  }
+};
+
+struct Outcome {
+  std::vector<std::vector<int32_t>> tokens;  // per continuation, the delivered tokens in order
+  std::vector<FinishReason> finish;
+  int32_t cached_tokens = -1;
+};
+
+// Checks the stream's shape (each continuation's events in order, exactly one finish, last) and returns it.
+Outcome check_stream(const std::vector<TokenEvent>& ev, int32_t n, int32_t prompt_len) {
+  Outcome o;
+  o.tokens.resize(static_cast<size_t>(n));
+  o.finish.assign(static_cast<size_t>(n), FinishReason::kNone);
+  for (const auto& e : ev) {
+    EXPECT_GE(e.index, 0);
+    EXPECT_LT(e.index, n);
+    if (e.index < 0 || e.index >= n) continue;
+    EXPECT_EQ(o.finish[e.index], FinishReason::kNone)
+        << "an event after continuation " << e.index << "'s finish";
+    EXPECT_EQ(e.prompt_tokens, prompt_len);
+    if (o.cached_tokens < 0) o.cached_tokens = e.cached_tokens;
+    EXPECT_EQ(e.cached_tokens, o.cached_tokens);
+    if (e.token >= 0) o.tokens[e.index].push_back(e.token);
+    if (e.token < 0) EXPECT_EQ(e.finish, FinishReason::kAbort) << "only an abort's finish carries no token";
+    o.finish[e.index] = e.finish;
+  }
+  for (int32_t j = 0; j < n; ++j)
+    EXPECT_NE(o.finish[j], FinishReason::kNone) << "continuation " << j << " never finished";
+  return o;
+}
+
+void drain(Engine& e) {
+  for (int i = 0; i < 100000 && e.step(); ++i) {
+  }
+  EXPECT_EQ(e.stats().running, 0);
+  EXPECT_EQ(e.stats().waiting, 0);
+}
+
+struct PoolCounts {
+  int64_t req = 0, rec = 0, kv = 0;
+  bool operator==(const PoolCounts&) const = default;
+};
+PoolCounts counts(ModelRunner& r) {
+  auto& p = r.pools().req_to_token_pool;
+  return {p.available(), p.recurrent_pool().available(),
+          p.token_to_kv_pool() ? p.token_to_kv_pool()->available() : 0};
+}
+
+// The top-2 logit gap after prompt + prefix, run alone as one prefill: how near a tie the pick there is.
+double top2_gap(models::KimiLinearForCausalLM& model, std::vector<int32_t> tokens) {
+  ModelRunner runner(model, 1, static_cast<int64_t>(tokens.size()) + 8, kernels::KernelImpl::Auto);
+  const int32_t T = static_cast<int32_t>(tokens.size());
+  auto& pool = runner.pools().req_to_token_pool;
+  const int32_t idx = pool.alloc(1)[0];
+  auto fb = model_executor::ForwardBatch::extend({idx}, {T}, {0});
+  std::vector<float> y(static_cast<size_t>(T) * model.hidden_size()), lg(kVocab);
+  runner.forward(fb, tokens.data(), y.data());
+  runner.logits(y.data() + (T - 1) * model.hidden_size(), 1, lg.data());
+  std::sort(lg.begin(), lg.end(), std::greater<float>());
+  return static_cast<double>(lg[0]) - lg[1];
+}
+
+// `got` equals `alone` except where the alone run's pick was a near tie (top-2 gap < 1e-4), from which
+// on the two may differ (a batched run rounds differently).
+void expect_same_or_near_tie(models::KimiLinearForCausalLM& model, const std::vector<int32_t>& prompt,
+                             const std::vector<int32_t>& got, const std::vector<int32_t>& alone) {
+  ASSERT_EQ(got.size(), alone.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    if (got[k] == alone[k]) continue;
+    std::vector<int32_t> ctx = prompt;
+    ctx.insert(ctx.end(), alone.begin(), alone.begin() + static_cast<std::ptrdiff_t>(k));
+    EXPECT_LT(top2_gap(model, ctx), 1e-4)
+        << "token " << k << " differs (" << got[k] << " vs " << alone[k] << ") without a near tie";
+    return;
+  }
+}
+
+EngineOptions options(int64_t budget = 64, int64_t max_batch = 16) {
+  EngineOptions o;
+  o.scheduler.token_budget = budget;
+  o.scheduler.max_batch = max_batch;
+  return o;
+}
+
+// One request alone on a fresh engine over the same runner (its pools are all free between runs).
+Outcome alone(ModelRunner& runner, EngineOptions o, GenerateRequest req) {
+  Engine e(runner, std::move(o));
+  Collector c;
+  const int32_t n = req.n, len = static_cast<int32_t>(req.prompt.size());
+  const int64_t id = e.submit(std::move(req), c.sink());
+  drain(e);
+  return check_stream(c.of(id), n, len);
+}
+
+TEST(Engine, SubmitsFromEightThreadsWhileRunningStreamInOrderAndEqualServeAndAloneRuns) {
+  auto& model = hybrid_model();
+  ModelRunner runner(model, 8, 4096, kernels::KernelImpl::Auto);
+  const PoolCounts start = counts(runner);
+  Engine engine(runner, options(48, 6));
+  Collector col;
+  std::atomic<bool> stop{false};
+  std::thread loop([&] { engine.run(stop); });
+  struct Sent {
+    int64_t id;
+    GenerateRequest req;
+  };
+  std::mutex sent_mu;
+  std::vector<Sent> sent;
+  std::vector<std::thread> clients;
+  for (int t = 0; t < 8; ++t)
+    clients.emplace_back([&, t] {
+      for (int k = 0; k < 3; ++k) {
+        GenerateRequest r = greedy(random_prompt(5 + 13 * ((t + k) % 5), 100 * t + k), 3 + (t * 3 + k) % 9);
+        const int64_t id = engine.submit(r, col.sink());
+        std::lock_guard<std::mutex> lk(sent_mu);
+        sent.push_back({id, std::move(r)});
+        std::this_thread::sleep_for(std::chrono::milliseconds(t));
+      }
+    });
+  for (auto& c : clients) c.join();
+  for (int i = 0; i < 20000 && (engine.stats().requests_finished < 24); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  stop = true;
+  loop.join();
+  ASSERT_EQ(engine.stats().requests_finished, 24);
+  EXPECT_EQ(counts(runner), start) << "a slot or token slot was not freed";
+
+  std::sort(sent.begin(), sent.end(), [](const Sent& a, const Sent& b) { return a.id < b.id; });
+  for (size_t i = 0; i < sent.size(); ++i) EXPECT_EQ(sent[i].id, static_cast<int64_t>(i) + 1);
+  // serve() over the same requests (a fixed workload, all at step 0).
+  std::vector<RequestSpec> specs;
+  for (size_t i = 0; i < sent.size(); ++i) {
+    RequestSpec s;
+    s.id = static_cast<int64_t>(i);
+    s.prompt = sent[i].req.prompt;
+    s.prompt_len = static_cast<int32_t>(s.prompt.size());
+    s.output_len = sent[i].req.params.max_tokens - 1;
+    specs.push_back(s);
+  }
+  ServeOptions so;
+  so.scheduler.token_budget = 48;
+  so.scheduler.max_batch = 6;
+  const ServeResult served = serve(runner, specs, so);
+  for (size_t i = 0; i < sent.size(); ++i) {
+    const auto& r = sent[i].req;
+    const Outcome got = check_stream(col.of(sent[i].id), 1, static_cast<int32_t>(r.prompt.size()));
+    EXPECT_EQ(got.finish[0], FinishReason::kLength);
+    ASSERT_EQ(got.tokens[0].size(), static_cast<size_t>(r.params.max_tokens));
+    const Outcome one = alone(runner, options(48, 6), r);
+    expect_same_or_near_tie(model, r.prompt, got.tokens[0], one.tokens[0]);
+    expect_same_or_near_tie(model, r.prompt, served.outputs[i].tokens, one.tokens[0]);
+  }
+  EXPECT_EQ(counts(runner), start);
+}
+
+TEST(Engine, ParallelGreedySamplesEqualOneAndFinishWithLength) {
+  auto& model = hybrid_model();
+  ModelRunner runner(model, 4, 2048, kernels::KernelImpl::Auto);
+  const auto prompt = random_prompt(40, 3);
+  const Outcome one = alone(runner, options(16), greedy(prompt, 6));
+  const Outcome three = alone(runner, options(16), greedy(prompt, 6, 3));
+  for (int j = 0; j < 3; ++j) {
+    EXPECT_EQ(three.tokens[j], one.tokens[0]) << "continuation " << j;
+    EXPECT_EQ(three.finish[j], FinishReason::kLength);
+  }
+  // max_tokens 1: every continuation's only token comes from the prompt's last position.
+  const Outcome first = alone(runner, options(16), greedy(prompt, 1, 2));
+  for (int j = 0; j < 2; ++j) {
+    EXPECT_EQ(first.tokens[j], std::vector<int32_t>{one.tokens[0][0]});
+    EXPECT_EQ(first.finish[j], FinishReason::kLength);
+  }
+}
+
+TEST(Engine, StopIdsEndWithStopAndDeliverTheStopToken) {
+  auto& model = hybrid_model();
+  ModelRunner runner(model, 4, 2048, kernels::KernelImpl::Auto);
+  const PoolCounts start = counts(runner);
+  const auto prompt = random_prompt(20, 5);
+  const Outcome full = alone(runner, options(), greedy(prompt, 12));
+  const auto& t = full.tokens[0];
+  const int32_t stop_tok = t[4];
+  const size_t first = static_cast<size_t>(std::find(t.begin(), t.end(), stop_tok) - t.begin());
+  const std::vector<int32_t> until(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(first) + 1);
+
+  auto req = greedy(prompt, 12);
+  req.params.stop_token_ids = {stop_tok};
+  Outcome o = alone(runner, options(), req);
+  EXPECT_EQ(o.finish[0], FinishReason::kStop);
+  EXPECT_EQ(o.tokens[0], until);
+
+  EngineOptions eo = options();
+  eo.stop_ids = {stop_tok};  // the model's stop ids
+  o = alone(runner, eo, greedy(prompt, 12));
+  EXPECT_EQ(o.finish[0], FinishReason::kStop);
+  EXPECT_EQ(o.tokens[0], until);
+  auto ign = greedy(prompt, 12);
+  ign.params.ignore_eos = true;  // the model's stop ids no longer stop it
+  o = alone(runner, eo, ign);
+  EXPECT_EQ(o.finish[0], FinishReason::kLength);
+  EXPECT_EQ(o.tokens[0], t);
+
+  // Not producible: never picked, the same path otherwise up to there.
+  EngineOptions mask = options();
+  mask.producible.assign(kVocab, 1);
+  mask.producible[stop_tok] = 0;
+  o = alone(runner, mask, greedy(prompt, 12));
+  EXPECT_EQ(std::count(o.tokens[0].begin(), o.tokens[0].end(), stop_tok), 0);
+  EXPECT_EQ(
+      std::vector<int32_t>(o.tokens[0].begin(), o.tokens[0].begin() + static_cast<std::ptrdiff_t>(first)),
+      std::vector<int32_t>(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(first)));
+  EXPECT_EQ(counts(runner), start);
+}
+
+// Steps until `pred` holds (at most `limit` steps); false if it never did.
+template <class P>
+bool step_until(Engine& e, P pred, int limit = 1000) {
+  for (int i = 0; i < limit; ++i) {
+    if (pred()) return true;
+    e.step();
+  }
+  return pred();
+}
+
+TEST(Engine, AbortInEveryPhaseFreesEverySlotAndLeavesTheOthersUnchanged) {
+  auto& model = hybrid_model();
+  ModelRunner runner(model, 4, 4096, kernels::KernelImpl::Auto);
+  const PoolCounts start = counts(runner);
+  const auto bystander_prompt = random_prompt(30, 77);
+  const Outcome bystander_alone = alone(runner, options(16, 8), greedy(bystander_prompt, 24));
+
+  Engine e(runner, options(16, 8));
+  Collector c;
+  const int64_t by = e.submit(greedy(bystander_prompt, 24), c.sink());
+  // Forks pending: 2 samples of a long prompt (16-token chunks), its fork waits for the prompt's end.
+  const int64_t fork = e.submit(greedy(random_prompt(90, 2), 8, 2), c.sink());
+  // Waiting: needs every slot of the pool, so it waits behind the others.
+  const int64_t wait = e.submit(greedy(random_prompt(10, 4), 4, 4), c.sink());
+  ASSERT_TRUE(step_until(e, [&] { return e.stats().waiting == 1; }));
+  EXPECT_TRUE(c.of(fork).empty());
+  e.abort(fork);
+  e.abort(wait);
+  e.abort(12345);  // unknown: no-op
+  e.step();
+  EXPECT_EQ(e.stats().waiting, 0);
+  // Mid-prefill: a 100-token prompt takes several steps.
+  const int64_t pre = e.submit(greedy(random_prompt(100, 1), 8), c.sink());
+  ASSERT_TRUE(step_until(e, [&] { return e.stats().waiting == 0 && e.stats().running == 2; }));
+  e.step();
+  EXPECT_TRUE(c.of(pre).empty());
+  e.abort(pre);
+  e.step();
+  const auto pe = c.of(pre);
+  ASSERT_EQ(pe.size(), 1u);
+  EXPECT_EQ(pe[0].finish, FinishReason::kAbort);
+  EXPECT_EQ(pe[0].token, -1);
+  const Outcome w = check_stream(c.of(wait), 4, 10);  // a finish event per continuation, no token
+  EXPECT_EQ(w.finish, std::vector<FinishReason>(4, FinishReason::kAbort));
+  for (const auto& t : w.tokens) EXPECT_TRUE(t.empty());
+  const Outcome f = check_stream(c.of(fork), 2, 90);
+  EXPECT_EQ(f.finish, (std::vector<FinishReason>{FinishReason::kAbort, FinishReason::kAbort}));
+  e.abort(pre);  // finished: no-op
+  // Decode: abort after a few tokens; sinks may call abort on the engine's thread.
+  const int64_t dec = e.submit(greedy(random_prompt(12, 5), 30, 2), [&](const TokenEvent& ev) {
+    c.sink()(ev);
+    if (ev.index == 1 && ev.token >= 0 && c.of(ev.request).size() >= 6) e.abort(ev.request);
+  });
+  drain(e);
+  const Outcome d = check_stream(c.of(dec), 2, 12);
+  EXPECT_EQ(d.finish[0], FinishReason::kAbort);
+  EXPECT_EQ(d.finish[1], FinishReason::kAbort);
+  EXPECT_LT(d.tokens[0].size(), 30u);
+  const Outcome b = check_stream(c.of(by), 1, 30);
+  EXPECT_EQ(b.finish[0], FinishReason::kLength);
+  expect_same_or_near_tie(model, bystander_prompt, b.tokens[0], bystander_alone.tokens[0]);
+  EXPECT_EQ(e.stats().requests_aborted, 4);
+  EXPECT_EQ(e.stats().requests_finished, 1);
+  EXPECT_EQ(counts(runner), start) << "a slot or token slot was not freed";
+  EXPECT_EQ(e.stats().slots_used, 0);
+  EXPECT_EQ(e.stats().kv_tokens_used, 0);
+  // The aborted forks' reserved slots are back: a request that needs the whole pool runs.
+  const int64_t all = e.submit(greedy(random_prompt(10, 6), 3, 4), c.sink());
+  drain(e);
+  EXPECT_EQ(check_stream(c.of(all), 4, 10).finish[3], FinishReason::kLength);
+}
+
+TEST(Engine, RunAbortsWhatIsLeftWhenStopped) {
+  ModelRunner runner(hybrid_model(), 2, 2048, kernels::KernelImpl::Auto);
+  const PoolCounts start = counts(runner);
+  Engine e(runner, options(8));
+  Collector c;
+  std::atomic<bool> stop{true};  // the loop returns at once, aborting both
+  const int64_t a = e.submit(greedy(random_prompt(50, 1), 200), c.sink());
+  const int64_t b = e.submit(greedy(random_prompt(50, 2), 200), c.sink());
+  e.step();
+  e.run(stop);
+  EXPECT_EQ(check_stream(c.of(a), 1, 50).finish[0], FinishReason::kAbort);
+  EXPECT_EQ(check_stream(c.of(b), 1, 50).finish[0], FinishReason::kAbort);
+  EXPECT_EQ(counts(runner), start);
+}
+
+TEST(Engine, BadSubmitsThrowNamingTheFieldAndChangeNothing) {
+  ModelRunner runner(hybrid_model(), 3, 256, kernels::KernelImpl::Auto);
+  EngineOptions o = options();
+  o.max_context = 100;
+  Engine e(runner, o);
+  Collector c;
+  auto bad = [&](GenerateRequest r, const std::string& needle) {
+    testing::expect_throw_with<std::invalid_argument>([&] { e.submit(std::move(r), c.sink()); }, needle);
+  };
+  bad(greedy({}, 4), "prompt");
+  bad(greedy({1, 2, static_cast<int32_t>(kVocab)}, 4), "prompt: token id 512 at position 2");
+  bad(greedy({1, -1}, 4), "prompt: token id -1");
+  bad(greedy({1, 2}, 4, 4), "n: 4");
+  bad(greedy({1, 2}, 4, 0), "n:");
+  bad(greedy(random_prompt(90, 1), 20), "max_tokens");             // beyond max_context
+  bad(greedy(random_prompt(50, 1), 40, 3), "MLA KV token slots");  // beyond the KV pool
+  auto nan = greedy({1, 2}, 4);
+  nan.params.temperature = std::numeric_limits<float>::quiet_NaN();
+  bad(nan, "temperature");
+  auto big_stop = greedy({1, 2}, 4);
+  big_stop.params.stop_token_ids = {static_cast<int32_t>(kVocab)};
+  bad(big_stop, "stop_token_ids");
+  EXPECT_EQ(e.stats().waiting, 0);
+  EXPECT_FALSE(e.step());
+  // The next good request is request 1 and runs.
+  EXPECT_EQ(e.submit(greedy({1, 2, 3}, 3), c.sink()), 1);
+  drain(e);
+  EXPECT_EQ(check_stream(c.of(1), 1, 3).tokens[0].size(), 3u);
+  EXPECT_THROW(Engine(runner,
+                      [] {
+                        EngineOptions x;
+                        x.producible.assign(7, 1);
+                        return x;
+                      }()),
+               std::invalid_argument);
+}
+
+TEST(Engine, PrefixCacheHitsReportCachedTokensAndChangeNoToken) {
+  auto& model = kda_model();
+  ModelRunner runner(model, 6, 0, kernels::KernelImpl::Auto);
+  auto& rec = runner.pools().recurrent_state_pool;
+  mem_cache::RadixCache cache(rec, 3 * rec.bytes_per_slot());
+  EngineOptions o = options(32);
+  const auto prompt = random_prompt(70, 9);
+  const Outcome cold = alone(runner, o, greedy(prompt, 6));  // no cache
+  EXPECT_EQ(cold.cached_tokens, 0);
+  o.scheduler.cache = &cache;
+  o.scheduler.cache_interval = 32;
+  Engine e(runner, o);
+  Collector c;
+  const int64_t a = e.submit(greedy(prompt, 6), c.sink());
+  drain(e);
+  const int64_t b = e.submit(greedy(prompt, 6), c.sink());
+  // Aborted mid-prefill with its snapshots pending: the tree stays consistent.
+  const int64_t ab = e.submit(greedy(random_prompt(120, 10), 4), c.sink());
+  e.step();
+  e.abort(ab);
+  drain(e);
+  const Outcome hit = check_stream(c.of(b), 1, 70);
+  EXPECT_EQ(check_stream(c.of(a), 1, 70).cached_tokens, 0);
+  EXPECT_EQ(hit.cached_tokens, 69);
+  expect_same_or_near_tie(model, prompt, hit.tokens[0], cold.tokens[0]);
+  EXPECT_EQ(e.stats().cached_tokens, 69);
+  EXPECT_GT(e.stats().prefix_cache_bytes, 0);
+  EXPECT_NO_THROW(cache.check_invariants());
+  EXPECT_EQ(cache.pending_snapshots(), 0);
+  EXPECT_EQ(rec.available() + cache.snapshots(), rec.size());
+}
+
+}  // namespace
+}  // namespace kda::serving
