@@ -183,7 +183,8 @@ int main(int argc, char** argv) {
   sim->add_flag("--json", so.json, "print the summary as JSON");
 
   kda::cli::ServeCliOptions svo;
-  auto* serve = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (chat and text completions, streaming)");
+  auto* serve =
+      app.add_subcommand("serve", "an OpenAI-compatible HTTP server (chat and text completions, streaming)");
   auto* serve_model = serve->add_option("--model", svo.model,
                                         "checkpoint folder (config.json, safetensors, tiktoken.model, "
                                         "tokenizer_config.json[, chat_template.jinja])");
@@ -226,14 +227,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   serve->add_option("--kv-memory", svo.kv_memory, "bytes of the MLA layers' token KV pool (e.g. 1GiB)")
       ->capture_default_str();
-  serve->add_option("--context-length", svo.context_length,
-                    "prompt + generated tokens per request (default: what the KV pool holds, at most 1M)")
+  serve
+      ->add_option("--context-length", svo.context_length,
+                   "prompt + generated tokens per request (default: what the KV pool holds, at most 1M)")
       ->check(CLI::PositiveNumber);
   serve->add_option("--api-key", svo.api_key, "require \"Authorization: Bearer KEY\" (all but /health)");
   serve->add_option("--served-model-name", svo.served_model_name, "the model name clients send")
       ->capture_default_str();
-  serve->add_option("--chat-template", svo.chat_template,
-                    "builtin: the built-in chat format whatever the folder's chat_template.jinja")
+  serve
+      ->add_option("--chat-template", svo.chat_template,
+                   "builtin: the built-in chat format whatever the folder's chat_template.jinja")
       ->check(CLI::IsMember({"builtin"}));
   serve->add_option("--threads", svo.threads, "HTTP worker threads (default: 2 x max batch, at least 8)")
       ->check(CLI::PositiveNumber);
@@ -271,7 +274,8 @@ int main(int argc, char** argv) {
     if (run->parsed()) return kda::cli::run_run(ro);
     if (bench->parsed()) return kda::cli::run_bench(bo);
     if (serve->parsed()) {
-      if (svo.model.empty() && !svo.synthetic) throw std::invalid_argument("kda serve: give --model DIR or --synthetic");
+      if (svo.model.empty() && !svo.synthetic)
+        throw std::invalid_argument("kda serve: give --model DIR or --synthetic");
       return kda::cli::run_serve(svo);
     }
     if (tokenize->parsed()) return kda::cli::run_tokenize(to);

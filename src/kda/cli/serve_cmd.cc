@@ -44,8 +44,9 @@ constexpr int64_t kMaxContext = int64_t{1} << 20;
 // token slot's bytes (every MLA layer's row), as the pools lay them out.
 int64_t slot_bytes(const models::KimiLinearForCausalLM& m) {
   const auto c = m.recurrent_pool_config(1);
-  const int64_t per_layer = int64_t{c.num_heads} * c.head_k_dim * c.head_v_dim * 4 +
-                            int64_t{c.conv_kernel - 1} * c.conv_dim * (c.conv_dtype == Precision::BF16 ? 2 : 4);
+  const int64_t per_layer =
+      int64_t{c.num_heads} * c.head_k_dim * c.head_v_dim * 4 +
+      int64_t{c.conv_kernel - 1} * c.conv_dim * (c.conv_dtype == Precision::BF16 ? 2 : 4);
   return static_cast<int64_t>(c.layer_ids.size()) * per_layer;
 }
 
@@ -76,7 +77,8 @@ class SignalStopper {
       while (!done_.load()) {
         const int sig = sigtimedwait(&set_, nullptr, &poll);
         if (sig == SIGINT || sig == SIGTERM) {
-          if (!signalled) std::fprintf(stderr, "kda serve: %s, stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+          if (!signalled)
+            std::fprintf(stderr, "kda serve: %s, stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
           signalled = true;
         }
         // Repeated until serve() returns: a stop that raced with the start of serve() is not lost.
@@ -95,7 +97,8 @@ class SignalStopper {
 
 int run_serve(const ServeCliOptions& o) {
   SignalStopper signals;  // before any thread exists (OpenMP's start with the model)
-  if (o.synthetic == !o.model.empty()) throw std::invalid_argument("kda serve: give --model DIR or --synthetic");
+  if (o.synthetic == !o.model.empty())
+    throw std::invalid_argument("kda serve: give --model DIR or --synthetic");
   const int64_t state_memory = serving::parse_byte_size(o.state_memory, "--state-memory");
   const int64_t kv_memory = serving::parse_byte_size(o.kv_memory, "--kv-memory");
 
@@ -111,7 +114,8 @@ int run_serve(const ServeCliOptions& o) {
     mo.num_layers = o.layers > 0 ? o.layers : kSyntheticLayers;
     mo.num_experts = o.experts > 0 ? o.experts : kSyntheticExperts;
     mo.vocab = o.vocab > 0 ? o.vocab : kSyntheticVocab;
-    std::fprintf(stderr, "kda serve: building a synthetic model (%d decoder layers, %d experts, vocab %lld, %s)\n",
+    std::fprintf(stderr,
+                 "kda serve: building a synthetic model (%d decoder layers, %d experts, vocab %lld, %s)\n",
                  mo.num_layers, mo.num_experts, static_cast<long long>(mo.vocab), o.precision.c_str());
     model = models::KimiLinearForCausalLM::synthetic(io::kimi_linear_48b_config(), mo, o.seed);
     tok = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::synthetic(mo.vocab, o.seed));
@@ -119,27 +123,32 @@ int run_serve(const ServeCliOptions& o) {
   } else {
     std::fprintf(stderr, "kda serve: loading %s (%s)\n", o.model.c_str(), o.precision.c_str());
     // The tokenizer and the chat template first: a folder without them fails before the weights load.
-    chat = std::make_unique<tokenizer::ChatFormat>(tokenizer::ChatFormat::from_dir(o.model, o.chat_template == "builtin"));
+    chat = std::make_unique<tokenizer::ChatFormat>(
+        tokenizer::ChatFormat::from_dir(o.model, o.chat_template == "builtin"));
     model = models::KimiLinearForCausalLM::from_pretrained(o.model, mo);
-    tok = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_dir(o.model, model->vocab_size()));
+    tok =
+        std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_dir(o.model, model->vocab_size()));
   }
 
   const int64_t sb = slot_bytes(*model);
-  if (sb == 0) throw std::invalid_argument("kda serve: the model has no KDA layer (request slots are KDA slots)");
+  if (sb == 0)
+    throw std::invalid_argument("kda serve: the model has no KDA layer (request slots are KDA slots)");
   int64_t slots = state_memory / sb;
   if (slots < 1)
-    throw std::invalid_argument("--state-memory " + o.state_memory + " is too small for one request slot of " +
-                                std::to_string(sb) + " bytes");
+    throw std::invalid_argument("--state-memory " + o.state_memory +
+                                " is too small for one request slot of " + std::to_string(sb) + " bytes");
   // Past a few batches' worth, slots only hold waiting requests' memory.
   slots = std::min<int64_t>(slots, 4 * o.max_batch);
   const bool mla = !model->mla_layer_ids().empty();
   const int64_t kv_tokens = mla ? kv_memory / kv_token_bytes(*model) : 0;
   if (mla && kv_tokens < 2)
     throw std::invalid_argument("--kv-memory " + o.kv_memory + " holds no MLA KV token slot");
-  int64_t context = o.context_length > 0 ? o.context_length : std::min(kMaxContext, mla ? kv_tokens : kMaxContext);
+  int64_t context =
+      o.context_length > 0 ? o.context_length : std::min(kMaxContext, mla ? kv_tokens : kMaxContext);
   if (mla && context > kv_tokens)
-    throw std::invalid_argument("--context-length " + std::to_string(context) + ": the MLA KV pool (--kv-memory " +
-                                o.kv_memory + ") holds " + std::to_string(kv_tokens) + " tokens");
+    throw std::invalid_argument("--context-length " + std::to_string(context) +
+                                ": the MLA KV pool (--kv-memory " + o.kv_memory + ") holds " +
+                                std::to_string(kv_tokens) + " tokens");
 
   serving::ModelRunner runner(*model, slots, kv_tokens, mo.kernel);
   serving::EngineOptions eo;
@@ -161,11 +170,12 @@ int run_serve(const ServeCliOptions& o) {
   server::OpenAIServer srv(engine, *tok, *chat, so);
   const int port = srv.bind();
   const double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::fprintf(stderr,
-               "kda serve: ready in %.1f s: %lld request slots, %lld MLA KV token slots, context %lld tokens, "
-               "vocab %lld\n",
-               build_s, static_cast<long long>(slots), static_cast<long long>(kv_tokens),
-               static_cast<long long>(context), static_cast<long long>(model->vocab_size()));
+  std::fprintf(
+      stderr,
+      "kda serve: ready in %.1f s: %lld request slots, %lld MLA KV token slots, context %lld tokens, "
+      "vocab %lld\n",
+      build_s, static_cast<long long>(slots), static_cast<long long>(kv_tokens),
+      static_cast<long long>(context), static_cast<long long>(model->vocab_size()));
   std::printf("kda serve: listening on http://%s:%d\n", o.host.c_str(), port);
   std::fflush(stdout);
   signals.start(srv);

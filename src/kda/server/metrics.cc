@@ -41,7 +41,9 @@ void Histogram::render(std::string& out, const std::string& name, const std::str
   int64_t cum = 0;
   for (size_t i = 0; i < bounds_.size(); ++i) {
     cum += counts_[i];
-    out += name + "_bucket{le=\"" + num(bounds_[i]) + "\"} " + std::to_string(cum) + "\n";
+    char le[32];
+    std::snprintf(le, sizeof le, "%.12g", bounds_[i]);
+    out += name + "_bucket{le=\"" + le + "\"} " + std::to_string(cum) + "\n";
   }
   cum += counts_.back();
   out += name + "_bucket{le=\"+Inf\"} " + std::to_string(cum) + "\n";

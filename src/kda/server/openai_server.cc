@@ -125,7 +125,8 @@ struct OpenAIServer::Impl {
     });
     // Statuses httplib sets itself (unknown path 404, body too large 413, a malformed request 400)
     // get OpenAI's error body; a handler's own error body is left as it is.
-    http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+    http.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req,
+                                                                       httplib::Response& res) {
       if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
       std::string msg;
       if (res.status == 404)
@@ -139,7 +140,7 @@ struct OpenAIServer::Impl {
       metrics.count_rejected(res.status);
       res.set_content(error_body(ApiError(res.status, "", msg)), "application/json");
       return httplib::Server::HandlerResponse::Handled;
-    });
+    }));
     http.set_exception_handler(
         [this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
           std::string what = "unknown error";
