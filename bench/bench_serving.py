@@ -353,12 +353,13 @@ def table(rep):
     lines = ["=" * 22 + " Serving benchmark " + "=" * 22]
     for k, v in rows:
         lines.append(f"{k:<32}{v:>31.2f}" if isinstance(v, float) else f"{k:<32}{v!s:>31}")
-    lines.append(f"{'(ms)':<14}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}{'max':>9}")
+    lines.append(f"{'(ms)':<13}" + "".join(f"{h:>10}" for h in ("mean", "median", "p90", "p99", "max")))
     for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms")):
         s = rep[key]
-        cells = [("-" if s[q] is None else f"{s[q]:.2f}", w) for q, w in
-                 (("mean", 10), ("median", 10), ("p90", 10), ("p99", 10), ("max", 9))]
-        lines.append(f"{name:<14}" + "".join(f"{c:>{w}}" for c, w in cells))
+        # Two decimals while they fit the column, fewer for long latencies: columns never run together.
+        cells = ["-" if s[q] is None else f"{s[q]:.2f}" if s[q] < 1e5 else f"{s[q]:.0f}"
+                 for q in ("mean", "median", "p90", "p99", "max")]
+        lines.append(f"{name:<13}" + "".join(f"{c:>10}" for c in cells))
     for e in rep["errors"]:
         lines.append(f"error: {e}")
     lines.append("=" * 63)

@@ -238,19 +238,22 @@ def kda_has_serve():
     return p.returncode == 0 and "--synthetic" in p.stdout
 
 
-@pytest.mark.skipif(not kda_has_serve(), reason="the kda binary has no `serve` subcommand")
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_against_kda_serve(tmp_path, endpoint):
-    """A short run against the real server on synthetic weights: every request gets its max_tokens
-    (ignore_eos), the server's usage counts add up, and each reply's first token comes before its end."""
+@pytest.fixture(scope="module")
+def kda_server():
+    """`kda serve` on small synthetic weights (the first decoder layer, a 1024-token vocabulary: it starts
+    in seconds) on a free port; yields its URL."""
     import socket
     import urllib.request
 
+    if not kda_has_serve():
+        pytest.skip("the kda binary has no `serve` subcommand")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([str(kda_paths.BINARY), "serve", "--synthetic", "--host", "127.0.0.1", "--port",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([str(kda_paths.BINARY), "serve", "--synthetic", "--layers", "1", "--vocab", "1024",
+                             "--host", "127.0.0.1", "--port", str(port),
+                             "--state-memory", "256MiB", "--kv-memory", "256MiB"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
@@ -264,18 +267,26 @@ def test_against_kda_serve(tmp_path, endpoint):
             assert proc.poll() is None, proc.stderr.read()
             assert time.time() < deadline, "kda serve did not answer /health within 120 s"
             time.sleep(0.2)
-        out = tmp_path / "report.json"
-        p = subprocess.run([sys.executable, str(SCRIPT), "--base-url", url, "--endpoint", endpoint,
-                            "--num-prompts", "6", "--request-rate", "20", "--random-input-len", "40",
-                            "--random-output-len", "6", "--random-range-ratio", "0.5", "--output-file",
-                            str(out)], capture_output=True, text=True, timeout=300)
-        rep = json.loads(out.read_text())
-        assert p.returncode == 0, rep["errors"]
-        assert (rep["completed"], rep["failed"]) == (6, 0)
-        assert rep["token_counts"] == "server usage"
-        assert rep["output_tokens"] == rep["requested_output_tokens"]
-        assert rep["input_tokens"] >= 6 * 20  # at least a token a word
-        assert 0 < rep["ttft_ms"]["median"] <= rep["e2e_ms"]["median"]
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_against_kda_serve(kda_server, tmp_path, endpoint):
+    """A short run against the real server: every request gets its max_tokens (ignore_eos), the server's
+    usage counts add up, and each reply's first token comes before its end."""
+    out = tmp_path / "report.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--base-url", kda_server, "--endpoint", endpoint,
+                        "--num-prompts", "4", "--request-rate", "20", "--random-input-len", "12",
+                        "--random-output-len", "5", "--random-range-ratio", "0.5", "--output-file", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    rep = json.loads(out.read_text())
+    assert p.returncode == 0, rep["errors"]
+    assert (rep["completed"], rep["failed"]) == (4, 0)
+    assert rep["model"] == "kimi-linear"  # from GET /v1/models
+    assert rep["token_counts"] == "server usage"
+    assert rep["output_tokens"] == rep["requested_output_tokens"]
+    assert rep["input_tokens"] >= 4 * 6  # at least a token a word
+    assert 0 < rep["ttft_ms"]["median"] <= rep["e2e_ms"]["median"]
