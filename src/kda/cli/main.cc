@@ -78,8 +78,11 @@ int main(int argc, char** argv) {
           "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns) | "
           "spec (a decode step and verify steps of 1-8 drafts, in turns) | model (the whole model at its "
           "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode) | sampling (the "
-          "sampler on a 163840-wide row against its reference and one LM-head GEMV)")
-      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec", "model", "sampling"}));
+          "sampler on a 163840-wide row against its reference and one LM-head GEMV) | serve (16 "
+          "streaming HTTP clients of the OpenAI server against the engine in-process, and the TTFT HTTP "
+          "and tokenization add)")
+      ->check(
+          CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec", "model", "sampling", "serve"}));
   bench
       ->add_option(
           "--experts", bo.experts,
