@@ -1,6 +1,7 @@
 // The rows of `kda bench` (src/kda/cli/bench_cmd.cc prints them around the ceilings): each measures one
 // part at the Kimi-Linear shape, in turns with what it is compared against, and adds its results to the
-// JSON report under its key ("kernels", "layer", "stack", "bf16_gemm", "spec", "model", "tokenizer").
+// JSON report under its key ("kernels", "layer", "stack", "bf16_gemm", "spec", "model", "tokenizer",
+// "sampling", "serve").
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -44,5 +45,9 @@ void bench_tokenizer(nlohmann::json& j, const Say& say);
 // The sampler on a 163840-wide row, optimized against the reference, beside one LM-head GEMV
 // ("sampling", "sampling_gemv").
 void bench_sampling(nlohmann::json& j, const Say& say);
+// The OpenAI-compatible server against the engine it drives, in one process: tokens/s of 16 streaming
+// clients over HTTP against the same requests submitted in-process, and the TTFT HTTP and tokenization
+// add at a 1,000-token prompt ("serve").
+void bench_serve(nlohmann::json& j, const Say& say);
 
 }  // namespace kda::bench

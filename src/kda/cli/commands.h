@@ -39,7 +39,8 @@ struct BenchOptions {
   std::string kernel =
       "optimized";  // the optimized kernels' copy timed: optimized (this CPU's best) or an ISA
   // all | kernels | layer (the ceilings always run: every row is a ratio) | stack (bench_stack only) |
-  // gemm (bench_bf16_gemm only) | spec | model (the whole model with its own ceilings) | tokenizer
+  // gemm (bench_bf16_gemm only) | spec | model (the whole model with its own ceilings) | tokenizer | sampling
+  // | serve (HTTP server against in-process engine)
   std::string only = "all";
   std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
   int experts = 0;              // --only model: routed experts per MoE layer (0: the default)

@@ -79,9 +79,10 @@ int main(int argc, char** argv) {
           "spec (a decode step and verify steps of 1-8 drafts, in turns) | model (the whole model at its "
           "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode) | tokenizer (encoding "
           "MB/s on one thread, the 100 KB single-word case) | sampling (the sampler on a 163840-wide row "
-          "against its reference and one LM-head GEMV)")
+          "against its reference and one LM-head GEMV) | serve (16 streaming HTTP clients of the OpenAI "
+          "server against the engine in-process, and the TTFT HTTP and tokenization add)")
       ->check(CLI::IsMember(
-          {"all", "kernels", "layer", "stack", "gemm", "spec", "model", "tokenizer", "sampling"}));
+          {"all", "kernels", "layer", "stack", "gemm", "spec", "model", "tokenizer", "sampling", "serve"}));
   bench
       ->add_option(
           "--experts", bo.experts,
