@@ -34,6 +34,7 @@
 #include "kda/serving/simulate.h"
 #include "kda/serving/speculative.h"
 #include "kda/serving/trace.h"
+#include "support/small_model_config.h"
 #include "support/test_support.h"
 
 namespace kda::serving {
@@ -41,39 +42,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// The model fields of both configs: MLA 2 heads (nope 32, rope 16, v 32, kv_lora 64), a dense MLP of
-// 512 at layer 0, MoE layers of 4 experts of 64 (top 2) and one shared expert.
-io::KimiLinearConfig model_config(int layers, std::vector<int> kda, std::vector<int> mla) {
-  io::KimiLinearConfig c;
-  c.hidden_size = 256;
-  c.rms_norm_eps = 1e-5;
-  c.num_hidden_layers = layers;
-  c.num_heads = 2;
-  c.head_dim = 128;
-  c.short_conv_kernel_size = 4;
-  c.kda_layers = std::move(kda);
-  c.full_attn_layers = std::move(mla);
-  c.has_model_fields = true;
-  c.vocab_size = 8192;
-  c.num_attention_heads = c.num_key_value_heads = 2;
-  c.kv_lora_rank = 64;
-  c.qk_nope_head_dim = 32;
-  c.qk_rope_head_dim = 16;
-  c.v_head_dim = 32;
-  c.intermediate_size = 512;
-  c.first_k_dense_replace = 1;
-  c.moe_layer_freq = 1;
-  c.num_experts = 4;
-  c.num_experts_per_token = 2;
-  c.num_shared_experts = 1;
-  c.moe_intermediate_size = 64;
-  c.routed_scaling_factor = 2.5;
-  return c;
-}
-
-io::KimiLinearConfig small_config() { return model_config(3, {1, 2, 3}, {}); }
+// The model fields at small widths (tests/support/small_model_config.h), vocab 8192.
+io::KimiLinearConfig small_config() { return kda::testing::small_model_config({1, 2, 3}, {}, 8192); }
 // Decoder layer 2 (0-based) is an MLA layer, as in the real pattern's first four layers' shape.
-io::KimiLinearConfig hybrid_config() { return model_config(4, {1, 2, 4}, {3}); }
+io::KimiLinearConfig hybrid_config() { return kda::testing::small_model_config({1, 2, 4}, {3}, 8192); }
 
 SimulateOptions small_options(std::vector<RequestSpec> reqs) {
   SimulateOptions o;

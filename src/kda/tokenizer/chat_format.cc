@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "kda/io/file.h"
 #include "kda/tokenizer/sha256.h"
 
 namespace kda::tokenizer {
@@ -22,14 +23,6 @@ constexpr KnownTemplate kKnownTemplates[] = {
      "tests/data/chat_template/kimi_builtin.jinja: the spec's format as a Jinja template (rendered by "
      "python3-jinja2 and compared in tests/python/test_tokenizer.py)"},
 };
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error(path + ": cannot open");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 void check_known(const std::string& text, const std::string& where) {
   const std::string digest = chat_template_digest(text);
@@ -74,11 +67,12 @@ ChatFormat ChatFormat::builtin() { return ChatFormat(); }
 ChatFormat ChatFormat::from_dir(const std::string& dir, bool override_builtin) {
   if (override_builtin) return builtin();
   const auto jinja = std::filesystem::path(dir) / "chat_template.jinja";
-  if (std::filesystem::exists(jinja)) check_known(read_file(jinja.string()), jinja.string());
+  if (std::filesystem::exists(jinja)) check_known(io::read_regular_text(jinja.string()), jinja.string());
   // Older checkpoints carry the template inside tokenizer_config.json.
   const auto config = std::filesystem::path(dir) / "tokenizer_config.json";
   if (std::filesystem::exists(config)) {
-    const auto j = nlohmann::json::parse(read_file(config.string()), nullptr, /*allow_exceptions=*/false);
+    const auto j =
+        nlohmann::json::parse(io::read_regular_text(config.string()), nullptr, /*allow_exceptions=*/false);
     if (j.is_object() && j.contains("chat_template") && j["chat_template"].is_string())
       check_known(j["chat_template"].get<std::string>(), config.string() + " (chat_template)");
   }

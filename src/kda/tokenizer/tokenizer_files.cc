@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "kda/io/file.h"
 #include "kda/tokenizer/base64.h"
 #include "kda/tokenizer/tokenizer.h"
 #include "kda/tokenizer/tokenizer_data.h"
@@ -16,19 +17,11 @@
 namespace kda::tokenizer {
 namespace {
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error(path + ": cannot open");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 std::string reserved_name(int64_t id) { return "<|reserved_token_" + std::to_string(id) + "|>"; }
 
 // tiktoken.model: "base64 rank" per line, rank = the line's index (0-based), a final newline allowed.
 std::vector<std::string> read_tiktoken_model(const std::string& path) {
-  const std::string text = read_file(path);
+  const std::string text = io::read_regular_text(path);
   std::vector<std::string> tokens;
   std::unordered_map<std::string, size_t> line_of;  // token bytes -> line (1-based), for duplicates
   size_t pos = 0, line = 0;
@@ -71,7 +64,7 @@ std::vector<std::string> read_special_names(const std::string& path, int64_t num
   if (!std::filesystem::exists(path)) return names;
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(read_file(path));
+    j = nlohmann::json::parse(io::read_regular_text(path));
   } catch (const nlohmann::json::parse_error& e) {
     throw std::invalid_argument(path + ": not valid JSON (" + e.what() + ")");
   }
