@@ -50,8 +50,8 @@ void Histogram::render(std::string& out, const std::string& name, const std::str
   out += name + "_sum " + num(sum_) + "\n" + name + "_count " + std::to_string(count_) + "\n";
 }
 
-// Buckets as vLLM's: TTFT from 1 ms to 160 s, inter-token latency from 10 ms to 80 s (CPU decode steps
-// of a large model are slow, so the upper buckets matter).
+// Bucket bounds in seconds, as vLLM's (design values, not measurements): TTFT 0.001 to 160, inter-token
+// latency 0.01 to 80. CPU decode steps of a large model are slow, so the upper buckets matter.
 Metrics::Metrics()
     : ttft_({0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25, 0.5,
              0.75,  1.0,   2.5,  5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0}),
