@@ -85,17 +85,19 @@ void Scheduler::check_request(const RequestSpec& spec, int32_t n, const std::str
                                 std::to_string(kv_->size()) + " (raise --kv-memory)");
 }
 
+Sequence Scheduler::fresh_sequence(int64_t r, int32_t j) const {
+  Sequence s;
+  s.request = r;
+  s.sample = j;
+  s.prompt_len = requests_[r].prompt_len;
+  s.output_len = requests_[r].output_len;
+  return s;
+}
+
 void Scheduler::add_sequences(int64_t r) {
   const int32_t n = n_of_[r];
   seq_base_.push_back(static_cast<int64_t>(seqs_.size()));
-  for (int32_t j = 0; j < n; ++j) {
-    Sequence s;
-    s.request = r;
-    s.sample = j;
-    s.prompt_len = requests_[r].prompt_len;
-    s.output_len = requests_[r].output_len;
-    seqs_.push_back(s);
-  }
+  for (int32_t j = 0; j < n; ++j) seqs_.push_back(fresh_sequence(r, j));
   unfinished_.push_back(n);
   kv_share_.resize(seqs_.size(), 0);
   pending_.resize(seqs_.size());
@@ -123,14 +125,7 @@ int64_t Scheduler::add_request(RequestSpec spec, int32_t n, std::vector<int32_t>
     free.pop_back();
     requests_[r] = std::move(spec);
     unfinished_[r] = n;
-    for (int32_t j = 0; j < n; ++j) {
-      Sequence& q = seqs_[seq_index(r, j)];
-      q = Sequence{};
-      q.request = r;
-      q.sample = j;
-      q.prompt_len = requests_[r].prompt_len;
-      q.output_len = requests_[r].output_len;
-    }
+    for (int32_t j = 0; j < n; ++j) seqs_[seq_index(r, j)] = fresh_sequence(r, j);
     if (cache_) prompts_[r] = std::move(prompt);
     online_.push_back(r);
     return r;

@@ -186,6 +186,7 @@ class Scheduler {
   void check_fork_slots(const ScheduledBatch& b) const;
   void finish(int64_t seq, StepEvents& ev);
   void add_sequences(int64_t request);  // seqs_ entries of a request appended to requests_
+  Sequence fresh_sequence(int64_t request, int32_t sample) const;  // continuation `sample` before it runs
 
   std::vector<RequestSpec> requests_;
   SchedulerOptions opt_;
