@@ -149,6 +149,7 @@ struct EngineStats {
   int64_t slots_total = 0, slots_used = 0;            // request slots (KDA state pool)
   int64_t kv_tokens_total = 0, kv_tokens_used = 0;    // MLA token slots (0 without MLA layers)
   int64_t cached_tokens = 0, prefix_cache_bytes = 0;  // prefix cache (0 without one)
+  int64_t prefix_cache_evictions = 0, prefix_cache_snapshots = 0;
   int64_t steps = 0;
 };
 

@@ -224,7 +224,11 @@ void Engine::publish_stats() {
     s.kv_tokens_total = kv->size();
     s.kv_tokens_used = kv->size() - kv->available();
   }
-  if (const auto* c = opt_.scheduler.cache) s.prefix_cache_bytes = static_cast<int64_t>(c->bytes());
+  if (const auto* c = opt_.scheduler.cache) {
+    s.prefix_cache_bytes = static_cast<int64_t>(c->bytes());
+    s.prefix_cache_evictions = c->evictions();
+    s.prefix_cache_snapshots = c->snapshots();
+  }
   std::lock_guard<std::mutex> lk(mu_);
   s.waiting += static_cast<int64_t>(inbox_.size());
   stats_ = s;
