@@ -1753,7 +1753,7 @@ TEST(SimulateCli, ModelDirServesTheCheckpointsTensors) {
   EXPECT_EQ(j["moe_layers"], 3);
   EXPECT_EQ(j["num_experts"], 8);
   EXPECT_EQ(j["experts_per_token"], 2);
-  EXPECT_EQ(j["radix_cache_disabled"], true);        // MLA layers: no prefix cache
+  EXPECT_EQ(j["radix_cache_disabled"], false);       // MLA layers: the hybrid prefix cache
   EXPECT_EQ(j["kv_tokens"], 12 + 6);                 // the two requests' prompt + output tokens
   EXPECT_GT(j["peak_kv_tokens"].get<int64_t>(), 6);  // both held token slots at once
   EXPECT_LE(j["peak_kv_tokens"].get<int64_t>(), 12 + 6);

@@ -176,9 +176,9 @@ int run_serve(const ServeCliOptions& o) {
                                 ": the MLA KV pool (--kv-memory " + o.kv_memory + ") holds " +
                                 std::to_string(kv_tokens) + " tokens");
 
-  // The prefix cache's snapshots take slots of their own beside the requests' (as many as its budget
-  // holds, at most a few per request slot); its cached tokens' KV rows live in the KV pool.
-  int64_t cache_budget = 0, cache_slots = 0;
+  // The prefix cache's snapshots live in idle request slots and its tokens' KV rows in the KV pool, both
+  // given back (evicted) as requests need them; its budget caps the bytes it holds.
+  int64_t cache_budget = 0;
   if (!o.no_prefix_cache) {
     if (o.cache_interval < 64 || o.cache_interval % 64 != 0)
       throw std::invalid_argument("--cache-interval must be a positive multiple of 64, got " +
@@ -189,13 +189,12 @@ int run_serve(const ServeCliOptions& o) {
     if (cache_budget > 0 && cache_budget < sb)
       throw std::invalid_argument("--prefix-cache-memory " + o.prefix_cache_memory +
                                   " is too small for one state snapshot of " + std::to_string(sb) + " bytes");
-    cache_slots = std::min<int64_t>(cache_budget / sb, 4 * slots);
   }
-  serving::ModelRunner runner(*model, slots + cache_slots, kv_tokens, mo.kernel);
+  serving::ModelRunner runner(*model, slots, kv_tokens, mo.kernel);
   // After the runner (its pools), before the engine that uses it.
   std::optional<mem_cache::RadixCache> cache;
   serving::EngineOptions eo;
-  if (cache_slots > 0) {
+  if (cache_budget > 0) {
     cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(cache_budget),
                   runner.pools().token_to_kv_pool.get());
     eo.scheduler.cache = &*cache;
@@ -225,9 +224,7 @@ int run_serve(const ServeCliOptions& o) {
       "vocab %lld, prefix cache %s\n",
       build_s, static_cast<long long>(slots), static_cast<long long>(kv_tokens),
       static_cast<long long>(context), static_cast<long long>(model->vocab_size()),
-      cache ? (std::to_string(cache_slots) + " snapshot slots, " + std::to_string(cache_budget) + " bytes")
-                  .c_str()
-            : "off");
+      cache ? (std::to_string(cache_budget) + " bytes").c_str() : "off");
   std::printf("kda serve: listening on http://%s:%d\n", o.host.c_str(), port);
   std::fflush(stdout);
   signals.attach(srv);
