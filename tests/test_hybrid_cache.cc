@@ -3,6 +3,7 @@
 // rows of serving without it, whatever the workload, the budget, an abort or speculative decoding.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -122,6 +123,22 @@ TEST(HybridCache, EvictionUnderATinyBudgetChangesNoToken) {
   const int64_t slot = 3 * (2 * 128 * 128 * 4 + 3 * 3 * 2 * 128 * 4);  // 3 KDA layers, fp32
   o.prefix_cache_memory = 3 * slot + 300 * (64 + 16) * 4;              // three snapshots and 300 tokens' KV
   const auto hot = run_simulation(o);
+  EXPECT_GT(hot.serve.prefix_cache_evictions, 0);
+  expect_same(hot, cold);
+}
+
+// A KV pool that holds little more than one conversation's turn: admission evicts cached tokens' KV to
+// keep its promises (the cache's rows count as free), and no token changes.
+TEST(HybridCache, ATightKvPoolEvictsCachedKvForAdmission) {
+  auto reqs = make_workload(workload(WorkloadKind::kMultiTurn));
+  int64_t most = 0;
+  for (const auto& r : reqs) most = std::max<int64_t>(most, r.prompt_len + r.output_len);
+  const int64_t kv_token = (64 + 16) * 4;  // the MLA layer's row, fp32
+  auto off = options(reqs, false), on = options(reqs, true);
+  off.kv_memory = on.kv_memory = (most + most / 2) * kv_token;
+  const auto cold = run_simulation(off);
+  const auto hot = run_simulation(on);
+  EXPECT_GT(hot.serve.prefix_cache_hit_tokens, 0);
   EXPECT_GT(hot.serve.prefix_cache_evictions, 0);
   expect_same(hot, cold);
 }
