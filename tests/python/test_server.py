@@ -1,8 +1,8 @@
 """`kda serve` through real clients (http.client, curl, the openai SDK) on the tiny checkpoint with a byte
 tokenizer, fp32: chat and completions, streamed and not (the chunks concatenate to the whole text), usage,
 stop strings, seeds, logprobs against the model's own logits, 32 concurrent clients getting what they get
-alone, clients that leave mid-stream freeing their slots, flat RSS over 1,000 requests, and every bad
-request answered with its status while the server keeps serving."""
+alone, clients that leave mid-stream or before a whole answer freeing their slots, flat RSS over 1,000
+requests, and every bad request answered with its status while the server keeps serving."""
 
 import json
 import math
@@ -296,6 +296,49 @@ def test_clients_leaving_mid_stream_free_their_slots(ckpt):
         after = wait_idle(server)
         assert after['kda_requests_total{finish_reason="abort"}'] == 8
         assert after['kda_requests_total{finish_reason="length"}'] == 8
+        answer_next(server)
+    finally:
+        server.stop()
+
+
+def open_request(server, path, body):
+    """A non-streaming request on a raw socket, its answer left unread."""
+    s = socket.create_connection((server.host, server.port), timeout=60)
+    data = json.dumps({**body, "stream": False})
+    s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(data)}\r\n\r\n{data}").encode())
+    return s
+
+
+def test_clients_leaving_before_a_whole_answer_abort_it(ckpt):
+    # As above, but the requests answer in one piece: the server learns that their clients left only by
+    # watching the connections, since it writes nothing to them before the end.
+    server = Server(ckpt, "--max-batch", 16, "--context-length", 200000, "--kv-memory", "256MiB")
+    try:
+        long = {"max_tokens": 100000, "temperature": 0, "ignore_eos": True}
+        leaving = [open_request(server, CMPL, {"prompt": prompt_ids(400 + k, 10), **long}) for k in range(3)]
+        leaving.append(open_request(server, CHAT, {**chat_body("a story, please"), "n": 2, **long}))
+        t0 = time.monotonic()
+        while server.metrics()["kda_slots_used"] < 5:
+            assert time.monotonic() - t0 < 30, "the requests were never admitted"
+            time.sleep(0.01)
+        busy = server.metrics()
+        assert busy["kda_kv_tokens_used"] >= 50 and busy["kda_requests_running"] == 4
+        staying = open_request(server, CMPL, {"prompt": prompt_ids(500, 10), "max_tokens": 30,
+                                              "temperature": 0, "ignore_eos": True})
+        for s in leaving:
+            s.close()
+        data = b""
+        while b'"finish_reason":"length"' not in data:  # the client that stayed gets its whole answer
+            chunk = staying.recv(65536)
+            assert chunk, f"answer ended early: {data!r}"
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200"), data
+        staying.close()
+        after = wait_idle(server)
+        assert after['kda_requests_total{finish_reason="abort"}'] == 4
+        assert after['kda_requests_total{finish_reason="length"}'] == 1
+        assert after["kda_requests_waiting"] == 0
         answer_next(server)
     finally:
         server.stop()

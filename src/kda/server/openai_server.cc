@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "kda/server/connection.h"
 #include "kda/server/metrics.h"
 #include "kda/server/protocol.h"
 #include "kda/server/request_output.h"
@@ -214,14 +215,14 @@ struct OpenAIServer::Impl {
                            std::to_string(opt.max_context) + " tokens");
       g.params = pr.params;
       g.n = pr.n;
-      run(ep, pr, std::move(g), arrival, res);
+      run(ep, pr, std::move(g), arrival, req, res);
     } catch (const ApiError& e) {
       fail(res, e);
     }
   }
 
   void run(Endpoint ep, const ParsedRequest& pr, serving::GenerateRequest g, Clock::time_point arrival,
-           httplib::Response& res) {
+           const httplib::Request& req, httplib::Response& res) {
     auto q = std::make_shared<EventQueue>();
     q->arrival = arrival;
     q->last_token.assign(static_cast<size_t>(g.n), arrival);
@@ -255,13 +256,24 @@ struct OpenAIServer::Impl {
     }
     ResponseHead head{ep, new_response_id(ep), unix_now(), opt.model_name};
     if (!pr.stream) {
-      // Collect every event; the server stopping aborts the request.
+      // Collect every event; the server stopping or the client leaving aborts the request.
+      const ClientConnection conn(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
       std::unique_lock lock(q->mu);
       while (!out->done()) {
         if (stopping.load()) {
           lock.unlock();
           engine.abort(id);
           throw ApiError(503, "", "the server is shutting down", "server_error");
+        }
+        if (conn.gone()) {
+          lock.unlock();
+          engine.abort(id);
+          metrics.count_finished("abort");
+          // nginx's "client closed request": no client reads it but one that only half-closed.
+          send_json(
+              res, 499,
+              error_body(ApiError(499, "", "the client closed its connection", "client_closed_request")));
+          return;
         }
         q->cv.wait_for(lock, kPoll, [&] { return !q->events.empty(); });
         while (!q->events.empty() && !out->done()) {
