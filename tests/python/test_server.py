@@ -62,6 +62,19 @@ def test_health_models_and_localhost(server):
     assert "kda_time_to_first_token_seconds_count" in m
 
 
+def test_metrics_time_a_requests_way_to_the_engine(server):
+    # Its preparation (parsing, tokenization) is part of its TTFT: what the server adds to TTFT is measured
+    # by taking the engine's part (TTFT less preparation) from what a client sees.
+    before = server.metrics()
+    answer_next(server)
+    after = server.metrics()
+    prep = after["kda_request_prepare_seconds_sum"] - before["kda_request_prepare_seconds_sum"]
+    ttft = after["kda_time_to_first_token_seconds_sum"] - before["kda_time_to_first_token_seconds_sum"]
+    assert after["kda_request_prepare_seconds_count"] == before["kda_request_prepare_seconds_count"] + 1
+    assert 0 < prep < ttft
+    assert after['kda_request_prepare_seconds_bucket{le="+Inf"}'] == after["kda_request_prepare_seconds_count"]
+
+
 @pytest.mark.parametrize("path", [CHAT, CMPL])
 def test_stream_concatenates_to_the_whole_text_and_usage_counts(server, path):
     chat = path == CHAT

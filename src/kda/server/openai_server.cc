@@ -249,6 +249,7 @@ struct OpenAIServer::Impl {
     int64_t id = 0;
     try {
       id = engine.submit(std::move(g), std::move(sink));
+      metrics.observe_prepare(std::chrono::duration<double>(Clock::now() - arrival).count());
     } catch (const std::invalid_argument& e) {
       std::string field = field_of(e.what());
       if (field == "prompt" && ep == Endpoint::kChat) field = "messages";
