@@ -229,21 +229,31 @@ struct OpenAIServer::Impl {
     auto prompt = std::make_shared<std::vector<int32_t>>(g.prompt);
     const int32_t n = g.n;
     // On the engine's thread after each step: must not block (a short lock) and may not throw.
+    // The worker takes every queued event when it wakes, so only an event that finds the queue empty
+    // wakes it: one wake per step however many events (n continuations) the step brings. The wake comes
+    // after the unlock, so that the woken worker does not at once block on the lock the engine holds.
     serving::EventSink sink = [q, m = &metrics](const serving::TokenEvent& e) {
       const auto now = Clock::now();
-      std::lock_guard lock(q->mu);
-      if (e.token >= 0 && e.index >= 0 && e.index < static_cast<int32_t>(q->last_token.size())) {
-        auto& last = q->last_token[static_cast<size_t>(e.index)];
-        if (!q->first_token) {
-          q->first_token = true;
-          m->observe_ttft(std::chrono::duration<double>(now - q->arrival).count());
-        } else if (last != q->arrival) {
-          m->observe_inter_token(std::chrono::duration<double>(now - last).count());
+      double ttft = -1.0, itl = -1.0;
+      bool wake = false;
+      {
+        std::lock_guard lock(q->mu);
+        if (e.token >= 0 && e.index >= 0 && e.index < static_cast<int32_t>(q->last_token.size())) {
+          auto& last = q->last_token[static_cast<size_t>(e.index)];
+          if (!q->first_token) {
+            q->first_token = true;
+            ttft = std::chrono::duration<double>(now - q->arrival).count();
+          } else if (last != q->arrival) {
+            itl = std::chrono::duration<double>(now - last).count();
+          }
+          last = now;
         }
-        last = now;
+        wake = q->events.empty();
+        q->events.push_back(e);
       }
-      q->events.push_back(e);
-      q->cv.notify_one();
+      if (ttft >= 0.0) m->observe_ttft(ttft);
+      if (itl >= 0.0) m->observe_inter_token(itl);
+      if (wake) q->cv.notify_one();
     };
     auto out = std::make_shared<RequestOutput>(tok, n, pr.stop, pr.params.logprobs >= 0);
     int64_t id = 0;
@@ -259,15 +269,15 @@ struct OpenAIServer::Impl {
     if (!pr.stream) {
       // Collect every event; the server stopping or the client leaving aborts the request.
       const ClientConnection conn(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
-      std::unique_lock lock(q->mu);
+      // The events are taken out under the lock and decoded outside it: the engine's sink never waits
+      // for a detokenizer.
+      std::deque<serving::TokenEvent> events;
       while (!out->done()) {
         if (stopping.load()) {
-          lock.unlock();
           engine.abort(id);
           throw ApiError(503, "", "the server is shutting down", "server_error");
         }
         if (conn.gone()) {
-          lock.unlock();
           engine.abort(id);
           metrics.count_finished("abort");
           // nginx's "client closed request": no client reads it but one that only half-closed.
@@ -276,18 +286,18 @@ struct OpenAIServer::Impl {
               error_body(ApiError(499, "", "the client closed its connection", "client_closed_request")));
           return;
         }
-        q->cv.wait_for(lock, kPoll, [&] { return !q->events.empty(); });
-        while (!q->events.empty() && !out->done()) {
-          out->apply(q->events.front());
-          q->events.pop_front();
+        {
+          std::unique_lock lock(q->mu);
+          q->cv.wait_for(lock, kPoll, [&] { return !q->events.empty(); });
+          events.swap(q->events);
         }
-        if (out->done() && !out->engine_done()) {  // stop strings ended every continuation
-          lock.unlock();
-          engine.abort(id);
-          lock.lock();
+        for (const auto& e : events) {
+          if (out->done()) break;
+          out->apply(e);
         }
+        events.clear();
+        if (out->done() && !out->engine_done()) engine.abort(id);  // stop strings ended every continuation
       }
-      lock.unlock();
       metrics.count_finished(out->finish_reason());
       const json usage = usage_json(out->prompt_tokens(), out->completion_tokens(), out->cached_tokens());
       send_json(res, 200,
