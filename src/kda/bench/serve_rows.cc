@@ -7,7 +7,8 @@
 //     Engine::submit with the ids, over HTTP by kRequests httplib::Client threads streaming
 //     /v1/completions with the text the ids came from. Tokens/s: generated tokens over the time from the
 //     first send to the last request's end. http_over_inprocess_tokens_per_s is the ratio of the rounds'
-//     best rates.
+//     best rates; http_over_inprocess_paired_median that of each round's pair, with its min and max (a
+//     loaded machine's drifts move a pair's two batches together more than two rounds' bests).
 //   - TTFT at a kTtftPromptTokens-token prompt, one request at a time, one token: in-process, submit to
 //     its token's event; over HTTP, the POST of the text to the first server-sent event that carries the
 //     token (so it counts the request's parsing, tokenization, the engine's queue and the event's
@@ -61,7 +62,7 @@ constexpr int kRequests = 16;
 constexpr int kPromptTokens = 128;
 constexpr int kMaxTokens = 64;
 constexpr int kTtftPromptTokens = 1000;
-constexpr int kThroughputRounds = 3;
+constexpr int kThroughputRounds = 5;
 constexpr int kTtftRounds = 11;
 
 // Text of about `tokens` tokens: space-separated words drawn from English and Chinese ones, grown a word
@@ -277,6 +278,8 @@ double median(std::vector<double> v) {
 struct Figures {
   double best_in = 0.0, best_http = 0.0;  // tokens/s, the best round of each
   int64_t steps_in = 0, steps_http = 0;   // the engine's steps in each one's best round
+  // Each round's HTTP / in-process rate (its two batches ran back to back): the median and the spread.
+  double ratio_median = 0.0, ratio_min = 0.0, ratio_max = 0.0;
   double in_ms = 0.0, http_ms = 0.0, added_ms = 0.0, direct_ms = 0.0, prepare_ms = 0.0;
 };
 
@@ -293,19 +296,23 @@ Figures rounds(serving::Engine& engine, int port, const std::vector<std::string>
   // after-effects (warm caches, the load the other left).
   // The steps tell a slower round's cause: more steps (requests that reached the engine spread over
   // more than one step) or slower ones.
+  double rate_in = 0.0, rate_http = 0.0;
+  std::vector<double> ratios;
   const auto in_round = [&] {
     const int64_t steps = engine.stats().steps;
     const double s = run_inprocess(engine, ids, kMaxTokens, &gen_in);
-    if (static_cast<double>(gen_in) / s > f.best_in) {
-      f.best_in = static_cast<double>(gen_in) / s;
+    rate_in = static_cast<double>(gen_in) / s;
+    if (rate_in > f.best_in) {
+      f.best_in = rate_in;
       f.steps_in = engine.stats().steps - steps;
     }
   };
   const auto http_round = [&] {
     const int64_t steps = engine.stats().steps;
     const double s = run_http(port, texts, ids, kMaxTokens, &gen_http);
-    if (static_cast<double>(gen_http) / s > f.best_http) {
-      f.best_http = static_cast<double>(gen_http) / s;
+    rate_http = static_cast<double>(gen_http) / s;
+    if (rate_http > f.best_http) {
+      f.best_http = rate_http;
       f.steps_http = engine.stats().steps - steps;
     }
   };
@@ -317,7 +324,11 @@ Figures rounds(serving::Engine& engine, int port, const std::vector<std::string>
       http_round();
       in_round();
     }
+    ratios.push_back(rate_http / rate_in);
   }
+  f.ratio_median = median(ratios);
+  f.ratio_min = *std::min_element(ratios.begin(), ratios.end());
+  f.ratio_max = *std::max_element(ratios.begin(), ratios.end());
   if (gen_in != gen_http)
     throw std::runtime_error("bench serve: in-process generated " + std::to_string(gen_in) +
                              " tokens, HTTP " + std::to_string(gen_http));
@@ -440,6 +451,8 @@ void bench_serve(nlohmann::json& j, const Say& say) {
   say("%-34s %12s %12s %10s\n", "", "in-process", "HTTP", "HTTP/in");
   say("%-34s %12.1f %12.1f %10.3f\n", "16 streams, tokens/s", f.best_in, f.best_http,
       f.best_http / f.best_in);
+  say("%-34s %12s %12s %10.3f (of %d pairs: %.3f to %.3f)\n", "same, median of each round's pair", "", "",
+      f.ratio_median, kThroughputRounds, f.ratio_min, f.ratio_max);
   say("%-34s %12lld %12lld\n", "engine steps of those rounds", static_cast<long long>(f.steps_in),
       static_cast<long long>(f.steps_http));
   say("%-34s %12.2f %12.2f %+9.2f ms\n", "TTFT ms (median; added: of pairs)", f.in_ms, f.http_ms, f.added_ms);
@@ -458,6 +471,9 @@ void bench_serve(nlohmann::json& j, const Say& say) {
                 {"inprocess_tokens_per_s", f.best_in},
                 {"http_tokens_per_s", f.best_http},
                 {"http_over_inprocess_tokens_per_s", f.best_http / f.best_in},
+                {"http_over_inprocess_paired_median", f.ratio_median},
+                {"http_over_inprocess_paired_min", f.ratio_min},
+                {"http_over_inprocess_paired_max", f.ratio_max},
                 {"inprocess_steps", f.steps_in},
                 {"http_steps", f.steps_http},
                 {"ttft_prompt_tokens", static_cast<int64_t>(long_ids.size())},
