@@ -314,6 +314,38 @@ def test_clients_leaving_mid_stream_free_their_slots(ckpt):
         server.stop()
 
 
+def test_a_stream_left_while_it_waits_for_a_slot_is_aborted(ckpt):
+    # Every slot busy: the last stream waits, its opening chunk sent, nothing more to write until a slot
+    # frees. Its client leaving is seen on the socket, not at a write: it no longer waits.
+    # Workers for every stream and the metrics' requests besides.
+    server = Server(ckpt, "--max-batch", 2, "--threads", 16, "--context-length", 200000, "--kv-memory", "256MiB")
+    try:
+        long = {"max_tokens": 100000, "temperature": 0, "ignore_eos": True}
+        slots = int(server.metrics()["kda_slots_total"])
+        busy = [open_stream(server, {"prompt": prompt_ids(600 + k, 10), **long}) for k in range(slots)]
+        t0 = time.monotonic()
+        while server.metrics()["kda_slots_used"] < slots:
+            assert time.monotonic() - t0 < 30, "the streams were never admitted"
+            time.sleep(0.01)
+        waiting = open_stream(server, {"prompt": prompt_ids(700, 10), **long})
+        assert b"200" in waiting.recv(4096)
+        assert server.metrics()["kda_requests_waiting"] == 1
+        waiting.close()
+        t0 = time.monotonic()
+        while (m := server.metrics())["kda_requests_waiting"] > 0:
+            assert time.monotonic() - t0 < 10, "the stream left behind still waits"
+            time.sleep(0.01)
+        assert m['kda_requests_total{finish_reason="abort"}'] == 1
+        assert m["kda_slots_used"] == slots  # the others run on
+        for s in busy:
+            s.close()
+        after = wait_idle(server)
+        assert after['kda_requests_total{finish_reason="abort"}'] == slots + 1
+        answer_next(server)
+    finally:
+        server.stop()
+
+
 def open_request(server, path, body):
     """A non-streaming request on a raw socket, its answer left unread."""
     s = socket.create_connection((server.host, server.port), timeout=60)

@@ -266,9 +266,11 @@ struct OpenAIServer::Impl {
       throw ApiError(400, field, e.what());
     }
     ResponseHead head{ep, new_response_id(ep), unix_now(), opt.model_name};
+    // A stream learns that its client left when a write fails, but it writes only when a token comes:
+    // watched, a client that leaves while its request waits for a slot or a long prefill frees it then.
+    const ClientConnection conn(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
     if (!pr.stream) {
       // Collect every event; the server stopping or the client leaving aborts the request.
-      const ClientConnection conn(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
       // The events are taken out under the lock and decoded outside it: the engine's sink never waits
       // for a detokenizer.
       std::deque<serving::TokenEvent> events;
@@ -316,7 +318,7 @@ struct OpenAIServer::Impl {
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, q, out, st, head, prompt, id, n, include_usage, ids](size_t, httplib::DataSink& sink) {
+        [this, q, out, st, head, prompt, id, n, include_usage, ids, conn](size_t, httplib::DataSink& sink) {
           std::string buf;
           if (!st->started) {
             st->started = true;
@@ -336,6 +338,7 @@ struct OpenAIServer::Impl {
             events.swap(q->events);
           }
           if (stopping.load()) return false;  // the releaser aborts the request
+          if (events.empty() && buf.empty() && conn.gone()) return false;
           for (const auto& e : events) {
             if (out->done()) break;
             const OutputUpdate u = out->apply(e);
