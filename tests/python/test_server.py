@@ -75,6 +75,15 @@ def test_metrics_time_a_requests_way_to_the_engine(server):
     assert after['kda_request_prepare_seconds_bucket{le="+Inf"}'] == after["kda_request_prepare_seconds_count"]
 
 
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a listening socket's backlog")
+def test_listens_with_a_backlog_for_a_burst_of_clients(server):
+    # httplib's own backlog of 5 drops the handshakes of a burst of clients connecting at once.
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{server.port}"], capture_output=True, text=True, check=True)
+    lines = [ln.split() for ln in out.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.stdout
+    assert int(lines[0][2]) >= 128  # Send-Q of a listening socket: its backlog
+
+
 @pytest.mark.parametrize("path", [CHAT, CMPL])
 def test_stream_concatenates_to_the_whole_text_and_usage_counts(server, path):
     chat = path == CHAT

@@ -74,6 +74,7 @@ struct OpenAIServer::Impl {
   std::atomic<bool> stopping{false};
   std::atomic<bool> engine_stop{false};
   bool bound = false;
+  socket_t listen_sock = INVALID_SOCKET;
 
   Impl(serving::Engine& e, const tokenizer::Tokenizer& t, const tokenizer::ChatFormat& c, ServerOptions o)
       : engine(e), tok(t), chat(c), opt(std::move(o)) {}
@@ -108,9 +109,10 @@ struct OpenAIServer::Impl {
     // SO_REUSEADDR (a restarted server binds while old connections linger in TIME_WAIT) but not
     // httplib's default SO_REUSEPORT, with which a second server would bind the same port and take half
     // of the first one's connections.
-    http.set_socket_options([](socket_t sock) {
+    http.set_socket_options([this](socket_t sock) {
       int yes = 1;
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+      if (!bound) listen_sock = sock;  // the last one tried before bind() returns is the one that listens
     });
     http.set_read_timeout(30, 0);
     http.set_write_timeout(30, 0);
@@ -392,6 +394,12 @@ int OpenAIServer::bind() {
   if (port <= 0)
     throw std::runtime_error("kda serve: cannot listen on " + o.host + ":" + std::to_string(o.port) +
                              " (address in use, or not an address of this machine)");
+  // httplib 0.11 listens with a backlog of 5: a burst of clients connecting at once (the bench's 16)
+  // overflows it, and the dropped handshakes are retried a second or more later. Listening again on the
+  // bound socket raises the backlog to the system's limit.
+  if (impl_->listen_sock != INVALID_SOCKET && ::listen(impl_->listen_sock, SOMAXCONN) != 0)
+    throw std::runtime_error("kda serve: cannot listen on " + o.host + ":" + std::to_string(port) +
+                             " with a backlog of " + std::to_string(SOMAXCONN));
   o.port = port;
   impl_->bound = true;
   return port;
