@@ -1,8 +1,8 @@
 """`kda serve` through real clients (http.client, curl, the openai SDK) on the tiny checkpoint with a byte
 tokenizer, fp32: chat and completions, streamed and not (the chunks concatenate to the whole text), usage,
 stop strings, seeds, logprobs against the model's own logits, 32 concurrent clients getting what they get
-alone, clients that leave mid-stream freeing their slots, flat RSS over 1,000 requests, and every bad
-request answered with its status while the server keeps serving."""
+alone, clients that leave mid-stream or before a whole answer freeing their slots, flat RSS over 1,000
+requests, and every bad request answered with its status while the server keeps serving."""
 
 import json
 import math
@@ -60,6 +60,28 @@ def test_health_models_and_localhost(server):
     m = server.metrics()
     assert m["kda_slots_total"] == 4 * MAX_BATCH and m["kda_slots_used"] == 0
     assert "kda_time_to_first_token_seconds_count" in m
+
+
+def test_metrics_time_a_requests_way_to_the_engine(server):
+    # Its preparation (parsing, tokenization) is part of its TTFT: what the server adds to TTFT is measured
+    # by taking the engine's part (TTFT less preparation) from what a client sees.
+    before = server.metrics()
+    answer_next(server)
+    after = server.metrics()
+    prep = after["kda_request_prepare_seconds_sum"] - before["kda_request_prepare_seconds_sum"]
+    ttft = after["kda_time_to_first_token_seconds_sum"] - before["kda_time_to_first_token_seconds_sum"]
+    assert after["kda_request_prepare_seconds_count"] == before["kda_request_prepare_seconds_count"] + 1
+    assert 0 < prep < ttft
+    assert after['kda_request_prepare_seconds_bucket{le="+Inf"}'] == after["kda_request_prepare_seconds_count"]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a listening socket's backlog")
+def test_listens_with_a_backlog_for_a_burst_of_clients(server):
+    # httplib's own backlog of 5 drops the handshakes of a burst of clients connecting at once.
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{server.port}"], capture_output=True, text=True, check=True)
+    lines = [ln.split() for ln in out.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.stdout
+    assert int(lines[0][2]) >= 128  # Send-Q of a listening socket: its backlog
 
 
 @pytest.mark.parametrize("path", [CHAT, CMPL])
@@ -301,6 +323,81 @@ def test_clients_leaving_mid_stream_free_their_slots(ckpt):
         after = wait_idle(server)
         assert after['kda_requests_total{finish_reason="abort"}'] == 8
         assert after['kda_requests_total{finish_reason="length"}'] == 8
+        answer_next(server)
+    finally:
+        server.stop()
+
+
+def test_a_stream_left_while_it_waits_for_a_slot_is_aborted(ckpt):
+    # Every slot busy: the last stream waits, its opening chunk sent, nothing more to write until a slot
+    # frees. Its client leaving is seen on the socket, not at a write: it no longer waits.
+    # Workers for every stream and the metrics' requests besides.
+    server = Server(ckpt, "--max-batch", 2, "--threads", 16, "--context-length", 200000, "--kv-memory", "256MiB")
+    try:
+        long = {"max_tokens": 100000, "temperature": 0, "ignore_eos": True}
+        slots = int(server.metrics()["kda_slots_total"])
+        busy = [open_stream(server, {"prompt": prompt_ids(600 + k, 10), **long}) for k in range(slots)]
+        t0 = time.monotonic()
+        while server.metrics()["kda_slots_used"] < slots:
+            assert time.monotonic() - t0 < 30, "the streams were never admitted"
+            time.sleep(0.01)
+        waiting = open_stream(server, {"prompt": prompt_ids(700, 10), **long})
+        assert b"200" in waiting.recv(4096)
+        assert server.metrics()["kda_requests_waiting"] == 1
+        waiting.close()
+        t0 = time.monotonic()
+        while (m := server.metrics())["kda_requests_waiting"] > 0:
+            assert time.monotonic() - t0 < 10, "the stream left behind still waits"
+            time.sleep(0.01)
+        assert m['kda_requests_total{finish_reason="abort"}'] == 1
+        assert m["kda_slots_used"] == slots  # the others run on
+        for s in busy:
+            s.close()
+        after = wait_idle(server)
+        assert after['kda_requests_total{finish_reason="abort"}'] == slots + 1
+        answer_next(server)
+    finally:
+        server.stop()
+
+
+def open_request(server, path, body):
+    """A non-streaming request on a raw socket, its answer left unread."""
+    s = socket.create_connection((server.host, server.port), timeout=60)
+    data = json.dumps({**body, "stream": False})
+    s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(data)}\r\n\r\n{data}").encode())
+    return s
+
+
+def test_clients_leaving_before_a_whole_answer_abort_it(ckpt):
+    # As above, but the requests answer in one piece: the server learns that their clients left only by
+    # watching the connections, since it writes nothing to them before the end.
+    server = Server(ckpt, "--max-batch", 16, "--context-length", 200000, "--kv-memory", "256MiB")
+    try:
+        long = {"max_tokens": 100000, "temperature": 0, "ignore_eos": True}
+        leaving = [open_request(server, CMPL, {"prompt": prompt_ids(400 + k, 10), **long}) for k in range(3)]
+        leaving.append(open_request(server, CHAT, {**chat_body("a story, please"), "n": 2, **long}))
+        t0 = time.monotonic()
+        while server.metrics()["kda_slots_used"] < 5:
+            assert time.monotonic() - t0 < 30, "the requests were never admitted"
+            time.sleep(0.01)
+        busy = server.metrics()
+        assert busy["kda_kv_tokens_used"] >= 50 and busy["kda_requests_running"] == 4
+        staying = open_request(server, CMPL, {"prompt": prompt_ids(500, 10), "max_tokens": 30,
+                                              "temperature": 0, "ignore_eos": True})
+        for s in leaving:
+            s.close()
+        data = b""
+        while b'"finish_reason":"length"' not in data:  # the client that stayed gets its whole answer
+            chunk = staying.recv(65536)
+            assert chunk, f"answer ended early: {data!r}"
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200"), data
+        staying.close()
+        after = wait_idle(server)
+        assert after['kda_requests_total{finish_reason="abort"}'] == 4
+        assert after['kda_requests_total{finish_reason="length"}'] == 1
+        assert after["kda_requests_waiting"] == 0
         answer_next(server)
     finally:
         server.stop()

@@ -7,11 +7,15 @@
 //     Engine::submit with the ids, over HTTP by kRequests httplib::Client threads streaming
 //     /v1/completions with the text the ids came from. Tokens/s: generated tokens over the time from the
 //     first send to the last request's end. http_over_inprocess_tokens_per_s is the ratio of the rounds'
-//     best rates.
+//     best rates; http_over_inprocess_paired_median that of each round's pair, with its min and max (a
+//     loaded machine's drifts move a pair's two batches together more than two rounds' bests).
 //   - TTFT at a kTtftPromptTokens-token prompt, one request at a time, one token: in-process, submit to
 //     its token's event; over HTTP, the POST of the text to the first server-sent event that carries the
 //     token (so it counts the request's parsing, tokenization, the engine's queue and the event's
-//     formatting and write). http_ttft_added_ms: the median of the rounds' differences (HTTP - in-process).
+//     formatting and write). http_ttft_added_ms: the median of the rounds' differences (HTTP - in-process),
+//     which the prefill's run-to-run scatter swamps. http_ttft_added_direct_ms takes the engine's part out
+//     of each HTTP request itself: its TTFT at the client less the engine's part of it, which the server's
+//     /metrics give (TTFT from arrival, less the arrival-to-submit preparation), read before and after it.
 // The server must count the same prompt tokens as the ids the engine is given: a differing count is an
 // error, not a figure.
 #include <httplib.h>
@@ -58,7 +62,7 @@ constexpr int kRequests = 16;
 constexpr int kPromptTokens = 128;
 constexpr int kMaxTokens = 64;
 constexpr int kTtftPromptTokens = 1000;
-constexpr int kThroughputRounds = 3;
+constexpr int kThroughputRounds = 5;
 constexpr int kTtftRounds = 11;
 
 // Text of about `tokens` tokens: space-separated words drawn from English and Chinese ones, grown a word
@@ -241,30 +245,76 @@ double run_http(int port, const std::vector<std::string>& texts, const std::vect
   return s;
 }
 
+// The server's /metrics: the sums of its TTFT and preparation histograms, in seconds.
+struct ServerTimes {
+  double ttft_s = 0.0, prepare_s = 0.0;
+};
+
+ServerTimes scrape(int port) {
+  httplib::Client cli("127.0.0.1", port);
+  const auto res = cli.Get("/metrics");
+  if (!res || res->status != 200) throw std::runtime_error("bench serve: GET /metrics failed");
+  ServerTimes t;
+  bool ttft = false, prepare = false;
+  const auto value = [&](const char* name, double* v, bool* seen) {
+    const std::string key = std::string("\n") + name + " ";
+    const size_t at = res->body.find(key);
+    if (at == std::string::npos) return;
+    *v = std::stod(res->body.substr(at + key.size(), 40));
+    *seen = true;
+  };
+  value("kda_time_to_first_token_seconds_sum", &t.ttft_s, &ttft);
+  value("kda_request_prepare_seconds_sum", &t.prepare_s, &prepare);
+  if (!ttft || !prepare) throw std::runtime_error("bench serve: /metrics lacks the TTFT or preparation sums");
+  return t;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t m = v.size() / 2;
   return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
 }
 
+struct Figures {
+  double best_in = 0.0, best_http = 0.0;  // tokens/s, the best round of each
+  int64_t steps_in = 0, steps_http = 0;   // the engine's steps in each one's best round
+  // Each round's HTTP / in-process rate (its two batches ran back to back): the median and the spread.
+  double ratio_median = 0.0, ratio_min = 0.0, ratio_max = 0.0;
+  double in_ms = 0.0, http_ms = 0.0, added_ms = 0.0, direct_ms = 0.0, prepare_ms = 0.0;
+};
+
 // The measured rounds, in turns, after a warm-up of both paths (the pools' first touch, the server's
 // threads): the throughput rounds' best rates, then the TTFT medians in ms.
-void rounds(serving::Engine& engine, int port, const std::vector<std::string>& texts,
-            const std::vector<std::vector<int32_t>>& ids, const std::string& long_text,
-            const std::vector<int32_t>& long_ids, double* best_in, double* best_http, double* in_ms,
-            double* http_ms, double* added_ms) {
+Figures rounds(serving::Engine& engine, int port, const std::vector<std::string>& texts,
+               const std::vector<std::vector<int32_t>>& ids, const std::string& long_text,
+               const std::vector<int32_t>& long_ids) {
+  Figures f;
   int64_t gen_in = 0, gen_http = 0;
   run_inprocess(engine, {ids[0]}, 2, &gen_in);
   run_http(port, {texts[0]}, {ids[0]}, 2, &gen_http);
   // Each round runs both; which goes first alternates, so that neither always meets the other's
   // after-effects (warm caches, the load the other left).
+  // The steps tell a slower round's cause: more steps (requests that reached the engine spread over
+  // more than one step) or slower ones.
+  double rate_in = 0.0, rate_http = 0.0;
+  std::vector<double> ratios;
   const auto in_round = [&] {
+    const int64_t steps = engine.stats().steps;
     const double s = run_inprocess(engine, ids, kMaxTokens, &gen_in);
-    *best_in = std::max(*best_in, static_cast<double>(gen_in) / s);
+    rate_in = static_cast<double>(gen_in) / s;
+    if (rate_in > f.best_in) {
+      f.best_in = rate_in;
+      f.steps_in = engine.stats().steps - steps;
+    }
   };
   const auto http_round = [&] {
+    const int64_t steps = engine.stats().steps;
     const double s = run_http(port, texts, ids, kMaxTokens, &gen_http);
-    *best_http = std::max(*best_http, static_cast<double>(gen_http) / s);
+    rate_http = static_cast<double>(gen_http) / s;
+    if (rate_http > f.best_http) {
+      f.best_http = rate_http;
+      f.steps_http = engine.stats().steps - steps;
+    }
   };
   for (int r = 0; r < kThroughputRounds; ++r) {
     if (r % 2 == 0) {
@@ -274,12 +324,16 @@ void rounds(serving::Engine& engine, int port, const std::vector<std::string>& t
       http_round();
       in_round();
     }
+    ratios.push_back(rate_http / rate_in);
   }
+  f.ratio_median = median(ratios);
+  f.ratio_min = *std::min_element(ratios.begin(), ratios.end());
+  f.ratio_max = *std::max_element(ratios.begin(), ratios.end());
   if (gen_in != gen_http)
     throw std::runtime_error("bench serve: in-process generated " + std::to_string(gen_in) +
                              " tokens, HTTP " + std::to_string(gen_http));
 
-  std::vector<double> ttft_in, ttft_http;
+  std::vector<double> ttft_in, ttft_http, direct, prepare;
   const auto in_ttft = [&] {
     int64_t t = 0;
     std::vector<double> first;
@@ -287,7 +341,9 @@ void rounds(serving::Engine& engine, int port, const std::vector<std::string>& t
     ttft_in.push_back(first[0]);
   };
   const auto http_ttft = [&] {
+    const ServerTimes before = scrape(port);
     const StreamResult h = post_stream(port, long_text, 1);
+    const ServerTimes after = scrape(port);
     if (!h.error.empty()) throw std::runtime_error("bench serve: TTFT request: " + h.error);
     if (h.prompt_tokens != static_cast<int64_t>(long_ids.size()))
       throw std::runtime_error("bench serve: the server counted " + std::to_string(h.prompt_tokens) +
@@ -295,6 +351,9 @@ void rounds(serving::Engine& engine, int port, const std::vector<std::string>& t
     if (h.first_token_s < 0)
       throw std::runtime_error("bench serve: TTFT request: no event carried its token");
     ttft_http.push_back(h.first_token_s);
+    const double engine_s = (after.ttft_s - before.ttft_s) - (after.prepare_s - before.prepare_s);
+    direct.push_back(h.first_token_s - engine_s);
+    prepare.push_back(after.prepare_s - before.prepare_s);
   };
   for (int r = 0; r < kTtftRounds; ++r) {
     if (r % 2 == 0) {
@@ -305,13 +364,16 @@ void rounds(serving::Engine& engine, int port, const std::vector<std::string>& t
       in_ttft();
     }
   }
-  *in_ms = median(ttft_in) * 1e3;
-  *http_ms = median(ttft_http) * 1e3;
+  f.in_ms = median(ttft_in) * 1e3;
+  f.http_ms = median(ttft_http) * 1e3;
   // The added time: the median of each round's pair (its two requests ran back to back), which cancels
   // the machine's slower drifts better than a difference of the two medians.
   std::vector<double> added;
   for (size_t r = 0; r < ttft_in.size(); ++r) added.push_back(ttft_http[r] - ttft_in[r]);
-  *added_ms = median(added) * 1e3;
+  f.added_ms = median(added) * 1e3;
+  f.direct_ms = median(direct) * 1e3;
+  f.prepare_ms = median(prepare) * 1e3;
+  return f;
 }
 
 }  // namespace
@@ -371,10 +433,10 @@ void bench_serve(nlohmann::json& j, const Say& say) {
       "127.0.0.1:%d)\n",
       kLayers, kExperts, static_cast<long long>(kVocab), port);
   // The rounds; both loops end whatever they throw.
-  double best_in = 0.0, best_http = 0.0, in_ms = 0.0, http_ms = 0.0, added_ms = 0.0;
+  Figures f;
   std::exception_ptr failure;
   try {
-    rounds(engine, port, texts, ids, long_text, long_ids, &best_in, &best_http, &in_ms, &http_ms, &added_ms);
+    f = rounds(engine, port, texts, ids, long_text, long_ids);
   } catch (...) {
     failure = std::current_exception();
   }
@@ -387,9 +449,15 @@ void bench_serve(nlohmann::json& j, const Say& say) {
   // figure beside the TTFT difference, which the model's step time makes noisy).
   const double tokenize_ms = best_seconds([&] { (void)tok.encode(long_text, true); }, 5, 0.2) * 1e3;
   say("%-34s %12s %12s %10s\n", "", "in-process", "HTTP", "HTTP/in");
-  say("%-34s %12.1f %12.1f %10.3f\n", "16 streams, tokens/s", best_in, best_http, best_http / best_in);
-  say("%-34s %12.2f %12.2f %+9.2f ms\n", "TTFT ms (median; added: of pairs)", in_ms, http_ms, added_ms);
-  say("(of it, tokenizing the prompt: %.3f ms)\n", tokenize_ms);
+  say("%-34s %12.1f %12.1f %10.3f\n", "16 streams, tokens/s", f.best_in, f.best_http,
+      f.best_http / f.best_in);
+  say("%-34s %12s %12s %10.3f (of %d pairs: %.3f to %.3f)\n", "same, median of each round's pair", "", "",
+      f.ratio_median, kThroughputRounds, f.ratio_min, f.ratio_max);
+  say("%-34s %12lld %12lld\n", "engine steps of those rounds", static_cast<long long>(f.steps_in),
+      static_cast<long long>(f.steps_http));
+  say("%-34s %12.2f %12.2f %+9.2f ms\n", "TTFT ms (median; added: of pairs)", f.in_ms, f.http_ms, f.added_ms);
+  say("%-34s %12s %12.3f ms (of it, preparing the request %.3f ms; tokenizing alone %.3f ms)\n",
+      "TTFT added by HTTP, direct (median)", "", f.direct_ms, f.prepare_ms, tokenize_ms);
   say("(%d requests x %lld prompt tokens in all, %d tokens each, best of %d rounds in turns; TTFT at a "
       "%zu-token prompt, median of %d in turns)\n",
       kRequests, static_cast<long long>(prompt_tokens), kMaxTokens, kThroughputRounds, long_ids.size(),
@@ -400,13 +468,20 @@ void bench_serve(nlohmann::json& j, const Say& say) {
                 {"requests", kRequests},
                 {"prompt_tokens", prompt_tokens},
                 {"max_tokens", kMaxTokens},
-                {"inprocess_tokens_per_s", best_in},
-                {"http_tokens_per_s", best_http},
-                {"http_over_inprocess_tokens_per_s", best_http / best_in},
+                {"inprocess_tokens_per_s", f.best_in},
+                {"http_tokens_per_s", f.best_http},
+                {"http_over_inprocess_tokens_per_s", f.best_http / f.best_in},
+                {"http_over_inprocess_paired_median", f.ratio_median},
+                {"http_over_inprocess_paired_min", f.ratio_min},
+                {"http_over_inprocess_paired_max", f.ratio_max},
+                {"inprocess_steps", f.steps_in},
+                {"http_steps", f.steps_http},
                 {"ttft_prompt_tokens", static_cast<int64_t>(long_ids.size())},
-                {"inprocess_ttft_ms", in_ms},
-                {"http_ttft_ms", http_ms},
-                {"http_ttft_added_ms", added_ms},
+                {"inprocess_ttft_ms", f.in_ms},
+                {"http_ttft_ms", f.http_ms},
+                {"http_ttft_added_ms", f.added_ms},
+                {"http_ttft_added_direct_ms", f.direct_ms},
+                {"http_ttft_prepare_ms", f.prepare_ms},
                 {"ttft_tokenize_ms", tokenize_ms}};
 }
 

@@ -51,12 +51,14 @@ void Histogram::render(std::string& out, const std::string& name, const std::str
 }
 
 // Bucket bounds in seconds, as vLLM's (design values, not measurements): TTFT 0.001 to 160, inter-token
-// latency 0.01 to 80. CPU decode steps of a large model are slow, so the upper buckets matter.
+// latency 0.01 to 80; a request's preparation (parsing, the chat template, tokenization) 0.0001 to 1. CPU
+// decode steps of a large model are slow, so the upper buckets matter.
 Metrics::Metrics()
     : ttft_({0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25, 0.5,
              0.75,  1.0,   2.5,  5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0}),
       itl_({0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,  0.15, 0.2,  0.3, 0.4,
-            0.5,   0.75,  1.0,  2.5,   5.0,  7.5,   10.0, 20.0, 40.0, 80.0}) {}
+            0.5,   0.75,  1.0,  2.5,   5.0,  7.5,   10.0, 20.0, 40.0, 80.0}),
+      prepare_({0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0}) {}
 
 void Metrics::observe_ttft(double seconds) {
   std::lock_guard lock(mu_);
@@ -66,6 +68,11 @@ void Metrics::observe_ttft(double seconds) {
 void Metrics::observe_inter_token(double seconds) {
   std::lock_guard lock(mu_);
   itl_.observe(seconds);
+}
+
+void Metrics::observe_prepare(double seconds) {
+  std::lock_guard lock(mu_);
+  prepare_.observe(seconds);
 }
 
 void Metrics::count_finished(const std::string& finish_reason) {
@@ -120,6 +127,10 @@ std::string Metrics::render(const serving::EngineStats& s) const {
     out += "kda_request_errors_total{status=\"" + std::to_string(status) + "\"} " + std::to_string(n) + "\n";
   ttft_.render(out, "kda_time_to_first_token_seconds", "Time from a request's arrival to its first token.");
   itl_.render(out, "kda_inter_token_latency_seconds", "Time between two tokens of one continuation.");
+  prepare_.render(
+      out, "kda_request_prepare_seconds",
+      "Time from a request's arrival to its submission to the engine (parsing, the chat template, "
+      "tokenization).");
   return out;
 }
 

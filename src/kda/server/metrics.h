@@ -1,7 +1,8 @@
 // The server's Prometheus metrics (GET /metrics, text format 0.0.4): the engine's gauges and totals
 // (requests running / waiting, tokens in and out, pool and prefix-cache use) read from EngineStats at
 // scrape time, and what only the server sees: finished requests by finish reason, rejected requests by
-// status, and the time-to-first-token and inter-token latency histograms. Thread safe.
+// status, the time-to-first-token and inter-token latency histograms, and the time a request takes to reach
+// the engine (so that what the server adds to TTFT is the TTFT less the engine's part). Thread safe.
 #pragma once
 
 #include <cstdint>
@@ -35,13 +36,14 @@ class Metrics {
   Metrics();
   void observe_ttft(double seconds);                      // request received -> its first token
   void observe_inter_token(double seconds);               // between two tokens of one continuation
+  void observe_prepare(double seconds);                   // request received -> submitted to the engine
   void count_finished(const std::string& finish_reason);  // per request: "stop" | "length" | "abort"
   void count_rejected(int status);                        // a request answered with an error status
   std::string render(const serving::EngineStats& s) const;
 
  private:
   mutable std::mutex mu_;
-  Histogram ttft_, itl_;
+  Histogram ttft_, itl_, prepare_;
   std::map<std::string, int64_t> finished_;
   std::map<int, int64_t> rejected_;
 };

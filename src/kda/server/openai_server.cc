@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "kda/server/connection.h"
 #include "kda/server/metrics.h"
 #include "kda/server/protocol.h"
 #include "kda/server/request_output.h"
@@ -73,6 +74,7 @@ struct OpenAIServer::Impl {
   std::atomic<bool> stopping{false};
   std::atomic<bool> engine_stop{false};
   bool bound = false;
+  socket_t listen_sock = INVALID_SOCKET;
 
   Impl(serving::Engine& e, const tokenizer::Tokenizer& t, const tokenizer::ChatFormat& c, ServerOptions o)
       : engine(e), tok(t), chat(c), opt(std::move(o)) {}
@@ -107,9 +109,10 @@ struct OpenAIServer::Impl {
     // SO_REUSEADDR (a restarted server binds while old connections linger in TIME_WAIT) but not
     // httplib's default SO_REUSEPORT, with which a second server would bind the same port and take half
     // of the first one's connections.
-    http.set_socket_options([](socket_t sock) {
+    http.set_socket_options([this](socket_t sock) {
       int yes = 1;
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+      if (!bound) listen_sock = sock;  // the last one tried before bind() returns is the one that listens
     });
     http.set_read_timeout(30, 0);
     http.set_write_timeout(30, 0);
@@ -214,67 +217,91 @@ struct OpenAIServer::Impl {
                            std::to_string(opt.max_context) + " tokens");
       g.params = pr.params;
       g.n = pr.n;
-      run(ep, pr, std::move(g), arrival, res);
+      run(ep, pr, std::move(g), arrival, req, res);
     } catch (const ApiError& e) {
       fail(res, e);
     }
   }
 
   void run(Endpoint ep, const ParsedRequest& pr, serving::GenerateRequest g, Clock::time_point arrival,
-           httplib::Response& res) {
+           const httplib::Request& req, httplib::Response& res) {
     auto q = std::make_shared<EventQueue>();
     q->arrival = arrival;
     q->last_token.assign(static_cast<size_t>(g.n), arrival);
     auto prompt = std::make_shared<std::vector<int32_t>>(g.prompt);
     const int32_t n = g.n;
     // On the engine's thread after each step: must not block (a short lock) and may not throw.
+    // The worker takes every queued event when it wakes, so only an event that finds the queue empty
+    // wakes it: one wake per step however many events (n continuations) the step brings. The wake comes
+    // after the unlock, so that the woken worker does not at once block on the lock the engine holds.
     serving::EventSink sink = [q, m = &metrics](const serving::TokenEvent& e) {
       const auto now = Clock::now();
-      std::lock_guard lock(q->mu);
-      if (e.token >= 0 && e.index >= 0 && e.index < static_cast<int32_t>(q->last_token.size())) {
-        auto& last = q->last_token[static_cast<size_t>(e.index)];
-        if (!q->first_token) {
-          q->first_token = true;
-          m->observe_ttft(std::chrono::duration<double>(now - q->arrival).count());
-        } else if (last != q->arrival) {
-          m->observe_inter_token(std::chrono::duration<double>(now - last).count());
+      double ttft = -1.0, itl = -1.0;
+      bool wake = false;
+      {
+        std::lock_guard lock(q->mu);
+        if (e.token >= 0 && e.index >= 0 && e.index < static_cast<int32_t>(q->last_token.size())) {
+          auto& last = q->last_token[static_cast<size_t>(e.index)];
+          if (!q->first_token) {
+            q->first_token = true;
+            ttft = std::chrono::duration<double>(now - q->arrival).count();
+          } else if (last != q->arrival) {
+            itl = std::chrono::duration<double>(now - last).count();
+          }
+          last = now;
         }
-        last = now;
+        wake = q->events.empty();
+        q->events.push_back(e);
       }
-      q->events.push_back(e);
-      q->cv.notify_one();
+      if (ttft >= 0.0) m->observe_ttft(ttft);
+      if (itl >= 0.0) m->observe_inter_token(itl);
+      if (wake) q->cv.notify_one();
     };
     auto out = std::make_shared<RequestOutput>(tok, n, pr.stop, pr.params.logprobs >= 0);
     int64_t id = 0;
     try {
       id = engine.submit(std::move(g), std::move(sink));
+      metrics.observe_prepare(std::chrono::duration<double>(Clock::now() - arrival).count());
     } catch (const std::invalid_argument& e) {
       std::string field = field_of(e.what());
       if (field == "prompt" && ep == Endpoint::kChat) field = "messages";
       throw ApiError(400, field, e.what());
     }
     ResponseHead head{ep, new_response_id(ep), unix_now(), opt.model_name};
+    // A stream learns that its client left when a write fails, but it writes only when a token comes:
+    // watched, a client that leaves while its request waits for a slot or a long prefill frees it then.
+    const ClientConnection conn(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
     if (!pr.stream) {
-      // Collect every event; the server stopping aborts the request.
-      std::unique_lock lock(q->mu);
+      // Collect every event; the server stopping or the client leaving aborts the request.
+      // The events are taken out under the lock and decoded outside it: the engine's sink never waits
+      // for a detokenizer.
+      std::deque<serving::TokenEvent> events;
       while (!out->done()) {
         if (stopping.load()) {
-          lock.unlock();
           engine.abort(id);
           throw ApiError(503, "", "the server is shutting down", "server_error");
         }
-        q->cv.wait_for(lock, kPoll, [&] { return !q->events.empty(); });
-        while (!q->events.empty() && !out->done()) {
-          out->apply(q->events.front());
-          q->events.pop_front();
-        }
-        if (out->done() && !out->engine_done()) {  // stop strings ended every continuation
-          lock.unlock();
+        if (conn.gone()) {
           engine.abort(id);
-          lock.lock();
+          metrics.count_finished("abort");
+          // nginx's "client closed request": no client reads it but one that only half-closed.
+          send_json(
+              res, 499,
+              error_body(ApiError(499, "", "the client closed its connection", "client_closed_request")));
+          return;
         }
+        {
+          std::unique_lock lock(q->mu);
+          q->cv.wait_for(lock, kPoll, [&] { return !q->events.empty(); });
+          events.swap(q->events);
+        }
+        for (const auto& e : events) {
+          if (out->done()) break;
+          out->apply(e);
+        }
+        events.clear();
+        if (out->done() && !out->engine_done()) engine.abort(id);  // stop strings ended every continuation
       }
-      lock.unlock();
       metrics.count_finished(out->finish_reason());
       const json usage = usage_json(out->prompt_tokens(), out->completion_tokens(), out->cached_tokens());
       send_json(res, 200,
@@ -293,7 +320,7 @@ struct OpenAIServer::Impl {
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, q, out, st, head, prompt, id, n, include_usage, ids](size_t, httplib::DataSink& sink) {
+        [this, q, out, st, head, prompt, id, n, include_usage, ids, conn](size_t, httplib::DataSink& sink) {
           std::string buf;
           if (!st->started) {
             st->started = true;
@@ -313,6 +340,7 @@ struct OpenAIServer::Impl {
             events.swap(q->events);
           }
           if (stopping.load()) return false;  // the releaser aborts the request
+          if (events.empty() && buf.empty() && conn.gone()) return false;
           for (const auto& e : events) {
             if (out->done()) break;
             const OutputUpdate u = out->apply(e);
@@ -366,6 +394,12 @@ int OpenAIServer::bind() {
   if (port <= 0)
     throw std::runtime_error("kda serve: cannot listen on " + o.host + ":" + std::to_string(o.port) +
                              " (address in use, or not an address of this machine)");
+  // httplib 0.11 listens with a backlog of 5: a burst of clients connecting at once (the bench's 16)
+  // overflows it, and the dropped handshakes are retried a second or more later. Listening again on the
+  // bound socket raises the backlog to the system's limit.
+  if (impl_->listen_sock != INVALID_SOCKET && ::listen(impl_->listen_sock, SOMAXCONN) != 0)
+    throw std::runtime_error("kda serve: cannot listen on " + o.host + ":" + std::to_string(port) +
+                             " with a backlog of " + std::to_string(SOMAXCONN));
   o.port = port;
   impl_->bound = true;
   return port;

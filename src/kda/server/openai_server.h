@@ -3,7 +3,8 @@
 // Each request is parsed (protocol.h), rendered (ChatFormat) and encoded (Tokenizer), submitted to the
 // engine, and its token events come back through a per-request queue to the HTTP worker thread that
 // answers it, which decodes them (StreamDecoder per continuation) and applies the stop strings. A client
-// that goes away mid-stream aborts its request. The engine runs on a thread of its own (serve()).
+// that goes away aborts its request, mid-stream or before a whole answer (ClientConnection watches the
+// socket while nothing is written). The engine runs on a thread of its own (serve()).
 #pragma once
 
 #include <cstddef>
