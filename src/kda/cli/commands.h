@@ -83,6 +83,7 @@ struct SimulateCliOptions {
   int64_t draft_tokens = 4;
   int64_t draft_topk = 1;
   double accept_rate = -1.0;  // replay only; -1: not given (replay: 0.7)
+  std::string draft_depth = "adaptive";
   std::string outputs;
   bool json = false;
   int tp = 1;  // tensor-parallel ranks (under mpirun -np tp * dp)

@@ -179,6 +179,11 @@ int main(int argc, char** argv) {
   sim->add_option("--accept-rate", so.accept_rate,
                   "replay: probability that a drafted token is the true one (default 0.7)")
       ->needs(spec);
+  sim->add_option("--draft-depth", so.draft_depth,
+                  "adaptive: per sequence, from measured acceptance and verify cost (at most --draft-tokens; "
+                  "0 where speculation does not pay) | fixed: --draft-tokens")
+      ->capture_default_str()
+      ->needs(spec);
   sim->add_option("--tp", so.tp, "tensor-parallel ranks per group (start with mpirun -np N*M)")
       ->check(CLI::PositiveNumber);
   sim->add_option("--dp", so.dp, "data-parallel groups owning disjoint requests")->check(CLI::PositiveNumber);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kda/common/seeded.h"
+#include "kda/serving/draft_depth.h"
 #include "kda/serving/spec_step.h"
 
 namespace kda::serving {
@@ -97,7 +98,14 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     throw std::logic_error("replay drafting needs every sequence's tokens from a run without speculation");
   std::vector<Draft> drafts;
   std::vector<Verdict> verdicts;
-  std::vector<int32_t> history;
+  std::vector<int32_t> history, depths;
+  // Adaptive depth: one cost model for the loop (its decode and verify steps' times), one controller per
+  // sequence (its acceptance).
+  const bool adaptive = opt.spec.enabled() && opt.spec.depth_mode == DraftDepthMode::kAdaptive;
+  VerifyCostModel cost(opt.spec.enabled() ? opt.spec.draft_tokens : 0);
+  std::vector<DraftDepthController> depth_ctl;
+  if (adaptive) depth_ctl.assign(static_cast<size_t>(S), DraftDepthController(opt.spec.draft_tokens));
+  int32_t step_depth = 0;  // the step's deepest draft (0: a plain decode step)
   auto propose = [&](int64_t s, int32_t depth) {
     if (depth < 1) return Draft{};
     const auto& g = gen[s];
@@ -138,13 +146,25 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     // Speculative decoding: each decode row becomes its token + drafts (never past the sequence's end).
     bool verify = (opt.spec.enabled() || opt.probe_decode) && b.mode == model_executor::ForwardMode::DECODE;
     drafts.clear();
+    step_depth = 0;
     if (verify) {
       begin_verify(b);
-      for (auto& row : b.rows) {
+      depths.assign(b.rows.size(), opt.spec.draft_tokens);
+      if (adaptive) {
+        const auto rows = static_cast<int64_t>(b.rows.size());
+        for (size_t i = 0; i < b.rows.size(); ++i) depths[i] = depth_ctl[b.rows[i].seq].choose(cost, rows);
+        // The choices follow each rank's own step times: under TP every rank drafts rank 0's depths.
+        if (opt.agree_tokens) opt.agree_tokens(depths);
+      }
+      for (size_t i = 0; i < b.rows.size(); ++i) {
+        auto& row = b.rows[i];
         const Sequence& q = seqs[row.seq];
-        const int32_t depth = verify_depth(q, opt.spec.draft_tokens);
+        const int32_t depth = verify_depth(q, depths[i]);
+        res.spec_depth_sum += depth;
+        ++res.spec_depth_rows;
         drafts.push_back(propose(row.seq, depth));
         const Draft& d = drafts.back();
+        step_depth = std::max(step_depth, draft_depth(d));
         add_verify_row(b, row, d);
         res.spec_draft_tokens += d.size();
       }
@@ -188,10 +208,15 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
         verdicts.push_back(greedy_verify(
             drafts[i], std::span<const int32_t>(picks.data() + t, static_cast<size_t>(b.rows[i].len))));
         accepted.push_back(verdicts.back().last);
+        if (adaptive)
+          depth_ctl[b.rows[i].seq].observe(draft_depth(drafts[i]),
+                                           static_cast<int32_t>(verdicts.back().path.size()));
         t += b.rows[i].len;
       }
       runner.accept(fb, accepted);
-      res.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      res.step_ms.push_back(step_s * 1e3);
+      if (adaptive) cost.record(step_depth, static_cast<int64_t>(b.rows.size()), step_s);
       emitted.clear();
       t = 0;
       for (size_t i = 0; i < b.rows.size(); ++i) {
@@ -228,7 +253,11 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
       runner.next_tokens(head.data(), static_cast<int64_t>(pick_rows.size()), picks.data());
       if (opt.agree_tokens) opt.agree_tokens(picks);
       const auto t_picked = Clock::now();
-      res.step_ms.push_back(std::chrono::duration<double, std::milli>(t_picked - t0).count());
+      const double step_s = std::chrono::duration<double>(t_picked - t0).count();
+      res.step_ms.push_back(step_s * 1e3);
+      // A plain decode step (speculation chose depth 0 or found no drafts): the cost model's baseline.
+      if (adaptive && b.mode == model_executor::ForwardMode::DECODE)
+        cost.record(0, static_cast<int64_t>(b.rows.size()), step_s);
       for (size_t k = 0; k < pick_rows.size(); ++k) {
         const auto& row = b.rows[pick_rows[k]];
         gen[row.seq].push_back(picks[k]);
@@ -250,6 +279,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     const StepEvents ev = sched.complete(b);
     for (const auto& [parent, child] : ev.forks) {  // a fork starts from its parent's prompt
       gen[child] = gen[parent];
+      if (adaptive) depth_ctl[child] = depth_ctl[parent];
       if (kept(child)) {
         res.outputs[child].rows = res.outputs[parent].rows;
         res.outputs[child].rows_from = res.outputs[parent].rows_from;

@@ -93,6 +93,9 @@ struct ServeResult {
   // emitted by verify rows (accepted + 1 each), and the backend's verify buffer in bytes.
   int64_t spec_verify_steps = 0, spec_verify_rows = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0,
           spec_emitted_tokens = 0, spec_state_bytes = 0;
+  // The draft depth each speculative decode row was given (adaptive: its controller's choice, 0 where
+  // speculation did not pay), capped at the tokens the sequence has left: their sum and count.
+  int64_t spec_depth_sum = 0, spec_depth_rows = 0;
   int64_t replay_diverged =
       0;  // replay: sequences whose tokens left their true continuation (set by the driver)
   double wall_s = 0.0;
