@@ -593,6 +593,7 @@ EngineOptions spec_options(int32_t draft_tokens, int32_t topk = 1, int64_t max_b
   o.spec.algorithm = SpecAlgorithm::kNgram;
   o.spec.draft_tokens = draft_tokens;
   o.spec.topk = topk;
+  o.spec.depth_mode = DraftDepthMode::kFixed;  // every row drafts as deep as ngram reaches
   return o;
 }
 
@@ -779,6 +780,36 @@ TEST(EngineSpeculative, AbortMidSpeculationFreesEverySlotAndKvToken) {
   EXPECT_EQ(e.stats().slots_used, 0);
   EXPECT_EQ(e.stats().kv_tokens_used, 0);
   EXPECT_EQ(counts(*runner), start) << "a slot or MLA token slot was not freed";
+}
+
+// Adaptive depth (the default): greedy tokens are still plain decoding's, and a seeded sampled request
+// drafts at the fixed depth, so its tokens do not depend on the measured step times.
+TEST(EngineSpeculative, AdaptiveDepthKeepsGreedyTokensAndSeededSamplesReproducible) {
+  auto runner = spec_runner();
+  const PoolCounts start = counts(*runner);
+  auto reqs = greedy_spec_workload();
+  reqs.resize(4);
+  GenerateRequest seeded = sampled(repeating_prompt(6, 5, 700), 20, 4242);
+  seeded.params.temperature = 0.5f;
+  reqs.push_back(seeded);
+  std::vector<Outcome> plain, fixed;
+  {
+    Engine e(*runner, narrow(options(64, 8)));
+    plain = run_batch(e, reqs);
+  }
+  {
+    Engine e(*runner, spec_options(4));
+    fixed = run_batch(e, reqs);
+  }
+  EngineOptions o = spec_options(4);
+  o.spec.depth_mode = DraftDepthMode::kAdaptive;
+  Engine e(*runner, o);
+  const auto got = run_batch(e, reqs);
+  EXPECT_GT(e.stats().spec_draft_tokens, 0);
+  for (size_t i = 0; i + 1 < reqs.size(); ++i)
+    expect_same_or_near_tie(hybrid_model(), reqs[i].prompt, got[i].tokens[0], plain[i].tokens[0]);
+  EXPECT_EQ(got.back().tokens, fixed.back().tokens);
+  EXPECT_EQ(counts(*runner), start);
 }
 
 TEST(EngineSpeculative, OptionsItCannotServeAreRefused) {

@@ -120,6 +120,7 @@ struct ServeCliOptions {
   std::string speculative;
   int64_t draft_tokens = 4;
   int64_t draft_topk = 1;
+  std::string draft_depth = "adaptive";  // adaptive | fixed (speculative.h's DraftDepthMode)
 };
 int run_serve(const ServeCliOptions& o);
 // kda tokenize / detokenize (tokenize_cmd.cc): the checkpoint's tokenizer (or a synthetic one) on stdin.

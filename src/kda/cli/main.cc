@@ -257,6 +257,13 @@ int main(int argc, char** argv) {
   serve->add_option("--draft-topk", svo.draft_topk, "branches of a draft tree (1: a chain)")
       ->needs(serve_spec)
       ->capture_default_str();
+  serve
+      ->add_option("--draft-depth", svo.draft_depth,
+                   "adaptive: each continuation's depth from its acceptance and the measured verify cost "
+                   "(seeded sampled requests draft at the fixed depth) | fixed: --draft-tokens")
+      ->needs(serve_spec)
+      ->check(CLI::IsMember({"adaptive", "fixed"}))
+      ->capture_default_str();
   kda::cli::TokenizeOptions to;
   auto* tokenize =
       app.add_subcommand("tokenize", "text on stdin -> token ids on stdout (separated by spaces)");

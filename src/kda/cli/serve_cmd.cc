@@ -185,6 +185,7 @@ int run_serve(const ServeCliOptions& o) {
     throw std::invalid_argument("--draft-topk must be in 1..16, got " + std::to_string(o.draft_topk));
   spec.draft_tokens = static_cast<int32_t>(o.draft_tokens);
   spec.topk = static_cast<int32_t>(o.draft_topk);
+  spec.depth_mode = serving::parse_draft_depth_mode(o.draft_depth);
   spec.validate();
   // A verify row per decode row: the batch's rows, each up to spec.max_verify_tokens() tokens.
   serving::ModelRunner runner(*model, slots, kv_tokens, mo.kernel, spec.max_verify_tokens(),
@@ -216,8 +217,9 @@ int run_serve(const ServeCliOptions& o) {
       build_s, static_cast<long long>(slots), static_cast<long long>(kv_tokens),
       static_cast<long long>(context), static_cast<long long>(model->vocab_size()));
   if (spec.enabled())
-    std::fprintf(stderr, "kda serve: speculative decoding: ngram, %d drafts per branch, %d branch%s\n",
-                 spec.draft_tokens, spec.topk, spec.topk == 1 ? "" : "es");
+    std::fprintf(stderr,
+                 "kda serve: speculative decoding: ngram, %d drafts per branch, %d branch%s, %s depth\n",
+                 spec.draft_tokens, spec.topk, spec.topk == 1 ? "" : "es", to_string(spec.depth_mode));
   std::printf("kda serve: listening on http://%s:%d\n", o.host.c_str(), port);
   std::fflush(stdout);
   signals.attach(srv);

@@ -19,6 +19,7 @@
 #include "kda/distributed/communicator.h"
 #include "kda/sampling/sampler.h"
 #include "kda/sampling/sampling_params.h"
+#include "kda/serving/draft_depth.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/request.h"
 #include "kda/serving/scheduler.h"
@@ -201,6 +202,11 @@ class Engine {
     int32_t generated = 0;
     bool finished = false;
     std::vector<int32_t> tokens;  // generated so far (kept with speculative decoding: ngram drafts)
+    // Adaptive draft depth (draft_depth.h): its acceptance; none at a fixed depth. A seeded sampled
+    // continuation drafts at the fixed depth: which tokens speculative sampling draws depends on the
+    // drafts, and the depth a controller picks depends on measured step times, so an adaptive depth
+    // would make a seeded request's tokens depend on timing.
+    std::optional<DraftDepthController> depth;
   };
   struct Live {
     int64_t id = 0;
@@ -260,6 +266,7 @@ class Engine {
   std::vector<Draft> drafts_;     // the verify step's, per row
   std::vector<int32_t> history_;  // a continuation's prompt + generated tokens (ngram's input)
   std::vector<double> probs_;     // a position's target distribution (speculative sampling)
+  VerifyCostModel cost_;          // adaptive depth: decode and verify steps' measured times
   EngineStats totals_;
 
   // Shared with submitters.

@@ -81,6 +81,7 @@ Engine::Engine(ModelRunner& runner, EngineOptions opt)
                      ? runner.pools().req_to_token_pool.token_to_kv_pool()->size()
                      : 0),
       sched_({}, scheduler_options(opt_, runner), runner.pools().req_to_token_pool),
+      cost_(opt_.spec.enabled() ? opt_.spec.draft_tokens : 0),
       seeds_(std::random_device{}()) {
   if (!opt_.producible.empty() && static_cast<int64_t>(opt_.producible.size()) != V_)
     throw std::invalid_argument("producible: " + std::to_string(opt_.producible.size()) +
@@ -160,6 +161,10 @@ void Engine::admit(Submitted s) {
   if (!L.plain_greedy)
     for (int32_t j = 0; j < s.req.n; ++j)
       L.cont[j].sampler = std::make_unique<sampling::RequestSampler>(s.req.params, s.req.prompt, s.seed + j);
+  const bool adaptive = opt_.spec.enabled() && opt_.spec.depth_mode == DraftDepthMode::kAdaptive &&
+                        (s.req.params.greedy() || !s.req.params.seed);
+  if (adaptive)
+    for (auto& c : L.cont) c.depth.emplace(opt_.spec.draft_tokens);
   L.unfinished = s.req.n;
   L.req = std::move(s.req);
   by_id_[L.id] = r;
@@ -314,6 +319,7 @@ bool Engine::step() {
   const int64_t T = b.num_tokens();
   y_.resize(static_cast<size_t>(T * D_));
   toks_.resize(static_cast<size_t>(T));
+  const auto t0 = std::chrono::steady_clock::now();
   int64_t t = 0;
   for (const auto& row : b.rows) {
     const Sequence& q = seqs[row.seq];
@@ -372,6 +378,10 @@ bool Engine::step() {
     }
   }
 
+  // A plain decode step (no drafts, or every depth 0): the cost model's baseline.
+  if (opt_.spec.enabled() && b.mode == model_executor::ForwardMode::DECODE)
+    cost_.record(0, static_cast<int64_t>(b.rows.size()),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   StepEvents ev = sched_.complete(b);
   commit_picks(picks, failed, ev);
   count_step(b);
@@ -383,11 +393,12 @@ bool Engine::draft(ScheduledBatch& b) {
   drafts_.clear();
   begin_verify(b);
   int64_t drafted = 0;
+  const auto rows = static_cast<int64_t>(b.rows.size());
   for (auto& row : b.rows) {
     const Sequence& q = seqs[row.seq];
-    const Live& L = live_.at(q.request);
-    const Continuation& c = L.cont[q.sample];
-    const int32_t depth = verify_depth(q, opt_.spec.draft_tokens);
+    Live& L = live_.at(q.request);
+    Continuation& c = L.cont[q.sample];
+    const int32_t depth = verify_depth(q, c.depth ? c.depth->choose(cost_, rows) : opt_.spec.draft_tokens);
     history_.assign(L.req.prompt.begin(), L.req.prompt.end());
     history_.insert(history_.end(), c.tokens.begin(), c.tokens.end());
     drafts_.push_back(ngram_draft(history_, depth, opt_.spec.topk));
@@ -412,6 +423,7 @@ void Engine::verify_step(ScheduledBatch& b) {
       },
       toks_.data());
   auto fb = sched_.forward_batch(b);
+  const auto t0 = std::chrono::steady_clock::now();
   runner_.forward(fb, toks_.data(), y_.data());
   // Every row position's logits: a position is verified against its own distribution.
   logits_.resize(static_cast<size_t>(T * V_));
@@ -435,7 +447,7 @@ void Engine::verify_step(ScheduledBatch& b) {
     const size_t first_pick = picks.size();
     // Walk the draft tree from the row's first position: each position emits one token; a token that
     // is one of the position's drafts moves on to that draft's position, any other ends the row.
-    int32_t pos = 0, generated = c.generated;
+    int32_t pos = 0, generated = c.generated, hits = 0;
     try {
       for (;;) {
         const float* lg = logits_.data() + (row_t + pos) * V_;
@@ -477,7 +489,7 @@ void Engine::verify_step(ScheduledBatch& b) {
         ++generated;
         accepted[i] = pos;
         emitted[i] = static_cast<int32_t>(picks.size() - first_pick) + 1;
-        if (next >= 0) ++totals_.spec_accepted_tokens;
+        hits += next >= 0;
         const bool ends = finish_of(L, p.token, generated) != FinishReason::kNone;
         picks.push_back(std::move(p));
         if (ends || next < 0) break;  // a stop or max_tokens cuts the accepted path here
@@ -487,12 +499,19 @@ void Engine::verify_step(ScheduledBatch& b) {
       picks.resize(first_pick);
       accepted[i] = 0;
       emitted[i] = 1;
+      hits = 0;
       failed.push_back(q.request);
     }
+    totals_.spec_accepted_tokens += hits;
+    if (c.depth) c.depth->observe(draft_depth(d), hits);
   }
   // Each slot moves to the state after its last emitted token's input; the rest of the row leaves no
   // trace (KDA states, MLA token slots).
   runner_.accept(fb, accepted);
+  int32_t step_depth = 0;
+  for (const Draft& d : drafts_) step_depth = std::max(step_depth, draft_depth(d));
+  cost_.record(step_depth, static_cast<int64_t>(b.rows.size()),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   for (size_t i = 0, k = 0; i < b.rows.size(); ++i) {  // the committed inputs (the prefix cache's key)
     const Sequence& q = seqs[b.rows[i].seq];
     sched_.add_fed_token(b.rows[i].seq, live_.at(q.request).cont[q.sample].last);
