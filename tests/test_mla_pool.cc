@@ -1,6 +1,7 @@
 // The MLA token-level KV pool (MLATokenToKVPool) and the request -> token slots mapping of
 // HybridReqToTokenPool / MemoryPools: allocation, exhaustion (a clear error, nothing changed), free and
-// reuse, fork, truncate, and the rows' fp32 / bf16 storage.
+// reuse, reference counts (shared rows), share_tokens, fork by reference, truncate, and the rows' fp32 /
+// bf16 storage.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -144,31 +145,30 @@ TEST(HybridReqToTokenPool, TokenSlotsFollowTheRequest) {
         rtp.alloc_tokens(std::vector<int32_t>{reqs[0], reqs[0]}, std::vector<int32_t>{1, 1});
       },
       "twice");
-  // Fork: fresh slots holding copies of the parent's rows.
+  // Fork: the parent's slots by reference (its rows before the fork point are never written again).
   const auto parent = rtp.req_to_token(reqs[0]);
-  fill(kv, 3, parent, 1.0f);
-  fill(kv, 7, parent, 2.0f);
+  const std::vector<int32_t> parent_slots(parent.begin(), parent.end());
   const int32_t child = rtp.fork(reqs[0]);
   EXPECT_EQ(rtp.seq_len(child), 3);
   const auto ct = rtp.req_to_token(child);
   for (size_t i = 0; i < 3; ++i) {
-    EXPECT_NE(ct[i], parent[i]);
-    EXPECT_EQ(row(kv, 3, ct[i]), row(kv, 3, parent[i]));
-    EXPECT_EQ(row(kv, 7, ct[i]), row(kv, 7, parent[i]));
+    EXPECT_EQ(ct[i], parent_slots[i]);
+    EXPECT_EQ(kv.ref_count(ct[i]), 2);
   }
-  EXPECT_EQ(kv.available(), 2);
-  // A fork the KV pool cannot hold changes nothing (the request and recurrent slot stay free too).
-  const int64_t reqs_free = rtp.available(), rec_free = pools.recurrent_state_pool.available();
-  expect_throw_with<std::runtime_error>([&] { rtp.fork(reqs[0]); }, "MLA KV pool exhausted");
-  EXPECT_EQ(rtp.available(), reqs_free);
+  EXPECT_EQ(kv.available(), 5);
+  // A fork the request pool cannot hold changes nothing (no reference taken, the recurrent slots stay).
+  const int64_t rec_free = pools.recurrent_state_pool.available();
+  expect_throw_with<std::runtime_error>([&] { rtp.fork(reqs[0]); }, "request pool exhausted");
   EXPECT_EQ(pools.recurrent_state_pool.available(), rec_free);
-  EXPECT_EQ(kv.available(), 2);
-  // Truncate frees the slots past the length.
+  for (const int32_t s : parent_slots) EXPECT_EQ(kv.ref_count(s), 2);
+  // Truncate drops the child's references past the length; the parent keeps its rows.
   const int32_t kept = rtp.req_to_token(child)[0];
   rtp.truncate_tokens(child, 1);
   EXPECT_EQ(rtp.seq_len(child), 1);
   EXPECT_EQ(rtp.req_to_token(child)[0], kept);
-  EXPECT_EQ(kv.available(), 4);
+  EXPECT_EQ(kv.ref_count(parent_slots[1]), 1);
+  EXPECT_EQ(kv.ref_count(parent_slots[2]), 1);
+  EXPECT_EQ(kv.available(), 5);
   expect_throw_with<std::invalid_argument>([&] { rtp.truncate_tokens(child, 2); }, "outside [0, 1]");
   // accept_tokens keeps a path of a verify row's slots, in the path's order, and frees the rest.
   rtp.alloc_tokens(std::vector<int32_t>{child}, std::vector<int32_t>{3});  // positions 1, 2, 3 of the child
@@ -190,13 +190,95 @@ TEST(HybridReqToTokenPool, TokenSlotsFollowTheRequest) {
   EXPECT_EQ(rtp.req_to_token(child)[1], row[2]);
   EXPECT_EQ(rtp.req_to_token(child)[2], row[0]);
   EXPECT_FALSE(kv.is_allocated(row[1]));
-  EXPECT_EQ(kv.available(), 2);
-  // Free returns every token slot with the request.
+  EXPECT_EQ(kv.available(), 3);
+  // Free drops every reference of the requests (parent and child share slot `kept`: freed once both go).
   rtp.free(std::vector<int32_t>{reqs[0], child});
   EXPECT_EQ(kv.available(), 8);
   expect_throw_with<std::invalid_argument>([&] { rtp.seq_len(reqs[0]); }, "not allocated");
   rtp.free(std::vector<int32_t>{reqs[1], reqs[2]});
   EXPECT_EQ(kv.available(), 10);
+}
+
+TEST(MLATokenToKVPool, ReferenceCountsKeepSharedRows) {
+  MLATokenToKVPool p(kv_config(4));
+  const auto s = p.alloc(2);
+  EXPECT_EQ(p.ref_count(s[0]), 1);
+  p.inc_ref(s);
+  EXPECT_EQ(p.ref_count(s[0]), 2);
+  fill(p, 3, s, 5.0f);
+  const auto before = row(p, 3, s[1]);
+  // One holder lets go: the rows stay, nobody else can be handed the slot.
+  p.free(s);
+  EXPECT_EQ(p.ref_count(s[1]), 1);
+  EXPECT_EQ(p.available(), 2);
+  const auto other = p.alloc(2);
+  for (const int32_t o : other) EXPECT_TRUE(o != s[0] && o != s[1]);
+  EXPECT_EQ(row(p, 3, s[1]), before);
+  // Errors before any change: a free, reserved, out-of-range or repeated slot.
+  p.free(other);
+  expect_throw_with<std::invalid_argument>(
+      [&] {
+        p.inc_ref(std::vector<int32_t>{s[0], other[0]});
+      },
+      "is not allocated");
+  expect_throw_with<std::invalid_argument>(
+      [&] {
+        p.inc_ref(std::vector<int32_t>{s[0], s[0]});
+      },
+      "listed twice");
+  expect_throw_with<std::invalid_argument>([&] { p.inc_ref(std::vector<int32_t>{0}); }, "reserved");
+  expect_throw_with<std::invalid_argument>([&] { p.ref_count(5); }, "out of range");
+  EXPECT_EQ(p.ref_count(s[0]), 1);
+  EXPECT_EQ(p.ref_count(other[0]), 0);
+  // The last reference returns the slot.
+  p.free(s);
+  EXPECT_EQ(p.available(), 4);
+  EXPECT_FALSE(p.is_allocated(s[0]));
+  expect_throw_with<std::invalid_argument>([&] { p.free(std::vector<int32_t>{s[0]}); }, "not allocated");
+}
+
+TEST(HybridReqToTokenPool, ShareTokensStartsARequestOnCachedRows) {
+  MemoryPools pools(rec_config(4), 4, kv_config(10));
+  auto& rtp = pools.req_to_token_pool;
+  MLATokenToKVPool& kv = *pools.token_to_kv_pool;
+  const auto reqs = rtp.alloc(3);
+  rtp.alloc_tokens(std::vector<int32_t>{reqs[0]}, std::vector<int32_t>{4});
+  const std::vector<int32_t> prefix(rtp.req_to_token(reqs[0]).begin(), rtp.req_to_token(reqs[0]).begin() + 3);
+  rtp.share_tokens(reqs[1], prefix);
+  EXPECT_EQ(rtp.seq_len(reqs[1]), 3);
+  for (const int32_t s : prefix) EXPECT_EQ(kv.ref_count(s), 2);
+  // Its own tokens get fresh slots after the shared ones.
+  rtp.alloc_tokens(std::vector<int32_t>{reqs[1]}, std::vector<int32_t>{2});
+  EXPECT_EQ(rtp.seq_len(reqs[1]), 5);
+  EXPECT_EQ(kv.available(), 4);
+  // Errors leave everything as it was: a request with tokens, a free slot, a slot listed twice.
+  expect_throw_with<std::invalid_argument>([&] { rtp.share_tokens(reqs[1], prefix); }, "already holds");
+  const int32_t free_slot = kv.alloc(1)[0];
+  kv.free(std::vector<int32_t>{free_slot});
+  expect_throw_with<std::invalid_argument>(
+      [&] {
+        rtp.share_tokens(reqs[2], std::vector<int32_t>{prefix[0], free_slot});
+      },
+      "not allocated");
+  expect_throw_with<std::invalid_argument>(
+      [&] {
+        rtp.share_tokens(reqs[2], std::vector<int32_t>{prefix[0], prefix[0]});
+      },
+      "listed twice");
+  EXPECT_EQ(rtp.seq_len(reqs[2]), 0);
+  EXPECT_EQ(kv.ref_count(prefix[0]), 2);
+  // The first holder finishing leaves the shared rows to the second.
+  rtp.free(std::vector<int32_t>{reqs[0]});
+  for (const int32_t s : prefix) EXPECT_EQ(kv.ref_count(s), 1);
+  EXPECT_EQ(kv.available(), 5);
+  rtp.free(std::vector<int32_t>{reqs[1], reqs[2]});
+  EXPECT_EQ(kv.available(), 10);
+  // Without a KV pool there is nothing to share.
+  RecurrentStatePool rec(rec_config(2));
+  HybridReqToTokenPool kda_only(2, rec);
+  const auto r = kda_only.alloc(1);
+  expect_throw_with<std::invalid_argument>([&] { kda_only.share_tokens(r[0], std::vector<int32_t>{}); },
+                                           "no MLA KV pool");
 }
 
 TEST(HybridReqToTokenPool, WithoutAKvPoolOnlyLengthsMove) {

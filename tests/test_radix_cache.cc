@@ -663,5 +663,192 @@ TEST(RadixCache, RandomOperationsKeepEveryInvariant) {
   EXPECT_EQ(pool.available() + cache.snapshots(), pool.size());
 }
 
+// Hybrid models: the cache attached to an MLA token KV pool holds every edge token's KV slot.
+struct KvFixture {
+  RecurrentStatePool pool;
+  MLATokenToKVPool kv;
+  RadixCache cache;
+  KvFixture(int64_t kv_size, size_t budget)
+      : pool(small_config(8)),
+        kv(MLATokenToKVPoolConfig{
+            .layer_ids = {1}, .size = kv_size, .kv_lora_rank = 4, .qk_rope_head_dim = 2}),
+        cache(pool, budget, &kv) {}
+  // A request's token slots for `n` tokens: the shared ones first, then fresh ones.
+  Tokens slots(int64_t n, const Tokens& shared = {}) {
+    Tokens out = shared;
+    kv.inc_ref(shared);
+    const auto fresh = kv.alloc(n - static_cast<int64_t>(shared.size()));
+    out.insert(out.end(), fresh.begin(), fresh.end());
+    return out;
+  }
+};
+
+TEST(RadixCacheKv, CommitFillsThePathAndMatchReturnsItsSlots) {
+  KvFixture f(32, 8 * 1024);
+  const Tokens a = {1, 2, 3, 4, 5, 6};
+  const Tokens a_kv = f.slots(6);
+  const Snapshot s = f.cache.reserve(a, 6);
+  ASSERT_TRUE(s.created);
+  f.cache.check_invariants();  // -1 on the path of a Pending node is fine
+  EXPECT_EQ(f.cache.kv_tokens(), 0);
+  // Too few slots, or a free one: an error, the node stays pending and nothing is referenced.
+  expect_throw_with<std::invalid_argument>(
+      [&] { f.cache.commit(s.node, Tokens(a_kv.begin(), a_kv.end() - 1)); }, "6 tokens deep but 5 KV slots");
+  Tokens bad = a_kv;
+  bad[2] = f.kv.alloc(1)[0];
+  f.kv.free(Tokens{bad[2]});
+  expect_throw_with<std::invalid_argument>([&] { f.cache.commit(s.node, bad); }, "not allocated");
+  EXPECT_EQ(f.cache.state(s.node), SnapshotState::Pending);
+  for (const int32_t k : a_kv) EXPECT_EQ(f.kv.ref_count(k), 1);
+  f.cache.commit(s.node, a_kv);
+  EXPECT_EQ(f.cache.kv_tokens(), 6);
+  for (const int32_t k : a_kv) EXPECT_EQ(f.kv.ref_count(k), 2);
+  EXPECT_EQ(f.cache.bytes(), f.pool.bytes_per_slot() + 6 * f.cache.kv_bytes_per_token());
+  f.cache.check_invariants();
+
+  // A prompt that branches off inside the edge: the hit is none (no snapshot at 4), the split keeps the
+  // slots.
+  const Tokens b = {1, 2, 3, 4, 9, 9, 9};
+  auto m = f.cache.match_prefix(Tokens(b.begin(), b.end() - 1));
+  EXPECT_FALSE(m.hit);
+  EXPECT_TRUE(m.kv_slots.empty());
+  EXPECT_EQ(m.matched_len, 4);
+  const Snapshot sb = f.cache.reserve(b, 7);
+  ASSERT_TRUE(sb.created);
+  // b's own prefill computed its first 4 tokens into fresh slots: the tree keeps the ones it has.
+  const Tokens b_kv = f.slots(7);
+  f.cache.commit(sb.node, b_kv);
+  EXPECT_EQ(f.cache.kv_tokens(), 9);
+  EXPECT_EQ(f.kv.ref_count(b_kv[0]), 1);  // not taken: position 0 already held a's slot
+  EXPECT_EQ(f.kv.ref_count(b_kv[5]), 2);
+  m = f.cache.match_prefix(b);
+  ASSERT_TRUE(m.hit);
+  EXPECT_EQ(m.hit.len, 7);
+  EXPECT_EQ(m.kv_slots, (Tokens{a_kv[0], a_kv[1], a_kv[2], a_kv[3], b_kv[4], b_kv[5], b_kv[6]}));
+  m = f.cache.match_prefix(a);
+  EXPECT_EQ(m.kv_slots, a_kv);
+  f.cache.check_invariants();
+
+  // The requests finish: the tree's references keep the rows; reset returns every slot.
+  f.kv.free(a_kv);
+  f.kv.free(b_kv);
+  EXPECT_EQ(f.kv.available(), 32 - 9);
+  f.cache.check_invariants();
+  f.cache.reset();
+  EXPECT_EQ(f.kv.available(), 32);
+}
+
+TEST(RadixCacheKv, InsertAndEvictionReleaseKvOnlyWhenNobodyHoldsIt) {
+  KvFixture f(16, 8 * 1024);
+  const Tokens a = {1, 2, 3, 4};
+  const Tokens a_kv = f.slots(4);
+  const int32_t req = f.pool.alloc(1)[0];
+  const Snapshot s = f.cache.insert(a, 4, req, a_kv);
+  ASSERT_TRUE(s.created);
+  EXPECT_EQ(f.cache.state(s.node), SnapshotState::Ready);
+  // A second request shares the hit's KV (as share_tokens does), then the first finishes.
+  const auto m = f.cache.match_prefix(Tokens{1, 2, 3, 4, 5});
+  ASSERT_EQ(m.kv_slots, a_kv);
+  f.kv.inc_ref(m.kv_slots);
+  f.kv.free(a_kv);
+  // Eviction prunes the leaf and drops the tree's references; the second request still holds the rows.
+  EXPECT_EQ(f.cache.evictable_kv_tokens(), 0);  // all four are the request's too
+  EXPECT_EQ(f.cache.evict(1), 1);
+  EXPECT_EQ(f.cache.kv_tokens(), 0);
+  for (const int32_t k : a_kv) EXPECT_EQ(f.kv.ref_count(k), 1);
+  EXPECT_EQ(f.kv.available(), 12);
+  f.kv.free(a_kv);
+  EXPECT_EQ(f.kv.available(), 16);
+  f.cache.check_invariants();
+  // insert checks its KV slots first.
+  expect_throw_with<std::invalid_argument>([&] { f.cache.insert(a, 4, req, Tokens{1, 2, 3}); }, "3 KV slots");
+  expect_throw_with<std::invalid_argument>(
+      [&] {
+        f.cache.insert(a, 4, req, Tokens{1, 2, 3, 4});
+      },
+      "not allocated");
+  EXPECT_EQ(f.cache.snapshots(), 0);
+  f.pool.free(Tokens{req});
+}
+
+TEST(RadixCacheKv, OneBudgetForSnapshotsAndTokens) {
+  RecurrentStatePool probe(small_config(1));
+  const size_t slot = probe.bytes_per_slot(), tok = 6 * sizeof(float);
+  // Two snapshots and ten tokens.
+  KvFixture f(64, 2 * slot + 10 * tok);
+  const int32_t req = f.pool.alloc(1)[0];
+  const Tokens a = {1, 2, 3, 4, 5, 6}, b = {7, 8, 9, 10};
+  Tokens a_kv = f.slots(6), b_kv = f.slots(4);
+  ASSERT_TRUE(f.cache.insert(a, 6, req, a_kv).created);
+  ASSERT_TRUE(f.cache.insert(b, 4, req, b_kv).created);
+  EXPECT_EQ(f.cache.bytes(), 2 * slot + 10 * tok);
+  f.cache.check_invariants();
+  // A third path of one token needs a snapshot and a token more: the least recently used (a) goes.
+  const Tokens c = {11};
+  Tokens c_kv = f.slots(1);
+  ASSERT_TRUE(f.cache.insert(c, 1, req, c_kv).created);
+  EXPECT_EQ(f.cache.evictions(), 1);
+  EXPECT_FALSE(f.cache.match_prefix(a).hit);
+  EXPECT_TRUE(f.cache.match_prefix(b).hit);
+  EXPECT_LE(f.cache.bytes(), f.cache.budget_bytes());
+  // A path longer than the whole budget's tokens gives no snapshot, after evicting what it could.
+  const auto n = static_cast<int64_t>((slot + 10 * tok) / tok) + 1;  // one snapshot + n tokens > the budget
+  const Tokens d(static_cast<size_t>(n), 5);
+  Tokens d_kv = f.slots(n);
+  EXPECT_FALSE(f.cache.insert(d, n, req, d_kv));
+  EXPECT_EQ(f.cache.snapshots(), 0);
+  f.cache.check_invariants();
+  for (Tokens* v : {&a_kv, &b_kv, &c_kv, &d_kv}) f.kv.free(*v);
+  f.cache.reset();
+  EXPECT_EQ(f.kv.available(), 64);
+  f.pool.free(Tokens{req});
+}
+
+TEST(RadixCacheKv, EnsureFreeKvTokensEvictsOnlyWhatCanReachTheTarget) {
+  KvFixture f(12, 64 * 1024);
+  const int32_t req = f.pool.alloc(1)[0];
+  const Tokens a = {1, 2, 3, 4}, b = {5, 6, 7, 8};
+  Tokens a_kv = f.slots(4), b_kv = f.slots(4);
+  f.cache.insert(a, 4, req, a_kv);
+  f.cache.insert(b, 4, req, b_kv);
+  f.kv.free(a_kv);
+  f.kv.free(b_kv);  // the cache alone holds 8 of 12
+  EXPECT_EQ(f.kv.available(), 4);
+  EXPECT_EQ(f.cache.evictable_kv_tokens(), 8);
+  // A lock protects a's snapshot and its path's tokens.
+  const auto ma = f.cache.match_prefix(a);
+  f.cache.inc_lock_ref(ma.hit.node);
+  EXPECT_EQ(f.cache.evictable_kv_tokens(), 4);
+  EXPECT_FALSE(f.cache.ensure_free_kv_tokens(9));  // 4 free + 4 evictable: nothing evicted
+  EXPECT_EQ(f.cache.evictions(), 0);
+  EXPECT_TRUE(f.cache.ensure_free_kv_tokens(4));
+  EXPECT_EQ(f.cache.evictions(), 0);
+  EXPECT_TRUE(f.cache.ensure_free_kv_tokens(8));
+  EXPECT_EQ(f.cache.evictions(), 1);
+  EXPECT_EQ(f.kv.available(), 8);
+  EXPECT_TRUE(f.cache.match_prefix(a).hit);
+  f.cache.dec_lock_ref(ma.hit.node);
+  EXPECT_TRUE(f.cache.ensure_free_kv_tokens(12));
+  EXPECT_EQ(f.kv.available(), 12);
+  expect_throw_with<std::invalid_argument>([&] { f.cache.ensure_free_kv_tokens(-1); }, ">= 0");
+  f.cache.check_invariants();
+  f.pool.free(Tokens{req});
+}
+
+TEST(RadixCacheKv, InvariantsCatchABrokenKvReference) {
+  KvFixture f(8, 8 * 1024);
+  const int32_t req = f.pool.alloc(1)[0];
+  const Tokens a = {1, 2, 3};
+  const Tokens a_kv = f.slots(3);
+  f.cache.insert(a, 3, req, a_kv);
+  f.kv.free(a_kv);
+  f.cache.check_invariants();
+  // Someone drops the tree's reference behind its back: the slot is free while the tree holds it.
+  f.kv.free(Tokens{a_kv[1]});
+  expect_throw_with<std::logic_error>([&] { f.cache.check_invariants(); }, "which is free");
+  EXPECT_EQ(f.kv.alloc(1)[0], a_kv[1]);  // the reference back (LIFO), so that the cache can let it go
+  f.pool.free(Tokens{req});
+}
+
 }  // namespace
 }  // namespace kda::mem_cache

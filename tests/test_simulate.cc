@@ -769,9 +769,9 @@ TEST(WholeModel, ASmallKvPoolMakesRequestsWaitAndChangesNothing) {
 }
 
 // A KV pool too small for one request is a clear error before any work (the plan), and so is a scheduler
-// handed such a pool; a prefix cache on a model with MLA layers is refused by the scheduler and turned off
-// by the plan (a KDA snapshot cannot restore the prefix's MLA KV rows).
-TEST(WholeModel, KvPoolTooSmallAndPrefixCacheAreClearErrorsOrOff) {
+// handed such a pool; a prefix cache on a model with MLA layers must hold the prefix's MLA KV rows too
+// (attached to the KV pool), else the scheduler refuses it; the plan serves with it.
+TEST(WholeModel, KvPoolTooSmallAndADetachedPrefixCacheAreClearErrors) {
   auto reqs = make_workload(3, {10, 30}, 4, 2);
   bool built = false;
   auto o = hybrid_options(reqs);
@@ -791,18 +791,18 @@ TEST(WholeModel, KvPoolTooSmallAndPrefixCacheAreClearErrorsOrOff) {
   auto roomy = model->make_pools(4, 1000);
   mem_cache::RadixCache cache(roomy->recurrent_state_pool, roomy->recurrent_state_pool.bytes_per_slot());
   so.cache = &cache;
-  expect_invalid([&] { Scheduler(reqs, so, roomy->req_to_token_pool); }, "the model has MLA layers");
+  expect_invalid([&] { Scheduler(reqs, so, roomy->req_to_token_pool); }, "not attached to its MLA KV pool");
 
   auto c = hybrid_options(reqs);
-  c.server_args.disable_radix_cache = false;  // asked for: the plan turns it off
+  c.server_args.disable_radix_cache = false;
   const auto r = run_simulation(c);
-  EXPECT_TRUE(r.radix_cache_disabled);
-  EXPECT_EQ(r.serve.prefix_cache_hit_tokens, 0);
+  EXPECT_FALSE(r.radix_cache_disabled);
   EXPECT_EQ(r.serve.requests_completed, 3);
+  EXPECT_EQ(r.leaked_kv_tokens, 0);
 }
 
-// Forked continuations get copies of the parent's prompt KV rows: each equals a fresh run of its own.
-TEST(WholeModel, ForkedContinuationsCopyThePromptsKvRows) {
+// Forked continuations share the parent's prompt KV rows: each equals a fresh run of its own.
+TEST(WholeModel, ForkedContinuationsShareThePromptsKvRows) {
   auto o = hybrid_options(make_workload(2, {20, 70}, 4, 5));
   o.parallel_samples = 3;
   o.server_args.chunked_prefill_size = 32;
@@ -1828,7 +1828,7 @@ TEST(SimulateCli, ModelDirServesTheCheckpointsTensors) {
   EXPECT_EQ(j["moe_layers"], 3);
   EXPECT_EQ(j["num_experts"], 8);
   EXPECT_EQ(j["experts_per_token"], 2);
-  EXPECT_EQ(j["radix_cache_disabled"], true);        // MLA layers: no prefix cache
+  EXPECT_EQ(j["radix_cache_disabled"], false);       // MLA layers: the hybrid prefix cache
   EXPECT_EQ(j["kv_tokens"], 12 + 6);                 // the two requests' prompt + output tokens
   EXPECT_GT(j["peak_kv_tokens"].get<int64_t>(), 6);  // both held token slots at once
   EXPECT_LE(j["peak_kv_tokens"].get<int64_t>(), 12 + 6);

@@ -83,7 +83,12 @@ def test_stream_concatenates_to_the_whole_text_and_usage_counts(server, path):
 
     events = server.stream(path, {**body, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]"
-    assert events[-2]["choices"] == [] and events[-2]["usage"] == u
+    assert events[-2]["choices"] == []
+    # The same prompt again: the prefix cache restores all of it but its last token; the counts stay.
+    su = events[-2]["usage"]
+    assert {k: v for k, v in su.items() if k != "prompt_tokens_details"} == {
+        k: v for k, v in u.items() if k != "prompt_tokens_details"}
+    assert su["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
     streamed, finish = stream_text(events, chat=chat)
     assert streamed == text and finish == choice["finish_reason"]
     if chat:
@@ -460,3 +465,19 @@ def test_speculative_ngram_server_streams_the_same_greedy_text(server, ckpt):
         assert wait_idle(spec)["kda_slots_used"] == 0
     finally:
         spec.stop()
+
+
+def test_a_repeated_chat_hits_the_prefix_cache(server):
+    body = chat_body("a question asked twice, word for word: what is a hybrid prefix cache?", max_tokens=12,
+                     temperature=0)
+    status, first = server.post(CHAT, body)
+    assert status == 200, first
+    status, second = server.post(CHAT, body)
+    assert status == 200, second
+    # The second prompt resumes from the first one's cached state and MLA KV rows: the same text.
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < second["usage"]["prompt_tokens"]
+    m = wait_idle(server)
+    assert m["kda_cached_tokens_total"] >= cached
+    assert m["kda_prefix_cache_kv_tokens"] > 0 and m["kda_prefix_cache_bytes"] > 0

@@ -156,9 +156,15 @@ class HybridReqToTokenPool {
   // Frees the requests, their recurrent slots and their token slots; unknown index: error, nothing freed.
   void free(std::span<const int32_t> req_pool_indices);
   // A new request whose state is a copy of `parent`'s (parallel sampling): a copy of its recurrent slot
-  // and fresh token slots holding copies of its KV rows. All or nothing: an error when a request, a
-  // recurrent slot or the token slots are short.
+  // and the parent's token slots shared by reference (inc_ref: the rows before the fork point are never
+  // written again, so both read the same rows and each writes only slots it allocates later). All or
+  // nothing: an error when a request or a recurrent slot is short.
   int32_t fork(int32_t parent_req_pool_index);
+  // A fresh request (no tokens yet) starts with `slots` as its positions [0, n) by reference (inc_ref
+  // each; a prefix-cache hit's KV); its length becomes n. A request that holds tokens already, a slot the
+  // pool has not handed out or listed twice, or no KV pool (alloc_tokens moves a KDA-only request's
+  // length): error, nothing changed.
+  void share_tokens(int32_t req_pool_index, std::span<const int32_t> slots);
 
   // The RFC's get_recurrent_indices: slot per request index; -1 stays -1 (padded row).
   std::vector<int32_t> get_recurrent_indices(std::span<const int32_t> req_pool_indices) const;

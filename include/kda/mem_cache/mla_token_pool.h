@@ -8,6 +8,11 @@
 // `size` usable slots has size + 1 rows per layer. A request owns one slot per token of its sequence
 // (HybridReqToTokenPool maps it); the slots need not be contiguous.
 //
+// Slots are reference counted, so that requests and the prefix cache (RadixCache) may hold one token's
+// KV rows at once: alloc hands a slot out with one reference, inc_ref adds one, free drops one and the
+// slot returns to the free list when its count reaches 0. Nobody writes the rows of a slot that another
+// holder references (a request writes only the slots it allocated for its own new tokens).
+//
 // alloc does not clear the rows it hands out: a forward writes a step's new tokens' rows before any read
 // of them, so a freed slot's stale data is never attended to (the tests poison freed rows to check it).
 //
@@ -56,9 +61,14 @@ class MLATokenToKVPool {
 
   // All or nothing: n token slots, or std::runtime_error "MLA KV pool exhausted: ..." with nothing taken.
   std::vector<int32_t> alloc(int64_t n);
-  // Returns slots to the free list. Unknown, reserved, already-free or repeated slots: error, nothing freed.
+  // Drops one reference of each slot; a slot whose count reaches 0 returns to the free list. Unknown,
+  // reserved, already-free or repeated slots: error, nothing dropped.
   void free(std::span<const int32_t> slots);
+  // Adds one reference to each allocated slot (sharing its rows). Unknown, reserved, free or repeated
+  // slots: error, nothing added.
+  void inc_ref(std::span<const int32_t> slots);
   bool is_allocated(int32_t slot) const;
+  int32_t ref_count(int32_t slot) const;  // 0 for a free slot; out of range: error
 
   // The rows of one layer, by decoder layer id (unknown id: error).
   MLAKVLayerView get_kv_buffer(int layer_id);
@@ -79,7 +89,7 @@ class MLATokenToKVPool {
   std::vector<float> kv_f32_;
   std::vector<bf16_t> kv_bf16_;
   std::vector<int32_t> free_slots_;  // LIFO free list
-  std::vector<uint8_t> allocated_;   // [N+1]
+  std::vector<int32_t> refs_;        // [N+1]: references; 0 = free
 };
 
 }  // namespace kda::mem_cache

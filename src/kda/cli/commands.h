@@ -74,9 +74,6 @@ struct SimulateCliOptions {
   bool no_prefix_cache = false;
   std::string prefix_cache_memory = "1GiB";  // snapshot slots, on top of state_memory
   int64_t cache_interval = 256;
-  // --prefix-cache-memory or --cache-interval given: an error on a model with MLA layers, which serves
-  // without the prefix cache.
-  bool prefix_cache_options_given = false;
   int64_t parallel_samples = 1;
   int64_t check = 2;
   std::string speculative;  // empty: off; ngram | replay
@@ -112,6 +109,9 @@ struct ServeCliOptions {
   std::string state_memory = "1GiB";
   std::string kv_memory = "1GiB";
   int64_t context_length = 0;  // 0: what the MLA KV pool holds (at most 1M tokens)
+  bool no_prefix_cache = false;
+  std::string prefix_cache_memory = "1GiB";  // snapshot slots (on top of state_memory) + cached tokens' KV
+  int64_t cache_interval = 256;
   std::string api_key;
   std::string served_model_name = "kimi-linear";
   std::string chat_template;  // "builtin": the built-in chat format whatever the folder's template

@@ -155,15 +155,15 @@ int main(int argc, char** argv) {
   auto* no_cache =
       sim->add_flag("--no-prefix-cache", so.no_prefix_cache, "turn the prefix cache of state snapshots off");
   // The cache's own options with the cache off would be accepted and ignored: refused instead.
-  auto* pcm = sim->add_option("--prefix-cache-memory", so.prefix_cache_memory,
-                              "bytes of state snapshots for the prefix cache, on top of --state-memory "
-                              "(models without MLA layers)")
-                  ->capture_default_str()
-                  ->excludes(no_cache);
-  auto* civ = sim->add_option("--cache-interval", so.cache_interval,
-                              "a prefix-cache snapshot every N prompt tokens (N % 64 == 0)")
-                  ->capture_default_str()
-                  ->excludes(no_cache);
+  sim->add_option("--prefix-cache-memory", so.prefix_cache_memory,
+                  "bytes of the prefix cache (state snapshots, on top of --state-memory, and the cached "
+                  "tokens' MLA KV rows, in --kv-memory)")
+      ->capture_default_str()
+      ->excludes(no_cache);
+  sim->add_option("--cache-interval", so.cache_interval,
+                  "a prefix-cache snapshot every N prompt tokens (N % 64 == 0)")
+      ->capture_default_str()
+      ->excludes(no_cache);
   sim->add_option("--parallel-samples", so.parallel_samples, "continuations forked per request after prefill")
       ->capture_default_str();
   sim->add_option("--check", so.check, "requests re-run alone and compared (0: off)")->capture_default_str();
@@ -235,6 +235,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   serve->add_option("--kv-memory", svo.kv_memory, "bytes of the MLA layers' token KV pool (e.g. 1GiB)")
       ->capture_default_str();
+  auto* serve_no_cache =
+      serve->add_flag("--no-prefix-cache", svo.no_prefix_cache, "turn the prefix cache off");
+  serve
+      ->add_option("--prefix-cache-memory", svo.prefix_cache_memory,
+                   "bytes of the prefix cache (state snapshots, on top of --state-memory, and the cached "
+                   "tokens' MLA KV rows, in --kv-memory)")
+      ->capture_default_str()
+      ->excludes(serve_no_cache);
+  serve
+      ->add_option("--cache-interval", svo.cache_interval,
+                   "a prefix-cache snapshot every N prompt tokens (N % 64 == 0)")
+      ->capture_default_str()
+      ->excludes(serve_no_cache);
   serve
       ->add_option("--context-length", svo.context_length,
                    "prompt + generated tokens per request (default: what the KV pool holds, at most 1M)")
@@ -304,10 +317,7 @@ int main(int argc, char** argv) {
     }
     if (tokenize->parsed()) return kda::cli::run_tokenize(to);
     if (detokenize->parsed()) return kda::cli::run_detokenize(to);
-    if (sim->parsed()) {
-      so.prefix_cache_options_given = pcm->count() > 0 || civ->count() > 0;
-      return kda::cli::run_simulate(so);
-    }
+    if (sim->parsed()) return kda::cli::run_simulate(so);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kda: error: %s\n", e.what());
     kda::distributed::abort_other_ranks(2);

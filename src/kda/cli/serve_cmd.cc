@@ -12,6 +12,7 @@
 #include <ctime>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -20,6 +21,7 @@
 #include "kda/common/precision.h"
 #include "kda/common/weights.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "kda/mem_cache/radix_cache.h"
 #include "kda/models/kimi_linear_model.h"
 #include "kda/server/openai_server.h"
 #include "kda/serving/engine.h"
@@ -187,11 +189,33 @@ int run_serve(const ServeCliOptions& o) {
   spec.topk = static_cast<int32_t>(o.draft_topk);
   spec.depth_mode = serving::parse_draft_depth_mode(o.draft_depth);
   spec.validate();
+  // The prefix cache's snapshots live in idle request slots and its tokens' KV rows in the KV pool, both
+  // given back (evicted) as requests need them; its budget caps the bytes it holds.
+  int64_t cache_budget = 0;
+  if (!o.no_prefix_cache) {
+    if (o.cache_interval < 64 || o.cache_interval % 64 != 0)
+      throw std::invalid_argument("--cache-interval must be a positive multiple of 64, got " +
+                                  std::to_string(o.cache_interval));
+    cache_budget = o.prefix_cache_memory == "0"
+                       ? 0
+                       : serving::parse_byte_size(o.prefix_cache_memory, "--prefix-cache-memory");
+    if (cache_budget > 0 && cache_budget < sb)
+      throw std::invalid_argument("--prefix-cache-memory " + o.prefix_cache_memory +
+                                  " is too small for one state snapshot of " + std::to_string(sb) + " bytes");
+  }
   // A verify row per decode row: the batch's rows, each up to spec.max_verify_tokens() tokens.
   serving::ModelRunner runner(*model, slots, kv_tokens, mo.kernel, spec.max_verify_tokens(),
                               spec.enabled() ? std::min<int64_t>(o.max_batch, slots) : 0);
+  // After the runner (its pools), before the engine that uses it.
+  std::optional<mem_cache::RadixCache> cache;
   serving::EngineOptions eo;
   eo.spec = spec;
+  if (cache_budget > 0) {
+    cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(cache_budget),
+                  runner.pools().token_to_kv_pool.get());
+    eo.scheduler.cache = &*cache;
+    eo.scheduler.cache_interval = o.cache_interval;
+  }
   eo.scheduler.token_budget = o.token_budget;
   eo.scheduler.max_batch = o.max_batch;
   eo.stop_ids = tok->stop_ids();
@@ -213,9 +237,10 @@ int run_serve(const ServeCliOptions& o) {
   std::fprintf(
       stderr,
       "kda serve: ready in %.1f s: %lld request slots, %lld MLA KV token slots, context %lld tokens, "
-      "vocab %lld\n",
+      "vocab %lld, prefix cache %s\n",
       build_s, static_cast<long long>(slots), static_cast<long long>(kv_tokens),
-      static_cast<long long>(context), static_cast<long long>(model->vocab_size()));
+      static_cast<long long>(context), static_cast<long long>(model->vocab_size()),
+      cache ? (std::to_string(cache_budget) + " bytes").c_str() : "off");
   if (spec.enabled())
     std::fprintf(stderr,
                  "kda serve: speculative decoding: ngram, %d drafts per branch, %d branch%s, %s depth\n",

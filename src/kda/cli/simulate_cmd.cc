@@ -98,10 +98,7 @@ void print_summary(const serving::SimulateResult& r) {
                 mib(static_cast<double>(r.kv_bytes)).c_str(), static_cast<long long>(s.peak_kv_tokens));
   std::printf("  scheduler     token budget %lld, max batch %lld, mixed %s, radix cache %s\n",
               static_cast<long long>(r.token_budget), static_cast<long long>(r.max_batch),
-              r.mixed ? "on" : "off",
-              !r.radix_cache_disabled ? "on"
-              : r.mla_layers > 0      ? "off (MLA layers: a KDA snapshot cannot restore their KV)"
-                                      : "off");
+              r.mixed ? "on" : "off", !r.radix_cache_disabled ? "on" : "off");
   if (!r.radix_cache_disabled) {
     const double rate = s.prefill_tokens > 0 ? static_cast<double>(s.prefix_cache_hit_tokens) /
                                                    static_cast<double>(s.prefill_tokens)
@@ -216,18 +213,6 @@ int run_simulate(const SimulateCliOptions& o) {
   so.max_batch = o.max_batch;
   so.state_memory = serving::parse_byte_size(o.state_memory, "--state-memory");
   so.kv_memory = serving::parse_byte_size(o.kv_memory, "--kv-memory");
-  // The CLI serves with the prefix cache by default; a model with MLA layers serves without it (a KDA
-  // snapshot cannot restore their KV), so its options would be parsed and ignored there: refused.
-  if (o.prefix_cache_options_given && !o.no_prefix_cache) {
-    const auto cfg = o.model.empty() ? io::kimi_linear_48b_config() : io::load_model_config(o.model);
-    const int n = o.layers > 0 ? std::min(o.layers, cfg.num_hidden_layers) : cfg.num_hidden_layers;
-    for (int i = 0; i < n; ++i)
-      if (cfg.is_mla_layer(i))
-        throw std::invalid_argument(
-            "--prefix-cache-memory / --cache-interval: the model's decoder layer " + std::to_string(i) +
-            " is an MLA layer, and a model with MLA layers serves without the prefix cache (a KDA state "
-            "snapshot cannot restore the prefix's MLA KV rows)");
-  }
   so.server_args.disable_radix_cache = o.no_prefix_cache;  // the CLI serves with the cache by default
   so.prefix_cache_memory = o.prefix_cache_memory == "0"
                                ? 0

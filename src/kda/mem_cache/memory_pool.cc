@@ -289,10 +289,22 @@ void HybridReqToTokenPool::free(std::span<const int32_t> req_pool_indices) {
                                   str(req_to_slot_[r]) + " is not allocated");
   }
   if (kv_) {
+    // Requests may share slots (a fork, a prefix-cache hit): every slot must hold at least as many
+    // references as the listed requests drop, checked before any goes.
     std::vector<int32_t> tokens;
     for (const int32_t r : req_pool_indices)
       tokens.insert(tokens.end(), req_to_token_[r].begin(), req_to_token_[r].end());
-    kv_->free(tokens);  // validates every slot before freeing any
+    std::sort(tokens.begin(), tokens.end());
+    for (size_t i = 0; i < tokens.size();) {
+      size_t j = i;
+      while (j < tokens.size() && tokens[j] == tokens[i]) ++j;
+      if (!kv_->is_allocated(tokens[i]) || kv_->ref_count(tokens[i]) < static_cast<int32_t>(j - i))
+        throw std::invalid_argument("HybridReqToTokenPool::free: token slot " + str(tokens[i]) + " holds " +
+                                    str(kv_->is_allocated(tokens[i]) ? kv_->ref_count(tokens[i]) : 0) +
+                                    " references, the requests drop " + str(static_cast<int64_t>(j - i)));
+      i = j;
+    }
+    for (const int32_t r : req_pool_indices) kv_->free(req_to_token_[r]);
   }
   rec_->free(slots);
   for (auto it = req_pool_indices.rbegin(); it != req_pool_indices.rend(); ++it) {
@@ -305,20 +317,27 @@ void HybridReqToTokenPool::free(std::span<const int32_t> req_pool_indices) {
 
 int32_t HybridReqToTokenPool::fork(int32_t parent_req_pool_index) {
   check_req(parent_req_pool_index);
-  const std::vector<int32_t>& parent_tokens = req_to_token_[parent_req_pool_index];
-  if (kv_ && static_cast<int64_t>(parent_tokens.size()) > kv_->available())
-    throw std::runtime_error("MLA KV pool exhausted: forking request " + str(parent_req_pool_index) +
-                             " needs " + str(static_cast<int64_t>(parent_tokens.size())) + " token slots, " +
-                             str(kv_->available()) + " of " + str(kv_->size()) + " free");
   const int32_t child = alloc(1)[0];
   rec_->copy_slot(req_to_slot_[parent_req_pool_index], req_to_slot_[child]);
   if (kv_) {
-    std::vector<int32_t> fresh = kv_->alloc(static_cast<int64_t>(parent_tokens.size()));
-    kv_->copy_tokens(parent_tokens, fresh);
-    req_to_token_[child] = std::move(fresh);
+    const std::vector<int32_t>& parent_tokens = req_to_token_[parent_req_pool_index];
+    kv_->inc_ref(parent_tokens);
+    req_to_token_[child] = parent_tokens;
   }
   seq_len_[child] = seq_len_[parent_req_pool_index];
   return child;
+}
+
+void HybridReqToTokenPool::share_tokens(int32_t req_pool_index, std::span<const int32_t> slots) {
+  check_req(req_pool_index);
+  if (!kv_)
+    throw std::invalid_argument("HybridReqToTokenPool::share_tokens: no MLA KV pool to share token slots of");
+  if (seq_len_[req_pool_index] != 0)
+    throw std::invalid_argument("HybridReqToTokenPool::share_tokens: request " + str(req_pool_index) +
+                                " already holds " + str(seq_len_[req_pool_index]) + " tokens");
+  kv_->inc_ref(slots);  // validates every slot (allocated, listed once) before adding any reference
+  req_to_token_[req_pool_index].assign(slots.begin(), slots.end());
+  seq_len_[req_pool_index] = static_cast<int64_t>(slots.size());
 }
 
 std::vector<int32_t> HybridReqToTokenPool::get_recurrent_indices(

@@ -44,7 +44,7 @@ MLATokenToKVPool::MLATokenToKVPool(const MLATokenToKVPoolConfig& cfg) : cfg_(cfg
     kv_bf16_.assign(static_cast<size_t>(elems), bf16_t{0});
   else
     kv_f32_.assign(static_cast<size_t>(elems), 0.0f);
-  allocated_.assign(static_cast<size_t>(cfg.size + 1), 0);
+  refs_.assign(static_cast<size_t>(cfg.size + 1), 0);
   // Pushed high to low so that the first allocations hand out 1, 2, 3, ...
   free_slots_.reserve(static_cast<size_t>(cfg.size));
   for (int64_t s = cfg.size; s >= 1; --s) free_slots_.push_back(static_cast<int32_t>(s));
@@ -69,7 +69,7 @@ std::vector<int32_t> MLATokenToKVPool::alloc(int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const int32_t s = free_slots_.back();
     free_slots_.pop_back();
-    allocated_[static_cast<size_t>(s)] = 1;
+    refs_[static_cast<size_t>(s)] = 1;
     out.push_back(s);
   }
   return out;
@@ -79,14 +79,25 @@ void MLATokenToKVPool::free(std::span<const int32_t> slots) {
   for (const int32_t s : slots) check_slot(s, "MLATokenToKVPool::free");
   check_unique(slots, "MLATokenToKVPool::free: slot");
   // Pushed in reverse so that a following alloc(slots.size()) hands them back in the same order.
-  for (auto it = slots.rbegin(); it != slots.rend(); ++it) {
-    allocated_[static_cast<size_t>(*it)] = 0;
-    free_slots_.push_back(*it);
-  }
+  for (auto it = slots.rbegin(); it != slots.rend(); ++it)
+    if (--refs_[static_cast<size_t>(*it)] == 0) free_slots_.push_back(*it);
+}
+
+void MLATokenToKVPool::inc_ref(std::span<const int32_t> slots) {
+  for (const int32_t s : slots) check_slot(s, "MLATokenToKVPool::inc_ref");
+  check_unique(slots, "MLATokenToKVPool::inc_ref: slot");
+  for (const int32_t s : slots) ++refs_[static_cast<size_t>(s)];
 }
 
 bool MLATokenToKVPool::is_allocated(int32_t slot) const {
-  return slot >= 1 && slot <= cfg_.size && allocated_[static_cast<size_t>(slot)] != 0;
+  return slot >= 1 && slot <= cfg_.size && refs_[static_cast<size_t>(slot)] != 0;
+}
+
+int32_t MLATokenToKVPool::ref_count(int32_t slot) const {
+  if (slot < 0 || slot > cfg_.size)
+    throw std::invalid_argument("MLATokenToKVPool::ref_count: token slot " + str(slot) +
+                                " is out of range [0, " + str(cfg_.size) + "]");
+  return refs_[static_cast<size_t>(slot)];
 }
 
 void MLATokenToKVPool::check_slot(int32_t slot, const char* what) const {
@@ -94,7 +105,7 @@ void MLATokenToKVPool::check_slot(int32_t slot, const char* what) const {
   if (slot < 0 || slot > cfg_.size)
     throw std::invalid_argument(std::string(what) + ": token slot " + str(slot) + " is out of range [1, " +
                                 str(cfg_.size) + "]");
-  if (!allocated_[static_cast<size_t>(slot)])
+  if (refs_[static_cast<size_t>(slot)] == 0)
     throw std::invalid_argument(std::string(what) + ": token slot " + str(slot) + " is not allocated");
 }
 

@@ -38,8 +38,12 @@ void check_len(std::span<const int32_t> tokens, int64_t len, const char* what) {
 
 }  // namespace
 
-RadixCache::RadixCache(RecurrentStatePool& pool, size_t budget_bytes)
-    : pool_(&pool), budget_bytes_(budget_bytes), bytes_per_slot_(pool.bytes_per_slot()) {
+RadixCache::RadixCache(RecurrentStatePool& pool, size_t budget_bytes, MLATokenToKVPool* kv_pool)
+    : pool_(&pool),
+      kv_pool_(kv_pool),
+      kv_bytes_(kv_pool ? static_cast<size_t>(kv_pool->bytes_per_token()) : 0),
+      budget_bytes_(budget_bytes),
+      bytes_per_slot_(pool.bytes_per_slot()) {
   if (budget_bytes != 0 && budget_bytes < bytes_per_slot_) {
     throw std::invalid_argument("RadixCache: budget of " + str(static_cast<int64_t>(budget_bytes)) +
                                 " bytes is smaller than one snapshot (" +
@@ -59,6 +63,7 @@ void RadixCache::reset() {
     if (n->slot >= 0) slots.push_back(n->slot);
   }
   pool_->free(slots);
+  for (const auto& [id, n] : nodes_) drop_kv(n.get());
   std::fill(is_snapshot_slot_.begin(), is_snapshot_slot_.end(), 0);
   nodes_.clear();
   root_.children.clear();
@@ -89,6 +94,7 @@ MatchResult RadixCache::match_prefix(std::span<const int32_t> tokens) {
   MatchResult r;
   const Node* node = &root_;
   Node *best = nullptr, *pending = nullptr;
+  std::vector<const Node*> path;
   size_t pos = 0;
   while (pos < tokens.size()) {
     const auto it = node->children.find(tokens[pos]);
@@ -98,6 +104,7 @@ MatchResult RadixCache::match_prefix(std::span<const int32_t> tokens) {
     pos += k;
     if (k < c->key.size()) break;  // diverges (or ends) inside the edge: no node there
     node = c;
+    path.push_back(c);
     if (c->state == SnapshotState::Ready) best = c;
     if (c->state == SnapshotState::Pending) pending = c;
   }
@@ -105,6 +112,13 @@ MatchResult RadixCache::match_prefix(std::span<const int32_t> tokens) {
   if (best) {
     touch(best);
     r.hit = describe(best, false);
+    if (kv_pool_) {
+      r.kv_slots.reserve(static_cast<size_t>(best->depth));
+      for (const Node* c : path) {
+        r.kv_slots.insert(r.kv_slots.end(), c->kv.begin(), c->kv.end());
+        if (c == best) break;
+      }
+    }
   }
   if (pending && (!best || pending->depth > best->depth)) r.pending = describe(pending, false);
   return r;
@@ -156,16 +170,22 @@ RadixCache::Node* RadixCache::insert_path(std::span<const int32_t> tokens) {
     n->key = std::move(key);
     return n;
   };
+  auto head = [](const std::vector<int32_t>& v, size_t k) {
+    return v.empty() ? std::vector<int32_t>{}
+                     : std::vector<int32_t>(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k));
+  };
   std::unique_ptr<Node> mid, leaf;
   if (cut) {
     mid =
         make(node, std::vector<int32_t>(cut->key.begin(), cut->key.begin() + static_cast<std::ptrdiff_t>(k)));
+    mid->kv = head(cut->kv, k);
     mid->children.emplace(cut->key[k], cut);
   }
   Node* leaf_parent = mid ? mid.get() : node;
   if (pos < tokens.size()) {
     leaf = make(leaf_parent,
                 std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(pos), tokens.end()));
+    if (kv_pool_) leaf->kv.assign(leaf->key.size(), -1);  // filled by the commit
     if (mid) mid->children.emplace(leaf->key[0], leaf.get());
   }
   Node* const result = leaf ? leaf.get() : mid.get();
@@ -190,6 +210,7 @@ RadixCache::Node* RadixCache::insert_path(std::span<const int32_t> tokens) {
   if (mid) {
     node->children.find(cut->key[0])->second = mid.get();  // same first token as the edge it cuts
     cut->key.erase(cut->key.begin(), cut->key.begin() + static_cast<std::ptrdiff_t>(k));
+    if (!cut->kv.empty()) cut->kv.erase(cut->kv.begin(), cut->kv.begin() + static_cast<std::ptrdiff_t>(k));
     cut->parent = mid.get();
     nodes_.find(mid->id)->second = std::move(mid);
   }
@@ -208,9 +229,9 @@ Snapshot RadixCache::reserve(std::span<const int32_t> tokens, int64_t len) {
     touch(n);
     return describe(n, false);
   }
-  // One eviction gives back both a budget unit and a pool slot. The path is walked only afterwards:
-  // evicting a snapshot below it may prune or merge the nodes it would have used.
-  if (snapshots_ >= max_snapshots_ || pool_->available() == 0) {
+  // Evicts until the pool has a slot and the budget room for one more snapshot and the path's new tokens.
+  // The path is walked only afterwards: evicting a snapshot below it may prune or merge its nodes.
+  while (snapshots_ >= max_snapshots_ || pool_->available() == 0 || !fits(path)) {
     if (lru_.empty()) return {};
     evict_lru();
   }
@@ -232,11 +253,45 @@ Snapshot RadixCache::reserve(std::span<const int32_t> tokens, int64_t len) {
   return describe(n, true);
 }
 
-void RadixCache::commit(NodeId id) {
+// Whether one more snapshot at `path`, and the tokens the tree lacks of it, stay within the budget.
+bool RadixCache::fits(std::span<const int32_t> path) const {
+  const Node* node = &root_;
+  size_t pos = 0;
+  while (pos < path.size()) {
+    const auto it = node->children.find(path[pos]);
+    if (it == node->children.end()) break;
+    const size_t k = common_prefix(it->second->key, path.subspan(pos));
+    pos += k;
+    if (k < it->second->key.size()) break;
+    node = it->second;
+  }
+  const size_t tokens = static_cast<size_t>(total_tokens_) + (path.size() - pos);
+  return static_cast<size_t>(snapshots_ + 1) * bytes_per_slot_ + tokens * kv_bytes_ <= budget_bytes_;
+}
+
+void RadixCache::commit(NodeId id, std::span<const int32_t> kv_slots) {
   Node* n = get(id, "commit");
   if (n->state != SnapshotState::Pending) {
     throw std::logic_error("RadixCache::commit: node " + str(id) + " is not pending (it is " +
                            name(n->state) + ")");
+  }
+  if (kv_pool_) {
+    if (static_cast<int64_t>(kv_slots.size()) < n->depth)
+      throw std::invalid_argument("RadixCache::commit: node " + str(id) + " is " + str(n->depth) +
+                                  " tokens deep but " + str(static_cast<int64_t>(kv_slots.size())) +
+                                  " KV slots were given");
+    std::vector<std::pair<int32_t*, int32_t>> fill;  // (edge entry, slot) of every token still at -1
+    for (Node* c = n; c != &root_; c = c->parent) {
+      const int64_t start = c->depth - static_cast<int64_t>(c->key.size());
+      for (size_t i = 0; i < c->kv.size(); ++i)
+        if (c->kv[i] < 0) fill.emplace_back(&c->kv[i], kv_slots[static_cast<size_t>(start) + i]);
+    }
+    std::vector<int32_t> refs;
+    refs.reserve(fill.size());
+    for (const auto& f : fill) refs.push_back(f.second);
+    kv_pool_->inc_ref(refs);  // every slot allocated and listed once, checked before any reference
+    for (const auto& [entry, slot] : fill) *entry = slot;
+    kv_refs_ += static_cast<int64_t>(fill.size());
   }
   n->state = SnapshotState::Ready;
   --pending_;
@@ -253,8 +308,16 @@ void RadixCache::abort(NodeId id) {
   release(n);  // a locked node (waiters) stays, with no snapshot, until its last dec_lock_ref
 }
 
-Snapshot RadixCache::insert(std::span<const int32_t> tokens, int64_t len, int32_t src_slot) {
+Snapshot RadixCache::insert(std::span<const int32_t> tokens, int64_t len, int32_t src_slot,
+                            std::span<const int32_t> kv_slots) {
   check_len(tokens, len, "RadixCache::insert");
+  if (kv_pool_ && static_cast<int64_t>(kv_slots.size()) < len)
+    throw std::invalid_argument("RadixCache::insert: " + str(len) + " tokens but " +
+                                str(static_cast<int64_t>(kv_slots.size())) + " KV slots");
+  if (kv_pool_)
+    for (const int32_t k : kv_slots.first(static_cast<size_t>(len)))
+      if (!kv_pool_->is_allocated(k))
+        throw std::invalid_argument("RadixCache::insert: KV slot " + str(k) + " is not allocated");
   if (!pool_->is_allocated(src_slot)) {
     throw std::invalid_argument("RadixCache::insert: source slot " + str(src_slot) + " is not allocated");
   }
@@ -266,7 +329,7 @@ Snapshot RadixCache::insert(std::span<const int32_t> tokens, int64_t len, int32_
   Snapshot s = reserve(tokens, len);
   if (s.created) {
     pool_->copy_slot(src_slot, s.slot);
-    commit(s.node);
+    commit(s.node, kv_slots);
     s.state = SnapshotState::Ready;
   }
   return s;
@@ -314,6 +377,7 @@ void RadixCache::prune(Node* n) {
   };
   while (empty(n) && n->children.empty()) {
     Node* parent = n->parent;
+    drop_kv(n);
     parent->children.erase(n->key[0]);
     total_tokens_ -= static_cast<int64_t>(n->key.size());
     nodes_.erase(n->id);
@@ -322,6 +386,7 @@ void RadixCache::prune(Node* n) {
   if (empty(n) && n->children.size() == 1) {
     Node* child = n->children.begin()->second;
     child->key.insert(child->key.begin(), n->key.begin(), n->key.end());
+    child->kv.insert(child->kv.begin(), n->kv.begin(), n->kv.end());
     child->parent = n->parent;
     n->parent->children[n->key[0]] = child;
     nodes_.erase(n->id);
@@ -349,6 +414,48 @@ bool RadixCache::ensure_free_slots(int64_t n) {
   if (pool_->available() + evictable_snapshots() < n) return false;
   while (pool_->available() < n) evict_lru();
   return true;
+}
+
+void RadixCache::drop_kv(Node* n) {
+  std::vector<int32_t> refs;
+  for (const int32_t k : n->kv)
+    if (k >= 0) refs.push_back(k);
+  if (kv_pool_) kv_pool_->free(refs);
+  kv_refs_ -= static_cast<int64_t>(refs.size());
+  n->kv.assign(n->kv.size(), -1);
+}
+
+int64_t RadixCache::evictable_kv_tokens() const {
+  if (!kv_pool_) return 0;
+  // Post-order: a node goes once everything evictable went iff its subtree holds no Pending or locked node.
+  int64_t freed = 0;
+  std::vector<std::pair<const Node*, bool>> stack{{&root_, false}};
+  std::unordered_map<const Node*, bool> blocked;
+  while (!stack.empty()) {
+    auto [n, expanded] = stack.back();
+    stack.pop_back();
+    if (!expanded) {
+      stack.emplace_back(n, true);
+      for (const auto& [first, c] : n->children) stack.emplace_back(c, false);
+      continue;
+    }
+    bool b = n->state == SnapshotState::Pending || n->lock_ref > 0;
+    for (const auto& [first, c] : n->children) b = b || blocked[c];
+    blocked[n] = b;
+    if (b || n == &root_) continue;
+    for (const int32_t k : n->kv)
+      if (k >= 0 && kv_pool_->ref_count(k) == 1) ++freed;
+  }
+  return freed;
+}
+
+bool RadixCache::ensure_free_kv_tokens(int64_t n) {
+  if (n < 0) throw std::invalid_argument("RadixCache::ensure_free_kv_tokens: n must be >= 0, got " + str(n));
+  const int64_t free = kv_pool_ ? kv_pool_->available() : 0;
+  if (free >= n) return true;
+  if (free + evictable_kv_tokens() < n) return false;
+  while (kv_pool_->available() < n && !lru_.empty()) evict_lru();
+  return kv_pool_->available() >= n;
 }
 
 SnapshotState RadixCache::state(NodeId id) const { return get(id, "state")->state; }
@@ -395,10 +502,56 @@ void RadixCache::check_invariants() const {
   if (snaps != snapshots_ || pending != pending_) fail("snapshot counters disagree with the tree");
   if (evictable_n != evictable_snapshots()) fail("the LRU set holds stale entries");
   if (tokens != total_tokens_) fail("total_size disagrees with the edges");
-  if (snapshots_ > max_snapshots_) fail("more snapshots than the budget allows");
+  if (snapshots_ > max_snapshots_ || bytes() > budget_bytes_) fail("more held than the budget allows");
+  check_kv();
   int64_t marked = 0;
   for (const uint8_t m : is_snapshot_slot_) marked += m;
   if (marked != snapshots_) fail("snapshot slot marks disagree with the tree");
+}
+
+void RadixCache::check_kv() const {
+  auto fail = [](const std::string& what) { throw std::logic_error("RadixCache invariant: " + what); };
+  std::unordered_map<int32_t, int32_t> held;  // slot -> references the tree holds
+  int64_t refs = 0;
+  // Post-order, so that a node knows whether its subtree holds a Pending or locked node: the only place
+  // where an edge token may still wait for its KV slot (-1).
+  std::unordered_map<const Node*, bool> open;
+  std::vector<std::pair<const Node*, bool>> stack{{&root_, false}};
+  while (!stack.empty()) {
+    auto [n, expanded] = stack.back();
+    stack.pop_back();
+    if (!expanded) {
+      stack.emplace_back(n, true);
+      for (const auto& [first, c] : n->children) stack.emplace_back(c, false);
+      continue;
+    }
+    bool o = n->state == SnapshotState::Pending || n->lock_ref > 0;
+    for (const auto& [first, c] : n->children) o = o || open[c];
+    open[n] = o;
+    if (n == &root_) continue;
+    const std::string id = "node " + str(n->id);
+    if (!kv_pool_) {
+      if (!n->kv.empty()) fail(id + " holds KV slots without a KV pool");
+      continue;
+    }
+    if (n->kv.size() != n->key.size())
+      fail(id + " has " + str(static_cast<int64_t>(n->kv.size())) + " KV slots for " +
+           str(static_cast<int64_t>(n->key.size())) + " tokens");
+    for (const int32_t k : n->kv) {
+      if (k < 0) {
+        if (!o) fail(id + " has a token without KV although no pending or locked node lies below it");
+        continue;
+      }
+      if (!kv_pool_->is_allocated(k)) fail(id + " references KV slot " + str(k) + ", which is free");
+      ++held[k];
+      ++refs;
+    }
+  }
+  for (const auto& [slot, count] : held)
+    if (kv_pool_->ref_count(slot) < count)
+      fail("KV slot " + str(slot) + " has " + str(kv_pool_->ref_count(slot)) +
+           " references, the tree holds " + str(count));
+  if (refs != kv_refs_) fail("the KV reference counter disagrees with the edges");
 }
 
 }  // namespace kda::mem_cache

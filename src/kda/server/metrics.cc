@@ -97,10 +97,18 @@ std::string Metrics::render(const serving::EngineStats& s) const {
          s.cached_tokens);
   metric(out, "kda_slots_used", "gauge", "Request slots (recurrent state) in use.", s.slots_used);
   metric(out, "kda_slots_total", "gauge", "Request slots (recurrent state) in the pool.", s.slots_total);
-  metric(out, "kda_kv_tokens_used", "gauge", "MLA KV token slots in use.", s.kv_tokens_used);
+  metric(out, "kda_kv_tokens_used", "gauge", "MLA KV token slots requests hold beyond the prefix cache's.",
+         s.kv_tokens_used);
   metric(out, "kda_kv_tokens_total", "gauge", "MLA KV token slots in the pool.", s.kv_tokens_total);
-  metric(out, "kda_prefix_cache_bytes", "gauge", "Bytes of prefix-cache state snapshots held.",
+  metric(out, "kda_prefix_cache_bytes", "gauge",
+         "Bytes the prefix cache holds (state snapshots and cached tokens' MLA KV rows).",
          s.prefix_cache_bytes);
+  metric(out, "kda_prefix_cache_snapshots", "gauge", "State snapshots the prefix cache holds.",
+         s.prefix_cache_snapshots);
+  metric(out, "kda_prefix_cache_evictions_total", "counter", "Prefix-cache snapshots evicted.",
+         s.prefix_cache_evictions);
+  metric(out, "kda_prefix_cache_kv_tokens", "gauge", "MLA KV token slots the prefix cache holds.",
+         s.prefix_cache_kv_tokens);
   metric(out, "kda_engine_steps_total", "counter", "Engine steps run.", s.steps);
   std::lock_guard lock(mu_);
   out += "# HELP kda_requests_total Finished requests by finish reason.\n# TYPE kda_requests_total counter\n";

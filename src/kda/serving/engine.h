@@ -154,9 +154,11 @@ struct EngineStats {
   int64_t running = 0, waiting = 0;
   int64_t requests_finished = 0, requests_aborted = 0;
   int64_t prompt_tokens = 0, prompt_tokens_computed = 0, generation_tokens = 0;  // totals
-  int64_t slots_total = 0, slots_used = 0;            // request slots (KDA state pool)
-  int64_t kv_tokens_total = 0, kv_tokens_used = 0;    // MLA token slots (0 without MLA layers)
+  int64_t slots_total = 0, slots_used = 0;  // request slots (KDA state pool)
+  // MLA token slots (0 without MLA layers); used: held by requests and not by the prefix cache too.
+  int64_t kv_tokens_total = 0, kv_tokens_used = 0;
   int64_t cached_tokens = 0, prefix_cache_bytes = 0;  // prefix cache (0 without one)
+  int64_t prefix_cache_evictions = 0, prefix_cache_snapshots = 0, prefix_cache_kv_tokens = 0;
   int64_t steps = 0;
   // Speculative decoding (0 without it): drafted tokens verified, and those accepted and emitted.
   int64_t spec_draft_tokens = 0, spec_accepted_tokens = 0;

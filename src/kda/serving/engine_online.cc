@@ -249,7 +249,13 @@ void Engine::publish_stats() {
     s.kv_tokens_total = kv->size();
     s.kv_tokens_used = kv->size() - kv->available();
   }
-  if (const auto* c = opt_.scheduler.cache) s.prefix_cache_bytes = static_cast<int64_t>(c->bytes());
+  if (const auto* c = opt_.scheduler.cache) {
+    s.prefix_cache_bytes = static_cast<int64_t>(c->bytes());
+    s.prefix_cache_evictions = c->evictions();
+    s.prefix_cache_snapshots = c->snapshots();
+    s.prefix_cache_kv_tokens = c->kv_tokens();
+    s.kv_tokens_used -= s.prefix_cache_kv_tokens;  // the tree's slots are all in use, each held once
+  }
   std::lock_guard<std::mutex> lk(mu_);
   s.waiting += static_cast<int64_t>(inbox_.size());
   stats_ = s;

@@ -59,12 +59,14 @@ Scheduler::Scheduler(const std::vector<RequestSpec>& requests, const SchedulerOp
   });
   slot_used_.assign(static_cast<size_t>(pool.recurrent_pool().size() + 1), 0);
   cache_ = opt_.cache && opt_.cache->enabled() ? opt_.cache : nullptr;
-  // A snapshot holds the KDA layers' states only: restoring it would leave the prefix's MLA KV rows
-  // missing, so a model with MLA layers takes no prefix-cache hits at all.
-  if (opt_.cache && kv_)
+  // On a model with MLA layers a hit restores the prefix's KV rows too, which only a cache attached to
+  // this KV pool holds.
+  if (opt_.cache && kv_ && !opt_.cache->attached_to(kv_))
     throw std::invalid_argument(
-        "prefix cache: the model has MLA layers, whose KV rows a KDA state snapshot cannot restore "
-        "(serve it with the radix cache disabled)");
+        "prefix cache: the model has MLA layers but the cache is not attached to its MLA KV pool "
+        "(construct the RadixCache with the pool's token_to_kv_pool)");
+  if (opt_.cache && !kv_ && opt_.cache->attached_to_kv())
+    throw std::invalid_argument("prefix cache: attached to an MLA KV pool, but the model has no MLA layers");
   if (opt_.cache && opt_.cache_interval < 1)
     throw std::invalid_argument("--cache-interval must be >= 1, got " + std::to_string(opt_.cache_interval));
   if (cache_) {
@@ -100,6 +102,7 @@ void Scheduler::add_sequences(int64_t r) {
   for (int32_t j = 0; j < n; ++j) seqs_.push_back(fresh_sequence(r, j));
   unfinished_.push_back(n);
   kv_share_.resize(seqs_.size(), 0);
+  shared_len_.resize(seqs_.size(), 0);
   pending_.resize(seqs_.size());
 }
 
@@ -192,8 +195,25 @@ bool Scheduler::can_admit(int64_t request) const {
   if (cache_) free = std::min(free, pool_->recurrent_pool().available() + cache_->evictable_snapshots());
   if (free - reserved_ < slots_needed(request)) return false;
   // Admission promises a request every KV token slot it can come to hold, so that no step's
-  // alloc_tokens (nor a fork) ever finds the KV pool short: a request waits here instead.
-  return !kv_ || kv_promised_ + kv_tokens_needed(request) <= kv_->size();
+  // alloc_tokens ever finds the KV pool short: a request waits here instead. Free slots back every
+  // promise not yet taken (admission evicts cached KV to keep it so); the check counts what the cache
+  // could give up, and the request's whole need (a hit's shared tokens need less).
+  if (!kv_) return true;
+  const int64_t want = kv_outstanding() + kv_tokens_needed(request);
+  if (want <= kv_->available()) return true;
+  return cache_ && want <= kv_->available() + cache_->evictable_kv_tokens();
+}
+
+// KV token slots promised to running sequences and not allocated by them yet: at most what is free.
+int64_t Scheduler::kv_outstanding() const {
+  int64_t out = 0;
+  for (size_t s = 0; s < seqs_.size(); ++s) {
+    if (kv_share_[s] == 0) continue;
+    const int32_t idx = seqs_[s].req_pool_index;
+    const int64_t own = idx >= 0 ? pool_->seq_len(idx) - shared_len_[s] : 0;
+    out += std::max<int64_t>(0, kv_share_[s] - own);
+  }
+  return out;
 }
 
 int32_t Scheduler::take_slot(int32_t req_pool_index) {
@@ -234,19 +254,33 @@ void Scheduler::fill_prefill(ScheduledBatch& b, int64_t budget) {
     // Prefix cache: the deepest Ready snapshot of the prompt minus its last token is copied into the
     // slot; the prefill then runs only the rest (the row's start is k, its ForwardBatch prefix k > 0).
     q.prefix_len = 0;
+    shared_len_[s] = 0;
     if (cache_ && q.prompt_len >= 2) {
       const auto m = cache_->match_prefix(match_key(r));
       if (m.hit) {
         cache_->inc_lock_ref(m.hit.node);
         pool_->recurrent_pool().copy_slot(m.hit.slot, slot);
-        cache_->dec_lock_ref(m.hit.node);
         q.prefix_len = static_cast<int32_t>(m.hit.len);
         cache_hit_tokens_ += q.prefix_len;
-        // The request's length is the restored prefix (no MLA layer: no token slot behind it).
         const int32_t idx = q.req_pool_index, len = q.prefix_len;
-        pool_->alloc_tokens(std::span<const int32_t>(&idx, 1), std::span<const int32_t>(&len, 1));
+        if (kv_) {
+          // The prefix's MLA KV rows by reference: the request never writes them (its new tokens get
+          // fresh slots), and they need no slot of its promise.
+          pool_->share_tokens(idx, m.kv_slots);
+          shared_len_[s] = len;
+          kv_share_[s] -= len;
+          kv_promised_ -= len;
+        } else {
+          pool_->alloc_tokens(std::span<const int32_t>(&idx, 1), std::span<const int32_t>(&len, 1));
+        }
+        cache_->dec_lock_ref(m.hit.node);
       }
+      // Every promise backed by a free slot before the request's own snapshots pin its path's KV.
+      if (kv_ && !cache_->ensure_free_kv_tokens(kv_outstanding()))
+        throw std::logic_error("scheduler: admitted a request the KV pool and the cache cannot give slots");
       plan_snapshots(s, m);
+    } else if (cache_ && kv_ && !cache_->ensure_free_kv_tokens(kv_outstanding())) {
+      throw std::logic_error("scheduler: admitted a request the KV pool and the cache cannot give slots");
     }
     q.processed = q.prefix_len;
     b.cached_tokens += q.prefix_len;
@@ -287,9 +321,10 @@ void Scheduler::plan_snapshots(int64_t seq, const mem_cache::MatchResult& m) {
 void Scheduler::commit_snapshots(int64_t seq) {
   auto& v = pending_[seq];
   const int32_t done = seqs_[seq].processed;
+  const auto kv_slots = pool_->req_to_token(seqs_[seq].req_pool_index);  // empty without a KV pool
   for (auto it = v.begin(); it != v.end();) {
     if (it->pos <= done) {
-      cache_->commit(it->node);
+      cache_->commit(it->node, kv_slots);
       it = v.erase(it);
     } else {
       ++it;
@@ -387,8 +422,10 @@ void Scheduler::finish(int64_t seq, StepEvents& ev) {
     // continues from it. A full cache makes this insert give nothing, which only costs speed.
     std::vector<int32_t> tokens = prompts_[q.request];
     tokens.insert(tokens.end(), fed_[seq].begin(), fed_[seq].end());
-    if (static_cast<int64_t>(tokens.size()) == q.processed)
-      cache_->insert(tokens, q.processed, pool_->slot_of(q.req_pool_index));
+    const auto kv_slots = pool_->req_to_token(q.req_pool_index);
+    if (static_cast<int64_t>(tokens.size()) == q.processed &&
+        (!kv_ || static_cast<int64_t>(kv_slots.size()) >= q.processed))
+      cache_->insert(tokens, q.processed, pool_->slot_of(q.req_pool_index), kv_slots);
   }
   if (q.req_pool_index >= 0) {
     const int32_t idx = q.req_pool_index;
@@ -504,7 +541,13 @@ StepEvents Scheduler::complete(const ScheduledBatch& b) {
       // check_fork_slots made sure of the slot; this evicts a snapshot only when none is free.
       if (cache_ && !cache_->ensure_free_slots(1))
         throw std::logic_error("scheduler: no slot for a fork although one was reserved");
-      child.req_pool_index = pool_->fork(q.req_pool_index);  // copy_slot of every layer's state
+      child.req_pool_index = pool_->fork(q.req_pool_index);  // copy_slot; the KV rows by reference
+      if (kv_) {  // the shared prompt rows need no slot of the child's promise
+        const int64_t shared = pool_->seq_len(child.req_pool_index);
+        shared_len_[seq_index(r, j)] = shared;
+        kv_share_[seq_index(r, j)] -= shared;
+        kv_promised_ -= shared;
+      }
       if (cache_) fed_[seq_index(r, j)] = fed_[row.seq];
       --reserved_;
       take_slot(child.req_pool_index);

@@ -31,12 +31,15 @@
 //     state after all its processed tokens is inserted before its slot is freed (a session's next turn
 //     starts with exactly those tokens). Snapshots and requests share the pool: admission counts
 //     evictable snapshots as free slots and evicts (LRU) what it needs, so a full cache costs speed only.
-//     A snapshot holds KDA states only, so a model with MLA layers serves without the cache (the
-//     constructor refuses one): the prefix's MLA KV rows could not be restored with it.
+//     On a model with MLA layers the cache must be attached to the KV pool: a hit also shares the KV
+//     slots of the prefix's tokens into the request (HybridReqToTokenPool::share_tokens), snapshot
+//     commits and the finished insert pass the request's token slots, which the tree then references.
 //   - MLA KV token slots (models with MLA layers): the model allocates a step's token slots as it runs
-//     it and HybridReqToTokenPool::free returns a request's with it. Admission promises a request the
-//     most it can hold (prompt + output tokens per continuation) and waits while the pool cannot promise
-//     that; a request that could never fit is an error at construction.
+//     it and HybridReqToTokenPool::free drops a request's references with it. Admission promises a
+//     request the fresh slots it can come to hold (prompt + output tokens per continuation, less a hit's
+//     shared prefix and, for forks, the parent's prompt they share) and keeps every promise not yet
+//     taken backed by free slots, evicting cached KV for it; a request waits while neither free slots
+//     nor evictable cached KV cover it. A request that could never fit is an error at construction.
 #pragma once
 
 #include <cstdint>
@@ -173,6 +176,7 @@ class Scheduler {
   int64_t kv_tokens_needed(const RequestSpec& r, int32_t n) const {
     return kv_tokens_for(r, n, opt_.verify_extra_tokens);
   }
+  int64_t kv_outstanding() const;
   void note_kv_use();  // the KV pool's use after a step ran, before its finished requests free theirs
   bool can_admit(int64_t request) const;
   bool waits_for_snapshot(int64_t request);  // a deeper snapshot of its prompt is being written
@@ -193,7 +197,8 @@ class Scheduler {
   int32_t n_;
   mem_cache::HybridReqToTokenPool* pool_;
   mem_cache::MLATokenToKVPool* kv_;  // the pool's MLA token KV pool; null for a model without MLA layers
-  std::vector<int64_t> kv_share_;    // per sequence: the KV token slots promised to it while it runs
+  std::vector<int64_t> kv_share_;    // per sequence: the fresh KV token slots promised to it while it runs
+  std::vector<int64_t> shared_len_;  // per sequence: leading token slots it holds by reference (not fresh)
   int64_t kv_promised_ = 0, peak_kv_tokens_ = 0;
   std::vector<Sequence> seqs_;     // [seq_base_[request] + sample]
   std::vector<int64_t> seq_base_;  // per request: its first sequence

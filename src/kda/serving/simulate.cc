@@ -38,11 +38,13 @@ int64_t resident_bytes() {
 }
 
 // The prefix cache of one serving pass over `runner`'s pool (none when the plan has it off); `cache`
-// must outlive the pass and go before the runner. The snapshots' budget is their slots' bytes.
+// must outlive the pass and go before the runner. On a model with MLA layers it holds the cached tokens'
+// KV rows of the runner's KV pool too.
 void attach_cache(const Plan& p, ModelRunner& runner, ServeOptions& so,
                   std::optional<mem_cache::RadixCache>& cache) {
   if (!p.cache) return;
-  cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(p.cache_slots * p.slot_bytes));
+  cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(p.cache_budget),
+                runner.pools().token_to_kv_pool.get());
   so.scheduler.cache = &*cache;
 }
 
@@ -54,7 +56,9 @@ void account(ModelRunner& runner, const mem_cache::RadixCache* cache, SimulateRe
   const int64_t snapshots = cache ? cache->snapshots() : 0;
   res.leaked_slots = pools.recurrent_state_pool.size() - pools.recurrent_state_pool.available() - snapshots;
   res.leaked_request_indices = pools.req_to_token_pool.size() - pools.req_to_token_pool.available();
-  if (const auto* kv = pools.token_to_kv_pool.get()) res.leaked_kv_tokens = kv->size() - kv->available();
+  // The cache's tree holds the KV slots of its tokens (one reference each); every other one must be back.
+  if (const auto* kv = pools.token_to_kv_pool.get())
+    res.leaked_kv_tokens = kv->size() - kv->available() - (cache ? cache->kv_tokens() : 0);
   if (cache) {
     try {
       cache->check_invariants();
@@ -101,7 +105,7 @@ SimulateResult run_group(const SimulateOptions& o) {
   res.pool_slots = p.slots + p.cache_slots;
   res.spec = o.spec;
   if (p.cache) {
-    res.prefix_cache_memory = p.cache_slots * p.slot_bytes;
+    res.prefix_cache_memory = p.cache_budget;
     res.cache_interval = o.cache_interval;
   }
 
@@ -187,9 +191,7 @@ SimulateResult run_group(const SimulateOptions& o) {
         " snapshot slots x " + std::to_string(p.slot_bytes) + " bytes; " + std::to_string(res.requests) +
         " requests" +
         (p.mla_layers > 0 ? "; MLA KV pool: " + std::to_string(p.kv_tokens) + " token slots x " +
-                                std::to_string(p.kv_token_bytes) +
-                                " bytes (prefix cache off: a KDA "
-                                "snapshot cannot restore the MLA layers' KV)"
+                                std::to_string(p.kv_token_bytes) + " bytes"
                           : std::string()));
     std::optional<mem_cache::RadixCache> cache;
     attach_cache(p, runner, so, cache);

@@ -193,8 +193,6 @@ Plan make_plan(const SimulateOptions& o) {
                                   std::to_string(p.mla_layers) + " MLA layers), but a request needs " +
                                   std::to_string(kv_need) + " (prompt + output tokens per continuation)");
     p.kv_tokens = std::min(budget, kv_total);
-    // A KDA state snapshot cannot restore the prefix's MLA KV rows: no prefix cache on such a model.
-    p.server_args.disable_radix_cache = true;
   }
   p.cache = !p.server_args.disable_radix_cache;
   if (p.cache) {
@@ -213,6 +211,9 @@ Plan make_plan(const SimulateOptions& o) {
     int64_t most = 0;
     for (const auto& r : o.requests) most += r.prompt_len / o.cache_interval + 2 + o.parallel_samples;
     p.cache_slots = std::min(o.prefix_cache_memory / p.slot_bytes, most);
+    // The cached tokens' KV rows (models with MLA layers) count in the same budget: at most the KV pool.
+    p.cache_budget =
+        std::min(o.prefix_cache_memory, p.cache_slots * p.slot_bytes + p.kv_tokens * p.kv_token_bytes);
   }
   if (!o.outputs_path.empty()) {
     if (std::filesystem::is_directory(o.outputs_path))

@@ -28,8 +28,9 @@ struct Plan {
   int64_t vocab = 0;
   int64_t slot_bytes = 0, slots = 0;
   bool cache = false;
-  int64_t cache_slots = 0;  // snapshot slots on top of `slots` (the pool holds slots + cache_slots)
-  int verify_tokens = 0;    // speculative decoding: the verify buffer's tokens per row, and its rows
+  int64_t cache_slots = 0;   // snapshot slots on top of `slots` (the pool holds slots + cache_slots)
+  int64_t cache_budget = 0;  // the cache's bytes: its snapshot slots and the KV rows its tokens hold
+  int verify_tokens = 0;     // speculative decoding: the verify buffer's tokens per row, and its rows
   int64_t verify_rows = 0;
   std::vector<int64_t> check_requests;  // workload indices
 };
