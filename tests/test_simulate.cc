@@ -1202,6 +1202,8 @@ SimulateOptions spec_options(std::vector<RequestSpec> reqs, SpecAlgorithm a, int
   o.spec.draft_tokens = 4;
   o.spec.topk = topk;
   o.spec.accept_rate = rate;
+  // Fixed depth: the tests below count drafts (adaptive depth follows step times; its own tests follow).
+  o.spec.depth_mode = DraftDepthMode::kFixed;
   o.server_args.speculative_algorithm = to_string(a);
   return o;
 }
@@ -1421,6 +1423,7 @@ TEST(Speculative, WorksWithMixedBatchesParallelSamplesAndThePrefixCache) {
   auto o = plain;
   o.spec.algorithm = SpecAlgorithm::kReplay;
   o.spec.topk = 2;
+  o.spec.depth_mode = DraftDepthMode::kFixed;
   o.server_args.speculative_algorithm = "replay";
   o.check = 2;
   const auto r = run_simulation(o);
@@ -1475,7 +1478,7 @@ TEST(Speculative, Bf16SelfCheckPasses) {
 TEST(SimulateCli, SpeculativeSummaryJsonAndBadOptions) {
   auto r = run_kda(
       "simulate --layers 1 --requests 2 --prompt-len 4:8 --output-len 6 --precision fp32 --vocab 512 "
-      "--speculative replay --accept-rate 1 --draft-tokens 3 --json",
+      "--speculative replay --accept-rate 1 --draft-tokens 3 --draft-depth fixed --json",
       false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
@@ -1504,6 +1507,78 @@ TEST(SimulateCli, SpeculativeSummaryJsonAndBadOptions) {
   r = run_kda("simulate --layers 1 --speculative replay --draft-topk 0", true);
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.out, HasSubstr("--draft-topk must be in 1..16"));
+}
+
+// Adaptive draft depth (draft_depth.h) follows the steps' measured times, so its drafts vary from run to
+// run; the tokens never do: greedy verification emits plain decoding's tokens at any depth, on one rank and
+// on a TP group (whose ranks draft rank 0's depths: their step times differ).
+TEST(Speculative, AdaptiveDepthGivesTheTokensOfFixedDepthAndOfNoSpeculation) {
+  auto plain_o = small_options(spec_workload());
+  plain_o.vocab = kSpecVocab;
+  plain_o.max_batch = 4;
+  const auto plain = run_simulation(plain_o);
+  for (const auto a : {SpecAlgorithm::kNgram, SpecAlgorithm::kReplay}) {
+    SCOPED_TRACE(to_string(a));
+    auto o = spec_options(spec_workload(), a, 1, 0.8);
+    o.vocab = kSpecVocab;
+    o.max_batch = 4;
+    o.check = 2;
+    const auto fixed = run_simulation(o);
+    o.spec.depth_mode = DraftDepthMode::kAdaptive;
+    const auto adaptive = run_simulation(o);
+    expect_same_tokens_and_rows(adaptive, plain);
+    expect_same_tokens_and_rows(fixed, plain);
+    expect_check_passes(adaptive);
+    EXPECT_EQ(adaptive.serve.decode_tokens, plain.serve.decode_tokens);
+    EXPECT_GT(adaptive.serve.spec_depth_rows, 0);
+    EXPECT_LE(adaptive.serve.spec_depth_sum, adaptive.serve.spec_depth_rows * o.spec.draft_tokens);
+    EXPECT_LE(adaptive.serve.spec_draft_tokens, adaptive.serve.spec_depth_sum);
+    const auto j = to_json(adaptive);
+    EXPECT_EQ(j["draft_depth"], "adaptive");
+    EXPECT_DOUBLE_EQ(j["spec_mean_depth"].get<double>(),
+                     static_cast<double>(adaptive.serve.spec_depth_sum) /
+                         static_cast<double>(adaptive.serve.spec_depth_rows));
+    EXPECT_EQ(to_json(fixed)["draft_depth"], "fixed");
+  }
+}
+
+TEST(Speculative, AdaptiveDepthUnderTensorParallelDraftsRankZerosDepths) {
+  auto o = spec_options(make_workload(4, {5, 30}, 12, 4), SpecAlgorithm::kReplay, 1, 0.8);
+  o.spec.depth_mode = DraftDepthMode::kAdaptive;
+  const auto one = run_simulation(o);
+  std::vector<SimulateResult> tp(2);
+  distributed::InProcessGroup tp_group(2);
+  ASSERT_NO_THROW(tp_group.run([&](int rank, distributed::Communicator& comm) {
+    auto ot = o;
+    ot.tp = {rank, 2, &comm};
+    tp[static_cast<size_t>(rank)] = run_simulation(ot);
+  }));
+  for (const auto* r : {&tp[0], &tp[1]}) {
+    ASSERT_EQ(r->serve.requests_completed, 4);
+    for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(out_of(*r, i).tokens, out_of(one, i).tokens) << i;
+  }
+  EXPECT_EQ(tp[0].serve.spec_depth_sum, tp[1].serve.spec_depth_sum);
+  EXPECT_EQ(tp[0].serve.spec_draft_tokens, tp[1].serve.spec_draft_tokens);
+  EXPECT_EQ(tp[0].serve.spec_accepted_tokens, tp[1].serve.spec_accepted_tokens);
+}
+
+TEST(SimulateCli, DraftDepthOption) {
+  auto r = run_kda(
+      "simulate --layers 1 --requests 2 --prompt-len 4:8 --output-len 6 --precision fp32 --vocab 512 "
+      "--speculative replay --draft-tokens 3 --json",
+      false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["draft_depth"], "adaptive");  // the default
+  EXPECT_GE(j["spec_mean_depth"].get<double>(), 0.0);
+  EXPECT_LE(j["spec_mean_depth"].get<double>(), 3.0);
+  EXPECT_EQ(j["decode_tokens"], 12);
+  r = run_kda("simulate --layers 1 --speculative replay --draft-depth sometimes", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--draft-depth 'sometimes': expected adaptive or fixed"));
+  r = run_kda("simulate --layers 1 --draft-depth fixed", true);
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("--speculative"));
 }
 
 // --- soak under churn, shortened: the accounting and the self-check, not the timing ----------------------

@@ -179,6 +179,11 @@ int main(int argc, char** argv) {
   sim->add_option("--accept-rate", so.accept_rate,
                   "replay: probability that a drafted token is the true one (default 0.7)")
       ->needs(spec);
+  sim->add_option("--draft-depth", so.draft_depth,
+                  "adaptive: per sequence, from measured acceptance and verify cost (at most --draft-tokens; "
+                  "0 where speculation does not pay) | fixed: --draft-tokens")
+      ->capture_default_str()
+      ->needs(spec);
   sim->add_option("--tp", so.tp, "tensor-parallel ranks per group (start with mpirun -np N*M)")
       ->check(CLI::PositiveNumber);
   sim->add_option("--dp", so.dp, "data-parallel groups owning disjoint requests")->check(CLI::PositiveNumber);
@@ -256,6 +261,22 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"builtin"}));
   serve->add_option("--threads", svo.threads, "HTTP worker threads (default: 2 x max batch, at least 8)")
       ->check(CLI::PositiveNumber);
+  auto* serve_spec = serve->add_option("--speculative", svo.speculative,
+                                       "speculative decoding: ngram (prompt lookup drafts; greedy and "
+                                       "speculative-sampling verification)");
+  serve->add_option("--draft-tokens", svo.draft_tokens, "drafted tokens per verify row (a tree: per branch)")
+      ->needs(serve_spec)
+      ->capture_default_str();
+  serve->add_option("--draft-topk", svo.draft_topk, "branches of a draft tree (1: a chain)")
+      ->needs(serve_spec)
+      ->capture_default_str();
+  serve
+      ->add_option("--draft-depth", svo.draft_depth,
+                   "adaptive: each continuation's depth from its acceptance and the measured verify cost "
+                   "(seeded sampled requests draft at the fixed depth) | fixed: --draft-tokens")
+      ->needs(serve_spec)
+      ->check(CLI::IsMember({"adaptive", "fixed"}))
+      ->capture_default_str();
   kda::cli::TokenizeOptions to;
   auto* tokenize =
       app.add_subcommand("tokenize", "text on stdin -> token ids on stdout (separated by spaces)");

@@ -176,6 +176,19 @@ int run_serve(const ServeCliOptions& o) {
                                 ": the MLA KV pool (--kv-memory " + o.kv_memory + ") holds " +
                                 std::to_string(kv_tokens) + " tokens");
 
+  serving::SpeculativeOptions spec;
+  spec.algorithm = serving::parse_spec_algorithm(o.speculative);
+  if (spec.algorithm == serving::SpecAlgorithm::kReplay)
+    throw std::invalid_argument(
+        "--speculative replay: it drafts a known continuation (kda simulate only); use ngram");
+  if (o.draft_tokens < 1 || o.draft_tokens > 64)
+    throw std::invalid_argument("--draft-tokens must be in 1..64, got " + std::to_string(o.draft_tokens));
+  if (o.draft_topk < 1 || o.draft_topk > 16)
+    throw std::invalid_argument("--draft-topk must be in 1..16, got " + std::to_string(o.draft_topk));
+  spec.draft_tokens = static_cast<int32_t>(o.draft_tokens);
+  spec.topk = static_cast<int32_t>(o.draft_topk);
+  spec.depth_mode = serving::parse_draft_depth_mode(o.draft_depth);
+  spec.validate();
   // The prefix cache's snapshots live in idle request slots and its tokens' KV rows in the KV pool, both
   // given back (evicted) as requests need them; its budget caps the bytes it holds.
   int64_t cache_budget = 0;
@@ -190,10 +203,13 @@ int run_serve(const ServeCliOptions& o) {
       throw std::invalid_argument("--prefix-cache-memory " + o.prefix_cache_memory +
                                   " is too small for one state snapshot of " + std::to_string(sb) + " bytes");
   }
-  serving::ModelRunner runner(*model, slots, kv_tokens, mo.kernel);
+  // A verify row per decode row: the batch's rows, each up to spec.max_verify_tokens() tokens.
+  serving::ModelRunner runner(*model, slots, kv_tokens, mo.kernel, spec.max_verify_tokens(),
+                              spec.enabled() ? std::min<int64_t>(o.max_batch, slots) : 0);
   // After the runner (its pools), before the engine that uses it.
   std::optional<mem_cache::RadixCache> cache;
   serving::EngineOptions eo;
+  eo.spec = spec;
   if (cache_budget > 0) {
     cache.emplace(runner.pools().recurrent_state_pool, static_cast<size_t>(cache_budget),
                   runner.pools().token_to_kv_pool.get());
@@ -225,6 +241,10 @@ int run_serve(const ServeCliOptions& o) {
       build_s, static_cast<long long>(slots), static_cast<long long>(kv_tokens),
       static_cast<long long>(context), static_cast<long long>(model->vocab_size()),
       cache ? (std::to_string(cache_budget) + " bytes").c_str() : "off");
+  if (spec.enabled())
+    std::fprintf(stderr,
+                 "kda serve: speculative decoding: ngram, %d drafts per branch, %d branch%s, %s depth\n",
+                 spec.draft_tokens, spec.topk, spec.topk == 1 ? "" : "es", to_string(spec.depth_mode));
   std::printf("kda serve: listening on http://%s:%d\n", o.host.c_str(), port);
   std::fflush(stdout);
   signals.attach(srv);

@@ -119,9 +119,16 @@ void print_summary(const serving::SimulateResult& r) {
     const double per_step = s.spec_verify_rows > 0 ? static_cast<double>(s.spec_emitted_tokens) /
                                                          static_cast<double>(s.spec_verify_rows)
                                                    : 0.0;
+    const double mean_depth =
+        s.spec_depth_rows > 0 ? static_cast<double>(s.spec_depth_sum) / static_cast<double>(s.spec_depth_rows)
+                              : 0.0;
+    char depth_buf[64];
+    std::snprintf(depth_buf, sizeof depth_buf, " (%s depth, mean %.2f)", to_string(r.spec.depth_mode),
+                  mean_depth);
     std::string how = std::string(to_string(r.spec.algorithm)) + ", " + std::to_string(r.spec.draft_tokens) +
                       " draft tokens" +
-                      (r.spec.topk > 1 ? " x " + std::to_string(r.spec.topk) + " branches" : std::string());
+                      (r.spec.topk > 1 ? " x " + std::to_string(r.spec.topk) + " branches" : std::string()) +
+                      depth_buf;
     if (r.spec.algorithm == serving::SpecAlgorithm::kReplay) {
       char buf[48];
       std::snprintf(buf, sizeof buf, ", accept rate %.2f", r.spec.accept_rate);
@@ -227,6 +234,7 @@ int run_simulate(const SimulateCliOptions& o) {
   if (o.accept_rate != -1.0 && so.spec.algorithm != serving::SpecAlgorithm::kReplay)
     throw std::invalid_argument("--accept-rate is for --speculative replay only");
   so.spec.accept_rate = o.accept_rate == -1.0 ? 0.7 : o.accept_rate;
+  so.spec.depth_mode = serving::parse_draft_depth_mode(o.draft_depth);
   so.outputs_path = o.outputs;
   // Under --tp every rank of a group runs the same schedule on its shard; under --dp the groups serve
   // disjoint requests. World rank 0 alone reports and writes.

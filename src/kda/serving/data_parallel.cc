@@ -38,6 +38,8 @@ constexpr std::pair<const char*, int64_t ServeResult::*> kCounters[] = {
     {"spec_accepted_tokens", &ServeResult::spec_accepted_tokens},
     {"spec_emitted_tokens", &ServeResult::spec_emitted_tokens},
     {"spec_state_bytes", &ServeResult::spec_state_bytes},
+    {"spec_depth_sum", &ServeResult::spec_depth_sum},
+    {"spec_depth_rows", &ServeResult::spec_depth_rows},
     {"replay_diverged", &ServeResult::replay_diverged},
 };
 

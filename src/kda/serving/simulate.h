@@ -205,14 +205,16 @@ double percentile(std::vector<double> v, double p);  // nearest-rank, p in [0, 1
 // how many snapshots it evicted. With hits, a kept output's rows start at its restored prefix (rows_from).
 // Speculative decoding: spec_draft_tokens drafted, spec_accepted_tokens accepted, spec_accept_rate =
 // accepted / drafted, spec_tokens_per_step = tokens emitted per request per verify step (accepted + 1),
-// spec_verify_steps, spec_state_bytes the backend's verify buffer; decode_tokens counts generated tokens
-// either way (drafts are not counted), so decode_tok_s compares with and without speculation.
-// The model: layers decoder layers, kda_layers / mla_layers / moe_layers of them, num_experts routed experts
-// per MoE layer and experts_per_token (top-k) of them per token, weight_bytes the mean resident bytes of a
-// decoder layer, model_weight_bytes the whole model's, active_weight_bytes what one decoded token reads,
-// active_params the parameters one token uses (the real model's whenever top-k and the expert size are).
-// MLA KV pool: kv_tokens token slots of kv_token_bytes (every MLA layer), kv_bytes allocated,
-// peak_kv_tokens in use at the busiest step, leaked_kv_tokens still taken after the run (0 or the run fails).
+// spec_verify_steps, spec_mean_depth the mean depth decode rows drafted at (adaptive: chosen per
+// sequence, 0 where speculation did not pay), spec_state_bytes the backend's verify buffer; decode_tokens
+// counts generated tokens either way (drafts are not counted), so decode_tok_s compares with and without
+// speculation. The model: layers decoder layers, kda_layers / mla_layers / moe_layers of them, num_experts
+// routed experts per MoE layer and experts_per_token (top-k) of them per token, weight_bytes the mean
+// resident bytes of a decoder layer, model_weight_bytes the whole model's, active_weight_bytes what one
+// decoded token reads, active_params the parameters one token uses (the real model's whenever top-k and the
+// expert size are). MLA KV pool: kv_tokens token slots of kv_token_bytes (every MLA layer), kv_bytes
+// allocated, peak_kv_tokens in use at the busiest step, leaked_kv_tokens still taken after the run (0 or the
+// run fails).
 nlohmann::json to_json(const SimulateResult& r);
 
 }  // namespace kda::serving

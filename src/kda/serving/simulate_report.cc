@@ -116,6 +116,9 @@ nlohmann::json to_json(const SimulateResult& r) {
                                                             static_cast<double>(s.spec_verify_rows)
                                                       : 0.0},
       {"spec_verify_steps", s.spec_verify_steps},
+      {"spec_mean_depth", s.spec_depth_rows > 0
+                              ? static_cast<double>(s.spec_depth_sum) / static_cast<double>(s.spec_depth_rows)
+                              : 0.0},
       {"spec_state_bytes", s.spec_state_bytes},
       {"leaked_slots", r.leaked_slots},
       {"leaked_request_indices", r.leaked_request_indices},
@@ -150,6 +153,7 @@ nlohmann::json to_json(const SimulateResult& r) {
   if (r.spec.enabled()) {
     j["draft_tokens"] = r.spec.draft_tokens;
     j["draft_topk"] = r.spec.topk;
+    j["draft_depth"] = to_string(r.spec.depth_mode);
     if (r.spec.algorithm == SpecAlgorithm::kReplay) {
       j["accept_rate"] = r.spec.accept_rate;
       j["replay_prerun_s"] = r.replay_prerun_s;

@@ -28,6 +28,14 @@ const char* to_string(SpecAlgorithm a) {
   }
 }
 
+DraftDepthMode parse_draft_depth_mode(const std::string& name) {
+  if (name == "adaptive") return DraftDepthMode::kAdaptive;
+  if (name == "fixed") return DraftDepthMode::kFixed;
+  throw std::invalid_argument("--draft-depth '" + name + "': expected adaptive or fixed");
+}
+
+const char* to_string(DraftDepthMode m) { return m == DraftDepthMode::kFixed ? "fixed" : "adaptive"; }
+
 void SpeculativeOptions::validate() const {
   if (!enabled()) return;
   if (draft_tokens < 1 || draft_tokens > 64)
@@ -55,6 +63,17 @@ void Draft::add_branch(std::span<const int32_t> branch, int32_t max_size) {
     }
     parent = child;
   }
+}
+
+int32_t draft_depth(const Draft& d) {
+  std::vector<int32_t> depth(static_cast<size_t>(d.size()));
+  int32_t deepest = 0;
+  for (int32_t j = 0; j < d.size(); ++j) {  // trie order: a parent before its children
+    const int32_t p = d.parents[static_cast<size_t>(j)];
+    depth[static_cast<size_t>(j)] = p < 0 ? 1 : depth[static_cast<size_t>(p)] + 1;
+    deepest = std::max(deepest, depth[static_cast<size_t>(j)]);
+  }
+  return deepest;
 }
 
 Draft ngram_draft(std::span<const int32_t> history, int32_t depth, int32_t topk) {

@@ -32,15 +32,21 @@
 namespace kda::serving {
 
 enum class SpecAlgorithm { kNone, kNgram, kReplay };
+// How deep each row drafts: fixed (draft_tokens, as far as the drafter reaches) or adaptive (per sequence,
+// from its measured acceptance and the measured cost of verify steps: draft_depth.h; at most draft_tokens).
+enum class DraftDepthMode { kAdaptive, kFixed };
 
 SpecAlgorithm parse_spec_algorithm(const std::string& name);  // "" | none | ngram | replay
 const char* to_string(SpecAlgorithm a);
+DraftDepthMode parse_draft_depth_mode(const std::string& name);  // adaptive | fixed
+const char* to_string(DraftDepthMode m);
 
 struct SpeculativeOptions {
   SpecAlgorithm algorithm = SpecAlgorithm::kNone;
   int32_t draft_tokens = 4;  // drafts per branch (the chain's length)
   int32_t topk = 1;          // branches of a tree (1: chains)
   double accept_rate = 0.7;  // replay only: the probability a drafted token is the true one
+  DraftDepthMode depth_mode = DraftDepthMode::kAdaptive;
   bool enabled() const { return algorithm != SpecAlgorithm::kNone; }
   // The most tokens one verify row holds: the last generated token and every draft.
   int32_t max_verify_tokens() const { return enabled() ? 1 + draft_tokens * topk : 0; }
@@ -62,6 +68,9 @@ inline constexpr int32_t kNgramMin = 1, kNgramMax = 3;
 
 // Prompt-lookup drafts from a sequence's tokens so far (prompt + generated, the last one being the token
 // the row feeds first): up to topk branches of up to `depth` tokens.
+// A draft's depth: its longest branch (a chain's size).
+int32_t draft_depth(const Draft& d);
+
 Draft ngram_draft(std::span<const int32_t> history, int32_t depth, int32_t topk);
 
 // Replay drafts: truth[0..] are the true next tokens (what follows the row's first token); each drafted
