@@ -565,5 +565,264 @@ TEST(Engine, ARequestTheSamplerRefusesIsAbortedAloneAndTheOthersGoOn) {
   EXPECT_EQ(e.stats().requests_aborted, 1);
 }
 
+// --- Speculative decoding (EngineOptions::spec): ngram drafts verified in TARGET_VERIFY steps. ---
+
+// The synthetic model's greedy text is close to random over its vocabulary, so that ngram drafts from it
+// would almost never be right. These tests let the model produce only kNarrow ids (EngineOptions::
+// producible, the same with and without speculation) and draw prompts from them: the history repeats
+// short n-grams, and drafts are accepted often enough to exercise every path of verification.
+constexpr int32_t kNarrow = 5;
+
+// A prompt of `reps` copies of a random `period`-token pattern of producible ids.
+std::vector<int32_t> repeating_prompt(int32_t period, int32_t reps, uint64_t seed) {
+  auto unit = random_prompt(period, seed);
+  for (auto& t : unit) t %= kNarrow;
+  std::vector<int32_t> p;
+  for (int32_t r = 0; r < reps; ++r) p.insert(p.end(), unit.begin(), unit.end());
+  return p;
+}
+
+EngineOptions narrow(EngineOptions o) {
+  o.producible.assign(kVocab, 0);
+  std::fill(o.producible.begin(), o.producible.begin() + kNarrow, 1);
+  return o;
+}
+
+EngineOptions spec_options(int32_t draft_tokens, int32_t topk = 1, int64_t max_batch = 8) {
+  EngineOptions o = narrow(options(64, max_batch));
+  o.spec.algorithm = SpecAlgorithm::kNgram;
+  o.spec.draft_tokens = draft_tokens;
+  o.spec.topk = topk;
+  o.spec.depth_mode = DraftDepthMode::kFixed;  // every row drafts as deep as ngram reaches
+  return o;
+}
+
+// A runner whose verify buffer holds rows of up to 1 + 4 * 2 tokens (chains of 4, trees of 2 x 4).
+std::unique_ptr<ModelRunner> spec_runner(int64_t slots = 8) {
+  return std::make_unique<ModelRunner>(hybrid_model(), slots, 4096, kernels::KernelImpl::Auto, 9, slots);
+}
+
+// Every request's outcome, all submitted at once and run to the end.
+std::vector<Outcome> run_batch(Engine& e, const std::vector<GenerateRequest>& reqs) {
+  Collector c;
+  std::vector<int64_t> ids;
+  for (const auto& r : reqs) ids.push_back(e.submit(r, c.sink()));
+  drain(e);
+  std::vector<Outcome> out;
+  for (size_t i = 0; i < reqs.size(); ++i)
+    out.push_back(check_stream(c.of(ids[i]), reqs[i].n, static_cast<int32_t>(reqs[i].prompt.size())));
+  return out;
+}
+
+std::vector<GenerateRequest> greedy_spec_workload() {
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < 4; ++i) reqs.push_back(greedy(repeating_prompt(5 + i, 6, 300 + i), 24));
+  reqs.push_back(greedy(random_prompt(20, 310), 20));  // ids the model may not produce: nothing to match
+  GenerateRequest lp = greedy(repeating_prompt(7, 4, 311), 16);
+  lp.params.logprobs = 1;  // greedy through the sampler (not the plain argmax path)
+  reqs.push_back(lp);
+  reqs.push_back(greedy(repeating_prompt(4, 8, 312), 12, 2));  // parallel samples
+  return reqs;
+}
+
+TEST(EngineSpeculative, GreedyTokensEqualPlainDecodingForChainsAndTrees) {
+  auto runner = spec_runner();
+  const PoolCounts start = counts(*runner);
+  const auto reqs = greedy_spec_workload();
+  std::vector<Outcome> plain;
+  {
+    Engine e(*runner, narrow(options(64, 8)));
+    plain = run_batch(e, reqs);
+  }
+  for (const int32_t topk : {1, 2}) {
+    Engine e(*runner, spec_options(4, topk));
+    const auto got = run_batch(e, reqs);
+    const EngineStats st = e.stats();
+    EXPECT_GT(st.spec_draft_tokens, 0);
+    EXPECT_GT(st.spec_accepted_tokens, 0) << "no draft accepted: the test would not see verification";
+    EXPECT_LE(st.spec_accepted_tokens, st.spec_draft_tokens);
+    for (size_t i = 0; i < reqs.size(); ++i)
+      for (int32_t j = 0; j < reqs[i].n; ++j) {
+        EXPECT_EQ(got[i].finish[j], plain[i].finish[j]);
+        expect_same_or_near_tie(hybrid_model(), reqs[i].prompt, got[i].tokens[j], plain[i].tokens[j]);
+      }
+    EXPECT_EQ(counts(*runner), start);
+  }
+}
+
+// After a run in which drafts were rejected, the same slots continue a conversation exactly as plain
+// decoding does: the rejected tokens left nothing in any KDA state or MLA token slot.
+TEST(EngineSpeculative, RejectedDraftsLeaveNoTrace) {
+  auto runner = spec_runner(4);
+  const PoolCounts start = counts(*runner);
+  Engine spec(*runner, spec_options(4));
+  const auto reqs = greedy_spec_workload();
+  const auto first = run_batch(spec, {reqs[0], reqs[1], reqs[4]});
+  EXPECT_LT(spec.stats().spec_accepted_tokens, spec.stats().spec_draft_tokens) << "no draft was rejected";
+  // The next turn: prompt + answer + more, on the slots the speculative run used.
+  auto next = reqs[0];
+  next.prompt.insert(next.prompt.end(), first[0].tokens[0].begin(), first[0].tokens[0].end());
+  next.prompt.insert(next.prompt.end(), reqs[1].prompt.begin(), reqs[1].prompt.begin() + 9);
+  const auto after_spec = run_batch(spec, {next});
+  Engine plain(*runner, narrow(options(64, 8)));
+  const auto after_plain = run_batch(plain, {next});
+  expect_same_or_near_tie(hybrid_model(), next.prompt, after_spec[0].tokens[0], after_plain[0].tokens[0]);
+  EXPECT_EQ(counts(*runner), start);
+}
+
+TEST(EngineSpeculative, SeededSamplingIsReproducibleAndTheSameAloneAndBatched) {
+  auto runner = spec_runner();
+  const PoolCounts start = counts(*runner);
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < 4; ++i) {
+    GenerateRequest r = sampled(repeating_prompt(5 + i, 6, 400 + i), 20, 7000 + i);
+    // Sharp enough that drafts are accepted; penalties on in some (they see the tokens accepted before).
+    r.params.temperature = 0.3f + 0.3f * static_cast<float>(i);
+    if (i % 2 == 0) r.params.repetition_penalty = 1.0f;
+    reqs.push_back(r);
+  }
+  reqs.push_back(greedy(repeating_prompt(6, 5, 410), 20));
+  int64_t accepted = 0;
+  std::vector<Outcome> batched;
+  {
+    Engine e(*runner, spec_options(4));
+    batched = run_batch(e, reqs);
+    accepted = e.stats().spec_accepted_tokens;
+    const auto again = run_batch(e, reqs);  // the same engine, slots reused: the same tokens
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(again[i].tokens, batched[i].tokens) << "request " << i;
+  }
+  EXPECT_GT(accepted, 0);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    Engine e(*runner, spec_options(4));
+    const auto one = run_batch(e, {reqs[i]});
+    ASSERT_EQ(batched[i].tokens[0].size(), 20u);
+    expect_same_or_near_tie(hybrid_model(), reqs[i].prompt, batched[i].tokens[0], one[0].tokens[0]);
+  }
+  // Different seeds draw different tokens (a check the test can fail).
+  Engine e(*runner, spec_options(4));
+  auto other = reqs[0];
+  other.params.seed = 1;
+  EXPECT_NE(run_batch(e, {other})[0].tokens, batched[0].tokens);
+  EXPECT_EQ(counts(*runner), start);
+}
+
+// A stop id or max_tokens that falls on an accepted draft ends the continuation exactly there.
+TEST(EngineSpeculative, StopIdAndMaxTokensInsideAnAcceptedPathEndThere) {
+  auto runner = spec_runner(2);
+  const PoolCounts start = counts(*runner);
+  // Step by step: which emitted tokens were not the last of their step (accepted drafts); the first
+  // prompt among a few whose run has one.
+  GenerateRequest base;
+  std::vector<int32_t> full;
+  std::vector<size_t> inside;  // indices into full
+  for (uint64_t seed = 500; seed < 516 && inside.empty(); ++seed) {
+    base = greedy(repeating_prompt(5 + static_cast<int32_t>(seed % 3), 8, seed), 30);
+    inside.clear();
+    Engine e(*runner, spec_options(4));
+    Collector c;
+    const int64_t id = e.submit(base, c.sink());
+    size_t seen = 0;
+    while (e.step()) {
+      const auto ev = c.of(id);
+      for (size_t k = seen; k + 1 < ev.size(); ++k)
+        if (ev[k].token >= 0) inside.push_back(k);
+      seen = ev.size();
+    }
+    full = check_stream(c.of(id), 1, static_cast<int32_t>(base.prompt.size())).tokens[0];
+  }
+  ASSERT_EQ(full.size(), 30u);
+  // The first accepted draft whose token did not come before (a stop there is the first stop).
+  size_t cut = full.size();
+  for (const size_t k : inside)
+    if (k + 1 < full.size() && std::find(full.begin(), full.begin() + k, full[k]) == full.begin() + k) {
+      cut = k;
+      break;
+    }
+  ASSERT_LT(cut, full.size()) << "no accepted draft: the workload does not exercise the cut";
+  const std::vector<int32_t> want(full.begin(), full.begin() + cut + 1);
+  {
+    Engine e(*runner, spec_options(4));
+    GenerateRequest r = base;
+    r.params.stop_token_ids = {full[cut]};
+    const auto o = run_batch(e, {r});
+    EXPECT_EQ(o[0].tokens[0], want);
+    EXPECT_EQ(o[0].finish[0], FinishReason::kStop);
+    EXPECT_EQ(e.stats().generation_tokens, static_cast<int64_t>(want.size()));
+  }
+  {
+    Engine e(*runner, spec_options(4));
+    GenerateRequest r = base;
+    r.params.max_tokens = static_cast<int32_t>(cut) + 1;
+    const auto o = run_batch(e, {r});
+    EXPECT_EQ(o[0].tokens[0], want);
+    EXPECT_EQ(o[0].finish[0], FinishReason::kLength);
+  }
+  EXPECT_EQ(counts(*runner), start);
+}
+
+TEST(EngineSpeculative, AbortMidSpeculationFreesEverySlotAndKvToken) {
+  auto runner = spec_runner(4);
+  const PoolCounts start = counts(*runner);
+  Engine e(*runner, spec_options(4, 2));
+  Collector c;
+  std::vector<int64_t> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(e.submit(greedy(repeating_prompt(5, 6, 600 + i), 40), c.sink()));
+  ASSERT_TRUE(step_until(e, [&] { return e.stats().spec_accepted_tokens > 0; }));
+  EXPECT_GT(e.stats().kv_tokens_used, 0);
+  for (const int64_t id : ids) e.abort(id);
+  e.step();
+  for (const int64_t id : ids) {
+    const auto ev = c.of(id);
+    ASSERT_FALSE(ev.empty());
+    EXPECT_EQ(ev.back().finish, FinishReason::kAbort);
+  }
+  EXPECT_EQ(e.stats().running, 0);
+  EXPECT_EQ(e.stats().slots_used, 0);
+  EXPECT_EQ(e.stats().kv_tokens_used, 0);
+  EXPECT_EQ(counts(*runner), start) << "a slot or MLA token slot was not freed";
+}
+
+// Adaptive depth (the default): greedy tokens are still plain decoding's, and a seeded sampled request
+// drafts at the fixed depth, so its tokens do not depend on the measured step times.
+TEST(EngineSpeculative, AdaptiveDepthKeepsGreedyTokensAndSeededSamplesReproducible) {
+  auto runner = spec_runner();
+  const PoolCounts start = counts(*runner);
+  auto reqs = greedy_spec_workload();
+  reqs.resize(4);
+  GenerateRequest seeded = sampled(repeating_prompt(6, 5, 700), 20, 4242);
+  seeded.params.temperature = 0.5f;
+  reqs.push_back(seeded);
+  std::vector<Outcome> plain, fixed;
+  {
+    Engine e(*runner, narrow(options(64, 8)));
+    plain = run_batch(e, reqs);
+  }
+  {
+    Engine e(*runner, spec_options(4));
+    fixed = run_batch(e, reqs);
+  }
+  EngineOptions o = spec_options(4);
+  o.spec.depth_mode = DraftDepthMode::kAdaptive;
+  Engine e(*runner, o);
+  const auto got = run_batch(e, reqs);
+  EXPECT_GT(e.stats().spec_draft_tokens, 0);
+  for (size_t i = 0; i + 1 < reqs.size(); ++i)
+    expect_same_or_near_tie(hybrid_model(), reqs[i].prompt, got[i].tokens[0], plain[i].tokens[0]);
+  EXPECT_EQ(got.back().tokens, fixed.back().tokens);
+  EXPECT_EQ(counts(*runner), start);
+}
+
+TEST(EngineSpeculative, OptionsItCannotServeAreRefused) {
+  ModelRunner no_buffer(hybrid_model(), 2, 1024, kernels::KernelImpl::Auto);
+  EXPECT_THROW(Engine(no_buffer, spec_options(4)), std::invalid_argument);
+  auto runner = spec_runner(2);
+  EXPECT_THROW(Engine(*runner, spec_options(5, 2)), std::invalid_argument);  // rows of 9 tokens at most
+  EngineOptions replay = spec_options(4);
+  replay.spec.algorithm = SpecAlgorithm::kReplay;
+  EXPECT_THROW(Engine(*runner, replay), std::invalid_argument);
+  EngineOptions bad = spec_options(0);
+  EXPECT_THROW(Engine(*runner, bad), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace kda::serving

@@ -432,3 +432,31 @@ def test_synthetic_quick_start(tmp_path):
         assert all(0 <= t < 1024 for t in body["choices"][0]["token_ids"])
     finally:
         s.stop()
+
+
+def test_speculative_ngram_server_streams_the_same_greedy_text(server, ckpt):
+    """`--speculative ngram`: greedy streams equal a plain server's, drafts are verified (/metrics), and a
+    seeded sampled request is reproducible."""
+    spec = Server(ckpt, "--max-batch", 4, "--context-length", CONTEXT, "--kv-memory", "4MiB",
+                  "--speculative", "ngram", "--draft-tokens", 3)
+    try:
+        prompts = ["abcabcabcabcabc", "the cat and the cat and the cat and the", "1 2 3 1 2 3 1 2 3 1 2"]
+        for p in prompts:
+            body = {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            plain_events = server.stream(CMPL, body)
+            spec_events = spec.stream(CMPL, body)
+            assert plain_events[-1] == "[DONE]" and spec_events[-1] == "[DONE]"
+            assert stream_text(spec_events, chat=False) == stream_text(plain_events, chat=False), p
+        m = spec.metrics()
+        assert m["kda_spec_draft_tokens_total"] > 0
+        assert 0 <= m["kda_spec_accepted_tokens_total"] <= m["kda_spec_draft_tokens_total"]
+        assert server.metrics()["kda_spec_draft_tokens_total"] == 0
+        seeded = {"prompt": prompts[0], "max_tokens": 24, "temperature": 0.8, "seed": 7, "ignore_eos": True}
+        first = spec.post(CMPL, seeded)
+        again = spec.post(CMPL, seeded)
+        assert first[0] == 200 and again[0] == 200
+        assert first[1]["choices"][0]["text"] == again[1]["choices"][0]["text"]
+        assert wait_idle(spec)["kda_slots_used"] == 0
+    finally:
+        spec.stop()

@@ -41,9 +41,22 @@ class RequestSampler {
   int32_t sample(std::span<float> logits, const uint8_t* allowed, TokenLogprob* lp);
   void accept(int32_t token);  // a generated token committed (penalty counts, k += 1)
   int32_t generated() const { return generated_; }
+  uint64_t seed() const { return seed_; }
+  // What sample() would draw from, as probabilities: p[i] = id i's kept mass / the kept ids' total (after
+  // the penalties, temperature, top-k, top-p and min-p; greedy: one-hot at the pick), 0 for the ids
+  // dropped. Speculative sampling verifies drafts against it. logits as sample() takes them (scratch);
+  // the same errors, the sampler's state untouched either way.
+  void distribution(std::span<float> logits, const uint8_t* allowed, std::vector<double>& p);
+  // The log-probabilities sample() reports for `token` (the raw row's log_softmax, top-n alternatives).
+  // raw: the row as the model gave it (copied, not changed).
+  void logprob(std::span<const float> raw, const uint8_t* allowed, int32_t token, TokenLogprob* lp);
 
  private:
-  int32_t pick(std::span<float> logits, const uint8_t* allowed);
+  void penalize(float* l) const;
+  // probs null: the draw. Else the kept distribution goes to *probs and the result is -1.
+  int32_t pick(std::span<float> logits, const uint8_t* allowed, std::vector<double>* probs = nullptr);
+  // raw_ holds the raw row [V]: *lp for `chosen` (raw_ is scratch afterwards).
+  void fill_logprob(int64_t V, const uint8_t* allowed, int32_t chosen, TokenLogprob* lp);
 
   SamplingParams params_;
   uint64_t seed_;

@@ -116,6 +116,11 @@ struct ServeCliOptions {
   std::string served_model_name = "kimi-linear";
   std::string chat_template;  // "builtin": the built-in chat format whatever the folder's template
   int threads = 0;            // HTTP worker threads (0: 2 x max batch, at least 8)
+  // Speculative decoding: "" / none, or ngram (prompt lookup); drafts per branch; branches of a tree.
+  std::string speculative;
+  int64_t draft_tokens = 4;
+  int64_t draft_topk = 1;
+  std::string draft_depth = "adaptive";  // adaptive | fixed (speculative.h's DraftDepthMode)
 };
 int run_serve(const ServeCliOptions& o);
 // kda tokenize / detokenize (tokenize_cmd.cc): the checkpoint's tokenizer (or a synthetic one) on stdin.

@@ -253,6 +253,22 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"builtin"}));
   serve->add_option("--threads", svo.threads, "HTTP worker threads (default: 2 x max batch, at least 8)")
       ->check(CLI::PositiveNumber);
+  auto* serve_spec = serve->add_option("--speculative", svo.speculative,
+                                       "speculative decoding: ngram (prompt lookup drafts; greedy and "
+                                       "speculative-sampling verification)");
+  serve->add_option("--draft-tokens", svo.draft_tokens, "drafted tokens per verify row (a tree: per branch)")
+      ->needs(serve_spec)
+      ->capture_default_str();
+  serve->add_option("--draft-topk", svo.draft_topk, "branches of a draft tree (1: a chain)")
+      ->needs(serve_spec)
+      ->capture_default_str();
+  serve
+      ->add_option("--draft-depth", svo.draft_depth,
+                   "adaptive: each continuation's depth from its acceptance and the measured verify cost "
+                   "(seeded sampled requests draft at the fixed depth) | fixed: --draft-tokens")
+      ->needs(serve_spec)
+      ->check(CLI::IsMember({"adaptive", "fixed"}))
+      ->capture_default_str();
   kda::cli::TokenizeOptions to;
   auto* tokenize =
       app.add_subcommand("tokenize", "text on stdin -> token ids on stdout (separated by spaces)");

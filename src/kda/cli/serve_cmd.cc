@@ -174,8 +174,24 @@ int run_serve(const ServeCliOptions& o) {
                                 ": the MLA KV pool (--kv-memory " + o.kv_memory + ") holds " +
                                 std::to_string(kv_tokens) + " tokens");
 
-  serving::ModelRunner runner(*model, slots, kv_tokens, mo.kernel);
+  serving::SpeculativeOptions spec;
+  spec.algorithm = serving::parse_spec_algorithm(o.speculative);
+  if (spec.algorithm == serving::SpecAlgorithm::kReplay)
+    throw std::invalid_argument(
+        "--speculative replay: it drafts a known continuation (kda simulate only); use ngram");
+  if (o.draft_tokens < 1 || o.draft_tokens > 64)
+    throw std::invalid_argument("--draft-tokens must be in 1..64, got " + std::to_string(o.draft_tokens));
+  if (o.draft_topk < 1 || o.draft_topk > 16)
+    throw std::invalid_argument("--draft-topk must be in 1..16, got " + std::to_string(o.draft_topk));
+  spec.draft_tokens = static_cast<int32_t>(o.draft_tokens);
+  spec.topk = static_cast<int32_t>(o.draft_topk);
+  spec.depth_mode = serving::parse_draft_depth_mode(o.draft_depth);
+  spec.validate();
+  // A verify row per decode row: the batch's rows, each up to spec.max_verify_tokens() tokens.
+  serving::ModelRunner runner(*model, slots, kv_tokens, mo.kernel, spec.max_verify_tokens(),
+                              spec.enabled() ? std::min<int64_t>(o.max_batch, slots) : 0);
   serving::EngineOptions eo;
+  eo.spec = spec;
   eo.scheduler.token_budget = o.token_budget;
   eo.scheduler.max_batch = o.max_batch;
   eo.stop_ids = tok->stop_ids();
@@ -200,6 +216,10 @@ int run_serve(const ServeCliOptions& o) {
       "vocab %lld\n",
       build_s, static_cast<long long>(slots), static_cast<long long>(kv_tokens),
       static_cast<long long>(context), static_cast<long long>(model->vocab_size()));
+  if (spec.enabled())
+    std::fprintf(stderr,
+                 "kda serve: speculative decoding: ngram, %d drafts per branch, %d branch%s, %s depth\n",
+                 spec.draft_tokens, spec.topk, spec.topk == 1 ? "" : "es", to_string(spec.depth_mode));
   std::printf("kda serve: listening on http://%s:%d\n", o.host.c_str(), port);
   std::fflush(stdout);
   signals.attach(srv);

@@ -86,6 +86,14 @@ void RequestSampler::accept(int32_t token) {
   ++generated_;
 }
 
+void RequestSampler::penalize(float* l) const {
+  if (repetition_)
+    for (int32_t id : seen_) l[id] = detail::repetition(l[id], params_.repetition_penalty);
+  if (additive_)
+    for (const auto& [id, c] : counts_)
+      l[id] = detail::presence_frequency(l[id], c, params_.presence_penalty, params_.frequency_penalty);
+}
+
 int32_t RequestSampler::sample(std::span<float> logits, const uint8_t* allowed, TokenLogprob* lp) {
   const int64_t V = static_cast<int64_t>(logits.size());
   if (V == 0) throw std::invalid_argument("logits: empty row");
@@ -95,42 +103,59 @@ int32_t RequestSampler::sample(std::span<float> logits, const uint8_t* allowed, 
                                 std::to_string(V) + " logits");
   float* l = logits.data();
   if (lp != nullptr) raw_.assign(l, l + V);  // the raw row, for the log-probabilities after the draw
-  if (repetition_)
-    for (int32_t id : seen_) l[id] = detail::repetition(l[id], params_.repetition_penalty);
-  if (additive_)
-    for (const auto& [id, c] : counts_)
-      l[id] = detail::presence_frequency(l[id], c, params_.presence_penalty, params_.frequency_penalty);
+  penalize(l);
   const int32_t chosen = pick(logits, allowed);
-
-  if (lp != nullptr) {
-    float* r = raw_.data();
-    float m = kNegInf;
-    for (int64_t i = 0; i < V; ++i)
-      if (ok(allowed, i)) m = std::max(m, r[i]);
-    lp->token = chosen;
-    lp->top.clear();
-    if (params_.logprobs > 0) {
-      select_top(r, allowed, V, static_cast<size_t>(params_.logprobs), ids_);
-      std::sort(ids_.begin(), ids_.end(), [r](int32_t a, int32_t b) { return before(r[a], a, r[b], b); });
-      for (int32_t id : ids_) lp->top.emplace_back(id, r[id]);  // raw logits for now
-    }
-    const float chosen_logit = r[chosen];
-    // The weights over the raw row in place (a loop without the mask vectorizes), then their sum.
-    if (std::isfinite(m)) {
-      for (int64_t i = 0; i < V; ++i) r[i] = detail::exp_nonpositive(r[i] - m);
-    } else {
-      for (int64_t i = 0; i < V; ++i) r[i] = weight(r[i], m);
-    }
-    double z = 0.0;
-    for (int64_t i = 0; i < V; ++i)
-      if (ok(allowed, i)) z += r[i];
-    lp->logprob = detail::log_prob(chosen_logit, m, z);
-    for (auto& [id, v] : lp->top) v = detail::log_prob(v, m, z);
-  }
+  if (lp != nullptr) fill_logprob(V, allowed, chosen, lp);
   return chosen;
 }
 
-int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
+void RequestSampler::distribution(std::span<float> logits, const uint8_t* allowed, std::vector<double>& p) {
+  const int64_t V = static_cast<int64_t>(logits.size());
+  if (V == 0) throw std::invalid_argument("logits: empty row");
+  if (max_id_ >= V)
+    throw std::invalid_argument("prompt/generated: id " + std::to_string(max_id_) + " is outside the row's " +
+                                std::to_string(V) + " logits");
+  penalize(logits.data());
+  pick(logits, allowed, &p);
+}
+
+void RequestSampler::logprob(std::span<const float> raw, const uint8_t* allowed, int32_t token,
+                             TokenLogprob* lp) {
+  const int64_t V = static_cast<int64_t>(raw.size());
+  if (token < 0 || token >= V)
+    throw std::invalid_argument("token: id " + std::to_string(token) + " is outside the row's " +
+                                std::to_string(V) + " logits");
+  raw_.assign(raw.begin(), raw.end());
+  fill_logprob(V, allowed, token, lp);
+}
+
+void RequestSampler::fill_logprob(int64_t V, const uint8_t* allowed, int32_t chosen, TokenLogprob* lp) {
+  float* r = raw_.data();
+  float m = kNegInf;
+  for (int64_t i = 0; i < V; ++i)
+    if (ok(allowed, i)) m = std::max(m, r[i]);
+  lp->token = chosen;
+  lp->top.clear();
+  if (params_.logprobs > 0) {
+    select_top(r, allowed, V, static_cast<size_t>(params_.logprobs), ids_);
+    std::sort(ids_.begin(), ids_.end(), [r](int32_t a, int32_t b) { return before(r[a], a, r[b], b); });
+    for (int32_t id : ids_) lp->top.emplace_back(id, r[id]);  // raw logits for now
+  }
+  const float chosen_logit = r[chosen];
+  // The weights over the raw row in place (a loop without the mask vectorizes), then their sum.
+  if (std::isfinite(m)) {
+    for (int64_t i = 0; i < V; ++i) r[i] = detail::exp_nonpositive(r[i] - m);
+  } else {
+    for (int64_t i = 0; i < V; ++i) r[i] = weight(r[i], m);
+  }
+  double z = 0.0;
+  for (int64_t i = 0; i < V; ++i)
+    if (ok(allowed, i)) z += r[i];
+  lp->logprob = detail::log_prob(chosen_logit, m, z);
+  for (auto& [id, v] : lp->top) v = detail::log_prob(v, m, z);
+}
+
+int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed, std::vector<double>* probs) {
   const int64_t V = static_cast<int64_t>(logits.size());
   float* l = logits.data();
   // The NaN checks ride on the first pass: penalties and temperature make no NaN of a number (inf / T and
@@ -143,6 +168,11 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
       if (best < 0 || l[i] > l[best]) best = i;
     }
     if (best < 0) throw std::invalid_argument("allowed: every id is disallowed");
+    if (probs != nullptr) {
+      probs->assign(static_cast<size_t>(V), 0.0);
+      (*probs)[static_cast<size_t>(best)] = 1.0;
+      return -1;
+    }
     return static_cast<int32_t>(best);
   }
 
@@ -192,6 +222,12 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
     std::sort(by_id.begin(), by_id.end());
     Mass z = 0;
     for (int32_t id : by_id) z += mass(l[id]);
+    if (probs != nullptr) {
+      probs->assign(static_cast<size_t>(V), 0.0);
+      for (int32_t id : by_id)
+        (*probs)[static_cast<size_t>(id)] = static_cast<double>(mass(l[id])) / static_cast<double>(z);
+      return -1;
+    }
     const Mass target = detail::scale(z, u);
     Mass cum = 0;
     for (int32_t id : by_id) {
@@ -249,6 +285,13 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed) {
   Mass zs = 0;
   for (int64_t i = 0; i < V; ++i)
     if (kept(i)) zs += mass(l[i]);
+  if (probs != nullptr) {
+    probs->assign(static_cast<size_t>(V), 0.0);
+    const double z = static_cast<double>(zs);
+    for (int64_t i = 0; i < V; ++i)
+      if (kept(i)) (*probs)[static_cast<size_t>(i)] = static_cast<double>(mass(l[i])) / z;
+    return -1;
+  }
   const Mass target = detail::scale(zs, u);
   Mass cum = 0;
   for (int64_t i = 0; i < V; ++i) {

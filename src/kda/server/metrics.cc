@@ -89,6 +89,10 @@ std::string Metrics::render(const serving::EngineStats& s) const {
          "Prompt tokens that ran through the layers (the rest came from the prefix cache).",
          s.prompt_tokens_computed);
   metric(out, "kda_generation_tokens_total", "counter", "Generated tokens.", s.generation_tokens);
+  metric(out, "kda_spec_draft_tokens_total", "counter", "Speculative decoding: drafted tokens verified.",
+         s.spec_draft_tokens);
+  metric(out, "kda_spec_accepted_tokens_total", "counter",
+         "Speculative decoding: drafted tokens accepted (and emitted).", s.spec_accepted_tokens);
   metric(out, "kda_cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache.",
          s.cached_tokens);
   metric(out, "kda_slots_used", "gauge", "Request slots (recurrent state) in use.", s.slots_used);

@@ -7,6 +7,7 @@
 
 #include "kda/common/seeded.h"
 #include "kda/serving/draft_depth.h"
+#include "kda/serving/spec_step.h"
 
 namespace kda::serving {
 
@@ -84,7 +85,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
   for (const auto& r : requests) prog.tokens_total += r.prompt_len + int64_t{n} * r.output_len;
 
   std::vector<float> y, head;
-  std::vector<int32_t> toks, picks, accepted;
+  std::vector<int32_t> toks, picks, accepted, emitted;
   std::vector<size_t> pick_rows;
   // Speculative decoding: each verify row's drafts and verdict.
   opt.spec.validate();
@@ -147,8 +148,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     drafts.clear();
     step_depth = 0;
     if (verify) {
-      b.mode = model_executor::ForwardMode::TARGET_VERIFY;
-      b.decode_tokens = 0;
+      begin_verify(b);
       depths.assign(b.rows.size(), opt.spec.draft_tokens);
       if (adaptive) {
         const auto rows = static_cast<int64_t>(b.rows.size());
@@ -159,40 +159,36 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
       for (size_t i = 0; i < b.rows.size(); ++i) {
         auto& row = b.rows[i];
         const Sequence& q = seqs[row.seq];
-        const int32_t depth = std::min(depths[i], q.total_len() - q.processed - 1);
+        const int32_t depth = verify_depth(q, depths[i]);
         res.spec_depth_sum += depth;
         ++res.spec_depth_rows;
         drafts.push_back(propose(row.seq, depth));
         const Draft& d = drafts.back();
         step_depth = std::max(step_depth, draft_depth(d));
-        row.len = 1 + d.size();
-        b.decode_tokens += row.len;
-        b.draft_parents.insert(b.draft_parents.end(), d.parents.begin(), d.parents.end());
+        add_verify_row(b, row, d);
         res.spec_draft_tokens += d.size();
       }
       // No row has a draft (ngram found no match): a plain DECODE step, without the verify path's
       // kept inputs and accept replay.
-      if (b.draft_parents.empty() && !opt.probe_decode) {
-        b.mode = model_executor::ForwardMode::DECODE;
-        verify = false;
-      }
+      verify = end_drafting(b, opt.probe_decode);
     }
     const int64_t T = b.num_tokens();
     y.resize(static_cast<size_t>(T * D));
     toks.resize(static_cast<size_t>(T));
     int64_t t = 0;
-    for (size_t i = 0; i < b.rows.size(); ++i) {
-      const auto& row = b.rows[i];
-      const Sequence& q = seqs[row.seq];
-      if (verify) {  // the last generated token, then the drafts (fed tokens are noted once accepted)
-        toks[t++] = fed(row.seq, row.start - q.prompt_len);
-        for (const int32_t tok : drafts[i].tokens) toks[t++] = tok;
-        continue;
-      }
-      for (int32_t k = 0; k < row.len; ++k, ++t) {
-        const int32_t pos = row.start + k;
-        toks[t] = pos < q.prompt_len ? prompts[q.request][pos] : fed(row.seq, pos - q.prompt_len);
-        if (pos >= q.prompt_len) sched.add_fed_token(row.seq, toks[t]);
+    if (verify) {  // the last generated token, then the drafts (fed tokens are noted once accepted)
+      verify_inputs(
+          b, drafts,
+          [&](size_t i) { return fed(b.rows[i].seq, b.rows[i].start - seqs[b.rows[i].seq].prompt_len); },
+          toks.data());
+    } else {
+      for (const auto& row : b.rows) {
+        const Sequence& q = seqs[row.seq];
+        for (int32_t k = 0; k < row.len; ++k, ++t) {
+          const int32_t pos = row.start + k;
+          toks[t] = pos < q.prompt_len ? prompts[q.request][pos] : fed(row.seq, pos - q.prompt_len);
+          if (pos >= q.prompt_len) sched.add_fed_token(row.seq, toks[t]);
+        }
       }
     }
     auto fb = sched.forward_batch(b);
@@ -221,7 +217,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
       const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
       res.step_ms.push_back(step_s * 1e3);
       if (adaptive) cost.record(step_depth, static_cast<int64_t>(b.rows.size()), step_s);
-      b.decode_tokens = 0;  // from here on: the tokens the step emitted (what plain decode steps count)
+      emitted.clear();
       t = 0;
       for (size_t i = 0; i < b.rows.size(); ++i) {
         auto& row = b.rows[i];
@@ -240,10 +236,12 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
           for (const int32_t p : v.path) rows.insert(rows.end(), out + p * D, out + (p + 1) * D);
         }
         t += row.len;
-        row.len = 1 + static_cast<int32_t>(v.path.size());  // what complete() advances the sequence by
+        emitted.push_back(1 + static_cast<int32_t>(v.path.size()));
         res.spec_accepted_tokens += static_cast<int64_t>(v.path.size());
-        b.decode_tokens += row.len;
       }
+      // From here on row lengths and decode_tokens count the tokens the step emitted (what complete()
+      // advances the sequences by, and what plain decode steps count).
+      commit_verify_rows(b, emitted);
       res.spec_emitted_tokens += b.decode_tokens;
       ++res.spec_verify_steps;
       res.spec_verify_rows += static_cast<int64_t>(b.rows.size());

@@ -19,6 +19,7 @@
 #include "kda/distributed/communicator.h"
 #include "kda/sampling/sampler.h"
 #include "kda/sampling/sampling_params.h"
+#include "kda/serving/draft_depth.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/request.h"
 #include "kda/serving/scheduler.h"
@@ -143,6 +144,10 @@ struct EngineOptions {
   std::vector<int32_t> stop_ids;    // the model's (tokenizer's) stop ids
   std::vector<uint8_t> producible;  // [vocab] or empty (all producible)
   int64_t max_context = 0;          // prompt + max_tokens limit (0: the pools' limit only)
+  // Speculative decoding: ngram drafts only (replay needs a true continuation, which online requests do
+  // not have). The runner must have a verify buffer of spec.max_verify_tokens() tokens per row; decode
+  // batches are capped at its verify rows.
+  SpeculativeOptions spec;
 };
 
 struct EngineStats {
@@ -153,6 +158,8 @@ struct EngineStats {
   int64_t kv_tokens_total = 0, kv_tokens_used = 0;    // MLA token slots (0 without MLA layers)
   int64_t cached_tokens = 0, prefix_cache_bytes = 0;  // prefix cache (0 without one)
   int64_t steps = 0;
+  // Speculative decoding (0 without it): drafted tokens verified, and those accepted and emitted.
+  int64_t spec_draft_tokens = 0, spec_accepted_tokens = 0;
 };
 
 // The serving loop of `kda serve`: the scheduler of serve() over requests that arrive while it runs.
@@ -160,6 +167,13 @@ struct EngineStats {
 // logits give its continuations their next tokens (argmax for a plain greedy request, else the
 // continuation's RequestSampler; ids not producible are never picked), a stop id or max_tokens ends a
 // continuation (its slot freed at once), and the step's events go to the requests' sinks.
+// With speculative decoding (EngineOptions::spec), a DECODE batch becomes a TARGET_VERIFY step of each
+// continuation's ngram drafts over its prompt + generated tokens. Each row is verified position by
+// position: greedy requests accept a draft when it is the target's pick there (the tokens of plain
+// decoding), sampled ones by speculative sampling (spec_accept.h) against the distribution the request's
+// sampler draws from, its penalties seeing the tokens emitted before. Every emitted token gets its event
+// (logprobs from its own position's row); a stop id or max_tokens cuts the path there, and the states keep
+// exactly the tokens emitted.
 class Engine {
  public:
   // `runner` must outlive the engine. std::invalid_argument for options it cannot serve.
@@ -187,6 +201,12 @@ class Engine {
     int32_t last = -1;                                  // its last generated token (the next decode input)
     int32_t generated = 0;
     bool finished = false;
+    std::vector<int32_t> tokens;  // generated so far (kept with speculative decoding: ngram drafts)
+    // Adaptive draft depth (draft_depth.h): its acceptance; none at a fixed depth. A seeded sampled
+    // continuation drafts at the fixed depth: which tokens speculative sampling draws depends on the
+    // drafts, and the depth a controller picks depends on measured step times, so an adaptive depth
+    // would make a seeded request's tokens depend on timing.
+    std::optional<DraftDepthController> depth;
   };
   struct Live {
     int64_t id = 0;
@@ -206,6 +226,12 @@ class Engine {
     std::shared_ptr<EventSink> sink;
     TokenEvent ev;
   };
+  struct Pick {  // a token a step gave continuation j of request r
+    int64_t r = 0;
+    int32_t j = 0;
+    int32_t token = -1;
+    std::optional<sampling::TokenLogprob> lp;
+  };
 
   void apply_inbox();
   void admit(Submitted s);
@@ -214,6 +240,16 @@ class Engine {
   void finish_continuation(int64_t r, int32_t j, FinishReason f);
   void deliver();
   void publish_stats();
+  // How a continuation that has generated `generated` tokens, the last one `token`, finishes (kNone: not).
+  FinishReason finish_of(const Live& L, int32_t token, int32_t generated) const;
+  // After the step's forward: the picks (in order per continuation) become the continuations' tokens and
+  // events; failed requests are aborted.
+  void commit_picks(std::vector<Pick>& picks, const std::vector<int64_t>& failed, StepEvents& ev);
+  // Speculative decoding: drafts for a DECODE batch (false: no row has one, the batch stays DECODE), and
+  // the verify step that runs them.
+  bool draft(ScheduledBatch& b);
+  void verify_step(ScheduledBatch& b);
+  void count_step(const ScheduledBatch& b);
 
   ModelRunner& runner_;
   EngineOptions opt_;
@@ -227,6 +263,10 @@ class Engine {
   std::vector<Pending> out_;
   std::vector<float> y_, head_, logits_, scratch_;
   std::vector<int32_t> toks_;
+  std::vector<Draft> drafts_;     // the verify step's, per row
+  std::vector<int32_t> history_;  // a continuation's prompt + generated tokens (ngram's input)
+  std::vector<double> probs_;     // a position's target distribution (speculative sampling)
+  VerifyCostModel cost_;          // adaptive depth: decode and verify steps' measured times
   EngineStats totals_;
 
   // Shared with submitters.

@@ -8,7 +8,9 @@
 #include <string>
 #include <utility>
 
+#include "kda/sampling/spec_accept.h"
 #include "kda/serving/engine.h"
+#include "kda/serving/spec_step.h"
 
 namespace kda::serving {
 
@@ -42,6 +44,31 @@ RequestSpec spec_of(const GenerateRequest& req) {
   return s;
 }
 
+// The scheduler's options for `opt`: each request brings its n; speculative decoding's verify rows hold
+// drafts beyond the committed tokens and are capped by the runner's verify buffer. Checks the
+// speculative options against the runner first.
+SchedulerOptions scheduler_options(const EngineOptions& opt, ModelRunner& runner) {
+  SchedulerOptions so = opt.scheduler;
+  so.parallel_samples = 1;
+  so.verify_extra_tokens = 0;
+  const SpeculativeOptions& spec = opt.spec;
+  spec.validate();
+  if (!spec.enabled()) return so;
+  if (spec.algorithm != SpecAlgorithm::kNgram)
+    throw std::invalid_argument(std::string("spec: ") + to_string(spec.algorithm) +
+                                " drafting needs a known continuation, which online requests do not have; "
+                                "use ngram");
+  const auto& cfg = runner.pools().recurrent_state_pool.config();
+  if (cfg.max_verify_tokens < spec.max_verify_tokens())
+    throw std::invalid_argument("spec: verify rows of " + std::to_string(spec.max_verify_tokens()) +
+                                " tokens need a runner built with max_verify_tokens >= that (it has " +
+                                std::to_string(cfg.max_verify_tokens) + ")");
+  const int64_t rows = cfg.verify_rows > 0 ? cfg.verify_rows : cfg.size;
+  so.max_batch = std::min(so.max_batch, rows);
+  so.verify_extra_tokens = spec.max_verify_tokens() - 1;
+  return so;
+}
+
 }  // namespace
 
 Engine::Engine(ModelRunner& runner, EngineOptions opt)
@@ -53,15 +80,8 @@ Engine::Engine(ModelRunner& runner, EngineOptions opt)
       kv_tokens_(runner.pools().req_to_token_pool.token_to_kv_pool()
                      ? runner.pools().req_to_token_pool.token_to_kv_pool()->size()
                      : 0),
-      sched_(
-          {},
-          [&] {
-            SchedulerOptions so = opt_.scheduler;
-            so.parallel_samples = 1;     // each request brings its own n
-            so.verify_extra_tokens = 0;  // no speculative decoding here
-            return so;
-          }(),
-          runner.pools().req_to_token_pool),
+      sched_({}, scheduler_options(opt_, runner), runner.pools().req_to_token_pool),
+      cost_(opt_.spec.enabled() ? opt_.spec.draft_tokens : 0),
       seeds_(std::random_device{}()) {
   if (!opt_.producible.empty() && static_cast<int64_t>(opt_.producible.size()) != V_)
     throw std::invalid_argument("producible: " + std::to_string(opt_.producible.size()) +
@@ -103,11 +123,12 @@ int64_t Engine::submit(GenerateRequest req, EventSink sink) {
     throw std::invalid_argument("max_tokens: the prompt's " + std::to_string(spec.prompt_len) +
                                 " tokens + max_tokens " + std::to_string(req.params.max_tokens) +
                                 " exceed the context limit of " + std::to_string(opt_.max_context));
-  if (kv_tokens_ > 0 && kv_tokens_for(spec, req.n) > kv_tokens_)
+  const int32_t extra = opt_.spec.enabled() ? opt_.spec.max_verify_tokens() - 1 : 0;
+  if (kv_tokens_ > 0 && kv_tokens_for(spec, req.n, extra) > kv_tokens_)
     throw std::invalid_argument("max_tokens: the prompt's " + std::to_string(spec.prompt_len) +
                                 " tokens + max_tokens " + std::to_string(req.params.max_tokens) +
                                 " per sample (n = " + std::to_string(req.n) + ") need " +
-                                std::to_string(kv_tokens_for(spec, req.n)) +
+                                std::to_string(kv_tokens_for(spec, req.n, extra)) +
                                 " MLA KV token slots but the pool holds " + std::to_string(kv_tokens_));
   if (!sink) throw std::invalid_argument("sink: must not be empty");
   std::lock_guard<std::mutex> lk(mu_);
@@ -140,6 +161,10 @@ void Engine::admit(Submitted s) {
   if (!L.plain_greedy)
     for (int32_t j = 0; j < s.req.n; ++j)
       L.cont[j].sampler = std::make_unique<sampling::RequestSampler>(s.req.params, s.req.prompt, s.seed + j);
+  const bool adaptive = opt_.spec.enabled() && opt_.spec.depth_mode == DraftDepthMode::kAdaptive &&
+                        (s.req.params.greedy() || !s.req.params.seed);
+  if (adaptive)
+    for (auto& c : L.cont) c.depth.emplace(opt_.spec.draft_tokens);
   L.unfinished = s.req.n;
   L.req = std::move(s.req);
   by_id_[L.id] = r;
@@ -235,6 +260,46 @@ EngineStats Engine::stats() const {
   return stats_;
 }
 
+FinishReason Engine::finish_of(const Live& L, int32_t token, int32_t generated) const {
+  const auto& sp = L.req.params;
+  const bool stop =
+      (!sp.ignore_eos && is_stop_[token]) ||
+      std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), token) != sp.stop_token_ids.end();
+  return stop                         ? FinishReason::kStop
+         : generated >= sp.max_tokens ? FinishReason::kLength
+                                      : FinishReason::kNone;
+}
+
+void Engine::commit_picks(std::vector<Pick>& picks, const std::vector<int64_t>& failed, StepEvents& ev) {
+  auto has_failed = [&](int64_t r) { return std::find(failed.begin(), failed.end(), r) != failed.end(); };
+  for (auto& p : picks) {
+    if (has_failed(p.r)) continue;
+    Live& L = live_.at(p.r);
+    Continuation& c = L.cont[p.j];
+    c.last = p.token;
+    ++c.generated;
+    if (opt_.spec.enabled()) c.tokens.push_back(p.token);
+    ++totals_.generation_tokens;
+    const FinishReason f = finish_of(L, p.token, c.generated);
+    emit(p.r, p.j, p.token, std::move(p.lp), f);
+    if (f != FinishReason::kNone) {
+      sched_.finish_now(sched_.seq_index(p.r, p.j), ev);  // no-op when the scheduler finished it (length)
+      finish_continuation(p.r, p.j, f);
+    }
+  }
+  for (const int64_t r : failed)
+    if (live_.count(r)) abort_live(r);
+}
+
+void Engine::count_step(const ScheduledBatch& b) {
+  ++totals_.steps;
+  totals_.prompt_tokens += b.prefill_tokens + b.cached_tokens;
+  totals_.prompt_tokens_computed += b.prefill_tokens;
+  totals_.cached_tokens += b.cached_tokens;
+  publish_stats();
+  deliver();
+}
+
 bool Engine::step() {
   apply_inbox();
   ScheduledBatch b = sched_.schedule();
@@ -246,10 +311,15 @@ bool Engine::step() {
     deliver();
     return any;
   }
+  if (opt_.spec.enabled() && b.mode == model_executor::ForwardMode::DECODE && draft(b)) {
+    verify_step(b);
+    return true;
+  }
   const auto& seqs = sched_.sequences();
   const int64_t T = b.num_tokens();
   y_.resize(static_cast<size_t>(T * D_));
   toks_.resize(static_cast<size_t>(T));
+  const auto t0 = std::chrono::steady_clock::now();
   int64_t t = 0;
   for (const auto& row : b.rows) {
     const Sequence& q = seqs[row.seq];
@@ -272,12 +342,6 @@ bool Engine::step() {
   logits_.resize(static_cast<size_t>(M * V_));
   runner_.logits(head_.data(), M, logits_.data());
   const uint8_t* allowed = opt_.producible.empty() ? nullptr : opt_.producible.data();
-  struct Pick {
-    int64_t r;
-    int32_t j;
-    int32_t token;
-    std::optional<sampling::TokenLogprob> lp;
-  };
   std::vector<Pick> picks;
   // Requests whose sampler refused their logits row (a NaN from the model): they are aborted after the
   // step, alone; everyone else in the batch goes on.
@@ -314,36 +378,151 @@ bool Engine::step() {
     }
   }
 
+  // A plain decode step (no drafts, or every depth 0): the cost model's baseline.
+  if (opt_.spec.enabled() && b.mode == model_executor::ForwardMode::DECODE)
+    cost_.record(0, static_cast<int64_t>(b.rows.size()),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   StepEvents ev = sched_.complete(b);
-  for (auto& p : picks) {
-    if (has_failed(p.r)) continue;
-    Live& L = live_.at(p.r);
-    Continuation& c = L.cont[p.j];
-    c.last = p.token;
-    ++c.generated;
-    ++totals_.generation_tokens;
-    const auto& sp = L.req.params;
-    const bool stop =
-        (!sp.ignore_eos && is_stop_[p.token]) ||
-        std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), p.token) != sp.stop_token_ids.end();
-    const FinishReason f = stop                           ? FinishReason::kStop
-                           : c.generated >= sp.max_tokens ? FinishReason::kLength
-                                                          : FinishReason::kNone;
-    emit(p.r, p.j, p.token, std::move(p.lp), f);
-    if (f != FinishReason::kNone) {
-      sched_.finish_now(sched_.seq_index(p.r, p.j), ev);  // no-op when the scheduler finished it (length)
-      finish_continuation(p.r, p.j, f);
-    }
-  }
-  for (const int64_t r : failed)
-    if (live_.count(r)) abort_live(r);
-  ++totals_.steps;
-  totals_.prompt_tokens += b.prefill_tokens + b.cached_tokens;
-  totals_.prompt_tokens_computed += b.prefill_tokens;
-  totals_.cached_tokens += b.cached_tokens;
-  publish_stats();
-  deliver();
+  commit_picks(picks, failed, ev);
+  count_step(b);
   return true;
+}
+
+bool Engine::draft(ScheduledBatch& b) {
+  const auto& seqs = sched_.sequences();
+  drafts_.clear();
+  begin_verify(b);
+  int64_t drafted = 0;
+  const auto rows = static_cast<int64_t>(b.rows.size());
+  for (auto& row : b.rows) {
+    const Sequence& q = seqs[row.seq];
+    Live& L = live_.at(q.request);
+    Continuation& c = L.cont[q.sample];
+    const int32_t depth = verify_depth(q, c.depth ? c.depth->choose(cost_, rows) : opt_.spec.draft_tokens);
+    history_.assign(L.req.prompt.begin(), L.req.prompt.end());
+    history_.insert(history_.end(), c.tokens.begin(), c.tokens.end());
+    drafts_.push_back(ngram_draft(history_, depth, opt_.spec.topk));
+    add_verify_row(b, row, drafts_.back());
+    drafted += drafts_.back().size();
+  }
+  if (!end_drafting(b, false)) return false;
+  totals_.spec_draft_tokens += drafted;
+  return true;
+}
+
+void Engine::verify_step(ScheduledBatch& b) {
+  const auto& seqs = sched_.sequences();
+  const int64_t T = b.num_tokens();
+  y_.resize(static_cast<size_t>(T * D_));
+  toks_.resize(static_cast<size_t>(T));
+  verify_inputs(
+      b, drafts_,
+      [&](size_t i) {
+        const Sequence& q = seqs[b.rows[i].seq];
+        return live_.at(q.request).cont[q.sample].last;
+      },
+      toks_.data());
+  auto fb = sched_.forward_batch(b);
+  const auto t0 = std::chrono::steady_clock::now();
+  runner_.forward(fb, toks_.data(), y_.data());
+  // Every row position's logits: a position is verified against its own distribution.
+  logits_.resize(static_cast<size_t>(T * V_));
+  runner_.logits(y_.data(), T, logits_.data());
+  const uint8_t* allowed = opt_.producible.empty() ? nullptr : opt_.producible.data();
+
+  std::vector<Pick> picks;
+  std::vector<int64_t> failed;
+  std::vector<int32_t> accepted(b.rows.size(), 0), emitted(b.rows.size(), 1);
+  std::vector<int32_t> children, child_pos;
+  int64_t t = 0;
+  for (size_t i = 0; i < b.rows.size(); ++i) {
+    const BatchRow& row = b.rows[i];
+    const Sequence& q = seqs[row.seq];
+    const Draft& d = drafts_[i];
+    const int64_t row_t = t;
+    t += row.len;
+    Live& L = live_.at(q.request);
+    Continuation& c = L.cont[q.sample];
+    const bool logprobs = L.req.params.logprobs >= 0;
+    const size_t first_pick = picks.size();
+    // Walk the draft tree from the row's first position: each position emits one token; a token that
+    // is one of the position's drafts moves on to that draft's position, any other ends the row.
+    int32_t pos = 0, generated = c.generated, hits = 0;
+    try {
+      for (;;) {
+        const float* lg = logits_.data() + (row_t + pos) * V_;
+        children.clear();
+        child_pos.clear();
+        for (int32_t j = 0; j < d.size(); ++j)
+          if (d.parents[j] == pos - 1) {
+            children.push_back(d.tokens[j]);
+            child_pos.push_back(j + 1);
+          }
+        Pick p{q.request, q.sample, -1, std::nullopt};
+        int32_t next = -1;
+        if (L.plain_greedy || L.req.params.greedy()) {  // greedy verification: the target's own pick
+          if (L.plain_greedy) {
+            p.token = argmax_allowed(lg, V_, allowed);
+          } else {
+            scratch_.assign(lg, lg + V_);
+            sampling::TokenLogprob lp;
+            p.token = c.sampler->sample(scratch_, allowed, logprobs ? &lp : nullptr);
+            if (logprobs) p.lp = std::move(lp);
+          }
+          for (size_t k = 0; k < children.size(); ++k)
+            if (children[k] == p.token) next = child_pos[k];
+        } else {  // speculative sampling at the request's draw index for this position
+          scratch_.assign(lg, lg + V_);
+          c.sampler->distribution(scratch_, allowed, probs_);
+          const auto res =
+              sampling::spec_accept(probs_, children, {}, c.sampler->seed(), c.sampler->generated());
+          p.token = res.token;
+          if (res.sibling >= 0) next = child_pos[static_cast<size_t>(res.sibling)];
+          if (logprobs) {
+            sampling::TokenLogprob lp;
+            c.sampler->logprob(std::span<const float>(lg, static_cast<size_t>(V_)), allowed, p.token, &lp);
+            p.lp = std::move(lp);
+          }
+        }
+        if (p.token < 0) throw std::logic_error("engine: no producible id to pick");
+        if (c.sampler) c.sampler->accept(p.token);  // the next position's penalties and draw index see it
+        ++generated;
+        accepted[i] = pos;
+        emitted[i] = static_cast<int32_t>(picks.size() - first_pick) + 1;
+        hits += next >= 0;
+        const bool ends = finish_of(L, p.token, generated) != FinishReason::kNone;
+        picks.push_back(std::move(p));
+        if (ends || next < 0) break;  // a stop or max_tokens cuts the accepted path here
+        pos = next;
+      }
+    } catch (const std::invalid_argument&) {  // a NaN row: the request is aborted after the step, alone
+      picks.resize(first_pick);
+      accepted[i] = 0;
+      emitted[i] = 1;
+      hits = 0;
+      failed.push_back(q.request);
+    }
+    totals_.spec_accepted_tokens += hits;
+    if (c.depth) c.depth->observe(draft_depth(d), hits);
+  }
+  // Each slot moves to the state after its last emitted token's input; the rest of the row leaves no
+  // trace (KDA states, MLA token slots).
+  runner_.accept(fb, accepted);
+  int32_t step_depth = 0;
+  for (const Draft& d : drafts_) step_depth = std::max(step_depth, draft_depth(d));
+  cost_.record(step_depth, static_cast<int64_t>(b.rows.size()),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  for (size_t i = 0, k = 0; i < b.rows.size(); ++i) {  // the committed inputs (the prefix cache's key)
+    const Sequence& q = seqs[b.rows[i].seq];
+    sched_.add_fed_token(b.rows[i].seq, live_.at(q.request).cont[q.sample].last);
+    for (; k < picks.size() && picks[k].r == q.request && picks[k].j == q.sample; ++k)
+      if (k + 1 < picks.size() && picks[k + 1].r == q.request && picks[k + 1].j == q.sample)
+        sched_.add_fed_token(b.rows[i].seq, picks[k].token);
+  }
+  commit_verify_rows(b, emitted);
+  StepEvents ev = sched_.complete(b);
+  commit_picks(picks, failed, ev);
+  count_step(b);
 }
 
 void Engine::run(const std::atomic<bool>& stop) {
