@@ -81,6 +81,15 @@ TEST(Cli, ErrorsAreClear) {
   EXPECT_THAT(r.output, HasSubstr("fp64"));
 }
 
+// --experts sizes the whole model of --only model and of --only spec's serving rows; other sections have
+// no experts to size, and it is refused before anything is measured.
+TEST(Cli, BenchExpertsIsForModelAndSpecOnly) {
+  const auto r = run_kda("bench --only stack --experts 4");
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--experts is for --only model or --only spec"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("stack (20 layers)")));
+}
+
 // The prefix cache's own options with the cache turned off are refused by the parser, before anything
 // runs, as --draft-* options are without --speculative.
 TEST(Cli, SimulateRefusesPrefixCacheOptionsWithTheCacheOff) {

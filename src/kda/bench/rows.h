@@ -36,6 +36,11 @@ void bench_stack(const RowOptions& o, nlohmann::json& j, const Say& say);
 void bench_bf16_gemm(nlohmann::json& j, const Say& say);
 // Speculative decoding's cost side: verify steps against a decode step.
 void bench_spec(nlohmann::json& j, const Say& say);
+// Speculative decoding against plain decoding through the serving loop, in turns, on the first 4 decoder
+// layers with o.experts routed experts (o.weights; "all": int4), batch 1: replay at accept rates 0.5 /
+// 0.7 / 0.9 and ngram with nothing to match, d = 1, 2, 4, fixed and adaptive depth ("spec_serve" and the
+// keys spec_<experts>_<accept|ngram>_d<d>[_adaptive]_over_plain).
+void bench_spec_serve(const RowOptions& o, nlohmann::json& j, const Say& say);
 // The whole model at its real shapes per weights mode: decode batch 1 and 16, a 2048-token prefill,
 // beside this run's read bandwidth and bf16 GEMM ceilings ("model" rows, their "ceilings").
 void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say);

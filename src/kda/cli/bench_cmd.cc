@@ -35,7 +35,8 @@ int run_bench(const BenchOptions& o) {
   nlohmann::json j;
   const Say say{o.json};
   const bench::RowOptions ro{o.kernel, o.skip_naive, o.weights, o.experts};
-  if (o.experts != 0 && o.only != "model") throw std::invalid_argument("--experts is for --only model");
+  if (o.experts != 0 && o.only != "model" && o.only != "spec")
+    throw std::invalid_argument("--experts is for --only model or --only spec");
   // Which copy of the optimized kernels runs (kernels::kernel_name): the one this CPU runs fastest, or
   // the one --kernel forces; the short conv and the gated norm take this CPU's best (KDA_ISA caps it).
   const char* ran = kernels::kernel_name(kernels::parse_kernel_impl(o.kernel));
@@ -53,6 +54,7 @@ int run_bench(const BenchOptions& o) {
   if (o.only == "spec") {  // no ceilings: the rows are ratios to the decode step
     j["spec"] = nlohmann::json::array();
     bench::bench_spec(j, say);
+    bench::bench_spec_serve(ro, j, say);
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }

@@ -76,7 +76,10 @@ int main(int argc, char** argv) {
           "--only", bo.only,
           "all | kernels | layer (ceilings are always measured) | stack (the 20-layer stack decoding "
           "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns) | "
-          "spec (a decode step and verify steps of 1-8 drafts, in turns) | model (the whole model at its "
+          "spec (a decode step and verify steps of 1-8 drafts, in turns; then speculative against plain "
+          "decoding "
+          "through the serving loop on 4 layers, batch 1, fixed and adaptive depth) | model (the whole model "
+          "at its "
           "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode) | tokenizer (encoding "
           "MB/s on one thread, the 100 KB single-word case) | sampling (the sampler on a 163840-wide row "
           "against its reference and one LM-head GEMV) | serve (16 streaming HTTP clients of the OpenAI "
@@ -86,11 +89,13 @@ int main(int argc, char** argv) {
   bench
       ->add_option(
           "--experts", bo.experts,
-          "--only model: routed experts per MoE layer, top-8 of them (default 16; 256 is the real model)")
+          "--only model | spec: routed experts per MoE layer, top-8 of them (default 16; 256 is the real "
+          "model)")
       ->check(CLI::PositiveNumber);
   bench
       ->add_option("--weights", bo.weights,
-                   "all | bf16 | int8 | int4: quantized layer rows beside the dense ones")
+                   "all | bf16 | int8 | int4: quantized layer rows beside the dense ones (--only spec's "
+                   "serving rows: that one mode, int4 for all)")
       ->check(CLI::IsMember({"all", "bf16", "int8", "int4"}));
 
   kda::cli::SimulateCliOptions so;
