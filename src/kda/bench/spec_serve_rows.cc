@@ -150,10 +150,6 @@ void bench_spec_serve(const RowOptions& o, nlohmann::json& j, const Say& say) {
     const bool replay = f.spec.algorithm == serving::SpecAlgorithm::kReplay;
     char rate[16];
     std::snprintf(rate, sizeof rate, "%.1f", f.spec.accept_rate);
-    const std::string key = "spec_" + std::to_string(experts) + "_" + (replay ? std::string(rate) : "ngram") +
-                            "_d" + std::to_string(f.spec.draft_tokens);
-    j[key + "_over_plain"] = f.best_tok_s / plain;
-    j[key + "_adaptive_over_plain"] = a.best_tok_s / plain;
     j["spec_serve"].push_back(
         {{"experts", experts},
          {"drafter", to_string(f.spec.algorithm)},
