@@ -398,6 +398,40 @@ TEST(SimulateTokens, MultiTurnPromptsCarryTheConversation) {
   for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(out_of(r, i).tokens, out_of(r2, i).tokens);
 }
 
+TEST(SimulateTokens, LaterTurnsTtftCountsTurnsTwoAndOnOnly) {
+  auto w = small_workload(WorkloadKind::kMultiTurn);
+  w.requests = 3;
+  w.turns = 3;
+  w.shared_prefix_len = 4;
+  const auto reqs = make_workload(w);
+  const auto r = run_simulation(small_options(reqs));
+  ASSERT_EQ(r.serve.requests_completed, 9);
+  ASSERT_EQ(r.serve.ttft_ms.size(), 9u);
+  // Turns 2 and 3 of each conversation: the first turns are left out.
+  ASSERT_EQ(r.serve.ttft_later_turns_ms.size(), 6u);
+  // Each later turn's sample is its entry among all requests' (both are recorded at its first token).
+  auto it = r.serve.ttft_ms.begin();
+  for (const double ms : r.serve.ttft_later_turns_ms) {
+    it = std::find(it, r.serve.ttft_ms.end(), ms);
+    ASSERT_NE(it, r.serve.ttft_ms.end()) << ms;
+    ++it;
+  }
+  EXPECT_EQ(r.ttft_ms_p50_later_turns, percentile(r.serve.ttft_later_turns_ms, 50));
+  EXPECT_EQ(r.ttft_ms_p99_later_turns, percentile(r.serve.ttft_later_turns_ms, 99));
+  EXPECT_GT(r.ttft_ms_p50_later_turns, 0.0);
+  const auto j = to_json(r);
+  EXPECT_EQ(j["later_turns"], 6);
+  EXPECT_EQ(j["ttft_ms_p50_later_turns"].get<double>(), r.ttft_ms_p50_later_turns);
+  EXPECT_EQ(j["ttft_ms_p99_later_turns"].get<double>(), r.ttft_ms_p99_later_turns);
+
+  // No sessions: no later turns, and the figures say 0 rather than repeat the overall TTFT.
+  const auto rr = run_simulation(small_options(make_workload(small_workload(WorkloadKind::kRandom))));
+  EXPECT_EQ(rr.serve.ttft_ms.size(), 4u);
+  EXPECT_TRUE(rr.serve.ttft_later_turns_ms.empty());
+  EXPECT_EQ(to_json(rr)["later_turns"], 0);
+  EXPECT_EQ(rr.ttft_ms_p50_later_turns, 0.0);
+}
+
 TEST(SimulateTokens, TraceWithPromptsAndSessions) {
   const auto reqs = parse_trace(
       "[{\"prompt\": [5, 6, 7], \"output_len\": 2, \"arrival_step\": 0, \"session\": 9, \"turn\": 0},"
@@ -1092,6 +1126,8 @@ TEST(SimulateCli, MultiTurnWorkloadPrintsJson) {
   EXPECT_EQ(j["prefill_tokens_computed"].get<int64_t>() + j["prefix_cache_hit_tokens"].get<int64_t>(),
             j["prefill_tokens"].get<int64_t>());
   EXPECT_GT(j["ttft_ms_p99"].get<double>(), 0.0);
+  EXPECT_EQ(j["later_turns"], 2);  // turn 2 of each of the two conversations
+  EXPECT_GT(j["ttft_ms_p50_later_turns"].get<double>(), 0.0);
   const auto npz = io::read_npz(dir / "o.npz");
   for (int i = 0; i < 4; ++i) EXPECT_EQ(npz.at("tokens_" + std::to_string(i)).to_i32().size(), 3u);
 }

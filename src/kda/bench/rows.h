@@ -1,7 +1,7 @@
 // The rows of `kda bench` (src/kda/cli/bench_cmd.cc prints them around the ceilings): each measures one
 // part at the Kimi-Linear shape, in turns with what it is compared against, and adds its results to the
 // JSON report under its key ("kernels", "layer", "stack", "bf16_gemm", "spec", "model", "tokenizer",
-// "sampling", "serve").
+// "sampling", "serve", "cache").
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -54,5 +54,9 @@ void bench_sampling(nlohmann::json& j, const Say& say);
 // clients over HTTP against the same requests submitted in-process, and the TTFT HTTP and tokenization
 // add at a 1,000-token prompt ("serve").
 void bench_serve(nlohmann::json& j, const Say& say);
+// The hybrid prefix cache on a 4-layer whole model (3 KDA + 1 MLA), each workload served with the cache off
+// and on: a multi-turn chat's computed prompt fraction and later turns' TTFT, a shared prompt's TTFT, and
+// the serving wall time of a workload with no hits ("cache").
+void bench_cache(nlohmann::json& j, const Say& say);
 
 }  // namespace kda::bench

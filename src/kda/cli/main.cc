@@ -83,9 +83,10 @@ int main(int argc, char** argv) {
           "real shapes: decode batch 1 and 16, a 2048-token prefill, per weights mode) | tokenizer (encoding "
           "MB/s on one thread, the 100 KB single-word case) | sampling (the sampler on a 163840-wide row "
           "against its reference and one LM-head GEMV) | serve (16 streaming HTTP clients of the OpenAI "
-          "server against the engine in-process, and the TTFT HTTP and tokenization add)")
-      ->check(CLI::IsMember(
-          {"all", "kernels", "layer", "stack", "gemm", "spec", "model", "tokenizer", "sampling", "serve"}));
+          "server against the engine in-process, and the TTFT HTTP and tokenization add) | cache (the prefix "
+          "cache off and on, 4 layers of the whole model: multi-turn, shared-prefix and no-hit workloads)")
+      ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec", "model", "tokenizer",
+                             "sampling", "serve", "cache"}));
   bench
       ->add_option(
           "--experts", bo.experts,

@@ -88,6 +88,9 @@ void print_summary(const serving::SimulateResult& r) {
   std::printf("  step latency  p50 %.1f ms, p99 %.1f ms\n", r.step_ms_p50, r.step_ms_p99);
   std::printf("  TTFT          p50 %.1f ms, p99 %.1f ms (arrival to first generated token)\n", r.ttft_ms_p50,
               r.ttft_ms_p99);
+  if (!s.ttft_later_turns_ms.empty())
+    std::printf("  TTFT turns 2+ p50 %.1f ms, p99 %.1f ms (%zu later turns of sessions)\n",
+                r.ttft_ms_p50_later_turns, r.ttft_ms_p99_later_turns, s.ttft_later_turns_ms.size());
   std::printf("  state pool    %lld slots x %s = %s; peak %lld slots in use, %lld slot reuses\n",
               static_cast<long long>(r.pool_slots), mib(static_cast<double>(r.slot_bytes)).c_str(),
               mib(static_cast<double>(r.pool_bytes)).c_str(), static_cast<long long>(s.peak_slots),

@@ -49,6 +49,7 @@ std::vector<uint8_t> pack(const SimulateResult& r) {
   nlohmann::json j = {{"wall_s", s.wall_s},
                       {"step_ms", s.step_ms},
                       {"ttft_ms", s.ttft_ms},
+                      {"ttft_later_turns_ms", s.ttft_later_turns_ms},
                       {"interrupted", s.interrupted},
                       {"has_check", r.check.has_value()},
                       {"leaked_slots", r.leaked_slots},
@@ -89,6 +90,8 @@ void unpack_into(const std::vector<uint8_t>& bytes, SimulateResult& m) {
   s.step_ms.insert(s.step_ms.end(), ms.begin(), ms.end());
   const auto tt = j.at("ttft_ms").get<std::vector<double>>();
   s.ttft_ms.insert(s.ttft_ms.end(), tt.begin(), tt.end());
+  const auto tl = j.at("ttft_later_turns_ms").get<std::vector<double>>();
+  s.ttft_later_turns_ms.insert(s.ttft_later_turns_ms.end(), tl.begin(), tl.end());
   s.interrupted = s.interrupted || j.at("interrupted").get<bool>();
   m.leaked_slots += j.at("leaked_slots").get<int64_t>();
   m.leaked_request_indices += j.at("leaked_request_indices").get<int64_t>();

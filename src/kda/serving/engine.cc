@@ -261,10 +261,12 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
       for (size_t k = 0; k < pick_rows.size(); ++k) {
         const auto& row = b.rows[pick_rows[k]];
         gen[row.seq].push_back(picks[k]);
-        if (!row.decode)  // the prompt's last position: the request's first token
-          res.ttft_ms.push_back(
-              std::chrono::duration<double, std::milli>(t_picked - arrived_at[seqs[row.seq].request])
-                  .count());
+        if (!row.decode) {  // the prompt's last position: the request's first token
+          const int64_t r = seqs[row.seq].request;
+          const double ms = std::chrono::duration<double, std::milli>(t_picked - arrived_at[r]).count();
+          res.ttft_ms.push_back(ms);
+          if (requests[r].after >= 0) res.ttft_later_turns_ms.push_back(ms);
+        }
       }
       t = 0;
       for (const auto& row : b.rows) {

@@ -102,6 +102,9 @@ struct ServeResult {
   double wall_s = 0.0;
   std::vector<double> step_ms;
   std::vector<double> ttft_ms;  // per request that got its first token: arrival to first token
+  // The same for the requests that are a session's later turn (`after` >= 0), apart: a first turn cannot
+  // hit the prefix cache on its history, so mixed in it would hide what the cache does for the others.
+  std::vector<double> ttft_later_turns_ms;
   bool interrupted = false;
   // Indexed like Scheduler::sequences() ([request * n + sample]); rows empty unless kept.
   std::vector<SequenceOutput> outputs;

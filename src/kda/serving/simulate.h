@@ -159,6 +159,7 @@ struct SimulateResult {
   ServeResult serve;
   double step_ms_p50 = 0.0, step_ms_p99 = 0.0;
   double ttft_ms_p50 = 0.0, ttft_ms_p99 = 0.0;
+  double ttft_ms_p50_later_turns = 0.0, ttft_ms_p99_later_turns = 0.0;  // turns >= 2 only (0: none)
   std::optional<CheckReport> check;  // absent when --check 0 or interrupted
   // Accounting after the serving loop (a completed run): state slots held by neither a request nor a
   // cached snapshot, request indices still taken, and whether the prefix cache's tree is consistent with
@@ -199,15 +200,17 @@ double percentile(std::vector<double> v, double p);  // nearest-rank, p in [0, 1
 // the pool allocated; check_worst_error_ratio (worst / bound) is null without a check, check_worst the
 // value reached and check_bound its bound (check_metric names the metric). prefill_tokens counts the prompt
 // tokens of the requests served, prefill_tokens_computed those that went through the layers (equal
-// without a prefix cache); ttft_ms_* are the requests' arrival-to-first-token times. prefix_cache_hit_tokens
-// are prompt tokens restored from snapshots, prefix_cache_hit_rate = hit tokens / prompt tokens, and
-// prefix_cache_bytes / _snapshots what the cache held at the end (summed over --dp groups), _evictions
-// how many snapshots it evicted. With hits, a kept output's rows start at its restored prefix (rows_from).
-// Speculative decoding: spec_draft_tokens drafted, spec_accepted_tokens accepted, spec_accept_rate =
-// accepted / drafted, spec_tokens_per_step = tokens emitted per request per verify step (accepted + 1),
-// spec_verify_steps, spec_mean_depth the mean depth decode rows drafted at (adaptive: chosen per
-// sequence, 0 where speculation did not pay), spec_state_bytes the backend's verify buffer; decode_tokens
-// counts generated tokens either way (drafts are not counted), so decode_tok_s compares with and without
+// without a prefix cache); ttft_ms_* are the requests' arrival-to-first-token times, ttft_ms_*_later_turns
+// the same over the later_turns requests that are a session's turn 2 or later (0 when none).
+// prefix_cache_hit_tokens are prompt tokens restored from snapshots, prefix_cache_hit_rate = hit tokens /
+// prompt tokens, and prefix_cache_bytes / _snapshots what the cache held at the end (summed over --dp
+// groups), _evictions how many snapshots it evicted. With hits, a kept output's rows start at its restored
+// prefix (rows_from). Speculative decoding: spec_draft_tokens drafted, spec_accepted_tokens accepted,
+// spec_accept_rate = accepted / drafted, spec_tokens_per_step = tokens emitted per request per verify step
+// (accepted + 1), spec_verify_steps, spec_mean_depth the mean depth decode rows drafted at (adaptive:
+// chosen per sequence, 0 where speculation did not pay), spec_state_bytes the backend's verify buffer;
+// decode_tokens counts generated tokens either way (drafts are not counted), so decode_tok_s compares with
+// and without
 // speculation. The model: layers decoder layers, kda_layers / mla_layers / moe_layers of them, num_experts
 // routed experts per MoE layer and experts_per_token (top-k) of them per token, weight_bytes the mean
 // resident bytes of a decoder layer, model_weight_bytes the whole model's, active_weight_bytes what one

@@ -34,6 +34,8 @@ void set_percentiles(SimulateResult& r) {
   r.step_ms_p99 = percentile(r.serve.step_ms, 99);
   r.ttft_ms_p50 = percentile(r.serve.ttft_ms, 50);
   r.ttft_ms_p99 = percentile(r.serve.ttft_ms, 99);
+  r.ttft_ms_p50_later_turns = percentile(r.serve.ttft_later_turns_ms, 50);
+  r.ttft_ms_p99_later_turns = percentile(r.serve.ttft_later_turns_ms, 99);
 }
 
 double SimulateResult::rss_growth() const {
@@ -71,6 +73,9 @@ nlohmann::json to_json(const SimulateResult& r) {
       {"step_ms_p99", r.step_ms_p99},
       {"ttft_ms_p50", r.ttft_ms_p50},
       {"ttft_ms_p99", r.ttft_ms_p99},
+      {"ttft_ms_p50_later_turns", r.ttft_ms_p50_later_turns},
+      {"ttft_ms_p99_later_turns", r.ttft_ms_p99_later_turns},
+      {"later_turns", static_cast<int64_t>(s.ttft_later_turns_ms.size())},
       {"pool_bytes", r.pool_bytes},
       {"peak_slots", s.peak_slots},
       {"slot_reuses", s.slot_reuses},
