@@ -32,6 +32,7 @@
 #include "kda/serving/scheduler.h"
 #include "kda/serving/self_check.h"
 #include "kda/serving/simulate.h"
+#include "kda/serving/simulate_plan.h"
 #include "kda/serving/speculative.h"
 #include "kda/serving/trace.h"
 #include "support/small_model_config.h"
@@ -666,6 +667,63 @@ TEST(PrefixCache, Bf16SelfCheckPassesWithTheCache) {
   // Reached 1.2e-3 (1.4e-4 with the KDA layers alone, before the MLPs): snapshot positions end chunks the
   // re-run does not.
   EXPECT_LE(r.check->worst, 3.5e-3);
+}
+
+// A later turn's history restored from the cache, computed by decode steps, is re-run the same way (the
+// session's turns alone with a cache of the re-run's own), so a bf16 multi-turn run passes its check on
+// the whole hybrid model; and a restore the batched run got wrong (every slot's state in one KDA layer
+// negated once the first turn finished, so the second turn's snapshot restores it) fails it.
+TEST(PrefixCache, Bf16MultiTurnCheckPassesAndFailsOnACorruptedRestore) {
+  auto w = cache_workload(WorkloadKind::kMultiTurn);
+  w.requests = 1;
+  w.turns = 2;
+  w.output_len = 6;
+  auto o = cache_options(make_workload(w), true);
+  o.synthetic_config = hybrid_config();
+  o.precision = Precision::BF16;
+  o.check = 2;
+  const Plan p = make_plan(o);
+  ASSERT_GT(p.mla_layers, 0);
+  models::ModelOptions mo;
+  mo.precision = o.precision;
+  mo.weights = o.weights;
+  mo.num_layers = p.layers;
+  mo.kernel = p.kernel;
+  mo.num_experts = p.num_experts;
+  mo.vocab = p.vocab;
+  auto model = models::KimiLinearForCausalLM::synthetic(p.cfg, mo, o.seed);
+  for (const bool corrupt : {false, true}) {
+    SCOPED_TRACE(corrupt ? "corrupted restore" : "intact");
+    ModelRunner runner(*model, p.slots + p.cache_slots, p.kv_tokens, p.kernel);
+    mem_cache::RadixCache cache(runner.pools().recurrent_state_pool, static_cast<size_t>(p.cache_budget),
+                                runner.pools().token_to_kv_pool.get());
+    ServeOptions so;
+    so.scheduler = p.sched;
+    so.scheduler.cache = &cache;
+    so.seed = o.seed;
+    so.keep.assign(o.requests.size(), 1);
+    bool corrupted = false;
+    so.progress = [&](const ProgressInfo& pi) {
+      if (!corrupt || corrupted || pi.requests_done != 1) return;
+      for (int id = 0; id < p.layers && !corrupted; ++id) {
+        try {
+          auto l = runner.pools().recurrent_state_pool.get_linear_recurrent_layer_cache(id);
+          for (int64_t i = 0; i < l.num_slots * l.recurrent_slot_elems; ++i) l.recurrent[i] = -l.recurrent[i];
+          corrupted = true;
+        } catch (const std::exception&) {  // not a KDA layer
+        }
+      }
+    };
+    const ServeResult served = serve(runner, o.requests, so);
+    ASSERT_EQ(served.requests_completed, 2);
+    EXPECT_GT(served.prefix_cache_hit_tokens, 0);
+    EXPECT_EQ(corrupted, corrupt);
+    bool interrupted = false;
+    const CheckReport rep = self_check(o, p, *model, served, &interrupted);
+    ASSERT_FALSE(interrupted);
+    std::printf("  self-check bf16 %s: worst %.3g, bound %.3g\n", rep.metric.c_str(), rep.worst, rep.bound);
+    EXPECT_EQ(rep.ok, !corrupt) << rep.worst << " vs bound " << rep.bound;
+  }
 }
 
 // Requests arriving together with one long prefix: the first writes the prefix's snapshots, the others

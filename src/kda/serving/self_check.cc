@@ -5,9 +5,11 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "kda/mem_cache/radix_cache.h"
 #include "kda/serving/model_runner.h"
 
 namespace kda::serving {
@@ -21,6 +23,12 @@ namespace kda::serving {
 // give a row the same bits at any row count (kernels/gemm/bf16_gemm.h), and so did oneDNN's bf16 matmul
 // on an AVX512_BF16 CPU at these shapes: with every prompt whole (no prefix cache, a token budget above
 // the prompts) batched and alone were equal bit for bit on both paths, decode and verify steps alike.
+// Not so on a CPU with AMX: oneDNN's bf16 matmul multiplies 2 rows or more with AMX tiles, which sum in
+// another order than its one-row kernel, so a row's bits depend on the rows beside it and batched and alone
+// differ even with every prompt whole (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 makes them equal again). A
+// session's history restored from the prefix cache adds nothing: the re-run computes it the way the
+// batched run did (self_check below), its generated tokens as decode steps, not in one EXTEND, whose MLA
+// and chunk_kda paths round otherwise than decode's.
 // Measured on the synthetic Kimi-shape stack (the worst relative L2 over the re-run requests, both paths
 // alike): about 5e-5 at 1 layer, 2e-3 at 4, and at 20 5e-3 with random prompts and 8.4e-3 with
 // multi-turn prompts restored from snapshots. The bound grows as sqrt(layers), as independent roundings
@@ -65,11 +73,53 @@ double metric_of(const std::vector<float>& a, const std::vector<float>& b, const
   return std::isfinite(rel) ? rel : kInf;
 }
 
+// A checked request's turns as the batched run served them, first turn first: with the prefix cache on, a
+// session's later turn restores its history (the earlier turns' prompts and the tokens they generated),
+// which the batched run computed as those turns ran: each prompt as prefill, each generated token as a
+// DECODE step. Without the cache, or for a first turn, the request alone.
+std::vector<int64_t> turns_of(const SimulateOptions& o, const Plan& p, int64_t r) {
+  std::vector<int64_t> turns{r};
+  if (p.cache)
+    while (o.requests[static_cast<size_t>(turns.back())].after >= 0)
+      turns.push_back(o.requests[static_cast<size_t>(turns.back())].after);
+  std::reverse(turns.begin(), turns.end());
+  return turns;
+}
+
+// Turn t alone, teacher-forced on the batched run's tokens, its prompt the one the batched run built.
+RequestSpec alone_spec(const SimulateOptions& o, const ServeResult& batched, int64_t t, int32_t n) {
+  RequestSpec spec;
+  spec.id = o.requests[static_cast<size_t>(t)].id;
+  spec.output_len = o.requests[static_cast<size_t>(t)].output_len;
+  spec.sample_base = o.requests[static_cast<size_t>(t)].sample_base;
+  spec.prompt = batched.outputs[static_cast<size_t>(t * n)].prompt;  // a later turn's: with its history
+  spec.prompt_len = static_cast<int32_t>(spec.prompt.size());
+  for (int32_t j = 0; j < n; ++j)
+    spec.forced.push_back(batched.outputs[static_cast<size_t>(t * n + j)].tokens);
+  return spec;
+}
+
+// The rows of the positions both runs computed: each run's rows start where its prefix-cache hit ended.
+void compare_rows(const SequenceOutput& b, const SequenceOutput& a, int64_t D, CheckReport& rep) {
+  const int64_t from = std::max(a.rows_from, b.rows_from);
+  auto tail = [&](const SequenceOutput& s) {
+    const size_t skip = static_cast<size_t>((from - s.rows_from) * D);
+    return std::vector<float>(s.rows.begin() + static_cast<std::ptrdiff_t>(std::min(skip, s.rows.size())),
+                              s.rows.end());
+  };
+  rep.worst = std::max(rep.worst, metric_of(tail(b), tail(a), rep.metric));
+}
+
 }  // namespace
 
-// Each sampled request alone on a fresh pool, teacher-forced on the batched run's tokens: its whole
+// Each sampled request re-run alone on a fresh pool, teacher-forced on the batched run's tokens: its
 // prompt in one EXTEND, then DECODE steps of its own continuations only, each fed the token the batched
-// run generated there. Its own argmax picks are compared with the batched run's tokens and counted.
+// run generated there. A later turn of a session (prefix cache on) is re-run with its session: the
+// earlier turns first, one after the other on the same pool with a prefix cache of the re-run's own, so
+// that its hit restores a history computed the way the batched run computed it (the generated tokens as
+// decode steps, not as the one prefill of the whole prompt, whose bf16 rounding differs by more than the
+// bound). A state the batched run restored wrong, or from the wrong slot, differs from the re-run's own by
+// O(1). Its own argmax picks are compared with the batched run's tokens and counted.
 CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KimiLinearForCausalLM& model,
                        const ServeResult& batched, bool* interrupted) {
   CheckReport rep;
@@ -86,38 +136,67 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KimiLine
   const auto t0 = std::chrono::steady_clock::now();
   const int32_t n = o.parallel_samples;
   for (const int64_t r : p.check_requests) {
-    const SequenceOutput& first = batched.outputs[r * n];
-    RequestSpec spec;
-    spec.id = o.requests[r].id;
-    spec.output_len = o.requests[r].output_len;
-    spec.sample_base = o.requests[r].sample_base;
-    spec.prompt = first.prompt;  // a session's turn: with its history, as the batched run built it
-    spec.prompt_len = static_cast<int32_t>(spec.prompt.size());
-    for (int32_t j = 0; j < n; ++j) spec.forced.push_back(batched.outputs[r * n + j].tokens);
-    rep.request_ids.push_back(spec.id);
-    ModelRunner alone(model, slots_for(spec, n), kv_tokens_for(spec, n), p.kernel);
-    ServeOptions so;
-    so.scheduler.token_budget = spec.prompt_len;
-    so.scheduler.max_batch = n;
-    so.scheduler.parallel_samples = n;
-    so.seed = o.seed;
-    so.keep = {1};
-    so.stop = o.stop;
-    agree_across_ranks(o.tp, so);
-    const ServeResult ar = serve(alone, {spec}, so);
+    const std::vector<int64_t> turns = turns_of(o, p, r);
+    std::vector<RequestSpec> specs;
+    int64_t slots = 0, kv_tokens = 0, snapshots = 0, cached_tokens = 0;
+    for (const int64_t t : turns) {
+      specs.push_back(alone_spec(o, batched, t, n));
+      const RequestSpec& s = specs.back();
+      slots = std::max<int64_t>(slots, slots_for(s, n));
+      kv_tokens = std::max(kv_tokens, kv_tokens_for(s, n));
+      // What the re-run's cache can come to hold: a snapshot every cache_interval prompt tokens and one
+      // per finished continuation, and the KV rows of every token the turn processes.
+      snapshots += s.prompt_len / std::max<int64_t>(p.sched.cache_interval, 1) + n;
+      cached_tokens += kv_tokens_for(s, n);
+    }
+    rep.request_ids.push_back(specs.back().id);
+    const bool cache_on = p.cache;
+    const int32_t first_hit = batched.outputs[static_cast<size_t>(turns.front() * n)].rows_from;
+    snapshots += 1 + first_hit / std::max<int64_t>(p.sched.cache_interval, 1);  // the prefix run's (below)
+    cached_tokens += first_hit;
+    ModelRunner alone(model, slots + (cache_on ? snapshots : 0), kv_tokens + (cache_on ? cached_tokens : 0),
+                      p.kernel);
+    std::optional<mem_cache::RadixCache> cache;  // goes before the runner
+    if (cache_on) {
+      auto* kv = alone.pools().token_to_kv_pool.get();
+      const size_t budget =
+          static_cast<size_t>(snapshots) * alone.pools().recurrent_state_pool.bytes_per_slot() +
+          (kv ? static_cast<size_t>(cached_tokens * kv->bytes_per_token()) : 0);
+      cache.emplace(alone.pools().recurrent_state_pool, budget, kv);
+    }
+    // A first turn the batched run started from a cached prefix (a shared prefix another request
+    // computed): that prefix first, prefill only, so that the turn restores it as the batched run did
+    // (MLA's attention over cached KV rows is another path than over the rows of the same EXTEND).
+    if (cache_on && first_hit > 0) {
+      RequestSpec prefix;
+      prefix.id = specs.front().id;
+      prefix.prompt.assign(specs.front().prompt.begin(), specs.front().prompt.begin() + first_hit);
+      prefix.prompt_len = first_hit;
+      specs.insert(specs.begin(), std::move(prefix));
+    }
+    ServeResult ar;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      ServeOptions so;
+      so.scheduler.token_budget = specs[i].prompt_len;
+      so.scheduler.parallel_samples = specs[i].output_len > 0 ? n : 1;
+      so.scheduler.max_batch = n;
+      so.scheduler.cache = cache ? &*cache : nullptr;
+      so.scheduler.cache_interval = p.sched.cache_interval;
+      so.seed = o.seed;
+      so.keep = {static_cast<uint8_t>(i + 1 == specs.size())};
+      so.stop = o.stop;
+      agree_across_ranks(o.tp, so);
+      ar = serve(alone, {specs[i]}, so);
+      if (ar.interrupted) break;
+    }
     if (ar.interrupted) {
       *interrupted = true;
       break;
     }
     for (int32_t j = 0; j < n; ++j) {
-      const auto& b = batched.outputs[r * n + j];
-      // A prefix-cache hit's rows start at rows_from: compare the positions both runs computed.
-      const auto& full = ar.outputs[j].rows;
-      const size_t skip = static_cast<size_t>(b.rows_from) * static_cast<size_t>(model.hidden_size());
-      const std::vector<float> tail(full.begin() + static_cast<std::ptrdiff_t>(std::min(skip, full.size())),
-                                    full.end());
-      rep.worst = std::max(rep.worst, metric_of(b.rows, tail, rep.metric));
-      const auto& mine = ar.outputs[j].tokens;
+      const auto& b = batched.outputs[static_cast<size_t>(r * n + j)];
+      compare_rows(b, ar.outputs[static_cast<size_t>(j)], model.hidden_size(), rep);
+      const auto& mine = ar.outputs[static_cast<size_t>(j)].tokens;
       rep.tokens_total += static_cast<int64_t>(std::max(b.tokens.size(), mine.size()));
       for (size_t k = 0; k < std::min(b.tokens.size(), mine.size()); ++k)
         rep.tokens_matched += b.tokens[k] == mine[k];

@@ -1,5 +1,8 @@
 // kda simulate's self-check: each sampled request re-run alone on a fresh pool, teacher-forced on the
-// batched run's tokens, and every position's last-layer output compared with the batched run's.
+// batched run's tokens, and every position's last-layer output compared with the batched run's. With the
+// prefix cache on, a request whose prompt the batched run partly restored is re-run with what it restored
+// computed the same way first: the session's earlier turns (their generated tokens as decode steps) and a
+// shared prefix, on the re-run's own pool and prefix cache.
 //
 // fp32: the spec's elementwise tolerance |a - b| <= 1e-5 + 1e-5 |b| (metric "max_err_ratio", bound 1).
 // bf16: the relative L2 of each continuation's rows (metric "rel_l2", bound bf16_check_bound(layers)).
