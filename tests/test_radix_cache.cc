@@ -753,6 +753,10 @@ TEST(RadixCacheKv, InsertAndEvictionReleaseKvOnlyWhenNobodyHoldsIt) {
   f.kv.free(a_kv);
   // Eviction prunes the leaf and drops the tree's references; the second request still holds the rows.
   EXPECT_EQ(f.cache.evictable_kv_tokens(), 0);  // all four are the request's too
+  EXPECT_EQ(f.cache.kv_tokens_held_alone(), 0);
+  f.kv.free(Tokens(m.kv_slots.begin(), m.kv_slots.begin() + 1));  // the request lets its first token go
+  EXPECT_EQ(f.cache.kv_tokens_held_alone(), 1);
+  f.kv.inc_ref(Tokens(m.kv_slots.begin(), m.kv_slots.begin() + 1));
   EXPECT_EQ(f.cache.evict(1), 1);
   EXPECT_EQ(f.cache.kv_tokens(), 0);
   for (const int32_t k : a_kv) EXPECT_EQ(f.kv.ref_count(k), 1);

@@ -127,6 +127,9 @@ class RadixCache {
   // KV token slots that would return to the KV pool if every evictable snapshot went (tokens of subtrees
   // holding no Pending or locked node, referenced by the tree only). Walks the tree.
   int64_t evictable_kv_tokens() const;
+  // Edge tokens whose KV slot only the tree references (no request holds it): what the cache alone keeps
+  // out of the pool.
+  int64_t kv_tokens_held_alone() const;
 
   // Frees every snapshot and empties the tree; every handle becomes stale.
   void reset();

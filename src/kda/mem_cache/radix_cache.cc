@@ -458,6 +458,20 @@ bool RadixCache::ensure_free_kv_tokens(int64_t n) {
   return kv_pool_->available() >= n;
 }
 
+int64_t RadixCache::kv_tokens_held_alone() const {
+  if (!kv_pool_) return 0;
+  int64_t alone = 0;
+  std::vector<const Node*> stack{&root_};
+  while (!stack.empty()) {
+    const Node* n = stack.back();
+    stack.pop_back();
+    for (const auto& [first, c] : n->children) stack.push_back(c);
+    for (const int32_t k : n->kv)
+      if (k >= 0 && kv_pool_->ref_count(k) == 1) ++alone;
+  }
+  return alone;
+}
+
 SnapshotState RadixCache::state(NodeId id) const { return get(id, "state")->state; }
 
 int64_t RadixCache::lock_ref(NodeId id) const { return get(id, "lock_ref")->lock_ref; }

@@ -104,8 +104,8 @@ std::string Metrics::render(const serving::EngineStats& s) const {
          s.cached_tokens);
   metric(out, "kda_slots_used", "gauge", "Request slots (recurrent state) in use.", s.slots_used);
   metric(out, "kda_slots_total", "gauge", "Request slots (recurrent state) in the pool.", s.slots_total);
-  metric(out, "kda_kv_tokens_used", "gauge", "MLA KV token slots requests hold beyond the prefix cache's.",
-         s.kv_tokens_used);
+  metric(out, "kda_kv_tokens_used", "gauge",
+         "MLA KV token slots requests hold (shared with the prefix cache or not).", s.kv_tokens_used);
   metric(out, "kda_kv_tokens_total", "gauge", "MLA KV token slots in the pool.", s.kv_tokens_total);
   metric(out, "kda_prefix_cache_bytes", "gauge",
          "Bytes the prefix cache holds (state snapshots and cached tokens' MLA KV rows).",

@@ -254,7 +254,7 @@ void Engine::publish_stats() {
     s.prefix_cache_evictions = c->evictions();
     s.prefix_cache_snapshots = c->snapshots();
     s.prefix_cache_kv_tokens = c->kv_tokens();
-    s.kv_tokens_used -= s.prefix_cache_kv_tokens;  // the tree's slots are all in use, each held once
+    s.kv_tokens_used -= c->kv_tokens_held_alone();  // slots no request holds
   }
   std::lock_guard<std::mutex> lk(mu_);
   s.waiting += static_cast<int64_t>(inbox_.size());
