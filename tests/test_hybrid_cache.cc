@@ -18,6 +18,7 @@
 #include "kda/serving/simulate.h"
 #include "kda/serving/speculative.h"
 #include "kda/serving/trace.h"
+#include "support/cache_compare.h"
 #include "support/small_model_config.h"
 #include "support/test_support.h"
 
@@ -68,18 +69,7 @@ WorkloadOptions workload(WorkloadKind kind) {
 
 // Same tokens, same prompts, and the rows a hit did not skip within the fp32 bound; nothing leaked.
 void expect_same(const SimulateResult& hot, const SimulateResult& cold) {
-  ASSERT_EQ(hot.serve.outputs.size(), cold.serve.outputs.size());
-  const int64_t D = cold.serve.hidden;
-  for (size_t i = 0; i < cold.serve.outputs.size(); ++i) {
-    const auto& h = hot.serve.outputs[i];
-    const auto& c = cold.serve.outputs[i];
-    EXPECT_EQ(h.tokens, c.tokens) << "sequence " << i;
-    EXPECT_EQ(h.prompt, c.prompt) << "sequence " << i;
-    const size_t skip = static_cast<size_t>(h.rows_from * D);
-    ASSERT_EQ(h.rows.size() + skip, c.rows.size()) << "sequence " << i;
-    const std::vector<float> tail(c.rows.begin() + static_cast<std::ptrdiff_t>(skip), c.rows.end());
-    EXPECT_LE(ratio(h.rows, tail), 1.0) << "sequence " << i;
-  }
+  kda::testing::expect_same_as_cold(hot, cold);
   EXPECT_EQ(hot.leaked_kv_tokens, 0);
   EXPECT_EQ(hot.leaked_slots, 0);
   EXPECT_TRUE(hot.accounting_ok()) << hot.accounting_error;

@@ -35,6 +35,7 @@
 #include "kda/serving/simulate_plan.h"
 #include "kda/serving/speculative.h"
 #include "kda/serving/trace.h"
+#include "support/cache_compare.h"
 #include "support/small_model_config.h"
 #include "support/test_support.h"
 
@@ -558,21 +559,7 @@ SimulateOptions cache_options(std::vector<RequestSpec> reqs, bool cache) {
   return o;
 }
 
-void expect_same_as_cold(const SimulateResult& hot, const SimulateResult& cold) {
-  ASSERT_EQ(hot.serve.outputs.size(), cold.serve.outputs.size());
-  const int64_t D = cold.serve.hidden;
-  for (size_t i = 0; i < cold.serve.outputs.size(); ++i) {
-    const auto& h = hot.serve.outputs[i];
-    const auto& c = cold.serve.outputs[i];
-    EXPECT_EQ(h.tokens, c.tokens) << "request " << c.request_id;
-    EXPECT_EQ(h.prompt, c.prompt) << "request " << c.request_id;
-    EXPECT_EQ(c.rows_from, 0);
-    const size_t skip = static_cast<size_t>(h.rows_from * D);
-    ASSERT_EQ(h.rows.size() + skip, c.rows.size()) << "request " << c.request_id;
-    EXPECT_LE(testing::max_error_ratio(h.rows.data(), c.rows.data() + skip, h.rows.size(), 1e-5, 1e-5), 1.0)
-        << "request " << c.request_id;
-  }
-}
+using kda::testing::expect_same_as_cold;
 
 WorkloadOptions cache_workload(WorkloadKind kind) {
   auto w = small_workload(kind);

@@ -1,0 +1,25 @@
+#include "support/cache_compare.h"
+
+#include <gtest/gtest.h>
+
+#include "support/test_support.h"
+
+namespace kda::testing {
+
+void expect_same_as_cold(const serving::SimulateResult& hot, const serving::SimulateResult& cold) {
+  ASSERT_EQ(hot.serve.outputs.size(), cold.serve.outputs.size());
+  const int64_t D = cold.serve.hidden;
+  for (size_t i = 0; i < cold.serve.outputs.size(); ++i) {
+    const auto& h = hot.serve.outputs[i];
+    const auto& c = cold.serve.outputs[i];
+    EXPECT_EQ(h.tokens, c.tokens) << "sequence " << i << ", request " << c.request_id;
+    EXPECT_EQ(h.prompt, c.prompt) << "sequence " << i << ", request " << c.request_id;
+    EXPECT_EQ(c.rows_from, 0);
+    const size_t skip = static_cast<size_t>(h.rows_from * D);
+    ASSERT_EQ(h.rows.size() + skip, c.rows.size()) << "sequence " << i << ", request " << c.request_id;
+    EXPECT_LE(max_error_ratio(h.rows.data(), c.rows.data() + skip, h.rows.size(), 1e-5, 1e-5), 1.0)
+        << "sequence " << i << ", request " << c.request_id;
+  }
+}
+
+}  // namespace kda::testing
