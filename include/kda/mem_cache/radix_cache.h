@@ -40,6 +40,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -191,7 +192,8 @@ class RadixCache {
   void prune(Node* n);
   void drop_kv(Node* n);  // drops the references of the edge's KV slots
   bool fits(std::span<const int32_t> path) const;
-  void check_kv() const;  // check_invariants' KV part
+  void check_kv() const;
+  void walk_post_order(const std::function<void(const Node*, bool)>& visit) const;  // check_invariants' KV part
 
   RecurrentStatePool* pool_;
   MLATokenToKVPool* kv_pool_;

@@ -1,6 +1,7 @@
 #include "kda/mem_cache/radix_cache.h"
 
 #include <algorithm>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -425,12 +426,11 @@ void RadixCache::drop_kv(Node* n) {
   n->kv.assign(n->kv.size(), -1);
 }
 
-int64_t RadixCache::evictable_kv_tokens() const {
-  if (!kv_pool_) return 0;
-  // Post-order: a node goes once everything evictable went iff its subtree holds no Pending or locked node.
-  int64_t freed = 0;
+// Post-order over the tree: visit(node, open) with open = the node's subtree holds a Pending or locked node
+// (the only place where an edge token may still wait for its KV slot, and what eviction cannot reach).
+void RadixCache::walk_post_order(const std::function<void(const Node*, bool)>& visit) const {
+  std::unordered_map<const Node*, bool> open;
   std::vector<std::pair<const Node*, bool>> stack{{&root_, false}};
-  std::unordered_map<const Node*, bool> blocked;
   while (!stack.empty()) {
     auto [n, expanded] = stack.back();
     stack.pop_back();
@@ -439,13 +439,22 @@ int64_t RadixCache::evictable_kv_tokens() const {
       for (const auto& [first, c] : n->children) stack.emplace_back(c, false);
       continue;
     }
-    bool b = n->state == SnapshotState::Pending || n->lock_ref > 0;
-    for (const auto& [first, c] : n->children) b = b || blocked[c];
-    blocked[n] = b;
-    if (b || n == &root_) continue;
+    bool o = n->state == SnapshotState::Pending || n->lock_ref > 0;
+    for (const auto& [first, c] : n->children) o = o || open[c];
+    open[n] = o;
+    visit(n, o);
+  }
+}
+
+int64_t RadixCache::evictable_kv_tokens() const {
+  if (!kv_pool_) return 0;
+  // A node goes once everything evictable went iff its subtree holds no Pending or locked node.
+  int64_t freed = 0;
+  walk_post_order([&](const Node* n, bool open) {
+    if (open || n == &root_) return;
     for (const int32_t k : n->kv)
       if (k >= 0 && kv_pool_->ref_count(k) == 1) ++freed;
-  }
+  });
   return freed;
 }
 
@@ -527,26 +536,12 @@ void RadixCache::check_kv() const {
   auto fail = [](const std::string& what) { throw std::logic_error("RadixCache invariant: " + what); };
   std::unordered_map<int32_t, int32_t> held;  // slot -> references the tree holds
   int64_t refs = 0;
-  // Post-order, so that a node knows whether its subtree holds a Pending or locked node: the only place
-  // where an edge token may still wait for its KV slot (-1).
-  std::unordered_map<const Node*, bool> open;
-  std::vector<std::pair<const Node*, bool>> stack{{&root_, false}};
-  while (!stack.empty()) {
-    auto [n, expanded] = stack.back();
-    stack.pop_back();
-    if (!expanded) {
-      stack.emplace_back(n, true);
-      for (const auto& [first, c] : n->children) stack.emplace_back(c, false);
-      continue;
-    }
-    bool o = n->state == SnapshotState::Pending || n->lock_ref > 0;
-    for (const auto& [first, c] : n->children) o = o || open[c];
-    open[n] = o;
-    if (n == &root_) continue;
+  walk_post_order([&](const Node* n, bool o) {
+    if (n == &root_) return;
     const std::string id = "node " + str(n->id);
     if (!kv_pool_) {
       if (!n->kv.empty()) fail(id + " holds KV slots without a KV pool");
-      continue;
+      return;
     }
     if (n->kv.size() != n->key.size())
       fail(id + " has " + str(static_cast<int64_t>(n->kv.size())) + " KV slots for " +
@@ -560,7 +555,7 @@ void RadixCache::check_kv() const {
       ++held[k];
       ++refs;
     }
-  }
+  });
   for (const auto& [slot, count] : held)
     if (kv_pool_->ref_count(slot) < count)
       fail("KV slot " + str(slot) + " has " + str(kv_pool_->ref_count(slot)) +
