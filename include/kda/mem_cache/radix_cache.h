@@ -192,8 +192,9 @@ class RadixCache {
   void prune(Node* n);
   void drop_kv(Node* n);  // drops the references of the edge's KV slots
   bool fits(std::span<const int32_t> path) const;
-  void check_kv() const;
-  void walk_post_order(const std::function<void(const Node*, bool)>& visit) const;  // check_invariants' KV part
+  void check_kv() const;  // check_invariants' KV part
+  // Post-order: visit(node, open), open = its subtree holds a Pending or locked node.
+  void walk_post_order(const std::function<void(const Node*, bool)>& visit) const;
 
   RecurrentStatePool* pool_;
   MLATokenToKVPool* kv_pool_;
