@@ -67,9 +67,14 @@ WorkloadOptions workload(WorkloadKind kind) {
   return w;
 }
 
+// The spec's fp32 bound on the final hidden state (before model.norm), which also bounds prefill -> decode
+// invariance: a hit computes the rest of the prompt in another chunk grid than the cold run, through KDA, MLA
+// and MoE layers. The KDA states and MLA KV rows a hit restores are held to their own 1e-5 bound below.
+constexpr double kFinalHiddenTol = 1e-4;
+
 // Same tokens, same prompts, and the rows a hit did not skip within the fp32 bound; nothing leaked.
 void expect_same(const SimulateResult& hot, const SimulateResult& cold) {
-  kda::testing::expect_same_as_cold(hot, cold);
+  kda::testing::expect_same_as_cold(hot, cold, kFinalHiddenTol);
   EXPECT_EQ(hot.leaked_kv_tokens, 0);
   EXPECT_EQ(hot.leaked_slots, 0);
   EXPECT_TRUE(hot.accounting_ok()) << hot.accounting_error;

@@ -6,7 +6,8 @@
 
 namespace kda::testing {
 
-void expect_same_as_cold(const serving::SimulateResult& hot, const serving::SimulateResult& cold) {
+void expect_same_as_cold(const serving::SimulateResult& hot, const serving::SimulateResult& cold,
+                         double tol) {
   ASSERT_EQ(hot.serve.outputs.size(), cold.serve.outputs.size());
   const int64_t D = cold.serve.hidden;
   for (size_t i = 0; i < cold.serve.outputs.size(); ++i) {
@@ -17,7 +18,7 @@ void expect_same_as_cold(const serving::SimulateResult& hot, const serving::Simu
     EXPECT_EQ(c.rows_from, 0);
     const size_t skip = static_cast<size_t>(h.rows_from * D);
     ASSERT_EQ(h.rows.size() + skip, c.rows.size()) << "sequence " << i << ", request " << c.request_id;
-    EXPECT_LE(max_error_ratio(h.rows.data(), c.rows.data() + skip, h.rows.size(), 1e-5, 1e-5), 1.0)
+    EXPECT_LE(max_error_ratio(h.rows.data(), c.rows.data() + skip, h.rows.size(), tol, tol), 1.0)
         << "sequence " << i << ", request " << c.request_id;
   }
 }
