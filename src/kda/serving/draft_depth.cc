@@ -90,14 +90,17 @@ double VerifyCostModel::relative_cost(int32_t depth, int64_t rows) const {
   if (depth == 0) return 1.0;
   const double r = measured_ratio(depth, b);
   if (r >= 0.0) return r;
-  // Unmeasured: the cost of the deepest measured depth below, when it is the one just below (depths are
-  // tried bottom up); deeper than that it is not a candidate yet.
-  for (int32_t d = depth - 1; d >= 0; --d) {
-    const double below = d == 0 ? 1.0 : measured_ratio(d, b);
-    if (below < 0.0) continue;
-    return d == depth - 1 ? below : kInf;
+  // Unmeasured: optimistic, the cost of the deepest measured depth below it. Depth 1 comes first (costed
+  // as a plain step); deeper ones are candidates once a verify step has been measured, each costed as
+  // the deepest measured depth below it until it is measured itself. Not one depth at a time: a verify
+  // step's cost is far from linear in its depth (a fixed part, the verify path and the experts a second
+  // token adds, then less per token as the union of experts fills up), so depth 1's cost can rule depth 2
+  // out while depth 4 pays.
+  for (int32_t d = depth - 1; d >= 1; --d) {
+    const double below = measured_ratio(d, b);
+    if (below >= 0.0) return below;
   }
-  return kInf;
+  return depth == 1 ? 1.0 : kInf;
 }
 
 DraftDepthController::DraftDepthController(int32_t max_depth) : max_depth_(max_depth) {
@@ -107,6 +110,11 @@ DraftDepthController::DraftDepthController(int32_t max_depth) : max_depth_(max_d
 double DraftDepthController::acceptance() const {
   constexpr double kPriorHits = 1.0, kPriorMisses = 1.0;  // 0.5, worth two tokens of evidence
   return (hits_ + kPriorHits) / (hits_ + misses_ + kPriorHits + kPriorMisses);
+}
+
+double DraftDepthController::optimistic_acceptance() const {
+  const double a = acceptance(), n = hits_ + misses_ + 2.0;  // the prior's two tokens included
+  return std::min(0.99, a + std::sqrt(a * (1.0 - a) / n));
 }
 
 void DraftDepthController::observe(int32_t drafted, int32_t accepted) {
@@ -120,8 +128,7 @@ void DraftDepthController::observe(int32_t drafted, int32_t accepted) {
   misses_ = misses_ * kDecay + (accepted < drafted ? 1.0 : 0.0);
 }
 
-int32_t DraftDepthController::best_depth(const VerifyCostModel& cost, int64_t rows) const {
-  const double a = acceptance();
+int32_t DraftDepthController::best_depth(const VerifyCostModel& cost, int64_t rows, double a) const {
   int32_t best = 0;
   double best_score = 1.0;  // plain decoding: one token per unit cost
   for (int32_t d = 1; d <= std::min(max_depth_, cost.max_depth()); ++d) {
@@ -137,9 +144,11 @@ int32_t DraftDepthController::best_depth(const VerifyCostModel& cost, int64_t ro
 }
 
 int32_t DraftDepthController::choose(const VerifyCostModel& cost, int64_t rows) {
-  int32_t d = best_depth(cost, rows);
-  if (probing_) {  // the probe's observation is in: did it make a depth pay?
-    reprobe_after_ = d > 0 ? kReprobeSteps : std::min(reprobe_after_ * 2, kMaxReprobeSteps);
+  int32_t d = best_depth(cost, rows, optimistic_acceptance());
+  if (probing_) {  // the probe's observation is in: did it make a depth pay on the estimate itself?
+    reprobe_after_ = best_depth(cost, rows, acceptance()) > 0
+                         ? kReprobeSteps
+                         : std::min(reprobe_after_ * 2, kMaxReprobeSteps);
     probing_ = false;
   }
   if (d > 0) {

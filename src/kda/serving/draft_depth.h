@@ -8,11 +8,14 @@
 //   DraftDepthController   one per sequence: its measured per-token acceptance a; before each step it
 //                          picks the depth d maximising the expected emitted tokens of a chain,
 //                          (1 - a^(d+1)) / (1 - a), over the step's relative cost; 0 when no depth beats
-//                          plain decoding by kMinGain.
+//                          plain decoding by kMinGain. a is taken one standard error above its estimate
+//                          (optimism under uncertainty): a sequence's first rejections would otherwise rule
+//                          speculation out on the evidence of a token or two, while the margin shrinks
+//                          as verify steps add evidence.
 // Exploration is cheap and deterministic: a depth with no measurement at a row count borrows the ratio
-// measured at the nearest bucket; a depth measured nowhere is costed as the deepest measured depth below it
-// (optimistic, so it gets tried once it might pay) but only one past that depth, so depths are tried
-// bottom up and an expensive deep step is never tried before the shallower ones showed it might pay.
+// measured at the nearest bucket; depth 1 is tried first, and once it is measured a depth measured nowhere
+// is costed as the deepest measured depth below it (optimistic, so it gets tried once it might pay: the
+// cost is not linear in the depth, and a depth 1 that does not pay says little about depth 4).
 // After the controller chooses 0 it re-probes depth 1 after kReprobeSteps steps, doubling the wait each
 // time the probe does not make speculation pay (acceptance can change along a sequence); a probe first
 // cuts the older evidence's weight to kProbeMemory tokens.
@@ -81,10 +84,13 @@ class DraftDepthController {
   int32_t choose(const VerifyCostModel& cost, int64_t rows);
 
   double acceptance() const;  // the per-token acceptance estimate (a prior of 0.5 before any draft)
+  // acceptance() plus its standard error over the evidence held (prior included), at most 0.99: the rate
+  // choose() plans with.
+  double optimistic_acceptance() const;
   int32_t last_choice() const { return last_; }
 
  private:
-  int32_t best_depth(const VerifyCostModel& cost, int64_t rows) const;
+  int32_t best_depth(const VerifyCostModel& cost, int64_t rows, double a) const;  // at acceptance a
 
   int32_t max_depth_;
   double hits_ = 0.0, misses_ = 0.0;  // discounted accepted tokens and first rejections
