@@ -37,18 +37,7 @@ double ratio(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 SimulateOptions options(std::vector<RequestSpec> reqs, bool cache) {
-  SimulateOptions o;
-  o.synthetic_config = hybrid_config();
-  o.precision = Precision::FP32;
-  o.seed = 7;
-  o.requests = std::move(reqs);
-  o.keep_outputs = true;
-  o.state_memory = int64_t{1} << 30;
-  o.server_args.disable_radix_cache = !cache;
-  o.server_args.chunked_prefill_size = 48;  // chunks that split the snapshots' positions
-  o.cache_interval = 64;
-  o.prefix_cache_memory = int64_t{256} << 20;
-  return o;
+  return kda::testing::cache_test_options(hybrid_config(), std::move(reqs), cache, int64_t{256} << 20);
 }
 
 WorkloadOptions workload(WorkloadKind kind) {

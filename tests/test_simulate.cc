@@ -50,14 +50,7 @@ io::KimiLinearConfig small_config() { return kda::testing::small_model_config({1
 io::KimiLinearConfig hybrid_config() { return kda::testing::small_model_config({1, 2, 4}, {3}, 8192); }
 
 SimulateOptions small_options(std::vector<RequestSpec> reqs) {
-  SimulateOptions o;
-  o.synthetic_config = small_config();
-  o.precision = Precision::FP32;
-  o.seed = 7;
-  o.requests = std::move(reqs);
-  o.keep_outputs = true;
-  o.state_memory = int64_t{1} << 30;
-  return o;
+  return kda::testing::simulate_test_options(small_config(), std::move(reqs));
 }
 
 // One request slot's bytes over the 3 KDA layers (both configs): recurrent fp32 + conv state.
@@ -551,12 +544,7 @@ void expect_invalid(const std::function<void()>& f, const std::string& substr) {
 // Prefix cache. A run with the cache must generate the tokens of a run without it, and every
 // row it computed must match the cold run's row at the same position (a hit's rows start at rows_from).
 SimulateOptions cache_options(std::vector<RequestSpec> reqs, bool cache) {
-  auto o = small_options(std::move(reqs));
-  o.server_args.disable_radix_cache = !cache;
-  o.server_args.chunked_prefill_size = 48;  // chunks that split the snapshots' positions
-  o.cache_interval = 64;
-  o.prefix_cache_memory = 64 * slot_bytes();
-  return o;
+  return kda::testing::cache_test_options(small_config(), std::move(reqs), cache, 64 * slot_bytes());
 }
 
 using kda::testing::expect_same_as_cold;
@@ -671,14 +659,7 @@ TEST(PrefixCache, Bf16MultiTurnCheckPassesAndFailsOnACorruptedRestore) {
   o.check = 2;
   const Plan p = make_plan(o);
   ASSERT_GT(p.mla_layers, 0);
-  models::ModelOptions mo;
-  mo.precision = o.precision;
-  mo.weights = o.weights;
-  mo.num_layers = p.layers;
-  mo.kernel = p.kernel;
-  mo.num_experts = p.num_experts;
-  mo.vocab = p.vocab;
-  auto model = models::KimiLinearForCausalLM::synthetic(p.cfg, mo, o.seed);
+  auto model = models::KimiLinearForCausalLM::synthetic(p.cfg, model_options(p, o), o.seed);
   for (const bool corrupt : {false, true}) {
     SCOPED_TRACE(corrupt ? "corrupted restore" : "intact");
     ModelRunner runner(*model, p.slots + p.cache_slots, p.kv_tokens, p.kernel);

@@ -286,12 +286,17 @@ def wait_idle(server, timeout=30):
         time.sleep(0.05)
 
 
-def open_stream(server, body):
+def open_request(server, path, body, stream=False):
+    """A request on a raw socket, its answer left unread (the caller reads or leaves it)."""
     s = socket.create_connection((server.host, server.port), timeout=60)
-    data = json.dumps({**body, "stream": True})
-    s.sendall((f"POST {CMPL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    data = json.dumps({**body, "stream": stream})
+    s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(data)}\r\n\r\n{data}").encode())
     return s
+
+
+def open_stream(server, body):
+    return open_request(server, CMPL, body, stream=True)
 
 
 def test_clients_leaving_mid_stream_free_their_slots(ckpt):
@@ -358,15 +363,6 @@ def test_a_stream_left_while_it_waits_for_a_slot_is_aborted(ckpt):
         answer_next(server)
     finally:
         server.stop()
-
-
-def open_request(server, path, body):
-    """A non-streaming request on a raw socket, its answer left unread."""
-    s = socket.create_connection((server.host, server.port), timeout=60)
-    data = json.dumps({**body, "stream": False})
-    s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(data)}\r\n\r\n{data}").encode())
-    return s
 
 
 def test_clients_leaving_before_a_whole_answer_abort_it(ckpt):

@@ -23,4 +23,27 @@ void expect_same_as_cold(const serving::SimulateResult& hot, const serving::Simu
   }
 }
 
+serving::SimulateOptions simulate_test_options(const io::KimiLinearConfig& cfg,
+                                               std::vector<serving::RequestSpec> reqs) {
+  serving::SimulateOptions o;
+  o.synthetic_config = cfg;
+  o.precision = Precision::FP32;
+  o.seed = 7;
+  o.requests = std::move(reqs);
+  o.keep_outputs = true;
+  o.state_memory = int64_t{1} << 30;
+  return o;
+}
+
+serving::SimulateOptions cache_test_options(const io::KimiLinearConfig& cfg,
+                                            std::vector<serving::RequestSpec> reqs, bool cache,
+                                            int64_t cache_bytes) {
+  auto o = simulate_test_options(cfg, std::move(reqs));
+  o.server_args.disable_radix_cache = !cache;
+  o.server_args.chunked_prefill_size = 48;
+  o.cache_interval = 64;
+  o.prefix_cache_memory = cache_bytes;
+  return o;
+}
+
 }  // namespace kda::testing

@@ -26,7 +26,7 @@ namespace kda::bench {
 
 namespace {
 
-constexpr int kLayers = 4, kPrompt = 32, kOutput = 40, kRounds = 2, kMaxDepth = 4;
+constexpr int kLayers = 4, kPrompt = 32, kOutput = 96, kRounds = 2, kMaxDepth = 4;
 
 struct Pass {
   serving::SpeculativeOptions spec;  // algorithm kNone: plain decoding
@@ -63,14 +63,7 @@ void bench_spec_serve(const RowOptions& o, nlohmann::json& j, const Say& say) {
   so.server_args.speculative_algorithm = "replay";
   const serving::Plan p = serving::make_plan(so);
 
-  models::ModelOptions mo;
-  mo.precision = so.precision;
-  mo.weights = so.weights;
-  mo.num_layers = p.layers;
-  mo.kernel = p.kernel;
-  mo.num_experts = p.num_experts;
-  mo.vocab = p.vocab;
-  const auto model = models::KimiLinearForCausalLM::synthetic(p.cfg, mo, so.seed);
+  const auto model = models::KimiLinearForCausalLM::synthetic(p.cfg, serving::model_options(p, so), so.seed);
   serving::ModelRunner runner(*model, p.slots + p.cache_slots, p.kv_tokens, p.kernel, p.verify_tokens,
                               p.verify_rows);
   serving::ServeOptions base;

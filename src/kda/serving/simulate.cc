@@ -125,20 +125,10 @@ SimulateResult run_group(const SimulateOptions& o) {
   log("building " + what + "; " + res.model + ", " + to_string(o.precision) + ", " + to_string(o.weights) +
       " weights, hidden " + std::to_string(p.cfg.hidden_size) + ", vocab " + std::to_string(p.vocab) + ")");
   const auto t0 = Clock::now();
-  models::ModelOptions mo;
-  mo.precision = o.precision;
-  mo.weights = o.weights;
-  mo.tp = o.tp;
-  mo.num_layers = p.layers;
-  mo.kernel = p.kernel;
-  std::unique_ptr<models::KimiLinearForCausalLM> model;
-  if (o.model_dir.empty()) {
-    mo.num_experts = p.num_experts;
-    mo.vocab = p.vocab;
-    model = models::KimiLinearForCausalLM::synthetic(p.cfg, mo, o.seed);
-  } else {
-    model = models::KimiLinearForCausalLM::from_pretrained(o.model_dir, mo);
-  }
+  const models::ModelOptions mo = model_options(p, o);
+  const std::unique_ptr<models::KimiLinearForCausalLM> model =
+      o.model_dir.empty() ? models::KimiLinearForCausalLM::synthetic(p.cfg, mo, o.seed)
+                          : models::KimiLinearForCausalLM::from_pretrained(o.model_dir, mo);
   res.build_s = seconds_since(t0);
   res.model_weight_bytes = model->weight_bytes();
   res.active_weight_bytes = model->active_weight_bytes();

@@ -291,4 +291,18 @@ int64_t parse_byte_size(const std::string& text, const std::string& option) {
   return static_cast<int64_t>(bytes);
 }
 
+models::ModelOptions model_options(const Plan& p, const SimulateOptions& o) {
+  models::ModelOptions mo;
+  mo.precision = o.precision;
+  mo.weights = o.weights;
+  mo.tp = o.tp;
+  mo.num_layers = p.layers;
+  mo.kernel = p.kernel;
+  if (o.model_dir.empty()) {
+    mo.num_experts = p.num_experts;
+    mo.vocab = p.vocab;
+  }
+  return mo;
+}
+
 }  // namespace kda::serving

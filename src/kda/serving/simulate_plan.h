@@ -9,6 +9,7 @@
 
 #include "kda/io/config.h"
 #include "kda/kernels/kda/kda.h"
+#include "kda/models/kimi_linear_model.h"
 #include "kda/server_args.h"
 #include "kda/serving/request.h"
 #include "kda/serving/scheduler.h"
@@ -39,5 +40,10 @@ struct Plan {
 int32_t slots_for(const RequestSpec& r, int32_t n);
 
 Plan make_plan(const SimulateOptions& o);
+
+// The model the plan serves: o's precision, weights and tensor-parallel group, the plan's layers and
+// kernel, and for synthetic weights (no model_dir) the plan's experts and vocabulary. One place for
+// `kda simulate`, its benchmarks and tests, so that they build the model the plan sized its pools for.
+models::ModelOptions model_options(const Plan& p, const SimulateOptions& o);
 
 }  // namespace kda::serving
