@@ -34,6 +34,9 @@ void bench_layer(const RowOptions& o, double cp, nlohmann::json& j, const Say& s
 void bench_stack(const RowOptions& o, nlohmann::json& j, const Say& say);
 // Linear's two bf16 paths side by side on the layer's fused projection.
 void bench_bf16_gemm(nlohmann::json& j, const Say& say);
+// QuantLinear's two prefill paths (int8 / int4, bf16 precision) at prefill row counts on the model's
+// prefill shapes, over the bf16 and fp32 GEMM ceilings of each shape ("quant_gemm").
+void bench_quant_gemm(nlohmann::json& j, const Say& say);
 // Speculative decoding's cost side: verify steps against a decode step.
 void bench_spec(nlohmann::json& j, const Say& say);
 // Speculative decoding against plain decoding through the serving loop, in turns, on the first 4 decoder

@@ -8,6 +8,8 @@
 #include <string>
 #include <type_traits>
 
+#include "kda/common/isa.h"
+#include "kda/kernels/gemm/quant_tile.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
 #include "kda/layers/matmul_cache.h"
@@ -16,6 +18,26 @@ namespace kda::layers {
 
 using dnnl::memory;
 namespace qg = kda::kernels::gemm;
+
+namespace {
+
+// Whether oneDNN runs bf16 matmuls on AMX here (its effective ISA includes avx512_core_amx).
+bool onednn_has_amx() {
+  static const bool amx = (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) &
+                           static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx)) ==
+                          static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+  return amx;
+}
+
+}  // namespace
+
+QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision precision) {
+  if (precision != Precision::BF16 || !cpu_has_bf16_gemm()) return Prefill::Fp32Tiles;
+  // int4's bf16 tile is twice as deep (hi + lo): it pays where bf16 runs at well over twice the fp32
+  // rate (AMX), not where it runs at about twice (AVX512_BF16 alone).
+  if (weights == Weights::Int4 && !onednn_has_amx()) return Prefill::Fp32Tiles;
+  return Prefill::Bf16Tiles;
+}
 
 struct QuantLinear::Impl {
   Impl(Weights weights, const std::vector<float>& w, int64_t in, int64_t out)
@@ -40,6 +62,16 @@ QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::v
     throw std::invalid_argument("QuantLinear: weight has " + std::to_string(weight.size()) +
                                 " values, expected " + std::to_string(out_) + " x " + std::to_string(in_));
   impl_ = std::make_unique<Impl>(weights, weight, in_, out_);
+  prefill_ = prefill_path_for(weights, precision);
+}
+
+QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
+                         Weights weights, Precision precision, Prefill prefill)
+    : QuantLinear((prefill == Prefill::Bf16Tiles && precision != Precision::BF16)
+                      ? throw std::invalid_argument("QuantLinear: bf16 tiles need the bf16 precision")
+                      : in_features,
+                  out_features, weight, weights, precision) {
+  prefill_ = prefill;
 }
 
 QuantLinear::~QuantLinear() = default;
@@ -66,6 +98,8 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
                [&](const float* xf, int64_t ldxf, float* yf, int64_t ldyf) {
                  if (M <= kDecodeRows) {
                    qg::gemm(xf, M, ldxf, im.packed.view(), yf, ldyf);
+                 } else if (prefill_ == Prefill::Bf16Tiles) {
+                   prefill_bf16(xf, M, ldxf, yf, ldyf);
                  } else {
                    prefill(xf, M, ldxf, yf, ldyf);
                  }
@@ -98,6 +132,52 @@ void QuantLinear::prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, i
     memory dst_m(p.dst, im.engine, yf + n0);
     p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
     im.stream.wait();
+  }
+}
+
+// x as dense bf16 rows ([x, x] for int4's hi, lo depth; the values are bf16 already, so exactly), then
+// per tile of kBf16Tile channels: the tile written in the blocked layout oneDNN's bf16 matmul reads
+// (quant_tile.h; a reorder from a plain tile cost a good part of the matmul's own time), the matmul into
+// dense fp32 scratch (a column slice of y as its destination took oneDNN 2.6 off its brgemm kernels),
+// then copied into y's columns with int8's channel scales. Caller holds the mutex.
+void QuantLinear::prefill_bf16(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const {
+  Impl& im = *impl_;
+  const qg::PackedWeights w = im.packed.view();
+  const int64_t in = in_, depth = qg::bf16_tile_depth(w), tile_n = std::min(kBf16Tile, out_);
+  // The calling thread's scratch, shared by every QuantLinear it calls.
+  thread_local std::vector<bf16_t> xs, tile;
+  thread_local std::vector<float> ys;
+  xs.resize(static_cast<size_t>(M * depth));
+  tile.resize(static_cast<size_t>(qg::bf16_blocked_tile_size(w, tile_n)));
+  ys.resize(static_cast<size_t>(M * tile_n));
+  bf16_t* xb = xs.data();
+#pragma omp parallel for schedule(static) if (M * in >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < M; ++i) {
+    f32_to_bf16_array(xf + i * ldxf, xb + i * depth, static_cast<size_t>(in));
+    if (depth != in) std::memcpy(xb + i * depth + in, xb + i * depth, sizeof(bf16_t) * in);
+  }
+  for (int64_t n0 = 0; n0 < out_; n0 += kBf16Tile) {
+    const int64_t nt = std::min(kBf16Tile, out_ - n0);
+    qg::bf16_tile_blocked(w, n0, n0 + nt, tile.data());
+    const MatmulCache::Entry& p = im.prims.get({M, nt, depth, nt, false}, [&] {
+      const memory::desc src_md({M, depth}, memory::data_type::bf16, memory::dims{depth, 1});
+      const memory::desc w_md({depth, nt}, memory::data_type::bf16, memory::format_tag::BA16a64b2a);
+      const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{nt, 1});
+      if (w_md.get_size() != static_cast<size_t>(qg::bf16_blocked_tile_size(w, nt)) * sizeof(bf16_t))
+        throw std::runtime_error("QuantLinear: oneDNN's BA16a64b2a tile is not the size quant_tile.h writes");
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_md, dst_md), im.engine);
+      return MatmulCache::Entry{dnnl::matmul(pd), src_md, w_md, dst_md, {}};
+    });
+    memory src_m(p.src, im.engine, xb);
+    memory w_m(p.weights, im.engine, tile.data());
+    memory dst_m(p.dst, im.engine, ys.data());
+    p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
+    im.stream.wait();
+    const float* scale = w.format == Weights::Int8 ? w.scale + n0 : nullptr;
+    const float* yt = ys.data();
+#pragma omp parallel for schedule(static) if (M * nt >= (int64_t{1} << 16))
+    for (int64_t i = 0; i < M; i += 16)
+      qg::scale_columns(yt + i * nt, nt, std::min<int64_t>(16, M - i), scale, nt, yf + i * ldyf + n0, ldyf);
   }
 }
 
