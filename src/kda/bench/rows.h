@@ -28,6 +28,9 @@ double bench_chunk(const RowOptions& o, GemmCeiling& g32, nlohmann::json& j, std
                    double& plain);
 // fused_recurrent_kda (decode) rows against memcpy bandwidth cp (GB/s).
 void bench_recurrent(const RowOptions& o, double cp, nlohmann::json& j, const Say& say);
+// The plain-form MLA prefill attention of a 2048-token prompt at the real shapes, flash-style against
+// its reference ("mla_prefill").
+void bench_mla_prefill(nlohmann::json& j, const Say& say);
 // The layer (fp32, bf16, int8 / int4 weights) at EXTEND and DECODE, against its GEMMs alone.
 void bench_layer(const RowOptions& o, double cp, nlohmann::json& j, const Say& say);
 // The 20-layer stack decoding one request, bf16 against int8 / int4 weights.

@@ -127,6 +127,7 @@ int run_bench(const BenchOptions& o) {
         "naive us/token");
     for (const auto& l : chunk_lines) say("%s", l.c_str());
     bench::bench_recurrent(ro, cp, j, say);
+    bench::bench_mla_prefill(j, say);
   }
   if (o.only != "kernels") bench::bench_layer(ro, cp, j, say);
   if (o.json) std::printf("%s\n", j.dump(2).c_str());
