@@ -28,7 +28,7 @@ class QuantLinear {
  public:
   static constexpr int64_t kDecodeRows = 64;
   static constexpr int64_t kTile = 256;       // output channels per fp32 tile on the prefill path
-  static constexpr int64_t kBf16Tile = 1024;  // output channels per bf16 tile
+  static constexpr int64_t kBf16Tile = 2048;  // output channels per bf16 tile
   enum class Prefill { Fp32Tiles, Bf16Tiles };
   // The prefill path a projection of these weights and precision takes on this CPU.
   static Prefill prefill_path_for(Weights weights, Precision precision);
@@ -68,7 +68,8 @@ class QuantLinear {
   template <class X, class Y>
   void forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
   void prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const;
-  void prefill_bf16(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const;
+  template <class X, class Y>
+  void prefill_bf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
   int64_t in_ = 0, out_ = 0;
   Weights weights_ = Weights::Int8;
   Precision precision_ = Precision::BF16;

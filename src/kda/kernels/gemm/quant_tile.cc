@@ -6,6 +6,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kda/common/isa_target.h"
@@ -149,17 +150,37 @@ void bf16_tile_blocked(const PackedWeights& w, int64_t n0, int64_t n1, bf16_t* o
   }
 }
 
-KDA_TARGET_CLONES void scale_columns(const float* src, int64_t lds, int64_t M, const float* scale, int64_t n,
-                                     float* y, int64_t ldy) {
+namespace {
+
+template <class Y>
+inline void scale_rows(const float* src, int64_t lds, int64_t M, const float* scale, int64_t n, Y* y,
+                       int64_t ldy) {
+  const auto store = [](float v) {
+    if constexpr (std::is_same_v<Y, bf16_t>)
+      return f32_to_bf16(v);
+    else
+      return v;
+  };
   for (int64_t m = 0; m < M; ++m) {
     const float* s = src + m * lds;
-    float* r = y + m * ldy;
+    Y* r = y + m * ldy;
     if (scale) {
-      for (int64_t c = 0; c < n; ++c) r[c] = s[c] * scale[c];
+      for (int64_t c = 0; c < n; ++c) r[c] = store(s[c] * scale[c]);
     } else {
-      for (int64_t c = 0; c < n; ++c) r[c] = s[c];
+      for (int64_t c = 0; c < n; ++c) r[c] = store(s[c]);
     }
   }
+}
+
+}  // namespace
+
+KDA_TARGET_CLONES void scale_columns(const float* src, int64_t lds, int64_t M, const float* scale, int64_t n,
+                                     float* y, int64_t ldy) {
+  scale_rows(src, lds, M, scale, n, y, ldy);
+}
+KDA_TARGET_CLONES void scale_columns(const float* src, int64_t lds, int64_t M, const float* scale, int64_t n,
+                                     bf16_t* y, int64_t ldy) {
+  scale_rows(src, lds, M, scale, n, y, ldy);
 }
 
 }  // namespace kda::kernels::gemm

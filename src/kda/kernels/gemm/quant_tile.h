@@ -41,5 +41,8 @@ void bf16_tile_blocked(const PackedWeights& w, int64_t n0, int64_t n1, bf16_t* o
 // the tile's fp32 sums, as they are copied into y's columns.
 void scale_columns(const float* src, int64_t lds, int64_t M, const float* scale, int64_t n, float* y,
                    int64_t ldy);
+// The same into bf16 y, each value rounded to nearest even after its scale.
+void scale_columns(const float* src, int64_t lds, int64_t M, const float* scale, int64_t n, bf16_t* y,
+                   int64_t ldy);
 
 }  // namespace kda::kernels::gemm
