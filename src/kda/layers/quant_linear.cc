@@ -119,11 +119,11 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
 void QuantLinear::prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const {
   Impl& im = *impl_;
   // One dequantized weight tile: the calling thread's, shared by every QuantLinear it calls.
-  thread_local std::vector<float> tile;
-  tile.resize(static_cast<size_t>(kTile * in_));
+  thread_local std::vector<float> ts;
+  float* tile = aligned(ts, kTile * in_);
   for (int64_t n0 = 0; n0 < out_; n0 += kTile) {
     const int64_t nt = std::min(kTile, out_ - n0);
-    float* wt = tile.data();
+    float* wt = tile;
     const int64_t in = in_;
     const qg::PackedWeights w = im.packed.view();
 #pragma omp parallel for schedule(static)
