@@ -23,9 +23,10 @@ namespace kda::serving {
 // give a row the same bits at any row count (kernels/gemm/bf16_gemm.h), and so did oneDNN's bf16 matmul
 // on an AVX512_BF16 CPU at these shapes: with every prompt whole (no prefix cache, a token budget above
 // the prompts) batched and alone were equal bit for bit on both paths, decode and verify steps alike.
-// Not so on a CPU with AMX: oneDNN's bf16 matmul multiplies 2 rows or more with AMX tiles, which sum in
-// another order than its one-row kernel, so a row's bits depend on the rows beside it and batched and alone
-// differ even with every prompt whole (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 makes them equal again). A
+// On a CPU with AMX oneDNN's AMX tiles would sum a row in an order set by the call's row count, so a row's
+// bits would depend on the rows beside it and batched and alone would differ even with every prompt whole
+// (the 4-layer check above the bound): Linear caps oneDNN at its AVX512_BF16 kernels there
+// (layers/onednn_isa.h), unless ONEDNN_MAX_CPU_ISA asks for AMX, for which this bound does not hold. A
 // session's history restored from the prefix cache adds nothing: the re-run computes it the way the
 // batched run did (self_check below), its generated tokens as decode steps, not in one EXTEND, whose MLA
 // and chunk_kda paths round otherwise than decode's.
