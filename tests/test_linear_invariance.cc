@@ -1,4 +1,5 @@
-// A bf16 Linear gives a row the same bits whatever rows share its call: a token computes the same in a
+// With batch invariance asked for (layers/onednn_isa.h, `--batch-invariant`), a bf16 Linear gives a row the
+// same bits whatever rows share its call: a token computes the same in a
 // decode step alone or beside other requests' tokens, in a verify row and in a prefill, and a MoE
 // expert's row the same whatever tokens the router sends beside it. Checked at the model's projection
 // shapes, at row counts from one decode row to a prefill chunk, at two row offsets, and with the
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -48,6 +50,25 @@ class Threads {
   int old_;
 };
 
+// This binary asks for batch invariance before its first kernel, as `--batch-invariant` does; the
+// environment may have chosen oneDNN's ISA for it (then the tests are skipped with the reason).
+class BatchInvariant : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    try {
+      layers::make_bf16_batch_invariant();
+    } catch (const std::runtime_error& e) {
+      refused = e.what();
+    }
+  }
+  static inline std::string refused;
+};
+[[maybe_unused]] ::testing::Environment* const kBatchInvariant =
+    ::testing::AddGlobalTestEnvironment(new BatchInvariant);
+
+#define SKIP_UNLESS_INVARIANT() \
+  if (!BatchInvariant::refused.empty()) GTEST_SKIP() << BatchInvariant::refused
+
 std::vector<int> thread_counts() {
   std::vector<int> t{omp_get_max_threads(), 16, 64};
   std::sort(t.begin(), t.end());
@@ -70,6 +91,7 @@ int64_t rows_differing(const layers::Linear& lin, const std::vector<bf16_t>& x, 
 }
 
 TEST(LinearInvariance, ARowsBitsDoNotDependOnTheRowsBesideIt) {
+  SKIP_UNLESS_INVARIANT();
   for (const Shape& sh : kShapes) {
     const std::vector<float> w = random_normal(static_cast<size_t>(sh.in * sh.out), 3, 0.02f);
     std::vector<bf16_t> x(static_cast<size_t>(kRefRows * sh.in));
@@ -92,6 +114,7 @@ TEST(LinearInvariance, ARowsBitsDoNotDependOnTheRowsBesideIt) {
 // The bf16 output (what a MoE expert's gate|up and the KDA projection write) is the fp32 one rounded, so
 // it too is the same at any row count.
 TEST(LinearInvariance, Bf16OutputRowsToo) {
+  SKIP_UNLESS_INVARIANT();
   const Shape sh = kShapes[1];
   const std::vector<float> w = random_normal(static_cast<size_t>(sh.in * sh.out), 5, 0.02f);
   std::vector<bf16_t> x(static_cast<size_t>(kRefRows * sh.in));
@@ -110,13 +133,16 @@ TEST(LinearInvariance, Bf16OutputRowsToo) {
   }
 }
 
-// With AMX in oneDNN's reach the rows above differ (tiles block a call by its row count), so a projection
-// caps oneDNN below AMX before its first kernel, unless the environment chose oneDNN's ISA.
-TEST(LinearInvariance, OneDnnIsCappedBelowAmxUnlessTheUserChoseItsIsa) {
-  const layers::Linear lin(64, 32, std::vector<float>(64 * 32, 0.5f), Precision::BF16);
-  if (std::getenv("ONEDNN_MAX_CPU_ISA") || std::getenv("DNNL_MAX_CPU_ISA"))
-    GTEST_SKIP() << "oneDNN's ISA chosen in the environment";
+// With AMX in oneDNN's reach the rows above differ (tiles block a call by its row count): asking for
+// invariance caps oneDNN below AMX, and asking again is a no-op.
+TEST(LinearInvariance, AskingCapsOneDnnBelowAmx) {
+  SKIP_UNLESS_INVARIANT();
   EXPECT_FALSE(layers::onednn_bf16_uses_amx()) << "AMX on this CPU: " << layers::cpu_has_amx_bf16();
+  const layers::Linear lin(64, 32, std::vector<float>(64 * 32, 0.5f), Precision::BF16);
+  std::vector<float> x(64, 1.0f), y(32);
+  lin.forward(x.data(), 1, y.data());
+  EXPECT_NO_THROW(layers::make_bf16_batch_invariant());
+  EXPECT_FALSE(layers::onednn_bf16_uses_amx());
 }
 
 }  // namespace

@@ -10,9 +10,9 @@
 // QuantLinear (quant_linear.h) with the same inputs, outputs and rounding points.
 //
 // bf16 precision with bf16 weights multiplies one of two ways (Bf16Gemm), chosen at construction:
-// - OneDnn: oneDNN's bf16 matmul, W reordered into its layout (above). On a CPU with AMX oneDNN is
-//   capped at its AVX512_BF16 kernels (src/kda/layers/onednn_isa.h): with AMX tiles a row's bits depend on
-//   how many rows share the call.
+// - OneDnn: oneDNN's bf16 matmul, W reordered into its layout (above). On a CPU with AMX its tiles sum
+//   a row in an order set by the call's row count, so a row's bits depend on its batch unless the
+//   process asked for batch invariance (src/kda/layers/onednn_isa.h: AVX512_BF16 kernels only).
 // - Widened: W kept as bf16 in its [out, in] layout and multiplied by the bf16 GEMM kernels
 //   (kernels/gemm/bf16_gemm.h: one pass over W per 64 rows, a row's result independent of the batch it
 //   is in, so a token computes the same bits in a decode step, a verify row or a prefill). The same

@@ -71,6 +71,7 @@ struct SimulateCliOptions {
   bool mixed = false;
   std::string state_memory = "1GiB";
   std::string kv_memory = "1GiB";  // the MLA layers' token KV pool
+  bool batch_invariant = false;    // bf16 rows independent of their batch (AMX hosts: no AMX)
   bool no_prefix_cache = false;
   std::string prefix_cache_memory = "1GiB";  // snapshot slots, on top of state_memory
   int64_t cache_interval = 256;
@@ -109,6 +110,7 @@ struct ServeCliOptions {
   std::string state_memory = "1GiB";
   std::string kv_memory = "1GiB";
   int64_t context_length = 0;  // 0: what the MLA KV pool holds (at most 1M tokens)
+  bool batch_invariant = false;
   bool no_prefix_cache = false;
   std::string prefix_cache_memory = "1GiB";  // snapshot slots (on top of state_memory) + cached tokens' KV
   int64_t cache_interval = 256;

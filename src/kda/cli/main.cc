@@ -159,6 +159,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   sim->add_option("--kv-memory", so.kv_memory, "bytes for the MLA layers' token KV pool (e.g. 1GiB)")
       ->capture_default_str();
+  sim->add_flag("--batch-invariant", so.batch_invariant,
+                "bf16: a row's bits independent of the rows beside it (on CPUs with AMX: oneDNN without AMX, "
+                "prefill GEMMs several times slower)");
   auto* no_cache =
       sim->add_flag("--no-prefix-cache", so.no_prefix_cache, "turn the prefix cache of state snapshots off");
   // The cache's own options with the cache off would be accepted and ignored: refused instead.
@@ -242,6 +245,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   serve->add_option("--kv-memory", svo.kv_memory, "bytes of the MLA layers' token KV pool (e.g. 1GiB)")
       ->capture_default_str();
+  serve->add_flag("--batch-invariant", svo.batch_invariant,
+                  "bf16: a row's bits independent of the rows beside it (on CPUs with AMX: oneDNN without "
+                  "AMX, prefill GEMMs several times slower)");
   auto* serve_no_cache =
       serve->add_flag("--no-prefix-cache", svo.no_prefix_cache, "turn the prefix cache off");
   serve

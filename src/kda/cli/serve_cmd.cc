@@ -21,6 +21,7 @@
 #include "kda/common/precision.h"
 #include "kda/common/weights.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "kda/layers/onednn_isa.h"
 #include "kda/mem_cache/radix_cache.h"
 #include "kda/models/kimi_linear_model.h"
 #include "kda/server/openai_server.h"
@@ -124,6 +125,7 @@ int run_serve(const ServeCliOptions& o) {
   SignalStopper signals;  // before any thread exists (OpenMP's start with the model)
   if (o.synthetic == !o.model.empty())
     throw std::invalid_argument("kda serve: give --model DIR or --synthetic");
+  if (o.batch_invariant) layers::make_bf16_batch_invariant();  // before any oneDNN kernel exists
   const int64_t state_memory = serving::parse_byte_size(o.state_memory, "--state-memory");
   const int64_t kv_memory = serving::parse_byte_size(o.kv_memory, "--kv-memory");
 

@@ -12,6 +12,7 @@
 #include "kda/distributed/parallel.h"
 #include "kda/io/config.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "kda/layers/onednn_isa.h"
 #include "kda/serving/progress.h"
 #include "kda/serving/simulate.h"
 #include "kda/serving/trace.h"
@@ -174,6 +175,7 @@ void print_summary(const serving::SimulateResult& r) {
 }  // namespace
 
 int run_simulate(const SimulateCliOptions& o) {
+  if (o.batch_invariant) layers::make_bf16_batch_invariant();  // before any oneDNN kernel exists
   serving::SimulateOptions so;
   so.model_dir = o.model;
   so.layers = o.layers;

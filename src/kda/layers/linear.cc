@@ -12,7 +12,6 @@
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
 #include "kda/layers/matmul_cache.h"
-#include "kda/layers/onednn_isa.h"
 #include "kda/layers/quant_linear.h"
 
 namespace kda::layers {
@@ -62,8 +61,6 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
       precision_(precision),
       weights_(weights),
       impl_(std::make_unique<Impl>()) {
-  // Before this process's first oneDNN kernel: a bf16 row's bits independent of its batch.
-  limit_onednn_isa();
   if (in_ <= 0 || out_ <= 0) throw std::invalid_argument("Linear: features must be positive");
   if (static_cast<int64_t>(weight.size()) != in_ * out_)
     throw std::invalid_argument("Linear: weight has " + std::to_string(weight.size()) + " values, expected " +

@@ -2,7 +2,8 @@
 
 #include <cstdlib>
 #include <dnnl.hpp>
-#include <mutex>
+#include <stdexcept>
+#include <string>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -24,13 +25,24 @@ bool cpu_has_amx_bf16() {
 #endif
 }
 
-void limit_onednn_isa() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (std::getenv("ONEDNN_MAX_CPU_ISA") || std::getenv("DNNL_MAX_CPU_ISA")) return;  // the user's choice
-    // Only where AMX is there to lose: the cap would also bar AVX2_VNNI, which is not below it.
-    if (cpu_has_amx_bf16()) dnnl::set_max_cpu_isa(dnnl::cpu_isa::avx512_core_bf16);
-  });
+void make_bf16_batch_invariant() {
+  // Not onednn_bf16_uses_amx() first: oneDNN fixes its ISA at the first query.
+  if (!cpu_has_amx_bf16()) return;  // invariant already
+  for (const char* env : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"})
+    if (const char* v = std::getenv(env)) {
+      if (!onednn_bf16_uses_amx()) return;  // the environment's cap is below AMX already
+      throw std::runtime_error(std::string("batch-invariant bf16: ") + env + "=" + v +
+                               " lets oneDNN use AMX, whose rows depend on their batch; unset it or set "
+                               "AVX512_CORE_BF16");
+    }
+  try {
+    dnnl::set_max_cpu_isa(dnnl::cpu_isa::avx512_core_bf16);
+  } catch (const dnnl::error&) {
+  }
+  if (onednn_bf16_uses_amx())
+    throw std::runtime_error(
+        "batch-invariant bf16: oneDNN has already generated a kernel in this process, so its instruction "
+        "set can no longer be capped below AMX (ask before any model is built)");
 }
 
 bool onednn_bf16_uses_amx() {
