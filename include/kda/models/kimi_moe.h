@@ -9,9 +9,9 @@
 // each selected expert over its tokens, weighted and added into y in increasing expert id for every
 // token, after the shared expert (so a token's sum is the same alone or in a batch). Small batches
 // (decode) run the selected experts and the shared one side by side and read only those experts'
-// weights: each MLP is MoeOptions::pieces slices of its intermediate rows (layers/moe/swiglu.h,
-// SwigluPieces), one job per slice and one thread per job, so that the jobs ((top_k + 1) x pieces of equal
-// size) keep every thread busy to the end.
+// weights, one job per thread: a whole MLP, or with MoeOptions::pieces > 1 one slice of its intermediate
+// rows (layers/moe/swiglu.h, SwigluPieces), so that (top_k + 1) x pieces jobs of equal size can keep
+// every thread busy to the end (top-8 + shared whole leave one of 2 threads idle a ninth of the layer).
 //
 // Tensor parallelism: every expert's, the shared expert's and the dense MLP's intermediate rows are split
 // across ranks (gate/up column-parallel, down row-parallel); the router is replicated; the MoE sums the
@@ -114,8 +114,10 @@ struct MoeOptions {
   int num_experts = 0;  // 0: the config's (synthetic only: fewer experts, for benchmarks)
   // Slices of every expert's and the shared expert's intermediate rows (fewer where they do not split into
   // slices of a multiple of 32 rows; SwigluPieces::pieces_for). A layout choice, not the thread count, so
-  // a model computes the same sums on any host; 1: whole MLPs (one job per expert at decode).
-  int pieces = 2;
+  // a model computes the same sums on any host. 1 (whole MLPs, one job per expert at decode) until 2 is
+  // measured on a quiet host: on a loaded one, 2 did not move batch 1 and slowed batch 16 (each slice
+  // gathers and converts its rows again).
+  int pieces = 1;
 };
 
 class KimiMoE {
