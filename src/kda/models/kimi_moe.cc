@@ -11,6 +11,7 @@
 #include "kda/common/allocator.h"
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
+#include "kda/io/packed_checkpoint.h"
 #include "kda/layers/linear.h"
 #include "kda/layers/moe/router.h"
 #include "kda/layers/moe/swiglu.h"
@@ -68,6 +69,20 @@ int64_t padded_rows(int64_t n) {
 
 constexpr int64_t kParallelCopy = 1 << 15;  // elements: gather / scatter in parallel from here
 
+// An MLP from its fp32 weights, or from a packed checkpoint's projections (MlpWeights::packed).
+std::unique_ptr<SwigluMlp> make_mlp(const MlpWeights& w, Precision precision, Weights weights) {
+  if (w.packed.empty())
+    return std::make_unique<SwigluMlp>(w.hidden, w.intermediate, w.gate_proj, w.up_proj, w.down_proj,
+                                       precision, weights);
+  const int64_t D = w.hidden, I = w.intermediate;
+  auto none = [&]() -> std::vector<float> {
+    throw std::invalid_argument("MlpWeights: a packed MLP lacks one of gate_up_proj / down_proj");
+  };
+  return std::make_unique<SwigluMlp>(
+      D, I, layers::make_linear(w.packed, "gate_up_proj", D, 2 * I, none, precision, weights),
+      layers::make_linear(w.packed, "down_proj", I, D, none, precision, weights), precision);
+}
+
 }  // namespace
 
 const char* to_string(MoeCombine c) { return c == MoeCombine::Biased ? "biased" : "unbiased"; }
@@ -94,6 +109,12 @@ MlpWeights MlpWeights::load(const io::Checkpoint& ckpt, const std::string& prefi
   MlpWeights w;
   w.hidden = D;
   w.intermediate = i1 - i0;
+  if (const auto scheme = io::packed_weights(ckpt)) {
+    io::packed_for_load(ckpt, *scheme, tp_size);  // one rank: the whole MLP
+    w.packed["gate_up_proj"] = io::load_packed(ckpt, prefix + ".gate_up_proj", *scheme, D, 2 * I);
+    w.packed["down_proj"] = io::load_packed(ckpt, prefix + ".down_proj", *scheme, I, D);
+    return w;
+  }
   w.gate_proj = ckpt.load_f32_slice(g, {I, D}, 0, i0, i1);
   w.up_proj = ckpt.load_f32_slice(u, {I, D}, 0, i0, i1);
   w.down_proj = ckpt.load_f32_slice(d, {D, I}, 1, i0, i1);
@@ -155,8 +176,7 @@ KimiMLP::KimiMLP(const MlpWeights& w, Precision precision, distributed::TensorPa
     : precision_(precision), tp_(tp) {
   check_tp(tp, "KimiMLP");
   configure_allocator();
-  mlp_ = std::make_unique<SwigluMlp>(w.hidden, w.intermediate, w.gate_proj, w.up_proj, w.down_proj, precision,
-                                     weights);
+  mlp_ = make_mlp(w, precision, weights);
 }
 
 KimiMLP::~KimiMLP() = default;
@@ -221,6 +241,7 @@ std::unique_ptr<KimiMoE> KimiMoE::from_checkpoint(const io::Checkpoint& ckpt, co
                                                   distributed::TensorParallel tp, Weights weights,
                                                   MoeOptions opts) {
   const int E = config_experts(cfg, layer_idx, opts, "KimiMoE::from_checkpoint");
+  io::packed_for_load(ckpt, weights, tp.size);  // a packed checkpoint's scheme and rank count, said first
   if (E != cfg.num_experts)
     throw std::invalid_argument("KimiMoE::from_checkpoint: num_experts " + std::to_string(E) +
                                 " differs from the checkpoint's config (" + std::to_string(cfg.num_experts) +
@@ -359,9 +380,7 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
 #pragma omp parallel for schedule(dynamic, 1)
   for (int e = 0; e < E_; ++e) {
     try {
-      const MlpWeights w = src.expert(e);
-      experts_[e] = std::make_unique<SwigluMlp>(D_, w.intermediate, w.gate_proj, w.up_proj, w.down_proj,
-                                                precision, weights);
+      experts_[e] = make_mlp(src.expert(e), precision, weights);
     } catch (...) {
 #pragma omp critical(kda_moe_build)
       if (!error) error = std::current_exception();
@@ -369,9 +388,7 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
   }
   if (error) std::rethrow_exception(error);
   if (src.shared) {
-    const MlpWeights w = src.shared();
-    shared_ = std::make_unique<SwigluMlp>(D_, w.intermediate, w.gate_proj, w.up_proj, w.down_proj, precision,
-                                          weights);
+    shared_ = make_mlp(src.shared(), precision, weights);
   }
 }
 

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace kda::layers::moe {
 
@@ -47,6 +48,17 @@ SwigluMlp::SwigluMlp(int64_t D, int64_t I, const std::vector<float>& gate, const
       precision_(precision),
       gate_up_(D, 2 * I, stack_rows(checked(gate, up, down, D, I), up), precision, weights),
       down_(I, D, down, precision, weights) {}
+
+SwigluMlp::SwigluMlp(int64_t D, int64_t I, Linear gate_up, Linear down, Precision precision)
+    : D_(D), I_(I), precision_(precision), gate_up_(std::move(gate_up)), down_(std::move(down)) {
+  if (gate_up_.in_features() != D || gate_up_.out_features() != 2 * I || down_.in_features() != I ||
+      down_.out_features() != D)
+    throw std::invalid_argument("SwiGLU MLP: gate_up [" + std::to_string(gate_up_.out_features()) + ", " +
+                                std::to_string(gate_up_.in_features()) + "] and down [" +
+                                std::to_string(down_.out_features()) + ", " +
+                                std::to_string(down_.in_features()) + "] for hidden " + std::to_string(D) +
+                                " and intermediate " + std::to_string(I));
+}
 
 void SwigluMlp::forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
                         SwigluScratch& s) const {
