@@ -5,8 +5,12 @@
 // output is rounded to nearest even as it is stored.
 //
 // Up to kDecodeRows rows (decode): the packed kernels, one pass over the packed bytes. More rows
-// (prefill, compute bound): a tile of output channels at a time is dequantized to fp32 and multiplied
-// by oneDNN's fp32 matmul, so the packed weights are never resident in a wider form.
+// (prefill, compute bound): a tile of output channels at a time is widened and multiplied by a oneDNN
+// matmul, so the packed weights are never resident in a wider form (prefill_path()):
+//  - Bf16Tiles, in the bf16 precision where oneDNN's bf16 matmul runs natively (AVX512_BF16 or AMX;
+//    int4 only with AMX): the tile in bf16 as kernels/gemm/quant_tile.h writes it (int8's integers
+//    with the scales applied to the sums, int4's weights as hi + lo), the products the scheme's own.
+//  - Fp32Tiles otherwise: the tile dequantized to fp32 through oneDNN's fp32 matmul.
 #pragma once
 
 #include <cstddef>
@@ -27,7 +31,11 @@ namespace kda::layers {
 class QuantLinear {
  public:
   static constexpr int64_t kDecodeRows = 64;
-  static constexpr int64_t kTile = 256;  // output channels per dequantized tile on the prefill path
+  static constexpr int64_t kTile = 256;       // output channels per fp32 tile on the prefill path
+  static constexpr int64_t kBf16Tile = 2048;  // output channels per bf16 tile
+  enum class Prefill { Fp32Tiles, Bf16Tiles };
+  // The prefill path a projection of these weights and precision takes on this CPU.
+  static Prefill prefill_path_for(Weights weights, Precision precision);
   // The prefill path's matmul primitives kept for reuse: one per (rows, tile width, strides), at most
   // kMaxPrimitives (least recently used dropped first), as Linear keeps its own.
   static constexpr size_t kMaxPrimitives = 32;
@@ -38,6 +46,10 @@ class QuantLinear {
   // W already packed (int8 or int4: kernels/gemm/weight_format.h), owned or borrowed from a mapped
   // checkpoint (io/packed_checkpoint.h): used as it is, nothing converted.
   QuantLinear(const kernels::gemm::PackedMatrix& packed, Precision precision);
+  // The same with the prefill path chosen (benchmarks and tests of both on one CPU): Bf16Tiles only in
+  // the bf16 precision (std::invalid_argument otherwise: fp32 activations are not bf16 values).
+  QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Weights weights,
+              Precision precision, Prefill prefill);
   ~QuantLinear();
   QuantLinear(QuantLinear&&) noexcept;
   QuantLinear& operator=(QuantLinear&&) noexcept;
@@ -58,15 +70,19 @@ class QuantLinear {
   void forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
 
   size_t cached_primitives() const;
+  Prefill prefill_path() const { return prefill_; }
 
  private:
   struct Impl;
   template <class X, class Y>
   void forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
   void prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const;
+  template <class X, class Y>
+  void prefill_bf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
   int64_t in_ = 0, out_ = 0;
   Weights weights_ = Weights::Int8;
   Precision precision_ = Precision::BF16;
+  Prefill prefill_ = Prefill::Fp32Tiles;
   std::unique_ptr<Impl> impl_;
 };
 

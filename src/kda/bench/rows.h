@@ -28,12 +28,18 @@ double bench_chunk(const RowOptions& o, GemmCeiling& g32, nlohmann::json& j, std
                    double& plain);
 // fused_recurrent_kda (decode) rows against memcpy bandwidth cp (GB/s).
 void bench_recurrent(const RowOptions& o, double cp, nlohmann::json& j, const Say& say);
+// The plain-form MLA prefill attention of a 2048-token prompt at the real shapes, flash-style against
+// its reference ("mla_prefill").
+void bench_mla_prefill(nlohmann::json& j, const Say& say);
 // The layer (fp32, bf16, int8 / int4 weights) at EXTEND and DECODE, against its GEMMs alone.
 void bench_layer(const RowOptions& o, double cp, nlohmann::json& j, const Say& say);
 // The 20-layer stack decoding one request, bf16 against int8 / int4 weights.
 void bench_stack(const RowOptions& o, nlohmann::json& j, const Say& say);
 // Linear's two bf16 paths side by side on the layer's fused projection.
 void bench_bf16_gemm(nlohmann::json& j, const Say& say);
+// QuantLinear's two prefill paths (int8 / int4, bf16 precision) at prefill row counts on the model's
+// prefill shapes, over the bf16 and fp32 GEMM ceilings of each shape ("quant_gemm").
+void bench_quant_gemm(nlohmann::json& j, const Say& say);
 // Speculative decoding's cost side: verify steps against a decode step.
 void bench_spec(nlohmann::json& j, const Say& say);
 // Speculative decoding against plain decoding through the serving loop, in turns, on the first 4 decoder

@@ -84,9 +84,10 @@ int run_bench(const BenchOptions& o) {
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  if (o.only == "gemm") {  // no ceilings: the rows are ratios between the two bf16 paths
+  if (o.only == "gemm") {  // the bf16 paths' ratios; the quantized rows measure their own ceilings
     j["bf16_gemm"] = nlohmann::json::array();
     bench::bench_bf16_gemm(j, say);
+    bench::bench_quant_gemm(j, say);
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
@@ -126,6 +127,7 @@ int run_bench(const BenchOptions& o) {
         "naive us/token");
     for (const auto& l : chunk_lines) say("%s", l.c_str());
     bench::bench_recurrent(ro, cp, j, say);
+    bench::bench_mla_prefill(j, say);
   }
   if (o.only != "kernels") bench::bench_layer(ro, cp, j, say);
   if (o.json) std::printf("%s\n", j.dump(2).c_str());

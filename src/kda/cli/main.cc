@@ -75,7 +75,8 @@ int main(int argc, char** argv) {
       ->add_option(
           "--only", bo.only,
           "all | kernels | layer (ceilings are always measured) | stack (the 20-layer stack decoding "
-          "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns) | "
+          "one request per weights mode, in turns) | gemm (the oneDNN and widened bf16 GEMMs, in turns; "
+          "the int8 / int4 prefill GEMMs over the bf16 and fp32 GEMMs of their shapes) | "
           "spec (a decode step and verify steps of 1-8 drafts, in turns; then speculative against plain "
           "decoding "
           "through the serving loop on 4 layers, batch 1, fixed and adaptive depth) | model (the whole model "

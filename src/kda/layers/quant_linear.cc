@@ -8,6 +8,8 @@
 #include <string>
 #include <type_traits>
 
+#include "kda/common/isa.h"
+#include "kda/kernels/gemm/quant_tile.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
 #include "kda/layers/matmul_cache.h"
@@ -16,6 +18,35 @@ namespace kda::layers {
 
 using dnnl::memory;
 namespace qg = kda::kernels::gemm;
+
+namespace {
+
+// Whether oneDNN runs bf16 matmuls on AMX here (its effective ISA includes avx512_core_amx).
+bool onednn_has_amx() {
+  static const bool amx = (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) &
+                           static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx)) ==
+                          static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+  return amx;
+}
+
+// v sized for n values from a 64-byte boundary, which it returns: oneDNN's bf16 kernels run at about
+// half speed on operands that are not (AMX tile loads split across cache lines).
+template <class T>
+T* aligned(std::vector<T>& v, int64_t n) {
+  v.resize(static_cast<size_t>(n) + 64 / sizeof(T));
+  const auto a = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - a % 64) % 64) / sizeof(T);
+}
+
+}  // namespace
+
+QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision precision) {
+  if (precision != Precision::BF16 || !cpu_has_bf16_gemm()) return Prefill::Fp32Tiles;
+  // int4's bf16 tile is twice as deep (hi + lo): it pays where bf16 runs at well over twice the fp32
+  // rate (AMX), not where it runs at about twice (AVX512_BF16 alone).
+  if (weights == Weights::Int4 && !onednn_has_amx()) return Prefill::Fp32Tiles;
+  return Prefill::Bf16Tiles;
+}
 
 struct QuantLinear::Impl {
   Impl(Weights weights, const std::vector<float>& w, int64_t in, int64_t out)
@@ -41,6 +72,16 @@ QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::v
     throw std::invalid_argument("QuantLinear: weight has " + std::to_string(weight.size()) +
                                 " values, expected " + std::to_string(out_) + " x " + std::to_string(in_));
   impl_ = std::make_unique<Impl>(weights, weight, in_, out_);
+  prefill_ = prefill_path_for(weights, precision);
+}
+
+QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
+                         Weights weights, Precision precision, Prefill prefill)
+    : QuantLinear((prefill == Prefill::Bf16Tiles && precision != Precision::BF16)
+                      ? throw std::invalid_argument("QuantLinear: bf16 tiles need the bf16 precision")
+                      : in_features,
+                  out_features, weight, weights, precision) {
+  prefill_ = prefill;
 }
 
 QuantLinear::QuantLinear(const qg::PackedMatrix& packed, Precision precision)
@@ -48,6 +89,7 @@ QuantLinear::QuantLinear(const qg::PackedMatrix& packed, Precision precision)
   if (weights_ != Weights::Int8 && weights_ != Weights::Int4)
     throw std::invalid_argument("QuantLinear: packed weights must be int8 or int4");
   impl_ = std::make_unique<Impl>(packed);
+  prefill_ = prefill_path_for(weights_, precision);
 }
 
 QuantLinear::~QuantLinear() = default;
@@ -70,6 +112,7 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
   if (M == 0) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
+  if (M > kDecodeRows && prefill_ == Prefill::Bf16Tiles) return prefill_bf16(x, M, ldx, y, ldy);
   // x and y as fp32 rows: fp32 x rounded to bf16 in the bf16 precision (its rounding point), as is in
   // the fp32 one.
   im.rows.with(x, M, ldx, y, ldy, precision_ == Precision::BF16,
@@ -87,11 +130,11 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
 void QuantLinear::prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const {
   Impl& im = *impl_;
   // One dequantized weight tile: the calling thread's, shared by every QuantLinear it calls.
-  thread_local std::vector<float> tile;
-  tile.resize(static_cast<size_t>(kTile * in_));
+  thread_local std::vector<float> ts;
+  float* tile = aligned(ts, kTile * in_);
   for (int64_t n0 = 0; n0 < out_; n0 += kTile) {
     const int64_t nt = std::min(kTile, out_ - n0);
-    float* wt = tile.data();
+    float* wt = tile;
     const int64_t in = in_;
     const qg::PackedWeights w = im.packed.view();
 #pragma omp parallel for schedule(static)
@@ -108,6 +151,55 @@ void QuantLinear::prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, i
     memory dst_m(p.dst, im.engine, yf + n0);
     p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
     im.stream.wait();
+  }
+}
+
+// x as dense bf16 rows ([x, x] for int4's hi, lo depth; fp32 x rounded to nearest even, the bf16
+// precision's rounding point of a layer input), then per tile of kBf16Tile channels: the tile written in
+// the blocked layout oneDNN's bf16 matmul reads (quant_tile.h; a reorder from a plain tile cost a good
+// part of the matmul's own time), the matmul into dense fp32 scratch (a column slice of y as its
+// destination took oneDNN 2.6 off its brgemm kernels), then stored into y's columns with int8's channel
+// scales (a bf16 y rounded to nearest even as it is stored). Caller holds the mutex.
+template <class X, class Y>
+void QuantLinear::prefill_bf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const {
+  Impl& im = *impl_;
+  const qg::PackedWeights w = im.packed.view();
+  const int64_t in = in_, depth = qg::bf16_tile_depth(w), tile_n = std::min(kBf16Tile, out_);
+  // The calling thread's scratch, shared by every QuantLinear it calls.
+  thread_local std::vector<bf16_t> xs, ts;
+  thread_local std::vector<float> ys;
+  bf16_t* xb = aligned(xs, M * depth);
+  bf16_t* tile = aligned(ts, qg::bf16_blocked_tile_size(w, tile_n));
+  float* yt = aligned(ys, M * tile_n);
+#pragma omp parallel for schedule(static) if (M * in >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < M; ++i) {
+    if constexpr (std::is_same_v<X, bf16_t>)
+      std::memcpy(xb + i * depth, x + i * ldx, sizeof(bf16_t) * in);
+    else
+      f32_to_bf16_array(x + i * ldx, xb + i * depth, static_cast<size_t>(in));
+    if (depth != in) std::memcpy(xb + i * depth + in, xb + i * depth, sizeof(bf16_t) * in);
+  }
+  for (int64_t n0 = 0; n0 < out_; n0 += kBf16Tile) {
+    const int64_t nt = std::min(kBf16Tile, out_ - n0);
+    qg::bf16_tile_blocked(w, n0, n0 + nt, tile);
+    const MatmulCache::Entry& p = im.prims.get({M, nt, depth, nt, false}, [&] {
+      const memory::desc src_md({M, depth}, memory::data_type::bf16, memory::dims{depth, 1});
+      const memory::desc w_md({depth, nt}, memory::data_type::bf16, memory::format_tag::BA16a64b2a);
+      const memory::desc dst_md({M, nt}, memory::data_type::f32, memory::dims{nt, 1});
+      if (w_md.get_size() != static_cast<size_t>(qg::bf16_blocked_tile_size(w, nt)) * sizeof(bf16_t))
+        throw std::runtime_error("QuantLinear: oneDNN's BA16a64b2a tile is not the size quant_tile.h writes");
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_md, dst_md), im.engine);
+      return MatmulCache::Entry{dnnl::matmul(pd), src_md, w_md, dst_md, {}};
+    });
+    memory src_m(p.src, im.engine, xb);
+    memory w_m(p.weights, im.engine, tile);
+    memory dst_m(p.dst, im.engine, yt);
+    p.matmul.execute(im.stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
+    im.stream.wait();
+    const float* scale = w.format == Weights::Int8 ? w.scale + n0 : nullptr;
+#pragma omp parallel for schedule(static) if (M * nt >= (int64_t{1} << 16))
+    for (int64_t i = 0; i < M; i += 16)
+      qg::scale_columns(yt + i * nt, nt, std::min<int64_t>(16, M - i), scale, nt, y + i * ldy + n0, ldy);
   }
 }
 

@@ -17,6 +17,8 @@ namespace {
 
 // Queries per work item: a block of a sequence's new tokens shares one pass over its keys.
 constexpr int64_t kQueryBlock = 64;
+// Keys per step of the flash-style plain kernel: a block's scores stay in L1/L2.
+constexpr int64_t kKeyBlock = 256;
 
 // Row-major C = alpha op(A) op(B) + beta C through oneDNN (single-threaded inside a parallel region).
 void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
@@ -96,6 +98,55 @@ void parallel_items(const std::vector<WorkItem>& items, Body&& body) {
   if (err) std::rethrow_exception(err);
 }
 
+// The expansion through kv_b, shared by both plain kernels: kv [S, Hm * (dn + dv)] per sequence (a
+// threaded GEMM each), bf16-rounded in the bf16 mode; kv_off[b] is sequence b's first value.
+std::vector<float> expand_kv(const MlaAttnArgs& a, std::vector<int64_t>& kv_off) {
+  const MlaDims& d = a.dims;
+  const int64_t R = d.kv_lora, lat = R + d.qk_rope, kvw = int64_t{d.heads} * (d.qk_nope + d.v_head);
+  kv_off.assign(a.seqs.size() + 1, 0);
+  for (size_t b = 0; b < a.seqs.size(); ++b)
+    kv_off[b + 1] = kv_off[b] + (a.seqs[b].prefix + a.seqs[b].extend) * kvw;
+  std::vector<float> kv(static_cast<size_t>(kv_off.back()));
+  for (size_t b = 0; b < a.seqs.size(); ++b) {
+    const int64_t S = a.seqs[b].prefix + a.seqs[b].extend;
+    if (a.seqs[b].extend == 0 || S == 0) continue;
+    sgemm('N', 'T', S, kvw, R, 1.0f, a.seqs[b].latent, lat, a.w_kvb, R, 0.0f, kv.data() + kv_off[b], kvw);
+    if (a.bf16) round_bf16_inplace(kv.data() + kv_off[b], static_cast<size_t>(S * kvw));
+  }
+  return kv;
+}
+
+// A query block's pass over one key block [j0, j0 + kn) in the online softmax: scores s (scaled), masked
+// as causal_softmax masks them; per row the running max mx and sum l, the output rows acc [nb, dv]
+// rescaled to the new max; s left as the block's weights exp(s - max) (0 where masked).
+void online_softmax_block(float* s, int64_t kn, int64_t nb, const MlaSeq& seq, int64_t i0, int64_t j0,
+                          float* mx, float* l, float* acc, int64_t dv) {
+  for (int64_t ii = 0; ii < nb; ++ii) {
+    float* r = s + ii * kn;
+    const int64_t i = i0 + ii, last = seq.prefix + i;  // the last key row ii sees
+    for (int64_t jj = std::max<int64_t>(0, last + 1 - j0); jj < kn; ++jj) r[jj] = -INFINITY;
+    if (seq.visible)
+      for (int64_t jj = std::max<int64_t>(0, seq.prefix - j0); jj < kn && j0 + jj < last; ++jj)
+        if (!seq.visible[i * seq.extend + (j0 + jj - seq.prefix)]) r[jj] = -INFINITY;
+    float m = mx[ii];
+    for (int64_t jj = 0; jj < kn; ++jj) m = std::max(m, r[jj]);
+    if (m == -INFINITY) {  // nothing seen yet: the block adds nothing
+      std::fill(r, r + kn, 0.0f);
+      continue;
+    }
+    const float alpha = std::exp(mx[ii] - m);  // 0 on the first block a row sees
+    float sum = 0.0f;
+    for (int64_t jj = 0; jj < kn; ++jj) {
+      r[jj] = std::exp(r[jj] - m);
+      sum += r[jj];
+    }
+    l[ii] = l[ii] * alpha + sum;
+    mx[ii] = m;
+    float* o = acc + ii * dv;
+    for (int64_t c = 0; c < dv; ++c) o[c] *= alpha;
+  }
+}
+
 }  // namespace
 
 bool prefer_absorbed(const MlaDims& d, int64_t prefix, int64_t extend) {
@@ -107,22 +158,52 @@ bool prefer_absorbed(const MlaDims& d, int64_t prefix, int64_t extend) {
   return absorbed < plain;
 }
 
+// Flash-style: a query block walks its keys in blocks of kKeyBlock with an online softmax (running max
+// and sum per row, fp32), so the scores in memory are [block, kKeyBlock], never a row per key.
 void mla_attention_plain(const MlaAttnArgs& a) {
   check_args(a);
   const MlaDims& d = a.dims;
   const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
   const int64_t lat = R + dr, kvw = Hm * (dn + dv), qw = dn + dr;
-  // Expand every sequence's attended tokens: kv [S, Hm * (dn + dv)] (a threaded GEMM per sequence).
-  std::vector<int64_t> kv_off(a.seqs.size() + 1, 0);
-  for (size_t b = 0; b < a.seqs.size(); ++b)
-    kv_off[b + 1] = kv_off[b] + (a.seqs[b].prefix + a.seqs[b].extend) * kvw;
-  std::vector<float> kv(static_cast<size_t>(kv_off.back()));
-  for (size_t b = 0; b < a.seqs.size(); ++b) {
-    const int64_t S = a.seqs[b].prefix + a.seqs[b].extend;
-    if (a.seqs[b].extend == 0 || S == 0) continue;
-    sgemm('N', 'T', S, kvw, R, 1.0f, a.seqs[b].latent, lat, a.w_kvb, R, 0.0f, kv.data() + kv_off[b], kvw);
-    if (a.bf16) round_bf16_inplace(kv.data() + kv_off[b], static_cast<size_t>(S * kvw));
-  }
+  std::vector<int64_t> kv_off;
+  const std::vector<float> kv = expand_kv(a, kv_off);
+  parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& buf) {
+    const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
+    const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1;  // keys the block's last query sees
+    buf.resize(static_cast<size_t>(nb * kKeyBlock + nb * dv + 2 * nb));
+    float* scores = buf.data();
+    float* acc = scores + nb * kKeyBlock;
+    float* mx = acc + nb * dv;
+    float* l = mx + nb;
+    std::fill(acc, acc + nb * dv, 0.0f);
+    std::fill(mx, mx + nb, -INFINITY);
+    std::fill(l, l + nb, 0.0f);
+    const float* q = a.q + (s.q_row + w.i0) * a.ldq + w.head * qw;
+    const float* k = kv.data() + kv_off[static_cast<size_t>(w.seq)] + w.head * (dn + dv);
+    for (int64_t j0 = 0; j0 < ns; j0 += kKeyBlock) {
+      const int64_t kn = std::min(kKeyBlock, ns - j0);
+      sgemm('N', 'T', nb, kn, dn, a.scale, q, a.ldq, k + j0 * kvw, kvw, 0.0f, scores, kn);
+      sgemm('N', 'T', nb, kn, dr, a.scale, q + dn, a.ldq, s.latent + j0 * lat + R, lat, 1.0f, scores, kn);
+      online_softmax_block(scores, kn, nb, s, w.i0, j0, mx, l, acc, dv);
+      sgemm('N', 'N', nb, dv, kn, 1.0f, scores, kn, k + j0 * kvw + dn, kvw, 1.0f, acc, dv);
+    }
+    float* o = a.o + (s.q_row + w.i0) * a.ldo + w.head * dv;
+    for (int64_t ii = 0; ii < nb; ++ii) {
+      const float inv = 1.0f / l[ii];
+      for (int64_t c = 0; c < dv; ++c) o[ii * a.ldo + c] = acc[ii * dv + c] * inv;
+      if (a.bf16) round_bf16_inplace(o + ii * a.ldo, static_cast<size_t>(dv));
+    }
+  });
+}
+
+// The reference: a query block's scores over every key it sees at once, [block, keys], then softmax.
+void mla_attention_plain_reference(const MlaAttnArgs& a) {
+  check_args(a);
+  const MlaDims& d = a.dims;
+  const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
+  const int64_t lat = R + dr, kvw = Hm * (dn + dv), qw = dn + dr;
+  std::vector<int64_t> kv_off;
+  const std::vector<float> kv = expand_kv(a, kv_off);
   parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& scores) {
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
     const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1;  // keys the block's last query sees

@@ -63,7 +63,13 @@ struct MlaAttnArgs {
   int64_t ldo = 0;
 };
 
+// The plain form flash-style: each (sequence, head, block of 64 queries) walks its keys in blocks of 256
+// with an online softmax (a running max and sum per query, fp32; the output rows rescaled when the max
+// grows), so no score row spans every key. mla_attention_plain_reference is the same form with a
+// block's scores over all the keys it sees, then a plain softmax: the reference the tests compare it with
+// (the same sums up to fp32 rounding order).
 void mla_attention_plain(const MlaAttnArgs& a);
+void mla_attention_plain_reference(const MlaAttnArgs& a);
 void mla_attention_absorbed(const MlaAttnArgs& a);
 
 // Whether the absorbed form does less work for a sequence of `extend` new tokens after `prefix` cached

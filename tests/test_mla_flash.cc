@@ -1,0 +1,116 @@
+// The flash-style plain MLA attention (mla_attention_plain: key blocks, online softmax) against its
+// reference (mla_attention_plain_reference: a block's scores over every key, then softmax) at the real
+// per-head widths: one long prompt (T past 2048, not a multiple of the blocks), several sequences with
+// cached prefixes and extends of every size (0, 1, a block, past a key block), a verify tree, keys whose
+// scores grow along the sequence (the running max moves at every key block), fp32 and bf16.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/layers/attention/mla/mla_attention.h"
+#include "support/test_support.h"
+
+namespace kda {
+namespace {
+
+namespace mla = layers::attention::mla;
+using testing::random_normal;
+
+struct SeqSpec {
+  int64_t prefix, extend;
+  bool tree = false;
+};
+
+// Runs both kernels on the sequences and compares o elementwise: fp32 within 1e-5 of the row's scale
+// (the sums' order differs), bf16 within one bf16 step of |b| more (a sum on either side of a rounding
+// boundary).
+void compare(const std::vector<SeqSpec>& specs, bool bf16, float ramp, const std::string& what) {
+  const mla::MlaDims d{4, 128, 64, 128, 512};
+  const int64_t lat = d.kv_lora + d.qk_rope, qw = d.qk_nope + d.qk_rope, ow = d.heads * d.v_head;
+  const int64_t ldq = d.heads * qw + 5, ldo = ow + 3;
+  int64_t T = 0, L = 0;
+  for (const SeqSpec& s : specs) {
+    T += s.extend;
+    L += s.prefix + s.extend;
+  }
+  std::vector<float> q = random_normal(static_cast<size_t>(std::max<int64_t>(T, 1) * ldq), 11, 2.0f);
+  std::vector<float> latent = random_normal(static_cast<size_t>(std::max<int64_t>(L, 1) * lat), 12);
+  std::vector<float> w =
+      random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), 13, 0.05f);
+  if (bf16) {
+    round_bf16_inplace(q.data(), q.size());
+    round_bf16_inplace(latent.data(), latent.size());
+    round_bf16_inplace(w.data(), w.size());
+  }
+  std::vector<mla::MlaSeq> seqs;
+  std::vector<std::vector<uint8_t>> vis(specs.size());
+  std::mt19937 rng(7);
+  int64_t row = 0, at = 0;
+  for (size_t b = 0; b < specs.size(); ++b) {
+    const SeqSpec& s = specs[b];
+    const int64_t S = s.prefix + s.extend;
+    for (int64_t p = 0; p < S; ++p)  // later keys larger: the running max keeps moving
+      for (int64_t c = 0; c < lat; ++c)
+        latent[(at + p) * lat + c] *= 1.0f + ramp * static_cast<float>(p) / 512;
+    if (s.tree) {  // token i's parent a random earlier token (or the prefix): it sees its ancestors, itself
+      vis[b].assign(static_cast<size_t>(s.extend * s.extend), 0);
+      std::vector<int64_t> parent(static_cast<size_t>(s.extend), -1);
+      for (int64_t i = 0; i < s.extend; ++i) {
+        parent[i] = i == 0 ? -1 : static_cast<int64_t>(rng() % static_cast<uint32_t>(i + 1)) - 1;
+        for (int64_t m = i; m >= 0; m = parent[m]) vis[b][i * s.extend + m] = 1;
+      }
+    }
+    seqs.push_back({row, s.prefix, s.extend, latent.data() + at * lat, s.tree ? vis[b].data() : nullptr});
+    row += s.extend;
+    at += S;
+  }
+  std::vector<float> o(static_cast<size_t>(std::max<int64_t>(T, 1) * ldo), 5.0f), oref(o);
+  mla::MlaAttnArgs a{d, q.data(), ldq, seqs, w.data(), 1.0f / std::sqrt(192.0f), bf16, o.data(), ldo};
+  mla::mla_attention_plain(a);
+  a.o = oref.data();
+  mla::mla_attention_plain_reference(a);
+  // The sums' rounding scales with the values summed, not with a result that cancels: the bound takes
+  // the row's largest output as its scale.
+  int bad = 0;
+  double worst = 0.0;
+  for (int64_t t = 0; t < T; ++t) {
+    float scale = 0.0f;
+    for (int64_t c = 0; c < ow; ++c) scale = std::max(scale, std::fabs(oref[t * ldo + c]));
+    for (int64_t c = 0; c < ldo; ++c) {
+      const float x = o[t * ldo + c], r = oref[t * ldo + c];
+      if (c >= ow) {  // the padding between rows is left as it was
+        if (x != 5.0f) ++bad;
+        continue;
+      }
+      const double fp32 = 1e-5 * (1.0 + scale), tol = bf16 ? std::ldexp(std::fabs(r), -7) + fp32 : fp32;
+      if (!(std::fabs(x - r) <= tol)) ++bad;
+      worst = std::max(worst, std::fabs(static_cast<double>(x) - r) / fp32);
+    }
+  }
+  std::printf("[mla flash] %s: worst |a - b| / (1e-5 (1 + the row's max |b|)) %.2e\n", what.c_str(), worst);
+  EXPECT_EQ(bad, 0) << what;
+}
+
+TEST(MlaFlash, OneLongPromptEqualsTheReference) {
+  for (bool bf16 : {false, true}) compare({{0, 2100}}, bf16, 0.0f, bf16 ? "T=2100 bf16" : "T=2100 fp32");
+}
+
+TEST(MlaFlash, PrefixesAndExtendsOfEverySize) {
+  const std::vector<SeqSpec> specs{{0, 300}, {700, 65}, {1500, 1}, {3, 0}, {256, 256}, {0, 1}, {511, 257}};
+  for (bool bf16 : {false, true}) compare(specs, bf16, 0.0f, bf16 ? "varlen bf16" : "varlen fp32");
+}
+
+TEST(MlaFlash, GrowingScoresMoveTheRunningMax) { compare({{0, 1100}, {900, 130}}, false, 3.0f, "ramp fp32"); }
+
+TEST(MlaFlash, VerifyTreesMaskAsTheReference) {
+  compare({{10, 6, true}, {300, 40, true}, {0, 70, true}}, false, 0.0f, "trees fp32");
+}
+
+}  // namespace
+}  // namespace kda
