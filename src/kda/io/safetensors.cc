@@ -415,6 +415,20 @@ void convert_f32(const TensorView& v, size_t first, size_t n, float* out) {
   }
 }
 
+// convert_f32 over n elements in chunks on the OpenMP threads when there are many (the LM head's blocks,
+// an embedding table): a load converts what a packed checkpoint keeps converting, so its time is the
+// mapped load's. The dtype was checked (check_shape), so no chunk throws.
+void convert_f32_parallel(const TensorView& v, size_t first, size_t n, float* out) {
+  constexpr size_t kChunk = size_t{1} << 16;
+  if (n < 16 * kChunk) return convert_f32(v, first, n, out);
+  const auto chunks = static_cast<int64_t>((n + kChunk - 1) / kChunk);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const size_t b = static_cast<size_t>(c) * kChunk;
+    convert_f32(v, first + b, std::min(kChunk, n - b), out + b);
+  }
+}
+
 // A converting load has copied what it needs, so the tensor's whole pages of the read-only file mapping
 // leave the resident set (they are clean: read again, they come back from the file). Loading a checkpoint
 // tensor by tensor then holds one tensor's mapped pages at a time beside the weights built so far, not
@@ -432,7 +446,7 @@ std::vector<float> Checkpoint::load_f32(const std::string& name,
                                         const std::vector<int64_t>& expected_shape) const {
   const TensorView& v = check_shape(get(name), expected_shape);
   std::vector<float> out(static_cast<size_t>(v.numel()));
-  convert_f32(v, 0, out.size(), out.data());
+  convert_f32_parallel(v, 0, out.size(), out.data());
   drop_resident_pages(v);
   return out;
 }
@@ -453,7 +467,7 @@ std::vector<float> Checkpoint::load_f32_slice(const std::string& name,
                extent = static_cast<size_t>(v.shape[dim]) * inner;
   std::vector<float> out(outer * run);
   for (size_t o = 0; o < outer; ++o)
-    convert_f32(v, o * extent + static_cast<size_t>(begin) * inner, run, out.data() + o * run);
+    convert_f32_parallel(v, o * extent + static_cast<size_t>(begin) * inner, run, out.data() + o * run);
   drop_resident_pages(v);
   return out;
 }
