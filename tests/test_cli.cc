@@ -90,6 +90,19 @@ TEST(Cli, BenchExpertsIsForModelAndSpecOnly) {
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("stack (20 layers)")));
 }
 
+// --layers sizes --only model's whole model; it is refused elsewhere and beyond the model's 27 layers
+// before anything is measured.
+TEST(Cli, BenchLayersIsForModelOnlyAndWithinTheModel) {
+  auto r = run_kda("bench --only stack --layers 4");
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--layers is for --only model"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("stack (20 layers)")));
+  r = run_kda("bench --only model --layers 28");
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--layers 28: the model has 27 decoder layers"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("ceilings")));
+}
+
 // The prefix cache's own options with the cache turned off are refused by the parser, before anything
 // runs, as --draft-* options are without --speculative.
 TEST(Cli, SimulateRefusesPrefixCacheOptionsWithTheCacheOff) {

@@ -180,6 +180,64 @@ TEST(MoeSwiglu, SiluMulRowsEqualTheReference) {
   }
 }
 
+TEST(MoeSwiglu, PiecesSplitIntoSlicesOf32Rows) {
+  using layers::moe::SwigluPieces;
+  EXPECT_EQ(SwigluPieces::pieces_for(1024, Weights::BF16, 2), 2);
+  EXPECT_EQ(SwigluPieces::pieces_for(1024, Weights::Int4, 8), 8);
+  EXPECT_EQ(SwigluPieces::pieces_for(96, Weights::Int8, 2), 1);  // 48-row slices would be padded
+  EXPECT_EQ(SwigluPieces::pieces_for(96, Weights::Int8, 3), 3);
+  EXPECT_EQ(SwigluPieces::pieces_for(32, Weights::BF16, 2), 1);
+  EXPECT_EQ(SwigluPieces::pieces_for(64, Weights::Int4, 1), 1);
+  testing::expect_throw_with<std::invalid_argument>([] { SwigluPieces::pieces_for(64, Weights::BF16, 0); },
+                                                    "0 pieces");
+}
+
+// The sliced MLP against the float64 reference and against its own slices run one by one (the decode
+// jobs), in fp32 and bf16, and its sizes against the whole MLP's.
+TEST(MoeSwiglu, PiecesEqualTheWholeMlp) {
+  using layers::moe::SwigluMlp;
+  using layers::moe::SwigluPieces;
+  const int64_t D = 256, I = 128;
+  const MlpWeights w = MlpWeights::synthetic(D, I, 13);
+  for (Precision p : {Precision::FP32, Precision::BF16}) {
+    const SwigluMlp whole(D, I, w.gate_proj, w.up_proj, w.down_proj, p, Weights::BF16);
+    const SwigluPieces sliced(D, I, w.gate_proj, w.up_proj, w.down_proj, p, Weights::BF16, 4);
+    ASSERT_EQ(sliced.pieces(), 4);
+    EXPECT_EQ(sliced.weight_bytes(), whole.weight_bytes());
+    layers::moe::SwigluScratch s;
+    std::vector<float> part;
+    for (int64_t T : {1, 9, 70}) {
+      auto x = testing::random_normal(static_cast<size_t>(T * D), T);
+      if (p == Precision::BF16) round_bf16_inplace(x.data(), x.size());
+      const bool bf16 = p == Precision::BF16;
+      std::vector<float> a(x.size()), b(x.size()), jobs(x.size(), 0.0f), piece(x.size());
+      whole.forward(x.data(), T, D, a.data(), D, bf16, s);
+      sliced.forward(x.data(), T, D, b.data(), D, bf16, s, part);
+      for (int k = 0; k < sliced.pieces(); ++k) {
+        sliced.forward_piece(k, x.data(), T, D, piece.data(), D, s);
+        SwigluPieces::add_part(jobs.data(), D, piece.data(), D, T, D);
+      }
+      if (bf16) round_bf16_inplace(jobs.data(), jobs.size());
+      const std::string what = std::string(to_string(p)) + " T " + std::to_string(T);
+      // The slices' partial sums add in piece order both ways: the same bits.
+      EXPECT_EQ(b, jobs) << what;
+      if (!bf16) {
+        expect_fp32_close(b, testing::mlp_reference(w, x, T, false), what);
+        EXPECT_LE(testing::max_error_ratio(b.data(), a.data(), a.size(), 1e-5, 1e-5), 1.0) << what;
+      } else {
+        for (float v : b) ASSERT_EQ(v, round_bf16(v)) << what;
+        // The same rounding points as the whole MLP; only the fp32 order of the down sums differs.
+        EXPECT_LE(testing::max_error_ratio(b.data(), a.data(), a.size(), 1e-3, 1.0 / 64), 1.0) << what;
+      }
+    }
+  }
+  testing::expect_throw_with<std::invalid_argument>(
+      [&] {
+        SwigluPieces(D, I, w.gate_proj, w.up_proj, std::vector<float>(5), Precision::FP32, Weights::BF16, 2);
+      },
+      "down_proj");
+}
+
 // ------------------------------------------------------------------------------------------------
 // KimiMLP
 
@@ -334,6 +392,41 @@ TEST(KimiMoe, BatchEqualsEachTokenAlone) {
   }
 }
 
+// Experts in slices (the decode jobs) or whole: the same sums up to the fp32 order of the down partials
+// (bf16: the same rounding points), side by side and grouped, with bf16 and int4 weights (whose groups of
+// 32 inputs a slice keeps). int8 scales each down channel, and each row of its input, over the slice's
+// inputs: a finer quantization, within the int8 bound of the whole one.
+TEST(KimiMoe, SlicedExpertsEqualWholeOnes) {
+  const MoeCase c = make_case(128, 8, 2, 128, 1, 71);
+  for (Precision p : {Precision::FP32, Precision::BF16})
+    for (Weights wt : {Weights::BF16, Weights::Int8, Weights::Int4}) {
+      auto whole = KimiMoE::from_weights(c.w, c.cfg, 1, p, {}, wt, {MoeCombine::Unbiased, 0, 1});
+      auto sliced = KimiMoE::from_weights(c.w, c.cfg, 1, p, {}, wt, {MoeCombine::Unbiased, 0, 4});
+      if (wt == Weights::Int8)  // a scale per down channel and slice
+        EXPECT_EQ(sliced->weight_bytes() - whole->weight_bytes(), 9 * 3 * 128 * int64_t{sizeof(float)});
+      else
+        EXPECT_EQ(sliced->weight_bytes(), whole->weight_bytes());
+      for (int64_t T : {1, 3, 90}) {  // side by side, and grouped at 90 (22 rows per expert)
+        const auto x = testing::clear_routing_inputs(c.w, c.cfg, c.k, T, 7 + T, 1e-3, p == Precision::BF16);
+        const auto a = run_moe(*whole, x, T), b = run_moe(*sliced, x, T);
+        EXPECT_EQ(whole->last_topk(), sliced->last_topk());
+        const std::string what = std::string(to_string(p)) + " " + to_string(wt) + " T " + std::to_string(T);
+        if (wt == Weights::Int8)
+          EXPECT_LE(testing::rel_l2(b.data(), a.data(), a.size()), 2e-2) << what;
+        else if (p == Precision::FP32)
+          EXPECT_LE(testing::max_error_ratio(b.data(), a.data(), a.size(), 1e-5, 1e-5), 1.0) << what;
+        else
+          EXPECT_LE(testing::max_error_ratio(b.data(), a.data(), a.size(), 1e-3, 1.0 / 64), 1.0) << what;
+      }
+    }
+  testing::expect_throw_with<std::invalid_argument>(
+      [&] {
+        KimiMoE::from_weights(c.w, c.cfg, 1, Precision::FP32, {}, Weights::BF16,
+                              {MoeCombine::Unbiased, 0, 0});
+      },
+      "slices per expert");
+}
+
 TEST(KimiMoe, Bf16EqualsTheEmulation) {
   const MoeCase c = make_case(256, 16, 4, 64, 1, 41);
   auto moe = KimiMoE::from_weights(c.w, c.cfg, 1, Precision::BF16);
@@ -394,6 +487,17 @@ TEST(KimiMoe, SyntheticEqualsItsWeightsAndSizesAdd) {
   const int64_t expert = 3 * 64 * 32 * 4, router = 16 * 64 * 4 + 16 * 4;
   EXPECT_EQ(a->weight_bytes(), router + 17 * expert);
   EXPECT_EQ(a->active_weight_bytes(), router + 3 * expert);
+  // What a forward read: the union of its tokens' experts, once each.
+  auto fresh = KimiMoE::synthetic(cfg, 1, 5, Precision::FP32);
+  EXPECT_EQ(fresh->last_weight_bytes(), 0);
+  run_moe(*fresh, x, 1);
+  EXPECT_EQ(fresh->last_weight_bytes(), fresh->active_weight_bytes());
+  run_moe(*fresh, x, 30);
+  const std::set<int32_t> picked(fresh->last_topk().begin(), fresh->last_topk().end());
+  EXPECT_GT(picked.size(), 2u);
+  EXPECT_EQ(fresh->last_weight_bytes(), router + (1 + static_cast<int64_t>(picked.size())) * expert);
+  run_moe(*fresh, x, 0);
+  EXPECT_EQ(fresh->last_weight_bytes(), 0);
   auto bf = KimiMoE::synthetic(cfg, 1, 5, Precision::BF16);
   EXPECT_EQ(bf->weight_bytes(), router + 17 * expert / 2);  // the router stays fp32
   testing::expect_throw_with<std::invalid_argument>([&] { KimiMoE::synthetic(cfg, 0, 5, Precision::FP32); },

@@ -73,11 +73,13 @@ std::vector<std::pair<std::string, const layers::Linear*>> projections(KimiLinea
       out.push_back({at + "mlp.down", &l.mlp()->mlp().down()});
     }
     if (l.moe()) {
-      for (int e = 0; e < l.moe()->num_experts(); ++e) {
-        out.push_back({at + "expert " + std::to_string(e), &l.moe()->expert(e).gate_up()});
-        out.push_back({at + "expert down " + std::to_string(e), &l.moe()->expert(e).down()});
-      }
-      out.push_back({at + "shared", &l.moe()->shared_expert()->gate_up()});
+      for (int e = 0; e < l.moe()->num_experts(); ++e)
+        for (int p = 0; p < l.moe()->expert(e).pieces(); ++p) {
+          const std::string x = at + "expert " + std::to_string(e) + " piece " + std::to_string(p);
+          out.push_back({x, &l.moe()->expert(e).piece(p).gate_up()});
+          out.push_back({x + " down", &l.moe()->expert(e).piece(p).down()});
+        }
+      out.push_back({at + "shared", &l.moe()->shared_expert()->piece(0).gate_up()});
     }
   }
   return out;
@@ -128,7 +130,7 @@ TEST(PackedCheckpoint, TheFolderSaysItsSchemeAndKeepsTheOtherTensorsAsTheyWere) 
             (std::vector<int64_t>{fused, 8}));
   EXPECT_FALSE(ckpt.contains("model.layers.0.self_attn.q_proj.weight"));
   EXPECT_FALSE(ckpt.contains("model.layers.1.block_sparse_moe.experts.0.w1.weight"));
-  EXPECT_TRUE(ckpt.contains("model.layers.1.block_sparse_moe.experts.7.gate_up_proj.qweight"));
+  EXPECT_TRUE(ckpt.contains("model.layers.1.block_sparse_moe.experts.7.pieces.1.gate_up_proj.qweight"));
   // Everything else byte for byte.
   for (const char* key :
        {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.A_log",
@@ -228,7 +230,8 @@ TEST(PackedCheckpoint, ASchemeOtherThanTheOneAskedForIsRefused) {
 TEST(PackedCheckpoint, ATruncatedShardNamesTheFile) {
   const fs::path dir = copy_of_packed("packed_trunc");
   const io::Checkpoint probe(dir);
-  const fs::path shard = dir / probe.shard_of("model.layers.1.block_sparse_moe.experts.3.down_proj.qweight");
+  const fs::path shard =
+      dir / probe.shard_of("model.layers.1.block_sparse_moe.experts.3.pieces.0.down_proj.qweight");
   fs::resize_file(shard, fs::file_size(shard) - 100);
   const std::string e =
       error_of([&] { KimiLinearForCausalLM::from_pretrained(dir, opts(Precision::FP32, Weights::Int4)); });

@@ -5,10 +5,13 @@
 //   the top_k experts by c (ties to the lower id), w_i = s_i / sum s_j * routed_scaling_factor
 //   y = sum_i w_i E_i(x) + shared(x)                     E(x) = down(silu(gate x) * (up x))
 //
-// Prefill groups a batch's tokens by expert: one gate|up GEMM and one down GEMM per selected expert over
-// its tokens, weighted and added into y in increasing expert id for every token, after the shared
-// expert (so a token's sum is the same alone or in a batch). Small batches (decode) run the selected
-// experts and the shared one side by side, one thread each, and read only those experts' weights.
+// Prefill groups a batch's tokens by expert: one gate|up GEMM and one down GEMM per slice (below) of
+// each selected expert over its tokens, weighted and added into y in increasing expert id for every
+// token, after the shared expert (so a token's sum is the same alone or in a batch). Small batches
+// (decode) run the selected experts and the shared one side by side and read only those experts'
+// weights: each MLP is MoeOptions::pieces slices of its intermediate rows (layers/moe/swiglu.h,
+// SwigluPieces), one job per slice and one thread per job, so that the jobs ((top_k + 1) x pieces of equal
+// size) keep every thread busy to the end.
 //
 // Tensor parallelism: every expert's, the shared expert's and the dense MLP's intermediate rows are split
 // across ranks (gate/up column-parallel, down row-parallel); the router is replicated; the MoE sums the
@@ -35,7 +38,8 @@
 
 namespace kda::layers::moe {
 class SwigluMlp;
-}
+class SwigluPieces;
+}  // namespace kda::layers::moe
 namespace kda::layers {
 class Linear;
 }
@@ -54,8 +58,9 @@ struct MlpWeights {
   int64_t hidden = 0, intermediate = 0;   // D, I (this rank's I under tensor parallelism)
   std::vector<float> gate_proj, up_proj;  // [I, D]  (experts: w1 = gate, w3 = up)
   std::vector<float> down_proj;           // [D, I]  (experts: w2)
-  // A packed checkpoint's "gate_up_proj" [2I, D] and "down_proj" [D, I] (io/packed_checkpoint.h); the
-  // fp32 values above are then empty.
+  // A packed checkpoint's "gate_up_proj" [2I, D] and "down_proj" [D, I] (io/packed_checkpoint.h), or
+  // for an expert its pieces' "pieces.{p}.gate_up_proj" / "pieces.{p}.down_proj" (KimiMoE's slices, each
+  // over I / pieces rows); the fp32 values above are then empty.
   layers::PackedLinears packed;
 
   // `prefix` is "model.layers.{i}.mlp", "...block_sparse_moe.experts.{e}" (expert_names: w1/w3/w2) or
@@ -114,6 +119,10 @@ class KimiMLP {
 struct MoeOptions {
   MoeCombine combine = MoeCombine::Unbiased;
   int num_experts = 0;  // 0: the config's (synthetic only: fewer experts, for benchmarks)
+  // Slices of every expert's and the shared expert's intermediate rows (fewer where they do not split into
+  // slices of a multiple of 32 rows; SwigluPieces::pieces_for). A layout choice, not the thread count, so
+  // a model computes the same sums on any host; 1: whole MLPs (one job per expert at decode).
+  int pieces = 2;
 };
 
 class KimiMoE {
@@ -151,18 +160,21 @@ class KimiMoE {
   MoeCombine combine() const { return combine_; }
   int64_t weight_bytes() const;         // every resident weight on this rank (router and bias included)
   int64_t active_weight_bytes() const;  // what one token reads: router + top_k experts + shared
+  // What the last forward read: router, bias, the union of the experts its tokens selected, shared (a
+  // batch reads each selected expert once, for every token routed to it). 0 before any forward.
+  int64_t last_weight_bytes() const;
   // The last forward's selected experts [T, top_k], by descending c (the dumps' moe_topk_{i}).
   const std::vector<int32_t>& last_topk() const { return topk_ids_; }
   // Its combine weights [T, top_k], in the same order.
   const std::vector<float>& last_topk_weights() const { return topk_w_; }
   // Routed expert e's MLP and the shared expert's (nullptr without one), as kda quantize reads them.
-  const layers::moe::SwigluMlp& expert(int e) const { return *experts_.at(static_cast<size_t>(e)); }
-  const layers::moe::SwigluMlp* shared_expert() const { return shared_.get(); }
+  const layers::moe::SwigluPieces& expert(int e) const { return *experts_.at(static_cast<size_t>(e)); }
+  const layers::moe::SwigluPieces* shared_expert() const { return shared_.get(); }
 
   // When the selected experts average at most this many rows (decode, small batches over many experts)
-  // they run side by side, one per thread, each GEMM single-threaded: too few rows to thread one GEMM
-  // well, and every thread streams its own expert's weights. More rows (prefill) run expert after expert
-  // with the GEMMs threaded.
+  // they run side by side, one slice per thread (MoeOptions::pieces), each GEMM single-threaded: too few rows
+  // to thread one GEMM well, and every thread streams its own expert's weights. More rows (prefill) run
+  // expert after expert with the GEMMs threaded.
   static constexpr int64_t kSideBySideRows = 16;
 
  private:
@@ -179,11 +191,12 @@ class KimiMoE {
   bool renormalize_;
   float factor_;
   Precision precision_;
+  Weights weights_;
   distributed::TensorParallel tp_;
   std::unique_ptr<layers::Linear> router_;  // fp32, dense in every mode
   std::vector<float> bias_;
-  std::vector<std::unique_ptr<layers::moe::SwigluMlp>> experts_;
-  std::unique_ptr<layers::moe::SwigluMlp> shared_;  // the shared expert (KimiMLP's math, no allreduce)
+  std::vector<std::unique_ptr<layers::moe::SwigluPieces>> experts_;
+  std::unique_ptr<layers::moe::SwigluPieces> shared_;  // the shared expert (KimiMLP's math, no allreduce)
   std::vector<float> logits_, topk_w_;
   std::vector<int32_t> topk_ids_;
   std::vector<int64_t> offsets_;  // [E + 1] into rows_

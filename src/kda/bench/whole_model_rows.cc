@@ -1,22 +1,28 @@
 // `kda bench --only model`: the whole Kimi-Linear-48B-A3B decoder at its real shapes (synthetic weights,
-// 27 layers, vocabulary 163840, --experts routed experts per MoE layer with the real top-8), per weights
-// mode: a decode step of one request and of 16, and a 2048-token prefill, beside the ceilings the same
-// run measures (read bandwidth for decode, the bf16 GEMM for prefill). One model is resident at a time:
-// at the real shapes each is several GB.
+// 27 layers or the first --layers, vocabulary 163840, --experts routed experts per MoE layer with the real
+// top-8), per weights mode: a decode step of one request and of 16, and a 2048-token prefill, beside the
+// ceilings the same run measures (read bandwidth for decode, the bf16 and fp32 GEMMs for prefill). One
+// model is resident at a time: at the real shapes each is several GB.
 //
-// A decode step of one request reads every active weight once (the selected experts, the attention
-// projections, the LM head), so its floor is active_weight_bytes / read bandwidth; decode_b1_over_bound is
-// the step's time over that floor. The prefill's GEMM work is 2 x T x (the weights a token multiplies)
-// plus the MLA layers' attention scores (QK^T and PV over the causal half); its rate over the bf16 GEMM
-// ceiling says how far the model's prefill is from GEMM-bound. Where the step is far from its floor the
-// parts are timed alone at the same shapes (the MoE and dense MLPs, the LM head; the rest is attention,
-// norms and the residual stream) so the report says where the time goes.
+// A decode step reads every weight it uses once: the attention projections, dense MLPs, routers, shared
+// experts and the LM head, and per MoE layer the union of the experts its tokens selected (one request:
+// its top-k; 16: each selected expert once for all the tokens routed to it). Its floor is those bytes /
+// read bandwidth; decode_b1_over_bound and decode_b16_over_bound are the steps' times over their floors.
+// (The recurrent states, read and written once per request and KDA layer, are left out of that floor as
+// the issue defines it; the b16 row gives them and the ratio with them.) The prefill's GEMM work is
+// 2 x T x (the weights a token multiplies) plus the MLA layers' attention scores (QK^T and PV over the
+// causal half); prefill_over_gemm is its rate over the same run's GEMM ceiling of the precision its GEMMs
+// run in: bf16 with bf16 weights; fp32 with int8 / int4 ones, whose prefill GEMMs (layers/quant_linear.cc,
+// more than kDecodeRows rows) multiply dequantized fp32 tiles by fp32 activations. Where a step is far
+// from its floor the parts are timed alone at the same shapes (the MoE and dense MLPs, the LM head; the
+// rest is attention, norms and the residual stream) so the report says where the time goes.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,6 +33,7 @@
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
 #include "kda/models/kimi_linear_model.h"
+#include "kda/models/kimi_moe.h"
 #include "kda/serving/simulate.h"
 
 namespace kda::bench {
@@ -93,9 +100,34 @@ std::vector<int32_t> token_ids(int64_t n, int64_t vocab, int64_t salt) {
   return v;
 }
 
-// Best seconds of a decode step of `batch` requests that each already hold `context` tokens: `steps`
-// steps, each appending a token to every request.
-double time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t context, int steps) {
+// The weights a step of `batch` decode rows read: what one token reads, with each MoE layer's router,
+// shared expert and top-k experts replaced by those its last forward read (the union of its selections),
+// and an embedding row per token.
+int64_t step_weight_bytes(models::KimiLinearForCausalLM& m, int64_t batch) {
+  int64_t b =
+      m.active_weight_bytes() + (batch - 1) * m.hidden_size() * (m.precision() == Precision::BF16 ? 2 : 4);
+  for (int i = 0; i < m.num_layers(); ++i)
+    if (auto* e = m.model().layer(i).moe()) b += e->last_weight_bytes() - e->active_weight_bytes();
+  return b;
+}
+
+// The recurrent and conv states of one request, every KDA layer: read and written once per decode step.
+int64_t request_state_bytes(const models::KimiLinearForCausalLM& m) {
+  const mem_cache::RecurrentStatePoolConfig c = m.recurrent_pool_config(1);
+  const int64_t conv = (c.conv_kernel - 1) * c.conv_dim * (c.conv_dtype == Precision::BF16 ? 2 : 4);
+  return static_cast<int64_t>(c.layer_ids.size()) *
+         (int64_t{c.num_heads} * c.head_k_dim * c.head_v_dim * 4 + conv);
+}
+
+// The decode step of `steps` that came closest to its floor: its seconds and the weight bytes it read.
+struct DecodeStep {
+  double seconds = 1e30;
+  int64_t bytes = 0;
+};
+
+// `steps` decode steps of `batch` requests that each already hold `context` tokens, each appending a token
+// to every request; the one with the least seconds per byte read.
+DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t context, int steps) {
   Runner r(m, batch, batch * (context + steps + 1));
   const auto reqs = r.pools->req_to_token_pool.alloc(batch);
   r.ids = token_ids(batch * context, m.vocab_size(), 1);
@@ -103,13 +135,16 @@ double time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t cont
       reqs, std::vector<int32_t>(static_cast<size_t>(batch), static_cast<int32_t>(context)),
       std::vector<int32_t>(static_cast<size_t>(batch), 0));
   r.step(pre, batch);
-  double best = 1e30;
+  DecodeStep best;
   for (int s = 0; s < steps; ++s) {
     r.ids = token_ids(batch, m.vocab_size(), s + 2);
     auto fb = model_executor::ForwardBatch::decode(reqs);
     const auto t0 = Clock::now();
     r.step(fb, batch);
-    best = std::min(best, since(t0));
+    const double t = since(t0);
+    const int64_t bytes = step_weight_bytes(m, batch);
+    if (t / static_cast<double>(bytes) < best.seconds / static_cast<double>(std::max<int64_t>(best.bytes, 1)))
+      best = {t, bytes};
   }
   return best;
 }
@@ -170,43 +205,60 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
   if (experts > cfg.num_experts)
     throw std::invalid_argument("--experts " + std::to_string(experts) + ": the model has " +
                                 std::to_string(cfg.num_experts) + " routed experts per MoE layer");
+  if (o.layers < 0 || o.layers > cfg.num_hidden_layers)
+    throw std::invalid_argument("--layers " + std::to_string(o.layers) + ": the model has " +
+                                std::to_string(cfg.num_hidden_layers) + " decoder layers");
+  const int layers = models::model_layer_count(cfg, o.layers);
   constexpr int64_t kPrefill = 2048, kContext = 256, kBatch = 16;
   std::vector<Weights> modes;
   for (Weights w : {Weights::BF16, Weights::Int8, Weights::Int4})
     if (o.weights == "all" || o.weights == to_string(w)) modes.push_back(w);
 
-  // The ceilings of this run: read bandwidth over a buffer far larger than the caches, the bf16 GEMM at
-  // the prefill's row count through the Linear the model's projections use.
+  // The ceilings of this run: read bandwidth over a buffer far larger than the caches, the bf16 and fp32
+  // GEMMs at the prefill's row count through the Linear the model's projections use.
   ReadBandwidth rb(size_t{1} << 30);
   const double read_gbs = rb.gbps(best_seconds([&] { rb.run(); }, 5, 1.0));
-  double gemm_bf16 = 0.0;
+  double gemm_bf16 = 0.0, gemm_f32 = 0.0;
   {
     GemmCeiling c16(Precision::BF16, kPrefill, kP, kD);
     gemm_bf16 = c16.gflops(best_seconds([&] { c16.run(); }));
   }
-  j["ceilings"] = {{"read_bandwidth_gbs", read_gbs}, {"gemm_bf16_gflops", gemm_bf16}};
+  {
+    GemmCeiling c32(Precision::FP32, kPrefill, kP, kD);
+    gemm_f32 = c32.gflops(best_seconds([&] { c32.run(); }));
+  }
+  j["ceilings"] = {
+      {"read_bandwidth_gbs", read_gbs}, {"gemm_bf16_gflops", gemm_bf16}, {"gemm_f32_gflops", gemm_f32}};
   say("\nwhole model (Kimi-Linear-48B-A3B shapes, %d layers, top-%d of %d experts, vocab %lld); ceilings: "
-      "read %.1f GB/s, bf16 GEMM %.1f GFLOP/s\n",
-      cfg.num_hidden_layers, cfg.num_experts_per_token, experts, static_cast<long long>(cfg.vocab_size),
-      read_gbs, gemm_bf16);
-  say("%-8s %10s %12s %10s %12s %11s %12s %10s %9s\n", "weights", "build s", "active GB", "b1 ms", "b1/bound",
-      "b16 ms", "prefill t/s", "% GEMM", "GB res.");
+      "read %.1f GB/s, bf16 GEMM %.1f GFLOP/s, fp32 GEMM %.1f GFLOP/s\n",
+      layers, cfg.num_experts_per_token, experts, static_cast<long long>(cfg.vocab_size), read_gbs, gemm_bf16,
+      gemm_f32);
+  say("%-8s %10s %12s %10s %9s %11s %10s %12s %10s %9s\n", "weights", "build s", "active GB", "b1 ms",
+      "b1/bound", "b16 ms", "b16/bound", "prefill t/s", "% GEMM", "GB res.");
   j["model"] = nlohmann::json::array();
   for (const Weights w : modes) {
     models::ModelOptions mo;
     mo.precision = Precision::BF16;
     mo.weights = w;
     mo.num_experts = experts;
+    mo.num_layers = layers;
     const auto t0 = Clock::now();
     auto m = models::KimiLinearForCausalLM::synthetic(cfg, mo, 7);
     const double build_s = since(t0);
     const int64_t active = m->active_weight_bytes();
-    const double b1 = time_decode(*m, 1, kContext, 8);
-    const double b16 = time_decode(*m, kBatch, kContext / 4, 4);
+    const DecodeStep s1 = time_decode(*m, 1, kContext, 8);
+    const DecodeStep s16 = time_decode(*m, kBatch, kContext / 4, 4);
+    const double b1 = s1.seconds, b16 = s16.seconds;
     const double pre = time_prefill(*m, kPrefill, 2);
     const double bound = static_cast<double>(active) / (read_gbs * 1e9);
+    const double bound16 = static_cast<double>(s16.bytes) / (read_gbs * 1e9);
+    const int64_t state16 = kBatch * request_state_bytes(*m);
+    const double bound16_state = static_cast<double>(s16.bytes + 2 * state16) / (read_gbs * 1e9);
     const double flops = prefill_flops(cfg, m->num_layers(), kPrefill, m->vocab_size());
     const double frac = flops / pre / 1e9 / gemm_bf16;
+    // The ceiling of the precision the prefill's GEMMs run in (see the top of this file).
+    const bool f32_gemm = w != Weights::BF16;
+    const double over_gemm = flops / pre / 1e9 / (f32_gemm ? gemm_f32 : gemm_bf16);
     nlohmann::json row = {{"weights", to_string(w)},
                           {"experts", experts},
                           {"build_s", build_s},
@@ -217,26 +269,41 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                           {"model_decode_b1_ms", b1 * 1e3},
                           {"decode_b1_over_bound", b1 / bound},
                           {"model_decode_b16_ms", b16 * 1e3},
+                          {"decode_b16_weight_bytes", s16.bytes},
+                          {"decode_b16_over_bound", b16 / bound16},
+                          {"decode_b16_state_bytes", state16},
+                          {"decode_b16_over_bound_with_state", b16 / bound16_state},
                           {"model_prefill_tok_s", static_cast<double>(kPrefill) / pre},
                           {"prefill_gflops", flops / pre / 1e9},
-                          {"prefill_gemm_fraction", frac}};
-    say("%-8s %10.1f %12.3f %10.1f %12.2f %11.1f %12.1f %9.0f%% %9.2f\n", to_string(w), build_s,
-        static_cast<double>(active) / 1e9, b1 * 1e3, b1 / bound, b16 * 1e3,
-        static_cast<double>(kPrefill) / pre, 100 * frac, static_cast<double>(m->weight_bytes()) / 1e9);
+                          {"prefill_gemm_fraction", frac},
+                          {"prefill_gemm_ceiling", f32_gemm ? "fp32" : "bf16"},
+                          {"prefill_over_gemm", over_gemm}};
+    say("%-8s %10.1f %12.3f %10.1f %9.2f %11.1f %10.2f %12.1f %9.0f%% %9.2f\n", to_string(w), build_s,
+        static_cast<double>(active) / 1e9, b1 * 1e3, b1 / bound, b16 * 1e3, b16 / bound16,
+        static_cast<double>(kPrefill) / pre, 100 * over_gemm, static_cast<double>(m->weight_bytes()) / 1e9);
     // Where the time goes: the MLPs and the LM head alone at the decode (1 row) and prefill shapes.
     const Parts d1 = time_parts(*m, 1, 1, 5);
+    const Parts d16 = time_parts(*m, kBatch, kBatch, 3);
     const Parts pf = time_parts(*m, kPrefill, 1, 1);
     row["parts"] = {{"decode_b1_moe_ms", d1.moe * 1e3},
                     {"decode_b1_dense_mlp_ms", d1.dense * 1e3},
                     {"decode_b1_lm_head_ms", d1.head * 1e3},
                     {"decode_b1_attention_and_rest_ms", (b1 - d1.moe - d1.dense - d1.head) * 1e3},
+                    {"decode_b16_moe_ms", d16.moe * 1e3},
+                    {"decode_b16_dense_mlp_ms", d16.dense * 1e3},
+                    {"decode_b16_lm_head_ms", d16.head * 1e3},
+                    {"decode_b16_attention_and_rest_ms", (b16 - d16.moe - d16.dense - d16.head) * 1e3},
                     {"prefill_moe_ms", pf.moe * 1e3},
                     {"prefill_dense_mlp_ms", pf.dense * 1e3},
                     {"prefill_attention_and_rest_ms", (pre - pf.moe - pf.dense - pf.head) * 1e3}};
     say("%-8s   decode b1 parts: MoE %.1f ms, dense MLP %.1f ms, LM head %.1f ms, attention + rest %.1f ms; "
-        "prefill: MoE %.0f ms, dense MLP %.0f ms, attention + rest %.0f ms\n",
+        "b16: MoE %.1f ms, dense MLP %.1f ms, LM head %.1f ms, attention + rest %.1f ms (%.2f GB of weights, "
+        "%.2f GB of states; with them b16/bound %.2f); prefill: MoE %.0f ms, dense MLP %.0f ms, attention + "
+        "rest %.0f ms (%s GEMM ceiling)\n",
         "", d1.moe * 1e3, d1.dense * 1e3, d1.head * 1e3, (b1 - d1.moe - d1.dense - d1.head) * 1e3,
-        pf.moe * 1e3, pf.dense * 1e3, (pre - pf.moe - pf.dense - pf.head) * 1e3);
+        d16.moe * 1e3, d16.dense * 1e3, d16.head * 1e3, (b16 - d16.moe - d16.dense - d16.head) * 1e3,
+        static_cast<double>(s16.bytes) / 1e9, static_cast<double>(state16) / 1e9, b16 / bound16_state,
+        pf.moe * 1e3, pf.dense * 1e3, (pre - pf.moe - pf.dense - pf.head) * 1e3, f32_gemm ? "fp32" : "bf16");
     j["model"].push_back(row);
   }
 }

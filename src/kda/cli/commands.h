@@ -44,6 +44,7 @@ struct BenchOptions {
   std::string only = "all";
   std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
   int experts = 0;              // --only model: routed experts per MoE layer (0: the default)
+  int layers = 0;               // --only model: the first N decoder layers (0: all)
 };
 int run_bench(const BenchOptions& o);
 

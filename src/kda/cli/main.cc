@@ -95,6 +95,10 @@ int main(int argc, char** argv) {
           "model)")
       ->check(CLI::PositiveNumber);
   bench
+      ->add_option("--layers", bo.layers,
+                   "--only model: the first N decoder layers of the pattern (default: all 27)")
+      ->check(CLI::PositiveNumber);
+  bench
       ->add_option("--weights", bo.weights,
                    "all | bf16 | int8 | int4: quantized layer rows beside the dense ones (--only spec's "
                    "serving rows: that one mode, int4 for all)")

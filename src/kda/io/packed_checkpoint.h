@@ -6,7 +6,8 @@
 // Format packed-v1: every shard's __metadata__ and the index's "metadata" hold kda_format = packed-v1
 // and weights = int8 | int4; config.json holds quantization_config {quant_method: "kda", kda_format,
 // weights, group_size}. A projection `name` (a layer's own name for it: the fused ones are named as the
-// layer fuses them, e.g. self_attn.qkv_fa_ga_b_proj, mlp.gate_up_proj) is two tensors:
+// layer fuses them, e.g. self_attn.qkv_fa_ga_b_proj, mlp.gate_up_proj; an expert's as the MoE slices
+// it, experts.{e}.pieces.{p}.gate_up_proj / down_proj) is two tensors:
 //   int8: name.qweight I8 [out, in] (per output channel), name.scales F32 [out]
 //   int4: name.qweight U8 [out, in / 2] (groups of 32 inputs as 16 bytes, quant_gemm.h), name.scales
 //         F32 [out, in / 32]

@@ -15,12 +15,14 @@
 #include "kda/layers/linear.h"
 #include "kda/layers/moe/router.h"
 #include "kda/layers/moe/swiglu.h"
+#include "kda/layers/quant_linear.h"
 
 namespace kda::models {
 
 namespace {
 
 using layers::moe::SwigluMlp;
+using layers::moe::SwigluPieces;
 using layers::moe::SwigluScratch;
 
 // seeded_normals tables of the synthetic weights (the KDA stack's embedding and head use 1 and 2).
@@ -34,6 +36,7 @@ constexpr int64_t kRouterSeed = -1, kSharedSeed = -2;
 struct ThreadScratch {
   SwigluScratch mlp;
   std::vector<float> xe, ye;  // an expert's gathered rows and its output
+  std::vector<float> part;    // a sliced MLP's partial outputs after its first slice
   std::vector<float> side;    // the calling thread's: every active expert's output side by side
 };
 ThreadScratch& thread_scratch() {
@@ -60,7 +63,11 @@ void check_split(int64_t I, int tp_size, const std::string& what) {
 
 // GEMM row counts are padded to few distinct shapes (powers of two up to 64, then multiples of 64): a
 // Linear creates a oneDNN primitive per shape, and the number of tokens an expert gets varies per call.
-int64_t padded_rows(int64_t n) {
+// Quantized weights up to QuantLinear::kDecodeRows rows run the packed kernels, which keep no primitive
+// per shape and would compute the pad rows (at a few rows per expert they are compute bound): there the
+// count stays as it is.
+int64_t padded_rows(int64_t n, Weights weights) {
+  if (weights != Weights::BF16 && n <= layers::QuantLinear::kDecodeRows) return n;
   if (n > 64) return (n + 63) / 64 * 64;
   int64_t p = 1;
   while (p < n) p *= 2;
@@ -81,6 +88,35 @@ std::unique_ptr<SwigluMlp> make_mlp(const MlpWeights& w, Precision precision, We
   return std::make_unique<SwigluMlp>(
       D, I, layers::make_linear(w.packed, "gate_up_proj", D, 2 * I, none, precision, weights),
       layers::make_linear(w.packed, "down_proj", I, D, none, precision, weights), precision);
+}
+
+// An expert's (or the shared expert's) slices: from its fp32 weights, or from a packed checkpoint's
+// pieces, which must be the slices this model cuts (SwigluPieces::pieces_for).
+std::unique_ptr<layers::moe::SwigluPieces> make_pieces(const MlpWeights& w, Precision precision,
+                                                       Weights weights, int want) {
+  using layers::moe::SwigluPieces;
+  if (w.packed.empty())
+    return std::make_unique<SwigluPieces>(w.hidden, w.intermediate, w.gate_proj, w.up_proj, w.down_proj,
+                                          precision, weights, want);
+  const int64_t D = w.hidden, I = w.intermediate;
+  const int P = SwigluPieces::pieces_for(I, weights, want);
+  const auto stored = static_cast<int>(w.packed.size() / 2);
+  if (stored != P || w.packed.size() % 2 != 0)
+    throw std::invalid_argument("a packed expert holds " + std::to_string(stored) +
+                                " slices, this model cuts it into " + std::to_string(P) +
+                                " (MoeOptions::pieces): quantize the source checkpoint again");
+  auto none = [&]() -> std::vector<float> {
+    throw std::invalid_argument("MlpWeights: a packed expert lacks a slice's projection");
+  };
+  std::vector<SwigluMlp> pieces;
+  pieces.reserve(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) {
+    const std::string n = "pieces." + std::to_string(p) + ".";
+    pieces.emplace_back(
+        D, I / P, layers::make_linear(w.packed, n + "gate_up_proj", D, 2 * (I / P), none, precision, weights),
+        layers::make_linear(w.packed, n + "down_proj", I / P, D, none, precision, weights), precision);
+  }
+  return std::make_unique<SwigluPieces>(D, I, std::move(pieces));
 }
 
 }  // namespace
@@ -110,9 +146,25 @@ MlpWeights MlpWeights::load(const io::Checkpoint& ckpt, const std::string& prefi
   w.hidden = D;
   w.intermediate = i1 - i0;
   if (const auto scheme = io::packed_weights(ckpt)) {
-    io::packed_for_load(ckpt, *scheme, tp_size);  // one rank: the whole MLP
-    w.packed["gate_up_proj"] = io::load_packed(ckpt, prefix + ".gate_up_proj", *scheme, D, 2 * I);
-    w.packed["down_proj"] = io::load_packed(ckpt, prefix + ".down_proj", *scheme, I, D);
+    io::packed_for_load(ckpt, *scheme, tp_size);            // one rank: the whole MLP
+    if (ckpt.contains(prefix + ".gate_up_proj.qweight")) {  // a whole MLP (the dense one)
+      w.packed["gate_up_proj"] = io::load_packed(ckpt, prefix + ".gate_up_proj", *scheme, D, 2 * I);
+      w.packed["down_proj"] = io::load_packed(ckpt, prefix + ".down_proj", *scheme, I, D);
+      return w;
+    }
+    // An expert's slices (KimiMoE checks their count against the slices it cuts).
+    int P = 0;
+    while (ckpt.contains(prefix + ".pieces." + std::to_string(P) + ".gate_up_proj.qweight")) ++P;
+    if (P == 0 || I % P != 0)
+      throw std::runtime_error(ckpt.root().string() + ": no packed projections for " + prefix +
+                               " (neither gate_up_proj nor pieces.{p}.gate_up_proj), or their count " +
+                               std::to_string(P) + " does not split " + std::to_string(I) + " rows");
+    for (int p = 0; p < P; ++p) {
+      const std::string n = "pieces." + std::to_string(p) + ".";
+      w.packed[n + "gate_up_proj"] =
+          io::load_packed(ckpt, prefix + "." + n + "gate_up_proj", *scheme, D, 2 * (I / P));
+      w.packed[n + "down_proj"] = io::load_packed(ckpt, prefix + "." + n + "down_proj", *scheme, I / P, D);
+    }
     return w;
   }
   w.gate_proj = ckpt.load_f32_slice(g, {I, D}, 0, i0, i1);
@@ -364,10 +416,14 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
       renormalize_(cfg.moe_renormalize),
       factor_(static_cast<float>(cfg.routed_scaling_factor)),
       precision_(precision),
+      weights_(weights),
       tp_(tp) {
   if (k_ < 1)
     throw std::invalid_argument("KimiMoE: num_experts_per_token " +
                                 std::to_string(cfg.num_experts_per_token) + " must be >= 1");
+  if (opts.pieces < 1)
+    throw std::invalid_argument("KimiMoE: " + std::to_string(opts.pieces) +
+                                " slices per expert (must be >= 1)");
   // Every expert's fp32 weights are freed once converted: with the fixed mmap threshold they go back to
   // the system instead of staying in the building threads' heaps.
   configure_allocator();
@@ -380,7 +436,7 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
 #pragma omp parallel for schedule(dynamic, 1)
   for (int e = 0; e < E_; ++e) {
     try {
-      experts_[e] = make_mlp(src.expert(e), precision, weights);
+      experts_[e] = make_pieces(src.expert(e), precision, weights, opts.pieces);
     } catch (...) {
 #pragma omp critical(kda_moe_build)
       if (!error) error = std::current_exception();
@@ -388,7 +444,7 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
   }
   if (error) std::rethrow_exception(error);
   if (src.shared) {
-    shared_ = make_mlp(src.shared(), precision, weights);
+    shared_ = make_pieces(src.shared(), precision, weights, opts.pieces);
   }
 }
 
@@ -406,11 +462,21 @@ int64_t KimiMoE::active_weight_bytes() const {
          k_ * experts_.front()->weight_bytes() + (shared_ ? shared_->weight_bytes() : 0);
 }
 
+int64_t KimiMoE::last_weight_bytes() const {
+  if (offsets_.empty()) return 0;
+  int64_t b = router_->weight_bytes() + static_cast<int64_t>(bias_.size() * sizeof(float)) +
+              (shared_ ? shared_->weight_bytes() : 0);
+  for (int e = 0; e < E_; ++e)
+    if (offsets_[e + 1] > offsets_[e]) b += experts_[e]->weight_bytes();
+  return b;
+}
+
 void KimiMoE::forward(const float* x, int64_t T, float* out) {
   if (T < 0) throw std::invalid_argument("KimiMoE::forward: negative token count " + std::to_string(T));
   if (T == 0) {
     topk_ids_.clear();
     topk_w_.clear();
+    offsets_.clear();
     return;
   }
   const int64_t k = k_;
@@ -476,62 +542,90 @@ void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
   const bool round_out = precision_ == Precision::BF16 && tp_.size == 1;
   ThreadScratch& s = thread_scratch();
   if (shared_)
-    shared_->forward(x, T, D_, y, D_, round_out, s.mlp);
+    shared_->forward(x, T, D_, y, D_, round_out, s.mlp, s.part);
   else
     std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * D_));
   for (int e = 0; e < E_; ++e) {
     const int64_t n = offsets_[e + 1] - offsets_[e];
     if (n == 0) continue;  // an expert no token picked: its weights are not read
-    const int64_t np = padded_rows(n);
+    const int64_t np = padded_rows(n, weights_);
     if (s.xe.size() < static_cast<size_t>(np * D_)) s.xe.resize(static_cast<size_t>(np * D_));
     if (s.ye.size() < static_cast<size_t>(np * D_)) s.ye.resize(static_cast<size_t>(np * D_));
     const int64_t* rows = rows_.data() + offsets_[e];
     gather(x, D_, rows, n, k_, s.xe.data(), np);
-    experts_[e]->forward(s.xe.data(), np, D_, s.ye.data(), D_, round_out, s.mlp);
+    experts_[e]->forward(s.xe.data(), np, D_, s.ye.data(), D_, round_out, s.mlp, s.part);
     scatter_add(s.ye.data(), D_, rows, n, k_, topk_w_.data(), y);
   }
 }
 
 void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
   const bool round_out = precision_ == Precision::BF16 && tp_.size == 1;
-  // Jobs: the active experts in increasing id, then the shared expert (job na, straight into y).
+  // MLPs: the active experts in increasing id, then the shared expert (mlp na); a job is one slice of one.
   std::vector<int> active;
   for (int e = 0; e < E_; ++e)
     if (offsets_[e + 1] > offsets_[e]) active.push_back(e);
-  const int na = static_cast<int>(active.size()), jobs = na + (shared_ ? 1 : 0);
-  // Each active expert's output rows, at its pairs' positions in rows_ (padded per expert).
-  std::vector<int64_t> out_at(active.size() + 1, 0);
+  const int na = static_cast<int>(active.size());
+  struct Job {
+    int mlp, piece;
+  };
+  std::vector<Job> jobs;
   for (int a = 0; a < na; ++a)
-    out_at[a + 1] = out_at[a] + padded_rows(offsets_[active[a] + 1] - offsets_[active[a]]);
+    for (int p = 0; p < experts_[active[a]]->pieces(); ++p) jobs.push_back({a, p});
+  const int shared_pieces = shared_ ? shared_->pieces() : 0;
+  for (int p = 0; p < shared_pieces; ++p) jobs.push_back({na, p});
+  // Each active expert's slices' outputs, one block of its padded rows per slice; then the shared
+  // expert's slices after its first (which writes straight into y), T rows each.
+  std::vector<int64_t> rows_of(static_cast<size_t>(na)), out_at(static_cast<size_t>(na) + 1, 0);
+  for (int a = 0; a < na; ++a) {
+    rows_of[a] = padded_rows(offsets_[active[a] + 1] - offsets_[active[a]], weights_);
+    out_at[a + 1] = out_at[a] + rows_of[a] * experts_[active[a]]->pieces();
+  }
+  const int64_t shared_at = out_at.back(), total = shared_at + T * std::max(0, shared_pieces - 1);
   std::vector<float>& ye = thread_scratch().side;
-  if (ye.size() < static_cast<size_t>(out_at.back() * D_)) ye.resize(static_cast<size_t>(out_at.back() * D_));
+  if (ye.size() < static_cast<size_t>(total * D_)) ye.resize(static_cast<size_t>(total * D_));
+  const int n_jobs = static_cast<int>(jobs.size());
   std::exception_ptr error;
-  // One job per thread: at decode each expert is a few rows, too small to thread its GEMMs well.
-#pragma omp parallel for schedule(dynamic, 1) if (jobs > 1)
-  for (int a = 0; a < jobs; ++a) {
+  // One job per thread: at decode each slice is a few rows, too small to thread its GEMMs well.
+#pragma omp parallel for schedule(dynamic, 1) if (n_jobs > 1)
+  for (int j = 0; j < n_jobs; ++j) {
     try {
       ThreadScratch& s = thread_scratch();
+      const auto [a, p] = jobs[j];
       if (a == na) {
-        shared_->forward(x, T, D_, y, D_, round_out, s.mlp);
+        float* out = p == 0 ? y : ye.data() + (shared_at + (p - 1) * T) * D_;
+        shared_->forward_piece(p, x, T, D_, out, D_, s.mlp);
         continue;
       }
       const int e = active[a];
-      const int64_t n = offsets_[e + 1] - offsets_[e], np = out_at[a + 1] - out_at[a];
+      const int64_t n = offsets_[e + 1] - offsets_[e], np = rows_of[a];
       if (s.xe.size() < static_cast<size_t>(np * D_)) s.xe.resize(static_cast<size_t>(np * D_));
       gather(x, D_, rows_.data() + offsets_[e], n, k_, s.xe.data(), np);
-      experts_[e]->forward(s.xe.data(), np, D_, ye.data() + out_at[a] * D_, D_, round_out, s.mlp);
+      experts_[e]->forward_piece(p, s.xe.data(), np, D_, ye.data() + (out_at[a] + p * np) * D_, D_, s.mlp);
     } catch (...) {
 #pragma omp critical(kda_moe_forward)
       if (!error) error = std::current_exception();
     }
   }
   if (error) std::rethrow_exception(error);
-  if (!shared_) std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * D_));
-  // Added in increasing expert id after the shared expert, as run_grouped adds them.
+  // Each MLP's slices added in slice order, its sum rounded where a whole MLP's output is (bf16); y is
+  // the shared expert's, then the routed experts are added in increasing id, as run_grouped adds them.
+  // rest: the slices after the first, `stride` rows apart.
+  auto finish = [&](float* out, int64_t ldo, const float* rest, int pieces, int64_t rows, int64_t stride) {
+    for (int p = 1; p < pieces; ++p)
+      SwigluPieces::add_part(out, ldo, rest + (p - 1) * stride * D_, D_, rows, D_);
+    if (round_out)
+      for (int64_t t = 0; t < rows; ++t) round_bf16_inplace(out + t * ldo, static_cast<size_t>(D_));
+  };
+  if (shared_)
+    finish(y, D_, ye.data() + shared_at * D_, shared_pieces, T, T);
+  else
+    std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * D_));
   for (int a = 0; a < na; ++a) {
     const int e = active[a];
-    scatter_add(ye.data() + out_at[a] * D_, D_, rows_.data() + offsets_[e], offsets_[e + 1] - offsets_[e], k_,
-                topk_w_.data(), y);
+    const int64_t n = offsets_[e + 1] - offsets_[e], np = rows_of[a];
+    float* block = ye.data() + out_at[a] * D_;
+    finish(block, D_, block + np * D_, experts_[e]->pieces(), n, np);
+    scatter_add(block, D_, rows_.data() + offsets_[e], n, k_, topk_w_.data(), y);
   }
 }
 

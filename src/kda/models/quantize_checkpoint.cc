@@ -129,6 +129,10 @@ QuantizeSummary quantize_checkpoint(const fs::path& model, const fs::path& out, 
       pack(prefix + ".gate_up_proj", m.gate_up());
       pack(prefix + ".down_proj", m.down());
     };
+    // An expert as the MoE slices it: pieces.{p}.gate_up_proj / down_proj.
+    auto pack_pieces = [&](const std::string& prefix, const layers::moe::SwigluPieces& m) {
+      for (int q = 0; q < m.pieces(); ++q) pack_mlp(prefix + ".pieces." + std::to_string(q), m.piece(q));
+    };
     if (s < L) {
       const std::string p = "model.layers." + std::to_string(s) + ".";
       const std::string attn = p + "self_attn.";
@@ -153,11 +157,11 @@ QuantizeSummary quantize_checkpoint(const fs::path& model, const fs::path& out, 
         const std::string m = p + "block_sparse_moe.";
         for (int e = 0; e < moe->num_experts(); ++e) {
           const std::string x = m + "experts." + std::to_string(e);
-          pack_mlp(x, moe->expert(e));
+          pack_pieces(x, moe->expert(e));
           for (const char* k : {".w1.weight", ".w2.weight", ".w3.weight"}) replaced.insert(x + k);
         }
-        if (const layers::moe::SwigluMlp* sh = moe->shared_expert()) {
-          pack_mlp(m + "shared_experts", *sh);
+        if (const layers::moe::SwigluPieces* sh = moe->shared_expert()) {
+          pack_pieces(m + "shared_experts", *sh);
           for (const char* k : {".gate_proj.weight", ".up_proj.weight", ".down_proj.weight"})
             replaced.insert(m + "shared_experts" + k);
         }

@@ -1,9 +1,13 @@
 #include "kda/layers/moe/swiglu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 #include <utility>
+
+#include "kda/kernels/gemm/bf16_gemm.h"
+#include "kda/kernels/gemm/weight_format.h"
 
 namespace kda::layers::moe {
 
@@ -78,6 +82,84 @@ void SwigluMlp::forward(const float* x, int64_t T, int64_t ldx, float* out, int6
     gate_up_.forward(x, T, ldx, s.h.data(), 2 * I_);
     silu_mul(s.h.data(), T, I_, s.a.data());
     down_.forward(s.a.data(), T, I_, out, ldo);
+  }
+}
+
+int SwigluPieces::pieces_for(int64_t I, Weights weights, int want) {
+  if (want < 1) throw std::invalid_argument("SwiGLU MLP: " + std::to_string(want) + " pieces asked for");
+  // Slices the formats take without padding: int4's groups, and the widened bf16 kernels' input groups
+  // (a narrower down input would be padded, read and multiplied as zeros).
+  const int64_t multiple =
+      std::max(kernels::gemm::weight_format(weights).in_multiple, kernels::gemm::kPackGroup);
+  for (int p = static_cast<int>(std::min<int64_t>(want, I)); p > 1; --p)
+    if (I % p == 0 && (I / p) % multiple == 0) return p;
+  return 1;
+}
+
+SwigluPieces::SwigluPieces(int64_t D, int64_t I, const std::vector<float>& gate, const std::vector<float>& up,
+                           const std::vector<float>& down, Precision precision, Weights weights,
+                           int want_pieces)
+    : D_(D), I_(I) {
+  checked(gate, up, down, D, I);
+  const int P = pieces_for(I, weights, want_pieces);
+  const int64_t n = I / P;
+  pieces_.reserve(static_cast<size_t>(P));
+  std::vector<float> g(static_cast<size_t>(n * D)), u(g.size()), d(g.size());
+  for (int p = 0; p < P; ++p) {
+    const int64_t i0 = n * p;
+    std::copy(gate.begin() + i0 * D, gate.begin() + (i0 + n) * D, g.begin());
+    std::copy(up.begin() + i0 * D, up.begin() + (i0 + n) * D, u.begin());
+    for (int64_t r = 0; r < D; ++r)
+      std::copy(down.begin() + r * I + i0, down.begin() + r * I + i0 + n, d.begin() + r * n);
+    pieces_.emplace_back(D, n, g, u, d, precision, weights);
+  }
+}
+
+SwigluPieces::SwigluPieces(int64_t D, int64_t I, std::vector<SwigluMlp> pieces)
+    : D_(D), I_(I), pieces_(std::move(pieces)) {
+  const auto P = static_cast<int64_t>(pieces_.size());
+  if (P < 1 || I % P != 0)
+    throw std::invalid_argument("SwiGLU pieces: " + std::to_string(P) + " pieces for intermediate " +
+                                std::to_string(I));
+  for (const SwigluMlp& m : pieces_)
+    if (m.hidden() != D || m.intermediate() != I / P)
+      throw std::invalid_argument("SwiGLU pieces: a piece of hidden " + std::to_string(m.hidden()) +
+                                  " and intermediate " + std::to_string(m.intermediate()) + ", expected " +
+                                  std::to_string(D) + " and " + std::to_string(I / P));
+}
+
+int64_t SwigluPieces::weight_bytes() const {
+  int64_t b = 0;
+  for (const SwigluMlp& m : pieces_) b += m.weight_bytes();
+  return b;
+}
+
+void SwigluPieces::forward_piece(int p, const float* x, int64_t T, int64_t ldx, float* part, int64_t ldp,
+                                 SwigluScratch& scratch) const {
+  pieces_[static_cast<size_t>(p)].forward(x, T, ldx, part, ldp, false, scratch);
+}
+
+void SwigluPieces::forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
+                           SwigluScratch& scratch, std::vector<float>& part) const {
+  if (T <= 0) return;
+  if (pieces_.size() == 1) return pieces_[0].forward(x, T, ldx, out, ldo, round_out, scratch);
+  pieces_[0].forward(x, T, ldx, out, ldo, false, scratch);
+  if (part.size() < static_cast<size_t>(T * D_)) part.resize(static_cast<size_t>(T * D_));
+  for (size_t p = 1; p < pieces_.size(); ++p) {
+    pieces_[p].forward(x, T, ldx, part.data(), D_, false, scratch);
+    add_part(out, ldo, part.data(), D_, T, D_);
+  }
+  if (round_out)
+    for (int64_t t = 0; t < T; ++t) round_bf16_inplace(out + t * ldo, static_cast<size_t>(D_));
+}
+
+void SwigluPieces::add_part(float* out, int64_t ldo, const float* part, int64_t ldp, int64_t T, int64_t D) {
+#pragma omp parallel for schedule(static) if (T * D >= kParallelElems)
+  for (int64_t t = 0; t < T; ++t) {
+    float* o = out + t * ldo;
+    const float* q = part + t * ldp;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] += q[d];
   }
 }
 

@@ -49,6 +49,47 @@ class SwigluMlp {
   Linear gate_up_, down_;
 };
 
+// One MLP as `pieces` SwigluMlps over consecutive slices of its intermediate rows (gate / up rows,
+// down columns), as tensor parallelism splits it within one process: piece p's down output is a partial
+// sum, and E(x) is the pieces' partials added in piece order. At decode an expert is then `pieces` jobs
+// of equal size, so the selected experts (top-k + shared) split evenly over the threads, each thread
+// streaming its own pieces' weights (9 whole experts on 2 threads left one thread a tenth of the step idle).
+// bf16: each piece's gate/up and silu*up as SwigluMlp rounds them; the sum of the partials is the down
+// output's rounding point (round_out), as a whole MLP's.
+class SwigluPieces {
+ public:
+  // pieces_for(I, weights, want) pieces (std::invalid_argument for want < 1).
+  SwigluPieces(int64_t D, int64_t I, const std::vector<float>& gate, const std::vector<float>& up,
+               const std::vector<float>& down, Precision precision, Weights weights, int want_pieces);
+
+  // The most pieces up to `want` that split I evenly into slices of a multiple of 32 rows (int4's
+  // groups, the widened bf16 kernels' input groups: the down input of a slice needs no padding); 1 when
+  // none does.
+  static int pieces_for(int64_t I, Weights weights, int want);
+  // Pieces built already (a packed checkpoint's, in piece order): each [.., D] over I / pieces rows.
+  SwigluPieces(int64_t D, int64_t I, std::vector<SwigluMlp> pieces);
+  const SwigluMlp& piece(int p) const { return pieces_.at(static_cast<size_t>(p)); }
+
+  int64_t hidden() const { return D_; }
+  int64_t intermediate() const { return I_; }
+  int pieces() const { return static_cast<int>(pieces_.size()); }
+  int64_t weight_bytes() const;
+
+  // Piece p's partial down output, x [T, D] (stride ldx) -> part [T, D] (stride ldp), never rounded.
+  void forward_piece(int p, const float* x, int64_t T, int64_t ldx, float* part, int64_t ldp,
+                     SwigluScratch& scratch) const;
+  // The whole MLP: the pieces one after another (their GEMMs threaded), partials added in piece order;
+  // `part` is [T, D] scratch for pieces after the first.
+  void forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
+               SwigluScratch& scratch, std::vector<float>& part) const;
+  // out [T, D] (stride ldo) += part [T, D] (stride ldp).
+  static void add_part(float* out, int64_t ldo, const float* part, int64_t ldp, int64_t T, int64_t D);
+
+ private:
+  int64_t D_, I_;
+  std::vector<SwigluMlp> pieces_;
+};
+
 // a[t, i] = silu(h[t, i]) * h[t, I + i] over T rows of h [T, 2I]; the reference beside the vectorised
 // rows SwigluMlp uses (fp32 in and out; kRound: the bf16 mode, a rounded once).
 void silu_mul_reference(const float* h, int64_t T, int64_t I, float* a, bool round);
