@@ -36,6 +36,10 @@
 #include "kda/common/precision.h"
 #include "kda/common/weights.h"
 
+namespace kda::kernels::gemm {
+class PackedMatrix;
+}
+
 namespace kda::layers {
 
 enum class Bf16Gemm { Auto, OneDnn, Widened };
@@ -45,6 +49,11 @@ class Linear {
   // bf16_gemm other than Auto only with the bf16 precision and bf16 weights (std::invalid_argument).
   Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Precision precision,
          Weights weights = Weights::BF16, Bf16Gemm bf16_gemm = Bf16Gemm::Auto);
+  // W already packed in the kernels' layout (kernels/gemm/weight_format.h), owned or borrowed from a
+  // mapped checkpoint (io/packed_checkpoint.h), used as it is: int8 / int4 go to a QuantLinear; bf16
+  // (the widened kernels' blocks) only in the bf16 precision, as Bf16Gemm::Widened. Other combinations
+  // are std::invalid_argument.
+  Linear(const kernels::gemm::PackedMatrix& packed, Precision precision);
   ~Linear();
   Linear(Linear&&) noexcept;
   Linear& operator=(Linear&&) noexcept;
@@ -57,6 +66,9 @@ class Linear {
   Bf16Gemm bf16_gemm() const { return bf16_gemm_; }
   // The bytes of W a forward reads: dense (2 or 4 per weight) or the packed quantized values and scales.
   int64_t weight_bytes() const;
+  // W as the kernels read it: the int8 / int4 packing or the widened bf16 blocks; nullptr where oneDNN
+  // holds W in its own layout (kda quantize writes the packed bytes).
+  const kernels::gemm::PackedMatrix* packed() const;
 
   // x: [M, in] with row stride ldx (>= in); y: [M, out] with row stride ldy (>= out). In the bf16
   // precision x is converted to bf16 (round to nearest even) on the way in.

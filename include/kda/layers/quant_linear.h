@@ -22,6 +22,10 @@
 #include "kda/common/precision.h"
 #include "kda/common/weights.h"
 
+namespace kda::kernels::gemm {
+class PackedMatrix;
+}
+
 namespace kda::layers {
 
 class QuantLinear {
@@ -39,6 +43,9 @@ class QuantLinear {
   // weights: Int8 or Int4 (int4 needs in_features % 32 == 0); weight [out, in] in fp32.
   QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Weights weights,
               Precision precision);
+  // W already packed (int8 or int4: kernels/gemm/weight_format.h), owned or borrowed from a mapped
+  // checkpoint (io/packed_checkpoint.h): used as it is, nothing converted.
+  QuantLinear(const kernels::gemm::PackedMatrix& packed, Precision precision);
   // The same with the prefill path chosen (benchmarks and tests of both on one CPU): Bf16Tiles only in
   // the bf16 precision (std::invalid_argument otherwise: fp32 activations are not bf16 values).
   QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Weights weights,
@@ -52,6 +59,8 @@ class QuantLinear {
   Weights weights() const { return weights_; }
   // The packed bytes the forward reads: the quantized values and their scales.
   int64_t weight_bytes() const;
+  // W as the kernels read it (kda quantize writes these bytes).
+  const kernels::gemm::PackedMatrix& packed() const;
   // W as the kernels see it, fp32 [out, in] (for tests and references).
   std::vector<float> dequantized() const;
 

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kda/common/precision.h"
@@ -22,6 +24,7 @@
 #include "kda/io/config.h"
 #include "kda/io/safetensors.h"
 #include "kda/layers/linear.h"
+#include "kda/layers/packed_linears.h"
 #include "kda/layers/radix_linear_attention.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
@@ -43,10 +46,14 @@ struct KdaLayerWeights {
   std::vector<float> b_proj;                        // [H, D]
   std::vector<float> o_norm;                        // [K]
   std::vector<float> o_proj;                        // [D, P]
+  // A packed checkpoint's projections (io/packed_checkpoint.h), by the names projections() gives them;
+  // the fp32 projection values above are then empty.
+  layers::PackedLinears packed;
 
   // Decoder layer `layer_idx` (0-based) of a checkpoint, keys model.layers.{i}.self_attn.*; every
   // shape checked against the config. A non-KDA layer is an error. With tensor parallelism, rank
-  // tp_rank of tp_size reads only its shard (see shard()) from the memory-mapped checkpoint.
+  // tp_rank of tp_size reads only its shard (see shard()) from the memory-mapped checkpoint. A packed
+  // checkpoint fills `packed` with views of its mapping (tp_size 1 only).
   static KdaLayerWeights load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg, int layer_idx,
                               int tp_rank = 0, int tp_size = 1);
   // Head-sharded tensor parallelism: rank r of n owns heads [r H/n, (r+1) H/n). q/k/v, f_b, g_b and b
@@ -86,6 +93,9 @@ class KimiDeltaAttention {
   Weights weights() const { return proj_.weights(); }
   // The projections' resident weight bytes on this rank (what a decode step reads of them).
   int64_t weight_bytes() const;
+  // The projections by name (the fused q/k/v/f_a/g_a/b one is "qkv_fa_ga_b_proj"), as a packed
+  // checkpoint names them under model.layers.{i}.self_attn.
+  std::vector<std::pair<std::string, const layers::Linear*>> projections() const;
   int64_t hidden_size() const { return D_; }
   int64_t local_heads() const { return H_; }  // heads on this rank
   const distributed::TensorParallel& tp() const { return tp_; }

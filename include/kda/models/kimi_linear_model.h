@@ -113,12 +113,20 @@ class KimiLinearModel {
   // The bf16 precision's table as bf16 values (a loader reads it so, without an fp32 copy).
   KimiLinearModel(const io::KimiLinearConfig& cfg, std::vector<bf16_t> embed_tokens, int64_t vocab,
                   std::vector<std::unique_ptr<KimiDecoderLayer>> layers, std::vector<float> norm);
+  // The bf16 precision's table read in place from a mapped checkpoint: `embed_tokens` [vocab, D] bf16
+  // stays valid while `owner` lives (the mapping); its pages are the file's, shared between processes.
+  KimiLinearModel(const io::KimiLinearConfig& cfg, const bf16_t* embed_tokens,
+                  std::shared_ptr<const void> owner, int64_t vocab,
+                  std::vector<std::unique_ptr<KimiDecoderLayer>> layers, std::vector<float> norm);
 
   int64_t vocab_size() const { return vocab_; }
   int num_layers() const { return static_cast<int>(layers_.size()); }
   KimiDecoderLayer& layer(int i) { return *layers_[static_cast<size_t>(i)]; }
   const std::vector<float>& norm_weight() const { return norm_; }
   int64_t weight_bytes() const;  // embedding + layers + final norm, this rank
+  // The bf16 table (bf16 precision): the model's copy or the mapping's.
+  const bf16_t* embed_bf16() const { return embed16_view_; }
+  bool embed_mapped() const { return embed_owner_ != nullptr; }
 
   // Embedding rows of ids[0..T-1] -> h [T, D]. Every id is checked first (std::out_of_range naming the
   // id, its position and the vocabulary); nothing is written on an error.
@@ -131,8 +139,10 @@ class KimiLinearModel {
   io::KimiLinearConfig cfg_;
   Precision precision_;
   int64_t vocab_;
-  std::vector<float> embed_;     // [V, D] fp32 (fp32 precision)
-  std::vector<bf16_t> embed16_;  // [V, D] bf16 (bf16 precision: the table as stored, half the bytes)
+  std::vector<float> embed_;              // [V, D] fp32 (fp32 precision)
+  std::vector<bf16_t> embed16_;           // [V, D] bf16 (bf16 precision: the table as stored, half the bytes)
+  const bf16_t* embed16_view_ = nullptr;  // embed16_'s data, or the mapped table embed_owner_ keeps alive
+  std::shared_ptr<const void> embed_owner_;
   std::vector<std::unique_ptr<KimiDecoderLayer>> layers_;
   std::vector<float> norm_;
   KdaWorkspace ws_;

@@ -19,6 +19,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kda/common/precision.h"
@@ -27,6 +29,7 @@
 #include "kda/io/config.h"
 #include "kda/io/safetensors.h"
 #include "kda/layers/linear.h"
+#include "kda/layers/packed_linears.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
 
@@ -43,9 +46,13 @@ struct MlaLayerWeights {
   std::vector<float> kv_a_layernorm;      // [R]
   std::vector<float> kv_b_proj;           // [Hm*(dn+dv), R]
   std::vector<float> o_proj;              // [D, Hm*dv]
+  // A packed checkpoint's q_proj, kv_a_proj_with_mqa, kv_b_proj and o_proj (io/packed_checkpoint.h);
+  // their fp32 values above are then empty.
+  layers::PackedLinears packed;
 
   // Decoder layer `layer_idx` (keys model.layers.{i}.self_attn.*), every shape checked against the
-  // config; a non-MLA layer is an error. Rank tp_rank of tp_size reads only its shard.
+  // config; a non-MLA layer is an error. Rank tp_rank of tp_size reads only its shard; a packed
+  // checkpoint (tp_size 1 only) fills `packed` with views of its mapping.
   static MlaLayerWeights load(const io::Checkpoint& ckpt, const io::KimiLinearConfig& cfg, int layer_idx,
                               int tp_rank = 0, int tp_size = 1);
   MlaLayerWeights shard(const io::KimiLinearConfig& cfg, int tp_rank, int tp_size) const;
@@ -85,6 +92,9 @@ class KimiMLAAttention {
   // values, bf16-rounded or dequantized from int8 / int4, since both forms multiply by it inside the
   // attention rather than through a Linear).
   int64_t weight_bytes() const;
+  // q_proj, kv_a_proj_with_mqa and o_proj by name (model.layers.{i}.self_attn.<name> in a packed
+  // checkpoint); kv_b_proj is no Linear here (see weight_bytes()).
+  std::vector<std::pair<std::string, const layers::Linear*>> projections() const;
 
   // hidden_states [T, D] (already input-RMS-normed) -> out [T, D] (allreduced under TP). EXTEND (each row
   // with extend_prefix_lens[b] cached tokens), DECODE and TARGET_VERIFY (each row's tokens attend to the

@@ -34,6 +34,7 @@
 #include "kda/distributed/communicator.h"
 #include "kda/io/config.h"
 #include "kda/io/safetensors.h"
+#include "kda/layers/packed_linears.h"
 
 namespace kda::layers::moe {
 class SwigluMlp;
@@ -57,11 +58,16 @@ struct MlpWeights {
   int64_t hidden = 0, intermediate = 0;   // D, I (this rank's I under tensor parallelism)
   std::vector<float> gate_proj, up_proj;  // [I, D]  (experts: w1 = gate, w3 = up)
   std::vector<float> down_proj;           // [D, I]  (experts: w2)
+  // A packed checkpoint's "gate_up_proj" [2I, D] and "down_proj" [D, I] (io/packed_checkpoint.h), or
+  // for an expert its pieces' "pieces.{p}.gate_up_proj" / "pieces.{p}.down_proj" (KimiMoE's slices, each
+  // over I / pieces rows); the fp32 values above are then empty.
+  layers::PackedLinears packed;
 
   // `prefix` is "model.layers.{i}.mlp", "...block_sparse_moe.experts.{e}" (expert_names: w1/w3/w2) or
   // "...block_sparse_moe.shared_experts"; every tensor's shape is checked ([I, D] / [D, I]), a missing
   // or mis-shaped one is std::runtime_error naming the key and the shapes. Rank r of n reads only its
-  // intermediate rows [r I/n, (r+1) I/n) (I % n != 0: std::invalid_argument).
+  // intermediate rows [r I/n, (r+1) I/n) (I % n != 0: std::invalid_argument). A packed checkpoint
+  // (tp_size 1 only) fills `packed` with views of its mapping: prefix.gate_up_proj, prefix.down_proj.
   static MlpWeights load(const io::Checkpoint& ckpt, const std::string& prefix, bool expert_names, int64_t D,
                          int64_t I, int tp_rank = 0, int tp_size = 1);
   // This rank's intermediate rows of the whole MLP (gate/up rows, down columns).
@@ -102,6 +108,7 @@ class KimiMLP {
   int64_t hidden() const;
   int64_t intermediate() const;  // this rank's
   int64_t weight_bytes() const;
+  const layers::moe::SwigluMlp& mlp() const { return *mlp_; }
 
  private:
   std::unique_ptr<layers::moe::SwigluMlp> mlp_;
@@ -162,6 +169,9 @@ class KimiMoE {
   const std::vector<int32_t>& last_topk() const { return topk_ids_; }
   // Its combine weights [T, top_k], in the same order.
   const std::vector<float>& last_topk_weights() const { return topk_w_; }
+  // Routed expert e's MLP and the shared expert's (nullptr without one), as kda quantize reads them.
+  const layers::moe::SwigluPieces& expert(int e) const { return *experts_.at(static_cast<size_t>(e)); }
+  const layers::moe::SwigluPieces* shared_expert() const { return shared_.get(); }
 
   // When the selected experts average at most this many rows (decode, small batches over many experts)
   // they run side by side, one slice per thread (MoeOptions::pieces), each GEMM single-threaded: too few rows

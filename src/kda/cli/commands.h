@@ -140,4 +140,16 @@ struct TokenizeOptions {
 int run_tokenize(const TokenizeOptions& o);
 int run_detokenize(const TokenizeOptions& o);
 
+// kda quantize (models/quantize_checkpoint.h): a packed checkpoint that later loads map in place.
+struct QuantizeOptions {
+  std::string model;
+  std::string out;
+  std::string weights;  // int8 | int4
+  // Then load the source converting and the output mapped, time both and compare their logits on a
+  // few tokens (they must be equal bit for bit).
+  bool check = false;
+  std::string precision = "bf16";  // --check's precision
+};
+int run_quantize(const QuantizeOptions& o);
+
 }  // namespace kda::cli

@@ -322,6 +322,23 @@ int main(int argc, char** argv) {
       "--save", to.save,
       "write the tokenizer's tiktoken.model + tokenizer_config.json to this folder (no stdin)");
 
+  kda::cli::QuantizeOptions qo;
+  auto* quantize = app.add_subcommand(
+      "quantize",
+      "pack a checkpoint's projections, experts and MLPs once (int8 / int4) into a checkpoint that "
+      "--model maps and uses in place");
+  quantize->add_option("--model", qo.model, "source checkpoint folder (config.json + safetensors)")
+      ->required();
+  quantize->add_option("--out", qo.out, "output folder (must not exist, or be empty)")->required();
+  quantize->add_option("--weights", qo.weights, "int8 | int4")
+      ->required()
+      ->check(CLI::IsMember({"int8", "int4"}));
+  quantize->add_flag("--check", qo.check,
+                     "then load the source (converting) and the output (mapped): print both load times and "
+                     "check that their logits on a few tokens are equal");
+  quantize->add_option("--precision", qo.precision, "--check's precision: fp32 | bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (verify->parsed()) return kda::cli::run_verify(vo);
@@ -335,6 +352,7 @@ int main(int argc, char** argv) {
     if (tokenize->parsed()) return kda::cli::run_tokenize(to);
     if (detokenize->parsed()) return kda::cli::run_detokenize(to);
     if (sim->parsed()) return kda::cli::run_simulate(so);
+    if (quantize->parsed()) return kda::cli::run_quantize(qo);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kda: error: %s\n", e.what());
     kda::distributed::abort_other_ranks(2);

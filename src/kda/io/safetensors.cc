@@ -26,19 +26,13 @@ namespace {
 
 using nlohmann::json;
 
-size_t st_dtype_size(StDType t) { return t == StDType::F32 ? 4 : 2; }
-
 bool parse_st_dtype(const std::string& s, StDType& out) {
-  if (s == "F32") {
-    out = StDType::F32;
-  } else if (s == "BF16") {
-    out = StDType::BF16;
-  } else if (s == "F16") {
-    out = StDType::F16;
-  } else {
-    return false;
-  }
-  return true;
+  for (StDType t : {StDType::F32, StDType::BF16, StDType::F16, StDType::I8, StDType::U8})
+    if (s == to_string(t)) {
+      out = t;
+      return true;
+    }
+  return false;
 }
 
 std::string shape_str(const std::vector<int64_t>& shape) {
@@ -78,8 +72,26 @@ const char* to_string(StDType t) {
       return "BF16";
     case StDType::F16:
       return "F16";
+    case StDType::I8:
+      return "I8";
+    case StDType::U8:
+      return "U8";
   }
   return "?";
+}
+
+size_t dtype_size(StDType t) {
+  switch (t) {
+    case StDType::F32:
+      return 4;
+    case StDType::BF16:
+    case StDType::F16:
+      return 2;
+    case StDType::I8:
+    case StDType::U8:
+      return 1;
+  }
+  return 1;
 }
 
 int64_t TensorView::numel() const {
@@ -129,7 +141,7 @@ SafetensorsHeader parse_safetensors(const uint8_t* base, size_t size, const std:
     if (dt == entry.end() || !dt->is_string()) fail(where + ": missing or non-string dtype");
     if (!parse_st_dtype(dt->get<std::string>(), view.dtype))
       throw std::runtime_error("unknown dtype '" + dt->get<std::string>() + "' for " + where + " in " + file +
-                               " (supported: F32, BF16, F16)");
+                               " (supported: F32, BF16, F16, I8, U8)");
 
     const auto sh = entry.find("shape");
     if (sh == entry.end() || !sh->is_array()) fail(where + ": missing or non-array shape");
@@ -156,7 +168,7 @@ SafetensorsHeader parse_safetensors(const uint8_t* base, size_t size, const std:
            "] point past the end of the file (data section is " + std::to_string(data_size) +
            " bytes): offsets past the end of the file");
     uint64_t expected = 0;
-    overflow |= __builtin_mul_overflow(numel, st_dtype_size(view.dtype), &expected);
+    overflow |= __builtin_mul_overflow(numel, dtype_size(view.dtype), &expected);
     if (overflow || end - begin != expected)
       fail(where + ": byte size " + std::to_string(end - begin) + " does not match dtype " +
            to_string(view.dtype) + " and shape " + shape_str(view.shape) +
@@ -181,7 +193,8 @@ SafetensorsHeader parse_safetensors(const uint8_t* base, size_t size, const std:
 }
 
 std::map<std::string, std::string> parse_safetensors_index(const std::string& json_text,
-                                                           const std::string& what) {
+                                                           const std::string& what,
+                                                           std::map<std::string, std::string>* metadata) {
   json j;
   try {
     j = json::parse(json_text);
@@ -190,6 +203,11 @@ std::map<std::string, std::string> parse_safetensors_index(const std::string& js
   }
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
     throw std::runtime_error(what + ": missing or non-object \"weight_map\"");
+  if (metadata && j.contains("metadata")) {
+    if (!j["metadata"].is_object()) throw std::runtime_error(what + ": \"metadata\" is not an object");
+    for (const auto& [k, v] : j["metadata"].items())
+      (*metadata)[k] = v.is_string() ? v.get<std::string>() : v.dump();
+  }
   std::map<std::string, std::string> weight_map;
   for (const auto& [tensor, shard] : j["weight_map"].items()) {
     if (!shard.is_string() || shard.get<std::string>().empty())
@@ -258,7 +276,7 @@ Checkpoint::Checkpoint(const std::filesystem::path& dir_or_file) : root_(dir_or_
     const fs::path index = root_ / "model.safetensors.index.json";
     if (fs::exists(index)) {
       const std::string what = index.string();
-      weight_map_ = parse_safetensors_index(read_regular_text(index, "index file"), what);
+      weight_map_ = parse_safetensors_index(read_regular_text(index, "index file"), what, &metadata_);
       // Check shards exist now, but map them only when used.
       for (const auto& [tensor, shard] : weight_map_)
         if (!fs::is_regular_file(root_ / shard))
@@ -271,20 +289,30 @@ Checkpoint::Checkpoint(const std::filesystem::path& dir_or_file) : root_(dir_or_
       throw std::runtime_error(root_.string() +
                                ": checkpoint directory holds neither model.safetensors nor "
                                "model.safetensors.index.json");
-    files_.emplace("model.safetensors", std::make_unique<SafetensorsFile>(single));
-    return;
+    files_.emplace("model.safetensors", std::make_shared<const SafetensorsFile>(single));
+  } else {
+    if (!fs::exists(root_)) throw std::runtime_error(root_.string() + ": checkpoint path does not exist");
+    files_.emplace(root_.filename().string(), std::make_shared<const SafetensorsFile>(root_));
   }
-  if (!fs::exists(root_)) throw std::runtime_error(root_.string() + ": checkpoint path does not exist");
-  files_.emplace(root_.filename().string(), std::make_unique<SafetensorsFile>(root_));
+  metadata_ = files_.begin()->second->metadata();
 }
 
 Checkpoint::~Checkpoint() = default;
 
-const SafetensorsFile& Checkpoint::file_for(const std::string& shard) const {
+std::shared_ptr<const SafetensorsFile> Checkpoint::file_for(const std::string& shard) const {
   std::lock_guard<std::mutex> lock(files_mu_);
   auto it = files_.find(shard);
-  if (it == files_.end()) it = files_.emplace(shard, std::make_unique<SafetensorsFile>(root_ / shard)).first;
-  return *it->second;
+  if (it == files_.end())
+    it = files_.emplace(shard, std::make_shared<const SafetensorsFile>(root_ / shard)).first;
+  return it->second;
+}
+
+std::shared_ptr<const SafetensorsFile> Checkpoint::file_of(const std::string& name) const {
+  if (weight_map_.empty()) {
+    if (!contains(name)) throw std::runtime_error("missing tensor '" + name + "' in " + root_.string());
+    return files_.begin()->second;
+  }
+  return file_for(shard_of(name));
 }
 
 bool Checkpoint::contains(const std::string& name) const {
@@ -307,10 +335,11 @@ const TensorView& Checkpoint::get(const std::string& name) const {
   }
   const auto it = weight_map_.find(name);
   if (it == weight_map_.end()) throw std::runtime_error("missing tensor '" + name + "' in " + root_.string());
-  const SafetensorsFile& f = file_for(it->second);
-  const TensorView* v = f.find(name);
+  // The checkpoint keeps the shard mapped until release_shard(), so the view outlives this pointer.
+  const std::shared_ptr<const SafetensorsFile> f = file_for(it->second);
+  const TensorView* v = f->find(name);
   if (!v)
-    throw std::runtime_error("missing tensor '" + name + "' in " + f.path().string() + " (the index of " +
+    throw std::runtime_error("missing tensor '" + name + "' in " + f->path().string() + " (the index of " +
                              root_.string() + " lists it there)");
   return *v;
 }
@@ -348,6 +377,9 @@ std::vector<std::string> Checkpoint::accessed() const {
 namespace {
 
 const TensorView& check_shape(const TensorView& v, const std::vector<int64_t>& expected) {
+  if (v.dtype == StDType::I8 || v.dtype == StDType::U8)
+    throw std::runtime_error("tensor '" + v.name + "' holds packed " + to_string(v.dtype) +
+                             " bytes, not float values (a packed checkpoint's projection: kda quantize)");
   if (v.shape != expected)
     throw std::runtime_error("tensor '" + v.name + "' has shape " + shape_str(v.shape) + " but " +
                              shape_str(expected) + " was expected");
@@ -377,6 +409,23 @@ void convert_f32(const TensorView& v, size_t first, size_t n, float* out) {
     case StDType::F16:
       for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(load_u16(v.data + 2 * (first + i)));
       break;
+    case StDType::I8:
+    case StDType::U8:
+      throw std::logic_error("convert_f32: packed bytes");  // check_shape refused them first
+  }
+}
+
+// convert_f32 over n elements in chunks on the OpenMP threads when there are many (the LM head's blocks,
+// an embedding table): a load converts what a packed checkpoint keeps converting, so its time is the
+// mapped load's. The dtype was checked (check_shape), so no chunk throws.
+void convert_f32_parallel(const TensorView& v, size_t first, size_t n, float* out) {
+  constexpr size_t kChunk = size_t{1} << 16;
+  if (n < 16 * kChunk) return convert_f32(v, first, n, out);
+  const auto chunks = static_cast<int64_t>((n + kChunk - 1) / kChunk);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const size_t b = static_cast<size_t>(c) * kChunk;
+    convert_f32(v, first + b, std::min(kChunk, n - b), out + b);
   }
 }
 
@@ -397,7 +446,7 @@ std::vector<float> Checkpoint::load_f32(const std::string& name,
                                         const std::vector<int64_t>& expected_shape) const {
   const TensorView& v = check_shape(get(name), expected_shape);
   std::vector<float> out(static_cast<size_t>(v.numel()));
-  convert_f32(v, 0, out.size(), out.data());
+  convert_f32_parallel(v, 0, out.size(), out.data());
   drop_resident_pages(v);
   return out;
 }
@@ -418,7 +467,7 @@ std::vector<float> Checkpoint::load_f32_slice(const std::string& name,
                extent = static_cast<size_t>(v.shape[dim]) * inner;
   std::vector<float> out(outer * run);
   for (size_t o = 0; o < outer; ++o)
-    convert_f32(v, o * extent + static_cast<size_t>(begin) * inner, run, out.data() + o * run);
+    convert_f32_parallel(v, o * extent + static_cast<size_t>(begin) * inner, run, out.data() + o * run);
   drop_resident_pages(v);
   return out;
 }
@@ -443,6 +492,9 @@ std::vector<bf16_t> Checkpoint::load_bf16(const std::string& name,
       // Every f16 value is exact in f32; the only rounding is f32 -> bf16.
       for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(f16_to_f32(load_u16(v.data + 2 * i)));
       break;
+    case StDType::I8:
+    case StDType::U8:
+      throw std::logic_error("load_bf16: packed bytes");  // check_shape refused them first
   }
   drop_resident_pages(v);
   return out;
@@ -457,8 +509,9 @@ void write_safetensors(const std::filesystem::path& path, const std::map<std::st
     if (n != static_cast<int64_t>(t.values.size()))
       throw std::runtime_error("write_safetensors: tensor '" + name + "' has " +
                                std::to_string(t.values.size()) + " values for shape " + shape_str(t.shape));
-    if (t.dtype == StDType::F16)
-      throw std::runtime_error("write_safetensors: tensor '" + name + "': F16 is not written (F32, BF16)");
+    if (t.dtype != StDType::F32 && t.dtype != StDType::BF16)
+      throw std::runtime_error("write_safetensors: tensor '" + name + "': " + to_string(t.dtype) +
+                               " is not written from floats (F32, BF16; write_safetensors_raw takes bytes)");
     const size_t bytes = t.values.size() * (t.dtype == StDType::F32 ? sizeof(float) : sizeof(bf16_t));
     header[name] = {
         {"dtype", to_string(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
@@ -482,6 +535,51 @@ void write_safetensors(const std::filesystem::path& path, const std::map<std::st
       if (!b.empty()) std::memcpy(at, b.data(), b.size() * sizeof(bf16_t));
       at += b.size() * sizeof(bf16_t);
     }
+  }
+  write_file_atomic(path, image.data(), image.size());
+}
+
+void write_safetensors_raw(const std::filesystem::path& path, const std::vector<StRawTensor>& tensors,
+                           const std::map<std::string, std::string>& metadata) {
+  constexpr size_t kAlign = 64;
+  std::set<std::string> seen;
+  for (const StRawTensor& t : tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    if (static_cast<size_t>(n) * dtype_size(t.dtype) != t.nbytes || (t.nbytes && !t.data))
+      throw std::runtime_error("write_safetensors_raw: tensor '" + t.name + "' has " +
+                               std::to_string(t.nbytes) + " bytes for dtype " + to_string(t.dtype) +
+                               " and shape " + shape_str(t.shape));
+    if (!seen.insert(t.name).second || t.name == "__metadata__")
+      throw std::runtime_error("write_safetensors_raw: tensor name '" + t.name + "' repeats or is reserved");
+  }
+  // The layout order: sizes that are multiples of kAlign first (all stay aligned), then larger elements
+  // before smaller ones (each tensor stays aligned to its element size); no gaps, as the format asks.
+  std::vector<const StRawTensor*> order;
+  for (const StRawTensor& t : tensors) order.push_back(&t);
+  std::stable_sort(order.begin(), order.end(), [&](const StRawTensor* a, const StRawTensor* b) {
+    const bool a64 = a->nbytes % kAlign == 0, b64 = b->nbytes % kAlign == 0;
+    if (a64 != b64) return a64;
+    return dtype_size(a->dtype) > dtype_size(b->dtype);
+  });
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  size_t offset = 0;
+  for (const StRawTensor* t : order) {
+    header[t->name] = {
+        {"dtype", to_string(t->dtype)}, {"shape", t->shape}, {"data_offsets", {offset, offset + t->nbytes}}};
+    offset += t->nbytes;
+  }
+  std::string text = header.dump();
+  while ((sizeof(uint64_t) + text.size()) % kAlign != 0) text += ' ';
+  const uint64_t n = text.size();
+  std::vector<uint8_t> image(sizeof n + text.size() + offset);
+  std::memcpy(image.data(), &n, sizeof n);
+  std::memcpy(image.data() + sizeof n, text.data(), text.size());
+  uint8_t* at = image.data() + sizeof n + text.size();
+  for (const StRawTensor* t : order) {
+    if (t->nbytes) std::memcpy(at, t->data, t->nbytes);
+    at += t->nbytes;
   }
   write_file_atomic(path, image.data(), image.size());
 }

@@ -97,9 +97,32 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
   im.stream.wait();
 }
 
+Linear::Linear(const kernels::gemm::PackedMatrix& packed, Precision precision)
+    : in_(packed.view().in),
+      out_(packed.view().out),
+      precision_(precision),
+      weights_(packed.view().format),
+      impl_(std::make_unique<Impl>()) {
+  if (weights_ != Weights::BF16) {
+    impl_->quant = std::make_unique<QuantLinear>(packed, precision);
+    return;
+  }
+  if (precision_ != Precision::BF16)
+    throw std::invalid_argument(
+        "Linear: packed bf16 weights (the widened kernels' blocks) need the bf16 precision");
+  bf16_gemm_ = Bf16Gemm::Widened;
+  impl_->w_packed = std::make_unique<kernels::gemm::PackedMatrix>(packed);
+  impl_->widened = std::make_unique<Fp32Rows>(in_, out_);
+}
+
 Linear::~Linear() = default;
 Linear::Linear(Linear&&) noexcept = default;
 Linear& Linear::operator=(Linear&&) noexcept = default;
+
+const kernels::gemm::PackedMatrix* Linear::packed() const {
+  if (impl_->quant) return &impl_->quant->packed();
+  return impl_->w_packed.get();
+}
 
 void Linear::check(int64_t M, int64_t ldx, int64_t ldy, bool bf16_io) const {
   if (bf16_io && precision_ != Precision::BF16)

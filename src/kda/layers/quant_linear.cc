@@ -51,6 +51,7 @@ QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision pr
 struct QuantLinear::Impl {
   Impl(Weights weights, const std::vector<float>& w, int64_t in, int64_t out)
       : packed(weights, w.data(), in, out), rows(in, out) {}
+  explicit Impl(const qg::PackedMatrix& p) : packed(p), rows(p.view().in, p.view().out) {}
   qg::PackedMatrix packed;
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   mutable dnnl::stream stream{engine};
@@ -83,11 +84,21 @@ QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::v
   prefill_ = prefill;
 }
 
+QuantLinear::QuantLinear(const qg::PackedMatrix& packed, Precision precision)
+    : in_(packed.view().in), out_(packed.view().out), weights_(packed.view().format), precision_(precision) {
+  if (weights_ != Weights::Int8 && weights_ != Weights::Int4)
+    throw std::invalid_argument("QuantLinear: packed weights must be int8 or int4");
+  impl_ = std::make_unique<Impl>(packed);
+  prefill_ = prefill_path_for(weights_, precision);
+}
+
 QuantLinear::~QuantLinear() = default;
 QuantLinear::QuantLinear(QuantLinear&&) noexcept = default;
 QuantLinear& QuantLinear::operator=(QuantLinear&&) noexcept = default;
 
 int64_t QuantLinear::weight_bytes() const { return impl_->packed.bytes(); }
+
+const qg::PackedMatrix& QuantLinear::packed() const { return impl_->packed; }
 
 std::vector<float> QuantLinear::dequantized() const { return qg::dequantize(impl_->packed.view()); }
 

@@ -12,6 +12,7 @@
 
 #include "kda/common/bf16.h"
 #include "kda/common/isa_target.h"
+#include "kda/io/packed_checkpoint.h"
 #include "kda/kernels/kda/vec_math.h"
 
 namespace kda::models {
@@ -35,6 +36,12 @@ std::vector<float> param(const std::vector<float>& v, Precision p) {
   if (p == Precision::BF16) round_bf16_inplace(out.data(), out.size());
   return out;
 }
+
+// The projections' names in a packed checkpoint (projections(), load()).
+constexpr const char* kFusedProj = "qkv_fa_ga_b_proj";
+constexpr const char* kFbProj = "f_b_proj";
+constexpr const char* kGbProj = "g_b_proj";
+constexpr const char* kOProj = "o_proj";
 
 void check_size(const std::vector<float>& v, size_t n, const char* name) {
   if (v.size() != n)
@@ -112,6 +119,23 @@ KdaLayerWeights KdaLayerWeights::load(const io::Checkpoint& ckpt, const io::Kimi
     return ckpt.load_f32_slice(pre + name, shape, dim, b, e);
   };
   KdaLayerWeights w;
+  if (const auto scheme = io::packed_weights(ckpt)) {
+    io::packed_for_load(ckpt, *scheme, tp_size);  // one rank: the whole layer
+    w.q_conv1d = full("q_conv1d.weight", {P, 1, W});
+    w.k_conv1d = full("k_conv1d.weight", {P, 1, W});
+    w.v_conv1d = full("v_conv1d.weight", {P, 1, W});
+    w.A_log = full("A_log", {1, 1, H, 1});
+    w.dt_bias = full("dt_bias", {P});
+    w.o_norm = full("o_norm.weight", {K});
+    auto packed = [&](const char* name, int64_t in, int64_t out) {
+      w.packed[name] = io::load_packed(ckpt, pre + name, *scheme, in, out);
+    };
+    packed(kFusedProj, D, 3 * P + 2 * K + H);
+    packed(kFbProj, K, P);
+    packed(kGbProj, K, P);
+    packed(kOProj, P, D);
+    return w;
+  }
   w.q_proj = part("q_proj.weight", {P, D}, 0, p0, p1);
   w.k_proj = part("k_proj.weight", {P, D}, 0, p0, p1);
   w.v_proj = part("v_proj.weight", {P, D}, 0, p0, p1);
@@ -205,20 +229,25 @@ const KdaLayerWeights& checked(const KdaLayerWeights& w, const io::KimiLinearCon
   check_tensor_parallel(cfg, tp_size);
   const size_t D = cfg.hidden_size, H = cfg.num_heads / tp_size, K = cfg.head_dim, P = H * K,
                W = cfg.short_conv_kernel_size;
-  check_size(w.q_proj, P * D, "q_proj");
-  check_size(w.k_proj, P * D, "k_proj");
-  check_size(w.v_proj, P * D, "v_proj");
   check_size(w.q_conv1d, P * W, "q_conv1d");
   check_size(w.k_conv1d, P * W, "k_conv1d");
   check_size(w.v_conv1d, P * W, "v_conv1d");
   check_size(w.A_log, H, "A_log");
   check_size(w.dt_bias, P, "dt_bias");
+  check_size(w.o_norm, K, "o_norm");
+  if (!w.packed.empty()) {
+    // Packed: each projection is checked as it is built (make_linear), the fp32 ones stay empty.
+    if (tp_size > 1) throw std::invalid_argument("KdaLayerWeights: packed projections on one rank only");
+    return w;
+  }
+  check_size(w.q_proj, P * D, "q_proj");
+  check_size(w.k_proj, P * D, "k_proj");
+  check_size(w.v_proj, P * D, "v_proj");
   check_size(w.f_a_proj, K * D, "f_a_proj");
   check_size(w.f_b_proj, P * K, "f_b_proj");
   check_size(w.b_proj, H * D, "b_proj");
   check_size(w.g_a_proj, K * D, "g_a_proj");
   check_size(w.g_b_proj, P * K, "g_b_proj");
-  check_size(w.o_norm, K, "o_norm");
   check_size(w.o_proj, D * P, "o_proj");
   return w;
 }
@@ -241,12 +270,18 @@ KimiDeltaAttention::KimiDeltaAttention(const io::KimiLinearConfig& cfg, int laye
       A_log_(w.A_log),
       dt_bias_(w.dt_bias),
       o_norm_w_(param(w.o_norm, precision)),
-      proj_(D_, 3 * P_ + 2 * K_ + H_,
-            concat({&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.g_a_proj, &w.b_proj}), precision,
-            weights),
-      f_b_(K_, P_, w.f_b_proj, precision, weights),
-      g_b_(K_, P_, w.g_b_proj, precision, weights),
-      o_proj_(P_, D_, w.o_proj, precision, weights),
+      proj_(layers::make_linear(
+          w.packed, kFusedProj, D_, 3 * P_ + 2 * K_ + H_,
+          [&] {
+            return concat({&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.g_a_proj, &w.b_proj});
+          },
+          precision, weights)),
+      f_b_(layers::make_linear(
+          w.packed, kFbProj, K_, P_, [&] { return w.f_b_proj; }, precision, weights)),
+      g_b_(layers::make_linear(
+          w.packed, kGbProj, K_, P_, [&] { return w.g_b_proj; }, precision, weights)),
+      o_proj_(layers::make_linear(
+          w.packed, kOProj, P_, D_, [&] { return w.o_proj; }, precision, weights)),
       attn_(layers::RadixLinearAttention::Params{
           .layer_id = layer_idx,
           .num_q_heads = static_cast<int>(H_),
@@ -272,8 +307,13 @@ std::unique_ptr<KimiDeltaAttention> KimiDeltaAttention::from_checkpoint(const io
                                                                         int layer_idx, Precision precision,
                                                                         distributed::TensorParallel tp,
                                                                         Weights weights) {
+  io::packed_for_load(ckpt, weights, tp.size);  // a packed checkpoint's scheme and rank count, said first
   return std::make_unique<KimiDeltaAttention>(
       cfg, layer_idx, KdaLayerWeights::load(ckpt, cfg, layer_idx, tp.rank, tp.size), precision, tp, weights);
+}
+
+std::vector<std::pair<std::string, const layers::Linear*>> KimiDeltaAttention::projections() const {
+  return {{kFusedProj, &proj_}, {kFbProj, &f_b_}, {kGbProj, &g_b_}, {kOProj, &o_proj_}};
 }
 
 int64_t KimiDeltaAttention::weight_bytes() const {

@@ -1,14 +1,17 @@
 // KimiLinearForCausalLM::from_pretrained and ::synthetic: building the decoder layer by layer.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <exception>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <set>
 #include <stdexcept>
 #include <string>
 
 #include "kda/common/seeded.h"
+#include "kda/io/packed_checkpoint.h"
 #include "kda/io/safetensors.h"
 #include "kda/models/kimi_linear_model.h"
 
@@ -90,6 +93,8 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
   const Precision prec = opts.precision;
   const auto& tp = opts.tp;
   io::Checkpoint ckpt(dir);
+  // A packed checkpoint (kda quantize) is used in place: its scheme must be the one asked for.
+  io::packed_for_load(ckpt, opts.weights, tp.size);
 
   // Stages: 0 the embedding, 1..L the layers, L+1 the final norm and the head. A shard's mapping is
   // dropped after the last stage that reads from it, so the resident set holds the weights built so far
@@ -115,13 +120,25 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
   };
 
   // The table as the precision keeps it: bf16 read as bf16 (no fp32 copy of 1.5 GB at the real vocab).
+  // A BF16 table is read in place from the mapping (its pages the file's, shared between processes):
+  // a lookup reads a row as stored, so a copy (750 MB at the real vocab) would gain nothing.
   const bool bf16 = prec == Precision::BF16;
   std::vector<float> embed;
   std::vector<bf16_t> embed16;
-  if (bf16)
-    embed16 = ckpt.load_bf16(kEmbedKey, {V, D});
-  else
+  const bf16_t* embed_mapped = nullptr;
+  std::shared_ptr<const void> embed_owner;
+  if (bf16) {
+    const io::TensorView& v = ckpt.get(kEmbedKey);
+    if (v.dtype == io::StDType::BF16 && v.shape == std::vector<int64_t>{V, D} &&
+        reinterpret_cast<uintptr_t>(v.data) % alignof(bf16_t) == 0) {
+      embed_mapped = reinterpret_cast<const bf16_t*>(v.data);
+      embed_owner = ckpt.file_of(kEmbedKey);
+    } else {
+      embed16 = ckpt.load_bf16(kEmbedKey, {V, D});
+    }
+  } else {
     embed = ckpt.load_f32(kEmbedKey, {V, D});
+  }
   release_after(0);
   std::vector<std::unique_ptr<KimiDecoderLayer>> layers;
   layers.reserve(static_cast<size_t>(L));
@@ -155,7 +172,7 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
     m->build_head(V, [&](int64_t b, int64_t e) {
       std::vector<float> rows(static_cast<size_t>((e - b) * D));
       if (bf16)
-        bf16_to_f32_array(embed16.data() + b * D, rows.data(), rows.size());
+        bf16_to_f32_array((embed_mapped ? embed_mapped : embed16.data()) + b * D, rows.data(), rows.size());
       else
         std::copy(embed.begin() + b * D, embed.begin() + e * D, rows.begin());
       return rows;
@@ -163,7 +180,10 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
   else
     m->build_head(V, [&](int64_t b, int64_t e) { return ckpt.load_f32_slice(kHeadKey, {V, D}, 0, b, e); });
   release_after(L + 1);
-  if (bf16)
+  if (embed_mapped)
+    m->model_ = std::make_unique<KimiLinearModel>(cfg, embed_mapped, std::move(embed_owner), V,
+                                                  std::move(layers), std::move(norm));
+  else if (bf16)
     m->model_ =
         std::make_unique<KimiLinearModel>(cfg, std::move(embed16), V, std::move(layers), std::move(norm));
   else

@@ -120,6 +120,7 @@ KimiLinearModel::KimiLinearModel(const io::KimiLinearConfig& cfg, Precision prec
   if (precision == Precision::BF16) {
     embed16_.resize(embed_tokens.size());
     f32_to_bf16_array(embed_tokens.data(), embed16_.data(), embed_tokens.size());
+    embed16_view_ = embed16_.data();
   } else {
     embed_ = std::move(embed_tokens);
   }
@@ -132,6 +133,7 @@ KimiLinearModel::KimiLinearModel(const io::KimiLinearConfig& cfg, std::vector<bf
       precision_(Precision::BF16),
       vocab_(vocab),
       embed16_(std::move(embed_tokens)),
+      embed16_view_(embed16_.data()),
       layers_(std::move(layers)),
       norm_(std::move(norm)) {
   const int64_t D = cfg.hidden_size;
@@ -143,9 +145,27 @@ KimiLinearModel::KimiLinearModel(const io::KimiLinearConfig& cfg, std::vector<bf
                                 " values, expected " + str(D));
 }
 
+KimiLinearModel::KimiLinearModel(const io::KimiLinearConfig& cfg, const bf16_t* embed_tokens,
+                                 std::shared_ptr<const void> owner, int64_t vocab,
+                                 std::vector<std::unique_ptr<KimiDecoderLayer>> layers,
+                                 std::vector<float> norm)
+    : cfg_(cfg),
+      precision_(Precision::BF16),
+      vocab_(vocab),
+      embed16_view_(embed_tokens),
+      embed_owner_(std::move(owner)),
+      layers_(std::move(layers)),
+      norm_(std::move(norm)) {
+  if (!embed16_view_ || !embed_owner_)
+    throw std::invalid_argument("KimiLinearModel: a mapped embedding table needs its rows and their owner");
+  if (static_cast<int64_t>(norm_.size()) != cfg.hidden_size)
+    throw std::invalid_argument("model.norm holds " + str(static_cast<int64_t>(norm_.size())) +
+                                " values, expected " + str(cfg.hidden_size));
+}
+
 int64_t KimiLinearModel::weight_bytes() const {
-  int64_t b = static_cast<int64_t>(embed_.size()) * 4 + static_cast<int64_t>(embed16_.size()) * 2 +
-              static_cast<int64_t>(norm_.size()) * 4;
+  const int64_t table16 = embed16_view_ ? vocab_ * cfg_.hidden_size : 0;
+  int64_t b = static_cast<int64_t>(embed_.size()) * 4 + table16 * 2 + static_cast<int64_t>(norm_.size()) * 4;
   for (const auto& l : layers_) b += l->weight_bytes();
   return b;
 }
@@ -159,7 +179,7 @@ void KimiLinearModel::embed(const int32_t* ids, int64_t T, float* h) const {
   for (int64_t t = 0; t < T; ++t) {
     const int64_t row = static_cast<int64_t>(ids[t]) * D;
     if (precision_ == Precision::BF16)
-      bf16_to_f32_array(embed16_.data() + row, h + t * D, static_cast<size_t>(D));
+      bf16_to_f32_array(embed16_view_ + row, h + t * D, static_cast<size_t>(D));
     else
       std::memcpy(h + t * D, embed_.data() + row, sizeof(float) * static_cast<size_t>(D));
   }

@@ -8,6 +8,8 @@
 
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
+#include "kda/io/packed_checkpoint.h"
+#include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/attention/mla/mla_attention.h"
 #include "kda/layers/quant_linear.h"
 
@@ -78,6 +80,18 @@ MlaLayerWeights MlaLayerWeights::load(const io::Checkpoint& ckpt, const io::Kimi
   const int64_t h0 = tp_rank * Hm / tp_size, h1 = (tp_rank + 1) * Hm / tp_size;
   const std::string pre = "model.layers." + str(layer_idx) + ".self_attn.";
   MlaLayerWeights w;
+  if (const auto scheme = io::packed_weights(ckpt)) {
+    io::packed_for_load(ckpt, *scheme, tp_size);  // one rank: the whole layer
+    w.kv_a_layernorm = ckpt.load_f32(pre + "kv_a_layernorm.weight", {R});
+    auto packed = [&](const char* name, int64_t in, int64_t out) {
+      w.packed[name] = io::load_packed(ckpt, pre + name, *scheme, in, out);
+    };
+    packed("q_proj", D, Hm * (dn + dr));
+    packed("kv_a_proj_with_mqa", D, R + dr);
+    packed("kv_b_proj", R, Hm * (dn + dv));
+    packed("o_proj", Hm * dv, D);
+    return w;
+  }
   w.q_proj =
       ckpt.load_f32_slice(pre + "q_proj.weight", {Hm * (dn + dr), D}, 0, h0 * (dn + dr), h1 * (dn + dr));
   w.kv_a_proj_with_mqa = ckpt.load_f32(pre + "kv_a_proj_with_mqa.weight", {R + dr, D});
@@ -142,9 +156,14 @@ const MlaLayerWeights& checked(const MlaLayerWeights& w, const io::KimiLinearCon
   check_mla_tensor_parallel(cfg, tp_size);
   const int64_t D = cfg.hidden_size, Hm = cfg.num_attention_heads / tp_size, dn = cfg.qk_nope_head_dim,
                 dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, R = cfg.kv_lora_rank;
+  check_size(w.kv_a_layernorm, R, "kv_a_layernorm");
+  if (!w.packed.empty()) {
+    // Packed: each projection is checked as it is built (make_linear, effective_kvb).
+    if (tp_size > 1) throw std::invalid_argument("MlaLayerWeights: packed projections on one rank only");
+    return w;
+  }
   check_size(w.q_proj, Hm * (dn + dr) * D, "q_proj");
   check_size(w.kv_a_proj_with_mqa, (R + dr) * D, "kv_a_proj_with_mqa");
-  check_size(w.kv_a_layernorm, R, "kv_a_layernorm");
   check_size(w.kv_b_proj, Hm * (dn + dv) * R, "kv_b_proj");
   check_size(w.o_proj, D * Hm * dv, "o_proj");
   return w;
@@ -152,8 +171,19 @@ const MlaLayerWeights& checked(const MlaLayerWeights& w, const io::KimiLinearCon
 
 // kv_b as the attention kernels multiply by it: the precision's values (bf16-rounded in the bf16 mode),
 // or the int8 / int4 scheme's dequantized values, so that both forms see what a kv_b Linear would.
-std::vector<float> effective_kvb(const std::vector<float>& w, int64_t R, int64_t out, Precision p,
+// A packed checkpoint's kv_b is dequantized from its packing: the values conversion at load gives.
+std::vector<float> effective_kvb(const MlaLayerWeights& mw, int64_t R, int64_t out, Precision p,
                                  Weights weights) {
+  const auto packed = mw.packed.find("kv_b_proj");
+  if (packed != mw.packed.end()) {
+    const kernels::gemm::PackedWeights& v = packed->second->view();
+    if (v.format != weights || v.in != R || v.out != out)
+      throw std::invalid_argument("projection 'kv_b_proj' is packed as " + std::string(to_string(v.format)) +
+                                  " [" + str(v.out) + ", " + str(v.in) + "], the layer wants " +
+                                  to_string(weights) + " [" + str(out) + ", " + str(R) + "]");
+    return kernels::gemm::dequantize(v);
+  }
+  const std::vector<float>& w = mw.kv_b_proj;
   if (weights == Weights::BF16) return param(w, p);
   return layers::QuantLinear(R, out, w, weights, p).dequantized();
 }
@@ -177,10 +207,14 @@ KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_id
       scale_(static_cast<float>(1.0 /
                                 std::sqrt(static_cast<double>(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)))),
       norm_w_(param(checked(w, cfg, std::max(tp.size, 1)).kv_a_layernorm, precision)),
-      q_proj_(D_, Hm_ * (dn_ + dr_), w.q_proj, precision, weights),
-      kv_a_(D_, R_ + dr_, w.kv_a_proj_with_mqa, precision, weights),
-      o_proj_(Hm_ * dv_, D_, w.o_proj, precision, weights),
-      w_kvb_(effective_kvb(w.kv_b_proj, R_, Hm_ * (dn_ + dv_), precision, weights)) {
+      q_proj_(layers::make_linear(
+          w.packed, "q_proj", D_, Hm_ * (dn_ + dr_), [&] { return w.q_proj; }, precision, weights)),
+      kv_a_(layers::make_linear(
+          w.packed, "kv_a_proj_with_mqa", D_, R_ + dr_, [&] { return w.kv_a_proj_with_mqa; }, precision,
+          weights)),
+      o_proj_(layers::make_linear(
+          w.packed, "o_proj", Hm_ * dv_, D_, [&] { return w.o_proj; }, precision, weights)),
+      w_kvb_(effective_kvb(w, R_, Hm_ * (dn_ + dv_), precision, weights)) {
   check_layer(cfg, layer_idx);
   if (options.kv_norm_eps < 0.0)
     throw std::invalid_argument("MlaOptions.kv_norm_eps must be >= 0 (0: rms_norm_eps), got " +
@@ -195,9 +229,14 @@ std::unique_ptr<KimiMLAAttention> KimiMLAAttention::from_checkpoint(const io::Ch
                                                                     int layer_idx, Precision precision,
                                                                     distributed::TensorParallel tp,
                                                                     Weights weights, MlaOptions options) {
+  io::packed_for_load(ckpt, weights, tp.size);  // a packed checkpoint's scheme and rank count, said first
   return std::make_unique<KimiMLAAttention>(cfg, layer_idx,
                                             MlaLayerWeights::load(ckpt, cfg, layer_idx, tp.rank, tp.size),
                                             precision, tp, weights, options);
+}
+
+std::vector<std::pair<std::string, const layers::Linear*>> KimiMLAAttention::projections() const {
+  return {{"q_proj", &q_proj_}, {"kv_a_proj_with_mqa", &kv_a_}, {"o_proj", &o_proj_}};
 }
 
 int64_t KimiMLAAttention::weight_bytes() const {

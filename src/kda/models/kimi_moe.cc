@@ -11,6 +11,7 @@
 #include "kda/common/allocator.h"
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
+#include "kda/io/packed_checkpoint.h"
 #include "kda/layers/linear.h"
 #include "kda/layers/moe/router.h"
 #include "kda/layers/moe/swiglu.h"
@@ -75,6 +76,49 @@ int64_t padded_rows(int64_t n, Weights weights) {
 
 constexpr int64_t kParallelCopy = 1 << 15;  // elements: gather / scatter in parallel from here
 
+// An MLP from its fp32 weights, or from a packed checkpoint's projections (MlpWeights::packed).
+std::unique_ptr<SwigluMlp> make_mlp(const MlpWeights& w, Precision precision, Weights weights) {
+  if (w.packed.empty())
+    return std::make_unique<SwigluMlp>(w.hidden, w.intermediate, w.gate_proj, w.up_proj, w.down_proj,
+                                       precision, weights);
+  const int64_t D = w.hidden, I = w.intermediate;
+  auto none = [&]() -> std::vector<float> {
+    throw std::invalid_argument("MlpWeights: a packed MLP lacks one of gate_up_proj / down_proj");
+  };
+  return std::make_unique<SwigluMlp>(
+      D, I, layers::make_linear(w.packed, "gate_up_proj", D, 2 * I, none, precision, weights),
+      layers::make_linear(w.packed, "down_proj", I, D, none, precision, weights), precision);
+}
+
+// An expert's (or the shared expert's) slices: from its fp32 weights, or from a packed checkpoint's
+// pieces, which must be the slices this model cuts (SwigluPieces::pieces_for).
+std::unique_ptr<layers::moe::SwigluPieces> make_pieces(const MlpWeights& w, Precision precision,
+                                                       Weights weights, int want) {
+  using layers::moe::SwigluPieces;
+  if (w.packed.empty())
+    return std::make_unique<SwigluPieces>(w.hidden, w.intermediate, w.gate_proj, w.up_proj, w.down_proj,
+                                          precision, weights, want);
+  const int64_t D = w.hidden, I = w.intermediate;
+  const int P = SwigluPieces::pieces_for(I, weights, want);
+  const auto stored = static_cast<int>(w.packed.size() / 2);
+  if (stored != P || w.packed.size() % 2 != 0)
+    throw std::invalid_argument("a packed expert holds " + std::to_string(stored) +
+                                " slices, this model cuts it into " + std::to_string(P) +
+                                " (MoeOptions::pieces): quantize the source checkpoint again");
+  auto none = [&]() -> std::vector<float> {
+    throw std::invalid_argument("MlpWeights: a packed expert lacks a slice's projection");
+  };
+  std::vector<SwigluMlp> pieces;
+  pieces.reserve(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) {
+    const std::string n = "pieces." + std::to_string(p) + ".";
+    pieces.emplace_back(
+        D, I / P, layers::make_linear(w.packed, n + "gate_up_proj", D, 2 * (I / P), none, precision, weights),
+        layers::make_linear(w.packed, n + "down_proj", I / P, D, none, precision, weights), precision);
+  }
+  return std::make_unique<SwigluPieces>(D, I, std::move(pieces));
+}
+
 }  // namespace
 
 const char* to_string(MoeCombine c) { return c == MoeCombine::Biased ? "biased" : "unbiased"; }
@@ -101,6 +145,28 @@ MlpWeights MlpWeights::load(const io::Checkpoint& ckpt, const std::string& prefi
   MlpWeights w;
   w.hidden = D;
   w.intermediate = i1 - i0;
+  if (const auto scheme = io::packed_weights(ckpt)) {
+    io::packed_for_load(ckpt, *scheme, tp_size);            // one rank: the whole MLP
+    if (ckpt.contains(prefix + ".gate_up_proj.qweight")) {  // a whole MLP (the dense one)
+      w.packed["gate_up_proj"] = io::load_packed(ckpt, prefix + ".gate_up_proj", *scheme, D, 2 * I);
+      w.packed["down_proj"] = io::load_packed(ckpt, prefix + ".down_proj", *scheme, I, D);
+      return w;
+    }
+    // An expert's slices (KimiMoE checks their count against the slices it cuts).
+    int P = 0;
+    while (ckpt.contains(prefix + ".pieces." + std::to_string(P) + ".gate_up_proj.qweight")) ++P;
+    if (P == 0 || I % P != 0)
+      throw std::runtime_error(ckpt.root().string() + ": no packed projections for " + prefix +
+                               " (neither gate_up_proj nor pieces.{p}.gate_up_proj), or their count " +
+                               std::to_string(P) + " does not split " + std::to_string(I) + " rows");
+    for (int p = 0; p < P; ++p) {
+      const std::string n = "pieces." + std::to_string(p) + ".";
+      w.packed[n + "gate_up_proj"] =
+          io::load_packed(ckpt, prefix + "." + n + "gate_up_proj", *scheme, D, 2 * (I / P));
+      w.packed[n + "down_proj"] = io::load_packed(ckpt, prefix + "." + n + "down_proj", *scheme, I / P, D);
+    }
+    return w;
+  }
   w.gate_proj = ckpt.load_f32_slice(g, {I, D}, 0, i0, i1);
   w.up_proj = ckpt.load_f32_slice(u, {I, D}, 0, i0, i1);
   w.down_proj = ckpt.load_f32_slice(d, {D, I}, 1, i0, i1);
@@ -162,8 +228,7 @@ KimiMLP::KimiMLP(const MlpWeights& w, Precision precision, distributed::TensorPa
     : precision_(precision), tp_(tp) {
   check_tp(tp, "KimiMLP");
   configure_allocator();
-  mlp_ = std::make_unique<SwigluMlp>(w.hidden, w.intermediate, w.gate_proj, w.up_proj, w.down_proj, precision,
-                                     weights);
+  mlp_ = make_mlp(w, precision, weights);
 }
 
 KimiMLP::~KimiMLP() = default;
@@ -228,6 +293,7 @@ std::unique_ptr<KimiMoE> KimiMoE::from_checkpoint(const io::Checkpoint& ckpt, co
                                                   distributed::TensorParallel tp, Weights weights,
                                                   MoeOptions opts) {
   const int E = config_experts(cfg, layer_idx, opts, "KimiMoE::from_checkpoint");
+  io::packed_for_load(ckpt, weights, tp.size);  // a packed checkpoint's scheme and rank count, said first
   if (E != cfg.num_experts)
     throw std::invalid_argument("KimiMoE::from_checkpoint: num_experts " + std::to_string(E) +
                                 " differs from the checkpoint's config (" + std::to_string(cfg.num_experts) +
@@ -370,9 +436,7 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
 #pragma omp parallel for schedule(dynamic, 1)
   for (int e = 0; e < E_; ++e) {
     try {
-      const MlpWeights w = src.expert(e);
-      experts_[e] = std::make_unique<SwigluPieces>(D_, w.intermediate, w.gate_proj, w.up_proj, w.down_proj,
-                                                   precision, weights, opts.pieces);
+      experts_[e] = make_pieces(src.expert(e), precision, weights, opts.pieces);
     } catch (...) {
 #pragma omp critical(kda_moe_build)
       if (!error) error = std::current_exception();
@@ -380,9 +444,7 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
   }
   if (error) std::rethrow_exception(error);
   if (src.shared) {
-    const MlpWeights w = src.shared();
-    shared_ = std::make_unique<SwigluPieces>(D_, w.intermediate, w.gate_proj, w.up_proj, w.down_proj,
-                                             precision, weights, opts.pieces);
+    shared_ = make_pieces(src.shared(), precision, weights, opts.pieces);
   }
 }
 

@@ -2,8 +2,10 @@
 #include "kda/kernels/gemm/weight_format.h"
 
 #include <iterator>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kda/common/bf16.h"
@@ -169,14 +171,52 @@ const WeightFormat& weight_format(Weights w) {
   return kFormats[i];
 }
 
-PackedMatrix::PackedMatrix(Weights format, const float* w, int64_t in, int64_t out)
-    : format_(format), in_(in), out_(out) {
+PackedMatrix::PackedMatrix(Weights format, const float* w, int64_t in, int64_t out) {
   const WeightFormat& f = weight_format(format);
   check_shape(f, in, out);
   if (w == nullptr) throw std::invalid_argument(std::string(f.name) + " weights: no values");
   data_.resize(static_cast<size_t>(f.data_bytes(in, out)));
   scale_.resize(static_cast<size_t>(f.scale_count(in, out)));
   f.pack(w, in, out, data_.data(), scale_.data());
+  view_ = {format, nullptr, nullptr, in, out};
+  point_at_own();
+}
+
+PackedMatrix::PackedMatrix(const PackedWeights& view, std::shared_ptr<const void> owner)
+    : owner_(std::move(owner)), view_(view) {
+  const WeightFormat& f = weight_format(view.format);
+  check_shape(f, view.in, view.out);
+  if (!owner_ || view.data == nullptr || (f.scale_count(view.in, view.out) > 0 && view.scale == nullptr))
+    throw std::invalid_argument(std::string(f.name) +
+                                " weights: a borrowed view needs its bytes and an owner");
+}
+
+PackedMatrix::PackedMatrix(const PackedMatrix& o)
+    : data_(o.data_), scale_(o.scale_), owner_(o.owner_), view_(o.view_) {
+  if (!owner_) point_at_own();
+}
+
+PackedMatrix& PackedMatrix::operator=(const PackedMatrix& o) {
+  if (this != &o) {
+    data_ = o.data_;
+    scale_ = o.scale_;
+    owner_ = o.owner_;
+    view_ = o.view_;
+    if (!owner_) point_at_own();
+  }
+  return *this;
+}
+
+void PackedMatrix::point_at_own() {
+  view_.data = data_.data();
+  view_.scale = scale_.empty() ? nullptr : scale_.data();
+}
+
+int64_t PackedMatrix::data_bytes() const {
+  return weight_format(view_.format).data_bytes(view_.in, view_.out);
+}
+int64_t PackedMatrix::scale_count() const {
+  return weight_format(view_.format).scale_count(view_.in, view_.out);
 }
 
 void dequantize_rows(const PackedWeights& w, int64_t n0, int64_t n1, float* out) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kda/common/isa.h"
@@ -51,22 +52,34 @@ struct WeightFormat {
 
 const WeightFormat& weight_format(Weights w);
 
-// W packed in one format, owning its bytes. std::invalid_argument for empty or mis-sized weights, or an
-// input size the format does not take.
+// W packed in one format: owning its bytes (packed here from fp32), or borrowing bytes packed before
+// (a mapped checkpoint's, io/packed_checkpoint.h), kept alive by `owner`. std::invalid_argument for
+// empty or mis-sized weights, or an input size the format does not take.
 class PackedMatrix {
  public:
   PackedMatrix(Weights format, const float* w, int64_t in, int64_t out);
-  PackedWeights view() const {
-    return {format_, data_.data(), scale_.empty() ? nullptr : scale_.data(), in_, out_};
-  }
-  // The bytes a GEMM reads: the packed values (with their padding) and the scales.
-  int64_t bytes() const { return static_cast<int64_t>(data_.size() + sizeof(float) * scale_.size()); }
+  // `view` must hold data_bytes(in, out) bytes at view.data and scale_count(in, out) floats at view.scale
+  // (the format's table): the caller has checked the sizes against the tensors it maps.
+  PackedMatrix(const PackedWeights& view, std::shared_ptr<const void> owner);
+  PackedMatrix(const PackedMatrix& o);
+  PackedMatrix& operator=(const PackedMatrix& o);
+  PackedMatrix(PackedMatrix&&) noexcept = default;  // a vector's move keeps its buffer: view_ stays valid
+  PackedMatrix& operator=(PackedMatrix&&) noexcept = default;
+
+  const PackedWeights& view() const { return view_; }
+  bool borrowed() const { return owner_ != nullptr; }
+  // The packed values' and the scales' byte counts (the format's table), and their sum: what a GEMM
+  // reads.
+  int64_t data_bytes() const;
+  int64_t scale_count() const;
+  int64_t bytes() const { return data_bytes() + static_cast<int64_t>(sizeof(float)) * scale_count(); }
 
  private:
-  Weights format_;
-  int64_t in_, out_;
+  void point_at_own();
   std::vector<uint8_t> data_;
   std::vector<float> scale_;
+  std::shared_ptr<const void> owner_;
+  PackedWeights view_;
 };
 
 // W back in fp32 [out, in], as the kernels see it; or rows [n0, n1) of it into out [(n1 - n0), in].

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kda/kernels/gemm/bf16_gemm.h"
 #include "kda/kernels/gemm/weight_format.h"
@@ -51,6 +52,17 @@ SwigluMlp::SwigluMlp(int64_t D, int64_t I, const std::vector<float>& gate, const
       precision_(precision),
       gate_up_(D, 2 * I, stack_rows(checked(gate, up, down, D, I), up), precision, weights),
       down_(I, D, down, precision, weights) {}
+
+SwigluMlp::SwigluMlp(int64_t D, int64_t I, Linear gate_up, Linear down, Precision precision)
+    : D_(D), I_(I), precision_(precision), gate_up_(std::move(gate_up)), down_(std::move(down)) {
+  if (gate_up_.in_features() != D || gate_up_.out_features() != 2 * I || down_.in_features() != I ||
+      down_.out_features() != D)
+    throw std::invalid_argument("SwiGLU MLP: gate_up [" + std::to_string(gate_up_.out_features()) + ", " +
+                                std::to_string(gate_up_.in_features()) + "] and down [" +
+                                std::to_string(down_.out_features()) + ", " +
+                                std::to_string(down_.in_features()) + "] for hidden " + std::to_string(D) +
+                                " and intermediate " + std::to_string(I));
+}
 
 void SwigluMlp::forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
                         SwigluScratch& s) const {
@@ -101,6 +113,19 @@ SwigluPieces::SwigluPieces(int64_t D, int64_t I, const std::vector<float>& gate,
       std::copy(down.begin() + r * I + i0, down.begin() + r * I + i0 + n, d.begin() + r * n);
     pieces_.emplace_back(D, n, g, u, d, precision, weights);
   }
+}
+
+SwigluPieces::SwigluPieces(int64_t D, int64_t I, std::vector<SwigluMlp> pieces)
+    : D_(D), I_(I), pieces_(std::move(pieces)) {
+  const auto P = static_cast<int64_t>(pieces_.size());
+  if (P < 1 || I % P != 0)
+    throw std::invalid_argument("SwiGLU pieces: " + std::to_string(P) + " pieces for intermediate " +
+                                std::to_string(I));
+  for (const SwigluMlp& m : pieces_)
+    if (m.hidden() != D || m.intermediate() != I / P)
+      throw std::invalid_argument("SwiGLU pieces: a piece of hidden " + std::to_string(m.hidden()) +
+                                  " and intermediate " + std::to_string(m.intermediate()) + ", expected " +
+                                  std::to_string(D) + " and " + std::to_string(I / P));
 }
 
 int64_t SwigluPieces::weight_bytes() const {

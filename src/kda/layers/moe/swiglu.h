@@ -29,10 +29,15 @@ class SwigluMlp {
   // gate, up [I, D], down [D, I], fp32 values (converted or quantized here per precision / weights).
   SwigluMlp(int64_t D, int64_t I, const std::vector<float>& gate, const std::vector<float>& up,
             const std::vector<float>& down, Precision precision, Weights weights);
+  // Projections built already: gate_up [2I, D] (gate rows, then up rows), down [D, I] (a packed
+  // checkpoint's, layers/packed_linears.h); std::invalid_argument when the shapes disagree.
+  SwigluMlp(int64_t D, int64_t I, Linear gate_up, Linear down, Precision precision);
 
   int64_t hidden() const { return D_; }
   int64_t intermediate() const { return I_; }
   int64_t weight_bytes() const { return gate_up_.weight_bytes() + down_.weight_bytes(); }
+  const Linear& gate_up() const { return gate_up_; }
+  const Linear& down() const { return down_; }
 
   // x [T, D] with row stride ldx -> out [T, D] with row stride ldo.
   void forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
@@ -61,6 +66,9 @@ class SwigluPieces {
   // groups, the widened bf16 kernels' input groups: the down input of a slice needs no padding); 1 when
   // none does.
   static int pieces_for(int64_t I, Weights weights, int want);
+  // Pieces built already (a packed checkpoint's, in piece order): each [.., D] over I / pieces rows.
+  SwigluPieces(int64_t D, int64_t I, std::vector<SwigluMlp> pieces);
+  const SwigluMlp& piece(int p) const { return pieces_.at(static_cast<size_t>(p)); }
 
   int64_t hidden() const { return D_; }
   int64_t intermediate() const { return I_; }
