@@ -12,8 +12,9 @@
 // the issue defines it; the b16 row gives them and the ratio with them.) The prefill's GEMM work is
 // 2 x T x (the weights a token multiplies) plus the MLA layers' attention scores (QK^T and PV over the
 // causal half); prefill_over_gemm is its rate over the same run's GEMM ceiling of the precision its GEMMs
-// run in: bf16 with bf16 weights; fp32 with int8 / int4 ones, whose prefill GEMMs (layers/quant_linear.cc,
-// more than kDecodeRows rows) multiply dequantized fp32 tiles by fp32 activations. Where a step is far
+// run in: bf16 with bf16 weights; with int8 / int4 ones the precision of QuantLinear's prefill path on
+// this CPU (QuantLinear::prefill_path_for: weight tiles widened to bf16 for oneDNN's bf16 matmul where it
+// is native, else dequantized fp32 tiles by fp32 activations). Where a step is far
 // from its floor the parts are timed alone at the same shapes (the MoE and dense MLPs, the LM head; the
 // rest is attention, norms and the residual stream) so the report says where the time goes.
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include "kda/bench/inputs.h"
 #include "kda/bench/rows.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "kda/layers/quant_linear.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
 #include "kda/models/kimi_linear_model.h"
@@ -257,7 +259,8 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
     const double flops = prefill_flops(cfg, m->num_layers(), kPrefill, m->vocab_size());
     const double frac = flops / pre / 1e9 / gemm_bf16;
     // The ceiling of the precision the prefill's GEMMs run in (see the top of this file).
-    const bool f32_gemm = w != Weights::BF16;
+    const bool f32_gemm = w != Weights::BF16 && layers::QuantLinear::prefill_path_for(w, Precision::BF16) ==
+                                                    layers::QuantLinear::Prefill::Fp32Tiles;
     const double over_gemm = flops / pre / 1e9 / (f32_gemm ? gemm_f32 : gemm_bf16);
     nlohmann::json row = {{"weights", to_string(w)},
                           {"experts", experts},
