@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -374,6 +375,103 @@ TEST(Engine, RunAbortsWhatIsLeftWhenStopped) {
   EXPECT_EQ(check_stream(c.of(a), 1, 50).finish[0], FinishReason::kAbort);
   EXPECT_EQ(check_stream(c.of(b), 1, 50).finish[0], FinishReason::kAbort);
   EXPECT_EQ(counts(runner), start);
+}
+
+// Each event's engine step, by request: the engine publishes its stats before it delivers a step's events.
+struct StepLog {
+  std::mutex mu;
+  std::map<int64_t, std::vector<int64_t>> steps;
+  EventSink sink(const Engine& e) {
+    return [this, &e](const TokenEvent& ev) {
+      const int64_t s = e.stats().steps;
+      std::lock_guard<std::mutex> lk(mu);
+      steps[ev.request].push_back(s);
+    };
+  }
+  std::vector<int64_t> of(int64_t id) {
+    std::lock_guard<std::mutex> lk(mu);
+    return steps[id];
+  }
+};
+
+template <class P>
+bool wait_for(P pred) {
+  for (int i = 0; i < 60000; ++i) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return pred();
+}
+
+TEST(Engine, ABurstReachingAnIdleEngineWithinTheAdmissionWindowRunsAsOneStep) {
+  ModelRunner runner(hybrid_model(), 8, 4096, kernels::KernelImpl::Auto);
+  EngineOptions o = options(4096, 8);
+  o.admission_window_ms = 1000.0;  // the wait ends once the 8th arrives (a full batch), long before
+  Engine e(runner, o);
+  StepLog log;
+  std::atomic<bool> stop{false};
+  std::thread loop([&] { e.run(stop); });
+  std::vector<int64_t> ids = {e.submit(greedy(random_prompt(20, 1), 5), log.sink(e))};
+  // The engine wakes to the first request; without the window it would run it alone while the rest come.
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  for (int k = 1; k < 8; ++k)
+    ids.push_back(e.submit(greedy(random_prompt(10 + 3 * k, 1 + k), 5), log.sink(e)));
+  EXPECT_TRUE(wait_for([&] { return e.stats().requests_finished == 8; }));
+  stop = true;
+  loop.join();
+  // One prefill step for all eight, then four decode steps.
+  for (const int64_t id : ids)
+    EXPECT_EQ(log.of(id), (std::vector<int64_t>{1, 2, 3, 4, 5})) << "request " << id;
+  EXPECT_EQ(e.stats().steps, 5);
+  EXPECT_EQ(e.stats().admission_waits, 1);
+  EXPECT_GT(e.stats().admission_wait_s, 0.0);
+}
+
+TEST(Engine, AnArrivalWhileRequestsRunIsNotHeldAndAFullFirstStepIsNotHeld) {
+  ModelRunner runner(hybrid_model(), 4, 4096, kernels::KernelImpl::Auto);
+  EngineOptions o = options(64, 8);
+  o.admission_window_ms = 1000.0;
+  Engine e(runner, o);
+  StepLog log;
+  std::atomic<bool> stop{false};
+  std::thread loop([&] { e.run(stop); });
+  // 64 prompt tokens fill the first step's token budget: nothing to wait for.
+  const int64_t a = e.submit(greedy(random_prompt(64, 1), 2000), log.sink(e));
+  EXPECT_TRUE(wait_for([&] { return !log.of(a).empty(); }));
+  const int64_t b = e.submit(greedy(random_prompt(12, 2), 6), log.sink(e));
+  EXPECT_TRUE(wait_for([&] { return log.of(b).size() == 6; }));
+  e.abort(a);
+  EXPECT_TRUE(wait_for([&] { return e.stats().running == 0; }));
+  stop = true;
+  loop.join();
+  const auto sa = log.of(a), sb = log.of(b);
+  ASSERT_FALSE(sb.empty());
+  EXPECT_GT(sa.back(), sb.back()) << "a was running all along b's life";
+  EXPECT_EQ(e.stats().admission_waits, 0) << "the engine held a step while requests ran, or a full one";
+  EXPECT_EQ(e.stats().admission_wait_s, 0.0);
+}
+
+TEST(Engine, AdmissionWindowOutsideZeroToOneSecondIsRefused) {
+  ModelRunner runner(hybrid_model(), 2, 256, kernels::KernelImpl::Auto);
+  for (const double w :
+       {-1.0, 1000.5, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    EngineOptions o = options();
+    o.admission_window_ms = w;
+    testing::expect_throw_with<std::invalid_argument>([&] { Engine e(runner, o); }, "admission_window_ms");
+  }
+  // 0: no window; a lone request on an idle engine runs at once.
+  EngineOptions o = options();
+  o.admission_window_ms = 0.0;
+  Engine e(runner, o);
+  Collector c;
+  std::atomic<bool> stop{false};
+  std::thread loop([&] { e.run(stop); });
+  const int64_t id = e.submit(greedy(random_prompt(10, 3), 3), c.sink());
+  EXPECT_TRUE(wait_for([&] { return e.stats().requests_finished == 1; }));
+  stop = true;
+  loop.join();
+  EXPECT_EQ(check_stream(c.of(id), 1, 10).tokens[0].size(), 3u);
+  EXPECT_EQ(e.stats().admission_waits, 0);
 }
 
 TEST(Engine, BadSubmitsThrowNamingTheFieldAndChangeNothing) {

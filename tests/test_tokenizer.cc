@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include "kda/tokenizer/base64.h"
 #include "kda/tokenizer/bpe.h"
 #include "kda/tokenizer/chat_format.h"
+#include "kda/tokenizer/long_runs.h"
 #include "kda/tokenizer/sha256.h"
 #include "kda/tokenizer/tokenizer.h"
 #include "kda/tokenizer/utf8.h"
@@ -248,9 +250,85 @@ TEST(Bpe, LongSinglePieceIsNotQuadratic) {
   kt::bpe_merge_heap(ranks, word, heap, &steps);
   // Every merge pushes at most two entries: pops <= initial pairs + 2 * merges < 3 n.
   EXPECT_LT(steps, 3 * static_cast<int64_t>(word.size()));
+  // encode() merges it as Kimi's tokenizer does: in 25,000-character pieces.
+  std::vector<int32_t> cut;
+  for (size_t at = 0; at < word.size(); at += kt::kKimiMaxRunChars)
+    kt::bpe_merge_heap(ranks, std::string_view(word).substr(at, kt::kKimiMaxRunChars), cut);
   const auto ids = tok().encode(word);
-  EXPECT_EQ(ids, heap);
+  EXPECT_EQ(ids, cut);
   EXPECT_EQ(tok().decode(ids), word);
+}
+
+// tokenization_kimi.py's _split_whitespaces_or_nonwhitespaces over 400,000-character chunks, written
+// plainly over code points: the cuts' character offsets.
+std::vector<size_t> reference_cuts(const std::u32string& s) {
+  std::vector<size_t> cuts;
+  for (size_t chunk = 0; chunk < s.size(); chunk += kt::kKimiChunkChars) {
+    if (chunk > 0) cuts.push_back(chunk);
+    const size_t end = std::min(s.size(), chunk + static_cast<size_t>(kt::kKimiChunkChars));
+    int64_t len = 0;
+    bool space = kt::python_isspace(s[chunk]);
+    for (size_t i = chunk; i < end; ++i) {
+      const bool now = kt::python_isspace(s[i]);
+      if (space != now) {
+        len = 1;
+        space = now;
+      } else if (++len > kt::kKimiMaxRunChars) {
+        cuts.push_back(i);
+        len = 1;
+      }
+    }
+  }
+  return cuts;
+}
+
+TEST(Tokenizer, LongRunsAreCutAsKimisTokenizerCutsThem) {
+  // Python's str.isspace: Zs and bidi WS/B/S -- U+001C..U+001F and U+0085 yes; U+200B, U+180E, U+FEFF no.
+  for (char32_t c : {0x09, 0x0A,   0x0B,   0x0C,   0x0D,   0x1C,   0x1D,   0x1E,   0x1F,   0x20,  0x85,
+                     0xA0, 0x1680, 0x2000, 0x2005, 0x200A, 0x2028, 0x2029, 0x202F, 0x205F, 0x3000})
+    EXPECT_TRUE(kt::python_isspace(c)) << std::hex << static_cast<uint32_t>(c);
+  for (char32_t c : {0x00, 0x08, 0x0E, 0x1B, 0x21, 0x84, 0x86, 0x9F, 0xA1, 0x180E, 0x200B, 0x200C, 0x2027,
+                     0x202A, 0x2060, 0x3001, 0xFEFF, 0x10FFFF})
+    EXPECT_FALSE(kt::python_isspace(c)) << std::hex << static_cast<uint32_t>(c);
+
+  // Runs just under, at and over the limit, of 1- to 4-byte characters, mixed, and over a chunk's end.
+  std::mt19937_64 rng(5);
+  const std::vector<char32_t> alphabet = {'a', ' ', 0x3000, 0x4E2D, 0x1F600, '\n', 0x85, 0xE9, 0x1C};
+  std::vector<std::u32string> texts;
+  for (const int64_t n : {kt::kKimiMaxRunChars - 1, kt::kKimiMaxRunChars, kt::kKimiMaxRunChars + 1,
+                          3 * kt::kKimiMaxRunChars + 7})
+    for (const char32_t c : alphabet) texts.push_back(std::u32string(static_cast<size_t>(n), c));
+  std::u32string mixed;
+  while (mixed.size() < static_cast<size_t>(kt::kKimiChunkChars) + 60'000) {
+    const char32_t c = alphabet[rng() % alphabet.size()];
+    mixed.append(rng() % 4 == 0 ? 1 + rng() % 40'000 : 1 + rng() % 50, c);
+  }
+  texts.push_back(mixed);
+  texts.push_back(std::u32string(static_cast<size_t>(kt::kKimiChunkChars) + 10, 'x'));
+  for (const auto& t : texts) {
+    std::string utf8;
+    std::vector<size_t> byte_at;  // character offset -> byte offset
+    for (const char32_t c : t) {
+      byte_at.push_back(utf8.size());
+      kt::utf8_append(utf8, c);
+    }
+    byte_at.push_back(utf8.size());
+    std::vector<std::string_view> got;
+    kt::cut_long_runs(utf8, got);
+    std::vector<size_t> want_cuts = reference_cuts(t), got_cuts;
+    size_t at = 0;
+    for (size_t k = 0; k < got.size(); ++k) {
+      EXPECT_EQ(got[k].data(), utf8.data() + at) << "the pieces must tile the text";
+      at += got[k].size();
+      if (k + 1 < got.size()) got_cuts.push_back(at);
+    }
+    EXPECT_EQ(at, utf8.size());
+    for (auto& c : want_cuts) c = byte_at[c];
+    EXPECT_EQ(got_cuts, want_cuts) << "a text of " << t.size() << " characters";
+  }
+  std::vector<std::string_view> none;
+  kt::cut_long_runs("", none);
+  EXPECT_TRUE(none.empty());
 }
 
 TEST(Tokenizer, SyntheticSavesAndReadsBack) {

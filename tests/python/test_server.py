@@ -299,6 +299,38 @@ def open_stream(server, body):
     return open_request(server, CMPL, body, stream=True)
 
 
+def test_a_burst_on_an_idle_server_prefills_in_one_step(ckpt):
+    """Eight streaming clients released together reach the idle engine a little apart (each request parsed
+    and tokenized on its own thread): the admission window holds the engine's first step until the batch
+    is full, so all eight prefill in one step and decode together: 6 tokens each in 6 steps."""
+    server = Server(ckpt, "--max-batch", 8, "--admission-window-ms", 1000, "--context-length", CONTEXT,
+                    "--kv-memory", "4MiB")
+    try:
+        before = server.metrics()
+        go = threading.Barrier(8)
+        results = [None] * 8
+
+        def run(k):
+            go.wait()
+            results[k] = server.stream(CMPL, {"prompt": prompt_ids(400 + k, 12 + k), "max_tokens": 6,
+                                              "temperature": 0, "ignore_eos": True})
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for events in results:
+            assert events[-1] == "[DONE]" and stream_text(events, chat=False)[1] == "length"
+        after = server.metrics()
+        delta = {k: after[k] - before[k] for k in after if "admission" in k or "steps" in k or "prompt" in k}
+        assert after["kda_engine_steps_total"] - before["kda_engine_steps_total"] == 6, delta
+        # One hold at most: none when all eight were in before the engine woke.
+        assert after["kda_admission_waits_total"] - before["kda_admission_waits_total"] <= 1, delta
+    finally:
+        server.stop()
+
+
 def test_clients_leaving_mid_stream_free_their_slots(ckpt):
     # A context long enough that the streams left behind cannot end before their clients go: they end by
     # abort only.
@@ -507,6 +539,9 @@ def test_cli_refuses_what_it_cannot_serve(server, ckpt):
     assert r.returncode == 2 and f"127.0.0.1:{server.port}" in r.stderr, r.stderr
     r = run("--model", ckpt, "--context-length", 100000, "--kv-memory", "1MiB")
     assert r.returncode == 2 and "--context-length" in r.stderr, r.stderr
+    for w in ("-1", "1001", "nan"):
+        r = run("--model", ckpt, "--admission-window-ms", w)
+        assert r.returncode != 0 and "--admission-window-ms" in r.stderr, r.stderr
     answer_next(server)
 
 

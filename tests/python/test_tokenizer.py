@@ -2,6 +2,8 @@
 tokenization_kimi.py writes it, with && class intersections) and special tokens (numbered as Kimi numbers
 them) must give the same ids on fixed and generated texts; kda detokenize round trips; kda tokenize --chat
 renders the spec's format, which the Jinja template tests/data/chat_template/kimi_builtin.jinja renders too.
+Texts with runs of over 25,000 characters, or over 400,000 characters in all, are compared with tiktoken
+called on the pieces tokenization_kimi.py cuts them into, as Kimi's tokenizer calls it.
 
 Characters are drawn from those Python's unicodedata (Unicode 14, as PCRE2 10.42's tables) knows: code
 points assigned later may be classified differently by the regex crate tiktoken uses."""
@@ -11,6 +13,7 @@ import collections
 import json
 import pathlib
 import random
+import re
 import subprocess
 import unicodedata
 
@@ -106,6 +109,54 @@ def kimi_encoding(folder):
     base = len(ranks)
     specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + 256 + 2)}
     return tiktoken.Encoding(name="kimi-test", pat_str=KIMI_PAT, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def kimi_encode(enc, text, allow_special=True, split_specials_first=True):
+    """Kimi's tokenizer: tokenization_kimi.py's encode cuts its text into 400,000-character chunks, each cut
+    so that no run of whitespace or of non-whitespace (str.isspace) is longer than 25,000 characters, and
+    calls tiktoken on each piece. split_specials_first: as Hugging Face's tokenizer call (vLLM's way to
+    encode a prompt), the special tokens split the text first and each part goes to that encode."""
+
+    def split_runs(s, max_len):
+        cur_len, cur_space, start = 0, s[0].isspace() if s else False, 0
+        for i, ch in enumerate(s):
+            now = ch.isspace()
+            if cur_space ^ now:
+                cur_len, cur_space = 1, now
+            else:
+                cur_len += 1
+                if cur_len > max_len:
+                    yield s[start:i]
+                    start, cur_len = i, 1
+        yield s[start:]
+
+    def encode(part):
+        ids = []
+        for i in range(0, len(part), 400_000):
+            for sub in split_runs(part[i:i + 400_000], 25_000):
+                ids += (enc.encode(sub, allowed_special="all") if allow_special
+                        else enc.encode(sub, disallowed_special=()))
+        return ids
+
+    if not (allow_special and split_specials_first):
+        return encode(text)
+    # Kimi's usable specials (the last two ids have no embedding row), longest first at a position.
+    usable = [t for t in enc.special_tokens_set if enc.encode_single_token(t) < enc.n_vocab - 2]
+    ids = []
+    for k, part in enumerate(re.split("(" + "|".join(map(re.escape, sorted(usable, key=len, reverse=True))) + ")",
+                                      text)):
+        ids += [enc.encode_single_token(part)] if k % 2 else encode(part)
+    return ids
+
+
+def pair_run_token(folder):
+    """Two different lowercase ASCII letters x, y that the vocabulary merges into one token "xy": in a run of
+    "xy" pairs, a cut between x and y of one pair changes the ids."""
+    for line in (folder / "tiktoken.model").read_text().splitlines():
+        t = base64.b64decode(line.split()[0])
+        if len(t) == 2 and t.isalpha() and t.islower() and t[0] != t[1]:
+            return t.decode()
+    raise AssertionError("no two-letter token in the vocabulary")
 
 
 def kda(*args, stdin=b""):
@@ -266,3 +317,86 @@ def test_builtin_jinja_template_renders_the_same(vocab_dir, tmp_path):
     assert b"chat_template.jinja" in r.stderr and b"--chat-template builtin" in r.stderr
     r = kda("tokenize", "--model", str(folder), "--chat", "--text", "--chat-template", "builtin", stdin=payload)
     assert r.returncode == 0 and r.stdout.decode() == spec_format(CONVERSATIONS[0])
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def long_texts(rng, xy):
+    """Texts up to about 100 KB with runs of one kind of character around and far beyond 25,000 characters.
+    xy: a two-letter token (pair_run_token)."""
+    words = TRAINING_TEXT.split(" ")
+    prose = " ".join(rng.choice(words) for _ in range(12000))[:100_000]
+    return {
+        "letters": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(60_000)),
+        "pair-run": xy * 40_000,
+        "pair-run-odd": xy[1] + xy * 30_000,
+        "the-repeated": "the" * 33_334,
+        "Capitalised": ("Xyz" * 10_000) + ("abc" * 10_000),
+        "digits": "".join(rng.choice("0123456789") for _ in range(100_000)),
+        "digits-after-a-letter": "a" + "7" * 50_001,
+        "spaces": " " * 100_000,
+        "spaces-then-word": " " * 25_001 + "word" + " " * 49_999 + "x",
+        "newlines": "\n" * 30_000 + "a" + "\r\n" * 20_000,
+        "mixed-whitespace": "".join(rng.choice(" \t\n\u3000\u00a0\u2003\x1c\x85") for _ in range(80_000)),
+        "punctuation": "".join(rng.choice("!@#$%^&*()-_=+[]{};:,.<>/?|~`") for _ in range(70_000)),
+        "cjk": "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(33_000)),
+        "cjk-punct": "。、「」" * 8_000,
+        "emoji": "🙂🚀✨👩‍💻" * 4_500,
+        "prose": prose,
+        "mixed-run": "".join(rng.choice(["ab", "中文", "12", ".,", "é", "x'", "🙂"]) for _ in range(40_000)),
+        # A run's count starts again after a special token (the specials split the text first).
+        "pair-run-after-special": "<|im_middle|>" + xy[1] + xy * 12_600,
+        "special-inside-a-run": "z" * 24_995 + "<|im_end|>" + xy * 12_600 + "<|im_end|>",
+        "random": random_text(rng, 30_000).replace(" ", "") * 2,
+    }
+
+
+def test_long_runs_equal_kimis_tokenizer(vocab_dir):
+    """Runs of letters, digits, whitespace, punctuation, CJK and mixed text up to about 100 KB: the ids of
+    Kimi's tokenizer (the real tiktoken, called on the pieces tokenization_kimi.py cuts)."""
+    enc = kimi_encoding(vocab_dir)
+    rng = random.Random(17)
+    cut_matters = []
+    for name, text in long_texts(rng, pair_run_token(vocab_dir)).items():
+        want = kimi_encode(enc, text)
+        got = kda_ids(vocab_dir, text)
+        assert got == want, f"{name}: first difference at id {first_difference(got, want)}"
+        assert kda_ids(vocab_dir, text, "--no-special") == kimi_encode(enc, text, allow_special=False), name
+        if enc.encode(text, allowed_special="all") != want:
+            cut_matters.append(name)
+        if name == "pair-run-after-special":  # tokenization_kimi.py's encode on the whole text cuts elsewhere
+            assert kimi_encode(enc, text, split_specials_first=False) != want
+    # The cuts change ids (else this test could not tell a tokenizer that ignores them).
+    assert {"pair-run-odd", "pair-run-after-special"} <= set(cut_matters), cut_matters
+
+
+def test_whitespace_for_the_cuts_is_pythons_isspace(vocab_dir):
+    """Each candidate character c before a run of 25,001 letters x y x y ... x: where c is whitespace the
+    run is cut before its last x (between two pairs); where it is not, c counts, and the cut falls inside
+    the pair before."""
+    enc = kimi_encoding(vocab_dir)
+    xy = pair_run_token(vocab_dir)
+    run = xy * 12_500 + xy[0]
+    spaces = [c for c in map(chr, range(0x110000)) if c.isspace()]
+    near = ["\x00", "\x08", "\x0e", "\x1b", "\x7f", "\x84", "\x86", "\u180e", "\u200b", "\u200c",
+            "\u2060", "\ufeff", "\u3001", "!", "z"]
+    assert kimi_encode(enc, " " + run)[-4:] != kimi_encode(enc, "\u200b" + run)[-4:]
+    text = "".join(c + run + "\n" for c in spaces + near)
+    want = kimi_encode(enc, text)
+    got = kda_ids(vocab_dir, text)
+    assert got == want, f"first difference at id {first_difference(got, want)}"
+
+
+def test_text_over_a_400000_character_chunk(vocab_dir):
+    """Kimi's tokenizer encodes 400,000 characters at a time: a piece across that end is cut."""
+    enc = kimi_encoding(vocab_dir)
+    rng = random.Random(23)
+    words = TRAINING_TEXT.split(" ")
+    head = " ".join(rng.choice(words) for _ in range(80_000))[:399_950] + " "
+    text = head + pair_run_token(vocab_dir) * 50  # character 400,000 is the second letter of a pair
+    want = kimi_encode(enc, text)
+    assert want != enc.encode(text, allowed_special="all")
+    got = kda_ids(vocab_dir, text)
+    assert got == want, f"first difference at id {first_difference(got, want)}"

@@ -31,8 +31,12 @@ class Tokenizer {
   // back.
   void save(const std::string& dir) const;
 
-  // The spec's pre-tokenizer (PCRE2, UTF + UCP), then tiktoken's byte-pair merge by rank.
-  // allow_special: special-token strings in text become their ids; else they are encoded as plain text.
+  // The ids of Kimi's tokenizer as vLLM calls it (Hugging Face's tokenizer call over tokenization_kimi.py):
+  // special-token strings split the text (allow_special; the longest at a position); each part between
+  // them is cut as tokenization_kimi.py cuts its text (long_runs.h: runs of over 25,000 whitespace or
+  // non-whitespace characters, 400,000-character chunks) and each piece goes through tiktoken's encode on
+  // its own: the spec's pre-tokenizer (PCRE2, UTF + UCP), then tiktoken's byte-pair merge by rank.
+  // !allow_special: special-token strings are plain text.
   // Invalid UTF-8 -> std::invalid_argument naming the byte offset. Thread safe.
   std::vector<int32_t> encode(std::string_view text, bool allow_special = true) const;
   // Raw concatenated bytes (a special token's: its text); an id out of range or without bytes ->
@@ -53,7 +57,8 @@ class Tokenizer {
   std::vector<int32_t> stop_ids() const;           // {<|im_end|>, [EOS]}
   const std::vector<uint8_t>& producible() const;  // [vocab_size]: 1 where an id has bytes
 
-  // The pre-tokenizer's pieces of text (no special-token handling), as views into text: tests and tools.
+  // The pre-tokenizer's pieces of text (no special-token handling, no cut of long runs), as views into
+  // text: tests and tools.
   std::vector<std::string_view> split(std::string_view text) const;
 
  private:

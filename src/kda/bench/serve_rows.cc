@@ -9,6 +9,8 @@
 //     first send to the last request's end. http_over_inprocess_tokens_per_s is the ratio of the rounds'
 //     best rates; http_over_inprocess_paired_median that of each round's pair, with its min and max (a
 //     loaded machine's drifts move a pair's two batches together more than two rounds' bests).
+//     The engine's admission window (EngineOptions::admission_window_ms, the default) holds each round's
+//     first step until its burst has arrived; the mean hold per round is reported for both doors.
 //   - TTFT at a kTtftPromptTokens-token prompt, one request at a time, one token: in-process, submit to
 //     its token's event; over HTTP, the POST of the text to the first server-sent event that carries the
 //     token (so it counts the request's parsing, tokenization, the engine's queue and the event's
@@ -278,6 +280,9 @@ double median(std::vector<double> v) {
 struct Figures {
   double best_in = 0.0, best_http = 0.0;  // tokens/s, the best round of each
   int64_t steps_in = 0, steps_http = 0;   // the engine's steps in each one's best round
+  // The admission window's hold at the start of each round (its burst's spread at the engine, until the
+  // batch was full), the mean over the rounds in ms.
+  double hold_in_ms = 0.0, hold_http_ms = 0.0;
   // Each round's HTTP / in-process rate (its two batches ran back to back): the median and the spread.
   double ratio_median = 0.0, ratio_min = 0.0, ratio_max = 0.0;
   double in_ms = 0.0, http_ms = 0.0, added_ms = 0.0, direct_ms = 0.0, prepare_ms = 0.0;
@@ -298,9 +303,12 @@ Figures rounds(serving::Engine& engine, int port, const std::vector<std::string>
   // more than one step) or slower ones.
   double rate_in = 0.0, rate_http = 0.0;
   std::vector<double> ratios;
+  const auto held_ms = [&](double before) { return (engine.stats().admission_wait_s - before) * 1e3; };
   const auto in_round = [&] {
     const int64_t steps = engine.stats().steps;
+    const double held = engine.stats().admission_wait_s;
     const double s = run_inprocess(engine, ids, kMaxTokens, &gen_in);
+    f.hold_in_ms += held_ms(held) / kThroughputRounds;
     rate_in = static_cast<double>(gen_in) / s;
     if (rate_in > f.best_in) {
       f.best_in = rate_in;
@@ -309,7 +317,9 @@ Figures rounds(serving::Engine& engine, int port, const std::vector<std::string>
   };
   const auto http_round = [&] {
     const int64_t steps = engine.stats().steps;
+    const double held = engine.stats().admission_wait_s;
     const double s = run_http(port, texts, ids, kMaxTokens, &gen_http);
+    f.hold_http_ms += held_ms(held) / kThroughputRounds;
     rate_http = static_cast<double>(gen_http) / s;
     if (rate_http > f.best_http) {
       f.best_http = rate_http;
@@ -455,6 +465,8 @@ void bench_serve(nlohmann::json& j, const Say& say) {
       f.ratio_median, kThroughputRounds, f.ratio_min, f.ratio_max);
   say("%-34s %12lld %12lld\n", "engine steps of those rounds", static_cast<long long>(f.steps_in),
       static_cast<long long>(f.steps_http));
+  say("%-34s %12.3f %12.3f (window %.1f ms)\n", "first step held for arrivals, ms", f.hold_in_ms,
+      f.hold_http_ms, eo.admission_window_ms);
   say("%-34s %12.2f %12.2f %+9.2f ms\n", "TTFT ms (median; added: of pairs)", f.in_ms, f.http_ms, f.added_ms);
   say("%-34s %12s %12.3f ms (of it, preparing the request %.3f ms; tokenizing alone %.3f ms)\n",
       "TTFT added by HTTP, direct (median)", "", f.direct_ms, f.prepare_ms, tokenize_ms);
@@ -476,6 +488,9 @@ void bench_serve(nlohmann::json& j, const Say& say) {
                 {"http_over_inprocess_paired_max", f.ratio_max},
                 {"inprocess_steps", f.steps_in},
                 {"http_steps", f.steps_http},
+                {"admission_window_ms", eo.admission_window_ms},
+                {"inprocess_admission_hold_ms", f.hold_in_ms},
+                {"http_admission_hold_ms", f.hold_http_ms},
                 {"ttft_prompt_tokens", static_cast<int64_t>(long_ids.size())},
                 {"inprocess_ttft_ms", f.in_ms},
                 {"http_ttft_ms", f.http_ms},

@@ -108,6 +108,7 @@ struct ServeCliOptions {
   std::string kernel = "auto";
   int64_t max_batch = 32;
   int64_t token_budget = 2048;
+  double admission_window_ms = 2.0;  // serving::EngineOptions::admission_window_ms
   std::string state_memory = "1GiB";
   std::string kv_memory = "1GiB";
   int64_t context_length = 0;  // 0: what the MLA KV pool holds (at most 1M tokens)

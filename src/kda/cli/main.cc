@@ -245,6 +245,12 @@ int main(int argc, char** argv) {
   serve->add_option("--token-budget", svo.token_budget, "tokens per step (chunked prefill)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  serve
+      ->add_option("--admission-window-ms", svo.admission_window_ms,
+                   "on waking from idle, wait up to this long for more requests before the first step, so "
+                   "that a burst starts as one batch (0: off; never while requests run)")
+      ->check(CLI::Range(0.0, 1000.0))
+      ->capture_default_str();
   serve->add_option("--state-memory", svo.state_memory, "bytes of request state slots (e.g. 1GiB)")
       ->capture_default_str();
   serve->add_option("--kv-memory", svo.kv_memory, "bytes of the MLA layers' token KV pool (e.g. 1GiB)")

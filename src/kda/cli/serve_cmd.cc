@@ -128,6 +128,9 @@ int run_serve(const ServeCliOptions& o) {
   if (o.batch_invariant) layers::make_bf16_batch_invariant();  // before any oneDNN kernel exists
   const int64_t state_memory = serving::parse_byte_size(o.state_memory, "--state-memory");
   const int64_t kv_memory = serving::parse_byte_size(o.kv_memory, "--kv-memory");
+  if (!(o.admission_window_ms >= 0.0 && o.admission_window_ms <= 1000.0))  // NaN fails too
+    throw std::invalid_argument("--admission-window-ms must be in [0, 1000], got " +
+                                std::to_string(o.admission_window_ms));
 
   const auto t0 = std::chrono::steady_clock::now();
   models::ModelOptions mo;
@@ -220,6 +223,7 @@ int run_serve(const ServeCliOptions& o) {
   }
   eo.scheduler.token_budget = o.token_budget;
   eo.scheduler.max_batch = o.max_batch;
+  eo.admission_window_ms = o.admission_window_ms;
   eo.stop_ids = tok->stop_ids();
   eo.producible = tok->producible();
   eo.max_context = context;

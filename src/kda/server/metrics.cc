@@ -117,6 +117,13 @@ std::string Metrics::render(const serving::EngineStats& s) const {
   metric(out, "kda_prefix_cache_kv_tokens", "gauge", "MLA KV token slots the prefix cache holds.",
          s.prefix_cache_kv_tokens);
   metric(out, "kda_engine_steps_total", "counter", "Engine steps run.", s.steps);
+  metric(out, "kda_admission_waits_total", "counter",
+         "Times the engine, woken from idle, held its first step for more arrivals (--admission-window-ms).",
+         s.admission_waits);
+  out +=
+      "# HELP kda_admission_wait_seconds_total Seconds the engine held first steps for more arrivals.\n"
+      "# TYPE kda_admission_wait_seconds_total counter\nkda_admission_wait_seconds_total " +
+      num(s.admission_wait_s) + "\n";
   std::lock_guard lock(mu_);
   out += "# HELP kda_requests_total Finished requests by finish reason.\n# TYPE kda_requests_total counter\n";
   for (const char* r : {"stop", "length", "abort"}) {

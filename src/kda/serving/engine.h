@@ -151,6 +151,14 @@ struct EngineOptions {
   // not have). The runner must have a verify buffer of spec.max_verify_tokens() tokens per row; decode
   // batches are capped at its verify rows.
   SpeculativeOptions spec;
+  // Admission window, run() only: when the engine wakes from idle to a request, it waits up to this
+  // long for more before its first step, so that a burst of clients whose requests reach it a little
+  // apart (each parsed and tokenized on its own HTTP thread) starts as one prefill step rather than
+  // several, each of which would delay every request in the batch by a step. The wait ends as soon as
+  // the first step is full (max_batch sequences, or token_budget prompt tokens, waiting), or on an abort
+  // or stop. It is never taken while requests run: an arrival then joins at the next step. 0: no wait.
+  // Must lie in [0, 1000].
+  double admission_window_ms = 2.0;
 };
 
 struct EngineStats {
@@ -163,6 +171,10 @@ struct EngineStats {
   int64_t cached_tokens = 0, prefix_cache_bytes = 0;  // prefix cache (0 without one)
   int64_t prefix_cache_evictions = 0, prefix_cache_snapshots = 0, prefix_cache_kv_tokens = 0;
   int64_t steps = 0;
+  // The admission window (EngineOptions::admission_window_ms): how often the engine, woken from idle,
+  // held its first step for more arrivals, and the seconds it held them in all.
+  int64_t admission_waits = 0;
+  double admission_wait_s = 0.0;
   // Speculative decoding (0 without it): drafted tokens verified, and those accepted and emitted.
   int64_t spec_draft_tokens = 0, spec_accepted_tokens = 0;
 };
@@ -193,7 +205,8 @@ class Engine {
   // finish event, its slots and MLA token slots are freed. Unknown or finished id: no-op.
   void abort(int64_t id);
   // The serving loop on the caller's thread: steps while there is work, waits (condition variable) when idle,
-  // returns once `stop` is set (after the step in flight), aborting what is left.
+  // and on waking from idle to a request, waits out the admission window (EngineOptions::
+  // admission_window_ms); returns once `stop` is set (after the step in flight), aborting what is left.
   void run(const std::atomic<bool>& stop);
   // One step when there is work (false when idle). Not concurrently with run().
   bool step();
@@ -239,6 +252,9 @@ class Engine {
   };
 
   void apply_inbox();
+  // run()'s admission window: with mu_ held (by lk), the engine idle and the inbox not empty.
+  void await_burst(std::unique_lock<std::mutex>& lk, const std::atomic<bool>& stop);
+  bool first_step_full() const;  // with mu_ held: the inbox fills a step (admission_window_ms)
   void admit(Submitted s);
   void abort_live(int64_t r);  // scheduler request index
   void emit(int64_t r, int32_t j, int32_t token, std::optional<sampling::TokenLogprob> lp, FinishReason f);

@@ -89,6 +89,9 @@ Engine::Engine(ModelRunner& runner, EngineOptions opt)
   if (!opt_.producible.empty() &&
       std::none_of(opt_.producible.begin(), opt_.producible.end(), [](uint8_t v) { return v != 0; }))
     throw std::invalid_argument("producible: no id is producible");
+  if (!(opt_.admission_window_ms >= 0.0 && opt_.admission_window_ms <= 1000.0))  // NaN fails too
+    throw std::invalid_argument("admission_window_ms: must be in [0, 1000] ms, got " +
+                                std::to_string(opt_.admission_window_ms));
   if (opt_.max_context < 0)
     throw std::invalid_argument("max_context: must be >= 0, got " + std::to_string(opt_.max_context));
   is_stop_.assign(static_cast<size_t>(V_), 0);
@@ -531,13 +534,39 @@ void Engine::verify_step(ScheduledBatch& b) {
   count_step(b);
 }
 
+bool Engine::first_step_full() const {
+  int64_t seqs = 0, tokens = 0;
+  for (const auto& s : inbox_) {
+    seqs += s.req.n;
+    tokens += static_cast<int64_t>(s.req.prompt.size());
+  }
+  return seqs >= std::min(opt_.scheduler.max_batch, slots_) || tokens >= opt_.scheduler.token_budget;
+}
+
+void Engine::await_burst(std::unique_lock<std::mutex>& lk, const std::atomic<bool>& stop) {
+  if (opt_.admission_window_ms <= 0.0 || first_step_full() || !aborts_.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto deadline = t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double, std::milli>(opt_.admission_window_ms));
+  // submit() and abort() notify; the stop flag is seen by the deadline at the latest.
+  while (!first_step_full() && aborts_.empty() && !stop.load()) {
+    const size_t n = inbox_.size();
+    if (!cv_.wait_until(lk, deadline, [&] { return inbox_.size() != n || !aborts_.empty() || stop.load(); }))
+      break;
+  }
+  ++totals_.admission_waits;  // totals_ is the engine thread's; the next step publishes it
+  totals_.admission_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 void Engine::run(const std::atomic<bool>& stop) {
   while (!stop.load()) {
     if (step()) continue;
+    // Idle: nothing runs or waits, and only an arrival (or an abort, or stop) can change that. The wait
+    // stays here until one comes, so that the first arrival always meets the admission window.
     std::unique_lock<std::mutex> lk(mu_);
-    // The stop flag is not under the lock: the timeout bounds how late it is seen when idle.
-    cv_.wait_for(lk, std::chrono::milliseconds(20),
-                 [&] { return !inbox_.empty() || !aborts_.empty() || stop.load(); });
+    while (inbox_.empty() && aborts_.empty() && !stop.load())
+      cv_.wait_for(lk, std::chrono::milliseconds(20));  // the stop flag is not under the lock: seen by then
+    if (!inbox_.empty()) await_burst(lk, stop);
   }
   apply_inbox();
   std::vector<int64_t> left;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "kda/tokenizer/long_runs.h"
 #include "kda/tokenizer/tokenizer_data.h"
 #include "kda/tokenizer/utf8.h"
 
@@ -60,24 +61,32 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool allow_special
     throw std::invalid_argument("text: invalid UTF-8 at byte offset " + std::to_string(bad));
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 4);
-  std::vector<std::string_view> pieces;
+  std::vector<std::string_view> cuts, pieces;
+  // Each part between special tokens is cut as tokenization_kimi.py cuts the text it is given, and each
+  // piece pre-tokenized and merged on its own (the pattern sees the pieces' ends).
+  const auto plain = [&](std::string_view part) {
+    cuts.clear();
+    cut_long_runs(part, cuts);
+    for (const std::string_view c : cuts) encode_ordinary(*d_, c, out, pieces);
+  };
   if (!allow_special || d_->special_ids.empty()) {
-    encode_ordinary(*d_, text, out, pieces);
+    plain(text);
     return out;
   }
-  // As tiktoken: the text between special-token strings is encoded on its own (the pattern sees each
-  // segment's ends), and at a position the longest special wins.
+  // As Hugging Face's tokenizer call over Kimi's tokenizer (the way vLLM encodes a prompt): the special
+  // tokens split the text first, the longest winning at a position; then each part goes to Kimi's
+  // encode, so a run's count starts again after a special token.
   size_t seg = 0;
   for (size_t i = 0; i < text.size(); ++i) {
     if (!d_->trie.first_byte[static_cast<uint8_t>(text[i])]) continue;
     const auto [len, id] = d_->trie.longest_at(text, i);
     if (len == 0) continue;
-    encode_ordinary(*d_, text.substr(seg, i - seg), out, pieces);
+    plain(text.substr(seg, i - seg));
     out.push_back(id);
     i += len - 1;
     seg = i + 1;
   }
-  encode_ordinary(*d_, text.substr(seg), out, pieces);
+  plain(text.substr(seg));
   return out;
 }
 
