@@ -130,7 +130,10 @@ TEST(PackedCheckpoint, TheFolderSaysItsSchemeAndKeepsTheOtherTensorsAsTheyWere) 
             (std::vector<int64_t>{fused, 8}));
   EXPECT_FALSE(ckpt.contains("model.layers.0.self_attn.q_proj.weight"));
   EXPECT_FALSE(ckpt.contains("model.layers.1.block_sparse_moe.experts.0.w1.weight"));
-  EXPECT_TRUE(ckpt.contains("model.layers.1.block_sparse_moe.experts.7.pieces.1.gate_up_proj.qweight"));
+  // Experts in the MoE's slices (MoeOptions::pieces, 1 by default: one slice, the whole expert).
+  EXPECT_TRUE(ckpt.contains("model.layers.1.block_sparse_moe.experts.7.pieces.0.gate_up_proj.qweight"));
+  EXPECT_TRUE(ckpt.contains("model.layers.1.block_sparse_moe.experts.7.pieces.0.down_proj.scales"));
+  EXPECT_FALSE(ckpt.contains("model.layers.1.block_sparse_moe.experts.7.pieces.1.gate_up_proj.qweight"));
   // Everything else byte for byte.
   for (const char* key :
        {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.A_log",
