@@ -26,6 +26,7 @@
 #include "kda/distributed/in_process.h"
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
+#include "kda/layers/onednn_isa.h"
 #include "kda/mem_cache/radix_cache.h"
 #include "kda/models/kimi_linear_model.h"
 #include "kda/serving/model_runner.h"
@@ -41,6 +42,22 @@
 
 namespace kda::serving {
 namespace {
+
+// bf16 rows independent of their batch for this binary, as `kda simulate` asks whenever its bf16
+// self-check runs (layers/onednn_isa.h): on a CPU with AMX the self-check's loose bound would not see a
+// corrupted restore. Asked before any kernel; refused only when the environment chose oneDNN's ISA.
+class BatchInvariant : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    try {
+      layers::make_bf16_batch_invariant();
+    } catch (const std::runtime_error& e) {
+      std::printf("  not batch-invariant: %s\n", e.what());
+    }
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kBatchInvariant =
+    ::testing::AddGlobalTestEnvironment(new BatchInvariant);
 
 using ::testing::HasSubstr;
 

@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   sim->add_flag("--batch-invariant", so.batch_invariant,
                 "bf16: a row's bits independent of the rows beside it (on CPUs with AMX: oneDNN without AMX, "
-                "prefill GEMMs several times slower)");
+                "prefill GEMMs several times slower); implied by a bf16 self-check (--check > 0)");
   auto* no_cache =
       sim->add_flag("--no-prefix-cache", so.no_prefix_cache, "turn the prefix cache of state snapshots off");
   // The cache's own options with the cache off would be accepted and ignored: refused instead.
