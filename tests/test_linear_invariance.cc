@@ -52,22 +52,10 @@ class Threads {
 
 // This binary asks for batch invariance before its first kernel, as `--batch-invariant` does; the
 // environment may have chosen oneDNN's ISA for it (then the tests are skipped with the reason).
-class BatchInvariant : public ::testing::Environment {
- public:
-  void SetUp() override {
-    try {
-      layers::make_bf16_batch_invariant();
-    } catch (const std::runtime_error& e) {
-      refused = e.what();
-    }
-  }
-  static inline std::string refused;
-};
-[[maybe_unused]] ::testing::Environment* const kBatchInvariant =
-    ::testing::AddGlobalTestEnvironment(new BatchInvariant);
+[[maybe_unused]] ::testing::Environment* const kBatchInvariance = testing::ask_batch_invariance();
 
 #define SKIP_UNLESS_INVARIANT() \
-  if (!BatchInvariant::refused.empty()) GTEST_SKIP() << BatchInvariant::refused
+  if (!testing::batch_invariance_refused().empty()) GTEST_SKIP() << testing::batch_invariance_refused()
 
 std::vector<int> thread_counts() {
   std::vector<int> t{omp_get_max_threads(), 16, 64};

@@ -26,7 +26,6 @@
 #include "kda/distributed/in_process.h"
 #include "kda/io/npy.h"
 #include "kda/io/safetensors.h"
-#include "kda/layers/onednn_isa.h"
 #include "kda/mem_cache/radix_cache.h"
 #include "kda/models/kimi_linear_model.h"
 #include "kda/serving/model_runner.h"
@@ -45,19 +44,8 @@ namespace {
 
 // bf16 rows independent of their batch for this binary, as `kda simulate` asks whenever its bf16
 // self-check runs (layers/onednn_isa.h): on a CPU with AMX the self-check's loose bound would not see a
-// corrupted restore. Asked before any kernel; refused only when the environment chose oneDNN's ISA.
-class BatchInvariant : public ::testing::Environment {
- public:
-  void SetUp() override {
-    try {
-      layers::make_bf16_batch_invariant();
-    } catch (const std::runtime_error& e) {
-      std::printf("  not batch-invariant: %s\n", e.what());
-    }
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kBatchInvariant =
-    ::testing::AddGlobalTestEnvironment(new BatchInvariant);
+// corrupted restore.
+[[maybe_unused]] ::testing::Environment* const kBatchInvariance = kda::testing::ask_batch_invariance();
 
 using ::testing::HasSubstr;
 

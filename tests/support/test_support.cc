@@ -11,6 +11,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "kda/layers/onednn_isa.h"
+
 namespace kda::testing {
 
 std::filesystem::path dumps_dir() { return std::filesystem::path(KDA_TEST_DATA_DIR) / "kda_dumps" / "mini"; }
@@ -122,5 +124,28 @@ void expect_same_stack_config(const io::KimiLinearConfig& got, const io::KimiLin
   EXPECT_EQ(got.eos_token_id, want.eos_token_id);
   EXPECT_EQ(got.pad_token_id, want.pad_token_id);
 }
+
+namespace {
+std::string& refused_reason() {
+  static std::string r;
+  return r;
+}
+class BatchInvariance : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    try {
+      layers::make_bf16_batch_invariant();
+    } catch (const std::runtime_error& e) {
+      refused_reason() = e.what();
+      std::printf("  not batch-invariant: %s\n", e.what());
+    }
+  }
+};
+}  // namespace
+
+::testing::Environment* ask_batch_invariance() {
+  return ::testing::AddGlobalTestEnvironment(new BatchInvariance);
+}
+const std::string& batch_invariance_refused() { return refused_reason(); }
 
 }  // namespace kda::testing

@@ -64,6 +64,12 @@ void expect_throw_with(const std::function<void()>& fn, const std::string& needl
   }
 }
 
+// A test binary that needs bf16 rows independent of their batch (layers/onednn_isa.h) calls this at
+// namespace scope: a global test environment that asks for it before any test builds a kernel. What
+// refused it (the environment chose oneDNN's ISA) is batch_invariance_refused(), "" when granted.
+::testing::Environment* ask_batch_invariance();
+const std::string& batch_invariance_refused();
+
 // The KDA stack's fields of two configs agree (sizes, eps, the layer pattern): what the model reads.
 void expect_same_stack_config(const io::KimiLinearConfig& got, const io::KimiLinearConfig& want);
 

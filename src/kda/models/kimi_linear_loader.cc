@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kda/common/seeded.h"
+#include "kda/io/checkpoint_keys.h"
 #include "kda/io/packed_checkpoint.h"
 #include "kda/io/safetensors.h"
 #include "kda/models/kimi_linear_model.h"
@@ -24,20 +25,6 @@ constexpr const char* kNormKey = "model.norm.weight";
 constexpr uint64_t kEmbedTable = 1, kHeadTable = 2;  // seeded_normals tables (as KdaStack's)
 
 std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "."; }
-
-// Layer i of a key "model.layers.{i}.…", else -1.
-int layer_of(const std::string& key) {
-  static const std::string p = "model.layers.";
-  if (key.compare(0, p.size(), p) != 0) return -1;
-  size_t pos = p.size();
-  int v = 0;
-  bool any = false;
-  while (pos < key.size() && key[pos] >= '0' && key[pos] <= '9' && v < (1 << 20)) {
-    v = v * 10 + (key[pos++] - '0');
-    any = true;
-  }
-  return any && pos < key.size() && key[pos] == '.' ? v : -1;
-}
 
 void check_options(const io::KimiLinearConfig& cfg, const ModelOptions& o) {
   if (!cfg.has_model_fields)
@@ -103,7 +90,7 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
   auto stage_of = [&](const std::string& key) {
     if (key == kEmbedKey) return 0;  // tied too: the head is built from the copy in memory
     if (key == kNormKey || (key == kHeadKey && !tied)) return L + 1;
-    const int l = layer_of(key);
+    const int l = io::layer_of(key);
     return l >= 0 && l < L ? l + 1 : -1;
   };
   std::map<std::string, int> shard_last;  // shard -> last stage reading it
@@ -197,7 +184,7 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
   int n_unused = 0, n_skipped = 0;
   for (const auto& key : names) {
     if (used.count(key)) continue;
-    const int l = layer_of(key);
+    const int l = io::layer_of(key);
     if (l >= L && l < cfg.num_hidden_layers) {
       ++n_skipped;
       continue;

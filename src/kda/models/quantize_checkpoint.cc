@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kda/io/checkpoint_keys.h"
 #include "kda/io/config.h"
 #include "kda/io/file.h"
 #include "kda/io/packed_checkpoint.h"
@@ -37,20 +38,6 @@ const std::vector<std::string>& kda_projection_keys() {
 const std::vector<std::string>& mla_projection_keys() {
   static const std::vector<std::string> k = {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"};
   return k;
-}
-
-// Layer i of a key "model.layers.{i}.…", else -1.
-int layer_of(const std::string& key) {
-  static const std::string p = "model.layers.";
-  if (key.compare(0, p.size(), p) != 0) return -1;
-  size_t pos = p.size();
-  int v = 0;
-  bool any = false;
-  while (pos < key.size() && key[pos] >= '0' && key[pos] <= '9' && v < (1 << 20)) {
-    v = v * 10 + (key[pos++] - '0');
-    any = true;
-  }
-  return any && pos < key.size() && key[pos] == '.' ? v : -1;
 }
 
 std::string shard_name(int s, int n) {
@@ -95,7 +82,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& model, const fs::path& out, 
   // the resident set holds one layer's source and packed weights, not the whole checkpoint.
   const std::vector<std::string> names = ckpt.names();
   auto stage_of = [&](const std::string& key) {
-    const int l = layer_of(key);
+    const int l = io::layer_of(key);
     return l >= 0 && l < L ? l : L;
   };
   std::map<std::string, int> shard_last;
