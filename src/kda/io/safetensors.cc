@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -417,16 +418,24 @@ void convert_f32(const TensorView& v, size_t first, size_t n, float* out) {
 
 // convert_f32 over n elements in chunks on the OpenMP threads when there are many (the LM head's blocks,
 // an embedding table): a load converts what a packed checkpoint keeps converting, so its time is the
-// mapped load's. The dtype was checked (check_shape), so no chunk throws.
+// mapped load's. The dtype was checked (check_shape); a chunk that throws all the same is rethrown after
+// the loop, never out of the OpenMP region.
 void convert_f32_parallel(const TensorView& v, size_t first, size_t n, float* out) {
   constexpr size_t kChunk = size_t{1} << 16;
   if (n < 16 * kChunk) return convert_f32(v, first, n, out);
   const auto chunks = static_cast<int64_t>((n + kChunk - 1) / kChunk);
+  std::exception_ptr error;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
-    const size_t b = static_cast<size_t>(c) * kChunk;
-    convert_f32(v, first + b, std::min(kChunk, n - b), out + b);
+    try {
+      const size_t b = static_cast<size_t>(c) * kChunk;
+      convert_f32(v, first + b, std::min(kChunk, n - b), out + b);
+    } catch (...) {
+#pragma omp critical(kda_convert_f32)
+      if (!error) error = std::current_exception();
+    }
   }
+  if (error) std::rethrow_exception(error);
 }
 
 // A converting load has copied what it needs, so the tensor's whole pages of the read-only file mapping
