@@ -13,6 +13,7 @@
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
 #include "kda/layers/matmul_cache.h"
+#include "kda/layers/onednn_isa.h"
 
 namespace kda::layers {
 
@@ -20,14 +21,6 @@ using dnnl::memory;
 namespace qg = kda::kernels::gemm;
 
 namespace {
-
-// Whether oneDNN runs bf16 matmuls on AMX here (its effective ISA includes avx512_core_amx).
-bool onednn_has_amx() {
-  static const bool amx = (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) &
-                           static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx)) ==
-                          static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
-  return amx;
-}
 
 // v sized for n values from a 64-byte boundary, which it returns: oneDNN's bf16 kernels run at about
 // half speed on operands that are not (AMX tile loads split across cache lines).
@@ -44,7 +37,7 @@ QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision pr
   if (precision != Precision::BF16 || !cpu_has_bf16_gemm()) return Prefill::Fp32Tiles;
   // int4's bf16 tile is twice as deep (hi + lo): it pays where bf16 runs at well over twice the fp32
   // rate (AMX), not where it runs at about twice (AVX512_BF16 alone).
-  if (weights == Weights::Int4 && !onednn_has_amx()) return Prefill::Fp32Tiles;
+  if (weights == Weights::Int4 && !onednn_bf16_uses_amx()) return Prefill::Fp32Tiles;
   return Prefill::Bf16Tiles;
 }
 
