@@ -64,6 +64,22 @@ std::vector<int> thread_counts() {
   return t;
 }
 
+// kRefRows random rows of sh.in inputs, in bf16 (what a bf16 projection reads).
+std::vector<bf16_t> random_bf16_rows(const Shape& sh, uint64_t seed) {
+  const std::vector<float> xf = random_normal(static_cast<size_t>(kRefRows * sh.in), seed);
+  std::vector<bf16_t> x(xf.size());
+  f32_to_bf16_array(xf.data(), x.data(), x.size());
+  return x;
+}
+
+// One call on all kRefRows rows of x: the reference each smaller call's rows are compared with.
+template <class Y>
+std::vector<Y> all_rows(const layers::Linear& lin, const std::vector<bf16_t>& x) {
+  std::vector<Y> y(static_cast<size_t>(kRefRows * lin.out_features()));
+  lin.forward(x.data(), kRefRows, lin.in_features(), y.data(), lin.out_features());
+  return y;
+}
+
 // Rows [s, s + M) of x alone against the same rows of one call on all of x, bit for bit; the number of
 // rows that differ.
 template <class Y>
@@ -82,14 +98,11 @@ TEST(LinearInvariance, ARowsBitsDoNotDependOnTheRowsBesideIt) {
   SKIP_UNLESS_INVARIANT();
   for (const Shape& sh : kShapes) {
     const std::vector<float> w = random_normal(static_cast<size_t>(sh.in * sh.out), 3, 0.02f);
-    std::vector<bf16_t> x(static_cast<size_t>(kRefRows * sh.in));
-    const std::vector<float> xf = random_normal(x.size(), 4);
-    f32_to_bf16_array(xf.data(), x.data(), x.size());
+    const std::vector<bf16_t> x = random_bf16_rows(sh, 4);
     for (int threads : thread_counts()) {
       const Threads scope(threads);
       const layers::Linear lin(sh.in, sh.out, w, Precision::BF16);
-      std::vector<float> ref(static_cast<size_t>(kRefRows * sh.out));
-      lin.forward(x.data(), kRefRows, sh.in, ref.data(), sh.out);
+      const std::vector<float> ref = all_rows<float>(lin, x);
       for (int64_t M : kRows)
         for (int64_t s : {int64_t{0}, kOffset})
           EXPECT_EQ(rows_differing(lin, x, ref, s, M), 0)
@@ -105,16 +118,12 @@ TEST(LinearInvariance, Bf16OutputRowsToo) {
   SKIP_UNLESS_INVARIANT();
   const Shape sh = kShapes[1];
   const std::vector<float> w = random_normal(static_cast<size_t>(sh.in * sh.out), 5, 0.02f);
-  std::vector<bf16_t> x(static_cast<size_t>(kRefRows * sh.in));
-  const std::vector<float> xf = random_normal(x.size(), 6);
-  f32_to_bf16_array(xf.data(), x.data(), x.size());
+  const std::vector<bf16_t> x = random_bf16_rows(sh, 6);
   for (int threads : thread_counts()) {
     const Threads scope(threads);
     const layers::Linear lin(sh.in, sh.out, w, Precision::BF16);
-    std::vector<float> ref(static_cast<size_t>(kRefRows * sh.out));
-    lin.forward(x.data(), kRefRows, sh.in, ref.data(), sh.out);
-    std::vector<bf16_t> ref16(ref.size());
-    lin.forward(x.data(), kRefRows, sh.in, ref16.data(), sh.out);
+    const std::vector<float> ref = all_rows<float>(lin, x);
+    const std::vector<bf16_t> ref16 = all_rows<bf16_t>(lin, x);
     for (size_t i = 0; i < ref.size(); ++i) ASSERT_EQ(ref16[i], f32_to_bf16(ref[i])) << i;
     for (int64_t M : {1, 2, 5, 65})
       EXPECT_EQ(rows_differing(lin, x, ref16, kOffset, M), 0) << M << " rows, " << threads << " threads";
