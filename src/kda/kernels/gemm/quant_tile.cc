@@ -3,7 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstring>
+#include <bit>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -15,16 +15,7 @@
 namespace kda::kernels::gemm {
 namespace {
 
-inline uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-inline float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline uint32_t bits(float f) { return std::bit_cast<uint32_t>(f); }
 
 // w as hi + lo: hi w rounded to nearest even bf16 (truncated instead where rounding would overflow to
 // Inf), lo the remainder (exact in fp32, |lo| <= 2^-8 |w|) rounded to nearest even: 16 significant
@@ -34,7 +25,7 @@ inline void split(float w, bf16_t& hi, bf16_t& lo) {
   uint32_t h = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
   if ((h & 0x7f800000u) == 0x7f800000u && (u & 0x7f800000u) != 0x7f800000u) h = u & 0xffff0000u;
   hi = static_cast<bf16_t>(h >> 16);
-  lo = static_cast<bf16_t>(bits(round_bf16(w - from_bits(h))) >> 16);
+  lo = static_cast<bf16_t>(bits(round_bf16(w - std::bit_cast<float>(h))) >> 16);
 }
 
 void check(const PackedWeights& w, int64_t n0, int64_t n1, int64_t ld) {
