@@ -229,7 +229,9 @@ class KimiLinearForCausalLM {
   // Builds the head's blocks from rows(begin, end) -> fp32 [end - begin, D].
   void build_head(int64_t V, const std::function<std::vector<float>(int64_t, int64_t)>& rows);
   layers::attention::linear::KDAAttnBackend backend_;
-  std::vector<float> head_in_;
+  // compute_logits' normed rows [M, D], and one block's logits [M, block] before they go to their columns
+  // (compute_logits says why).
+  std::vector<float> head_in_, head_out_;
 };
 
 // Active parameters per decoded token of the first `num_layers` layers (0: all) of `cfg`, with

@@ -353,8 +353,25 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
   head_in_.resize(static_cast<size_t>(M * D));
   rms_norm_rows(hidden, M, D, model_->norm_weight().data(), cfg_.rms_norm_eps, opts_.precision,
                 head_in_.data());
-  for (size_t b = 0; b < lm_head_.size(); ++b)
-    lm_head_[b].forward(head_in_.data(), M, D, logits + head_begin_[b], vocab_size());
+  // One row (a batch-1 decode step) goes straight to its columns: oneDNN takes a strided destination through
+  // its plain-layout gemm, which at M = 1 reads the head faster than its brgemm kernel does within a model
+  // step. At M >= 2 (verify rows, batched decode) that gemm is far slower than the brgemm kernel on a dense
+  // destination (docs/performance.md, "The LM head's row counts"), so each block's logits go to a dense
+  // buffer first, then to their columns. A head that serves both shapes holds its weights in both layouts
+  // (Linear keeps one per layout its calls need).
+  const int64_t V = vocab_size();
+  if (lm_head_.size() == 1 || M == 1) {
+    for (size_t b = 0; b < lm_head_.size(); ++b)
+      lm_head_[b].forward(head_in_.data(), M, D, logits + head_begin_[b], V);
+    return;
+  }
+  for (size_t b = 0; b < lm_head_.size(); ++b) {
+    const int64_t n = lm_head_[b].out_features();
+    head_out_.resize(static_cast<size_t>(M * n));
+    lm_head_[b].forward(head_in_.data(), M, D, head_out_.data(), n);
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(logits + m * V + head_begin_[b], head_out_.data() + m * n, sizeof(float) * n);
+  }
 }
 
 int64_t KimiLinearForCausalLM::head_weight_bytes() const {

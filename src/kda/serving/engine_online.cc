@@ -560,13 +560,17 @@ void Engine::await_burst(std::unique_lock<std::mutex>& lk, const std::atomic<boo
 
 void Engine::run(const std::atomic<bool>& stop) {
   while (!stop.load()) {
-    if (step()) continue;
-    // Idle: nothing runs or waits, and only an arrival (or an abort, or stop) can change that. The wait
-    // stays here until one comes, so that the first arrival always meets the admission window.
-    std::unique_lock<std::mutex> lk(mu_);
-    while (inbox_.empty() && aborts_.empty() && !stop.load())
-      cv_.wait_for(lk, std::chrono::milliseconds(20));  // the stop flag is not under the lock: seen by then
-    if (!inbox_.empty()) await_burst(lk, stop);
+    if (live_.empty()) {
+      // Idle: nothing runs or waits, and only an arrival (or an abort, or stop) can change that. The wait
+      // comes before the step, so that the first arrival always meets the admission window, the first
+      // after run() starts included.
+      std::unique_lock<std::mutex> lk(mu_);
+      while (inbox_.empty() && aborts_.empty() && !stop.load())
+        cv_.wait_for(lk, std::chrono::milliseconds(20));  // the stop flag is not under the lock: seen by then
+      if (!inbox_.empty()) await_burst(lk, stop);
+      if (stop.load()) break;
+    }
+    step();
   }
   apply_inbox();
   std::vector<int64_t> left;
