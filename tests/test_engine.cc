@@ -21,6 +21,7 @@
 #include "kda/models/kimi_linear_model.h"
 #include "kda/serving/engine.h"
 #include "kda/serving/model_runner.h"
+#include "kda/serving/workload_driver.h"
 #include "support/model_checkpoint.h"
 #include "support/small_model_config.h"
 #include "support/test_support.h"

@@ -1219,7 +1219,7 @@ TEST(SimulateCli, PrefixCacheSummaryAndOffSwitch) {
 
 // --- speculative decoding ------------------------------------------------------------------------------
 
-TEST(Speculative, DraftTriesNgramLookupAndGreedyVerification) {
+TEST(Speculative, DraftTriesAndNgramLookup) {
   Draft d;
   d.add_branch(std::vector<int32_t>{5, 6, 7}, 8);
   d.add_branch(std::vector<int32_t>{5, 9}, 8);  // shares 5
@@ -1229,19 +1229,6 @@ TEST(Speculative, DraftTriesNgramLookupAndGreedyVerification) {
   Draft capped;
   capped.add_branch(std::vector<int32_t>{1, 2, 3}, 2);
   EXPECT_EQ(capped.size(), 2);
-
-  // Picks at row positions 0..5: position 0 picks 5 (draft 0 accepted, position 1), which picks 9 (draft 3,
-  // position 4), which picks 1: no child -> bonus 1.
-  const auto v = greedy_verify(d, std::vector<int32_t>{5, 9, 0, 0, 1, 0});
-  EXPECT_EQ(v.path, (std::vector<int32_t>{1, 4}));
-  EXPECT_EQ(v.last, 4);
-  EXPECT_EQ(v.next_token, 1);
-  const auto none = greedy_verify(d, std::vector<int32_t>{8, 6, 7, 0, 0, 0});
-  EXPECT_TRUE(none.path.empty());
-  EXPECT_EQ(none.next_token, 8);
-  const auto chain = greedy_verify(d, std::vector<int32_t>{5, 6, 7, 3, 0, 0});
-  EXPECT_EQ(chain.path, (std::vector<int32_t>{1, 2, 3}));
-  EXPECT_EQ(chain.next_token, 3);
 
   // ngram: the latest earlier occurrence of the longest suffix (3 tokens) with a match.
   const std::vector<int32_t> h = {1, 2, 3, 10, 11, 7, 2, 3, 20, 21, 22, 1, 2, 3};

@@ -1,5 +1,5 @@
 // `kda bench --only spec`, its serving rows: speculative decoding against plain decoding through the
-// serving loop (serve(), as `kda simulate` runs it) on one model in one process, in turns. A verify step
+// serving engine (serve(), as `kda simulate` drives it) on one model in one process, in turns. A verify step
 // of d + 1 tokens on a MoE model reads the union of the experts its tokens select, so whether speculation
 // pays depends on the expert count: the rows run the first 4 decoder layers of the 48B config with
 // --experts routed experts (top-8), batch 1, replay drafts at accept rates 0.5 / 0.7 / 0.9 and ngram drafts
@@ -16,11 +16,11 @@
 #include "kda/bench/rows.h"
 #include "kda/io/kimi_linear_48b.h"
 #include "kda/models/kimi_linear_model.h"
-#include "kda/serving/engine.h"
 #include "kda/serving/model_runner.h"
 #include "kda/serving/simulate.h"
 #include "kda/serving/simulate_plan.h"
 #include "kda/serving/trace.h"
+#include "kda/serving/workload_driver.h"
 
 namespace kda::bench {
 

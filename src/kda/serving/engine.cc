@@ -1,350 +1,715 @@
+// The serving engine (engine.h): the scheduler over requests submitted while it runs.
 #include "kda/serving/engine.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
-#include "kda/common/seeded.h"
-#include "kda/serving/draft_depth.h"
+#include "kda/sampling/spec_accept.h"
 #include "kda/serving/spec_step.h"
 
 namespace kda::serving {
 
-namespace {
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kAbort:
+      return "abort";
+    case FinishReason::kNone:
+      break;
+  }
+  return "";
 }
+
+namespace {
+
+bool plain_greedy(const sampling::SamplingParams& p) {
+  return p.greedy() && p.logprobs < 0 && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
+         p.frequency_penalty == 0.0f;
+}
+
+// What the scheduler needs of a request: its lengths. Generating max_tokens tokens takes max_tokens - 1
+// decode steps after the prompt (the first token comes from the prompt's last position).
+RequestSpec spec_of(const GenerateRequest& req) {
+  RequestSpec s;
+  s.prompt_len = static_cast<int32_t>(req.prompt.size());
+  s.output_len = req.params.max_tokens - 1;
+  return s;
+}
+
+// The scheduler's options for `opt`: each request brings its n; speculative decoding's verify rows hold
+// drafts beyond the committed tokens (promised at admission: at least the caller's verify_extra_tokens, so
+// that a driver's run without speculation can admit as its speculative run does) and are capped by the
+// runner's verify buffer. Checks the speculative options and hooks against the runner first.
+SchedulerOptions scheduler_options(const EngineOptions& opt, ModelRunner& runner) {
+  SchedulerOptions so = opt.scheduler;
+  so.parallel_samples = 1;
+  const int32_t caller_extra = so.verify_extra_tokens;
+  so.verify_extra_tokens = 0;
+  if (caller_extra < 0)
+    throw std::invalid_argument("scheduler.verify_extra_tokens: must be >= 0, got " +
+                                std::to_string(caller_extra));
+  const SpeculativeOptions& spec = opt.spec;
+  spec.validate();
+  const bool probe = opt.hooks.probe_decode;
+  if (probe && spec.enabled())
+    throw std::invalid_argument(
+        "hooks.probe_decode: not with speculative decoding (it verifies placeholders)");
+  if (opt.hooks.drafter && spec.algorithm != SpecAlgorithm::kReplay)
+    throw std::invalid_argument("hooks.drafter: drafts replay's continuations; spec.algorithm is " +
+                                std::string(to_string(spec.algorithm)));
+  if (!spec.enabled() && !probe) return so;
+  if (spec.algorithm == SpecAlgorithm::kReplay && !opt.hooks.drafter)
+    throw std::invalid_argument(std::string("spec: ") + to_string(spec.algorithm) +
+                                " drafting needs a known continuation, which online requests do not have; "
+                                "use ngram");
+  if (spec.enabled() && spec.algorithm != SpecAlgorithm::kNgram && spec.algorithm != SpecAlgorithm::kReplay)
+    throw std::invalid_argument(std::string("spec: ") + to_string(spec.algorithm) +
+                                " drafting is not one the engine runs; use ngram");
+  const int32_t tokens = probe ? 2 : spec.max_verify_tokens();
+  const auto& cfg = runner.pools().recurrent_state_pool.config();
+  if (cfg.max_verify_tokens < tokens)
+    throw std::invalid_argument("spec: verify rows of " + std::to_string(tokens) +
+                                " tokens need a runner built with max_verify_tokens >= that (it has " +
+                                std::to_string(cfg.max_verify_tokens) + ")");
+  const int64_t rows = cfg.verify_rows > 0 ? cfg.verify_rows : cfg.size;
+  so.max_batch = std::min(so.max_batch, rows);
+  so.verify_extra_tokens = std::max(caller_extra, tokens - 1);
+  return so;
+}
+
 }  // namespace
 
-ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests, const ServeOptions& opt) {
-  models::KimiLinearForCausalLM& model = runner.model();
-  const int64_t D = model.hidden_size(), V = model.vocab_size();
-  Scheduler sched(requests, opt.scheduler, runner.pools().req_to_token_pool);
-  const int32_t n = sched.parallel_samples();
-  const auto& seqs = sched.sequences();
-  const int64_t S = static_cast<int64_t>(seqs.size());
-  const int64_t R = static_cast<int64_t>(requests.size());
-
-  ServeResult res;
-  res.hidden = D;
-  res.outputs.resize(static_cast<size_t>(S));
-  auto kept = [&](int64_t s) { return !opt.keep.empty() && opt.keep[seqs[s].request]; };
-  for (int64_t s = 0; s < S; ++s) {
-    const RequestSpec& r = requests[seqs[s].request];
-    res.outputs[s].request_id = r.id;
-    res.outputs[s].sample = r.sample_base + seqs[s].sample;
-    res.outputs[s].prompt_len = r.prompt_len;
-    // A kept sequence's rows, sized once for their most (a row per position) and written through before
-    // the first step, so that the loop appends into memory already resident: appended with vector growth
-    // as its steps came, each kept request (a self-check sample, ~0.8 MB of rows each at the soak's sizes)
-    // raised resident memory when it happened to run, late in a long run as early (scripts/soak.sh).
-    if (kept(s)) {
-      auto& rows = res.outputs[s].rows;
-      rows.assign(static_cast<size_t>((int64_t{r.prompt_len} + r.output_len) * D), 0.0f);
-      rows.clear();  // keeps the capacity
-    }
+Engine::Engine(ModelRunner& runner, EngineOptions opt)
+    : runner_(runner),
+      opt_(std::move(opt)),
+      V_(runner.model().vocab_size()),
+      D_(runner.model().hidden_size()),
+      slots_(runner.pools().req_to_token_pool.size()),
+      kv_tokens_(runner.pools().req_to_token_pool.token_to_kv_pool()
+                     ? runner.pools().req_to_token_pool.token_to_kv_pool()->size()
+                     : 0),
+      sched_({}, scheduler_options(opt_, runner), runner.pools().req_to_token_pool),
+      cost_(opt_.spec.enabled() ? opt_.spec.draft_tokens : 0),
+      seeds_(std::random_device{}()) {
+  if (!opt_.producible.empty() && static_cast<int64_t>(opt_.producible.size()) != V_)
+    throw std::invalid_argument("producible: " + std::to_string(opt_.producible.size()) +
+                                " entries for a vocabulary of " + std::to_string(V_));
+  if (!opt_.producible.empty() &&
+      std::none_of(opt_.producible.begin(), opt_.producible.end(), [](uint8_t v) { return v != 0; }))
+    throw std::invalid_argument("producible: no id is producible");
+  if (!(opt_.admission_window_ms >= 0.0 && opt_.admission_window_ms <= 1000.0))  // NaN fails too
+    throw std::invalid_argument("admission_window_ms: must be in [0, 1000] ms, got " +
+                                std::to_string(opt_.admission_window_ms));
+  if (opt_.max_context < 0)
+    throw std::invalid_argument("max_context: must be >= 0, got " + std::to_string(opt_.max_context));
+  verify_extra_ = scheduler_options(opt_, runner).verify_extra_tokens;
+  is_stop_.assign(static_cast<size_t>(V_), 0);
+  for (const int32_t id : opt_.stop_ids) {
+    if (id < 0 || id >= V_)
+      throw std::invalid_argument("stop_ids: id " + std::to_string(id) + " is outside the vocabulary of " +
+                                  std::to_string(V_));
+    is_stop_[id] = 1;
   }
-
-  // Prompt tokens per request: a first turn's now, a next turn's when its previous turn finishes.
-  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(R));
-  std::vector<int64_t> next_turn(static_cast<size_t>(R), -1);
-  auto add_own_tokens = [&](int64_t r) {
-    const RequestSpec& q = requests[r];
-    auto& p = prompts[r];
-    if (!q.prompt.empty()) {
-      p.insert(p.end(), q.prompt.begin(), q.prompt.end());
-    } else {
-      for (int32_t pos = q.own_start(); pos < q.prompt_len; ++pos)
-        p.push_back(seeded_token(opt.seed, TokenStream::kPrompt, q.id, pos, V));
-    }
-    if (static_cast<int64_t>(p.size()) != q.prompt_len)
-      throw std::logic_error("request " + std::to_string(r) + ": its prompt has " + std::to_string(p.size()) +
-                             " tokens, prompt_len says " + std::to_string(q.prompt_len));
-    sched.set_prompt(r, p);  // the prefix cache matches and keys snapshots by it
-  };
-  for (int64_t r = 0; r < R; ++r) {
-    if (requests[r].after >= 0)
-      next_turn[requests[r].after] = r;
-    else
-      add_own_tokens(r);
-  }
-  // Per sequence: its greedy picks (output_len + 1 when finished), and the token decode step k feeds.
-  std::vector<std::vector<int32_t>> gen(static_cast<size_t>(S));
-  auto fed = [&](int64_t s, int32_t k) {
-    const auto& forced = requests[seqs[s].request].forced;
-    const auto& src = forced.empty() ? gen[s] : forced[seqs[s].sample];
-    if (k >= static_cast<int32_t>(src.size())) throw std::logic_error("decode input before its token");
-    return src[k];
-  };
-  std::vector<Clock::time_point> arrived_at(static_cast<size_t>(R));
-
-  ProgressInfo prog;
-  prog.requests_total = R;
-  for (const auto& r : requests) prog.tokens_total += r.prompt_len + int64_t{n} * r.output_len;
-
-  std::vector<float> y, head;
-  std::vector<int32_t> toks, picks, accepted, emitted;
-  std::vector<size_t> pick_rows;
-  // Speculative decoding: each verify row's drafts and verdict.
-  opt.spec.validate();
-  if (opt.spec.enabled())
-    for (const auto& r : requests)
-      if (!r.forced.empty() || opt.probe_decode)
-        throw std::logic_error("speculative decoding with teacher-forced inputs or probe_decode");
-  if (opt.spec.algorithm == SpecAlgorithm::kReplay &&
-      (!opt.replay_truth || static_cast<int64_t>(opt.replay_truth->size()) != S))
-    throw std::logic_error("replay drafting needs every sequence's tokens from a run without speculation");
-  std::vector<Draft> drafts;
-  std::vector<Verdict> verdicts;
-  std::vector<int32_t> history, depths;
-  // Adaptive depth: one cost model for the loop (its decode and verify steps' times), one controller per
-  // sequence (its acceptance).
-  const bool adaptive = opt.spec.enabled() && opt.spec.depth_mode == DraftDepthMode::kAdaptive;
-  VerifyCostModel cost(opt.spec.enabled() ? opt.spec.draft_tokens : 0);
-  std::vector<DraftDepthController> depth_ctl;
-  if (adaptive) depth_ctl.assign(static_cast<size_t>(S), DraftDepthController(opt.spec.draft_tokens));
-  int32_t step_depth = 0;  // the step's deepest draft (0: a plain decode step)
-  auto propose = [&](int64_t s, int32_t depth) {
-    if (depth < 1) return Draft{};
-    const auto& g = gen[s];
-    if (!opt.spec.enabled())  // probe_decode: one placeholder draft
-      return Draft{{static_cast<int32_t>((g.back() + 1) % V)}, {-1}};
-    if (opt.spec.algorithm == SpecAlgorithm::kNgram) {
-      const auto& p = prompts[seqs[s].request];
-      history.assign(p.begin(), p.end());
-      history.insert(history.end(), g.begin(), g.end());
-      return ngram_draft(history, depth, opt.spec.topk);
-    }
-    const auto& truth = (*opt.replay_truth)[s];  // truth[k]: the token generated k-th
-    const size_t from = std::min(g.size(), truth.size());
-    // Keyed by the request's id and sample, not the sequence index: the same draws under --dp.
-    const RequestSpec& r = requests[seqs[s].request];
-    return replay_draft(std::span<const int32_t>(truth).subspan(from), depth, opt.spec.topk,
-                        opt.spec.accept_rate, V, opt.seed, r.id * 4096 + r.sample_base + seqs[s].sample,
-                        static_cast<int64_t>(g.size()));
-  };
-  const auto t_start = Clock::now();
-  while (!sched.done()) {
-    bool stop = opt.stop && opt.stop->load();
-    if (opt.agree_stop) stop = opt.agree_stop(stop);
-    if (stop) {
-      res.interrupted = true;
-      break;
-    }
-    ScheduledBatch b = sched.schedule();
-    const auto now = Clock::now();
-    for (const int64_t r : b.arrived) arrived_at[r] = now;
-    if (b.empty()) {
-      // Nothing can run before the next arrival (the pool cannot be what blocks: a request never
-      // needs more slots than the pool has, and with nothing running every slot is free).
-      if (!sched.skip_to_next_arrival())
-        throw std::logic_error("scheduler: requests left but nothing to run and nothing to arrive");
-      continue;
-    }
-    // Speculative decoding: each decode row becomes its token + drafts (never past the sequence's end).
-    bool verify = (opt.spec.enabled() || opt.probe_decode) && b.mode == model_executor::ForwardMode::DECODE;
-    drafts.clear();
-    step_depth = 0;
-    if (verify) {
-      begin_verify(b);
-      depths.assign(b.rows.size(), opt.spec.draft_tokens);
-      if (adaptive) {
-        const auto rows = static_cast<int64_t>(b.rows.size());
-        for (size_t i = 0; i < b.rows.size(); ++i) depths[i] = depth_ctl[b.rows[i].seq].choose(cost, rows);
-        // The choices follow each rank's own step times: under TP every rank drafts rank 0's depths.
-        if (opt.agree_tokens) opt.agree_tokens(depths);
-      }
-      for (size_t i = 0; i < b.rows.size(); ++i) {
-        auto& row = b.rows[i];
-        const Sequence& q = seqs[row.seq];
-        const int32_t depth = verify_depth(q, depths[i]);
-        res.spec_depth_sum += depth;
-        ++res.spec_depth_rows;
-        drafts.push_back(propose(row.seq, depth));
-        const Draft& d = drafts.back();
-        step_depth = std::max(step_depth, draft_depth(d));
-        add_verify_row(b, row, d);
-        res.spec_draft_tokens += d.size();
-      }
-      // No row has a draft (ngram found no match): a plain DECODE step, without the verify path's
-      // kept inputs and accept replay.
-      verify = end_drafting(b, opt.probe_decode);
-    }
-    const int64_t T = b.num_tokens();
-    y.resize(static_cast<size_t>(T * D));
-    toks.resize(static_cast<size_t>(T));
-    int64_t t = 0;
-    if (verify) {  // the last generated token, then the drafts (fed tokens are noted once accepted)
-      verify_inputs(
-          b, drafts,
-          [&](size_t i) { return fed(b.rows[i].seq, b.rows[i].start - seqs[b.rows[i].seq].prompt_len); },
-          toks.data());
-    } else {
-      for (const auto& row : b.rows) {
-        const Sequence& q = seqs[row.seq];
-        for (int32_t k = 0; k < row.len; ++k, ++t) {
-          const int32_t pos = row.start + k;
-          toks[t] = pos < q.prompt_len ? prompts[q.request][pos] : fed(row.seq, pos - q.prompt_len);
-          if (pos >= q.prompt_len) sched.add_fed_token(row.seq, toks[t]);
-        }
-      }
-    }
-    auto fb = sched.forward_batch(b);
-    const auto t0 = Clock::now();
-    runner.forward(fb, toks.data(), y.data());
-    if (verify) {
-      // The target's argmax at every row position, greedy verification, then each slot moves to the
-      // state after its accepted tokens (no layer pass). Under TP the picks are rank 0's, so every rank
-      // accepts the same.
-      picks.resize(static_cast<size_t>(T));
-      runner.next_tokens(y.data(), T, picks.data());
-      if (opt.agree_tokens) opt.agree_tokens(picks);
-      accepted.clear();
-      verdicts.clear();
-      t = 0;
-      for (size_t i = 0; i < b.rows.size(); ++i) {
-        verdicts.push_back(greedy_verify(
-            drafts[i], std::span<const int32_t>(picks.data() + t, static_cast<size_t>(b.rows[i].len))));
-        accepted.push_back(verdicts.back().last);
-        if (adaptive)
-          depth_ctl[b.rows[i].seq].observe(draft_depth(drafts[i]),
-                                           static_cast<int32_t>(verdicts.back().path.size()));
-        t += b.rows[i].len;
-      }
-      runner.accept(fb, accepted);
-      const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
-      res.step_ms.push_back(step_s * 1e3);
-      if (adaptive) cost.record(step_depth, static_cast<int64_t>(b.rows.size()), step_s);
-      emitted.clear();
-      t = 0;
-      for (size_t i = 0; i < b.rows.size(); ++i) {
-        auto& row = b.rows[i];
-        const Verdict& v = verdicts[i];
-        const Draft& d = drafts[i];
-        sched.add_fed_token(row.seq, toks[t]);  // the committed inputs: the row's token, accepted drafts
-        for (const int32_t p : v.path) {
-          gen[row.seq].push_back(d.tokens[p - 1]);
-          sched.add_fed_token(row.seq, d.tokens[p - 1]);
-        }
-        gen[row.seq].push_back(v.next_token);
-        if (kept(row.seq)) {  // the accepted path's rows: position 0, then each accepted draft's
-          auto& rows = res.outputs[row.seq].rows;
-          const float* out = y.data() + t * D;
-          rows.insert(rows.end(), out, out + D);
-          for (const int32_t p : v.path) rows.insert(rows.end(), out + p * D, out + (p + 1) * D);
-        }
-        t += row.len;
-        emitted.push_back(1 + static_cast<int32_t>(v.path.size()));
-        res.spec_accepted_tokens += static_cast<int64_t>(v.path.size());
-      }
-      // From here on row lengths and decode_tokens count the tokens the step emitted (what complete()
-      // advances the sequences by, and what plain decode steps count).
-      commit_verify_rows(b, emitted);
-      res.spec_emitted_tokens += b.decode_tokens;
-      ++res.spec_verify_steps;
-      res.spec_verify_rows += static_cast<int64_t>(b.rows.size());
-    } else {
-      // The next token of every row that reached the prompt's last position (a finished prompt or a
-      // decode): final norm, LM head and argmax on its last output row.
-      pick_rows = gather_pick_rows(b, seqs, y.data(), D, head);
-      picks.resize(pick_rows.size());
-      runner.next_tokens(head.data(), static_cast<int64_t>(pick_rows.size()), picks.data());
-      if (opt.agree_tokens) opt.agree_tokens(picks);
-      const auto t_picked = Clock::now();
-      const double step_s = std::chrono::duration<double>(t_picked - t0).count();
-      res.step_ms.push_back(step_s * 1e3);
-      // A plain decode step (speculation chose depth 0 or found no drafts): the cost model's baseline.
-      if (adaptive && b.mode == model_executor::ForwardMode::DECODE)
-        cost.record(0, static_cast<int64_t>(b.rows.size()), step_s);
-      for (size_t k = 0; k < pick_rows.size(); ++k) {
-        const auto& row = b.rows[pick_rows[k]];
-        gen[row.seq].push_back(picks[k]);
-        if (!row.decode) {  // the prompt's last position: the request's first token
-          const int64_t r = seqs[row.seq].request;
-          const double ms = std::chrono::duration<double, std::milli>(t_picked - arrived_at[r]).count();
-          res.ttft_ms.push_back(ms);
-          if (requests[r].after >= 0) res.ttft_later_turns_ms.push_back(ms);
-        }
-      }
-      t = 0;
-      for (const auto& row : b.rows) {
-        const float* out = y.data() + t * D;
-        // A prefix-cache hit's first row is at its prefix_len: the rows before were never computed.
-        if (kept(row.seq) && res.outputs[row.seq].rows.empty()) res.outputs[row.seq].rows_from = row.start;
-        if (kept(row.seq))
-          res.outputs[row.seq].rows.insert(res.outputs[row.seq].rows.end(), out, out + row.len * D);
-        t += row.len;
-      }
-    }
-    const StepEvents ev = sched.complete(b);
-    for (const auto& [parent, child] : ev.forks) {  // a fork starts from its parent's prompt
-      gen[child] = gen[parent];
-      if (adaptive) depth_ctl[child] = depth_ctl[parent];
-      if (kept(child)) {
-        res.outputs[child].rows = res.outputs[parent].rows;
-        res.outputs[child].rows_from = res.outputs[parent].rows_from;
-      }
-    }
-    for (const int64_t r : ev.finished_requests) {  // a finished turn: its next turn's prompt
-      const int64_t nt = next_turn[r];
-      if (nt < 0) continue;
-      prompts[nt] = prompts[r];
-      const auto& g = gen[sched.seq_index(r, 0)];
-      prompts[nt].insert(prompts[nt].end(), g.begin(), g.end());
-      add_own_tokens(nt);
-    }
-
-    ++res.steps;
-    if (b.mode == model_executor::ForwardMode::DECODE || verify)
-      ++res.decode_steps;
-    else if (b.decode_tokens > 0)
-      ++res.mixed_steps;
-    else
-      ++res.extend_steps;
-    res.prefill_tokens += b.prefill_tokens + b.cached_tokens;
-    res.prefill_tokens_computed += b.prefill_tokens;
-    res.decode_tokens += b.decode_tokens;
-    if (opt.progress) {
-      prog.tokens_done +=
-          b.num_tokens() + b.cached_tokens;  // restored prompt tokens are done too (prefix cache)
-      prog.requests_done = sched.finished_requests();
-      prog.steps = res.steps;
-      prog.elapsed_s = seconds_since(t_start);
-      opt.progress(prog);
-    }
-  }
-  res.wall_s = seconds_since(t_start);
-  res.spec_state_bytes = static_cast<int64_t>(runner.pools().recurrent_state_pool.spec_state_bytes());
-  res.requests_completed = sched.finished_requests();
-  res.peak_slots = sched.peak_slots();
-  res.slot_reuses = sched.slot_reuses();
-  res.peak_kv_tokens = sched.peak_kv_tokens();
-  res.prefix_cache_hit_tokens = sched.cache_hit_tokens();
-  if (const auto* c = opt.scheduler.cache) {
-    res.prefix_cache_bytes = static_cast<int64_t>(c->bytes());
-    res.prefix_cache_snapshots = c->snapshots();
-    res.prefix_cache_evictions = c->evictions();
-  }
-  for (int64_t s = 0; s < S; ++s) {
-    res.outputs[s].prompt = prompts[seqs[s].request];
-    res.outputs[s].tokens = std::move(gen[s]);
-  }
-  return res;
+  publish_stats();
 }
 
-void agree_across_ranks(const distributed::TensorParallel& tp, ServeOptions& so) {
-  if (tp.size <= 1) return;
-  so.agree_stop = [comm = tp.comm](bool v) { return comm->allreduce_or(v); };
-  // Token ids (< 2^24) are exact in fp32, so a sum with zeros from every other rank is a broadcast.
-  so.agree_tokens = [comm = tp.comm, rank = tp.rank](std::vector<int32_t>& t) {
-    std::vector<float> f(t.size(), 0.0f);
-    if (rank == 0)
-      for (size_t i = 0; i < t.size(); ++i) f[i] = static_cast<float>(t[i]);
-    comm->allreduce_sum(f.data(), f.size());
-    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>(f[i]);
-  };
+Engine::~Engine() = default;
+
+int64_t Engine::submit(GenerateRequest req, EventSink sink) {
+  if (req.prompt.empty()) throw std::invalid_argument("prompt: must not be empty");
+  if (req.prompt.size() > static_cast<size_t>(INT32_MAX / 2))
+    throw std::invalid_argument("prompt: " + std::to_string(req.prompt.size()) + " tokens is too long");
+  for (size_t i = 0; i < req.prompt.size(); ++i)
+    if (req.prompt[i] < 0 || req.prompt[i] >= V_)
+      throw std::invalid_argument("prompt: token id " + std::to_string(req.prompt[i]) + " at position " +
+                                  std::to_string(i) + " is outside the vocabulary of " + std::to_string(V_));
+  req.params.validate(V_);
+  if (req.n < 1) throw std::invalid_argument("n: must be >= 1, got " + std::to_string(req.n));
+  const RequestSpec spec = spec_of(req);
+  if (req.n > slots_ && spec.output_len > 0)
+    throw std::invalid_argument("n: " + std::to_string(req.n) +
+                                " parallel samples need as many state slots but the pool holds " +
+                                std::to_string(slots_));
+  const int64_t context = int64_t{spec.prompt_len} + req.params.max_tokens;
+  if (opt_.max_context > 0 && context > opt_.max_context)
+    throw std::invalid_argument("max_tokens: the prompt's " + std::to_string(spec.prompt_len) +
+                                " tokens + max_tokens " + std::to_string(req.params.max_tokens) +
+                                " exceed the context limit of " + std::to_string(opt_.max_context));
+  const int32_t extra = verify_extra_;
+  if (kv_tokens_ > 0 && kv_tokens_for(spec, req.n, extra) > kv_tokens_)
+    throw std::invalid_argument("max_tokens: the prompt's " + std::to_string(spec.prompt_len) +
+                                " tokens + max_tokens " + std::to_string(req.params.max_tokens) +
+                                " per sample (n = " + std::to_string(req.n) + ") need " +
+                                std::to_string(kv_tokens_for(spec, req.n, extra)) +
+                                " MLA KV token slots but the pool holds " + std::to_string(kv_tokens_));
+  if (!req.forced.empty()) {
+    if (opt_.spec.enabled())
+      throw std::invalid_argument("forced: teacher forcing is not for speculative decoding");
+    if (static_cast<int32_t>(req.forced.size()) != req.n)
+      throw std::invalid_argument("forced: " + std::to_string(req.forced.size()) +
+                                  " lists for n = " + std::to_string(req.n));
+    for (const auto& f : req.forced) {
+      if (static_cast<int64_t>(f.size()) < int64_t{req.params.max_tokens} - 1)
+        throw std::invalid_argument("forced: " + std::to_string(f.size()) + " ids for max_tokens " +
+                                    std::to_string(req.params.max_tokens) + " (it needs max_tokens - 1)");
+      for (const int32_t id : f)
+        if (id < 0 || id >= V_)
+          throw std::invalid_argument("forced: token id " + std::to_string(id) +
+                                      " is outside the vocabulary of " + std::to_string(V_));
+    }
+  }
+  if (req.keep_rows && !opt_.hooks.rows)
+    throw std::invalid_argument("keep_rows: the engine has no hooks.rows to hand them to");
+  if (!sink) throw std::invalid_argument("sink: must not be empty");
+  std::lock_guard<std::mutex> lk(mu_);
+  Submitted s;
+  s.id = next_id_++;
+  s.seed = req.params.seed ? *req.params.seed : seeds_();
+  s.req = std::move(req);
+  s.sink = std::move(sink);
+  const int64_t id = s.id;
+  inbox_.push_back(std::move(s));
+  ++stats_.waiting;
+  cv_.notify_all();
+  return id;
+}
+
+void Engine::abort(int64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  aborts_.push_back(id);
+  cv_.notify_all();
+}
+
+void Engine::admit(Submitted s) {
+  const RequestSpec spec = spec_of(s.req);
+  const int64_t r = sched_.add_request(spec, s.req.n, s.req.prompt);
+  Live& L = live_[r];
+  L.id = s.id;
+  L.sink = std::make_shared<EventSink>(std::move(s.sink));
+  L.plain_greedy = plain_greedy(s.req.params);
+  L.cont.resize(static_cast<size_t>(s.req.n));
+  if (!L.plain_greedy)
+    for (int32_t j = 0; j < s.req.n; ++j)
+      L.cont[j].sampler = std::make_unique<sampling::RequestSampler>(s.req.params, s.req.prompt, s.seed + j);
+  const bool adaptive = opt_.spec.enabled() && opt_.spec.depth_mode == DraftDepthMode::kAdaptive &&
+                        (s.req.params.greedy() || !s.req.params.seed);
+  if (adaptive)
+    for (auto& c : L.cont) c.depth.emplace(opt_.spec.draft_tokens);
+  L.unfinished = s.req.n;
+  L.req = std::move(s.req);
+  by_id_[L.id] = r;
+}
+
+void Engine::apply_inbox() {
+  std::vector<Submitted> in;
+  std::vector<int64_t> ab;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    in.swap(inbox_);
+    ab.swap(aborts_);
+  }
+  // Submits first: an abort of a request submitted just before it finds it.
+  for (auto& s : in) admit(std::move(s));
+  for (const int64_t id : ab) {
+    const auto it = by_id_.find(id);
+    if (it != by_id_.end()) abort_live(it->second);
+  }
+}
+
+void Engine::emit(int64_t r, int32_t j, int32_t token, std::optional<sampling::TokenLogprob> lp,
+                  FinishReason f) {
+  const Live& L = live_.at(r);
+  TokenEvent ev;
+  ev.request = L.id;
+  ev.index = j;
+  ev.token = token;
+  ev.logprob = std::move(lp);
+  ev.finish = f;
+  ev.prompt_tokens = static_cast<int32_t>(L.req.prompt.size());
+  ev.cached_tokens = sched_.sequences()[sched_.seq_index(r, 0)].prefix_len;
+  out_.push_back({L.sink, std::move(ev)});
+}
+
+// Bookkeeping once a continuation's finish event is out; the request goes when its last one finished.
+void Engine::finish_continuation(int64_t r, int32_t j, FinishReason f) {
+  Live& L = live_.at(r);
+  L.cont[j].finished = true;
+  L.cont[j].sampler.reset();
+  if (--L.unfinished > 0) return;
+  if (f == FinishReason::kAbort)
+    ++totals_.requests_aborted;
+  else
+    ++totals_.requests_finished;
+  by_id_.erase(L.id);
+  live_.erase(r);
+}
+
+void Engine::abort_live(int64_t r) {
+  StepEvents ev;
+  sched_.abort_request(r, ev);  // every slot and token slot back before anything else runs
+  Live& L = live_.at(r);
+  const int32_t n = static_cast<int32_t>(L.cont.size());
+  for (int32_t j = 0; j < n; ++j) {
+    if (live_.at(r).cont[j].finished) continue;
+    emit(r, j, -1, std::nullopt, FinishReason::kAbort);
+    finish_continuation(r, j, FinishReason::kAbort);  // may erase the request: look it up each time
+    if (!live_.count(r)) break;
+  }
+}
+
+void Engine::deliver() {
+  for (auto& p : out_) {
+    try {
+      (*p.sink)(p.ev);
+    } catch (...) {
+      // A sink must not throw; one that does loses its event, never the engine the other requests.
+    }
+  }
+  out_.clear();
+}
+
+void Engine::publish_stats() {
+  EngineStats s = totals_;
+  s.running = sched_.running_requests();
+  s.waiting = sched_.waiting_requests();
+  auto& pool = runner_.pools().req_to_token_pool;
+  s.slots_total = pool.size();
+  s.slots_used = pool.size() - pool.available();
+  if (const auto* kv = pool.token_to_kv_pool()) {
+    s.kv_tokens_total = kv->size();
+    s.kv_tokens_used = kv->size() - kv->available();
+  }
+  if (const auto* c = opt_.scheduler.cache) {
+    s.prefix_cache_bytes = static_cast<int64_t>(c->bytes());
+    s.prefix_cache_evictions = c->evictions();
+    s.prefix_cache_snapshots = c->snapshots();
+    s.prefix_cache_kv_tokens = c->kv_tokens();
+    s.kv_tokens_used -= c->kv_tokens_held_alone();  // slots no request holds
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  s.waiting += static_cast<int64_t>(inbox_.size());
+  stats_ = s;
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stats_;
+}
+
+FinishReason Engine::finish_of(const Live& L, int32_t token, int32_t generated) const {
+  const auto& sp = L.req.params;
+  const bool stop =
+      (!sp.ignore_eos && is_stop_[token]) ||
+      std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), token) != sp.stop_token_ids.end();
+  return stop                         ? FinishReason::kStop
+         : generated >= sp.max_tokens ? FinishReason::kLength
+                                      : FinishReason::kNone;
+}
+
+void Engine::commit_picks(std::vector<Pick>& picks, const std::vector<int64_t>& failed, StepEvents& ev) {
+  auto has_failed = [&](int64_t r) { return std::find(failed.begin(), failed.end(), r) != failed.end(); };
+  for (auto& p : picks) {
+    if (has_failed(p.r)) continue;
+    Live& L = live_.at(p.r);
+    Continuation& c = L.cont[p.j];
+    c.last = p.token;
+    ++c.generated;
+    if (opt_.spec.enabled()) c.tokens.push_back(p.token);
+    ++totals_.generation_tokens;
+    const FinishReason f = finish_of(L, p.token, c.generated);
+    emit(p.r, p.j, p.token, std::move(p.lp), f);
+    if (f != FinishReason::kNone) {
+      sched_.finish_now(sched_.seq_index(p.r, p.j), ev);  // no-op when the scheduler finished it (length)
+      finish_continuation(p.r, p.j, f);
+    }
+  }
+  for (const int64_t r : failed)
+    if (live_.count(r)) abort_live(r);
+}
+
+void Engine::count_step(const ScheduledBatch& b, StepInfo info) {
+  ++totals_.steps;
+  totals_.prompt_tokens += b.prefill_tokens + b.cached_tokens;
+  totals_.prompt_tokens_computed += b.prefill_tokens;
+  totals_.cached_tokens += b.cached_tokens;
+  info.prefill_tokens = b.prefill_tokens;
+  info.cached_tokens = b.cached_tokens;
+  info.decode_tokens = b.decode_tokens;
+  if (opt_.hooks.step) opt_.hooks.step(info);
+  publish_stats();
+  deliver();
+}
+
+// Another rank's picks (hooks.agree_tokens) come from its own model: ranks built with different
+// vocabularies are a launch error, caught here before the id reaches a stop-id table or the embedding.
+void Engine::check_agreed() const {
+  for (const int32_t t : agreed_)
+    if (t < 0 || t >= V_)
+      throw std::runtime_error("token id " + std::to_string(t) +
+                               " agreed across ranks is outside the vocabulary [0, " + std::to_string(V_) +
+                               ")");
+}
+
+int32_t Engine::next_input(const Live& L, int32_t j) const {
+  const Continuation& c = L.cont[j];
+  return L.req.forced.empty() ? c.last : L.req.forced[j][c.generated - 1];
+}
+
+void Engine::keep_rows(const ScheduledBatch& b, const float* y) const {
+  if (!opt_.hooks.rows) return;
+  const auto& seqs = sched_.sequences();
+  int64_t t = 0;
+  for (const auto& row : b.rows) {
+    const Sequence& q = seqs[row.seq];
+    const Live& L = live_.at(q.request);
+    if (L.req.keep_rows) opt_.hooks.rows(L.id, row.decode ? q.sample : -1, row.start, y + t * D_, row.len);
+    t += row.len;
+  }
+}
+
+bool Engine::step() {
+  apply_inbox();
+  ScheduledBatch b = sched_.schedule();
+  if (b.empty()) {
+    if (!sched_.idle())
+      throw std::logic_error("engine: requests waiting but the scheduler has nothing to run");
+    const bool any = !out_.empty();
+    publish_stats();
+    deliver();
+    return any;
+  }
+  StepInfo info;
+  info.mode = b.mode;
+  drafting_ = {};
+  if ((opt_.spec.enabled() || opt_.hooks.probe_decode) && b.mode == model_executor::ForwardMode::DECODE &&
+      draft(b)) {
+    verify_step(b);
+    return true;
+  }
+  const auto& seqs = sched_.sequences();
+  const int64_t T = b.num_tokens();
+  y_.resize(static_cast<size_t>(T * D_));
+  toks_.resize(static_cast<size_t>(T));
+  int64_t t = 0;
+  for (const auto& row : b.rows) {
+    const Sequence& q = seqs[row.seq];
+    const Live& L = live_.at(q.request);
+    if (row.decode) {
+      toks_[t++] = next_input(L, q.sample);
+      sched_.add_fed_token(row.seq, toks_[t - 1]);
+      continue;
+    }
+    std::memcpy(toks_.data() + t, L.req.prompt.data() + row.start, sizeof(int32_t) * row.len);
+    t += row.len;
+  }
+  auto fb = sched_.forward_batch(b);
+  const auto t0 = std::chrono::steady_clock::now();
+  runner_.forward(fb, toks_.data(), y_.data());
+  keep_rows(b, y_.data());
+
+  // The logits of every row that reached its prompt's last position (a finished prompt: the first token
+  // of each continuation) or decoded.
+  const std::vector<size_t> pick_rows = gather_pick_rows(b, seqs, y_.data(), D_, head_);
+  const int64_t M = static_cast<int64_t>(pick_rows.size());
+  logits_.resize(static_cast<size_t>(M * V_));
+  runner_.logits(head_.data(), M, logits_.data());
+  const uint8_t* allowed = opt_.producible.empty() ? nullptr : opt_.producible.data();
+  std::vector<Pick> picks;
+  // Requests whose sampler refused their logits row (a NaN from the model): they are aborted after the
+  // step, alone; everyone else in the batch goes on.
+  std::vector<int64_t> failed;
+  auto has_failed = [&](int64_t r) { return std::find(failed.begin(), failed.end(), r) != failed.end(); };
+  for (int64_t k = 0; k < M; ++k) {
+    const auto& row = b.rows[pick_rows[k]];
+    const Sequence& q = seqs[row.seq];
+    if (has_failed(q.request)) continue;
+    Live& L = live_.at(q.request);
+    const float* lg = logits_.data() + k * V_;
+    // A finished prompt gives every continuation its first token from the same row.
+    const int32_t j0 = row.decode ? q.sample : 0;
+    const int32_t j1 = row.decode ? q.sample + 1 : static_cast<int32_t>(L.cont.size());
+    for (int32_t j = j0; j < j1; ++j) {
+      Continuation& c = L.cont[j];
+      Pick p{q.request, j, -1, std::nullopt};
+      if (L.plain_greedy) {
+        p.token = argmax_allowed(lg, V_, allowed);
+      } else {
+        scratch_.assign(lg, lg + V_);
+        sampling::TokenLogprob lp;
+        try {
+          p.token = c.sampler->sample(scratch_, allowed, L.req.params.logprobs >= 0 ? &lp : nullptr);
+        } catch (const std::invalid_argument&) {
+          failed.push_back(q.request);
+          break;
+        }
+        if (L.req.params.logprobs >= 0) p.lp = std::move(lp);
+      }
+      if (p.token < 0) throw std::logic_error("engine: no producible id to pick");
+      picks.push_back(std::move(p));
+    }
+  }
+  std::erase_if(picks, [&](const Pick& p) { return has_failed(p.r); });
+  if (opt_.hooks.agree_tokens) {  // every rank feeds rank 0's picks
+    agreed_.clear();
+    for (const Pick& p : picks) agreed_.push_back(p.token);
+    opt_.hooks.agree_tokens(agreed_);
+    check_agreed();
+    for (size_t k = 0; k < picks.size(); ++k) picks[k].token = agreed_[k];
+  }
+  for (const Pick& p : picks)  // the next draw's penalties see the token
+    if (auto& c = live_.at(p.r).cont[p.j]; c.sampler) c.sampler->accept(p.token);
+  info.num_tokens = T;
+  info.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  // A plain decode step (no drafts, or every depth 0): the cost model's baseline.
+  if (opt_.spec.enabled() && b.mode == model_executor::ForwardMode::DECODE)
+    cost_.record(0, static_cast<int64_t>(b.rows.size()), info.seconds);
+  info.depth_rows = drafting_.rows;
+  info.depth_sum = drafting_.depth_sum;
+  info.draft_tokens = drafting_.drafted;
+  StepEvents ev = sched_.complete(b);
+  commit_picks(picks, failed, ev);
+  count_step(b, info);
+  return true;
+}
+
+bool Engine::draft(ScheduledBatch& b) {
+  const auto& seqs = sched_.sequences();
+  drafts_.clear();
+  begin_verify(b);
+  const bool probe = opt_.hooks.probe_decode;
+  const auto rows = static_cast<int64_t>(b.rows.size());
+  // Each row's depth first: under tensor parallelism every rank drafts rank 0's (an adaptive choice follows
+  // the rank's own step times).
+  agreed_.clear();
+  for (const auto& row : b.rows) {
+    const Sequence& q = seqs[row.seq];
+    Continuation& c = live_.at(q.request).cont[q.sample];
+    agreed_.push_back(probe ? 1 : c.depth ? c.depth->choose(cost_, rows) : opt_.spec.draft_tokens);
+  }
+  if (opt_.hooks.agree_tokens && !probe) opt_.hooks.agree_tokens(agreed_);
+  for (size_t i = 0; i < b.rows.size(); ++i) {
+    auto& row = b.rows[i];
+    const Sequence& q = seqs[row.seq];
+    Live& L = live_.at(q.request);
+    Continuation& c = L.cont[q.sample];
+    const int32_t depth = verify_depth(q, agreed_[i]);
+    ++drafting_.rows;
+    drafting_.depth_sum += depth;
+    if (depth < 1) {
+      drafts_.emplace_back();
+    } else if (probe) {  // a placeholder the target's pick may or may not match
+      drafts_.push_back(Draft{{static_cast<int32_t>((next_input(L, q.sample) + 1) % V_)}, {-1}});
+    } else if (opt_.hooks.drafter) {
+      drafts_.push_back(opt_.hooks.drafter(L.id, q.sample, c.tokens, depth));
+    } else {
+      history_.assign(L.req.prompt.begin(), L.req.prompt.end());
+      history_.insert(history_.end(), c.tokens.begin(), c.tokens.end());
+      drafts_.push_back(ngram_draft(history_, depth, opt_.spec.topk));
+    }
+    add_verify_row(b, row, drafts_.back());
+    drafting_.drafted += drafts_.back().size();
+  }
+  if (!end_drafting(b, probe)) return false;
+  totals_.spec_draft_tokens += probe ? 0 : drafting_.drafted;
+  return true;
+}
+
+void Engine::verify_step(ScheduledBatch& b) {
+  const auto& seqs = sched_.sequences();
+  const int64_t T = b.num_tokens();
+  y_.resize(static_cast<size_t>(T * D_));
+  toks_.resize(static_cast<size_t>(T));
+  verify_inputs(
+      b, drafts_,
+      [&](size_t i) {
+        const Sequence& q = seqs[b.rows[i].seq];
+        return next_input(live_.at(q.request), q.sample);
+      },
+      toks_.data());
+  auto fb = sched_.forward_batch(b);
+  const auto t0 = std::chrono::steady_clock::now();
+  runner_.forward(fb, toks_.data(), y_.data());
+  // Every row position's logits: a position is verified against its own distribution.
+  logits_.resize(static_cast<size_t>(T * V_));
+  runner_.logits(y_.data(), T, logits_.data());
+  const uint8_t* allowed = opt_.producible.empty() ? nullptr : opt_.producible.data();
+  // Under tensor parallelism, the greedy pick of every position is rank 0's.
+  const bool agree = static_cast<bool>(opt_.hooks.agree_tokens);
+  if (agree) {
+    agreed_.resize(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) agreed_[t] = argmax_allowed(logits_.data() + t * V_, V_, allowed);
+    opt_.hooks.agree_tokens(agreed_);
+    check_agreed();
+  }
+
+  std::vector<Pick> picks;
+  std::vector<int64_t> failed;
+  std::vector<int32_t> accepted(b.rows.size(), 0), emitted(b.rows.size(), 1);
+  std::vector<int32_t> children, child_pos, visited;
+  int64_t t = 0, hits_total = 0;
+  for (size_t i = 0; i < b.rows.size(); ++i) {
+    const BatchRow& row = b.rows[i];
+    const Sequence& q = seqs[row.seq];
+    const Draft& d = drafts_[i];
+    const int64_t row_t = t;
+    t += row.len;
+    Live& L = live_.at(q.request);
+    Continuation& c = L.cont[q.sample];
+    const bool logprobs = L.req.params.logprobs >= 0;
+    const size_t first_pick = picks.size();
+    // Walk the draft tree from the row's first position: each position emits one token; a token that
+    // is one of the position's drafts moves on to that draft's position, any other ends the row.
+    int32_t pos = 0, generated = c.generated, hits = 0;
+    visited.clear();
+    try {
+      for (;;) {
+        const float* lg = logits_.data() + (row_t + pos) * V_;
+        children.clear();
+        child_pos.clear();
+        for (int32_t j = 0; j < d.size(); ++j)
+          if (d.parents[j] == pos - 1) {
+            children.push_back(d.tokens[j]);
+            child_pos.push_back(j + 1);
+          }
+        Pick p{q.request, q.sample, -1, std::nullopt};
+        int32_t next = -1;
+        if (L.plain_greedy || L.req.params.greedy()) {  // greedy verification: the target's own pick
+          if (L.plain_greedy) {
+            p.token = agree ? agreed_[row_t + pos] : argmax_allowed(lg, V_, allowed);
+          } else {
+            scratch_.assign(lg, lg + V_);
+            sampling::TokenLogprob lp;
+            p.token = c.sampler->sample(scratch_, allowed, logprobs ? &lp : nullptr);
+            if (logprobs) p.lp = std::move(lp);
+          }
+          for (size_t k = 0; k < children.size(); ++k)
+            if (children[k] == p.token) next = child_pos[k];
+        } else {  // speculative sampling at the request's draw index for this position
+          scratch_.assign(lg, lg + V_);
+          c.sampler->distribution(scratch_, allowed, probs_);
+          const auto res =
+              sampling::spec_accept(probs_, children, {}, c.sampler->seed(), c.sampler->generated());
+          p.token = res.token;
+          if (res.sibling >= 0) next = child_pos[static_cast<size_t>(res.sibling)];
+          if (logprobs) {
+            sampling::TokenLogprob lp;
+            c.sampler->logprob(std::span<const float>(lg, static_cast<size_t>(V_)), allowed, p.token, &lp);
+            p.lp = std::move(lp);
+          }
+        }
+        if (p.token < 0) throw std::logic_error("engine: no producible id to pick");
+        if (c.sampler) c.sampler->accept(p.token);  // the next position's penalties and draw index see it
+        ++generated;
+        accepted[i] = pos;
+        emitted[i] = static_cast<int32_t>(picks.size() - first_pick) + 1;
+        visited.push_back(pos);
+        hits += next >= 0;
+        const bool ends = finish_of(L, p.token, generated) != FinishReason::kNone;
+        picks.push_back(std::move(p));
+        if (ends || next < 0) break;  // a stop or max_tokens cuts the accepted path here
+        pos = next;
+      }
+    } catch (const std::invalid_argument&) {  // a NaN row: the request is aborted after the step, alone
+      picks.resize(first_pick);
+      accepted[i] = 0;
+      emitted[i] = 1;
+      hits = 0;
+      visited.clear();
+      failed.push_back(q.request);
+    }
+    // The rows of the inputs the row committed: its first token's, then each accepted draft's.
+    if (L.req.keep_rows && opt_.hooks.rows)
+      for (size_t k = 0; k < visited.size(); ++k)
+        opt_.hooks.rows(L.id, q.sample, row.start + static_cast<int32_t>(k),
+                        y_.data() + (row_t + visited[k]) * D_, 1);
+    hits_total += hits;
+    if (c.depth) c.depth->observe(draft_depth(d), hits);
+  }
+  // Each slot moves to the state after its last emitted token's input; the rest of the row leaves no
+  // trace (KDA states, MLA token slots).
+  runner_.accept(fb, accepted);
+  int32_t step_depth = 0;
+  for (const Draft& d : drafts_) step_depth = std::max(step_depth, draft_depth(d));
+  StepInfo info;
+  info.mode = model_executor::ForwardMode::TARGET_VERIFY;
+  info.num_tokens = T;
+  info.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  info.verify_rows = static_cast<int64_t>(b.rows.size());
+  info.depth_rows = drafting_.rows;
+  info.depth_sum = drafting_.depth_sum;
+  const bool probe = opt_.hooks.probe_decode;
+  info.draft_tokens = probe ? 0 : drafting_.drafted;
+  info.accepted_tokens = probe ? 0 : hits_total;
+  if (!probe) totals_.spec_accepted_tokens += hits_total;
+  if (opt_.spec.enabled()) cost_.record(step_depth, static_cast<int64_t>(b.rows.size()), info.seconds);
+  for (size_t i = 0, k = 0; i < b.rows.size(); ++i) {  // the committed inputs (the prefix cache's key)
+    const Sequence& q = seqs[b.rows[i].seq];
+    sched_.add_fed_token(b.rows[i].seq, next_input(live_.at(q.request), q.sample));
+    for (; k < picks.size() && picks[k].r == q.request && picks[k].j == q.sample; ++k)
+      if (k + 1 < picks.size() && picks[k + 1].r == q.request && picks[k + 1].j == q.sample)
+        sched_.add_fed_token(b.rows[i].seq, picks[k].token);
+  }
+  commit_verify_rows(b, emitted);
+  StepEvents ev = sched_.complete(b);
+  commit_picks(picks, failed, ev);
+  count_step(b, info);
+}
+
+bool Engine::first_step_full() const {
+  int64_t seqs = 0, tokens = 0;
+  for (const auto& s : inbox_) {
+    seqs += s.req.n;
+    tokens += static_cast<int64_t>(s.req.prompt.size());
+  }
+  return seqs >= std::min(opt_.scheduler.max_batch, slots_) || tokens >= opt_.scheduler.token_budget;
+}
+
+void Engine::await_burst(std::unique_lock<std::mutex>& lk, const std::atomic<bool>& stop) {
+  if (opt_.admission_window_ms <= 0.0 || first_step_full() || !aborts_.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto deadline = t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double, std::milli>(opt_.admission_window_ms));
+  // submit() and abort() notify; the stop flag is seen by the deadline at the latest.
+  while (!first_step_full() && aborts_.empty() && !stop.load()) {
+    const size_t n = inbox_.size();
+    if (!cv_.wait_until(lk, deadline, [&] { return inbox_.size() != n || !aborts_.empty() || stop.load(); }))
+      break;
+  }
+  ++totals_.admission_waits;  // totals_ is the engine thread's; the next step publishes it
+  totals_.admission_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Engine::run(const std::atomic<bool>& stop) {
+  while (!stop.load()) {
+    if (live_.empty()) {
+      // Idle: nothing runs or waits, and only an arrival (or an abort, or stop) can change that. The wait
+      // comes before the step, so that the first arrival always meets the admission window, the first
+      // after run() starts included.
+      std::unique_lock<std::mutex> lk(mu_);
+      while (inbox_.empty() && aborts_.empty() && !stop.load())
+        cv_.wait_for(lk, std::chrono::milliseconds(20));  // the stop flag is not under the lock: seen by then
+      if (!inbox_.empty()) await_burst(lk, stop);
+      if (stop.load()) break;
+    }
+    step();
+  }
+  apply_inbox();
+  std::vector<int64_t> left;
+  for (const auto& [r, L] : live_) left.push_back(r);
+  std::sort(left.begin(), left.end());
+  for (const int64_t r : left) abort_live(r);
+  publish_stats();
+  deliver();
 }
 
 }  // namespace kda::serving

@@ -1,8 +1,7 @@
-// The serving loop: the scheduler picks each step's batch, the engine builds its inputs (the prompt
-// tokens, or the token each sequence generated last), runs the model step, picks each
-// finished position's next token greedily (final norm, LM head, argmax) and hands it back as the next
-// decode input. When a session's turn finishes, the engine builds its next turn's prompt. Used for the
-// simulation itself and for the self-check's runs of single requests.
+// The serving engine: the scheduler over requests submitted while it runs, tokens streamed back as they
+// are made. `kda serve` drives it from its HTTP threads (submit, abort, run on a thread of its own); `kda
+// simulate` drives it step by step (workload_driver.h: a workload's arrivals, sessions, replay drafts,
+// teacher forcing and kept output rows through EngineHooks).
 #pragma once
 
 #include <atomic>
@@ -13,10 +12,10 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
-#include "kda/distributed/communicator.h"
 #include "kda/sampling/sampler.h"
 #include "kda/sampling/sampling_params.h"
 #include "kda/serving/draft_depth.h"
@@ -27,99 +26,6 @@
 
 namespace kda::serving {
 
-struct ProgressInfo {
-  int64_t tokens_done = 0, tokens_total = 0;
-  int64_t requests_done = 0, requests_total = 0;
-  int64_t steps = 0;
-  double elapsed_s = 0.0;
-};
-
-struct ServeOptions {
-  SchedulerOptions scheduler;
-  uint64_t seed = 0;  // the requests' random prompt tokens
-  // Under tensor parallelism every rank must feed the same tokens: each step's greedy picks go through
-  // this (rank 0's picks, on every rank). Null: the local picks.
-  std::function<void(std::vector<int32_t>&)> agree_tokens;
-  // Per request (workload index): keep its sequences' outputs. Empty: keep none.
-  std::vector<uint8_t> keep;
-  // Checked before every step: when set, the loop stops after the step in flight (SIGINT).
-  const std::atomic<bool>* stop = nullptr;
-  // Under tensor parallelism every rank must stop at the same step: the local stop request goes
-  // through this (an OR over the ranks) before each step. Null: the local request alone.
-  std::function<bool(bool)> agree_stop;
-  std::function<void(const ProgressInfo&)> progress;  // after every step
-  // Speculative decoding (speculative.h): every DECODE step becomes a TARGET_VERIFY step of each row's
-  // drafts (a mixed EXTEND step keeps its decodes as plain 1-token rows). Not with teacher forcing.
-  SpeculativeOptions spec;
-  // replay: per sequence (indexed like Scheduler::sequences()), the tokens a run without speculation
-  // generated; replay drafts the continuation of position k from its entries k + 1.. .
-  const std::vector<std::vector<int32_t>>* replay_truth = nullptr;
-  // replay's run without speculation: every decode row still runs as a TARGET_VERIFY row, with one
-  // placeholder draft, so that the true continuation is what the target computes in a verify step. Greedy
-  // verification keeps the tokens the target's own picks whatever the draft; what this adds is the verify
-  // step's shapes and kernels (its rows' GEMM row counts, the recurrent replay), so that nothing but the
-  // drafts differs from the speculative pass: a synthetic model's flat logits have near-ties that any
-  // rounding difference flips (self_check.cc says which differences bf16 shows).
-  bool probe_decode = false;
-};
-
-// One continuation: its last-layer outputs for every token it processed ([prompt_len + decoded, D],
-// kept only when asked), its prompt and the tokens it generated (greedy, output_len + 1 when finished).
-struct SequenceOutput {
-  int64_t request_id = 0;
-  int32_t sample = 0;  // continuation index (request's sample_base + j)
-  int32_t prompt_len = 0;
-  // rows: [rows_from, prompt_len + decoded) -- rows_from is the prefix a prefix-cache hit restored
-  // (those positions were never computed; 0 without a hit).
-  int32_t rows_from = 0;
-  std::vector<float> rows;
-  std::vector<int32_t> prompt;  // the whole prompt's token ids (a session's turn: with the history)
-  std::vector<int32_t> tokens;  // generated: its own argmax picks, even when teacher-forced
-};
-
-struct ServeResult {
-  int64_t hidden = 0;
-  int64_t steps = 0, extend_steps = 0, decode_steps = 0, mixed_steps = 0;
-  int64_t prefill_tokens = 0;           // prompt tokens of the admitted requests (cached ones included)
-  int64_t prefill_tokens_computed = 0;  // prompt tokens that went through the layers
-  int64_t decode_tokens = 0;
-  int64_t requests_completed = 0;
-  int64_t peak_slots = 0, slot_reuses = 0;
-  int64_t peak_kv_tokens = 0;  // MLA KV token slots in use at the busiest step (0 without MLA layers)
-  // Prefix cache (zero without one): prompt tokens restored from snapshots; at the end, the snapshots
-  // held and their bytes; snapshots evicted.
-  int64_t prefix_cache_hit_tokens = 0, prefix_cache_bytes = 0, prefix_cache_snapshots = 0,
-          prefix_cache_evictions = 0;
-  // Speculative decoding (zero without it): verify steps and rows, drafted tokens, accepted drafts, tokens
-  // emitted by verify rows (accepted + 1 each), and the backend's verify buffer in bytes.
-  int64_t spec_verify_steps = 0, spec_verify_rows = 0, spec_draft_tokens = 0, spec_accepted_tokens = 0,
-          spec_emitted_tokens = 0, spec_state_bytes = 0;
-  // The draft depth each speculative decode row was given (adaptive: its controller's choice, 0 where
-  // speculation did not pay), capped at the tokens the sequence has left: their sum and count.
-  int64_t spec_depth_sum = 0, spec_depth_rows = 0;
-  int64_t replay_diverged =
-      0;  // replay: sequences whose tokens left their true continuation (set by the driver)
-  double wall_s = 0.0;
-  std::vector<double> step_ms;
-  std::vector<double> ttft_ms;  // per request that got its first token: arrival to first token
-  // The same for the requests that are a session's later turn (`after` >= 0), apart: a first turn cannot
-  // hit the prefix cache on its history, so mixed in it would hide what the cache does for the others.
-  std::vector<double> ttft_later_turns_ms;
-  bool interrupted = false;
-  // Indexed like Scheduler::sequences() ([request * n + sample]); rows empty unless kept.
-  std::vector<SequenceOutput> outputs;
-};
-
-ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests, const ServeOptions& opt);
-
-// Sets `so`'s agree_stop and agree_tokens for a tensor-parallel group (tp.size > 1; nothing otherwise):
-// every rank stops at the same step and feeds rank 0's greedy picks. The ranks compute the same logits
-// from the same allreduced hidden states, but an allreduce need not give every rank the same bits, and
-// one differing pick would give the ranks different inputs. `tp`'s communicator must outlive the pass.
-void agree_across_ranks(const distributed::TensorParallel& tp, ServeOptions& so);
-
-// --- The online engine: requests submitted while it runs, tokens streamed back as they are made. ---
-
 enum class FinishReason { kNone, kStop, kLength, kAbort };
 const char* finish_reason_name(FinishReason r);  // "stop" | "length" | "abort" ("" for kNone)
 
@@ -127,6 +33,48 @@ struct GenerateRequest {
   std::vector<int32_t> prompt;      // token ids (non-empty, each < vocab)
   sampling::SamplingParams params;  // max_tokens, stop ids, seed, logprobs, ...
   int32_t n = 1;                    // parallel samples (continuation j's seed: seed + j)
+  // Teacher forcing (kda simulate's self-check): when non-empty, continuation j's decode inputs are
+  // forced[j][0..max_tokens - 2] instead of the tokens it generates (which are still picked and streamed).
+  // Needs n lists of at least max_tokens - 1 ids each, and no speculative decoding.
+  std::vector<std::vector<int32_t>> forced;
+  // Hand the last layer's output rows of every position the request processes to EngineHooks::rows.
+  bool keep_rows = false;
+};
+
+// What one step ran, for EngineHooks::step.
+struct StepInfo {
+  model_executor::ForwardMode mode = model_executor::ForwardMode::EXTEND;  // TARGET_VERIFY for verify steps
+  int64_t prefill_tokens = 0;  // prompt tokens that went through the layers
+  int64_t cached_tokens = 0;   // prompt tokens of admitted requests a prefix-cache hit restored
+  int64_t decode_tokens = 0;   // tokens decode (and verify) rows emitted
+  int64_t num_tokens = 0;      // tokens through the layers (verify rows: their drafts too)
+  // Speculative decoding's DECODE batches: the rows given a draft depth and the sum of their depths
+  // (verify_depth; 0 where speculation does not pay), and the drafts they held (a batch without any runs
+  // as a plain DECODE step). Verify steps: their rows and the drafts accepted. Zero with hooks.probe_decode
+  // but depth_rows, depth_sum and verify_rows.
+  int64_t depth_rows = 0, depth_sum = 0, draft_tokens = 0;
+  int64_t verify_rows = 0, accepted_tokens = 0;
+  double seconds = 0.0;  // the forward pass to the picks (and accept), as the draft-depth cost model sees it
+};
+
+// What a driver other than the server plugs in (kda simulate, workload_driver.h). All optional; called on
+// the engine's thread.
+struct EngineHooks {
+  // Drafts in place of ngram's (replay: a known continuation) for spec.algorithm kReplay: continuation j of
+  // request `id`, the tokens it generated so far, the depth it may draft (>= 1).
+  std::function<Draft(int64_t id, int32_t j, std::span<const int32_t> generated, int32_t depth)> drafter;
+  // Without speculative decoding: every DECODE step runs as a TARGET_VERIFY step of one placeholder draft
+  // per row, so that a run's steps have a verify step's shapes and kernels (workload_driver.h says why).
+  bool probe_decode = false;
+  // Tensor parallelism: each step's greedy picks and draft depths go through this (rank 0's on every rank),
+  // so that every rank feeds the same tokens.
+  std::function<void(std::vector<int32_t>&)> agree_tokens;
+  // The last layer's output rows [count, D] of positions [pos, pos + count) of a request that asked
+  // (GenerateRequest::keep_rows), for the inputs a step committed: j = -1 for prompt positions (every
+  // continuation's), else continuation j's decode positions (a verify row: its accepted path).
+  std::function<void(int64_t id, int32_t j, int32_t pos, const float* rows, int32_t count)> rows;
+  // After every step that ran a batch, before its events are delivered.
+  std::function<void(const StepInfo&)> step;
 };
 
 struct TokenEvent {
@@ -147,10 +95,11 @@ struct EngineOptions {
   std::vector<int32_t> stop_ids;    // the model's (tokenizer's) stop ids
   std::vector<uint8_t> producible;  // [vocab] or empty (all producible)
   int64_t max_context = 0;          // prompt + max_tokens limit (0: the pools' limit only)
-  // Speculative decoding: ngram drafts only (replay needs a true continuation, which online requests do
-  // not have). The runner must have a verify buffer of spec.max_verify_tokens() tokens per row; decode
-  // batches are capped at its verify rows.
+  // Speculative decoding: ngram drafts, or replay with hooks.drafter (replay needs a true continuation,
+  // which online requests do not have). The runner must have a verify buffer of spec.max_verify_tokens()
+  // tokens per row (2 for hooks.probe_decode); decode batches are capped at its verify rows.
   SpeculativeOptions spec;
+  EngineHooks hooks;
   // Admission window, run() only: when the engine wakes from idle to a request, it waits up to this
   // long for more before its first step, so that a burst of clients whose requests reach it a little
   // apart (each parsed and tokenized on its own HTTP thread) starts as one prefill step rather than
@@ -179,7 +128,8 @@ struct EngineStats {
   int64_t spec_draft_tokens = 0, spec_accepted_tokens = 0;
 };
 
-// The serving loop of `kda serve`: the scheduler of serve() over requests that arrive while it runs.
+// The serving loop: the scheduler over requests that arrive while it runs (`kda serve`), or that a driver
+// submits at its steps (`kda simulate`, workload_driver.h).
 // Each step: the inbox (submits, aborts) is applied, the scheduler's batch runs, each finished position's
 // logits give its continuations their next tokens (argmax for a plain greedy request, else the
 // continuation's RequestSampler; ids not producible are never picked), a stop id or max_tokens ends a
@@ -212,6 +162,8 @@ class Engine {
   bool step();
   EngineStats stats() const;  // thread safe
   int64_t vocab_size() const { return V_; }
+  // The scheduler (its peak slots, slot reuses, prefix-cache hits): on the engine's thread, between steps.
+  const Scheduler& scheduler() const { return sched_; }
 
  private:
   struct Continuation {
@@ -270,11 +222,18 @@ class Engine {
   // the verify step that runs them.
   bool draft(ScheduledBatch& b);
   void verify_step(ScheduledBatch& b);
-  void count_step(const ScheduledBatch& b);
+  // After a step's forward: its stats, hooks.step, then its events.
+  void count_step(const ScheduledBatch& b, StepInfo info);
+  void check_agreed() const;  // agreed_'s ids against the vocabulary (std::runtime_error)
+  // The decode input after continuation j's picks so far: its last pick, or the forced one.
+  int32_t next_input(const Live& L, int32_t j) const;
+  // hooks.rows for the rows of a step's batch that took prompt tokens or one decode token.
+  void keep_rows(const ScheduledBatch& b, const float* y) const;
 
   ModelRunner& runner_;
   EngineOptions opt_;
   int64_t V_ = 0, D_ = 0, slots_ = 0, kv_tokens_ = 0;
+  int32_t verify_extra_ = 0;  // MLA KV token slots a verify row may hold beyond its committed tokens
   Scheduler sched_;
   std::vector<uint8_t> is_stop_;  // [V]: the model's stop ids
 
@@ -287,7 +246,11 @@ class Engine {
   std::vector<Draft> drafts_;     // the verify step's, per row
   std::vector<int32_t> history_;  // a continuation's prompt + generated tokens (ngram's input)
   std::vector<double> probs_;     // a position's target distribution (speculative sampling)
-  VerifyCostModel cost_;          // adaptive depth: decode and verify steps' measured times
+  std::vector<int32_t> agreed_;   // a step's draft depths, then its greedy picks (hooks.agree_tokens)
+  struct Drafting {               // the step's draft(): rows, their depths' sum, the drafts they hold
+    int64_t rows = 0, depth_sum = 0, drafted = 0;
+  } drafting_;
+  VerifyCostModel cost_;  // adaptive depth: decode and verify steps' measured times
   EngineStats totals_;
 
   // Shared with submitters.

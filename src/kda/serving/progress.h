@@ -6,7 +6,7 @@
 
 #include <cstdio>
 
-#include "kda/serving/engine.h"
+#include "kda/serving/workload_driver.h"
 
 namespace kda::serving {
 

@@ -102,7 +102,7 @@ struct StepEvents {
 
 // The rows of a batch that give a next token (a prompt's last position reached, or a decode): their
 // indices into b.rows, and each one's last output row of y [T, D] gathered into head [M, D]. What both
-// serving loops (serve(), Engine) pick from.
+// Engine's steps pick from.
 std::vector<size_t> gather_pick_rows(const ScheduledBatch& b, const std::vector<Sequence>& seqs,
                                      const float* y, int64_t D, std::vector<float>& head);
 

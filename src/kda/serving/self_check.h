@@ -11,9 +11,9 @@
 #pragma once
 
 #include "kda/models/kimi_linear_model.h"
-#include "kda/serving/engine.h"
 #include "kda/serving/simulate.h"
 #include "kda/serving/simulate_plan.h"
+#include "kda/serving/workload_driver.h"
 
 namespace kda::serving {
 

@@ -42,9 +42,9 @@
 #include "kda/distributed/communicator.h"
 #include "kda/io/config.h"
 #include "kda/server_args.h"
-#include "kda/serving/engine.h"
 #include "kda/serving/request.h"
 #include "kda/serving/speculative.h"
+#include "kda/serving/workload_driver.h"
 
 namespace kda::serving {
 

@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <string>
 
-#include "kda/serving/engine.h"
 #include "kda/serving/simulate.h"
+#include "kda/serving/workload_driver.h"
 
 namespace kda::serving {
 

@@ -1,7 +1,7 @@
-// The steps of speculative decoding that both serving loops (serve() for `kda simulate`, the online Engine
-// for `kda serve`) take around a TARGET_VERIFY forward: a DECODE batch becomes a verify batch of each
-// row's token and drafts, its input tokens are laid out, and after verification each row's length becomes
-// the tokens it committed (what Scheduler::complete advances the sequence by).
+// The steps of speculative decoding that the Engine takes around a TARGET_VERIFY forward: a DECODE batch
+// becomes a verify batch of each row's token and drafts, its input tokens are laid out, and after
+// verification each row's length becomes the tokens it committed (what Scheduler::complete advances the
+// sequence by).
 #pragma once
 
 #include <cstdint>

@@ -122,27 +122,4 @@ Draft replay_draft(std::span<const int32_t> truth, int32_t depth, int32_t topk, 
   return d;
 }
 
-Verdict greedy_verify(const Draft& d, std::span<const int32_t> picks) {
-  if (static_cast<int32_t>(picks.size()) != d.size() + 1)
-    throw std::logic_error("greedy_verify: " + std::to_string(picks.size()) + " picks for " +
-                           std::to_string(d.size()) + " drafts");
-  Verdict v;
-  int32_t at = 0;  // row position; draft j sits at position j + 1, its parent p at p + 1
-  for (;;) {
-    const int32_t want = picks[static_cast<size_t>(at)];
-    int32_t next = -1;
-    for (int32_t j = 0; j < d.size(); ++j)
-      if (d.parents[j] == at - 1 && d.tokens[j] == want) {
-        next = j + 1;
-        break;
-      }
-    if (next < 0) break;
-    v.path.push_back(next);
-    at = next;
-  }
-  v.last = at;
-  v.next_token = picks[static_cast<size_t>(at)];
-  return v;
-}
-
 }  // namespace kda::serving

@@ -1,4 +1,4 @@
-// Speculative decoding in the serving loop: who proposes the drafts, and greedy verification.
+// Speculative decoding in the serving loop: who proposes the drafts. The Engine verifies them (engine.h).
 //
 // A decode step of a sequence becomes a TARGET_VERIFY row: its last generated token (the one a plain
 // decode step would feed) followed by drafted tokens, a chain or a tree (each draft names its parent).
@@ -78,14 +78,5 @@ Draft ngram_draft(std::span<const int32_t> history, int32_t depth, int32_t topk)
 // (seed, sequence, position) makes the draw a function of the step alone.
 Draft replay_draft(std::span<const int32_t> truth, int32_t depth, int32_t topk, double accept_rate,
                    int64_t vocab, uint64_t seed, int64_t sequence, int64_t position);
-
-struct Verdict {
-  std::vector<int32_t> path;  // row positions of the accepted drafts, in order (draft j is position j + 1)
-  int32_t last = 0;           // row position of the last accepted token (0: no draft accepted)
-  int32_t next_token = 0;     // the target's argmax at `last`: the bonus token
-};
-
-// Greedy verification of a row: picks[p] is the target's argmax at row position p (0..draft size).
-Verdict greedy_verify(const Draft& d, std::span<const int32_t> picks);
 
 }  // namespace kda::serving
