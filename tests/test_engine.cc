@@ -12,7 +12,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -921,6 +923,82 @@ TEST(EngineSpeculative, OptionsItCannotServeAreRefused) {
   EXPECT_THROW(Engine(*runner, replay), std::invalid_argument);
   EngineOptions bad = spec_options(0);
   EXPECT_THROW(Engine(*runner, bad), std::invalid_argument);
+  // A drafter is replay's; probe steps verify placeholders, so not beside speculation, and need a buffer.
+  EngineOptions drafter = spec_options(4);
+  drafter.hooks.drafter = [](int64_t, int32_t, std::span<const int32_t>, int32_t) { return Draft{}; };
+  testing::expect_throw_with<std::invalid_argument>([&] { Engine e(*runner, drafter); }, "hooks.drafter");
+  EngineOptions probe = spec_options(4);
+  probe.hooks.probe_decode = true;
+  testing::expect_throw_with<std::invalid_argument>([&] { Engine e(*runner, probe); }, "hooks.probe_decode");
+  EngineOptions probe_alone = options();
+  probe_alone.hooks.probe_decode = true;
+  testing::expect_throw_with<std::invalid_argument>([&] { Engine e(no_buffer, probe_alone); },
+                                                    "max_verify_tokens");
+}
+
+TEST(Engine, TeacherForcingAndKeptRowsAreCheckedAtSubmit) {
+  ModelRunner runner(hybrid_model(), 3, 256, kernels::KernelImpl::Auto);
+  Engine e(runner, options());
+  Collector c;
+  auto bad = [&](GenerateRequest r, const std::string& needle) {
+    testing::expect_throw_with<std::invalid_argument>([&] { e.submit(std::move(r), c.sink()); }, needle);
+  };
+  auto two_lists = greedy({1, 2}, 4);
+  two_lists.forced = {{1, 2, 3}, {1, 2, 3}};
+  bad(two_lists, "forced: 2 lists for n = 1");
+  auto short_list = greedy({1, 2}, 4);
+  short_list.forced = {{1, 2}};
+  bad(short_list, "forced: 2 ids for max_tokens 4");
+  auto outside = greedy({1, 2}, 4);
+  outside.forced = {{1, static_cast<int32_t>(kVocab), 3}};
+  bad(outside, "forced: token id 512");
+  auto rows = greedy({1, 2}, 4);
+  rows.keep_rows = true;
+  bad(rows, "keep_rows");
+  EXPECT_FALSE(e.step());
+
+  auto runner2 = spec_runner(2);
+  Engine spec(*runner2, spec_options(4));
+  auto forced = greedy({1, 2}, 4);
+  forced.forced = {{1, 2, 3}};
+  testing::expect_throw_with<std::invalid_argument>(
+      [&] { spec.submit(std::move(forced), c.sink()); },
+      "forced: teacher forcing is not for speculative decoding");
+}
+
+// A teacher-forced continuation feeds the forced ids and still streams its own picks: fed the tokens a
+// free run generated, it generates them again; fed other ids, its later picks follow those, as a run of
+// the prompt extended by them does; kept rows cover every position it processed.
+TEST(Engine, TeacherForcedInputsAreFedAndRowsAreKept) {
+  auto& model = hybrid_model();
+  ModelRunner runner(model, 3, 512, kernels::KernelImpl::Auto);
+  const auto prompt = random_prompt(20, 5);
+  const Outcome free_run = alone(runner, options(), greedy(prompt, 6));
+  std::vector<std::vector<float>> rows(1);
+  std::vector<int32_t> positions;
+  EngineOptions o = options();
+  o.hooks.rows = [&](int64_t, int32_t j, int32_t pos, const float* r, int32_t count) {
+    EXPECT_LE(j, 0);
+    for (int32_t k = 0; k < count; ++k) positions.push_back(pos + k);
+    rows[0].insert(rows[0].end(), r, r + int64_t{count} * model.hidden_size());
+  };
+  auto same = greedy(prompt, 6);
+  same.forced = {free_run.tokens[0]};
+  same.keep_rows = true;
+  EXPECT_EQ(alone(runner, o, same).tokens[0], free_run.tokens[0]);
+  std::vector<int32_t> expect_pos(25);
+  std::iota(expect_pos.begin(), expect_pos.end(), 0);
+  EXPECT_EQ(positions, expect_pos) << "20 prompt positions, then the 5 decode inputs";
+  EXPECT_EQ(rows[0].size(), static_cast<size_t>(25 * model.hidden_size()));
+
+  std::vector<int32_t> other = random_prompt(5, 77);
+  auto forced = greedy(prompt, 6);
+  forced.forced = {other};
+  const Outcome got = alone(runner, options(), forced);
+  std::vector<int32_t> extended = prompt;
+  extended.insert(extended.end(), other.begin(), other.end());
+  const Outcome tail = alone(runner, options(), greedy(extended, 1));
+  expect_same_or_near_tie(model, extended, std::vector<int32_t>{got.tokens[0].back()}, tail.tokens[0]);
 }
 
 }  // namespace
