@@ -6,9 +6,11 @@
 // where the CPU (or the build) has no AMX-INT8.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -179,6 +181,23 @@ TEST(QuantAmx, TheEntryPointsTakeThemFromTheirRowCounts) {
       EXPECT_EQ(std::memcmp(y.data(), want.data(), sizeof(float) * y.size()), 0)
           << to_string(fmt) << " M=" << M;
     }
+  }
+}
+
+// int8 inputs the kernel does not take are refused before anything is written.
+TEST(QuantAmx, Int8ShapesItDoesNotTakeAreRefused) {
+  SKIP_WITHOUT_AMX();
+  const int64_t M = 2;
+  for (int64_t in : {int64_t{96}, int64_t{65536 + 64}}) {
+    const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * 16), 41, 0.05f);
+    const qg::PackedMatrix p(Weights::Int8, wsrc.data(), in, 16);
+    EXPECT_FALSE(qg::amx_takes(int8_of(p.view()))) << in;
+    const Quantized xq = quantize(random_normal(static_cast<size_t>(M * in), 42), M, Weights::Int8, in);
+    std::vector<float> y(static_cast<size_t>(M * 16), 7.0f);
+    EXPECT_THROW(qg::gemm_int8_amx(xq.q.data(), xq.s.data(), M, int8_of(p.view()), y.data(), 16),
+                 std::invalid_argument)
+        << in;
+    EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; })) << in;
   }
 }
 

@@ -68,7 +68,7 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
       for (int c = copies_for(ql[0].weight_bytes()); c > 1; --c)
         ql.emplace_back(ql[0].packed(), Precision::BF16);
       const int64_t bytes = ql[0].weight_bytes();
-      for (int64_t M : {int64_t{1}, int64_t{8}, int64_t{16}, int64_t{32}, int64_t{64}}) {
+      for (int64_t M : {int64_t{1}, int64_t{4}, int64_t{8}, int64_t{16}, int64_t{32}, int64_t{64}}) {
         std::vector<float> x = bench_randn(static_cast<size_t>(M * sh.in), 6),
                            y(static_cast<size_t>(M * sh.out));
         round_bf16_inplace(x.data(), x.size());

@@ -293,10 +293,14 @@ int64_t row_blocks(int64_t M) { return (M + kRows - 1) / kRows; }
 
 }  // namespace
 
-bool amx_takes(const Int8Weights& w) { return w.in % 64 == 0; }
+// The low bytes' sums (up to 255 * 127 per input) stay inside int32.
+bool amx_takes(const Int8Weights& w) { return w.in % 64 == 0 && w.in <= 65536; }
 
 void gemm_int8_amx(const int16_t* xq, const float* sx, int64_t M, const Int8Weights& w, float* y,
                    int64_t ldy) {
+  if (!cpu_has_amx_int8()) throw std::logic_error("gemm_int8_amx: no AMX-INT8 on this CPU");
+  if (!amx_takes(w))
+    throw std::invalid_argument("gemm_int8_amx: the input size is not a multiple of 64 up to 65536");
   // The calling thread's scratch, grown once (as the entry points' quantized x).
   thread_local std::vector<uint32_t> xb;
   thread_local std::vector<float> sxp;
@@ -316,6 +320,7 @@ void gemm_int8_amx(const int16_t* xq, const float* sx, int64_t M, const Int8Weig
 
 void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y,
                    int64_t ldy) {
+  if (!cpu_has_amx_int8()) throw std::logic_error("gemm_int4_amx: no AMX-INT8 on this CPU");
   thread_local std::vector<uint32_t> xb;
   thread_local std::vector<float> sxg;
   const int64_t B = row_blocks(M), G = w.in / kInt4Group, blocks = w.out / kRows, n16 = blocks * kRows;

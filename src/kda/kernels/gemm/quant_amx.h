@@ -28,12 +28,15 @@ namespace kda::kernels::gemm {
 bool cpu_has_amx_int8();
 
 // The row counts from which the entry points (weight_format.h) take the AMX kernels over the AVX-512
-// ones. Below them a call is too few rows for the tile products and their per-block work to pay.
-inline constexpr int64_t kAmxMinRowsInt8 = 4, kAmxMinRowsInt4 = 8;
+// ones: the crossovers `kda bench --only qdecode` shows on a Sapphire Rapids Xeon. The AMX kernels' time
+// hardly grows with the rows up to 16 (per block of weights the tile loads, products and stores cost
+// the same whatever the rows), the AVX-512 ones' grows with every row; int4's AMX kernel, which also
+// unpacks the nibbles and scales every group of 32, pays from more rows than int8's.
+inline constexpr int64_t kAmxMinRowsInt8 = 4, kAmxMinRowsInt4 = 7;
 
 // The AMX kernels, with quant_gemm_isa.h's signatures minus the VNNI choice (the channel tail goes to
-// the AVX-512 kernel with VNNI where the CPU has it). Only where cpu_has_amx_int8(); int8 needs in to be
-// a multiple of 64 (amx_takes).
+// the AVX-512 kernel with VNNI where the CPU has it). std::logic_error where !cpu_has_amx_int8(); int8
+// needs in to be a multiple of 64 and at most 65536 (amx_takes; std::invalid_argument otherwise).
 bool amx_takes(const Int8Weights& w);
 void gemm_int8_amx(const int16_t* xq, const float* sx, int64_t M, const Int8Weights& w, float* y,
                    int64_t ldy);
