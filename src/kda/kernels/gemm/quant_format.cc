@@ -4,8 +4,8 @@
 #include <cmath>
 #include <limits>
 
-#include "kda/kernels/gemm/quant_gemm.h"
 #include "kda/common/isa_target.h"
+#include "kda/kernels/gemm/quant_gemm.h"
 #include "kda/kernels/gemm/quant_gemm_isa.h"
 
 namespace kda::kernels::gemm {
