@@ -147,10 +147,15 @@ void int8_blocks(const uint32_t* xb, const float* sx, int64_t M, const Int8Weigh
       _tile_zero(4);
       for (int64_t k = 0; k < in; k += 64) {
         // The next block's 16 rows are one run of 16 in bytes: 16 of its lines per step, in address
-        // order, so that the whole run is fetched while this block runs.
+        // order, into L2 (a block's run is most of L1: fetched into it, the run evicted this block's
+        // lines before their use), so that the whole run is near while this block runs; and this
+        // block's lines two steps ahead from there into L1.
         if (prefetch)
           for (int64_t j = 0; j < kRows; ++j)
-            _mm_prefetch(reinterpret_cast<const char*>(a + kRows * in + 16 * k + 64 * j), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(a + kRows * in + 16 * k + 64 * j), _MM_HINT_T1);
+        if (k + 128 < in)
+          for (int64_t j = 0; j < kRows; ++j)
+            _mm_prefetch(reinterpret_cast<const char*>(a + j * in + k + 128), _MM_HINT_T0);
         _tile_loadd(0, a + k, in);
         _tile_loadd(1, bh + 16 * k, 64);
         _tile_loadd(2, bl + 16 * k, 64);
