@@ -36,7 +36,7 @@ struct Shape {
 
 // The AVX-512 copy called directly with and without VNNI (the entry points take the CPU's choice), on
 // x quantized as the entry points do (int8 weights: a scale per row; int4: per group of 32).
-#if defined(KDA_WITH_AVX512)
+#if defined(KDA_TEST_AVX512_LANES)  // the AVX-512 copy is in the build (KDA_WITH_AVX512 is the library's own)
 void avx512_direct(const float* x, int64_t M, int64_t ldx, const qg::PackedWeights& w, float* y, int64_t ldy,
                    bool vnni) {
   const bool i8 = w.format == Weights::Int8;
@@ -73,7 +73,7 @@ void check_kernels(const qg::PackedWeights& w, const std::string& tag) {
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = w.out; n < ldy; ++n) ASSERT_EQ(y[m * ldy + n], 7.0f) << what;
     }
-#if defined(KDA_WITH_AVX512)
+#if defined(KDA_TEST_AVX512_LANES)
     if (!isa_available(Isa::Avx512)) continue;
     for (bool vnni : {false, true}) {
       if (vnni && !qg::cpu_has_vnni()) continue;

@@ -41,6 +41,9 @@ void bench_bf16_gemm(nlohmann::json& j, const Say& say);
 // QuantLinear's two prefill paths (int8 / int4, bf16 precision) at prefill row counts on the model's
 // prefill shapes, over the bf16 and fp32 GEMM ceilings of each shape ("quant_gemm").
 void bench_quant_gemm(nlohmann::json& j, const Say& say);
+// The quantized decode kernels (int8 / int4, AVX-512 and AMX) and QuantLinear at 1..64 rows on the model's
+// projection shapes, over the bf16 projection timed in the same turns ("quant_decode").
+void bench_quant_decode(nlohmann::json& j, const Say& say);
 // Speculative decoding's cost side: verify steps against a decode step.
 void bench_spec(nlohmann::json& j, const Say& say);
 // Speculative decoding against plain decoding through the serving loop, in turns, on the first 4 decoder

@@ -85,10 +85,16 @@ int run_bench(const BenchOptions& o) {
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
+  if (o.only == "qdecode") {  // gemm's decode rows alone: ratios to the bf16 projection
+    bench::bench_quant_decode(j, say);
+    if (o.json) std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
   if (o.only == "gemm") {  // the bf16 paths' ratios; the quantized rows measure their own ceilings
     j["bf16_gemm"] = nlohmann::json::array();
     bench::bench_bf16_gemm(j, say);
     bench::bench_quant_gemm(j, say);
+    bench::bench_quant_decode(j, say);
     if (o.json) std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }

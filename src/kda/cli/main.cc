@@ -85,9 +85,11 @@ int main(int argc, char** argv) {
           "MB/s on one thread, the 100 KB single-word case) | sampling (the sampler on a 163840-wide row "
           "against its reference and one LM-head GEMV) | serve (16 streaming HTTP clients of the OpenAI "
           "server against the engine in-process, and the TTFT HTTP and tokenization add) | cache (the prefix "
-          "cache off and on, 4 layers of the whole model: multi-turn, shared-prefix and no-hit workloads)")
+          "cache off and on, 4 layers of the whole model: multi-turn, shared-prefix and no-hit workloads) | "
+          "qdecode (gemm's quantized decode rows alone: int8 / int4 kernels at 1-64 rows against the bf16 "
+          "projection)")
       ->check(CLI::IsMember({"all", "kernels", "layer", "stack", "gemm", "spec", "model", "tokenizer",
-                             "sampling", "serve", "cache"}));
+                             "sampling", "serve", "cache", "qdecode"}));
   bench
       ->add_option(
           "--experts", bo.experts,

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kda/common/isa_target.h"
 #include "kda/kernels/gemm/quant_gemm.h"
 #include "kda/kernels/gemm/quant_gemm_isa.h"
 
@@ -39,16 +40,20 @@ int activation_qmax(int64_t in) {
 }
 // A run with a NaN or Inf has no integer image: scale NaN and q all zero, so that every output the run
 // feeds is NaN (a NaN or Inf activation makes the dense GEMM's outputs NaN or Inf as well), where a
-// cast of NaN to int16 is undefined and came out as finite garbage.
-float quantize_activations(const float* x, int64_t in, int qmax, int16_t* q) {
+// cast of NaN to int16 is undefined and came out as finite garbage. Cloned per ISA: the x86-64 baseline has
+// no rounding instruction (nearbyint is a libm call per value), and the decode kernels run this per call.
+KDA_TARGET_CLONES float quantize_activations(const float* x, int64_t in, int qmax, int16_t* q) {
+  // The largest magnitude does not depend on the order it is found in (a NaN makes the run non-finite
+  // whatever amax comes out): reductions the compiler vectorises.
   float amax = 0.0f;
-  bool finite = true;
+  int bad = 0;
+#pragma omp simd reduction(max : amax) reduction(| : bad)
   for (int64_t k = 0; k < in; ++k) {
     const float a = std::fabs(x[k]);
-    finite &= a <= std::numeric_limits<float>::max();
+    bad |= !(a <= std::numeric_limits<float>::max());
     amax = std::max(amax, a);
   }
-  const float s = finite ? amax / static_cast<float>(qmax) : std::numeric_limits<float>::quiet_NaN();
+  const float s = !bad ? amax / static_cast<float>(qmax) : std::numeric_limits<float>::quiet_NaN();
   if (!(s > 0.0f)) {
     std::fill(q, q + in, int16_t{0});
     return s;

@@ -73,10 +73,16 @@ inline void int8_block(const int16_t* xq, const float* sx, int64_t in, const Int
       for (int j = 0; j < NB; ++j) acc[i][j] = Dot::dot_s16(acc[i][j], wv[j], xv);
     }
   }
+  // The lanes' exact total (int64: 16 lanes of int32 may pass it), converted once: the portable and the
+  // AMX kernels' value bit for bit, so that a row's output does not depend on which kernel its call took.
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      y[(m0 + i) * ldy + n0 + j] =
-          _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[i][j])) * w.scale[n0 + j] * sx[m0 + i];
+    for (int j = 0; j < NB; ++j) {
+      const __m512i a = acc[i][j];
+      const int64_t total =
+          _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)),
+                                                   _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1))));
+      y[(m0 + i) * ldy + n0 + j] = static_cast<float>(total) * w.scale[n0 + j] * sx[m0 + i];
+    }
 }
 
 // int4: x rearranged once per call to the packing of the weights. A chunk is 4 groups (64 packed bytes

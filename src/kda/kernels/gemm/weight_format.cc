@@ -11,6 +11,7 @@
 #include "kda/common/bf16.h"
 #include "kda/kernels/gemm/bf16_gemm.h"
 #include "kda/kernels/gemm/bf16_gemm_isa.h"
+#include "kda/kernels/gemm/quant_amx.h"
 #include "kda/kernels/gemm/quant_gemm.h"
 #include "kda/kernels/gemm/quant_gemm_isa.h"
 
@@ -74,6 +75,22 @@ void int4_kernel(const Activations& a, int64_t M, const PackedWeights& w, float*
   K(a.xq, a.sx, M, int4_of(w), y, ldy, kVnni && cpu_has_vnni());
 }
 
+#if defined(KDA_WITH_AVX512)
+// The AVX-512 copy's quantized kernels: the AMX tiles where the CPU has them (quant_amx.h) from their row
+// counts on, else VNNI or AVX-512BW. int8's give the same bits either way; int4's differ in fp32
+// summation order.
+void int8_avx512(const Activations& a, int64_t M, const PackedWeights& w, float* y, int64_t ldy) {
+  const Int8Weights q = int8_of(w);
+  if (M >= kAmxMinRowsInt8 && cpu_has_amx_int8() && amx_takes(q))
+    return gemm_int8_amx(a.xq, a.sx, M, q, y, ldy);
+  avx512::gemm_int8(a.xq, a.sx, M, q, y, ldy, cpu_has_vnni());
+}
+void int4_avx512(const Activations& a, int64_t M, const PackedWeights& w, float* y, int64_t ldy) {
+  if (M >= kAmxMinRowsInt4 && cpu_has_amx_int8()) return gemm_int4_amx(a.xq, a.sx, M, int4_of(w), y, ldy);
+  avx512::gemm_int4(a.xq, a.sx, M, int4_of(w), y, ldy, cpu_has_vnni());
+}
+#endif
+
 // Each ISA's copies, where the build has them (require_isa() refuses the others before the table is
 // read). VNNI is the AVX-512 copy's choice, made per CPU.
 struct IsaKernels {
@@ -88,8 +105,7 @@ constexpr IsaKernels kAvx2{bf16_kernel<avx2::gemm_bf16>, int8_kernel<avx2::gemm_
 constexpr IsaKernels kAvx2{};
 #endif
 #if defined(KDA_WITH_AVX512)
-constexpr IsaKernels kAvx512{bf16_kernel<avx512::gemm_bf16>, int8_kernel<avx512::gemm_int8, true>,
-                             int4_kernel<avx512::gemm_int4, true>};
+constexpr IsaKernels kAvx512{bf16_kernel<avx512::gemm_bf16>, int8_avx512, int4_avx512};
 #else
 constexpr IsaKernels kAvx512{};
 #endif

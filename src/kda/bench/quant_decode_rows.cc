@@ -1,0 +1,141 @@
+// `kda bench --only gemm`, the quantized decode rows: int8 / int4 weights at decode and MoE row counts
+// (1..64) on the model's projection shapes, each kernel the AVX-512 copy takes (VNNI or AVX-512BW, and
+// the AMX tiles where the CPU has them) called directly on activations quantized beforehand, and
+// QuantLinear's whole call (the activations' quantization included) as the layers make it, beside the
+// bf16 projection (oneDNN's matmul) timed in the same turns: the ratios say which is faster per format
+// and row count on this CPU. Every projection cycles through copies of its weights larger together than
+// the caches, so that each call reads them from memory as a model's decode step does.
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "kda/bench/inputs.h"
+#include "kda/bench/rows.h"
+#include "kda/bench/timing.h"
+#include "kda/common/bf16.h"
+#include "kda/common/isa.h"
+#include "kda/io/kimi_linear_48b.h"
+#include "kda/kernels/gemm/quant_amx.h"
+#include "kda/kernels/gemm/quant_gemm.h"
+#include "kda/kernels/gemm/quant_gemm_isa.h"
+#include "kda/kernels/gemm/weight_format.h"
+#include "kda/layers/linear.h"
+#include "kda/layers/quant_linear.h"
+
+namespace kda::bench {
+
+namespace {
+
+namespace qg = kernels::gemm;
+
+struct DecodeShape {
+  const char* name;
+  int64_t in, out;
+};
+
+// Copies of a projection whose weights together pass this many bytes.
+constexpr int64_t kColdBytes = int64_t{512} << 20;
+int copies_for(int64_t bytes) {
+  return static_cast<int>(std::clamp<int64_t>(kColdBytes / bytes + 1, 1, 256));
+}
+
+}  // namespace
+
+void bench_quant_decode(nlohmann::json& j, const Say& say) {
+  using S = io::KimiLinear48bShape;
+  const DecodeShape shapes[] = {
+      {"KDA fused projection", kD, 3 * kP + 2 * kK + kH},
+      {"expert gate+up", kD, 2 * S::kMoeIntermediate},
+      {"expert down", S::kMoeIntermediate, kD},
+  };
+  const bool avx512 = isa_available(Isa::Avx512), amx = qg::cpu_has_amx_int8();
+  say("\n%-22s %5s %4s %-12s %9s %8s %10s\n", "quantized decode GEMM", "wts", "rows", "kernel", "ms", "GB/s",
+      "/ bf16 ms");
+  j["quant_decode"] = nlohmann::json::array();
+  for (const DecodeShape& sh : shapes) {
+    const std::vector<float> w = bench_randn(static_cast<size_t>(sh.in * sh.out), 5, 0.02f);
+    std::vector<layers::Linear> d16;
+    for (int c = copies_for(2 * sh.in * sh.out); c > 0; --c)
+      d16.emplace_back(sh.in, sh.out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
+    for (Weights wt : {Weights::Int8, Weights::Int4}) {
+      std::vector<layers::QuantLinear> ql;
+      ql.reserve(64);
+      ql.emplace_back(sh.in, sh.out, w, wt, Precision::BF16);
+      for (int c = copies_for(ql[0].weight_bytes()); c > 1; --c)
+        ql.emplace_back(ql[0].packed(), Precision::BF16);
+      const int64_t bytes = ql[0].weight_bytes();
+      for (int64_t M : {int64_t{1}, int64_t{4}, int64_t{8}, int64_t{16}, int64_t{32}, int64_t{64}}) {
+        std::vector<float> x = bench_randn(static_cast<size_t>(M * sh.in), 6),
+                           y(static_cast<size_t>(M * sh.out));
+        round_bf16_inplace(x.data(), x.size());
+        std::vector<bf16_t> xb(x.size()), yb(y.size());
+        f32_to_bf16_array(x.data(), xb.data(), xb.size());
+        // x quantized as the entry points do (a scale per row for int8, per group of 32 for int4).
+        const int64_t run = wt == Weights::Int8 ? sh.in : qg::kInt4Group, R = sh.in / run;
+        const int qmax = wt == Weights::Int8 ? qg::activation_qmax(sh.in) : qg::kInt4ActivationMax;
+        std::vector<int16_t> xq(x.size());
+        std::vector<float> sx(static_cast<size_t>(M * R));
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t r = 0; r < R; ++r)
+            sx[m * R + r] = qg::quantize_activations(x.data() + m * sh.in + r * run, run, qmax,
+                                                     xq.data() + m * sh.in + r * run);
+        size_t i16 = 0, iq = 0;
+        const auto next_q = [&]() -> const qg::PackedWeights& {
+          return ql[iq++ % ql.size()].packed().view();
+        };
+        std::vector<std::string> names{"bf16 oneDNN", "QuantLinear"};
+        std::vector<std::function<void()>> fns{
+            [&] { d16[i16++ % d16.size()].forward(xb.data(), M, sh.in, yb.data(), sh.out); },
+            [&] { ql[iq++ % ql.size()].forward(xb.data(), M, sh.in, yb.data(), sh.out); }};
+        if (avx512) {
+          names.emplace_back(qg::cpu_has_vnni() ? "avx512 vnni" : "avx512 bw");
+          fns.emplace_back([&] {
+            const qg::PackedWeights& p = next_q();
+            if (wt == Weights::Int8)
+              qg::avx512::gemm_int8(xq.data(), sx.data(), M,
+                                    {static_cast<const int8_t*>(p.data), p.scale, p.in, p.out}, y.data(),
+                                    sh.out, qg::cpu_has_vnni());
+            else
+              qg::avx512::gemm_int4(xq.data(), sx.data(), M,
+                                    {static_cast<const uint8_t*>(p.data), p.scale, p.in, p.out}, y.data(),
+                                    sh.out, qg::cpu_has_vnni());
+          });
+        }
+        if (amx) {
+          names.emplace_back("amx");
+          fns.emplace_back([&] {
+            const qg::PackedWeights& p = next_q();
+            if (wt == Weights::Int8)
+              qg::gemm_int8_amx(xq.data(), sx.data(), M,
+                                {static_cast<const int8_t*>(p.data), p.scale, p.in, p.out}, y.data(), sh.out);
+            else
+              qg::gemm_int4_amx(xq.data(), sx.data(), M,
+                                {static_cast<const uint8_t*>(p.data), p.scale, p.in, p.out}, y.data(),
+                                sh.out);
+          });
+        }
+        const std::vector<double> t = best_interleaved(fns, 5, 1.0);
+        for (size_t i = 0; i < t.size(); ++i) {
+          const int64_t b = i == 0 ? 2 * sh.in * sh.out : bytes;
+          j["quant_decode"].push_back({{"shape", sh.name},
+                                       {"in", sh.in},
+                                       {"out", sh.out},
+                                       {"rows", M},
+                                       {"weights", to_string(wt)},
+                                       {"kernel", names[i]},
+                                       {"ms", t[i] * 1e3},
+                                       {"gbps", b / t[i] / 1e9},
+                                       {"over_bf16_ms", t[i] / t[0]}});
+          say("%-22s %5s %4lld %-12s %9.3f %8.1f %10.2f\n", i == 0 ? sh.name : "", to_string(wt),
+              static_cast<long long>(M), names[i].c_str(), t[i] * 1e3, b / t[i] / 1e9, t[i] / t[0]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace kda::bench
