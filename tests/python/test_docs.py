@@ -95,7 +95,7 @@ def test_simulate_json_keys_are_the_documented_ones(name):
 
 # kda bench --json: nested keys as paths, `a.b` for an object's member and `a[].b` for a member of an
 # array's rows (the union over its rows).
-BENCH_SECTIONS = ("all", "kernels", "layer", "stack", "gemm", "spec", "model", "tokenizer", "sampling", "serve", "cache")
+BENCH_SECTIONS = ("all", "kernels", "layer", "stack", "gemm", "spec", "model", "tokenizer", "sampling", "serve", "cache", "qdecode")
 
 
 def key_paths(obj, prefix=""):
