@@ -5,7 +5,7 @@
 // bf16 projection (oneDNN's matmul) timed in the same turns: the ratios say which is faster per format
 // and row count on this CPU. Every projection cycles through copies of its weights larger together than
 // the caches, so that each call reads them from memory as a model's decode step does. Where the CPU has
-// AMX-BF16, the bf16 LM head's rows follow (bench_bf16_head).
+// AMX-BF16, bf16 rows on its tiles follow (bench_bf16_amx).
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -46,23 +46,27 @@ int copies_for(int64_t bytes) {
   return static_cast<int>(std::clamp<int64_t>(kColdBytes / bytes + 1, 1, 256));
 }
 
-// The bf16 LM head at the decode row counts, where the CPU has AMX-BF16: its row block (2304 -> 29127, as
-// the model splits the head for oneDNN) and the whole head (2304 -> the vocabulary), each through oneDNN as
-// compute_logits takes it there (one row straight into the logits' columns, more into a dense block buffer
-// and copied to them) beside the AMX kernel (bf16_amx.h) writing straight into the logits, in turns. Rows
-// of quant_decode with weights "bf16".
-void bench_bf16_head(nlohmann::json& j, const Say& say) {
+// bf16 weights at the decode row counts, where the CPU has AMX-BF16: the LM head's row block (2304 -> 29127,
+// as the model splits the head for oneDNN) and the whole head (2304 -> the vocabulary), each through oneDNN
+// as compute_logits takes it there (one row straight into the logits' columns, more into a dense block
+// buffer and copied to them), and the projection shapes above through a bf16 Linear (oneDNN), each beside
+// the AMX kernel (bf16_amx.h) writing straight into y, in turns. Rows of quant_decode with weights "bf16".
+void bench_bf16_amx(nlohmann::json& j, const Say& say) {
   if (!qg::cpu_has_amx_bf16()) return;
   const int64_t block = (int64_t{1} << 26) / kD;  // the model's head block (kHeadBlockValues / D)
   const std::vector<float> w = bench_randn(static_cast<size_t>(block * kD), 7, 0.02f);
   std::vector<bf16_t> wb(w.size());
   f32_to_bf16_array(w.data(), wb.data(), wb.size());
+  using S = io::KimiLinear48bShape;
   const DecodeShape shapes[] = {{"LM head block", kD, block},
-                                {"LM head", kD, io::KimiLinear48bShape::kVocab}};
+                                {"LM head", kD, S::kVocab},
+                                {"KDA fused projection", kD, 3 * kP + 2 * kK + kH},
+                                {"expert gate+up", kD, 2 * S::kMoeIntermediate},
+                                {"expert down", S::kMoeIntermediate, kD}};
   for (const DecodeShape& sh : shapes) {
     const int64_t blocks = (sh.out + block - 1) / block, copies = copies_for(2 * sh.in * sh.out);
-    // Per copy the head's Linear blocks, and the same weights as one bf16 matrix (every block's rows the
-    // first ones of w: the values do not change the time).
+    // Per copy the Linear blocks (the head's; a projection is one), and the same weights as one bf16
+    // matrix (every block's rows the first ones of w: the values do not change the time).
     std::vector<std::vector<layers::Linear>> d16(static_cast<size_t>(copies));
     std::vector<std::vector<bf16_t>> a16(static_cast<size_t>(copies));
     for (int64_t c = 0; c < copies; ++c) {
@@ -213,7 +217,7 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
       }
     }
   }
-  bench_bf16_head(j, say);
+  bench_bf16_amx(j, say);
 }
 
 }  // namespace kda::bench
