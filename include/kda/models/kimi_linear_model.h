@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "kda/common/bf16.h"
 #include "kda/common/precision.h"
 #include "kda/common/weights.h"
 #include "kda/distributed/communicator.h"
@@ -226,12 +227,17 @@ class KimiLinearForCausalLM {
   static constexpr int64_t kHeadBlockValues = int64_t{1} << 26;
   std::vector<layers::Linear> lm_head_;
   std::vector<int64_t> head_begin_;
+  // Or, in place of lm_head_ where the AMX kernel applies (bf16 precision, a dense head, a CPU with
+  // AMX-BF16: build_head decides), the head as one bf16 matrix [V, D] in the checkpoint's layout, which that
+  // kernel reads in place at every row count (compute_logits says why).
+  std::vector<bf16_t> head_bf16_;
   // Builds the head's blocks from rows(begin, end) -> fp32 [end - begin, D].
   void build_head(int64_t V, const std::function<std::vector<float>(int64_t, int64_t)>& rows);
   layers::attention::linear::KDAAttnBackend backend_;
   // compute_logits' normed rows [M, D], and one block's logits [M, block] before they go to their columns
-  // (compute_logits says why).
+  // (compute_logits says why); the normed rows in bf16 for the AMX head.
   std::vector<float> head_in_, head_out_;
+  std::vector<bf16_t> head_in_bf16_;
 };
 
 // Active parameters per decoded token of the first `num_layers` layers (0: all) of `cfg`, with

@@ -4,9 +4,11 @@
 // QuantLinear's whole call (the activations' quantization included) as the layers make it, beside the
 // bf16 projection (oneDNN's matmul) timed in the same turns: the ratios say which is faster per format
 // and row count on this CPU. Every projection cycles through copies of its weights larger together than
-// the caches, so that each call reads them from memory as a model's decode step does.
+// the caches, so that each call reads them from memory as a model's decode step does. Where the CPU has
+// AMX-BF16, bf16 rows on its tiles follow (bench_bf16_amx).
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -19,6 +21,7 @@
 #include "kda/common/bf16.h"
 #include "kda/common/isa.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "kda/kernels/gemm/bf16_amx.h"
 #include "kda/kernels/gemm/quant_amx.h"
 #include "kda/kernels/gemm/quant_gemm.h"
 #include "kda/kernels/gemm/quant_gemm_isa.h"
@@ -41,6 +44,84 @@ struct DecodeShape {
 constexpr int64_t kColdBytes = int64_t{512} << 20;
 int copies_for(int64_t bytes) {
   return static_cast<int>(std::clamp<int64_t>(kColdBytes / bytes + 1, 1, 256));
+}
+
+// bf16 weights at the decode row counts, where the CPU has AMX-BF16: the LM head's row block (2304 -> 29127,
+// as the model splits the head for oneDNN) and the whole head (2304 -> the vocabulary), each through oneDNN
+// as compute_logits takes it there (one row straight into the logits' columns, more into a dense block
+// buffer and copied to them), and the projection shapes above through a bf16 Linear (oneDNN), each beside
+// the AMX kernel (bf16_amx.h) writing straight into y, in turns. Rows of quant_decode with weights "bf16".
+void bench_bf16_amx(nlohmann::json& j, const Say& say) {
+  if (!qg::cpu_has_amx_bf16()) return;
+  const int64_t block = (int64_t{1} << 26) / kD;  // the model's head block (kHeadBlockValues / D)
+  const std::vector<float> w = bench_randn(static_cast<size_t>(block * kD), 7, 0.02f);
+  std::vector<bf16_t> wb(w.size());
+  f32_to_bf16_array(w.data(), wb.data(), wb.size());
+  using S = io::KimiLinear48bShape;
+  const DecodeShape shapes[] = {{"LM head block", kD, block},
+                                {"LM head", kD, S::kVocab},
+                                {"KDA fused projection", kD, 3 * kP + 2 * kK + kH},
+                                {"expert gate+up", kD, 2 * S::kMoeIntermediate},
+                                {"expert down", S::kMoeIntermediate, kD}};
+  for (const DecodeShape& sh : shapes) {
+    const int64_t blocks = (sh.out + block - 1) / block, copies = copies_for(2 * sh.in * sh.out);
+    // Per copy the Linear blocks (the head's; a projection is one), and the same weights as one bf16
+    // matrix (every block's rows the first ones of w: the values do not change the time).
+    std::vector<std::vector<layers::Linear>> d16(static_cast<size_t>(copies));
+    std::vector<std::vector<bf16_t>> a16(static_cast<size_t>(copies));
+    for (int64_t c = 0; c < copies; ++c) {
+      a16[c].resize(static_cast<size_t>(sh.out * sh.in));
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t n = std::min(block, sh.out - b * block);
+        d16[c].emplace_back(sh.in, n, n == block ? w : std::vector<float>(w.begin(), w.begin() + n * sh.in),
+                            Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
+        std::copy(wb.begin(), wb.begin() + n * sh.in, a16[c].begin() + b * block * sh.in);
+      }
+    }
+    for (int64_t M :
+         {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}, int64_t{16}, int64_t{32}, int64_t{64}}) {
+      std::vector<float> x = bench_randn(static_cast<size_t>(M * sh.in), 6),
+                         logits(static_cast<size_t>(M * sh.out)), buf(static_cast<size_t>(M * block));
+      round_bf16_inplace(x.data(), x.size());
+      std::vector<bf16_t> xb(x.size());
+      size_t i16 = 0, ia = 0;
+      const std::vector<std::function<void()>> fns{
+          [&] {
+            const std::vector<layers::Linear>& hs = d16[i16++ % d16.size()];
+            for (int64_t b = 0; b < blocks; ++b) {
+              if (M == 1 || blocks == 1) {
+                hs[b].forward(x.data(), M, sh.in, logits.data() + b * block, sh.out);
+                continue;
+              }
+              const int64_t n = hs[b].out_features();
+              hs[b].forward(x.data(), M, sh.in, buf.data(), n);
+              for (int64_t m = 0; m < M; ++m)
+                std::memcpy(logits.data() + m * sh.out + b * block, buf.data() + m * n, sizeof(float) * n);
+            }
+          },
+          [&] {
+            f32_to_bf16_array(x.data(), xb.data(), xb.size());
+            qg::gemm_bf16_amx(xb.data(), M, sh.in, a16[ia++ % a16.size()].data(), sh.in, sh.out,
+                              logits.data(), sh.out);
+          }};
+      const char* names[] = {"bf16 oneDNN", "amx bf16"};
+      const std::vector<double> t = best_interleaved(fns, 5, 1.0);
+      const int64_t bytes = 2 * sh.in * sh.out;
+      for (size_t i = 0; i < t.size(); ++i) {
+        j["quant_decode"].push_back({{"shape", sh.name},
+                                     {"in", sh.in},
+                                     {"out", sh.out},
+                                     {"rows", M},
+                                     {"weights", "bf16"},
+                                     {"kernel", names[i]},
+                                     {"ms", t[i] * 1e3},
+                                     {"gbps", bytes / t[i] / 1e9},
+                                     {"over_bf16_ms", t[i] / t[0]}});
+        say("%-22s %5s %4lld %-12s %9.3f %8.1f %10.2f\n", i == 0 ? sh.name : "", "bf16",
+            static_cast<long long>(M), names[i], t[i] * 1e3, bytes / t[i] / 1e9, t[i] / t[0]);
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -136,6 +217,7 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
       }
     }
   }
+  bench_bf16_amx(j, say);
 }
 
 }  // namespace kda::bench

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/gemm/bf16_amx.h"
 
 namespace kda::models {
 
@@ -353,13 +354,23 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
   head_in_.resize(static_cast<size_t>(M * D));
   rms_norm_rows(hidden, M, D, model_->norm_weight().data(), cfg_.rms_norm_eps, opts_.precision,
                 head_in_.data());
-  // One row (a batch-1 decode step) goes straight to its columns: oneDNN takes a strided destination through
-  // its plain-layout gemm, which at M = 1 reads the head faster than its brgemm kernel does within a model
-  // step. At M >= 2 (verify rows, batched decode) that gemm is far slower than the brgemm kernel on a dense
-  // destination (docs/performance.md, "The LM head's row counts"), so each block's logits go to a dense
-  // buffer first, then to their columns. A head that serves both shapes holds its weights in both layouts
-  // (Linear keeps one per layout its calls need).
   const int64_t V = vocab_size();
+  // The AMX kernel reads the head in its checkpoint layout, one pass for up to 64 rows, faster than oneDNN's
+  // kernels at every row count from one (kda bench --only qdecode), and writes each row's logits straight
+  // to their columns: no second layout of the weights, no block buffer. A row's logits then do not depend
+  // on the rows beside it either.
+  if (!head_bf16_.empty()) {
+    head_in_bf16_.resize(static_cast<size_t>(M * D));
+    f32_to_bf16_array(head_in_.data(), head_in_bf16_.data(), head_in_bf16_.size());  // exact in bf16
+    kernels::gemm::gemm_bf16_amx(head_in_bf16_.data(), M, D, head_bf16_.data(), D, V, logits, V);
+    return;
+  }
+  // Elsewhere, one row (a batch-1 decode step) goes straight to its columns: oneDNN takes a strided
+  // destination through its plain-layout gemm, which at M = 1 reads the head faster than its brgemm kernel
+  // does within a model step. At M >= 2 (verify rows, batched decode) that gemm is far slower than the brgemm
+  // kernel on a dense destination (docs/performance.md, "The LM head's row counts"), so each block's logits
+  // go to a dense buffer first, then to their columns. A head that serves both shapes holds its weights in
+  // both layouts (Linear keeps one per layout its calls need).
   if (lm_head_.size() == 1 || M == 1) {
     for (size_t b = 0; b < lm_head_.size(); ++b)
       lm_head_[b].forward(head_in_.data(), M, D, logits + head_begin_[b], V);
@@ -375,7 +386,7 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
 }
 
 int64_t KimiLinearForCausalLM::head_weight_bytes() const {
-  int64_t b = 0;
+  int64_t b = static_cast<int64_t>(sizeof(bf16_t) * head_bf16_.size());
   for (const auto& l : lm_head_) b += l.weight_bytes();
   return b;
 }
@@ -388,6 +399,21 @@ void KimiLinearForCausalLM::build_head(int64_t V,
   const Weights hw = opts_.quantize_lm_head ? opts_.weights : Weights::BF16;
   lm_head_.clear();
   head_begin_.clear();
+  head_bf16_.clear();
+  if (opts_.precision == Precision::BF16 && hw == Weights::BF16 && kernels::gemm::cpu_has_amx_bf16() &&
+      kernels::gemm::bf16_amx_takes(D)) {
+    head_bf16_.resize(static_cast<size_t>(V * D));
+    for (int64_t b = 0; b < V; b += per) {
+      const int64_t e = std::min(V, b + per);
+      const std::vector<float> r = rows(b, e);
+      if (static_cast<int64_t>(r.size()) != (e - b) * D)
+        throw std::invalid_argument("lm_head rows [" + str(b) + ", " + str(e) +
+                                    "): " + str(static_cast<int64_t>(r.size())) + " values, expected " +
+                                    str((e - b) * D));
+      f32_to_bf16_array(r.data(), head_bf16_.data() + b * D, r.size());
+    }
+    return;
+  }
   for (int64_t b = 0; b < V; b += per) {
     const int64_t e = std::min(V, b + per);
     lm_head_.emplace_back(D, e - b, rows(b, e), opts_.precision, hw);

@@ -1,0 +1,273 @@
+#include "kda/kernels/gemm/bf16_amx.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/common/isa.h"
+
+#if defined(KDA_WITH_AVX512) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    defined(__linux__)
+#define KDA_AMX_BF16_BUILD 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
+#endif
+
+namespace kda::kernels::gemm {
+
+namespace {
+
+void check_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K,
+                int64_t N, const float* y, int64_t ldy) {
+  const std::string f(what);
+  if (K < 1 || N < 1 || M < 0)
+    throw std::invalid_argument(f + ": bad sizes M " + std::to_string(M) + ", K " + std::to_string(K) +
+                                ", N " + std::to_string(N));
+  if (ldx < K || ldy < N) throw std::invalid_argument(f + ": a row stride below its row's size");
+  if (M > 0 && (x == nullptr || w == nullptr || y == nullptr)) throw std::invalid_argument(f + ": null data");
+}
+
+}  // namespace
+
+void gemm_bf16_amx_reference(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
+                             float* y, int64_t ldy) {
+  check_args("gemm_bf16_amx_reference", x, M, ldx, w, K, N, y, ldy);
+  // x transposed to [K, M]: the rows' sums then advance side by side, each still k ascending.
+  std::vector<float> xt(static_cast<size_t>(K * M)), wf(static_cast<size_t>(K)), acc(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = bf16_to_f32(x[m * ldx + k]);
+  for (int64_t n = 0; n < N; ++n) {
+    bf16_to_f32_array(w + n * K, wf.data(), static_cast<size_t>(K));
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float wk = wf[k];
+      const float* xk = xt.data() + k * M;
+      for (int64_t m = 0; m < M; ++m) acc[m] += xk[m] * wk;
+    }
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = acc[m];
+  }
+}
+
+#if defined(KDA_AMX_BF16_BUILD)
+
+bool cpu_has_amx_bf16() {
+  static const bool v = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!isa_available(Isa::Avx512) || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if ((d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;  // AMX-TILE, AMX-BF16
+    // Linux hands the tile data state out per process on request (ARCH_REQ_XCOMP_PERM for
+    // XFEATURE_XTILEDATA); oneDNN and the int8 kernels ask the same, a second grant is a no-op.
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return v;
+}
+
+namespace {
+
+// Below this many weights a call runs on one thread (the fork costs more than the work).
+constexpr int64_t kParallelMin = int64_t{1} << 15;
+constexpr int64_t kC = 16;      // channels per block: rows of the A and C tiles
+constexpr int64_t kCols = 16;   // rows of x per group: columns of the B and C tiles
+constexpr int64_t kGroups = 4;  // groups per pass over W: the C tiles beside one A and three B tiles
+constexpr int64_t kStep = 32;   // inputs per A tile row (64 bytes)
+
+// GCC's tile store and load intrinsics are asm statements that do not tell the compiler they touch
+// memory: stores to a buffer a tile loads next, and loads of one a tile stored, stay on their side of this.
+#define KDA_TILE_FENCE() asm volatile("" ::: "memory")
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,amx-tile,amx-bf16")
+
+// Tiles: 0 the weights (`channels` channels by 32 inputs), 1 to 3 a group's x (16 input pairs by `cols`
+// rows' words), 4 to 7 the groups' sums (`channels` by `cols`). Columns and rows past them are never read.
+inline void configure(int64_t channels, int64_t cols) {
+  TileConfig c;
+  c.rows[0] = static_cast<uint8_t>(channels);
+  c.colsb[0] = 2 * kStep;
+  for (int t : {1, 2, 3}) {
+    c.rows[t] = kStep / 2;
+    c.colsb[t] = static_cast<uint16_t>(4 * cols);
+  }
+  for (int t : {4, 5, 6, 7}) {
+    c.rows[t] = static_cast<uint8_t>(channels);
+    c.colsb[t] = static_cast<uint16_t>(4 * cols);
+  }
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// The tile shape, configured only when it changes (the last block of fewer channels).
+class Tiles {
+ public:
+  Tiles() = default;
+  ~Tiles() {
+    if (channels_ > 0) _tile_release();
+  }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+  void shape(int64_t channels, int64_t cols) {
+    if (channels != channels_ || cols != cols_) configure(channels_ = channels, cols_ = cols);
+  }
+
+ private:
+  int64_t channels_ = 0, cols_ = 0;
+};
+
+// o [channels][kCols] (a stored C tile) into y's rows [m0, m0 + mr) and columns [n0, n0 + nc).
+inline void write_out(const float* o, int64_t m0, int64_t mr, int64_t n0, int64_t nc, float* y, int64_t ldy) {
+  for (int64_t m = 0; m < mr; ++m) {
+    float* yr = y + (m0 + m) * ldy + n0;
+    for (int64_t n = 0; n < nc; ++n) yr[n] = o[n * kCols + m];
+  }
+}
+
+// Channel blocks [nb0, nb1) of W against the pass's `rows` rows of x, arranged in xb (arrange()) as
+// `groups` groups of `cols` columns each.
+void blocks(const uint32_t* xb, int64_t rows, int64_t groups, int64_t cols, const bf16_t* w, int64_t K,
+            int64_t N, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
+  Tiles tiles;
+  alignas(64) float o[kC * kCols];
+  const int64_t P = K / 2 * kCols;  // words per group
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const int64_t n0 = nb * kC, nc = std::min(kC, N - n0);
+    const bf16_t* a = w + n0 * K;
+    // The next block's channels are one run of bytes, fetched 16 lines per step in address order into L2
+    // (a block's run passes L1's size: fetched into L1 it would evict this block's lines before their
+    // use), so that the whole run is near when its block starts; this block's lines two steps ahead into L1.
+    const bool more = nb + 1 < nb1;
+    const char* next = more ? reinterpret_cast<const char*>(a + kC * K) : nullptr;
+    const int64_t next_bytes = more ? 2 * K * std::min(kC, N - n0 - kC) : 0;
+    tiles.shape(nc, cols);
+    _tile_zero(4);
+    if (groups > 1) _tile_zero(5);
+    if (groups > 2) _tile_zero(6);
+    if (groups > 3) _tile_zero(7);
+    for (int64_t k = 0; k < K; k += kStep) {
+      for (int64_t j = 0; j < 16 && 32 * k + 64 * j < next_bytes; ++j)
+        _mm_prefetch(next + 32 * k + 64 * j, _MM_HINT_T1);
+      if (k + 2 * kStep < K)
+        for (int64_t j = 0; j < nc; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(a + j * K + k + 2 * kStep), _MM_HINT_T0);
+      const uint32_t* b = xb + k / 2 * kCols;
+      _tile_loadd(0, a + k, 2 * K);
+      _tile_loadd(1, b, 4 * kCols);
+      _tile_dpbf16ps(4, 0, 1);
+      if (groups > 1) {
+        _tile_loadd(2, b + P, 4 * kCols);
+        _tile_dpbf16ps(5, 0, 2);
+      }
+      if (groups > 2) {
+        _tile_loadd(3, b + 2 * P, 4 * kCols);
+        _tile_dpbf16ps(6, 0, 3);
+      }
+      if (groups > 3) {
+        _tile_loadd(1, b + 3 * P, 4 * kCols);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+    }
+    _tile_stored(4, o, 4 * kCols);
+    KDA_TILE_FENCE();
+    write_out(o, 0, std::min(kCols, rows), n0, nc, y, ldy);
+    if (groups > 1) {
+      _tile_stored(5, o, 4 * kCols);
+      KDA_TILE_FENCE();
+      write_out(o, kCols, std::min(kCols, rows - kCols), n0, nc, y, ldy);
+    }
+    if (groups > 2) {
+      _tile_stored(6, o, 4 * kCols);
+      KDA_TILE_FENCE();
+      write_out(o, 2 * kCols, std::min(kCols, rows - 2 * kCols), n0, nc, y, ldy);
+    }
+    if (groups > 3) {
+      _tile_stored(7, o, 4 * kCols);
+      KDA_TILE_FENCE();
+      write_out(o, 3 * kCols, rows - 3 * kCols, n0, nc, y, ldy);
+    }
+    KDA_TILE_FENCE();  // the next block's C stores overwrite what write_out read
+  }
+}
+
+#pragma GCC pop_options
+
+// x [rows, K] as B tiles: per group of 16 rows K / 2 x 16 words, word [p][c] holding inputs 2p and 2p + 1
+// of the group's row c; the tile of inputs [k, k + 32) is the 16 words' rows from word k / 2 * 16. With
+// more than one group every tile is 16 columns wide, so the last group's columns past `rows` are zeros;
+// with one, the tiles are `rows` wide and the words past them are never read.
+void arrange(const bf16_t* x, int64_t rows, int64_t ldx, int64_t K, int64_t groups, uint32_t* xb) {
+  const int64_t P = K / 2 * kCols;
+  for (int64_t m = 0; m < rows; ++m) {
+    uint32_t* d = xb + (m / kCols) * P + m % kCols;
+    const bf16_t* r = x + m * ldx;
+    for (int64_t p = 0; p < K / 2; ++p)
+      d[p * kCols] = static_cast<uint32_t>(r[2 * p]) | static_cast<uint32_t>(r[2 * p + 1]) << 16;
+  }
+  if (groups > 1)
+    for (int64_t m = rows; m < groups * kCols; ++m) {
+      uint32_t* d = xb + (m / kCols) * P + m % kCols;
+      for (int64_t p = 0; p < K / 2; ++p) d[p * kCols] = 0;
+    }
+}
+
+// Threads split the channel blocks evenly (static), each running `body` once on its range.
+template <class Body>
+void split_blocks(int64_t nblocks, int64_t weights, Body body) {
+  if (weights < kParallelMin || nblocks < 2) {
+    body(0, nblocks);
+    return;
+  }
+#pragma omp parallel
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    body(nblocks * t / nt, nblocks * (t + 1) / nt);
+  }
+}
+
+}  // namespace
+
+void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N, float* y,
+                   int64_t ldy) {
+  if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_bf16_amx: no AMX-BF16 on this CPU");
+  check_args("gemm_bf16_amx", x, M, ldx, w, K, N, y, ldy);
+  if (!bf16_amx_takes(K))
+    throw std::invalid_argument("gemm_bf16_amx: the input size " + std::to_string(K) +
+                                " is not a multiple of 32");
+  // The calling thread's scratch, grown once, before the region (a bad_alloc inside it would terminate).
+  thread_local std::vector<uint32_t> xb;
+  const int64_t nblocks = (N + kC - 1) / kC;
+  for (int64_t m0 = 0; m0 < M; m0 += kGroups * kCols) {
+    const int64_t rows = std::min(kGroups * kCols, M - m0), groups = (rows + kCols - 1) / kCols;
+    const int64_t cols = groups == 1 ? rows : kCols;
+    xb.resize(static_cast<size_t>(groups * K / 2 * kCols));
+    arrange(x + m0 * ldx, rows, ldx, K, groups, xb.data());
+    const uint32_t* xp = xb.data();
+    float* yp = y + m0 * ldy;
+    split_blocks(nblocks, K * N, [&](int64_t nb0, int64_t nb1) {
+      blocks(xp, rows, groups, cols, w, K, N, nb0, nb1, yp, ldy);
+    });
+  }
+}
+
+#else  // no AMX in this build
+
+bool cpu_has_amx_bf16() { return false; }
+void gemm_bf16_amx(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, float*, int64_t) {
+  throw std::logic_error("gemm_bf16_amx: not in this build");
+}
+
+#endif
+
+}  // namespace kda::kernels::gemm

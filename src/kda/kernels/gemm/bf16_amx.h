@@ -1,0 +1,43 @@
+// The bf16 GEMM y = x W^T at the decode row counts on AMX-BF16 tiles (Sapphire Rapids and later), W read
+// in place in its checkpoint layout [N, K]. oneDNN's bf16 matmul on such a CPU reads a large W at memory
+// speed only at one row into a strided output (its plain-layout gemm); from two rows on it wants W in a
+// blocked layout of its own (a second copy where one W serves both) and its brgemm kernel there reads W
+// well below the bandwidth at a few rows. Here a tile product takes 16 rows of x at once, so a call costs
+// one pass over W from 1 to 64 rows.
+//
+// W's rows are the tiles' A operand (16 channels by 32 inputs, stride 2K bytes); x is rearranged once per
+// call into the B operand's layout (pairs of consecutive inputs as 32-bit words, 16 rows per tile); up to
+// four groups of 16 rows share each A tile load, each group summing into its own fp32 C tile (16
+// channels by 16 rows), stored transposed into y. Every output is an fp32 sum of exact bf16 products
+// over the inputs in ascending steps of 32 whatever M is: a row's result does not depend on the rows beside
+// it. The tile unit treats denormal inputs and results as zero. Threads split the blocks of 16 channels;
+// the last block, of fewer channels, takes tiles of fewer rows. The next block's weights are prefetched into
+// L2 while a block runs, its own lines two steps ahead into L1 (as quant_amx.cc does).
+#pragma once
+
+#include <cstdint>
+
+#include "kda/common/bf16.h"
+
+namespace kda::kernels::gemm {
+
+// Whether this CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile data (Linux's
+// arch_prctl permission, asked once here): false on every other machine and build.
+bool cpu_has_amx_bf16();
+
+// Whether gemm_bf16_amx takes K inputs: a positive multiple of 32 (one tile row of bf16).
+inline bool bf16_amx_takes(int64_t K) { return K > 0 && K % 32 == 0; }
+
+// y[M, N] (fp32, row stride ldy >= N) = x[M, K] (bf16, row stride ldx >= K) W^T, W [N, K] bf16 (row stride
+// K). Any M >= 0: one pass over W per 64 rows. std::logic_error where !cpu_has_amx_bf16();
+// std::invalid_argument for a K that bf16_amx_takes refuses, N < 1, M < 0, or strides below K / N, before
+// anything is written.
+void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N, float* y,
+                   int64_t ldy);
+
+// The reference, in every build: x and W widened to fp32, y[m, n] = sum_k x[m, k] W[n, k] in fp32, k
+// ascending. The same argument checks (any K > 0).
+void gemm_bf16_amx_reference(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
+                             float* y, int64_t ldy);
+
+}  // namespace kda::kernels::gemm
