@@ -4,7 +4,7 @@
 // rounding of the reference and its scalar model (exact group sums, scaled, added in order) bit for bit,
 // extreme nibbles and activations included; a row's bits independent of the rows beside it; NaN activations
 // and weights confined to their row and channel; the entry points taking them from their row counts on.
-// Skipped where the CPU (or the build) lacks the tiles (AMX-INT8 for int8, AMX-BF16 for int4).
+// Skipped where the CPU (or the build) lacks the tiles (AMX-INT8 for int8, and AMX-BF16 for int4).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,8 +33,10 @@ using testing::random_normal;
 // The AVX-512 copy is in the build (the tests see KDA_ENABLE_AVX512 by the definition the build gives
 // them for it; KDA_WITH_AVX512 is the library's own).
 #if defined(KDA_TEST_AVX512_LANES)
-// The tiles each format's kernel takes: AMX-INT8 (int8), AMX-BF16 (int4).
-bool amx_for(Weights fmt) { return fmt == Weights::Int8 ? qg::cpu_has_amx_int8() : qg::cpu_has_amx_bf16(); }
+// The tiles each format's kernel takes: AMX-INT8 (int8), AMX-INT8 and AMX-BF16 (int4).
+bool amx_for(Weights fmt) {
+  return qg::cpu_has_amx_int8() && (fmt == Weights::Int8 || qg::cpu_has_amx_bf16());
+}
 #define SKIP_WITHOUT_AMX(fmt) \
   if (!amx_for(fmt)) GTEST_SKIP() << "no AMX for " << to_string(fmt) << " on this CPU or in this build"
 #define SKIP_WITHOUT_ANY_AMX()                            \

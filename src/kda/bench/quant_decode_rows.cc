@@ -53,7 +53,7 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
       {"expert down", S::kMoeIntermediate, kD},
   };
   const bool avx512 = isa_available(Isa::Avx512), amx8 = qg::cpu_has_amx_int8(),
-             amx4 = qg::cpu_has_amx_bf16();
+             amx4 = amx8 && qg::cpu_has_amx_bf16();
   say("\n%-22s %5s %4s %-12s %9s %8s %10s\n", "quantized decode GEMM", "wts", "rows", "kernel", "ms", "GB/s",
       "/ bf16 ms");
   j["quant_decode"] = nlohmann::json::array();

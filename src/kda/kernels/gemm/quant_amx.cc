@@ -197,21 +197,31 @@ void int8_blocks(const uint32_t* xb, const float* sx, int64_t M, const Int8Weigh
   }
 }
 
-// A block of at most 8 rows puts both parts of x in one activation tile, side by side (columns 0..7 the
-// rows' high parts, 8..15 their low ones): one product per group instead of two, the parts' sums added
-// in fp32 (exact) on the way out.
+// int4 blocks of at most 8 rows run on bf16 tiles, both parts of x in one activation tile side by side
+// (columns 0..7 the rows' high parts, 8..15 their low ones): one product per group, the parts' sums
+// added in fp32 (exact) on the way out. Blocks of more rows run on int8 tiles (two products per group,
+// half the activation bytes bf16 tiles would load): the same exact group sums either way.
 constexpr int64_t kPairedRows = 8;
 
-// int4 tiles: 0 and 1 the weights of even and odd groups (16 channels by a group's 32 inputs in bf16), 2
-// and 3 the activations' high and low parts for even groups, 4 and 5 for odd ones (16 input pairs by
-// `rows` rows' pairs; paired: 2 and 4 both parts, 16 columns), 6 and 7 the even and odd groups' sums (16
-// channels by `rows` rows, or 16 columns, fp32): a group loads and multiplies while the group before it
-// is stored, and the weights' buffers alternate likewise.
+// int4 tiles. Paired (rows <= 8): 0 and 1 the weights of even and odd groups (16 channels by a group's
+// 32 inputs in bf16), 2 and 4 their activation tiles (16 input pairs by 16 columns), 6 and 7 their sums
+// (16 channels by 16 columns, fp32): a group loads and multiplies while the group before it is stored.
+// Otherwise: 0 a group's weights as (nibble - 8) bytes (16 channels by 32), 1 and 2 the activations'
+// high and low bytes (8 rows of `rows` rows' 4 bytes), 3 and 4 (and 5 and 6) their int32 sums.
 inline void configure_int4(int64_t rows) {
   TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = kRows;
-    c.colsb[t] = static_cast<uint16_t>(t < 2 || rows <= kPairedRows ? 64 : 4 * rows);
+  if (rows <= kPairedRows) {
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = kRows;
+      c.colsb[t] = 64;
+    }
+  } else {
+    c.rows[0] = kRows;
+    c.colsb[0] = 32;
+    for (int t = 1; t < 7; ++t) {
+      c.rows[t] = static_cast<uint8_t>(t < 3 ? 8 : kRows);
+      c.colsb[t] = static_cast<uint16_t>(4 * rows);
+    }
   }
   asm volatile("ldtilecfg %0" ::"m"(c));
 }
@@ -256,46 +266,26 @@ inline __m512i bf16_of_ints(__m512i v) {
 inline int64_t byte_at(int64_t j) { return 8 * (j / 4 % 2) + 2 * (j / 8) + j % 4 / 2; }
 inline int64_t input_at(int64_t j) { return byte_at(j) + 16 * (j % 2); }
 
-// The int4 activation tiles: per block of (up to) 16 rows, per group, the high tile then the low one,
-// each 16 input pairs by R rows (R the block's rows): dword [p][m] holds inputs input_at(2p) and
-// input_at(2p + 1) of row m as two bf16, the high tile 256 h and the low one l of x = 256 h + l (h
-// signed, l in [0, 255]: both exact in bf16). A block of R <= 8 rows: one tile of 16 columns, dword
-// [p][m] the high parts and [p][8 + m] the low ones (columns past R zero). Block b starts at dword
-// b G 512, its group g at g group_dwords(R) after it. Here groups [g0, g1).
-inline int64_t block_base(int64_t b, int64_t G) { return b * G * 2 * kRows * kRows; }
-inline int64_t group_dwords(int64_t R) { return R <= kPairedRows ? kRows * kRows : 2 * kRows * R; }
-void split_rows_bf16(const int16_t* xq, int64_t M, int64_t in, int64_t g0, int64_t g1, uint32_t* xb) {
-  const int64_t G = in / kInt4Group;
-  const __m512i high = _mm512_set1_epi16(static_cast<int16_t>(0xFF00)), low = _mm512_set1_epi16(0x00FF);
+// The bf16 activation tiles of R <= 8 rows xq [R, in]: per group one tile of 16 input pairs by 16
+// columns, dword [p][m] holding inputs input_at(2p) and input_at(2p + 1) of row m as two bf16, 256 h of
+// x = 256 h + l (h signed) in columns m < 8 and l (in [0, 255]) in columns 8 + m (both exact in bf16;
+// columns past R zero). Group g at dword g 256. Here groups [g0, g1).
+void split_rows_bf16(const int16_t* xq, int64_t R, int64_t in, int64_t g0, int64_t g1, uint32_t* xb) {
+  const __m512i parts = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi16(static_cast<int16_t>(0xFF00)),
+                                                _mm512_set1_epi16(0x00FF));
   alignas(64) int16_t order[kInt4Group];
   for (int64_t j = 0; j < kInt4Group; ++j) order[j] = static_cast<int16_t>(input_at(j));
   const __m512i to_order = _mm512_load_si512(order);
-  for (int64_t b = 0; b * kRows < M; ++b) {
-    const int64_t R = std::min(kRows, M - b * kRows);
-    const bool paired = R <= kPairedRows;
-    const auto rows = static_cast<__mmask16>((1u << R) - 1);
-    for (int64_t g = g0; g < g1; ++g) {
-      __m512i r[kRows];
-      for (int64_t i = 0; i < kRows; ++i) {
-        const int64_t m = paired ? i % kPairedRows : i;  // paired: the rows twice
-        r[i] = m < R ? _mm512_permutexvar_epi16(
-                           to_order, _mm512_loadu_si512(xq + (b * kRows + m) * in + g * kInt4Group))
-                     : _mm512_setzero_si512();
-      }
-      transpose16(r);
-      uint32_t* h = xb + block_base(b, G) + g * group_dwords(R);
-      if (paired) {
-        const __m512i parts = _mm512_mask_blend_epi32(0xFF00, high, low);
-        for (int64_t p = 0; p < kRows; ++p)
-          _mm512_storeu_si512(h + p * kRows, bf16_of_ints(_mm512_and_si512(r[p], parts)));
-        continue;
-      }
-      uint32_t* l = h + kRows * R;
-      for (int64_t p = 0; p < kRows; ++p) {
-        _mm512_mask_storeu_epi32(h + p * R, rows, bf16_of_ints(_mm512_and_si512(r[p], high)));
-        _mm512_mask_storeu_epi32(l + p * R, rows, bf16_of_ints(_mm512_and_si512(r[p], low)));
-      }
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512i r[kRows];
+    for (int64_t i = 0; i < kRows; ++i) {  // the rows twice
+      const int64_t m = i % kPairedRows;
+      r[i] = m < R ? _mm512_permutexvar_epi16(to_order, _mm512_loadu_si512(xq + m * in + g * kInt4Group))
+                   : _mm512_setzero_si512();
     }
+    transpose16(r);
+    for (int64_t p = 0; p < kRows; ++p)
+      _mm512_storeu_si512(xb + g * kRows * kRows + p * kRows, bf16_of_ints(_mm512_and_si512(r[p], parts)));
   }
 }
 
@@ -312,18 +302,8 @@ inline void unpack_group(const uint8_t* q0, int64_t row_bytes, int64_t g, uint16
   }
 }
 
-// One group's product: A tile AT from a, the activations' tiles BH and BL, their exact sum into CT.
-// Macros: GCC's tile intrinsics take the tile number as a literal.
-#define KDA_GROUP_PRODUCT(AT, BH, BL, CT, a, bh, bl, stride) \
-  do {                                                       \
-    _tile_loadd(AT, a, 64);                                  \
-    _tile_loadd(BH, bh, stride);                             \
-    _tile_loadd(BL, bl, stride);                             \
-    _tile_zero(CT);                                          \
-    _tile_dpbf16ps(CT, AT, BH);                              \
-    _tile_dpbf16ps(CT, AT, BL);                              \
-  } while (0)
-
+// One paired group's product: A tile AT from a, the activation tile BT from bt, the sums into CT. Macros:
+// GCC's tile intrinsics take the tile number as a literal.
 #define KDA_PAIRED_PRODUCT(AT, BT, CT, a, bt) \
   do {                                        \
     _tile_loadd(AT, a, 64);                   \
@@ -332,7 +312,7 @@ inline void unpack_group(const uint8_t* q0, int64_t row_bytes, int64_t g, uint16
     _tile_dpbf16ps(CT, AT, BT);               \
   } while (0)
 
-// Group g's sums (tile 6 or 7) into c [16 channels][16 rows].
+// Group g's sums (tile 6 or 7) into c [16 channels][16 columns].
 inline void store_group(int64_t g, float* c) {
   if (g % 2 == 0)
     _tile_stored(6, c, 64);
@@ -341,17 +321,9 @@ inline void store_group(int64_t g, float* c) {
   KDA_TILE_FENCE();
 }
 
-// One group's exact sums c [16 channels][16 rows] into acc, times weight scale (ws[n * G]) and
-// activation scale (sxv per row).
-inline void scale_group(const float* c, __m512 sxv, const float* ws, int64_t G, __m512* acc) {
-  for (int64_t n = 0; n < kRows; ++n)
-    acc[n] =
-        _mm512_fmadd_ps(_mm512_load_ps(c + n * kRows), _mm512_mul_ps(_mm512_set1_ps(ws[n * G]), sxv), acc[n]);
-}
-
-// The same from a paired tile's sums c [16 channels][8 rows' high parts, their low parts] into acc [8]
-// (channels 2 j and 2 j + 1 in lanes 0..7 and 8..15 of acc[j]): per output the same exact sum, the
-// same product of the scales and the same FMA.
+// A paired group's sums c [16 channels][8 rows' high parts, their low ones] into acc [8] (channels 2 j
+// and 2 j + 1 in lanes 0..7 and 8..15 of acc[j]), times weight scale (ws[n * G]) and activation scale
+// (sxv per row): per output one FMA of the exact sum by the product of the scales, as on int8 tiles.
 inline void scale_paired(const float* c, __m512 sxv, const float* ws, int64_t G, __m512* acc) {
   const __m512 sx2 = _mm512_shuffle_f32x4(sxv, sxv, 0x44);  // rows 0..7 twice
   for (int64_t j = 0; j < kRows / 2; ++j) {
@@ -363,6 +335,36 @@ inline void scale_paired(const float* c, __m512 sxv, const float* ws, int64_t G,
   }
 }
 
+// A group's products of 32 inputs on int8 tiles into the sums pair (H, L): A the unpacked weights
+// (stride 128), bh / bl the group's activation tiles.
+#define KDA_INT8_GROUP_PRODUCT(H, L, a, bh, bl) \
+  do {                                          \
+    _tile_zero(H);                              \
+    _tile_zero(L);                              \
+    _tile_loadd(0, a, 128);                     \
+    _tile_loadd(1, bh, 64);                     \
+    _tile_loadd(2, bl, 64);                     \
+    _tile_dpbssd(H, 0, 1);                      \
+    _tile_dpbsud(L, 0, 2);                      \
+  } while (0)
+#define KDA_STORE_PAIR(H, L, hs, ls) \
+  do {                               \
+    _tile_stored(H, hs, 64);         \
+    _tile_stored(L, ls, 64);         \
+    KDA_TILE_FENCE();                \
+  } while (0)
+
+// One group's exact sums 256 h + l of 16 channels by 16 rows (int8 tiles) into acc, times weight scale
+// (ws[n * G]) and activation scale (sxv per row).
+inline void scale_sums(const int32_t* hs, const int32_t* ls, __m512 sxv, const float* ws, int64_t G,
+                       __m512* acc) {
+  for (int64_t n = 0; n < kRows; ++n) {
+    const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hs + n * kRows), 8),
+                                       _mm512_load_si512(ls + n * kRows));
+    acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_set1_ps(ws[n * G]), sxv), acc[n]);
+  }
+}
+
 // acc [16 channels] (lanes: rows) into y's rows [m0, m0 + mr) and columns [n0, n0 + 16).
 inline void write_rows(__m512* acc, int64_t m0, int64_t mr, int64_t n0, float* y, int64_t ldy) {
   __m512i r[kRows];
@@ -371,15 +373,19 @@ inline void write_rows(__m512* acc, int64_t m0, int64_t mr, int64_t n0, float* y
   for (int64_t m = 0; m < mr; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + n0, _mm512_castsi512_ps(r[m]));
 }
 
-// Channel blocks [nb0, nb1) of int4 weights; xb as split_rows_bf16, sx the group scales [block][group][16
-// rows]. Per group: its product into the group's sum tile, the weights two groups ahead unpacked, the
-// group before it stored and the one before that scaled into the fp32 sums (one FMA each, groups in
-// order).
-void int4_blocks(const uint32_t* xb, const float* sx, int64_t M, const Int4Weights& w, int64_t nb0,
-                 int64_t nb1, float* y, int64_t ldy) {
+// Channel blocks [nb0, nb1) of int4 weights. Row blocks of more than 8 rows on int8 tiles (xb8 as
+// split_rows): per chunk of 4 groups the 16 channels unpacked to (nibble - 8) bytes, per group one
+// product pair into alternating pairs of sum tiles, a group's sums stored and scaled while the next
+// group's products run. The last block, where it has at most 8 rows, on bf16 tiles (xbf as
+// split_rows_bf16): per group its product, the weights two groups ahead unpacked, the group before it
+// stored and the one before that scaled. sx: the group scales [block][group][16 rows].
+void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int64_t M, const Int4Weights& w,
+                 int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
   Tiles<configure_int4> tiles;
   alignas(64) uint16_t a[3][kRows * kInt4Group];
+  alignas(64) int8_t a8[kRows * 128];
   alignas(64) float c[2][kRows * kRows] = {};
+  alignas(64) int32_t hs[kRows * kRows] = {}, ls[kRows * kRows] = {};
   alignas(64) uint16_t entries[32];
   for (int i = 0; i < 32; ++i) {
     const float v = static_cast<float>(i % 16 - 8);
@@ -392,63 +398,96 @@ void int4_blocks(const uint32_t* xb, const float* sx, int64_t M, const Int4Weigh
   for (int64_t j = 0; j < 64; ++j)
     shifts[j] = static_cast<uint8_t>(8 * (byte_at(j / 2) % 8) + 4 * (j / 2 % 2));
   const __m512i fields = _mm512_load_si512(shifts);
-  const int64_t in = w.in, G = in / kInt4Group, row_bytes = in / 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  // Low nibbles of a group's 16 bytes are its inputs 0..15, the high ones 16..31.
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
+                second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const int64_t in = w.in, G = in / kInt4Group, row_bytes = in / 2, W = in / 4 * kRows;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t n0 = nb * kRows;
     const uint8_t* q0 = w.q + n0 * row_bytes;
     const float* ws = w.scale + n0 * G;
-    // The next block's 16 rows (16 row_bytes, one run: 4 lines per group) and scales (a line per group).
+    // The next block's 16 rows (16 row_bytes, one run) and scales, in address order over its groups.
     const char* next = reinterpret_cast<const char*>(q0 + kRows * row_bytes);
     const char* next_scale = reinterpret_cast<const char*>(ws + kRows * G);
     for (int64_t b = 0; b * kRows < M; ++b) {
-      const int64_t R = std::min(kRows, M - b * kRows), stride = 4 * R;
+      const int64_t R = std::min(kRows, M - b * kRows);
       const bool prefetch = b == 0 && nb + 1 < nb1;
-      const uint32_t* xg = xb + block_base(b, G);
       const float* sxb = sx + b * G * kRows;
       tiles.rows(R);
       __m512 acc[kRows];
       for (auto& v : acc) v = _mm512_setzero_ps();
-      const bool paired = R <= kPairedRows;
-      // Group g's sums scaled into acc (from c[g % 2], stored a step before).
-      const auto scale = [&](int64_t g) {
-        if (paired)
-          scale_paired(c[g % 2], _mm512_loadu_ps(sxb + g * kRows), ws + g, G, acc);
-        else
-          scale_group(c[g % 2], _mm512_loadu_ps(sxb + g * kRows), ws + g, G, acc);
-      };
-      unpack_group(q0, row_bytes, 0, a[0], fields, table);
-      if (G > 1) unpack_group(q0, row_bytes, 1, a[1], fields, table);
-      for (int64_t g = 0; g < G; ++g, xg += group_dwords(R)) {
-        if (prefetch) {
-          for (int64_t j = 0; j < 4; ++j) _mm_prefetch(next + 256 * g + 64 * j, _MM_HINT_T0);
-          _mm_prefetch(next_scale + 64 * g, _MM_HINT_T0);
+      if (R > kPairedRows) {
+        const uint8_t* bh = reinterpret_cast<const uint8_t*>(xb8 + 2 * b * W);
+        const uint8_t* bl = bh + 4 * W;
+        for (int64_t g = 0; g < G; ++g) {
+          if (g % 4 == 0) {
+            const int64_t ch = g / 4, ng = std::min<int64_t>(4, G - g);
+            const __mmask64 mb = ng == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * ng)) - 1;
+            if (prefetch) {
+              for (int64_t j = 0; j < kRows && 1024 * ch + 64 * j < kRows * row_bytes; ++j)
+                _mm_prefetch(next + 1024 * ch + 64 * j, _MM_HINT_T0);
+              for (int64_t j = 0; j < 4 && 256 * ch + 64 * j < 4 * kRows * G; ++j)
+                _mm_prefetch(next_scale + 256 * ch + 64 * j, _MM_HINT_T0);
+            }
+            for (int64_t j = 0; j < kRows; ++j) {
+              const __m512i v = _mm512_maskz_loadu_epi8(mb, q0 + j * row_bytes + 64 * ch);
+              const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, nib), eight);
+              const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), eight);
+              _mm512_store_si512(a8 + j * 128, _mm512_permutex2var_epi64(lo, first, hi));
+              _mm512_store_si512(a8 + j * 128 + 64, _mm512_permutex2var_epi64(lo, second, hi));
+            }
+            KDA_TILE_FENCE();
+          }
+          const int8_t* ag = a8 + 32 * (g % 4);
+          const uint8_t *bhg = bh + 16 * kInt4Group * g, *blg = bl + 16 * kInt4Group * g;
+          if (g % 2 == 0) {
+            KDA_INT8_GROUP_PRODUCT(3, 4, ag, bhg, blg);
+            if (g > 0) KDA_STORE_PAIR(5, 6, hs, ls);
+          } else {
+            KDA_INT8_GROUP_PRODUCT(5, 6, ag, bhg, blg);
+            KDA_STORE_PAIR(3, 4, hs, ls);
+          }
+          if (g > 0) scale_sums(hs, ls, _mm512_loadu_ps(sxb + (g - 1) * kRows), ws + g - 1, G, acc);
+          KDA_TILE_FENCE();  // the next chunk's unpacking overwrites what the tiles above read
         }
-        KDA_TILE_FENCE();
-        if (paired && g % 2 == 0)
-          KDA_PAIRED_PRODUCT(0, 2, 6, a[g % 3], xg);
-        else if (paired)
-          KDA_PAIRED_PRODUCT(1, 4, 7, a[g % 3], xg);
-        else if (g % 2 == 0)
-          KDA_GROUP_PRODUCT(0, 2, 3, 6, a[g % 3], xg, xg + kRows * R, stride);
+        if ((G - 1) % 2 == 0)
+          KDA_STORE_PAIR(3, 4, hs, ls);
         else
-          KDA_GROUP_PRODUCT(1, 4, 5, 7, a[g % 3], xg, xg + kRows * R, stride);
-        KDA_TILE_FENCE();  // the unpacking below overwrites what the group before this one loaded
-        // Two groups ahead: a tile load of vector stores that have not yet reached the cache waits for them.
-        if (g + 2 < G) unpack_group(q0, row_bytes, g + 2, a[(g + 2) % 3], fields, table);
-        // Group g - 1's sums out of their tile, group g - 2's (stored a step ago) scaled: the vector loads
-        // of a tile's store that has not yet reached the cache wait for it.
-        if (g > 0) store_group(g - 1, c[(g - 1) % 2]);
-        if (g > 1) scale(g - 2);
-        KDA_TILE_FENCE();
-      }
-      if (G > 1) scale(G - 2);
-      store_group(G - 1, c[(G - 1) % 2]);
-      scale(G - 1);
-      if (paired)  // channel 2 j + 1 from the top half of acc[j] (the rows past 8 are not written)
+          KDA_STORE_PAIR(5, 6, hs, ls);
+        scale_sums(hs, ls, _mm512_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc);
+      } else {
+        const uint32_t* xg = xbf;
+        unpack_group(q0, row_bytes, 0, a[0], fields, table);
+        if (G > 1) unpack_group(q0, row_bytes, 1, a[1], fields, table);
+        for (int64_t g = 0; g < G; ++g, xg += kRows * kRows) {
+          if (prefetch) {
+            for (int64_t j = 0; j < 4; ++j) _mm_prefetch(next + 256 * g + 64 * j, _MM_HINT_T0);
+            _mm_prefetch(next_scale + 64 * g, _MM_HINT_T0);
+          }
+          KDA_TILE_FENCE();
+          if (g % 2 == 0)
+            KDA_PAIRED_PRODUCT(0, 2, 6, a[g % 3], xg);
+          else
+            KDA_PAIRED_PRODUCT(1, 4, 7, a[g % 3], xg);
+          KDA_TILE_FENCE();  // the unpacking below overwrites what the group before this one loaded
+          // Two groups ahead: a tile load of vector stores that have not yet reached the cache waits.
+          if (g + 2 < G) unpack_group(q0, row_bytes, g + 2, a[(g + 2) % 3], fields, table);
+          // Group g - 1's sums out of their tile, group g - 2's (stored a step ago) scaled: the vector
+          // loads of a tile's store that has not yet reached the cache wait for it.
+          if (g > 0) store_group(g - 1, c[(g - 1) % 2]);
+          if (g > 1) scale_paired(c[g % 2], _mm512_loadu_ps(sxb + (g - 2) * kRows), ws + g - 2, G, acc);
+          KDA_TILE_FENCE();
+        }
+        if (G > 1) scale_paired(c[G % 2], _mm512_loadu_ps(sxb + (G - 2) * kRows), ws + G - 2, G, acc);
+        store_group(G - 1, c[(G - 1) % 2]);
+        scale_paired(c[(G - 1) % 2], _mm512_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc);
+        // Channel 2 j + 1 from the top half of acc[j] (the rows past 8 are not written).
         for (int64_t j = kRows / 2 - 1; j >= 0; --j) {
           acc[2 * j + 1] = _mm512_shuffle_f32x4(acc[j], acc[j], 0xEE);
           acc[2 * j] = acc[j];
         }
+      }
       write_rows(acc, b * kRows, R, n0, y, ldy);
     }
   }
@@ -506,20 +545,30 @@ void gemm_int8_amx(const int16_t* xq, const float* sx, int64_t M, const Int8Weig
 
 void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y,
                    int64_t ldy) {
-  if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_int4_amx: no AMX-BF16 on this CPU");
-  thread_local std::vector<uint32_t> xb;
+  if (!cpu_has_amx_int8() || !cpu_has_amx_bf16())
+    throw std::logic_error("gemm_int4_amx: no AMX-INT8 and AMX-BF16 on this CPU");
+  thread_local std::vector<uint32_t> xb8, xbf;
   thread_local std::vector<float> sxg;
   const int64_t B = row_blocks(M), G = w.in / kInt4Group, blocks = w.out / kRows, n16 = blocks * kRows;
-  xb.resize(static_cast<size_t>(block_base(B, G)));
+  // The last block's rows; where at most 8, that block takes bf16 tiles and the others int8 ones.
+  const int64_t last = (B - 1) * kRows, tail = M - last;
+  const bool paired = tail <= kPairedRows;
+  const int64_t M8 = paired ? last : M;
+  xb8.resize(static_cast<size_t>(2 * row_blocks(M8) * (w.in / 4) * kRows));
+  xbf.resize(static_cast<size_t>(paired ? G * kRows * kRows : 0));
   sxg.assign(static_cast<size_t>(B * G * kRows), 0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) sxg[((m / kRows) * G + g) * kRows + m % kRows] = sx[m * G + g];
-  uint32_t* xp = xb.data();
+  if (M8 > 0) split_rows(xq, M8, w.in, xb8.data());
+  const uint32_t* x8 = xb8.data();
+  uint32_t* xf = xbf.data();
   const float* sp = sxg.data();
   split_blocks(
       blocks, w.in * n16,
-      [&](int t, int nt) { split_rows_bf16(xq, M, w.in, G * t / nt, G * (t + 1) / nt, xp); },
-      [&](int64_t nb0, int64_t nb1) { int4_blocks(xp, sp, M, w, nb0, nb1, y, ldy); });
+      [&](int t, int nt) {
+        if (paired) split_rows_bf16(xq + last * w.in, tail, w.in, G * t / nt, G * (t + 1) / nt, xf);
+      },
+      [&](int64_t nb0, int64_t nb1) { int4_blocks(x8, xf, sp, M, w, nb0, nb1, y, ldy); });
   if (n16 < w.out)
     avx512::gemm_int4(xq, sx, M, Int4Weights{w.q + n16 * (w.in / 2), w.scale + n16 * G, w.in, w.out - n16},
                       y + n16, ldy, cpu_has_vnni());
