@@ -1,9 +1,10 @@
 // The AMX kernels of the quantized GEMM (quant_amx.h), called directly at every decode row count 1..64
 // on the model's widths and on odd shapes (channel counts past whole blocks of 16, int4 inputs not a
 // multiple of 64): int8 the portable and AVX-512 kernels' value bit for bit, int4 within fp32 summation
-// rounding of the reference; a row's bits independent of the rows beside it; NaN activations and weights
-// confined to their row and channel; the entry points taking them from their row counts on. Skipped
-// where the CPU (or the build) has no AMX-INT8.
+// rounding of the reference and its scalar model (exact group sums, scaled, added in order) bit for bit,
+// extreme nibbles and activations included; a row's bits independent of the rows beside it; NaN activations
+// and weights confined to their row and channel; the entry points taking them from their row counts on.
+// Skipped where the CPU (or the build) lacks the tiles (AMX-INT8 for int8, and AMX-BF16 for int4).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -32,8 +33,15 @@ using testing::random_normal;
 // The AVX-512 copy is in the build (the tests see KDA_ENABLE_AVX512 by the definition the build gives
 // them for it; KDA_WITH_AVX512 is the library's own).
 #if defined(KDA_TEST_AVX512_LANES)
-#define SKIP_WITHOUT_AMX() \
-  if (!qg::cpu_has_amx_int8()) GTEST_SKIP() << "no AMX-INT8 on this CPU or in this build"
+// The tiles each format's kernel takes: AMX-INT8 (int8), AMX-INT8 and AMX-BF16 (int4).
+bool amx_for(Weights fmt) {
+  return qg::cpu_has_amx_int8() && (fmt == Weights::Int8 || qg::cpu_has_amx_bf16());
+}
+#define SKIP_WITHOUT_AMX(fmt) \
+  if (!amx_for(fmt)) GTEST_SKIP() << "no AMX for " << to_string(fmt) << " on this CPU or in this build"
+#define SKIP_WITHOUT_ANY_AMX()                            \
+  if (!amx_for(Weights::Int8) && !amx_for(Weights::Int4)) \
+  GTEST_SKIP() << "no AMX on this CPU or in this build"
 
 struct Shape {
   int64_t in, out;
@@ -111,19 +119,20 @@ void check_shape(Weights fmt, Shape sh) {
 }
 
 TEST(QuantAmx, Int8EqualsThePortableKernelBitForBit) {
-  SKIP_WITHOUT_AMX();
+  SKIP_WITHOUT_AMX(Weights::Int8);
   for (Shape sh : kInt8Shapes) check_shape(Weights::Int8, sh);
 }
 
 TEST(QuantAmx, Int4WithinTheReferenceRounding) {
-  SKIP_WITHOUT_AMX();
+  SKIP_WITHOUT_AMX(Weights::Int4);
   for (Shape sh : kInt4Shapes) check_shape(Weights::Int4, sh);
 }
 
 // Each row alone and each row among 64 (from several offsets of the blocks of 16): the same bits.
 TEST(QuantAmx, ARowsBitsDoNotDependOnTheRowsBesideIt) {
-  SKIP_WITHOUT_AMX();
+  SKIP_WITHOUT_ANY_AMX();
   for (Weights fmt : {Weights::Int8, Weights::Int4}) {
+    if (!amx_for(fmt)) continue;
     const int64_t in = 1024, out = 48, all = 64;
     const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 11, 0.05f);
     const qg::PackedMatrix p(fmt, wsrc.data(), in, out);
@@ -143,10 +152,11 @@ TEST(QuantAmx, ARowsBitsDoNotDependOnTheRowsBesideIt) {
 // A NaN activation (its row's or group's scale NaN) makes its row NaN, a NaN weight (its channel's or
 // group's scale NaN) its channel: the rest stays finite.
 TEST(QuantAmx, NonFiniteValuesStayInTheirRowAndChannel) {
-  SKIP_WITHOUT_AMX();
+  SKIP_WITHOUT_ANY_AMX();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const int64_t in = 128, out = 37, M = 20;
   for (Weights fmt : {Weights::Int8, Weights::Int4}) {
+    if (!amx_for(fmt)) continue;
     std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 21, 0.05f);
     wsrc[20 * in + 70] = nan;  // channel 20 (the second block), group 2
     const qg::PackedMatrix p(fmt, wsrc.data(), in, out);
@@ -162,9 +172,10 @@ TEST(QuantAmx, NonFiniteValuesStayInTheirRowAndChannel) {
 // The entry point (the AVX-512 copy) takes the AMX kernels from their row counts on: int8 the same bits
 // at every row count, int4 the AMX kernel's bits from kAmxMinRowsInt4 rows.
 TEST(QuantAmx, TheEntryPointsTakeThemFromTheirRowCounts) {
-  SKIP_WITHOUT_AMX();
+  SKIP_WITHOUT_ANY_AMX();
   const int64_t in = 2304, out = 64;
   for (Weights fmt : {Weights::Int8, Weights::Int4}) {
+    if (!amx_for(fmt)) continue;
     const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 31, 0.05f);
     const qg::PackedMatrix p(fmt, wsrc.data(), in, out);
     const int64_t from = fmt == Weights::Int8 ? qg::kAmxMinRowsInt8 : qg::kAmxMinRowsInt4;
@@ -184,9 +195,59 @@ TEST(QuantAmx, TheEntryPointsTakeThemFromTheirRowCounts) {
   }
 }
 
+// The int4 kernel's arithmetic, bit for bit: per group the exact integer sum of (nibble - 8) x, in fp32,
+// times (weight scale times activation scale) added in group order with one FMA, modelled here in
+// scalars on whole blocks of 16 channels (the tail goes to the AVX-512 kernel). Nibbles and activations
+// reach their extremes (nibble 0 is -8, x at +-32767 and -32768: a group's sum up to 2^23), where any
+// rounding inside the bf16 tiles would show.
+TEST(QuantAmx, Int4EqualsItsScalarModelBitForBit) {
+  SKIP_WITHOUT_AMX(Weights::Int4);
+  constexpr Shape kShapes[] = {{2304, 48}, {1024, 32}, {160, 16}, {32, 16}};
+  uint32_t seed = 7;
+  const auto next = [&seed] { return seed = seed * 1664525u + 1013904223u; };
+  for (Shape sh : kShapes) {
+    const int64_t G = sh.in / qg::kInt4Group;
+    std::vector<uint8_t> q(static_cast<size_t>(sh.in / 2 * sh.out));
+    for (auto& v : q) v = static_cast<uint8_t>(next() >> 24);
+    std::fill(q.begin(), q.begin() + sh.in / 2, uint8_t{0x00});          // channel 0: all -8
+    std::fill(q.begin() + sh.in / 2, q.begin() + sh.in, uint8_t{0xFF});  // channel 1: all 7
+    std::vector<float> ws(static_cast<size_t>(G * sh.out));
+    for (auto& v : ws) v = 1e-3f * static_cast<float>(1 + next() % 997);
+    const qg::Int4Weights w{q.data(), ws.data(), sh.in, sh.out};
+    for (int64_t M :
+         {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{16}, int64_t{17}, int64_t{40}}) {
+      std::vector<int16_t> x(static_cast<size_t>(M * sh.in));
+      for (auto& v : x) v = static_cast<int16_t>(static_cast<int32_t>(next() % 65535) - 32767);
+      std::fill(x.begin(), x.begin() + sh.in, int16_t{-32768});
+      if (M > 1) std::fill(x.begin() + sh.in, x.begin() + 2 * sh.in, int16_t{32767});
+      std::vector<float> sx(static_cast<size_t>(M * G));
+      for (auto& v : sx) v = 1e-5f * static_cast<float>(1 + next() % 991);
+      std::vector<float> y(static_cast<size_t>(M * sh.out), 7.0f), want(y.size());
+      qg::gemm_int4_amx(x.data(), sx.data(), M, w, y.data(), sh.out);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < sh.out; ++n) {
+          float acc = 0.0f;
+          for (int64_t g = 0; g < G; ++g) {
+            int64_t sum = 0;
+            for (int64_t k = 0; k < qg::kInt4Group; ++k) {
+              const uint8_t byte = q[static_cast<size_t>(n * sh.in / 2 + 16 * g + k % 16)];
+              const int nibble = k < 16 ? byte & 15 : byte >> 4;
+              sum += (nibble - 8) * int64_t{x[static_cast<size_t>(m * sh.in + g * qg::kInt4Group + k)]};
+            }
+            const float s = ws[static_cast<size_t>(n * G + g)] * sx[static_cast<size_t>(m * G + g)];
+            acc = std::fma(static_cast<float>(sum), s, acc);
+          }
+          want[static_cast<size_t>(m * sh.out + n)] = acc;
+        }
+      EXPECT_EQ(std::memcmp(y.data(), want.data(), sizeof(float) * y.size()), 0)
+          << sh.in << "x" << sh.out << " M=" << M;
+    }
+  }
+}
+
 // int8 inputs the kernel does not take are refused before anything is written.
 TEST(QuantAmx, Int8ShapesItDoesNotTakeAreRefused) {
-  SKIP_WITHOUT_AMX();
+  SKIP_WITHOUT_AMX(Weights::Int8);
   const int64_t M = 2;
   for (int64_t in : {int64_t{96}, int64_t{65536 + 64}}) {
     const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * 16), 41, 0.05f);
@@ -202,7 +263,10 @@ TEST(QuantAmx, Int8ShapesItDoesNotTakeAreRefused) {
 }
 
 #else
-TEST(QuantAmx, NotInThisBuild) { EXPECT_FALSE(qg::cpu_has_amx_int8()); }
+TEST(QuantAmx, NotInThisBuild) {
+  EXPECT_FALSE(qg::cpu_has_amx_int8());
+  EXPECT_FALSE(qg::cpu_has_amx_bf16());
+}
 #endif
 
 }  // namespace

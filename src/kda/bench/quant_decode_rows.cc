@@ -133,7 +133,8 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
       {"expert gate+up", kD, 2 * S::kMoeIntermediate},
       {"expert down", S::kMoeIntermediate, kD},
   };
-  const bool avx512 = isa_available(Isa::Avx512), amx = qg::cpu_has_amx_int8();
+  const bool avx512 = isa_available(Isa::Avx512), amx8 = qg::cpu_has_amx_int8(),
+             amx4 = amx8 && qg::cpu_has_amx_bf16();
   say("\n%-22s %5s %4s %-12s %9s %8s %10s\n", "quantized decode GEMM", "wts", "rows", "kernel", "ms", "GB/s",
       "/ bf16 ms");
   j["quant_decode"] = nlohmann::json::array();
@@ -186,7 +187,7 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
                                     sh.out, qg::cpu_has_vnni());
           });
         }
-        if (amx) {
+        if (wt == Weights::Int8 ? amx8 : amx4) {
           names.emplace_back("amx");
           fns.emplace_back([&] {
             const qg::PackedWeights& p = next_q();

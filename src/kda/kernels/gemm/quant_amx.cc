@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -24,16 +25,39 @@ namespace kda::kernels::gemm {
 
 #if defined(KDA_AMX_BUILD)
 
-bool cpu_has_amx_int8() {
+namespace {
+
+// CPUID leaf 7's registers (sub-leaf `sub`), zero where the CPU has no such leaf.
+struct Leaf7 {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+};
+Leaf7 leaf7(unsigned sub) {
+  Leaf7 r;
+  if (!__get_cpuid_count(7, sub, &r.a, &r.b, &r.c, &r.d)) r = Leaf7{};
+  return r;
+}
+
+// AVX-512 and AMX-TILE, and the tile data this process may use: Linux hands that state out per process
+// on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); oneDNN asks the same, a second grant is a no-op.
+bool tiles_granted() {
   static const bool v = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!isa_available(Isa::Avx512) || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if ((d & (1u << 24)) == 0 || (d & (1u << 25)) == 0) return false;  // AMX-TILE, AMX-INT8
-    // Linux hands the tile data state out per process on request (ARCH_REQ_XCOMP_PERM for
-    // XFEATURE_XTILEDATA); oneDNN asks the same, a second grant is a no-op.
+    if (!isa_available(Isa::Avx512) || (leaf7(0).d & (1u << 24)) == 0) return false;  // AMX-TILE
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
   }();
+  return v;
+}
+
+}  // namespace
+
+bool cpu_has_amx_int8() {
+  static const bool v = tiles_granted() && (leaf7(0).d & (1u << 25)) != 0;  // AMX-INT8
+  return v;
+}
+
+bool cpu_has_amx_bf16() {
+  // AMX-BF16, and AVX512_BF16 for the activations' conversion.
+  static const bool v = tiles_granted() && (leaf7(0).d & (1u << 22)) != 0 && (leaf7(1).a & (1u << 5)) != 0;
   return v;
 }
 
@@ -55,20 +79,17 @@ struct alignas(64) TileConfig {
 };
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,amx-tile,amx-int8")
+#pragma GCC target( \
+    "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx2,fma,amx-tile,amx-int8,amx-bf16")
 
-// Tiles: 0 the weights (16 channels by a_bytes inputs), 1 and 2 the activations' high and low bytes
-// (a_bytes / 4 rows of `rows` rows' 4 bytes), 3 and 4 (and 5 and 6) their int32 sums (16 channels by
-// `rows` rows). A block of fewer than 16 rows takes narrower tiles: the columns past them are never read.
-inline void configure(int a_bytes, int64_t rows) {
+// int8 tiles: 0 the weights (16 channels by 64 inputs), 1 and 2 the activations' high and low bytes (16
+// rows of `rows` rows' 4 bytes), 3 and 4 their int32 sums (16 channels by `rows` rows). A block of fewer
+// than 16 rows takes narrower tiles: the columns past them are never read.
+inline void configure_int8(int64_t rows) {
   TileConfig c;
   c.rows[0] = kRows;
-  c.colsb[0] = static_cast<uint16_t>(a_bytes);
-  for (int t : {1, 2}) {
-    c.rows[t] = static_cast<uint8_t>(a_bytes / 4);
-    c.colsb[t] = static_cast<uint16_t>(4 * rows);
-  }
-  for (int t : {3, 4, 5, 6}) {
+  c.colsb[0] = 64;
+  for (int t = 1; t < 5; ++t) {
     c.rows[t] = kRows;
     c.colsb[t] = static_cast<uint16_t>(4 * rows);
   }
@@ -76,18 +97,18 @@ inline void configure(int a_bytes, int64_t rows) {
 }
 
 // The tile shape for block b's rows, configured only when it changes (the last block of M % 16 rows).
+template <void (*Configure)(int64_t rows)>
 class Tiles {
  public:
-  explicit Tiles(int a_bytes) : a_bytes_(a_bytes) {}
+  Tiles() = default;
   ~Tiles() { _tile_release(); }
   Tiles(const Tiles&) = delete;
   Tiles& operator=(const Tiles&) = delete;
   void rows(int64_t r) {
-    if (r != rows_) configure(a_bytes_, rows_ = r);
+    if (r != rows_) Configure(rows_ = r);
   }
 
  private:
-  int a_bytes_;
   int64_t rows_ = 0;
 };
 
@@ -131,7 +152,7 @@ inline __m256 exact(__m256i h8, __m256i l8) {
 // Channel blocks [nb0, nb1) of int8 weights; xb as split_rows, sx the rows' scales padded to whole blocks.
 void int8_blocks(const uint32_t* xb, const float* sx, int64_t M, const Int8Weights& w, int64_t nb0,
                  int64_t nb1, float* y, int64_t ldy) {
-  Tiles tiles(64);
+  Tiles<configure_int8> tiles;
   alignas(64) int32_t hs[kRows * kRows] = {}, ls[kRows * kRows] = {};
   alignas(64) float o[kRows * kRows];
   const int64_t in = w.in, W = in / 4 * kRows;
@@ -176,17 +197,155 @@ void int8_blocks(const uint32_t* xb, const float* sx, int64_t M, const Int8Weigh
   }
 }
 
-// A group's products of 32 inputs into the sums pair (H, L): A the unpacked weights (stride 128), bh / bl
-// the group's activation tiles. Macros: GCC's tile intrinsics take the tile number as a literal.
-#define KDA_GROUP_PRODUCT(H, L, a, bh, bl) \
-  do {                                     \
-    _tile_zero(H);                         \
-    _tile_zero(L);                         \
-    _tile_loadd(0, a, 128);                \
-    _tile_loadd(1, bh, 64);                \
-    _tile_loadd(2, bl, 64);                \
-    _tile_dpbssd(H, 0, 1);                 \
-    _tile_dpbsud(L, 0, 2);                 \
+// int4 blocks of at most 8 rows run on bf16 tiles, both parts of x in one activation tile side by side
+// (columns 0..7 the rows' high parts, 8..15 their low ones): one product per group, the parts' sums
+// added in fp32 (exact) on the way out. Blocks of more rows run on int8 tiles (two products per group,
+// half the activation bytes bf16 tiles would load): the same exact group sums either way.
+constexpr int64_t kPairedRows = 8;
+
+// int4 tiles. Paired (rows <= 8): 0 and 1 the weights of even and odd groups (16 channels by a group's
+// 32 inputs in bf16), 2 and 4 their activation tiles (16 input pairs by 16 columns), 6 and 7 their sums
+// (16 channels by 16 columns, fp32): a group loads and multiplies while the group before it is stored.
+// Otherwise: 0 a group's weights as (nibble - 8) bytes (16 channels by 32), 1 and 2 the activations'
+// high and low bytes (8 rows of `rows` rows' 4 bytes), 3 and 4 (and 5 and 6) their int32 sums.
+inline void configure_int4(int64_t rows) {
+  TileConfig c;
+  if (rows <= kPairedRows) {
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = kRows;
+      c.colsb[t] = 64;
+    }
+  } else {
+    c.rows[0] = kRows;
+    c.colsb[0] = 32;
+    for (int t = 1; t < 7; ++t) {
+      c.rows[t] = static_cast<uint8_t>(t < 3 ? 8 : kRows);
+      c.colsb[t] = static_cast<uint16_t>(4 * rows);
+    }
+  }
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// 16 vectors of 16 dwords transposed: r[i] lane j becomes r[j] lane i.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], s[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // s[i + e] lane L: rows i..i + 3 of column 4 L + e
+    s[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    s[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    s[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    s[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4;
+       ++e) {  // the 4 x 4 transpose of 128-bit lanes of s[e], s[4 + e], s[8 + e], s[12 + e]
+    const __m512i u0 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0x44),
+                  u1 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0xEE),
+                  u2 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0x44),
+                  u3 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+}
+
+// 32 int16 integers of at most 8 significant bits in bf16 (exact).
+inline __m512i bf16_of_ints(__m512i v) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// The inputs of a group in the order the tiles take them: word j of a channel's tile row holds input
+// input_at(j) (any order gives the same exact sums; this one lets one byte shuffle unpack the nibbles).
+// Word j = 4 q + i takes a nibble of the group's qword q % 2 (bytes 8 (q % 2) .. + 7; the 16 bytes sit in
+// every 128-bit lane): byte 2 (q / 2) + i / 2 of it, the low nibble for even i, the high for odd.
+inline int64_t byte_at(int64_t j) { return 8 * (j / 4 % 2) + 2 * (j / 8) + j % 4 / 2; }
+inline int64_t input_at(int64_t j) { return byte_at(j) + 16 * (j % 2); }
+
+// The bf16 activation tiles of R <= 8 rows xq [R, in]: per group one tile of 16 input pairs by 16
+// columns, dword [p][m] holding inputs input_at(2p) and input_at(2p + 1) of row m as two bf16, 256 h of
+// x = 256 h + l (h signed) in columns m < 8 and l (in [0, 255]) in columns 8 + m (both exact in bf16;
+// columns past R zero). Group g at dword g 256. Here groups [g0, g1).
+void split_rows_bf16(const int16_t* xq, int64_t R, int64_t in, int64_t g0, int64_t g1, uint32_t* xb) {
+  const __m512i parts = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi16(static_cast<int16_t>(0xFF00)),
+                                                _mm512_set1_epi16(0x00FF));
+  alignas(64) int16_t order[kInt4Group];
+  for (int64_t j = 0; j < kInt4Group; ++j) order[j] = static_cast<int16_t>(input_at(j));
+  const __m512i to_order = _mm512_load_si512(order);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512i r[kRows];
+    for (int64_t i = 0; i < kRows; ++i) {  // the rows twice
+      const int64_t m = i % kPairedRows;
+      r[i] = m < R ? _mm512_permutexvar_epi16(to_order, _mm512_loadu_si512(xq + m * in + g * kInt4Group))
+                   : _mm512_setzero_si512();
+    }
+    transpose16(r);
+    for (int64_t p = 0; p < kRows; ++p)
+      _mm512_storeu_si512(xb + g * kRows * kRows + p * kRows, bf16_of_ints(_mm512_and_si512(r[p], parts)));
+  }
+}
+
+// Group g of the 16 channels from q0 (rows of row_bytes) as bf16 (nibble - 8) in input_at order, into a
+// [16][32]: the group's 16 bytes in every 128-bit lane; per word the 8 bits from its nibble on
+// (vpmultishiftqb, `fields`), whose low 5 index `table` (its 32 entries repeat every 16: the bit above
+// the nibble is the next nibble's).
+inline void unpack_group(const uint8_t* q0, int64_t row_bytes, int64_t g, uint16_t* a, __m512i fields,
+                         __m512i table) {
+  for (int64_t n = 0; n < kRows; ++n) {
+    const __m512i v = _mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + n * row_bytes + 16 * g)));
+    _mm512_store_si512(a + 32 * n, _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(fields, v), table));
+  }
+}
+
+// One paired group's product: A tile AT from a, the activation tile BT from bt, the sums into CT. Macros:
+// GCC's tile intrinsics take the tile number as a literal.
+#define KDA_PAIRED_PRODUCT(AT, BT, CT, a, bt) \
+  do {                                        \
+    _tile_loadd(AT, a, 64);                   \
+    _tile_loadd(BT, bt, 64);                  \
+    _tile_zero(CT);                           \
+    _tile_dpbf16ps(CT, AT, BT);               \
+  } while (0)
+
+// Group g's sums (tile 6 or 7) into c [16 channels][16 columns].
+inline void store_group(int64_t g, float* c) {
+  if (g % 2 == 0)
+    _tile_stored(6, c, 64);
+  else
+    _tile_stored(7, c, 64);
+  KDA_TILE_FENCE();
+}
+
+// A paired group's sums c [16 channels][8 rows' high parts, their low ones] into acc [8] (channels 2 j
+// and 2 j + 1 in lanes 0..7 and 8..15 of acc[j]), times weight scale (ws[n * G]) and activation scale
+// (sxv per row): per output one FMA of the exact sum by the product of the scales, as on int8 tiles.
+inline void scale_paired(const float* c, __m512 sxv, const float* ws, int64_t G, __m512* acc) {
+  const __m512 sx2 = _mm512_shuffle_f32x4(sxv, sxv, 0x44);  // rows 0..7 twice
+  for (int64_t j = 0; j < kRows / 2; ++j) {
+    const __m512 c0 = _mm512_load_ps(c + 2 * j * kRows), c1 = _mm512_load_ps(c + (2 * j + 1) * kRows);
+    const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x44), _mm512_shuffle_f32x4(c0, c1, 0xEE));
+    const __m512 scale = _mm512_mask_mul_ps(_mm512_mul_ps(_mm512_set1_ps(ws[2 * j * G]), sx2), 0xFF00,
+                                            _mm512_set1_ps(ws[(2 * j + 1) * G]), sx2);
+    acc[j] = _mm512_fmadd_ps(sum, scale, acc[j]);
+  }
+}
+
+// A group's products of 32 inputs on int8 tiles into the sums pair (H, L): A the unpacked weights
+// (stride 128), bh / bl the group's activation tiles.
+#define KDA_INT8_GROUP_PRODUCT(H, L, a, bh, bl) \
+  do {                                          \
+    _tile_zero(H);                              \
+    _tile_zero(L);                              \
+    _tile_loadd(0, a, 128);                     \
+    _tile_loadd(1, bh, 64);                     \
+    _tile_loadd(2, bl, 64);                     \
+    _tile_dpbssd(H, 0, 1);                      \
+    _tile_dpbsud(L, 0, 2);                      \
   } while (0)
 #define KDA_STORE_PAIR(H, L, hs, ls) \
   do {                               \
@@ -195,10 +354,10 @@ void int8_blocks(const uint32_t* xb, const float* sx, int64_t M, const Int8Weigh
     KDA_TILE_FENCE();                \
   } while (0)
 
-// One group's exact sums h 256 + l of 16 channels by 16 rows into acc, times weight scale (ws[n * G]) and
-// activation scale (sxv per row).
-inline void scale_group(const int32_t* hs, const int32_t* ls, __m512 sxv, const float* ws, int64_t G,
-                        __m512* acc) {
+// One group's exact sums 256 h + l of 16 channels by 16 rows (int8 tiles) into acc, times weight scale
+// (ws[n * G]) and activation scale (sxv per row).
+inline void scale_sums(const int32_t* hs, const int32_t* ls, __m512 sxv, const float* ws, int64_t G,
+                       __m512* acc) {
   for (int64_t n = 0; n < kRows; ++n) {
     const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hs + n * kRows), 8),
                                        _mm512_load_si512(ls + n * kRows));
@@ -206,90 +365,150 @@ inline void scale_group(const int32_t* hs, const int32_t* ls, __m512 sxv, const 
   }
 }
 
-// Channel blocks [nb0, nb1) of int4 weights; xb as split_rows, sx the group scales [block][group][16 rows].
-// Per chunk of 4 groups (64 packed bytes of a channel) the 16 channels are unpacked to (nibble - 8)
-// bytes in input order, 128 per channel; then per group one product of 32 inputs, into alternating
-// pairs of sum tiles: a group's sums are stored and scaled while the next group's product runs (one
-// after the other, each group waited the whole product's latency).
-void int4_blocks(const uint32_t* xb, const float* sx, int64_t M, const Int4Weights& w, int64_t nb0,
-                 int64_t nb1, float* y, int64_t ldy) {
-  Tiles tiles(32);
-  alignas(64) int8_t a[kRows * 128];
+// acc [16 channels] (lanes: rows) into y's rows [m0, m0 + mr) and columns [n0, n0 + 16).
+inline void write_rows(__m512* acc, int64_t m0, int64_t mr, int64_t n0, float* y, int64_t ldy) {
+  __m512i r[kRows];
+  for (int64_t n = 0; n < kRows; ++n) r[n] = _mm512_castps_si512(acc[n]);
+  transpose16(r);
+  for (int64_t m = 0; m < mr; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + n0, _mm512_castsi512_ps(r[m]));
+}
+
+// Channel blocks [nb0, nb1) of int4 weights. Row blocks of more than 8 rows on int8 tiles (xb8 as
+// split_rows): per chunk of 4 groups the 16 channels unpacked to (nibble - 8) bytes, per group one
+// product pair into alternating pairs of sum tiles, a group's sums stored and scaled while the next
+// group's products run. The last block, where it has at most 8 rows, on bf16 tiles (xbf as
+// split_rows_bf16): per group its product, the weights two groups ahead unpacked, the group before it
+// stored and the one before that scaled. sx: the group scales [block][group][16 rows].
+void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int64_t M, const Int4Weights& w,
+                 int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
+  Tiles<configure_int4> tiles;
+  alignas(64) uint16_t a[3][kRows * kInt4Group];
+  alignas(64) int8_t a8[kRows * 128];
+  alignas(64) float c[2][kRows * kRows] = {};
   alignas(64) int32_t hs[kRows * kRows] = {}, ls[kRows * kRows] = {};
-  alignas(64) float o[kRows * kRows];
-  const int64_t in = w.in, W = in / 4 * kRows, G = in / kInt4Group, row_bytes = in / 2;
+  alignas(64) uint16_t entries[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>(i % 16 - 8);
+    uint32_t u = 0;
+    std::memcpy(&u, &v, sizeof(u));
+    entries[i] = static_cast<uint16_t>(u >> 16);  // exact: a small integer
+  }
+  const __m512i table = _mm512_load_si512(entries);
+  alignas(64) uint8_t shifts[64];
+  for (int64_t j = 0; j < 64; ++j)
+    shifts[j] = static_cast<uint8_t>(8 * (byte_at(j / 2) % 8) + 4 * (j / 2 % 2));
+  const __m512i fields = _mm512_load_si512(shifts);
   const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   // Low nibbles of a group's 16 bytes are its inputs 0..15, the high ones 16..31.
   const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
                 second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const int64_t in = w.in, G = in / kInt4Group, row_bytes = in / 2, W = in / 4 * kRows;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t n0 = nb * kRows;
-    const char* next = reinterpret_cast<const char*>(w.q + (n0 + kRows) * row_bytes);
-    const char* next_scale = reinterpret_cast<const char*>(w.scale + (n0 + kRows) * G);
+    const uint8_t* q0 = w.q + n0 * row_bytes;
+    const float* ws = w.scale + n0 * G;
+    // The next block's 16 rows (16 row_bytes, one run) and scales, in address order over its groups.
+    const char* next = reinterpret_cast<const char*>(q0 + kRows * row_bytes);
+    const char* next_scale = reinterpret_cast<const char*>(ws + kRows * G);
     for (int64_t b = 0; b * kRows < M; ++b) {
-      const uint8_t* bh = reinterpret_cast<const uint8_t*>(xb + 2 * b * W);
-      const uint8_t* bl = bh + 4 * W;
+      const int64_t R = std::min(kRows, M - b * kRows);
       const bool prefetch = b == 0 && nb + 1 < nb1;
-      const float* ws = w.scale + n0 * G;
       const float* sxb = sx + b * G * kRows;
-      tiles.rows(std::min(kRows, M - b * kRows));
+      tiles.rows(R);
       __m512 acc[kRows];
       for (auto& v : acc) v = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; ++g) {
-        if (g % 4 == 0) {
-          const int64_t c = g / 4, ng = std::min<int64_t>(4, G - g);
-          const __mmask64 mb = ng == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * ng)) - 1;
-          // The next block's 16 rows (16 row_bytes, one run) and scales, in address order over its chunks.
-          if (prefetch) {
-            for (int64_t j = 0; j < kRows && 1024 * c + 64 * j < kRows * row_bytes; ++j)
-              _mm_prefetch(next + 1024 * c + 64 * j, _MM_HINT_T0);
-            for (int64_t j = 0; j < 4 && 256 * c + 64 * j < 4 * kRows * G; ++j)
-              _mm_prefetch(next_scale + 256 * c + 64 * j, _MM_HINT_T0);
+      if (R > kPairedRows) {
+        const uint8_t* bh = reinterpret_cast<const uint8_t*>(xb8 + 2 * b * W);
+        const uint8_t* bl = bh + 4 * W;
+        for (int64_t g = 0; g < G; ++g) {
+          if (g % 4 == 0) {
+            const int64_t ch = g / 4, ng = std::min<int64_t>(4, G - g);
+            const __mmask64 mb = ng == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * ng)) - 1;
+            if (prefetch) {
+              for (int64_t j = 0; j < kRows && 1024 * ch + 64 * j < kRows * row_bytes; ++j)
+                _mm_prefetch(next + 1024 * ch + 64 * j, _MM_HINT_T0);
+              for (int64_t j = 0; j < 4 && 256 * ch + 64 * j < 4 * kRows * G; ++j)
+                _mm_prefetch(next_scale + 256 * ch + 64 * j, _MM_HINT_T0);
+            }
+            for (int64_t j = 0; j < kRows; ++j) {
+              const __m512i v = _mm512_maskz_loadu_epi8(mb, q0 + j * row_bytes + 64 * ch);
+              const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, nib), eight);
+              const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), eight);
+              _mm512_store_si512(a8 + j * 128, _mm512_permutex2var_epi64(lo, first, hi));
+              _mm512_store_si512(a8 + j * 128 + 64, _mm512_permutex2var_epi64(lo, second, hi));
+            }
+            KDA_TILE_FENCE();
           }
-          for (int64_t j = 0; j < kRows; ++j) {
-            const __m512i v = _mm512_maskz_loadu_epi8(mb, w.q + (n0 + j) * row_bytes + 64 * c);
-            const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, nib), eight);
-            const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), eight);
-            _mm512_store_si512(a + j * 128, _mm512_permutex2var_epi64(lo, first, hi));
-            _mm512_store_si512(a + j * 128 + 64, _mm512_permutex2var_epi64(lo, second, hi));
+          const int8_t* ag = a8 + 32 * (g % 4);
+          const uint8_t *bhg = bh + 16 * kInt4Group * g, *blg = bl + 16 * kInt4Group * g;
+          if (g % 2 == 0) {
+            KDA_INT8_GROUP_PRODUCT(3, 4, ag, bhg, blg);
+            if (g > 0) KDA_STORE_PAIR(5, 6, hs, ls);
+          } else {
+            KDA_INT8_GROUP_PRODUCT(5, 6, ag, bhg, blg);
+            KDA_STORE_PAIR(3, 4, hs, ls);
+          }
+          if (g > 0) scale_sums(hs, ls, _mm512_loadu_ps(sxb + (g - 1) * kRows), ws + g - 1, G, acc);
+          KDA_TILE_FENCE();  // the next chunk's unpacking overwrites what the tiles above read
+        }
+        if ((G - 1) % 2 == 0)
+          KDA_STORE_PAIR(3, 4, hs, ls);
+        else
+          KDA_STORE_PAIR(5, 6, hs, ls);
+        scale_sums(hs, ls, _mm512_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc);
+      } else {
+        const uint32_t* xg = xbf;
+        unpack_group(q0, row_bytes, 0, a[0], fields, table);
+        if (G > 1) unpack_group(q0, row_bytes, 1, a[1], fields, table);
+        for (int64_t g = 0; g < G; ++g, xg += kRows * kRows) {
+          if (prefetch) {
+            for (int64_t j = 0; j < 4; ++j) _mm_prefetch(next + 256 * g + 64 * j, _MM_HINT_T0);
+            _mm_prefetch(next_scale + 64 * g, _MM_HINT_T0);
           }
           KDA_TILE_FENCE();
+          if (g % 2 == 0)
+            KDA_PAIRED_PRODUCT(0, 2, 6, a[g % 3], xg);
+          else
+            KDA_PAIRED_PRODUCT(1, 4, 7, a[g % 3], xg);
+          KDA_TILE_FENCE();  // the unpacking below overwrites what the group before this one loaded
+          // Two groups ahead: a tile load of vector stores that have not yet reached the cache waits.
+          if (g + 2 < G) unpack_group(q0, row_bytes, g + 2, a[(g + 2) % 3], fields, table);
+          // Group g - 1's sums out of their tile, group g - 2's (stored a step ago) scaled: the vector
+          // loads of a tile's store that has not yet reached the cache wait for it.
+          if (g > 0) store_group(g - 1, c[(g - 1) % 2]);
+          if (g > 1) scale_paired(c[g % 2], _mm512_loadu_ps(sxb + (g - 2) * kRows), ws + g - 2, G, acc);
+          KDA_TILE_FENCE();
         }
-        const int8_t* ag = a + 32 * (g % 4);
-        const uint8_t *bhg = bh + 16 * kInt4Group * g, *blg = bl + 16 * kInt4Group * g;
-        if (g % 2 == 0) {
-          KDA_GROUP_PRODUCT(3, 4, ag, bhg, blg);
-          if (g > 0) KDA_STORE_PAIR(5, 6, hs, ls);
-        } else {
-          KDA_GROUP_PRODUCT(5, 6, ag, bhg, blg);
-          KDA_STORE_PAIR(3, 4, hs, ls);
+        if (G > 1) scale_paired(c[G % 2], _mm512_loadu_ps(sxb + (G - 2) * kRows), ws + G - 2, G, acc);
+        store_group(G - 1, c[(G - 1) % 2]);
+        scale_paired(c[(G - 1) % 2], _mm512_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc);
+        // Channel 2 j + 1 from the top half of acc[j] (the rows past 8 are not written).
+        for (int64_t j = kRows / 2 - 1; j >= 0; --j) {
+          acc[2 * j + 1] = _mm512_shuffle_f32x4(acc[j], acc[j], 0xEE);
+          acc[2 * j] = acc[j];
         }
-        if (g > 0) scale_group(hs, ls, _mm512_loadu_ps(sxb + (g - 1) * kRows), ws + g - 1, G, acc);
-        KDA_TILE_FENCE();  // the next chunk's unpacking overwrites what the tiles above read
       }
-      if ((G - 1) % 2 == 0)
-        KDA_STORE_PAIR(3, 4, hs, ls);
-      else
-        KDA_STORE_PAIR(5, 6, hs, ls);
-      scale_group(hs, ls, _mm512_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc);
-      for (int64_t n = 0; n < kRows; ++n) _mm512_store_ps(o + n * kRows, acc[n]);
-      write_out(o, b * kRows, std::min(kRows, M - b * kRows), n0, y, ldy);
+      write_rows(acc, b * kRows, R, n0, y, ldy);
     }
   }
 }
 
 #pragma GCC pop_options
 
-// Threads split the channel blocks evenly (static), each running `body` once on its range.
-template <class Body>
-void split_blocks(int64_t blocks, int64_t weights, Body body) {
+// Threads split the channel blocks evenly (static), each running `body` once on its range after every
+// thread has run `prepare` on its share (t of nt) of what the blocks read.
+template <class Prepare, class Body>
+void split_blocks(int64_t blocks, int64_t weights, Prepare prepare, Body body) {
   if (weights < kParallelMin || blocks < 2) {
+    prepare(0, 1);
     body(0, blocks);
     return;
   }
 #pragma omp parallel
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    prepare(t, nt);
+#pragma omp barrier
     body(blocks * t / nt, blocks * (t + 1) / nt);
   }
 }
@@ -316,8 +535,9 @@ void gemm_int8_amx(const int16_t* xq, const float* sx, int64_t M, const Int8Weig
   split_rows(xq, M, w.in, xb.data());
   const uint32_t* xp = xb.data();
   const float* sp = sxp.data();
-  split_blocks(blocks, w.in * n16,
-               [&](int64_t nb0, int64_t nb1) { int8_blocks(xp, sp, M, w, nb0, nb1, y, ldy); });
+  split_blocks(
+      blocks, w.in * n16, [](int, int) {},
+      [&](int64_t nb0, int64_t nb1) { int8_blocks(xp, sp, M, w, nb0, nb1, y, ldy); });
   if (n16 < w.out)
     avx512::gemm_int8(xq, sx, M, Int8Weights{w.q + n16 * w.in, w.scale + n16, w.in, w.out - n16}, y + n16,
                       ldy, cpu_has_vnni());
@@ -325,19 +545,30 @@ void gemm_int8_amx(const int16_t* xq, const float* sx, int64_t M, const Int8Weig
 
 void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y,
                    int64_t ldy) {
-  if (!cpu_has_amx_int8()) throw std::logic_error("gemm_int4_amx: no AMX-INT8 on this CPU");
-  thread_local std::vector<uint32_t> xb;
+  if (!cpu_has_amx_int8() || !cpu_has_amx_bf16())
+    throw std::logic_error("gemm_int4_amx: no AMX-INT8 and AMX-BF16 on this CPU");
+  thread_local std::vector<uint32_t> xb8, xbf;
   thread_local std::vector<float> sxg;
   const int64_t B = row_blocks(M), G = w.in / kInt4Group, blocks = w.out / kRows, n16 = blocks * kRows;
-  xb.resize(static_cast<size_t>(2 * B * (w.in / 4) * kRows));
+  // The last block's rows; where at most 8, that block takes bf16 tiles and the others int8 ones.
+  const int64_t last = (B - 1) * kRows, tail = M - last;
+  const bool paired = tail <= kPairedRows;
+  const int64_t M8 = paired ? last : M;
+  xb8.resize(static_cast<size_t>(2 * row_blocks(M8) * (w.in / 4) * kRows));
+  xbf.resize(static_cast<size_t>(paired ? G * kRows * kRows : 0));
   sxg.assign(static_cast<size_t>(B * G * kRows), 0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) sxg[((m / kRows) * G + g) * kRows + m % kRows] = sx[m * G + g];
-  split_rows(xq, M, w.in, xb.data());
-  const uint32_t* xp = xb.data();
+  if (M8 > 0) split_rows(xq, M8, w.in, xb8.data());
+  const uint32_t* x8 = xb8.data();
+  uint32_t* xf = xbf.data();
   const float* sp = sxg.data();
-  split_blocks(blocks, w.in * n16,
-               [&](int64_t nb0, int64_t nb1) { int4_blocks(xp, sp, M, w, nb0, nb1, y, ldy); });
+  split_blocks(
+      blocks, w.in * n16,
+      [&](int t, int nt) {
+        if (paired) split_rows_bf16(xq + last * w.in, tail, w.in, G * t / nt, G * (t + 1) / nt, xf);
+      },
+      [&](int64_t nb0, int64_t nb1) { int4_blocks(x8, xf, sp, M, w, nb0, nb1, y, ldy); });
   if (n16 < w.out)
     avx512::gemm_int4(xq, sx, M, Int4Weights{w.q + n16 * (w.in / 2), w.scale + n16 * G, w.in, w.out - n16},
                       y + n16, ldy, cpu_has_vnni());
@@ -346,6 +577,7 @@ void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weig
 #else  // no AMX in this build
 
 bool cpu_has_amx_int8() { return false; }
+bool cpu_has_amx_bf16() { return false; }
 bool amx_takes(const Int8Weights&) { return false; }
 void gemm_int8_amx(const int16_t*, const float*, int64_t, const Int8Weights&, float*, int64_t) {
   throw std::logic_error("gemm_int8_amx: not in this build");

@@ -1,20 +1,29 @@
-// The quantized GEMM of quant_gemm.h on AMX-INT8 tiles (Sapphire Rapids and later), for the decode and
-// MoE row counts: the same activations (int16, quantize_activations) and the same integer sums, taken
-// by the tile unit instead of VNNI. The AVX-512 kernels' work grows with the rows (one dot product
-// instruction per row per 32 or 64 weights), so from a few rows on they, not memory, set the pace; a
-// tile product takes 16 rows at once.
+// The quantized GEMM of quant_gemm.h on AMX tiles (Sapphire Rapids and later), for the decode and MoE
+// row counts: the same activations (int16, quantize_activations) and the same integer sums, taken by the
+// tile unit instead of VNNI. The AVX-512 kernels' work grows with the rows (one dot product instruction
+// per row per 32 or 64 weights), so from a few rows on they, not memory, set the pace; a tile product
+// takes 16 rows at once.
 //
-// Each int16 activation x is split into a signed high byte and an unsigned low one, x = 256 h + l, and a
-// weight tile (16 channels by 64 inputs, or one int4 group of 32) meets both: TDPBSSD (signed by signed)
-// for h and TDPBSUD (signed by unsigned) for l, each an exact int32 sum. The weights are the tiles' A
-// operand, read in place (int8) or unpacked from their nibbles to (nibble - 8) bytes per call (int4); the
-// activations are the B operand, rearranged once per call into the tiles' 4-byte interleaved layout.
-//  - int8: per output the exact sum 256 sum(q h) + sum(q l) (in int64), converted to fp32 once, then
-//    times the channel scale and the row's scale: the portable kernel's value, bit for bit.
-//  - int4: per group the exact integer sum of (nibble - 8) x, converted and scaled by weight scale times
-//    activation scale, added over the groups in order in fp32 (one FMA each).
-// Threads split the blocks of 16 channels; the channels past the last whole block go to the AVX-512
-// kernel.
+// Each int16 activation x is split into a signed high byte and an unsigned low one, x = 256 h + l.
+//  - int8 (AMX-INT8): a weight tile (16 channels by 64 inputs, read in place) meets both: TDPBSSD (signed
+//    by signed) for h and TDPBSUD (signed by unsigned) for l, each an exact int32 sum; per output the
+//    exact sum 256 sum(q h) + sum(q l) (in int64), converted to fp32 once, then times the channel scale
+//    and the row's scale: the portable kernel's value, bit for bit.
+//  - int4: per group of 32 inputs the exact integer sum of (nibble - 8) x, times weight scale times
+//    activation scale, added over the groups in order in fp32 (one FMA each): the same bits whatever
+//    the tiles, so a row's value does not depend on the rows beside it. A block of 9..16 rows runs on
+//    AMX-INT8 tiles: the weights unpacked to (nibble - 8) bytes, h and l as for int8 (a tile product of
+//    one group's 32 inputs each), the two int32 sums combined and converted per group. A block of at
+//    most 8 rows (M <= 8, or the last M % 16 rows) runs on AMX-BF16 tiles: the weights unpacked to
+//    (nibble - 8) in bf16 (one vpmultishiftqb and one vpermw per channel and group), the activations as
+//    256 h and l in bf16 side by side in one tile (columns 0..7 and 8..15), so one product per group
+//    gives both sums in fp32. Every bf16 value there is an integer and every partial sum stays below
+//    2^24 (8 * 32768 * 32 = 2^23), so the two sums and their fp32 sum are exact: the vector unit is left
+//    an add, a multiply and an FMA per 16 outputs, where int8 tiles leave a shift, an add, a conversion,
+//    a multiply and an FMA per 16 rows of one channel.
+// The activations are the B operand, rearranged once per call into the tiles' interleaved layout (int4's
+// bf16 block by the threads, a share of the groups each). Threads split the blocks of 16 channels; the
+// channels past the last whole block go to the AVX-512 kernel.
 #pragma once
 
 #include <cstdint>
@@ -26,16 +35,20 @@ namespace kda::kernels::gemm {
 // Whether this CPU has AMX-TILE and AMX-INT8 and the kernel lets this process use the tile data
 // (Linux's arch_prctl permission, asked once here): false on every other machine and build.
 bool cpu_has_amx_int8();
+// The same for AMX-BF16 (with AVX512_BF16 and AVX512_VBMI), which the int4 kernel takes beside AMX-INT8.
+bool cpu_has_amx_bf16();
 
 // The row counts from which the entry points (weight_format.h) take the AMX kernels over the AVX-512
-// ones: the crossovers `kda bench --only qdecode` shows on a Sapphire Rapids Xeon. The AMX kernels' time
+// ones: the crossovers measured on a Sapphire Rapids class Xeon (`kda bench --only qdecode`; int4 also
+// at each row count from 4 to 8, both kernels called directly in turns). The AMX kernels' time
 // hardly grows with the rows up to 16 (per block of weights the tile loads, products and stores cost
 // the same whatever the rows), the AVX-512 ones' grows with every row; int4's AMX kernel, which also
 // unpacks the nibbles and scales every group of 32, pays from more rows than int8's.
-inline constexpr int64_t kAmxMinRowsInt8 = 4, kAmxMinRowsInt4 = 7;
+inline constexpr int64_t kAmxMinRowsInt8 = 4, kAmxMinRowsInt4 = 5;
 
 // The AMX kernels, with quant_gemm_isa.h's signatures minus the VNNI choice (the channel tail goes to
-// the AVX-512 kernel with VNNI where the CPU has it). std::logic_error where !cpu_has_amx_int8(); int8
+// the AVX-512 kernel with VNNI where the CPU has it). std::logic_error where the CPU lacks the tiles a
+// kernel takes (int8: cpu_has_amx_int8(), int4: that and cpu_has_amx_bf16()); int8
 // needs in to be a multiple of 64 and at most 65536 (amx_takes; std::invalid_argument otherwise).
 bool amx_takes(const Int8Weights& w);
 void gemm_int8_amx(const int16_t* xq, const float* sx, int64_t M, const Int8Weights& w, float* y,

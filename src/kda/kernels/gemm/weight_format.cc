@@ -86,7 +86,8 @@ void int8_avx512(const Activations& a, int64_t M, const PackedWeights& w, float*
   avx512::gemm_int8(a.xq, a.sx, M, q, y, ldy, cpu_has_vnni());
 }
 void int4_avx512(const Activations& a, int64_t M, const PackedWeights& w, float* y, int64_t ldy) {
-  if (M >= kAmxMinRowsInt4 && cpu_has_amx_int8()) return gemm_int4_amx(a.xq, a.sx, M, int4_of(w), y, ldy);
+  if (M >= kAmxMinRowsInt4 && cpu_has_amx_int8() && cpu_has_amx_bf16())
+    return gemm_int4_amx(a.xq, a.sx, M, int4_of(w), y, ldy);
   avx512::gemm_int4(a.xq, a.sx, M, int4_of(w), y, ldy, cpu_has_vnni());
 }
 #endif
