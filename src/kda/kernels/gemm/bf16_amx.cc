@@ -8,14 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "kda/common/isa.h"
 
 #if defined(KDA_WITH_AVX512) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
     defined(__linux__)
 #define KDA_AMX_BF16_BUILD 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
 #endif
@@ -57,18 +53,7 @@ void gemm_bf16_amx_reference(const bf16_t* x, int64_t M, int64_t ldx, const bf16
 
 #if defined(KDA_AMX_BF16_BUILD)
 
-bool cpu_has_amx_bf16() {
-  static const bool v = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!isa_available(Isa::Avx512) || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if ((d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;  // AMX-TILE, AMX-BF16
-    // Linux hands the tile data state out per process on request (ARCH_REQ_XCOMP_PERM for
-    // XFEATURE_XTILEDATA); oneDNN and the int8 kernels ask the same, a second grant is a no-op.
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return v;
-}
+// cpu_has_amx_bf16 is defined in quant_amx.cc, beside cpu_has_amx_int8 (one grant of the tile data).
 
 namespace {
 
@@ -263,7 +248,6 @@ void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int
 
 #else  // no AMX in this build
 
-bool cpu_has_amx_bf16() { return false; }
 void gemm_bf16_amx(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, float*, int64_t) {
   throw std::logic_error("gemm_bf16_amx: not in this build");
 }

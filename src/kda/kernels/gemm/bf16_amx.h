@@ -21,8 +21,9 @@
 
 namespace kda::kernels::gemm {
 
-// Whether this CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile data (Linux's
-// arch_prctl permission, asked once here): false on every other machine and build.
+// Whether this CPU has AMX-TILE and AMX-BF16 (with AVX512_BF16) and the kernel lets this process use the
+// tile data (Linux's arch_prctl permission): false on every other machine and build. Defined in
+// quant_amx.cc, whose int4 kernel needs the same, beside cpu_has_amx_int8.
 bool cpu_has_amx_bf16();
 
 // Whether gemm_bf16_amx takes K inputs: a positive multiple of 32 (one tile row of bf16).
