@@ -207,12 +207,12 @@ class KimiLinearForCausalLM {
   int64_t vocab_size() const { return model_->vocab_size(); }
   int64_t hidden_size() const { return cfg_.hidden_size; }
   int64_t weight_bytes() const;  // resident on this rank: embedding, layers, norms, LM head
-  int64_t active_weight_bytes()
-      const;  // read per decoded token (this rank): one embedding row, every
-              // layer's attention, dense MLP / router + top-k + shared experts, head
-  int64_t active_params() const;
-  int64_t head_weight_bytes() const;  // the LM head's (dense unless quantize_lm_head)  // the whole model's
-                                      // active parameters per token (every rank's)
+  // Read per decoded token (this rank): one embedding row, every layer's attention, dense MLP / router +
+  // top-k + shared experts, the head.
+  int64_t active_weight_bytes() const;
+  int64_t active_params() const;  // the whole model's active parameters per token (every rank's)
+  // The LM head's bytes one call reads (dense unless quantize_lm_head).
+  int64_t head_weight_bytes() const;
 
  private:
   KimiLinearForCausalLM(const io::KimiLinearConfig& cfg, const ModelOptions& opts);
@@ -227,9 +227,10 @@ class KimiLinearForCausalLM {
   static constexpr int64_t kHeadBlockValues = int64_t{1} << 26;
   std::vector<layers::Linear> lm_head_;
   std::vector<int64_t> head_begin_;
-  // Or, in place of lm_head_ where the AMX kernel applies (bf16 precision, a dense head, a CPU with
-  // AMX-BF16: build_head decides), the head as one bf16 matrix [V, D] in the checkpoint's layout, which that
-  // kernel reads in place at every row count (compute_logits says why).
+  // Beside lm_head_ where the AMX kernel applies (bf16 precision, a dense head, a CPU with AMX-BF16:
+  // build_head decides), the head as one bf16 matrix [V, D] in the checkpoint's layout, which that kernel
+  // reads in place for two rows or more (compute_logits says why); resident, counted in weight_bytes, not in
+  // head_weight_bytes (the bytes one call reads).
   std::vector<bf16_t> head_bf16_;
   // Builds the head's blocks from rows(begin, end) -> fp32 [end - begin, D].
   void build_head(int64_t V, const std::function<std::vector<float>(int64_t, int64_t)>& rows);

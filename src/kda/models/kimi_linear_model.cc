@@ -355,22 +355,22 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
   rms_norm_rows(hidden, M, D, model_->norm_weight().data(), cfg_.rms_norm_eps, opts_.precision,
                 head_in_.data());
   const int64_t V = vocab_size();
-  // The AMX kernel reads the head in its checkpoint layout, one pass for up to 64 rows, faster than oneDNN's
-  // kernels at every row count from one (kda bench --only qdecode), and writes each row's logits straight
-  // to their columns: no second layout of the weights, no block buffer. A row's logits then do not depend
-  // on the rows beside it either.
-  if (!head_bf16_.empty()) {
+  // Two rows or more (verify rows, batched decode) go to the AMX kernel where build_head made its copy: it
+  // reads the head in its checkpoint layout, one pass for up to 64 rows, and writes each row's logits
+  // straight to their columns, where oneDNN's kernels read the head more slowly from two rows on
+  // (docs/performance.md, "The LM head's row counts"). One row stays on oneDNN's strided gemm below, which
+  // reads it faster than the tile kernel does at M = 1 within a model step (measured side by side).
+  if (!head_bf16_.empty() && M >= 2) {
     head_in_bf16_.resize(static_cast<size_t>(M * D));
     f32_to_bf16_array(head_in_.data(), head_in_bf16_.data(), head_in_bf16_.size());  // exact in bf16
     kernels::gemm::gemm_bf16_amx(head_in_bf16_.data(), M, D, head_bf16_.data(), D, V, logits, V);
     return;
   }
-  // Elsewhere, one row (a batch-1 decode step) goes straight to its columns: oneDNN takes a strided
-  // destination through its plain-layout gemm, which at M = 1 reads the head faster than its brgemm kernel
-  // does within a model step. At M >= 2 (verify rows, batched decode) that gemm is far slower than the brgemm
-  // kernel on a dense destination (docs/performance.md, "The LM head's row counts"), so each block's logits
-  // go to a dense buffer first, then to their columns. A head that serves both shapes holds its weights in
-  // both layouts (Linear keeps one per layout its calls need).
+  // Without the AMX copy, one row (a batch-1 decode step) goes straight to its columns: oneDNN takes a
+  // strided destination through its plain-layout gemm, which at M = 1 reads the head faster than its
+  // brgemm kernel does within a model step. At M >= 2 that gemm is far slower than the brgemm kernel on a
+  // dense destination, so each block's logits go to a dense buffer first, then to their columns. A head
+  // that serves both shapes holds its weights in both layouts (Linear keeps one per layout its calls need).
   if (lm_head_.size() == 1 || M == 1) {
     for (size_t b = 0; b < lm_head_.size(); ++b)
       lm_head_[b].forward(head_in_.data(), M, D, logits + head_begin_[b], V);
@@ -386,7 +386,7 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
 }
 
 int64_t KimiLinearForCausalLM::head_weight_bytes() const {
-  int64_t b = static_cast<int64_t>(sizeof(bf16_t) * head_bf16_.size());
+  int64_t b = 0;
   for (const auto& l : lm_head_) b += l.weight_bytes();
   return b;
 }
@@ -411,6 +411,8 @@ void KimiLinearForCausalLM::build_head(int64_t V,
                                     "): " + str(static_cast<int64_t>(r.size())) + " values, expected " +
                                     str((e - b) * D));
       f32_to_bf16_array(r.data(), head_bf16_.data() + b * D, r.size());
+      lm_head_.emplace_back(D, e - b, r, opts_.precision, hw);  // M = 1's path (compute_logits)
+      head_begin_.push_back(b);
     }
     return;
   }
@@ -421,7 +423,10 @@ void KimiLinearForCausalLM::build_head(int64_t V,
   }
 }
 
-int64_t KimiLinearForCausalLM::weight_bytes() const { return model_->weight_bytes() + head_weight_bytes(); }
+int64_t KimiLinearForCausalLM::weight_bytes() const {
+  return model_->weight_bytes() + head_weight_bytes() +
+         static_cast<int64_t>(sizeof(bf16_t) * head_bf16_.size());
+}
 
 int64_t KimiLinearForCausalLM::active_weight_bytes() const {
   const int64_t D = cfg_.hidden_size;
