@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-
 #if defined(KDA_WITH_AVX512) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
     defined(__linux__)
 #define KDA_AMX_BF16_BUILD 1
