@@ -338,6 +338,31 @@ TEST(SimulateTokens, BatchingDoesNotChangeTheTokens) {
   for (const auto& req : big.requests) EXPECT_EQ(out_of(a, req.id).tokens, out_of(b, req.id).tokens);
 }
 
+// A request that starts from a prefix another request computed is re-run alone after that prefix, computed
+// the way the batched run did: inside a longer prompt, where the snapshot ends a chunk. A prefix run of the
+// prefix alone ended with its own end-minus-one snapshot, which split the last chunk of chunk_kda: fp32
+// states rounded otherwise, and on the 27-layer model the bf16 check failed. Without MLA layers the re-run
+// is now exact; with them it is still within the bound only (the MLA rows of such a turn round otherwise
+// alone than beside the batch's other turns: not found yet).
+TEST(SimulateTokens, ARequestOnAnotherRequestsPrefixIsReRunBitForBit) {
+  for (const bool hybrid : {false, true}) {
+    SCOPED_TRACE(hybrid ? "KDA + MLA" : "KDA");
+    auto w = small_workload(WorkloadKind::kSharedPrefix);
+    w.requests = 4;
+    w.shared_prefix_len = 128;  // two chunks of 64: a cache-interval snapshot ends the second
+    w.prompt = {5, 20};
+    auto o = kda::testing::cache_test_options(hybrid ? hybrid_config() : small_config(), make_workload(w),
+                                              true, int64_t{256} << 20);
+    o.server_args.chunked_prefill_size = 4096;  // each prompt in one piece
+    o.check = 4;
+    const auto r = run_simulation(o);
+    ASSERT_EQ(r.serve.requests_completed, 4);
+    EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
+    expect_check_passes(r);
+    if (!hybrid) EXPECT_EQ(r.check->worst, 0.0) << "the re-run alone differs from the batched run";
+  }
+}
+
 TEST(SimulateTokens, SharedPrefixRequestsShareTheirGroupsFirstTokens) {
   auto w = small_workload(WorkloadKind::kSharedPrefix);
   w.requests = 6;

@@ -133,8 +133,8 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
       {"expert gate+up", kD, 2 * S::kMoeIntermediate},
       {"expert down", S::kMoeIntermediate, kD},
   };
-  const bool avx512 = isa_available(Isa::Avx512), amx8 = qg::cpu_has_amx_int8(),
-             amx4 = amx8 && qg::cpu_has_amx_bf16();
+  [[maybe_unused]] const bool avx512 = isa_available(Isa::Avx512);
+  const bool amx8 = qg::cpu_has_amx_int8(), amx4 = amx8 && qg::cpu_has_amx_bf16();
   say("\n%-22s %5s %4s %-12s %9s %8s %10s\n", "quantized decode GEMM", "wts", "rows", "kernel", "ms", "GB/s",
       "/ bf16 ms");
   j["quant_decode"] = nlohmann::json::array();
@@ -173,6 +173,7 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
         std::vector<std::function<void()>> fns{
             [&] { d16[i16++ % d16.size()].forward(xb.data(), M, sh.in, yb.data(), sh.out); },
             [&] { ql[iq++ % ql.size()].forward(xb.data(), M, sh.in, yb.data(), sh.out); }};
+#if defined(KDA_WITH_AVX512)
         if (avx512) {
           names.emplace_back(qg::cpu_has_vnni() ? "avx512 vnni" : "avx512 bw");
           fns.emplace_back([&] {
@@ -187,6 +188,7 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
                                     sh.out, qg::cpu_has_vnni());
           });
         }
+#endif
         if (wt == Weights::Int8 ? amx8 : amx4) {
           names.emplace_back("amx");
           fns.emplace_back([&] {

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -161,8 +162,8 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KimiLine
     rep.request_ids.push_back(specs.back().id);
     const bool cache_on = p.cache;
     const int32_t first_hit = batched.outputs[static_cast<size_t>(turns.front() * n)].rows_from;
-    snapshots += 1 + first_hit / std::max<int64_t>(p.sched.cache_interval, 1);  // the prefix run's (below)
-    cached_tokens += first_hit;
+    snapshots += 2 + first_hit / std::max<int64_t>(p.sched.cache_interval, 1);  // the prefix run's (below)
+    cached_tokens += first_hit + 1;
     ModelRunner alone(model, slots + (cache_on ? snapshots : 0), kv_tokens + (cache_on ? cached_tokens : 0),
                       p.kernel);
     std::optional<mem_cache::RadixCache> cache;  // goes before the runner
@@ -175,12 +176,22 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KimiLine
     }
     // A first turn the batched run started from a cached prefix (a shared prefix another request
     // computed): that prefix first, prefill only, so that the turn restores it as the batched run did
-    // (MLA's attention over cached KV rows is another path than over the rows of the same EXTEND).
+    // (MLA's attention over cached KV rows is another path than over the rows of the same EXTEND). The
+    // batched run took that snapshot inside a longer prompt, where it ends a chunk of chunk_kda; a prompt
+    // of the prefix alone would end with its own end-minus-one snapshot, which splits the last chunk and
+    // rounds the state at first_hit otherwise. So the prefix run's prompt is the prefix and one more token,
+    // one the turn does not continue with: the turn's longest cached match is then first_hit, as it was.
     if (cache_on && first_hit > 0) {
+      const std::vector<int32_t>& turn = specs.front().prompt;
+      if (first_hit >= static_cast<int32_t>(turn.size()))
+        throw std::logic_error("self_check: a cache hit of " + std::to_string(first_hit) +
+                               " tokens covers the whole prompt of request " + std::to_string(r));
       RequestSpec prefix;
       prefix.id = specs.front().id;
-      prefix.prompt.assign(specs.front().prompt.begin(), specs.front().prompt.begin() + first_hit);
-      prefix.prompt_len = first_hit;
+      prefix.prompt.assign(turn.begin(), turn.begin() + first_hit);
+      const int64_t V = model.vocab_size();
+      prefix.prompt.push_back(static_cast<int32_t>((turn[static_cast<size_t>(first_hit)] + 1) % V));
+      prefix.prompt_len = first_hit + 1;
       specs.insert(specs.begin(), std::move(prefix));
     }
     ServeResult ar;
