@@ -12,6 +12,7 @@
     defined(__linux__)
 #define KDA_AMX_BF16_BUILD 1
 
+#include "kda/kernels/gemm/amx_tiles.h"
 #include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
 #endif
 
@@ -63,16 +64,7 @@ constexpr int64_t kCols = 16;   // rows of x per group: columns of the B and C t
 constexpr int64_t kGroups = 4;  // groups per pass over W: the C tiles beside one A and three B tiles
 constexpr int64_t kStep = 32;   // inputs per A tile row (64 bytes)
 
-// GCC's tile store and load intrinsics are asm statements that do not tell the compiler they touch
-// memory: stores to a buffer a tile loads next, and loads of one a tile stored, stay on their side of this.
-#define KDA_TILE_FENCE() asm volatile("" ::: "memory")
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx::TileConfig;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,amx-tile,amx-bf16")

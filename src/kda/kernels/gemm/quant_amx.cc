@@ -18,6 +18,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "kda/kernels/gemm/amx_tiles.h"
 #include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
 #endif
 
@@ -67,16 +68,7 @@ namespace {
 constexpr int64_t kParallelMin = int64_t{1} << 15;
 constexpr int64_t kRows = 16;  // a tile's rows: channels of A and C, activation rows of B and C
 
-// GCC's tile store and load intrinsics are asm statements that do not tell the compiler they touch
-// memory: stores to a buffer a tile loads next, and loads of one a tile stored, stay on their side of this.
-#define KDA_TILE_FENCE() asm volatile("" ::: "memory")
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx::TileConfig;
 
 #pragma GCC push_options
 #pragma GCC target( \
