@@ -400,25 +400,21 @@ void KimiLinearForCausalLM::build_head(int64_t V,
   lm_head_.clear();
   head_begin_.clear();
   head_bf16_.clear();
-  if (opts_.precision == Precision::BF16 && hw == Weights::BF16 && kernels::gemm::cpu_has_amx_bf16() &&
-      kernels::gemm::bf16_amx_takes(D)) {
-    head_bf16_.resize(static_cast<size_t>(V * D));
-    for (int64_t b = 0; b < V; b += per) {
-      const int64_t e = std::min(V, b + per);
-      const std::vector<float> r = rows(b, e);
+  // Where the AMX kernel applies, the head also as one bf16 [V, D] matrix for M >= 2 (compute_logits).
+  const bool amx = opts_.precision == Precision::BF16 && hw == Weights::BF16 &&
+                   kernels::gemm::cpu_has_amx_bf16() && kernels::gemm::bf16_amx_takes(D);
+  if (amx) head_bf16_.resize(static_cast<size_t>(V * D));
+  for (int64_t b = 0; b < V; b += per) {
+    const int64_t e = std::min(V, b + per);
+    const std::vector<float> r = rows(b, e);
+    if (amx) {
       if (static_cast<int64_t>(r.size()) != (e - b) * D)
         throw std::invalid_argument("lm_head rows [" + str(b) + ", " + str(e) +
                                     "): " + str(static_cast<int64_t>(r.size())) + " values, expected " +
                                     str((e - b) * D));
       f32_to_bf16_array(r.data(), head_bf16_.data() + b * D, r.size());
-      lm_head_.emplace_back(D, e - b, r, opts_.precision, hw);  // M = 1's path (compute_logits)
-      head_begin_.push_back(b);
     }
-    return;
-  }
-  for (int64_t b = 0; b < V; b += per) {
-    const int64_t e = std::min(V, b + per);
-    lm_head_.emplace_back(D, e - b, rows(b, e), opts_.precision, hw);
+    lm_head_.emplace_back(D, e - b, r, opts_.precision, hw);
     head_begin_.push_back(b);
   }
 }
