@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 JOBS=$(nproc)
+# The disk this run has (a CI machine once ran out of it halfway through the suite).
+df -h . "${TMPDIR:-/tmp}" || true
 
 echo "== lint (pre-commit)"
 pre-commit run --all-files --show-diff-on-failure

@@ -638,7 +638,7 @@ TEST(Engine, ARequestTheSamplerRefusesIsAbortedAloneAndTheOthersGoOn) {
   auto& emb = w.at("model.embed_tokens.weight");
   const int64_t D = emb.shape.at(1);
   std::fill(emb.values.begin() + 7 * D, emb.values.begin() + 8 * D, std::numeric_limits<float>::quiet_NaN());
-  const auto dir = std::filesystem::temp_directory_path() / ("kda_engine_nan_" + std::to_string(::getpid()));
+  const auto dir = testing::make_temp_dir("engine_nan");
   testing::write_model_checkpoint(dir, cfg, w);
   auto model = models::KimiLinearForCausalLM::from_pretrained(dir);
   std::filesystem::remove_all(dir);

@@ -20,6 +20,7 @@
 #include "kda/tokenizer/sha256.h"
 #include "kda/tokenizer/tokenizer.h"
 #include "kda/tokenizer/utf8.h"
+#include "support/test_support.h"
 
 namespace kt = kda::tokenizer;
 
@@ -50,13 +51,7 @@ std::string random_text(std::mt19937_64& rng, size_t chars) {
   return s;
 }
 
-std::string temp_dir(const std::string& name) {
-  const auto p =
-      std::filesystem::temp_directory_path() / ("kda_tok_" + name + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(p);
-  std::filesystem::create_directories(p);
-  return p.string();
-}
+std::string temp_dir(const std::string& name) { return kda::testing::make_temp_dir("tok_" + name).string(); }
 
 void write(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);

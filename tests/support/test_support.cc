@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 
@@ -37,10 +38,38 @@ std::string read_file(const std::filesystem::path& path) {
   return ss.str();
 }
 
+namespace {
+
+// The folders make_temp_dir made, removed when the test process exits: the suite writes checkpoints at
+// real widths, and leaving them behind filled a CI machine's disk halfway through a run. Only the
+// process that made a folder removes it (a forked child that exits normally leaves them alone).
+struct TempDirs {
+  pid_t owner = ::getpid();
+  std::mutex mutex;
+  std::vector<std::filesystem::path> paths;
+  ~TempDirs() {
+    if (::getpid() != owner) return;
+    for (const auto& p : paths) {
+      std::error_code ec;  // best effort: a folder a test removed itself is not an error
+      std::filesystem::remove_all(p, ec);
+    }
+  }
+};
+
+TempDirs& temp_dirs() {
+  static TempDirs dirs;
+  return dirs;
+}
+
+}  // namespace
+
 std::filesystem::path make_temp_dir(const std::string& tag) {
   auto p = std::filesystem::temp_directory_path() / ("kda_test_" + tag + "_" + std::to_string(::getpid()));
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
+  auto& dirs = temp_dirs();
+  const std::lock_guard<std::mutex> lock(dirs.mutex);
+  if (std::find(dirs.paths.begin(), dirs.paths.end(), p) == dirs.paths.end()) dirs.paths.push_back(p);
   return p;
 }
 

@@ -36,7 +36,7 @@ std::filesystem::path model_dumps_dir();
 int64_t proc_status_kb(const std::string& field);
 // A file's bytes as text (std::runtime_error when it cannot be read).
 std::string read_file(const std::filesystem::path& path);
-// A fresh empty temporary directory for one test (removed by the OS / next run).
+// A fresh empty temporary directory for one test, removed with everything in it when the process exits.
 std::filesystem::path make_temp_dir(const std::string& tag);
 
 std::vector<float> random_normal(size_t n, uint64_t seed, float stddev = 1.0f);
