@@ -112,5 +112,65 @@ TEST(MlaFlash, VerifyTreesMaskAsTheReference) {
   compare({{10, 6, true}, {300, 40, true}, {0, 70, true}}, false, 0.0f, "trees fp32");
 }
 
+// A sequence's output rows are the same bits alone and in any batch, in both forms: what the serving
+// self-check and the prefix cache rest on (a request re-run alone, or resumed from cached rows, attends
+// as it did in its batch). Each sequence's q and latent rows are generated from its own seed.
+TEST(MlaFlash, EachSequencesRowsAreTheSameBitsAloneAndInABatch) {
+  const mla::MlaDims d{32, 128, 64, 128, 512};  // the real head count: the absorbed form groups heads
+  const int64_t lat = d.kv_lora + d.qk_rope, qw = d.heads * (d.qk_nope + d.qk_rope), ow = d.heads * d.v_head;
+  const std::vector<float> w =
+      random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), 13, 0.05f);
+  struct Seq {
+    std::vector<float> q, latent;
+    int64_t prefix, extend;
+  };
+  // Run the sequences [first, last) as one batch; their o rows, in order.
+  auto run = [&](const std::vector<Seq>& all, size_t first, size_t last, bool absorbed) {
+    std::vector<float> q, latent;
+    std::vector<mla::MlaSeq> seqs;
+    int64_t row = 0;
+    for (size_t b = first; b < last; ++b) {
+      q.insert(q.end(), all[b].q.begin(), all[b].q.end());
+      latent.insert(latent.end(), all[b].latent.begin(), all[b].latent.end());
+    }
+    for (size_t b = first, at = 0; b < last; ++b) {
+      seqs.push_back({row, all[b].prefix, all[b].extend, latent.data() + at, nullptr});
+      row += all[b].extend;
+      at += all[b].latent.size();
+    }
+    std::vector<float> o(static_cast<size_t>(row * ow), 0.0f);
+    const mla::MlaAttnArgs a{d, q.data(), qw, seqs, w.data(), 1.0f / std::sqrt(192.0f), false, o.data(), ow};
+    if (absorbed)
+      mla::mla_attention_absorbed(a);
+    else
+      mla::mla_attention_plain(a);
+    return o;
+  };
+  // Decode rows of several sequences, and short extends on cached prefixes (the prefix cache's case).
+  const std::vector<std::vector<std::pair<int64_t, int64_t>>> batches{
+      {{40, 1}, {7, 1}, {130, 1}, {64, 1}, {1, 1}},
+      {{128, 9}, {128, 20}, {128, 5}},
+      {{0, 70}, {64, 3}, {200, 1}}};
+  for (const bool absorbed : {false, true})
+    for (size_t k = 0; k < batches.size(); ++k) {
+      std::vector<Seq> all;
+      for (const auto& [prefix, extend] : batches[k]) {
+        const uint64_t seed = 100 + all.size();
+        all.push_back({random_normal(static_cast<size_t>(extend * qw), seed, 2.0f),
+                       random_normal(static_cast<size_t>((prefix + extend) * lat), seed + 50), prefix,
+                       extend});
+      }
+      const std::vector<float> batch = run(all, 0, all.size(), absorbed);
+      size_t at = 0;
+      for (size_t b = 0; b < all.size(); ++b) {
+        const std::vector<float> alone = run(all, b, b + 1, absorbed);
+        const bool same =
+            std::equal(alone.begin(), alone.end(), batch.begin() + static_cast<std::ptrdiff_t>(at));
+        EXPECT_TRUE(same) << (absorbed ? "absorbed" : "plain") << ", batch " << k << ", sequence " << b;
+        at += alone.size();
+      }
+    }
+}
+
 }  // namespace
 }  // namespace kda

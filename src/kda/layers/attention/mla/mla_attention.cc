@@ -229,13 +229,14 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   const MlaDims& d = a.dims;
   const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
   const int64_t lat = R + dr, qw = dn + dr;
-  // Head groups: up to kMaxStacked stacked rows per item, and enough items for every thread.
+  // Head groups: up to kMaxStacked stacked rows per item, and at most a thread's share of the heads, so
+  // that one sequence's blocks keep every thread busy. G depends on the block and the thread count only,
+  // never on the rest of the batch: the stacked GEMMs' M (and so oneDNN's blocking and sums) is the same
+  // for a sequence alone as in any batch, so its rows are the same bits (the prefix cache and the serving
+  // self-check rest on it).
   constexpr int64_t kMaxStacked = 256;
-  int64_t blocks = 0;
-  for (const MlaSeq& s : a.seqs) blocks += (s.extend + kQueryBlock - 1) / kQueryBlock;
-  if (blocks == 0) return;
-  const int64_t threads = omp_get_max_threads();
-  const int64_t groups_for_threads = std::max<int64_t>(1, (threads + blocks - 1) / blocks);
+  const int64_t threads = std::max(1, omp_get_max_threads());
+  const int64_t per_thread = (Hm + threads - 1) / threads;
   struct Item {
     int64_t seq, i0, i1, h0, h1;
   };
@@ -243,10 +244,10 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   for (int64_t b = 0; b < static_cast<int64_t>(a.seqs.size()); ++b)
     for (int64_t i0 = 0; i0 < a.seqs[b].extend; i0 += kQueryBlock) {
       const int64_t i1 = std::min(a.seqs[b].extend, i0 + kQueryBlock), nb = i1 - i0;
-      const int64_t G = std::max<int64_t>(
-          1, std::min({Hm, kMaxStacked / nb, (Hm + groups_for_threads - 1) / groups_for_threads}));
+      const int64_t G = std::max<int64_t>(1, std::min({Hm, kMaxStacked / nb, per_thread}));
       for (int64_t h0 = 0; h0 < Hm; h0 += G) items.push_back({b, i0, i1, h0, std::min(Hm, h0 + G)});
     }
+  if (items.empty()) return;
   std::exception_ptr err;
 #pragma omp parallel
   {
