@@ -341,9 +341,9 @@ TEST(SimulateTokens, BatchingDoesNotChangeTheTokens) {
 // A request that starts from a prefix another request computed is re-run alone after that prefix, computed
 // the way the batched run did: inside a longer prompt, where the snapshot ends a chunk. A prefix run of the
 // prefix alone ended with its own end-minus-one snapshot, which split the last chunk of chunk_kda: fp32
-// states rounded otherwise, and on the 27-layer model the bf16 check failed. Without MLA layers the re-run
-// is now exact; with them it is still within the bound only (the MLA rows of such a turn round otherwise
-// alone than beside the batch's other turns: not found yet).
+// states rounded otherwise, and on the 27-layer model the bf16 check failed. With MLA layers too the re-run
+// is exact: the absorbed form's head groups no longer depend on the rest of the batch (they did, and the
+// turn's MLA rows rounded otherwise alone than beside the batch's other turns).
 TEST(SimulateTokens, ARequestOnAnotherRequestsPrefixIsReRunBitForBit) {
   for (const bool hybrid : {false, true}) {
     SCOPED_TRACE(hybrid ? "KDA + MLA" : "KDA");
@@ -359,7 +359,33 @@ TEST(SimulateTokens, ARequestOnAnotherRequestsPrefixIsReRunBitForBit) {
     ASSERT_EQ(r.serve.requests_completed, 4);
     EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
     expect_check_passes(r);
-    if (!hybrid) EXPECT_EQ(r.check->worst, 0.0) << "the re-run alone differs from the batched run";
+    EXPECT_EQ(r.check->worst, 0.0) << "the re-run alone differs from the batched run";
+  }
+}
+
+// Multi-turn conversations on one system prompt that is not a multiple of the chunk: the second
+// conversation starts from the cache-interval snapshot at 64 and takes the branch point's snapshot at 100
+// for the others inside its chunk [64, 128). Snapshots leave a request's chunk grid as it is (the state
+// inside a chunk comes from a side chunk), so each re-run alone is the batched run bit for bit, with and
+// without MLA layers, for every turn of every conversation.
+TEST(SimulateTokens, MultiTurnOnASharedSystemPromptIsReRunBitForBit) {
+  for (const bool hybrid : {false, true}) {
+    SCOPED_TRACE(hybrid ? "KDA + MLA" : "KDA");
+    auto w = small_workload(WorkloadKind::kMultiTurn);
+    w.requests = 4;
+    w.turns = 3;
+    w.shared_prefix_len = 100;
+    w.prompt = {16, 48};
+    w.output_len = 16;
+    auto o = kda::testing::cache_test_options(hybrid ? hybrid_config() : small_config(), make_workload(w),
+                                              true, int64_t{256} << 20);
+    o.server_args.chunked_prefill_size = 4096;  // each prompt in one piece
+    o.check = 12;
+    const auto r = run_simulation(o);
+    ASSERT_EQ(r.serve.requests_completed, 12);
+    EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
+    expect_check_passes(r);
+    EXPECT_EQ(r.check->worst, 0.0) << "the re-run alone differs from the batched run";
   }
 }
 

@@ -177,10 +177,10 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KimiLine
     // A first turn the batched run started from a cached prefix (a shared prefix another request
     // computed): that prefix first, prefill only, so that the turn restores it as the batched run did
     // (MLA's attention over cached KV rows is another path than over the rows of the same EXTEND). The
-    // batched run took that snapshot inside a longer prompt, where it ends a chunk of chunk_kda; a prompt
-    // of the prefix alone would end with its own end-minus-one snapshot, which splits the last chunk and
-    // rounds the state at first_hit otherwise. So the prefix run's prompt is the prefix and one more token,
-    // one the turn does not continue with: the turn's longest cached match is then first_hit, as it was.
+    // batched run took that snapshot inside a longer prompt, as the last state of a side chunk (chunk_kda
+    // keeps its grid); the prefix run's prompt is the prefix and one more token, one the turn does not
+    // continue with, so that it too takes the state at first_hit as a snapshot inside its prompt, and the
+    // turn's longest cached match is first_hit, as it was.
     if (cache_on && first_hit > 0) {
       const std::vector<int32_t>& turn = specs.front().prompt;
       if (first_hit >= static_cast<int32_t>(turn.size()))

@@ -93,10 +93,9 @@ struct KdaArgs {
 
   // Interior states to keep, whether or not output_final_state is set. The state after position pos of a
   // sequence equals (within fp32 rounding) the final state of a run over its first pos tokens with the
-  // same initial state. chunk_kda_opt ends a chunk at every snapshot position (a sequence's chunk grid
-  // becomes the multiples of 64 plus the snapshot positions), so its outputs may differ from a call
-  // without snapshots within fp32 rounding; the reference kernels' outputs and final states do not
-  // change, nor do fused_recurrent_kda_opt's. A padded row takes no snapshots; no slot twice; when
+  // same initial state; chunk_kda_opt's is that run's bit for bit when the run starts on the same chunk
+  // grid (its last chunk is the side chunk the snapshot is computed on). No kernel's outputs or final
+  // states change with snapshots. A padded row takes no snapshots; no slot twice; when
   // snapshot_state is `state`, no snapshot slot may be the slot of a sequence of this call.
   const KdaSnapshot* snapshots = nullptr;  // [num_snapshots], any order
   int64_t num_snapshots = 0;

@@ -22,9 +22,9 @@
 //   6. O = (Q * exp(Gamma)) S + Aqk Vn, written straight into o;                        chunk/output.cc
 //   7. S <- diag(exp(Gamma_last)) S + (K * exp(Gamma_last - Gamma))^T Vn, in the pool slot when possible.
 //                                                                                   chunk/state_pass.cc
-// Snapshots (KdaArgs::snapshots): a sequence's chunks end at its snapshot positions too, besides the
-// multiples of 64 from its start, and the state at such a boundary is copied into the snapshot's slot:
-// no second pass (chunk/snapshots.h).
+// Snapshots (KdaArgs::snapshots) leave the chunk grid (the multiples of 64 from a sequence's start) as it
+// is: a snapshot inside a chunk is the final state of a side chunk over the chunk's rows before it, the
+// last chunk of a run that ends there (chunk/snapshots.h).
 //
 // Steps 3-7 are products C = init + A B run by one register-blocked micro-kernel (chunk/gemm.cc).
 // While a chunk computes, step 1 of the next (chunk, head) runs a row at a time between its micro-tiles,
@@ -137,7 +137,7 @@ void process_chunk(const KdaArgs& a, const Strides& st, int h, int64_t c0, int L
 }
 
 // First chunk of work item `item` (sequence item / groups, heads of group item % groups), or none.
-Next first_unit(const KdaArgs& a, const SnapshotPlan& plan, int64_t item, int64_t groups, int group) {
+Next first_unit(const KdaArgs& a, int64_t item, int64_t groups, int group) {
   Next n;
   if (item < 0) return n;
   const int64_t i = item / groups;
@@ -146,8 +146,7 @@ Next first_unit(const KdaArgs& a, const SnapshotPlan& plan, int64_t item, int64_
   if (slot < 0 || eos <= bos) return n;
   n.t0 = bos;
   n.h = static_cast<int>(item % groups) * group;
-  const KdaSnapshot* last = plan.last(i);
-  n.rows = static_cast<int>(chunk_end(bos, eos, bos, snapshots_after(plan.first(i), last, 0), last) - bos);
+  n.rows = static_cast<int>(chunk_end(bos, eos, bos) - bos);
   return n;
 }
 
@@ -199,22 +198,32 @@ void process_item(const KdaArgs& a, const SnapshotPlan& plan, const Strides& st,
     states[h - h0] = S;
   }
 
-  // Snapshots: at position 0 the initial states; the others at the ends of the chunks that end there.
+  // Snapshots: at position 0 the initial states; at a chunk boundary the states there; inside a chunk
+  // the final states of a side chunk over its first rows (chunk/snapshots.h).
   const KdaSnapshot *snap = plan.first(i), *const snap_end = plan.last(i);
   take_snapshots(a, snap, snap_end, 0, h0, h1, states);
   for (int64_t c0 = bos; c0 < eos;) {
-    const int64_t c1 = chunk_end(bos, eos, c0, snap, snap_end);
+    const int64_t c1 = chunk_end(bos, eos, c0);
     const int L = static_cast<int>(c1 - c0);
+    while (snap != snap_end && bos + snap->pos < c1) {
+      const int P = static_cast<int>(bos + snap->pos - c0);  // >= 1: those at c0 were taken
+      for (int h = h0; h < h1; ++h) {
+        float* S = snapshot_head(a, *snap, h);
+        std::memcpy(S, states[h - h0], kv * sizeof(float));
+        w.staged_t0 = -1;  // staged rows (if any) were the whole chunk's; the side chunk stages its own
+        process_chunk(a, st, h, c0, P, S, Next{}, scale, w);
+      }
+      w.staged_t0 = -1;  // the side chunk's steps used the staging buffers
+      copy_snapshot_to_twins(a, snap, snap_end, h0, h1);
+    }
     for (int h = h0; h < h1; ++h) {
       Next next;
       if (h + 1 < h1) {
         next = {c0, h + 1, L};
       } else if (c1 < eos) {
-        next = {c1, h0,
-                static_cast<int>(
-                    chunk_end(bos, eos, c1, snapshots_after(snap, snap_end, c1 - bos), snap_end) - c1)};
+        next = {c1, h0, static_cast<int>(chunk_end(bos, eos, c1) - c1)};
       } else {
-        next = first_unit(a, plan, claim.get(), groups, group);
+        next = first_unit(a, claim.get(), groups, group);
       }
       process_chunk(a, st, h, c0, L, states[h - h0], next, scale, w);
     }
