@@ -367,10 +367,11 @@ TEST(SimulateTokens, ARequestOnAnotherRequestsPrefixIsReRunBitForBit) {
 // conversation starts from the cache-interval snapshot at 64 and takes the branch point's snapshot at 100
 // for the others inside its chunk [64, 128). Snapshots leave a request's chunk grid as it is (the state
 // inside a chunk comes from a side chunk), so each re-run alone is the batched run bit for bit, with and
-// without MLA layers, for every turn of every conversation.
+// without MLA layers, for every turn of every conversation. Every request reports its hit, its rows kept
+// or not: the self-check starts a later turn's session from the first turn's hit.
 TEST(SimulateTokens, MultiTurnOnASharedSystemPromptIsReRunBitForBit) {
-  for (const bool hybrid : {false, true}) {
-    SCOPED_TRACE(hybrid ? "KDA + MLA" : "KDA");
+  for (const auto& [hybrid, check] : {std::pair{false, 12}, {true, 12}, {true, 2}}) {
+    SCOPED_TRACE((hybrid ? "KDA + MLA, " : "KDA, ") + std::to_string(check) + " checked");
     auto w = small_workload(WorkloadKind::kMultiTurn);
     w.requests = 4;
     w.turns = 3;
@@ -380,12 +381,21 @@ TEST(SimulateTokens, MultiTurnOnASharedSystemPromptIsReRunBitForBit) {
     auto o = kda::testing::cache_test_options(hybrid ? hybrid_config() : small_config(), make_workload(w),
                                               true, int64_t{256} << 20);
     o.server_args.chunked_prefill_size = 4096;  // each prompt in one piece
-    o.check = 12;
+    o.check = check;
     const auto r = run_simulation(o);
     ASSERT_EQ(r.serve.requests_completed, 12);
-    EXPECT_GT(r.serve.prefix_cache_hit_tokens, 0);
     expect_check_passes(r);
     EXPECT_EQ(r.check->worst, 0.0) << "the re-run alone differs from the batched run";
+    int64_t hits = 0;
+    for (int64_t i = 0; i < 12; ++i) {
+      const SequenceOutput& q = out_of(r, i);
+      if (!q.rows.empty()) EXPECT_EQ(q.cached_tokens, q.rows_from) << i;
+      EXPECT_LT(q.cached_tokens, static_cast<int32_t>(q.prompt.size())) << i;
+      hits += q.cached_tokens;
+      if (i % 3 == 0 && i > 0)
+        EXPECT_GE(q.cached_tokens, 64) << "a first turn after the first conversation's";
+    }
+    EXPECT_EQ(hits, r.serve.prefix_cache_hit_tokens);
   }
 }
 

@@ -75,7 +75,8 @@ std::vector<uint8_t> pack(const SimulateResult& r) {
                     {"rows_from", q.rows_from},
                     {"rows", q.rows},
                     {"prompt", q.prompt},
-                    {"tokens", q.tokens}});
+                    {"tokens", q.tokens},
+                    {"cached_tokens", q.cached_tokens}});
   j["outputs"] = outs;
   return nlohmann::json::to_cbor(j);
 }
@@ -118,7 +119,7 @@ void unpack_into(const std::vector<uint8_t>& bytes, SimulateResult& m) {
     s.outputs.push_back({q.at("id").get<int64_t>(), q.at("sample").get<int32_t>(),
                          q.at("prompt_len").get<int32_t>(), q.at("rows_from").get<int32_t>(),
                          q.at("rows").get<std::vector<float>>(), q.at("prompt").get<std::vector<int32_t>>(),
-                         q.at("tokens").get<std::vector<int32_t>>()});
+                         q.at("tokens").get<std::vector<int32_t>>(), q.at("cached_tokens").get<int32_t>()});
 }
 
 }  // namespace

@@ -161,7 +161,9 @@ CheckReport self_check(const SimulateOptions& o, const Plan& p, models::KimiLine
     }
     rep.request_ids.push_back(specs.back().id);
     const bool cache_on = p.cache;
-    const int32_t first_hit = batched.outputs[static_cast<size_t>(turns.front() * n)].rows_from;
+    // Where the first turn's prefix-cache hit ended in the batched run (that turn's rows are not kept
+    // unless it is checked itself, so its rows_from does not say).
+    const int32_t first_hit = batched.outputs[static_cast<size_t>(turns.front() * n)].cached_tokens;
     snapshots += 2 + first_hit / std::max<int64_t>(p.sched.cache_interval, 1);  // the prefix run's (below)
     cached_tokens += first_hit + 1;
     ModelRunner alone(model, slots + (cache_on ? snapshots : 0), kv_tokens + (cache_on ? cached_tokens : 0),

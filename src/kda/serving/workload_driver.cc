@@ -167,6 +167,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
   const EventSink sink = [&](const TokenEvent& ev) {
     const int64_t r = by_id.at(ev.request);
     if (ev.token >= 0) gen[static_cast<size_t>(r * n + ev.index)].push_back(ev.token);
+    res.outputs[static_cast<size_t>(r * n + ev.index)].cached_tokens = ev.cached_tokens;
     if (ev.token >= 0 && !got_first[r]) {  // the prompt's last position: the request's first token
       got_first[r] = 1;
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - arrived_at[r]).count();

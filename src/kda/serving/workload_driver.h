@@ -67,6 +67,9 @@ struct SequenceOutput {
   std::vector<float> rows;
   std::vector<int32_t> prompt;  // the whole prompt's token ids (a session's turn: with the history)
   std::vector<int32_t> tokens;  // generated: its own argmax picks, even when teacher-forced
+  // The prompt tokens its prefix-cache hit restored, whether or not its rows are kept (rows_from is that
+  // only for a request whose rows are).
+  int32_t cached_tokens = 0;
 };
 
 struct ServeResult {
