@@ -339,11 +339,9 @@ TEST(SimulateTokens, BatchingDoesNotChangeTheTokens) {
 }
 
 // A request that starts from a prefix another request computed is re-run alone after that prefix, computed
-// the way the batched run did: inside a longer prompt, where the snapshot ends a chunk. A prefix run of the
-// prefix alone ended with its own end-minus-one snapshot, which split the last chunk of chunk_kda: fp32
-// states rounded otherwise, and on the 27-layer model the bf16 check failed. With MLA layers too the re-run
-// is exact: the absorbed form's head groups no longer depend on the rest of the batch (they did, and the
-// turn's MLA rows rounded otherwise alone than beside the batch's other turns).
+// the way the batched run did: inside a longer prompt. With MLA layers too the re-run is exact: the
+// absorbed form's head groups do not depend on the rest of the batch (they did, and the turn's MLA rows
+// rounded otherwise alone than beside the batch's other turns).
 TEST(SimulateTokens, ARequestOnAnotherRequestsPrefixIsReRunBitForBit) {
   for (const bool hybrid : {false, true}) {
     SCOPED_TRACE(hybrid ? "KDA + MLA" : "KDA");
