@@ -17,14 +17,14 @@
 namespace kda::serving {
 
 // Why batched and alone differ in bf16, and the bound set from measuring it. The batched run cuts a
-// prompt where the alone re-run does not: the token budget's chunked prefill and the prefix cache's
-// snapshot positions end chunk_kda's chunks at other points than the re-run's single EXTEND, which moves
-// the recurrent states by fp32 rounding. The bf16 rounding points (the kernel output, the projections'
-// bf16 inputs and outputs) turn some of those differences into one-ulp flips, and the residual stream
-// carries each layer's flips into the next. The bf16 GEMMs add nothing of their own: the widened kernels
-// give a row the same bits at any row count (kernels/gemm/bf16_gemm.h), and so did oneDNN's bf16 matmul
-// on an AVX512_BF16 CPU at these shapes: with every prompt whole (no prefix cache, a token budget above
-// the prompts) batched and alone were equal bit for bit on both paths, decode and verify steps alike.
+// prompt where the alone re-run does not: the token budget's chunked prefill starts chunk_kda's chunks at
+// other points than the re-run's single EXTEND, which moves the recurrent states by fp32 rounding (the
+// prefix cache's snapshots no longer do: the kernel keeps its grid). The bf16 rounding points (the kernel
+// output, the projections' bf16 inputs and outputs) turn some of those differences into one-ulp flips, and
+// the residual stream carries each layer's flips into the next. The bf16 GEMMs add nothing of their own: the
+// widened kernels give a row the same bits at any row count (kernels/gemm/bf16_gemm.h), and so did oneDNN's
+// bf16 matmul on an AVX512_BF16 CPU at these shapes: with every prompt whole (no prefix cache, a token budget
+// above the prompts) batched and alone were equal bit for bit on both paths, decode and verify steps alike.
 // On a CPU with AMX oneDNN's AMX tiles sum a row in an order set by the call's row count and thread count,
 // so a row's bits depend on the rows beside it and batched and alone differ even with every prompt whole:
 // measured 0.034 on the 4-layer multi-turn run of internals.md, above this bound. There the check holds

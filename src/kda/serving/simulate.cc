@@ -149,9 +149,9 @@ SimulateResult run_group(const SimulateOptions& o) {
   std::vector<std::vector<int32_t>> truth;
   if (o.spec.algorithm == SpecAlgorithm::kReplay) {
     log("replay: serving the workload without speculation first, for the true continuations");
-    // The same pool and prefix cache as the speculative pass: the cache's snapshot positions end
-    // chunk_kda's chunks, which moves the prompt's states by fp32 rounding, and bf16 near-ties would
-    // carry such a difference into other tokens.
+    // The same pool and prefix cache as the speculative pass: the cache's hits start chunk_kda's chunks
+    // at other points, which moves the prompt's states by fp32 rounding, and bf16 near-ties would carry
+    // such a difference into other tokens.
     ServeOptions pre = so;
     pre.progress = nullptr;
     pre.keep.assign(o.requests.size(), 0);
