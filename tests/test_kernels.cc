@@ -600,7 +600,6 @@ Problem prefix_problem(const Problem& p, int64_t i, int64_t len) {
 void check_snapshots(const Problem& p, const std::vector<KdaSnapshot>& snaps, const std::string& label,
                      bool in_pool = false) {
   SCOPED_TRACE(label);
-  const Reference ref = reference(p);
   const size_t n_o = static_cast<size_t>(p.T) * p.H * p.V, kv = static_cast<size_t>(p.H) * p.K * p.V;
   int64_t nslots = 0;
   for (const KdaSnapshot& s : snaps) nslots = std::max<int64_t>(nslots, s.slot + 1);
@@ -625,7 +624,6 @@ void check_snapshots(const Problem& p, const std::vector<KdaSnapshot>& snaps, co
     // kernels' is the final state of a side chunk that ends there, each the bits of a cut run. The naive
     // chunk kernel's partial state inside a chunk takes other reduction lengths than a cut run (omp simd
     // may order them differently, e.g. under -march=native): within tolerance only.
-    const bool same_output = true;
     const bool exact_snapshots = kernel.name != "chunk/naive";
     std::vector<float> o0(n_o, 7.0f), pool0 = p.pool;
     kernel.fn(p.args(o0.data(), pool0.empty() ? nullptr : pool0.data()));
@@ -641,11 +639,7 @@ void check_snapshots(const Problem& p, const std::vector<KdaSnapshot>& snaps, co
     const float* sbuf = a.snapshot_state;
     const std::vector<float>& base = in_pool ? p.pool : own;  // `own` is only read below if untouched
 
-    if (same_output) {
-      EXPECT_EQ(o, o0) << "output changed by asking for snapshots";
-    } else {
-      EXPECT_LE(max_error_ratio(o.data(), ref.o.data(), n_o, kAtol, kRtol), 1.0) << "output";
-    }
+    EXPECT_EQ(o, o0) << "output changed by asking for snapshots";
     double worst = 0.0;
     for (size_t j = 0; j < snaps.size(); ++j) {
       const KdaSnapshot& s = snaps[j];
@@ -683,12 +677,7 @@ void check_snapshots(const Problem& p, const std::vector<KdaSnapshot>& snaps, co
       if (in_pool && named[sl]) continue;
       const float* x = pool.data() + sl * kv;
       const float* y = pool0.data() + sl * kv;
-      if (same_output) {
-        EXPECT_EQ(0, std::memcmp(x, y, kv * sizeof(float))) << "final state of slot " << sl << " changed";
-      } else {
-        EXPECT_LE(max_error_ratio(x, ref.pool.data() + sl * kv, kv, kAtol, kRtol), 1.0)
-            << "final state slot " << sl;
-      }
+      EXPECT_EQ(0, std::memcmp(x, y, kv * sizeof(float))) << "final state of slot " << sl << " changed";
     }
     Worst& w = g_worst[kernel.name];
     w.state = std::max(w.state, worst);
