@@ -12,6 +12,7 @@
 #include "kda/common/bf16.h"
 #include "kda/kernels/gemm/bf16_gemm.h"
 #include "kda/kernels/gemm/weight_format.h"
+#include "kda/layers/bf16_vnni_rows.h"
 #include "kda/layers/linear.h"
 #include "support/gemm_check.h"
 #include "support/test_support.h"
@@ -173,7 +174,7 @@ TEST(Bf16Gemm, LinearsWidenedPathEqualsOneDnnsBf16Matmul) {
 
 TEST(Bf16Gemm, AChoiceIsOnlyForBf16ProjectionsWithBf16Weights) {
   const std::vector<float> w(64 * 32, 0.5f);
-  for (auto choice : {layers::Bf16Gemm::OneDnn, layers::Bf16Gemm::Widened}) {
+  for (auto choice : {layers::Bf16Gemm::OneDnn, layers::Bf16Gemm::OneDnnVnni, layers::Bf16Gemm::Widened}) {
     expect_throw_with<std::invalid_argument>(
         [&] { layers::Linear(64, 32, w, Precision::FP32, Weights::BF16, choice); },
         "only for bf16 projections");
@@ -182,7 +183,9 @@ TEST(Bf16Gemm, AChoiceIsOnlyForBf16ProjectionsWithBf16Weights) {
         "only for bf16 projections");
   }
   EXPECT_EQ(layers::Linear(64, 32, w, Precision::FP32).bf16_gemm(), layers::Bf16Gemm::OneDnn);
-  const auto expect = cpu_has_bf16_gemm() ? layers::Bf16Gemm::OneDnn : layers::Bf16Gemm::Widened;
+  const auto expect = !cpu_has_bf16_gemm()                   ? layers::Bf16Gemm::Widened
+                      : layers::onednn_bf16_k_chunk(64) >= 0 ? layers::Bf16Gemm::OneDnnVnni
+                                                             : layers::Bf16Gemm::OneDnn;
   EXPECT_EQ(layers::Linear(64, 32, w, Precision::BF16).bf16_gemm(), expect);
 }
 

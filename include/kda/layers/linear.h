@@ -9,15 +9,19 @@
 // weights int8 / int4 (--weights): W is quantized at construction instead and the calls go to a
 // QuantLinear (quant_linear.h) with the same inputs, outputs and rounding points.
 //
-// bf16 precision with bf16 weights multiplies one of two ways (Bf16Gemm), chosen at construction:
+// bf16 precision with bf16 weights multiplies one of three ways (Bf16Gemm), chosen at construction:
 // - OneDnn: oneDNN's bf16 matmul, W reordered into its layout (above). On a CPU with AMX its tiles sum
 //   a row in an order set by the call's row count, so a row's bits depend on its batch unless the
 //   process asked for batch invariance (src/kda/layers/onednn_isa.h: AVX512_BF16 kernels only).
+// - OneDnnVnni: the same, but calls of up to 8 rows (decode, verify) go to the AVX512_BF16 decode kernel
+//   (kernels/gemm/bf16_vnni.h) on the same copy of W, which reads it near the memory bandwidth where
+//   oneDNN's kernels do not, and gives each row oneDNN's bits (src/kda/layers/bf16_vnni_rows.h).
 // - Widened: W kept as bf16 in its [out, in] layout and multiplied by the bf16 GEMM kernels
 //   (kernels/gemm/bf16_gemm.h: one pass over W per 64 rows, a row's result independent of the batch it
 //   is in, so a token computes the same bits in a decode step, a verify row or a prefill). The same
 //   rounding points: bf16 x, fp32 accumulation, a bf16 y rounded to nearest even.
-// - Auto: OneDnn where the CPU has bf16 GEMM hardware (cpu_has_bf16_gemm()), Widened elsewhere. Without
+// - Auto: OneDnnVnni where the CPU has bf16 GEMM hardware (cpu_has_bf16_gemm()) and the kernel gives
+//   oneDNN's bits there (not with AMX tiles), else OneDnn there, Widened elsewhere. Without
 //   AVX512_BF16 oneDNN emulates its bf16 matmul: fast for one row, but compute-bound from two rows on
 //   (verifying 4 drafted tokens cost what decoding them one by one does) and below its fp32 matmul's
 //   speed at prefill.
@@ -42,11 +46,12 @@ class PackedMatrix;
 
 namespace kda::layers {
 
-enum class Bf16Gemm { Auto, OneDnn, Widened };
+enum class Bf16Gemm { Auto, OneDnn, OneDnnVnni, Widened };
 
 class Linear {
  public:
-  // bf16_gemm other than Auto only with the bf16 precision and bf16 weights (std::invalid_argument).
+  // bf16_gemm other than Auto only with the bf16 precision and bf16 weights (std::invalid_argument);
+  // OneDnnVnni where the kernel cannot give oneDNN's bits here is std::invalid_argument too.
   Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Precision precision,
          Weights weights = Weights::BF16, Bf16Gemm bf16_gemm = Bf16Gemm::Auto);
   // W already packed in the kernels' layout (kernels/gemm/weight_format.h), owned or borrowed from a
@@ -62,7 +67,8 @@ class Linear {
   int64_t out_features() const { return out_; }
   Precision precision() const { return precision_; }
   Weights weights() const { return weights_; }
-  // OneDnn or Widened for a bf16 projection with bf16 weights (Auto resolved); OneDnn otherwise.
+  // OneDnn, OneDnnVnni or Widened for a bf16 projection with bf16 weights (Auto resolved); OneDnn
+  // otherwise.
   Bf16Gemm bf16_gemm() const { return bf16_gemm_; }
   // The bytes of W a forward reads: dense (2 or 4 per weight) or the packed quantized values and scales.
   int64_t weight_bytes() const;

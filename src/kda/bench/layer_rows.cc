@@ -17,6 +17,7 @@
 #include "kda/common/weights.h"
 #include "kda/io/kimi_linear_48b.h"
 #include "kda/layers/attention/linear/kda_backend.h"
+#include "kda/layers/bf16_vnni_rows.h"
 #include "kda/layers/linear.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
@@ -232,23 +233,27 @@ void bench_layer(const RowOptions& o, double cp, nlohmann::json& j, const Say& s
   }
 }
 
-// Linear's two bf16 paths side by side (Bf16Gemm: oneDNN's bf16 matmul, and the widened bf16 kernels)
-// on the layer's fused projection [3P + 2K + H, D], at decode, verify and prefill row counts. Each path
-// has enough copies of W that they do not fit in the caches (> 512 MiB): a call's weights come from
-// memory, as in a stack of layers. The bytes of W over the time is the widened path's read rate.
+// Linear's bf16 paths side by side (Bf16Gemm: oneDNN's bf16 matmul, the same with its decode rows on the
+// AVX512_BF16 kernel where this CPU gives it oneDNN's bits, and the widened bf16 kernels) on the layer's
+// fused projection [3P + 2K + H, D], at decode, verify and prefill row counts. Each path has enough copies
+// of W that they do not fit in the caches (> 512 MiB): a call's weights come from memory, as in a stack
+// of layers. The bytes of W over the time is each path's read rate.
 void bench_bf16_gemm(nlohmann::json& j, const Say& say) {
   const int64_t in = kD, out = LayerCase::n_proj();
   const std::vector<float> w = bench_randn(static_cast<size_t>(in * out), 1, 0.02f);
   const int64_t bytes = in * out * 2,
                 copies = std::max<int64_t>(2, ((int64_t{512} << 20) + bytes - 1) / bytes);
-  std::vector<layers::Linear> onednn, widened;
+  const bool vnni = layers::onednn_bf16_k_chunk(in) >= 0;
+  std::vector<layers::Linear> onednn, widened, with_vnni;
   for (int64_t c = 0; c < copies; ++c) {
     onednn.emplace_back(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
     widened.emplace_back(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::Widened);
+    if (vnni)
+      with_vnni.emplace_back(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnnVnni);
   }
-  say("\n%-30s %6s %12s %12s %10s %12s\n", "bf16 GEMM (fused projection)", "rows", "oneDNN ms", "widened ms",
-      "speedup", "widened GB/s");
-  for (int64_t M : {1, 2, 5, 9, 16, 64, 512}) {
+  say("\n%-30s %6s %12s %12s %12s %12s %12s %12s\n", "bf16 GEMM (fused projection)", "rows", "oneDNN ms",
+      "widened ms", "+vnni ms", "oneDNN GB/s", "widened GB/s", "+vnni GB/s");
+  for (int64_t M : {1, 2, 5, 9, 16, 32, 64, 512}) {
     const std::vector<float> x = bench_randn(static_cast<size_t>(M * in), 3);
     std::vector<bf16_t> y(static_cast<size_t>(M * out));
     int64_t next = 0;
@@ -258,17 +263,24 @@ void bench_bf16_gemm(nlohmann::json& j, const Say& say) {
         ++next;
       };
     };
-    const auto t = best_interleaved({run(onednn), run(widened)}, M >= 512 ? 3 : 2 * static_cast<int>(copies),
-                                    M >= 512 ? 2.0 : 1.0);
-    j["bf16_gemm"].push_back({{"rows", M},
-                              {"in", in},
-                              {"out", out},
-                              {"onednn_ms", t[0] * 1e3},
-                              {"widened_ms", t[1] * 1e3},
-                              {"speedup", t[0] / t[1]},
-                              {"widened_read_gbps", bytes / t[1] / 1e9}});
-    say("%-30s %6ld %12.2f %12.2f %9.2fx %12.1f\n", "", static_cast<long>(M), t[0] * 1e3, t[1] * 1e3,
-        t[0] / t[1], bytes / t[1] / 1e9);
+    std::vector<std::function<void()>> fns{run(onednn), run(widened)};
+    if (vnni) fns.push_back(run(with_vnni));
+    const auto t = best_interleaved(fns, M >= 512 ? 3 : 2 * static_cast<int>(copies), M >= 512 ? 2.0 : 1.0);
+    const double tv = vnni ? t[2] : std::nan("");
+    nlohmann::json row{{"rows", M},
+                       {"in", in},
+                       {"out", out},
+                       {"onednn_ms", t[0] * 1e3},
+                       {"widened_ms", t[1] * 1e3},
+                       {"speedup", t[0] / t[1]},
+                       {"widened_read_gbps", bytes / t[1] / 1e9}};
+    if (vnni) {
+      row["onednn_vnni_ms"] = tv * 1e3;
+      row["onednn_vnni_read_gbps"] = bytes / tv / 1e9;
+    }
+    j["bf16_gemm"].push_back(row);
+    say("%-30s %6ld %12.2f %12.2f %12.2f %12.1f %12.1f %12.1f\n", "", static_cast<long>(M), t[0] * 1e3,
+        t[1] * 1e3, tv * 1e3, bytes / t[0] / 1e9, bytes / t[1] / 1e9, bytes / tv / 1e9);
   }
 }
 

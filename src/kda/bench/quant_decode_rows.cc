@@ -5,7 +5,7 @@
 // bf16 projection (oneDNN's matmul) timed in the same turns: the ratios say which is faster per format
 // and row count on this CPU. Every projection cycles through copies of its weights larger together than
 // the caches, so that each call reads them from memory as a model's decode step does. Where the CPU has
-// AMX-BF16, bf16 rows on its tiles follow (bench_bf16_amx).
+// AMX-BF16 or AVX512_BF16, bf16 rows on their decode kernels follow (bench_bf16_decode).
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -26,6 +26,7 @@
 #include "kda/kernels/gemm/quant_gemm.h"
 #include "kda/kernels/gemm/quant_gemm_isa.h"
 #include "kda/kernels/gemm/weight_format.h"
+#include "kda/layers/bf16_vnni_rows.h"
 #include "kda/layers/linear.h"
 #include "kda/layers/quant_linear.h"
 
@@ -46,13 +47,17 @@ int copies_for(int64_t bytes) {
   return static_cast<int>(std::clamp<int64_t>(kColdBytes / bytes + 1, 1, 256));
 }
 
-// bf16 weights at the decode row counts, where the CPU has AMX-BF16: the LM head's row block (2304 -> 29127,
-// as the model splits the head for oneDNN) and the whole head (2304 -> the vocabulary), each through oneDNN
-// as compute_logits takes it there (one row straight into the logits' columns, more into a dense block
-// buffer and copied to them), and the projection shapes above through a bf16 Linear (oneDNN), each beside
-// the AMX kernel (bf16_amx.h) writing straight into y, in turns. Rows of quant_decode with weights "bf16".
-void bench_bf16_amx(nlohmann::json& j, const Say& say) {
-  if (!qg::cpu_has_amx_bf16()) return;
+// bf16 weights at the decode row counts, where the CPU has bf16 GEMM hardware: the LM head's row block
+// (2304 -> 29127, as the model splits the head for oneDNN) and the whole head (2304 -> the vocabulary),
+// each through oneDNN as compute_logits took it there (one row straight into the logits' columns, more
+// into a dense block buffer and copied to them), and the projection shapes above through a bf16 Linear
+// (oneDNN), each beside this CPU's decode kernels, in turns: with AMX-BF16 the AMX kernel (bf16_amx.h),
+// with AVX512_BF16 where it gives oneDNN's bits the Linear with its decode rows on the vnni kernel
+// (Bf16Gemm::OneDnnVnni, bf16_vnni.h), both writing straight into y. Rows of quant_decode with weights
+// "bf16".
+void bench_bf16_decode(nlohmann::json& j, const Say& say) {
+  const bool amx = qg::cpu_has_amx_bf16(), vnni = layers::onednn_bf16_k_chunk(kD) >= 0;
+  if (!amx && !vnni) return;
   const int64_t block = (int64_t{1} << 26) / kD;  // the model's head block (kHeadBlockValues / D)
   const std::vector<float> w = bench_randn(static_cast<size_t>(block * kD), 7, 0.02f);
   std::vector<bf16_t> wb(w.size());
@@ -67,15 +72,17 @@ void bench_bf16_amx(nlohmann::json& j, const Say& say) {
     const int64_t blocks = (sh.out + block - 1) / block, copies = copies_for(2 * sh.in * sh.out);
     // Per copy the Linear blocks (the head's; a projection is one), and the same weights as one bf16
     // matrix (every block's rows the first ones of w: the values do not change the time).
-    std::vector<std::vector<layers::Linear>> d16(static_cast<size_t>(copies));
-    std::vector<std::vector<bf16_t>> a16(static_cast<size_t>(copies));
+    std::vector<std::vector<layers::Linear>> d16(static_cast<size_t>(copies)), v16(vnni ? d16.size() : 0);
+    std::vector<std::vector<bf16_t>> a16(amx ? static_cast<size_t>(copies) : 0);
     for (int64_t c = 0; c < copies; ++c) {
-      a16[c].resize(static_cast<size_t>(sh.out * sh.in));
+      if (amx) a16[c].resize(static_cast<size_t>(sh.out * sh.in));
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t n = std::min(block, sh.out - b * block);
-        d16[c].emplace_back(sh.in, n, n == block ? w : std::vector<float>(w.begin(), w.begin() + n * sh.in),
-                            Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
-        std::copy(wb.begin(), wb.begin() + n * sh.in, a16[c].begin() + b * block * sh.in);
+        const std::vector<float> wn = n == block ? w : std::vector<float>(w.begin(), w.begin() + n * sh.in);
+        d16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
+        if (vnni)
+          v16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnnVnni);
+        if (amx) std::copy(wb.begin(), wb.begin() + n * sh.in, a16[c].begin() + b * block * sh.in);
       }
     }
     for (int64_t M :
@@ -84,8 +91,8 @@ void bench_bf16_amx(nlohmann::json& j, const Say& say) {
                          logits(static_cast<size_t>(M * sh.out)), buf(static_cast<size_t>(M * block));
       round_bf16_inplace(x.data(), x.size());
       std::vector<bf16_t> xb(x.size());
-      size_t i16 = 0, ia = 0;
-      const std::vector<std::function<void()>> fns{
+      size_t i16 = 0, ia = 0, iv = 0;
+      std::vector<std::function<void()>> fns{
           [&] {
             const std::vector<layers::Linear>& hs = d16[i16++ % d16.size()];
             for (int64_t b = 0; b < blocks; ++b) {
@@ -99,12 +106,24 @@ void bench_bf16_amx(nlohmann::json& j, const Say& say) {
                 std::memcpy(logits.data() + m * sh.out + b * block, buf.data() + m * n, sizeof(float) * n);
             }
           },
-          [&] {
-            f32_to_bf16_array(x.data(), xb.data(), xb.size());
-            qg::gemm_bf16_amx(xb.data(), M, sh.in, a16[ia++ % a16.size()].data(), sh.in, sh.out,
-                              logits.data(), sh.out);
-          }};
-      const char* names[] = {"bf16 oneDNN", "amx bf16"};
+      };
+      std::vector<const char*> names{"bf16 oneDNN"};
+      if (amx) {
+        fns.push_back([&] {
+          f32_to_bf16_array(x.data(), xb.data(), xb.size());
+          qg::gemm_bf16_amx(xb.data(), M, sh.in, a16[ia++ % a16.size()].data(), sh.in, sh.out, logits.data(),
+                            sh.out);
+        });
+        names.push_back("amx bf16");
+      }
+      if (vnni) {
+        fns.push_back([&] {
+          const std::vector<layers::Linear>& hs = v16[iv++ % v16.size()];
+          for (int64_t b = 0; b < blocks; ++b)
+            hs[b].forward(x.data(), M, sh.in, logits.data() + b * block, sh.out);
+        });
+        names.push_back("vnni bf16");
+      }
       const std::vector<double> t = best_interleaved(fns, 5, 1.0);
       const int64_t bytes = 2 * sh.in * sh.out;
       for (size_t i = 0; i < t.size(); ++i) {
@@ -220,7 +239,7 @@ void bench_quant_decode(nlohmann::json& j, const Say& say) {
       }
     }
   }
-  bench_bf16_amx(j, say);
+  bench_bf16_decode(j, say);
 }
 
 }  // namespace kda::bench

@@ -9,7 +9,9 @@
 #include <type_traits>
 
 #include "kda/common/isa.h"
+#include "kda/kernels/gemm/bf16_vnni.h"
 #include "kda/kernels/gemm/weight_format.h"
+#include "kda/layers/bf16_vnni_rows.h"
 #include "kda/layers/fp32_rows.h"
 #include "kda/layers/matmul_cache.h"
 #include "kda/layers/quant_linear.h"
@@ -34,6 +36,11 @@ struct Linear::Impl {
   // Bf16Gemm::Widened: W in bf16, packed for the kernels (no oneDNN copy), and the fp32 rows of a call.
   std::unique_ptr<kernels::gemm::PackedMatrix> w_packed;
   std::unique_ptr<Fp32Rows> widened;
+  // bf16 on AVX512_BF16 without AMX: calls of up to kVnniMaxRows rows go to the decode kernel on W in
+  // oneDNN's layout (bf16_vnni_rows.h; the same bits as oneDNN's matmul), with oneDNN's chunk of inputs;
+  // -1: never. vnni_w holds that layout's memory whatever later calls do to w.
+  int64_t vnni_chunk = -1;
+  dnnl::memory vnni_w;
 };
 
 namespace {
@@ -74,7 +81,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
   }
   if (bf16_dense) {
     bf16_gemm_ = bf16_gemm != Bf16Gemm::Auto ? bf16_gemm
-                 : cpu_has_bf16_gemm()       ? Bf16Gemm::OneDnn
+                 : cpu_has_bf16_gemm()       ? Bf16Gemm::OneDnnVnni
                                              : Bf16Gemm::Widened;
   }
   if (bf16_gemm_ == Bf16Gemm::Widened) {
@@ -95,6 +102,16 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
   memory src(plain_weight_md(in_, out_, dt), im.engine, plain);
   dnnl::reorder(src, im.w[0]).execute(im.stream, src, im.w[0]);
   im.stream.wait();
+  if (bf16_gemm_ == Bf16Gemm::OneDnnVnni) {
+    im.vnni_chunk = in_vnni_layout(im.w[0].get_desc(), in_, out_) ? onednn_bf16_k_chunk(in_) : -1;
+    if (im.vnni_chunk >= 0) {
+      im.vnni_w = im.w[0];
+    } else if (bf16_gemm == Bf16Gemm::OneDnnVnni) {
+      throw std::invalid_argument("Linear: the bf16 decode kernel cannot give oneDNN's bits on this CPU");
+    } else {
+      bf16_gemm_ = Bf16Gemm::OneDnn;  // Auto
+    }
+  }
 }
 
 Linear::Linear(const kernels::gemm::PackedMatrix& packed, Precision precision)
@@ -138,7 +155,7 @@ static std::vector<bf16_t>& x_bf16_scratch() {
 }
 
 // Packs fp32 rows to dense bf16 rows in the scratch; in the bf16 mode the values are bf16 already, so the
-// conversion is exact. Caller holds the mutex.
+// conversion is exact. The scratch is the calling thread's: no lock needed.
 const bf16_t* Linear::to_bf16(const float* x, int64_t M, int64_t ldx) const {
   std::vector<bf16_t>& scratch = x_bf16_scratch();
   scratch.resize(static_cast<size_t>(M * in_));
@@ -168,6 +185,15 @@ void Linear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) c
   check(M, ldx, ldy, x16 || y16);
   if (M == 0) return;
   if (impl_->quant) return impl_->quant->forward(x, M, ldx, y, ldy);
+  if (impl_->vnni_chunk >= 0 && M <= kVnniMaxRows) {  // no shared state: no lock
+    const auto* w = static_cast<const bf16_t*>(impl_->vnni_w.get_data_handle());
+    if constexpr (x16) {
+      kernels::gemm::gemm_bf16_vnni(x, M, ldx, w, in_, out_, y, ldy, impl_->vnni_chunk);
+    } else {
+      kernels::gemm::gemm_bf16_vnni(to_bf16(x, M, ldx), M, in_, w, in_, out_, y, ldy, impl_->vnni_chunk);
+    }
+    return;
+  }
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->widened) {
     const kernels::gemm::PackedWeights w = impl_->w_packed->view();

@@ -8,6 +8,7 @@
 
 #include "kda/common/bf16.h"
 #include "kda/kernels/gemm/bf16_amx.h"
+#include "kda/layers/bf16_vnni_rows.h"
 
 namespace kda::models {
 
@@ -371,7 +372,11 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
   // brgemm kernel does within a model step. At M >= 2 that gemm is far slower than the brgemm kernel on a
   // dense destination, so each block's logits go to a dense buffer first, then to their columns. A head
   // that serves both shapes holds its weights in both layouts (Linear keeps one per layout its calls need).
-  if (lm_head_.size() == 1 || M == 1) {
+  // Where the head's Linears send their decode rows to the AVX512_BF16 kernel (Bf16Gemm::OneDnnVnni), up to
+  // kVnniMaxRows rows go straight to their columns through it, and one row never reaches oneDNN's plain
+  // layout: the head keeps only its blocked one.
+  const bool vnni = lm_head_.front().bf16_gemm() == layers::Bf16Gemm::OneDnnVnni && M <= layers::kVnniMaxRows;
+  if (lm_head_.size() == 1 || M == 1 || vnni) {
     for (size_t b = 0; b < lm_head_.size(); ++b)
       lm_head_[b].forward(head_in_.data(), M, D, logits + head_begin_[b], V);
     return;

@@ -1,0 +1,26 @@
+// Which bf16 rows a Linear sends to the AVX512_BF16 decode kernel (kernels/gemm/bf16_vnni.h) instead of
+// oneDNN's matmul: the kernel reads W in the layout oneDNN keeps it in, so no second copy, and gives a row
+// the bits oneDNN's matmul gives it, so a row computes the same whichever of the two runs its call (a
+// decode row alone, in a batch, or in a prefill chunk). Private to the library and its tests.
+#pragma once
+
+#include <cstdint>
+#include <dnnl.hpp>
+
+namespace kda::layers {
+
+// Rows per call up to which the kernel runs: it reads W at 0.54-0.97x oneDNN's time from 1 to 8 rows,
+// and 1.01-1.10x from 16 to 32 (`kda bench --only gemm`, "vnni bf16" rows; docs/performance.md).
+inline constexpr int64_t kVnniMaxRows = 8;
+
+// The chunk of inputs oneDNN's bf16 matmul sums on its own at K inputs (the kernel's k_chunk), found once
+// per K and process by running both on random values and comparing bits; -1 where this CPU has no
+// AVX512_BF16, oneDNN multiplies with AMX tiles (their order is oneDNN's own), oneDNN keeps W in another
+// layout than the kernel reads, or no chunk gives oneDNN's bits.
+int64_t onednn_bf16_k_chunk(int64_t K);
+
+// Whether `weights` (a bf16 W of K inputs and N outputs, as oneDNN's matmul keeps it) is in the kernel's
+// layout.
+bool in_vnni_layout(const dnnl::memory::desc& weights, int64_t K, int64_t N);
+
+}  // namespace kda::layers
