@@ -430,6 +430,31 @@ TEST(Engine, ABurstReachingAnIdleEngineWithinTheAdmissionWindowRunsAsOneStep) {
   EXPECT_GT(e.stats().admission_wait_s, 0.0);
 }
 
+TEST(Engine, EachArrivalRestartsTheAdmissionWindowUpToItsLimit) {
+  ModelRunner runner(hybrid_model(), 8, 4096, kernels::KernelImpl::Auto);
+  EngineOptions o = options(4096, 8);
+  o.admission_window_ms = 600.0;
+  Engine e(runner, o);
+  StepLog log;
+  std::atomic<bool> stop{false};
+  std::thread loop([&] { e.run(stop); });
+  // Four requests 150 ms apart: 450 ms from the first to the last, less than a window between any two,
+  // and a batch of 8 that never fills. Each arrival restarts the window, so all four start in one step.
+  std::vector<int64_t> ids;
+  for (int k = 0; k < 4; ++k) {
+    if (k > 0) std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    ids.push_back(e.submit(greedy(random_prompt(10 + 3 * k, 1 + k), 3), log.sink(e)));
+  }
+  EXPECT_TRUE(wait_for([&] { return e.stats().requests_finished == 4; }));
+  stop = true;
+  loop.join();
+  for (const int64_t id : ids) EXPECT_EQ(log.of(id), (std::vector<int64_t>{1, 2, 3})) << "request " << id;
+  EXPECT_EQ(e.stats().admission_waits, 1);
+  // One window after the last arrival, and never past kAdmissionWindows windows.
+  EXPECT_GE(e.stats().admission_wait_s, 0.45 + 0.6 - 0.05);
+  EXPECT_LE(e.stats().admission_wait_s, kAdmissionWindows * 0.6 + 0.05);
+}
+
 TEST(Engine, AnArrivalWhileRequestsRunIsNotHeldAndAFullFirstStepIsNotHeld) {
   ModelRunner runner(hybrid_model(), 4, 4096, kernels::KernelImpl::Auto);
   EngineOptions o = options(64, 8);

@@ -90,6 +90,9 @@ struct TokenEvent {
 // Called on the engine's thread after each step: must not block; may call Engine::abort only.
 using EventSink = std::function<void(const TokenEvent&)>;
 
+// The most admission windows (EngineOptions::admission_window_ms) one wait from idle may span.
+inline constexpr int kAdmissionWindows = 8;
+
 struct EngineOptions {
   SchedulerOptions scheduler;       // parallel_samples is not used: each request brings its n
   std::vector<int32_t> stop_ids;    // the model's (tokenizer's) stop ids
@@ -103,10 +106,11 @@ struct EngineOptions {
   // Admission window, run() only: when the engine wakes from idle to a request, it waits up to this
   // long for more before its first step, so that a burst of clients whose requests reach it a little
   // apart (each parsed and tokenized on its own HTTP thread) starts as one prefill step rather than
-  // several, each of which would delay every request in the batch by a step. The wait ends as soon as
-  // the first step is full (max_batch sequences, or token_budget prompt tokens, waiting), or on an abort
-  // or stop. It is never taken while requests run: an arrival then joins at the next step. 0: no wait.
-  // Must lie in [0, 1000].
+  // several, each of which would delay every request in the batch by a step. Each arrival restarts the
+  // window, up to kAdmissionWindows windows from the first. The wait ends as soon as the first step is
+  // full (max_batch sequences, or token_budget prompt tokens, waiting), or on an abort or stop. It is
+  // never taken while requests run: an arrival then joins at the next step. 0: no wait. Must lie in
+  // [0, 1000].
   double admission_window_ms = 2.0;
 };
 
