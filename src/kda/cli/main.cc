@@ -249,8 +249,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   serve
       ->add_option("--admission-window-ms", svo.admission_window_ms,
-                   "on waking from idle, wait up to this long for more requests before the first step, so "
-                   "that a burst starts as one batch (0: off; never while requests run)")
+                   "on waking from idle, wait this long for more requests before the first step, so that "
+                   "a burst starts as one batch; each arrival restarts it, up to 8 windows (0: off; never "
+                   "while requests run)")
       ->check(CLI::Range(0.0, 1000.0))
       ->capture_default_str();
   serve->add_option("--state-memory", svo.state_memory, "bytes of request state slots (e.g. 1GiB)")
