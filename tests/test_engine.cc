@@ -17,6 +17,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "kda/mem_cache/radix_cache.h"
@@ -406,22 +407,45 @@ bool wait_for(P pred) {
   return pred();
 }
 
-TEST(Engine, ABurstReachingAnIdleEngineWithinTheAdmissionWindowRunsAsOneStep) {
-  ModelRunner runner(hybrid_model(), 8, 4096, kernels::KernelImpl::Auto);
-  EngineOptions o = options(4096, 8);
-  o.admission_window_ms = 1000.0;  // the wait ends once the 8th arrives (a full batch), long before
-  Engine e(runner, o);
+// An engine on the hybrid model (`slots` sequences) with the given admission window, its run() loop on a
+// thread of its own from construction until finish() (or destruction).
+struct LoopedEngine {
+  ModelRunner runner;
+  Engine e;
   StepLog log;
   std::atomic<bool> stop{false};
-  std::thread loop([&] { e.run(stop); });
+  std::thread loop;
+  LoopedEngine(int64_t slots, EngineOptions o, double window_ms)
+      : runner(hybrid_model(), slots, 4096, kernels::KernelImpl::Auto),
+        e(runner, with_window(std::move(o), window_ms)),
+        loop([this] { e.run(stop); }) {}
+  LoopedEngine(const LoopedEngine&) = delete;
+  LoopedEngine& operator=(const LoopedEngine&) = delete;
+  ~LoopedEngine() {
+    if (loop.joinable()) finish();
+  }
+  void finish() {
+    stop = true;
+    loop.join();
+  }
+  static EngineOptions with_window(EngineOptions o, double ms) {
+    o.admission_window_ms = ms;
+    return o;
+  }
+};
+
+TEST(Engine, ABurstReachingAnIdleEngineWithinTheAdmissionWindowRunsAsOneStep) {
+  // The wait ends once the 8th arrives (a full batch), long before the window.
+  LoopedEngine le(8, options(4096, 8), 1000.0);
+  Engine& e = le.e;
+  StepLog& log = le.log;
   std::vector<int64_t> ids = {e.submit(greedy(random_prompt(20, 1), 5), log.sink(e))};
   // The engine wakes to the first request; without the window it would run it alone while the rest come.
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
   for (int k = 1; k < 8; ++k)
     ids.push_back(e.submit(greedy(random_prompt(10 + 3 * k, 1 + k), 5), log.sink(e)));
   EXPECT_TRUE(wait_for([&] { return e.stats().requests_finished == 8; }));
-  stop = true;
-  loop.join();
+  le.finish();
   // One prefill step for all eight, then four decode steps.
   for (const int64_t id : ids)
     EXPECT_EQ(log.of(id), (std::vector<int64_t>{1, 2, 3, 4, 5})) << "request " << id;
@@ -431,13 +455,9 @@ TEST(Engine, ABurstReachingAnIdleEngineWithinTheAdmissionWindowRunsAsOneStep) {
 }
 
 TEST(Engine, EachArrivalRestartsTheAdmissionWindowUpToItsLimit) {
-  ModelRunner runner(hybrid_model(), 8, 4096, kernels::KernelImpl::Auto);
-  EngineOptions o = options(4096, 8);
-  o.admission_window_ms = 600.0;
-  Engine e(runner, o);
-  StepLog log;
-  std::atomic<bool> stop{false};
-  std::thread loop([&] { e.run(stop); });
+  LoopedEngine le(8, options(4096, 8), 600.0);
+  Engine& e = le.e;
+  StepLog& log = le.log;
   // Four requests 150 ms apart: 450 ms from the first to the last, less than a window between any two,
   // and a batch of 8 that never fills. Each arrival restarts the window, so all four start in one step.
   std::vector<int64_t> ids;
@@ -446,8 +466,7 @@ TEST(Engine, EachArrivalRestartsTheAdmissionWindowUpToItsLimit) {
     ids.push_back(e.submit(greedy(random_prompt(10 + 3 * k, 1 + k), 3), log.sink(e)));
   }
   EXPECT_TRUE(wait_for([&] { return e.stats().requests_finished == 4; }));
-  stop = true;
-  loop.join();
+  le.finish();
   for (const int64_t id : ids) EXPECT_EQ(log.of(id), (std::vector<int64_t>{1, 2, 3})) << "request " << id;
   EXPECT_EQ(e.stats().admission_waits, 1);
   // One window after the last arrival, and never past kAdmissionWindows windows.
@@ -456,13 +475,9 @@ TEST(Engine, EachArrivalRestartsTheAdmissionWindowUpToItsLimit) {
 }
 
 TEST(Engine, AnArrivalWhileRequestsRunIsNotHeldAndAFullFirstStepIsNotHeld) {
-  ModelRunner runner(hybrid_model(), 4, 4096, kernels::KernelImpl::Auto);
-  EngineOptions o = options(64, 8);
-  o.admission_window_ms = 1000.0;
-  Engine e(runner, o);
-  StepLog log;
-  std::atomic<bool> stop{false};
-  std::thread loop([&] { e.run(stop); });
+  LoopedEngine le(4, options(64, 8), 1000.0);
+  Engine& e = le.e;
+  StepLog& log = le.log;
   // 64 prompt tokens fill the first step's token budget: nothing to wait for.
   const int64_t a = e.submit(greedy(random_prompt(64, 1), 2000), log.sink(e));
   EXPECT_TRUE(wait_for([&] { return !log.of(a).empty(); }));
@@ -470,8 +485,7 @@ TEST(Engine, AnArrivalWhileRequestsRunIsNotHeldAndAFullFirstStepIsNotHeld) {
   EXPECT_TRUE(wait_for([&] { return log.of(b).size() == 6; }));
   e.abort(a);
   EXPECT_TRUE(wait_for([&] { return e.stats().running == 0; }));
-  stop = true;
-  loop.join();
+  le.finish();
   const auto sa = log.of(a), sb = log.of(b);
   ASSERT_FALSE(sb.empty());
   EXPECT_GT(sa.back(), sb.back()) << "a was running all along b's life";
