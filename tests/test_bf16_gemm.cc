@@ -183,9 +183,9 @@ TEST(Bf16Gemm, AChoiceIsOnlyForBf16ProjectionsWithBf16Weights) {
         "only for bf16 projections");
   }
   EXPECT_EQ(layers::Linear(64, 32, w, Precision::FP32).bf16_gemm(), layers::Bf16Gemm::OneDnn);
-  const auto expect = !cpu_has_bf16_gemm()                   ? layers::Bf16Gemm::Widened
-                      : layers::onednn_bf16_k_chunk(64) >= 0 ? layers::Bf16Gemm::OneDnnVnni
-                                                             : layers::Bf16Gemm::OneDnn;
+  const auto expect = !cpu_has_bf16_gemm()                       ? layers::Bf16Gemm::Widened
+                      : layers::onednn_bf16_k_chunk(64, 32) >= 0 ? layers::Bf16Gemm::OneDnnVnni
+                                                                 : layers::Bf16Gemm::OneDnn;
   EXPECT_EQ(layers::Linear(64, 32, w, Precision::BF16).bf16_gemm(), expect);
 }
 

@@ -169,7 +169,7 @@ TEST(Bf16Vnni, EqualsOneDnnsMatmulBitForBitAtEveryRowCount) {
                           {128, 4096},  {576, 256},   {1152, 64},   {9216, 128}};
   uint64_t seed = 100;
   for (const Shape& s : shapes) {
-    const int64_t chunk = layers::onednn_bf16_k_chunk(s.K);
+    const int64_t chunk = layers::onednn_bf16_k_chunk(s.K, s.N);
     ASSERT_GE(chunk, 0) << "no chunk of inputs gives oneDNN's bits at K " << s.K;
     const std::vector<bf16_t> wt = random_bf16(static_cast<size_t>(s.N * s.K), ++seed);
     OneDnn dnn(wt, s.K, s.N);

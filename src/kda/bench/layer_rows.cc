@@ -243,7 +243,7 @@ void bench_bf16_gemm(nlohmann::json& j, const Say& say) {
   const std::vector<float> w = bench_randn(static_cast<size_t>(in * out), 1, 0.02f);
   const int64_t bytes = in * out * 2,
                 copies = std::max<int64_t>(2, ((int64_t{512} << 20) + bytes - 1) / bytes);
-  const bool vnni = layers::onednn_bf16_k_chunk(in) >= 0;
+  const bool vnni = layers::onednn_bf16_k_chunk(in, out) >= 0;
   std::vector<layers::Linear> onednn, widened, with_vnni;
   for (int64_t c = 0; c < copies; ++c) {
     onednn.emplace_back(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);

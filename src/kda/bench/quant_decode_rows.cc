@@ -56,7 +56,7 @@ int copies_for(int64_t bytes) {
 // (Bf16Gemm::OneDnnVnni, bf16_vnni.h), both writing straight into y. Rows of quant_decode with weights
 // "bf16".
 void bench_bf16_decode(nlohmann::json& j, const Say& say) {
-  const bool amx = qg::cpu_has_amx_bf16(), vnni = layers::onednn_bf16_k_chunk(kD) >= 0;
+  const bool amx = qg::cpu_has_amx_bf16(), vnni = layers::onednn_bf16_k_chunk(kD, 2048) >= 0;
   if (!amx && !vnni) return;
   const int64_t block = (int64_t{1} << 26) / kD;  // the model's head block (kHeadBlockValues / D)
   const std::vector<float> w = bench_randn(static_cast<size_t>(block * kD), 7, 0.02f);
@@ -80,8 +80,7 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
         const int64_t n = std::min(block, sh.out - b * block);
         const std::vector<float> wn = n == block ? w : std::vector<float>(w.begin(), w.begin() + n * sh.in);
         d16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
-        if (vnni)
-          v16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnnVnni);
+        if (vnni) v16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16);  // Auto: OneDnnVnni here
         if (amx) std::copy(wb.begin(), wb.begin() + n * sh.in, a16[c].begin() + b * block * sh.in);
       }
     }

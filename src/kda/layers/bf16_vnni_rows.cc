@@ -1,9 +1,9 @@
 #include "kda/layers/bf16_vnni_rows.h"
 
-#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "kda/common/bf16.h"
@@ -20,24 +20,24 @@ bool in_vnni_layout(const memory::desc& weights, int64_t K, int64_t N) {
 
 namespace {
 
-// Values with a spread of magnitudes, so that the chunks' roundings show (a fixed generator: the probe
-// must give the same answer in every process).
+// bf16 values of either sign with exponents over 2^-4 .. 2^3, so that the chunks' roundings show (a fixed
+// generator: the probe must give the same answer in every process), made as bit patterns.
 std::vector<bf16_t> probe_values(int64_t n, uint32_t seed) {
   std::vector<bf16_t> v(static_cast<size_t>(n));
   uint32_t s = seed;
   for (auto& b : v) {
     s = s * 1664525u + 1013904223u;
-    const float mant = static_cast<float>(s >> 8) / 16777216.0f - 0.5f;
-    const int exp = static_cast<int>(s >> 4 & 7u) - 4;
-    b = f32_to_bf16(std::ldexp(mant, exp));
+    const uint32_t sign = s >> 31, exp = 123u + (s >> 20 & 7u), mant = s >> 8 & 0x7Fu;
+    b = static_cast<bf16_t>(sign << 15 | exp << 7 | mant);
   }
   return v;
 }
 
-int64_t probe(int64_t K) {
-  if (!kernels::gemm::cpu_has_bf16_vnni() || onednn_bf16_uses_amx() || !kernels::gemm::bf16_vnni_takes(K))
+int64_t probe(int64_t K, int64_t N) {
+  if (!kernels::gemm::cpu_has_bf16_vnni() || onednn_bf16_uses_amx() || !kernels::gemm::bf16_vnni_takes(K) ||
+      N < 1)
     return -1;
-  constexpr int64_t N = 128, M = 2;
+  constexpr int64_t M = 2;
   const dnnl::engine eng(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(eng);
   const memory::desc src({M, K}, memory::data_type::bf16, memory::format_tag::ab);
@@ -64,12 +64,12 @@ int64_t probe(int64_t K) {
 
 }  // namespace
 
-int64_t onednn_bf16_k_chunk(int64_t K) {
+int64_t onednn_bf16_k_chunk(int64_t K, int64_t N) {
   static std::mutex mu;
-  static std::map<int64_t, int64_t> found;
+  static std::map<std::pair<int64_t, int64_t>, int64_t> found;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = found.find(K);
-  if (it == found.end()) it = found.emplace(K, probe(K)).first;
+  auto it = found.find({K, N});
+  if (it == found.end()) it = found.emplace(std::make_pair(K, N), probe(K, N)).first;
   return it->second;
 }
 

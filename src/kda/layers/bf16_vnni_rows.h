@@ -13,11 +13,12 @@ namespace kda::layers {
 // and 1.01-1.10x from 16 to 32 (`kda bench --only gemm`, "vnni bf16" rows; docs/performance.md).
 inline constexpr int64_t kVnniMaxRows = 8;
 
-// The chunk of inputs oneDNN's bf16 matmul sums on its own at K inputs (the kernel's k_chunk), found once
-// per K and process by running both on random values and comparing bits; -1 where this CPU has no
-// AVX512_BF16, oneDNN multiplies with AMX tiles (their order is oneDNN's own), oneDNN keeps W in another
-// layout than the kernel reads, or no chunk gives oneDNN's bits.
-int64_t onednn_bf16_k_chunk(int64_t K);
+// The chunk of inputs oneDNN's bf16 matmul sums on its own for a W of K inputs and N outputs (the
+// kernel's k_chunk), found once per shape and process by running both on probe values of that shape and
+// comparing bits (oneDNN picks its blocking per shape; on the hosts measured it depended on K alone);
+// -1 where this CPU has no AVX512_BF16, oneDNN multiplies with AMX tiles (their order is oneDNN's own),
+// oneDNN keeps W in another layout than the kernel reads, or no chunk gives oneDNN's bits.
+int64_t onednn_bf16_k_chunk(int64_t K, int64_t N);
 
 // Whether `weights` (a bf16 W of K inputs and N outputs, as oneDNN's matmul keeps it) is in the kernel's
 // layout.

@@ -103,7 +103,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
   dnnl::reorder(src, im.w[0]).execute(im.stream, src, im.w[0]);
   im.stream.wait();
   if (bf16_gemm_ == Bf16Gemm::OneDnnVnni) {
-    im.vnni_chunk = in_vnni_layout(im.w[0].get_desc(), in_, out_) ? onednn_bf16_k_chunk(in_) : -1;
+    im.vnni_chunk = in_vnni_layout(im.w[0].get_desc(), in_, out_) ? onednn_bf16_k_chunk(in_, out_) : -1;
     if (im.vnni_chunk >= 0) {
       im.vnni_w = im.w[0];
     } else if (bf16_gemm == Bf16Gemm::OneDnnVnni) {
