@@ -27,8 +27,9 @@
 //   speed at prefill.
 //
 // Thread safety: forward may be called from several threads at once; the primitive cache and the oneDNN
-// stream are behind a mutex per object, so calls on one Linear take turns (distinct objects run in
-// parallel); input / output conversion scratch is the calling thread's, shared by all its projections.
+// stream are behind a mutex per object, so calls on one Linear that go to oneDNN take turns (distinct
+// objects run in parallel; OneDnnVnni's decode rows touch neither and take no lock); input / output
+// conversion scratch is the calling thread's, shared by all its projections.
 #pragma once
 
 #include <cstdint>
