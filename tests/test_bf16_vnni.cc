@@ -66,7 +66,8 @@ TEST(Bf16Vnni, EqualsItsReferenceBitForBit) {
       const std::vector<bf16_t> w = random_bf16(static_cast<size_t>(c.N * c.K), ++seed);
       std::vector<bf16_t> packed(static_cast<size_t>(kg::bf16_vnni_size(c.K, c.N)));
       kg::pack_bf16_vnni(w.data(), c.K, c.N, packed.data());
-      // Chunks: one (0), of 16 inputs, of 48 (K's last chunk shorter), of about half of K.
+      // Chunks of 16 inputs (one chunk where K <= 32), or of about half of K (the last one shorter where
+      // K is not twice a multiple of 16).
       const int64_t chunk = pad == 0 ? (c.K > 32 ? 16 : 0) : std::max<int64_t>(16, c.K / 32 * 16);
       std::vector<float> want(static_cast<size_t>(c.M * ldy), -7.0f), y = want;
       kg::gemm_bf16_vnni_reference(x.data(), c.M, ldx, packed.data(), c.K, c.N, want.data(), ldy, chunk);
