@@ -84,6 +84,11 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
         if (amx) std::copy(wb.begin(), wb.begin() + n * sh.in, a16[c].begin() + b * block * sh.in);
       }
     }
+    // The vnni rows only where every block of this shape took the kernel (Auto falls back to oneDNN alone
+    // for a shape whose bits the kernel cannot give).
+    bool vnni_here = vnni;
+    for (const auto& blocks_of : v16)
+      for (const layers::Linear& l : blocks_of) vnni_here &= l.bf16_gemm() == layers::Bf16Gemm::OneDnnVnni;
     for (int64_t M :
          {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}, int64_t{16}, int64_t{32}, int64_t{64}}) {
       std::vector<float> x = bench_randn(static_cast<size_t>(M * sh.in), 6),
@@ -115,7 +120,7 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
         });
         names.push_back("amx bf16");
       }
-      if (vnni) {
+      if (vnni_here) {
         fns.push_back([&] {
           const std::vector<layers::Linear>& hs = v16[iv++ % v16.size()];
           for (int64_t b = 0; b < blocks; ++b)
