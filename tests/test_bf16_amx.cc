@@ -23,7 +23,7 @@ namespace kda {
 namespace {
 
 namespace qg = kernels::gemm;
-using testing::random_normal;
+using testing::random_bf16;
 
 #define SKIP_WITHOUT_AMX_BF16() \
   if (!qg::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build"
@@ -36,13 +36,6 @@ struct Shape {
 constexpr Shape kShapes[] = {{2304, 29127}, {2304, 12576}, {2304, 576}, {2336, 100}, {224, 33},
                              {96, 37},      {32, 15},      {160, 48},   {32, 1}};
 constexpr int64_t kMaxRows = 64;
-
-std::vector<bf16_t> random_bf16(size_t n, uint64_t seed) {
-  const std::vector<float> f = random_normal(n, seed);
-  std::vector<bf16_t> b(n);
-  f32_to_bf16_array(f.data(), b.data(), n);
-  return b;
-}
 
 std::vector<bf16_t> abs_of(std::vector<bf16_t> v) {
   for (bf16_t& h : v) h = static_cast<bf16_t>(h & 0x7fffu);

@@ -27,13 +27,6 @@ namespace kg = kernels::gemm;
 #define SKIP_WITHOUT_BF16() \
   if (!kg::cpu_has_bf16_vnni()) GTEST_SKIP() << "this CPU (or build) has no AVX512_BF16"
 
-std::vector<bf16_t> random_bf16(size_t n, uint64_t seed) {
-  const std::vector<float> f = testing::random_normal(n, seed);
-  std::vector<bf16_t> b(n);
-  f32_to_bf16_array(f.data(), b.data(), n);
-  return b;
-}
-
 uint32_t bits(float v) {
   uint32_t u;
   std::memcpy(&u, &v, sizeof u);
@@ -62,8 +55,8 @@ TEST(Bf16Vnni, EqualsItsReferenceBitForBit) {
   for (const Case& c : cases) {
     for (const int64_t pad : {int64_t{0}, int64_t{5}}) {
       const int64_t ldx = c.K + pad, ldy = c.N + pad;
-      const std::vector<bf16_t> x = random_bf16(static_cast<size_t>(c.M * ldx), ++seed);
-      const std::vector<bf16_t> w = random_bf16(static_cast<size_t>(c.N * c.K), ++seed);
+      const std::vector<bf16_t> x = testing::random_bf16(static_cast<size_t>(c.M * ldx), ++seed);
+      const std::vector<bf16_t> w = testing::random_bf16(static_cast<size_t>(c.N * c.K), ++seed);
       std::vector<bf16_t> packed(static_cast<size_t>(kg::bf16_vnni_size(c.K, c.N)));
       kg::pack_bf16_vnni(w.data(), c.K, c.N, packed.data());
       // Chunks of 16 inputs (one chunk where K <= 32), or of about half of K (the last one shorter where
@@ -172,7 +165,7 @@ TEST(Bf16Vnni, EqualsOneDnnsMatmulBitForBitAtEveryRowCount) {
   for (const Shape& s : shapes) {
     const int64_t chunk = layers::onednn_bf16_k_chunk(s.K, s.N);
     ASSERT_GE(chunk, 0) << "no chunk of inputs gives oneDNN's bits at K " << s.K;
-    const std::vector<bf16_t> wt = random_bf16(static_cast<size_t>(s.N * s.K), ++seed);
+    const std::vector<bf16_t> wt = testing::random_bf16(static_cast<size_t>(s.N * s.K), ++seed);
     OneDnn dnn(wt, s.K, s.N);
     // The layout the kernel reads: oneDNN's reordered W equals pack_bf16_vnni's.
     std::vector<bf16_t> packed(static_cast<size_t>(kg::bf16_vnni_size(s.K, s.N)));
@@ -181,7 +174,7 @@ TEST(Bf16Vnni, EqualsOneDnnsMatmulBitForBitAtEveryRowCount) {
     ASSERT_EQ(std::memcmp(dnn.w.get_data_handle(), packed.data(), packed.size() * sizeof(bf16_t)), 0)
         << "oneDNN's layout for K " << s.K << ", N " << s.N << " is not the kernel's";
     for (const int64_t M : {1, 2, 5, 16, 33, 64, 300}) {
-      const std::vector<bf16_t> x = random_bf16(static_cast<size_t>(M * s.K), ++seed);
+      const std::vector<bf16_t> x = testing::random_bf16(static_cast<size_t>(M * s.K), ++seed);
       std::vector<float> want(static_cast<size_t>(M * s.N)), y(want.size());
       dnn.run(x, M, want);
       kg::gemm_bf16_vnni(x.data(), M, s.K, packed.data(), s.K, s.N, y.data(), s.N, chunk);

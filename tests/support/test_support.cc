@@ -81,6 +81,13 @@ std::vector<float> random_normal(size_t n, uint64_t seed, float stddev) {
   return v;
 }
 
+std::vector<bf16_t> random_bf16(size_t n, uint64_t seed) {
+  const std::vector<float> f = random_normal(n, seed);
+  std::vector<bf16_t> b(n);
+  f32_to_bf16_array(f.data(), b.data(), n);
+  return b;
+}
+
 std::vector<float> random_uniform(size_t n, uint64_t seed, float lo, float hi) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> d(lo, hi);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kda/common/bf16.h"
 #include "kda/io/config.h"
 
 namespace kda::testing {
@@ -41,6 +42,8 @@ std::filesystem::path make_temp_dir(const std::string& tag);
 
 std::vector<float> random_normal(size_t n, uint64_t seed, float stddev = 1.0f);
 std::vector<float> random_uniform(size_t n, uint64_t seed, float lo, float hi);
+// random_normal's values rounded to bf16 (nearest even).
+std::vector<bf16_t> random_bf16(size_t n, uint64_t seed);
 
 // Worst |a-b| / (atol + rtol*|b|) over all elements (<= 1 means within tolerance).
 double max_error_ratio(const float* a, const float* b, size_t n, double atol, double rtol);
