@@ -83,6 +83,30 @@ TEST(QuantCli, SimulateReportsWeightBytes) {
   EXPECT_LT(bytes[2], bytes[0] * 0.33);
 }
 
+// --quantize-lm-head: the head in the --weights format too (as llama.cpp quantizes its output tensor), so a
+// decoded token reads fewer bytes and the self-check still passes; with bf16 weights the option is refused
+// by name (it would change nothing) before anything loads.
+TEST(QuantCli, SimulateQuantizesTheHeadOnlyWhenAsked) {
+  const std::string base = std::string("simulate --model ") + testing::model_dumps_dir().string() +
+                           " --requests 2 --prompt-len 8:16 --output-len 3 --check 1 --json --weights int4";
+  int64_t active[2] = {0, 0};
+  for (int q = 0; q < 2; ++q) {
+    const auto r = run_kda(base + (q ? " --quantize-lm-head" : ""));
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+    EXPECT_EQ(j["quantize_lm_head"], q == 1);
+    EXPECT_EQ(j["ok"], true);
+    active[q] = j["active_weight_bytes"].get<int64_t>();
+  }
+  // The tiny head is 512 x 256: bf16 256 KiB, int4 64 KiB + its scales (16 KiB).
+  EXPECT_EQ(active[0] - active[1], 512 * 256 * 2 - (512 * 256 / 2 + 512 * 8 * 4));
+  const auto bad = run_kda(std::string("simulate --model ") + testing::model_dumps_dir().string() +
+                           " --requests 1 --check 0 --quantize-lm-head");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_THAT(bad.output, HasSubstr("--quantize-lm-head"));
+  EXPECT_THAT(bad.output, HasSubstr("int8 or int4"));
+}
+
 // TP 2 with quantized weights: each rank holds the packed bytes of its shard only (about half, f_a and
 // g_a replicated); int4 groups never straddle a shard boundary, so TP 2 equals TP 1 up to the order of
 // the partial sums; int8's o_proj scales are per rank (max over its columns), another scheme of the same

@@ -55,7 +55,8 @@ struct SimulateCliOptions {
   int layers = 0;     // 0: all decoder layers
   int experts = 0;    // synthetic: routed experts per MoE layer (0: serving::kDefaultExperts)
   std::string precision = "bf16";
-  std::string weights = "bf16";  // bf16 | int8 | int4 (common/weights.h)
+  std::string weights = "bf16";   // bf16 | int8 | int4 (common/weights.h)
+  bool quantize_lm_head = false;  // the LM head in `weights` too (ModelOptions::quantize_lm_head)
   std::string kernel = "auto";
   int64_t requests = 32;
   std::string prompt_len = "8:48";
@@ -105,6 +106,7 @@ struct ServeCliOptions {
   int port = 8000;
   std::string precision = "bf16";
   std::string weights = "bf16";
+  bool quantize_lm_head = false;  // the LM head in `weights` too (ModelOptions::quantize_lm_head)
   std::string kernel = "auto";
   int64_t max_batch = 32;
   int64_t token_budget = 2048;

@@ -8,6 +8,14 @@
 #include "kda/common/allocator.h"
 #include "kda/distributed/mpi_communicator.h"
 
+namespace {
+
+constexpr const char* kQuantizeLmHeadHelp =
+    "the LM head in --weights too (int8 | int4), as llama.cpp quantizes its output tensor; default: the "
+    "head stays as the checkpoint stores it (a packed checkpoint's head too: it is then quantized at load)";
+
+}  // namespace
+
 int main(int argc, char** argv) {
   // Before anything large is allocated (the pools would set it too, later): common/allocator.h.
   kda::configure_allocator();
@@ -124,6 +132,7 @@ int main(int argc, char** argv) {
                   "bf16 (the precision's dense weights) | int8 | int4: projections quantized at load")
       ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
+  sim->add_flag("--quantize-lm-head", so.quantize_lm_head, kQuantizeLmHeadHelp);
   sim->add_option("--kernel", so.kernel, "auto | naive | optimized | portable | avx2 | avx512")
       ->check(CLI::IsMember({"auto", "naive", "optimized", "portable", "avx2", "avx512"}))
       ->capture_default_str();
@@ -238,6 +247,7 @@ int main(int argc, char** argv) {
   serve->add_option("--weights", svo.weights, "bf16 (the precision's dense weights) | int8 | int4")
       ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
+  serve->add_flag("--quantize-lm-head", svo.quantize_lm_head, kQuantizeLmHeadHelp);
   serve->add_option("--kernel", svo.kernel, "auto | naive | optimized | portable | avx2 | avx512")
       ->check(CLI::IsMember({"auto", "naive", "optimized", "portable", "avx2", "avx512"}))
       ->capture_default_str();

@@ -136,6 +136,7 @@ int run_serve(const ServeCliOptions& o) {
   models::ModelOptions mo;
   mo.precision = parse_precision(o.precision);
   mo.weights = parse_weights(o.weights);
+  mo.quantize_lm_head = o.quantize_lm_head;
   mo.kernel = kernels::parse_kernel_impl(o.kernel);
   std::unique_ptr<models::KimiLinearForCausalLM> model;
   std::unique_ptr<tokenizer::Tokenizer> tok;

@@ -70,10 +70,11 @@ void print_summary(const serving::SimulateResult& r) {
         r.moe_layers, r.experts_per_token, r.num_experts,
         count(static_cast<double>(r.active_params)).c_str());
   std::printf(
-      "  weights       %s, %.2f GB resident (%.1f MB per decoder layer), %.2f GB read per decoded "
+      "  weights       %s%s, %.2f GB resident (%.1f MB per decoder layer), %.2f GB read per decoded "
       "token\n",
-      to_string(r.weights), static_cast<double>(r.model_weight_bytes) / 1e9,
-      static_cast<double>(r.weight_bytes) / 1e6, static_cast<double>(r.active_weight_bytes) / 1e9);
+      to_string(r.weights), r.quantize_lm_head ? " (the LM head too)" : "",
+      static_cast<double>(r.model_weight_bytes) / 1e9, static_cast<double>(r.weight_bytes) / 1e6,
+      static_cast<double>(r.active_weight_bytes) / 1e9);
   std::printf(
       "  requests      %lld of %lld completed (%s, parallel samples %d); %lld steps: %lld extend, %lld "
       "decode, %lld mixed\n",
@@ -185,6 +186,7 @@ int run_simulate(const SimulateCliOptions& o) {
   so.num_experts = o.experts;
   so.precision = parse_precision(o.precision);
   so.weights = parse_weights(o.weights);
+  so.quantize_lm_head = o.quantize_lm_head;
   so.kernel = o.kernel;
   so.seed = o.seed;
   so.vocab = serving::resolve_vocab(o.model, o.vocab);  // the workload's token ids need it first

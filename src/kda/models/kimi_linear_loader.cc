@@ -35,6 +35,10 @@ void check_options(const io::KimiLinearConfig& cfg, const ModelOptions& o) {
   if (o.kv_norm_eps < 0.0 || !std::isfinite(o.kv_norm_eps))
     throw std::invalid_argument("kv_norm_eps must be >= 0 (0: rms_norm_eps), got " +
                                 std::to_string(o.kv_norm_eps));
+  if (o.quantize_lm_head && o.weights == Weights::BF16)
+    throw std::invalid_argument(
+        "quantize_lm_head (--quantize-lm-head) needs int8 or int4 weights: with bf16 weights "
+        "the head is dense already");
   if (o.lm_head_block_rows < 0)
     throw std::invalid_argument("lm_head_block_rows must be >= 0, got " +
                                 std::to_string(o.lm_head_block_rows));

@@ -91,6 +91,7 @@ SimulateResult run_group(const SimulateOptions& o) {
   res.model = o.model_dir.empty() ? "synthetic" : o.model_dir;
   res.precision = o.precision;
   res.weights = o.weights;
+  res.quantize_lm_head = o.quantize_lm_head;
   res.layers = p.layers;
   res.hidden = p.cfg.hidden_size;
   res.mixed = p.sched.mixed;

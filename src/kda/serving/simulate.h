@@ -59,8 +59,9 @@ struct SimulateOptions {
   int num_experts = 0;
   Precision precision = Precision::BF16;
   Weights weights = Weights::BF16;
-  std::string kernel = "auto";  // auto | naive | optimized
-  uint64_t seed = 0;            // weights, workload and inputs
+  bool quantize_lm_head = false;  // the LM head in `weights` too (models::ModelOptions::quantize_lm_head)
+  std::string kernel = "auto";    // auto | naive | optimized
+  uint64_t seed = 0;              // weights, workload and inputs
   // Vocabulary of the seeded embedding and LM head; 0: the config's vocab_size (a checkpoint's always:
   // a value unlike it is an error).
   int64_t vocab = 0;
@@ -135,7 +136,8 @@ struct SimulateResult {
   std::string model;  // "synthetic" or the checkpoint folder
   Precision precision = Precision::BF16;
   Weights weights = Weights::BF16;
-  int64_t weight_bytes = 0;  // resident weight bytes per decoder layer, the mean (this rank)
+  bool quantize_lm_head = false;  // the LM head in `weights` too
+  int64_t weight_bytes = 0;       // resident weight bytes per decoder layer, the mean (this rank)
   // The whole model on this rank (embedding, layers, LM head), what a decoded token reads of it, and the
   // model's active parameters per token (every rank's: the config's top-k experts whatever num_experts).
   int64_t model_weight_bytes = 0, active_weight_bytes = 0, active_params = 0;

@@ -295,6 +295,7 @@ models::ModelOptions model_options(const Plan& p, const SimulateOptions& o) {
   models::ModelOptions mo;
   mo.precision = o.precision;
   mo.weights = o.weights;
+  mo.quantize_lm_head = o.quantize_lm_head;
   mo.tp = o.tp;
   mo.num_layers = p.layers;
   mo.kernel = p.kernel;

@@ -92,6 +92,7 @@ nlohmann::json to_json(const SimulateResult& r) {
       {"model", r.model},
       {"precision", to_string(r.precision)},
       {"weights", to_string(r.weights)},
+      {"quantize_lm_head", r.quantize_lm_head},
       {"weight_bytes", r.weight_bytes},
       {"layers", r.layers},
       {"hidden", r.hidden},
