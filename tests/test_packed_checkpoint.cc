@@ -1,11 +1,15 @@
 // Packed checkpoints (kda quantize, io/packed_checkpoint.h): a quantized checkpoint loads by mmap in
 // place with outputs equal bit for bit to converting the source at load; its projections, experts and
 // MLPs borrow the mapping; malformed, truncated or mismatched packed checkpoints and bad CLI arguments are
-// refused naming what is wrong; the raw writer's layout; the bf16 embedding table read in place.
+// refused naming what is wrong; the raw writer's layout; the bf16 embedding table read in place; the packed
+// tensors' pages present after load.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -151,6 +155,39 @@ TEST(PackedCheckpoint, TheFolderSaysItsSchemeAndKeepsTheOtherTensorsAsTheyWere) 
   EXPECT_TRUE(got->borrowed());
   EXPECT_EQ(std::memcmp(got->view().data, want.view().data, static_cast<size_t>(want.data_bytes())), 0);
   EXPECT_EQ(std::memcmp(got->view().scale, want.view().scale, sizeof(float) * want.scale_count()), 0);
+}
+
+// How many of the pages of [p, p + n) this process's page tables map (/proc/self/pagemap's present bit).
+int64_t present_pages(const void* p, size_t n) {
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) / page,
+                  last = (reinterpret_cast<uintptr_t>(p) + n - 1) / page;
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY);
+  if (fd < 0) return -1;
+  int64_t present = 0;
+  for (uintptr_t v = first; v <= last; ++v) {
+    uint64_t e = 0;
+    if (::pread(fd, &e, sizeof e, static_cast<off_t>(v * sizeof e)) == static_cast<ssize_t>(sizeof e) &&
+        (e >> 63) != 0)
+      ++present;
+  }
+  ::close(fd);
+  return present;
+}
+
+// The packed tensors' pages are mapped at load (MADV_POPULATE_READ), not faulted in one by one by the first
+// prefill: every page of the tensor is present before anything reads it. (A tensor near the end of its
+// shard: the header's reads fault in only the pages around the header.)
+TEST(PackedCheckpoint, TheTensorsPagesArePresentAfterLoad) {
+  io::Checkpoint ckpt(packed_tiny(Weights::Int8));
+  const auto m = io::load_packed(ckpt, "model.layers.3.block_sparse_moe.experts.7.pieces.0.down_proj",
+                                 Weights::Int8, 64, 256);
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  const auto* d = static_cast<const char*>(m->view().data);
+  const auto n = static_cast<size_t>(m->data_bytes());
+  const int64_t pages = static_cast<int64_t>((reinterpret_cast<uintptr_t>(d) + n - 1) / page -
+                                             reinterpret_cast<uintptr_t>(d) / page + 1);
+  EXPECT_EQ(present_pages(d, n), pages);
 }
 
 TEST(PackedCheckpoint, TheMappingOutlivesTheCheckpointObject) {

@@ -1,6 +1,7 @@
 // QuantLinear's prefill paths (more than kDecodeRows rows): the bf16 tiles of kernels/gemm/quant_tile.h
 // against their scalar reference bit for bit and against the scheme's fp32 weights (int8: the integers,
-// int4: hi + lo within 2^-16), and both paths (bf16 tiles, fp32 tiles) against x W^T in double (W the
+// int4: hi + lo within 2^-16), and every path (bf16 tiles, fp32 tiles, int4 dpbf16 where the CPU has
+// AVX512_BF16) against x W^T in double (W the
 // scheme's dequantized weights, x as the projection reads it) within fp32 summation rounding, at the
 // model's widths and odd ones, several row counts, strided rows, bf16 in and out; NaN weights; the
 // primitives kept bounded.
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/gemm/int4_dpbf16.h"
 #include "kda/kernels/gemm/quant_tile.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/quant_linear.h"
@@ -31,8 +33,6 @@ using Prefill = QuantLinear::Prefill;
 using testing::expect_close_fp32;
 using testing::expect_throw_with;
 using testing::random_normal;
-
-const char* name(Prefill p) { return p == Prefill::Bf16Tiles ? "bf16 tiles" : "fp32 tiles"; }
 
 TEST(QuantPrefill, Bf16TilesEqualTheReferenceAndTheScheme) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -138,6 +138,12 @@ TEST(QuantPrefill, BadTileCallsAreRefused) {
   expect_throw_with<std::invalid_argument>(
       [&] { QuantLinear(64, 3, w, Weights::Int8, Precision::FP32, Prefill::Bf16Tiles); },
       "bf16 tiles need the bf16 precision");
+  expect_throw_with<std::invalid_argument>(
+      [&] { QuantLinear(64, 3, w, Weights::Int4, Precision::FP32, Prefill::Int4Dpbf16); },
+      "the int4 dpbf16 path needs the bf16 precision");
+  expect_throw_with<std::invalid_argument>(
+      [&] { QuantLinear(64, 3, w, Weights::Int8, Precision::BF16, Prefill::Int4Dpbf16); },
+      "needs int4 weights");
 }
 
 // Both prefill paths at the model's widths (the expert's [2I, D] and [D, I], tiles with a tail) and odd
@@ -152,8 +158,9 @@ TEST(QuantPrefill, BothPathsEqualTheSchemeInDouble) {
     const std::vector<float> wsrc = random_normal(static_cast<size_t>(c.in * c.out), 60 + c.out, 0.04f);
     for (Weights fmt : {Weights::Int8, Weights::Int4}) {
       std::vector<std::unique_ptr<QuantLinear>> paths;
-      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles})
-        paths.push_back(std::make_unique<QuantLinear>(c.in, c.out, wsrc, fmt, Precision::BF16, p));
+      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Int4Dpbf16})
+        if (p != Prefill::Int4Dpbf16 || (fmt == Weights::Int4 && qg::cpu_has_int4_dpbf16()))
+          paths.push_back(std::make_unique<QuantLinear>(c.in, c.out, wsrc, fmt, Precision::BF16, p));
       const QuantLinear picked(c.in, c.out, wsrc, fmt, Precision::BF16);
       EXPECT_EQ(picked.prefill_path(), QuantLinear::prefill_path_for(fmt, Precision::BF16));
       EXPECT_EQ(QuantLinear::prefill_path_for(fmt, Precision::FP32), Prefill::Fp32Tiles);
@@ -167,8 +174,8 @@ TEST(QuantPrefill, BothPathsEqualTheSchemeInDouble) {
         std::vector<bf16_t> xb(x.size());
         f32_to_bf16_array(x.data(), xb.data(), xb.size());
         for (const auto& ql : paths) {
-          const std::string what = std::string(to_string(fmt)) + " " + name(ql->prefill_path()) + " " +
-                                   std::to_string(c.in) + "x" + std::to_string(c.out) +
+          const std::string what = std::string(to_string(fmt)) + " " + layers::to_string(ql->prefill_path()) +
+                                   " " + std::to_string(c.in) + "x" + std::to_string(c.out) +
                                    " M=" + std::to_string(M);
           std::vector<float> y(static_cast<size_t>(M * ldy), 3.0f);
           ql->forward(x.data(), M, ldx, y.data(), ldy);

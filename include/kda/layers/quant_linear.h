@@ -5,11 +5,14 @@
 // output is rounded to nearest even as it is stored.
 //
 // Up to kDecodeRows rows (decode): the packed kernels, one pass over the packed bytes. More rows
-// (prefill, compute bound): a tile of output channels at a time is widened and multiplied by a oneDNN
-// matmul, so the packed weights are never resident in a wider form (prefill_path()):
+// (prefill, compute bound): a tile of output channels at a time is widened and multiplied, so the packed
+// weights are never resident in a wider form (prefill_path()):
 //  - Bf16Tiles, in the bf16 precision where oneDNN's bf16 matmul runs natively (AVX512_BF16 or AMX;
 //    int4 only with AMX): the tile in bf16 as kernels/gemm/quant_tile.h writes it (int8's integers
 //    with the scales applied to the sums, int4's weights as hi + lo), the products the scheme's own.
+//  - Int4Dpbf16, int4 in the bf16 precision on AVX512_BF16 without AMX: the project's kernel
+//    (kernels/gemm/int4_dpbf16.h), panels of the integer values with the group scales applied to each
+//    group's sums: the bf16 rate without hi + lo's doubled depth.
 //  - Fp32Tiles otherwise: the tile dequantized to fp32 through oneDNN's fp32 matmul.
 #pragma once
 
@@ -33,7 +36,7 @@ class QuantLinear {
   static constexpr int64_t kDecodeRows = 64;
   static constexpr int64_t kTile = 256;       // output channels per fp32 tile on the prefill path
   static constexpr int64_t kBf16Tile = 2048;  // output channels per bf16 tile
-  enum class Prefill { Fp32Tiles, Bf16Tiles };
+  enum class Prefill { Fp32Tiles, Bf16Tiles, Int4Dpbf16 };
   // The prefill path a projection of these weights and precision takes on this CPU.
   static Prefill prefill_path_for(Weights weights, Precision precision);
   // The prefill path's matmul primitives kept for reuse: one per (rows, tile width, strides), at most
@@ -46,8 +49,9 @@ class QuantLinear {
   // W already packed (int8 or int4: kernels/gemm/weight_format.h), owned or borrowed from a mapped
   // checkpoint (io/packed_checkpoint.h): used as it is, nothing converted.
   QuantLinear(const kernels::gemm::PackedMatrix& packed, Precision precision);
-  // The same with the prefill path chosen (benchmarks and tests of both on one CPU): Bf16Tiles only in
-  // the bf16 precision (std::invalid_argument otherwise: fp32 activations are not bf16 values).
+  // The same with the prefill path chosen (benchmarks and tests of each on one CPU): Bf16Tiles and
+  // Int4Dpbf16 only in the bf16 precision (std::invalid_argument otherwise: fp32 activations are not bf16
+  // values), Int4Dpbf16 only for int4 weights on a CPU with AVX512_BF16.
   QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Weights weights,
               Precision precision, Prefill prefill);
   ~QuantLinear();
@@ -79,11 +83,16 @@ class QuantLinear {
   void prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const;
   template <class X, class Y>
   void prefill_bf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
+  template <class X, class Y>
+  void prefill_int4(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
   int64_t in_ = 0, out_ = 0;
   Weights weights_ = Weights::Int8;
   Precision precision_ = Precision::BF16;
   Prefill prefill_ = Prefill::Fp32Tiles;
   std::unique_ptr<Impl> impl_;
 };
+
+// "fp32 tiles", "bf16 tiles", "int4 dpbf16" (benchmark rows, test messages).
+const char* to_string(QuantLinear::Prefill p);
 
 }  // namespace kda::layers

@@ -14,6 +14,7 @@
 #include "kda/bench/rows.h"
 #include "kda/common/bf16.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "kda/kernels/gemm/int4_dpbf16.h"
 #include "kda/layers/linear.h"
 #include "kda/layers/quant_linear.h"
 
@@ -22,8 +23,6 @@ namespace kda::bench {
 namespace {
 
 using Prefill = layers::QuantLinear::Prefill;
-
-const char* path_name(Prefill p) { return p == Prefill::Bf16Tiles ? "bf16 tiles" : "fp32 tiles"; }
 
 struct GemmShape {
   const char* name;
@@ -48,8 +47,9 @@ void bench_quant_gemm(nlohmann::json& j, const Say& say) {
         d32(sh.in, sh.out, w, Precision::FP32, Weights::BF16);
     std::vector<std::unique_ptr<layers::QuantLinear>> q;
     for (Weights wt : {Weights::Int8, Weights::Int4})
-      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles})
-        q.push_back(std::make_unique<layers::QuantLinear>(sh.in, sh.out, w, wt, Precision::BF16, p));
+      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Int4Dpbf16})
+        if (p != Prefill::Int4Dpbf16 || (wt == Weights::Int4 && kernels::gemm::cpu_has_int4_dpbf16()))
+          q.push_back(std::make_unique<layers::QuantLinear>(sh.in, sh.out, w, wt, Precision::BF16, p));
     for (int64_t M : {int64_t{128}, int64_t{512}, int64_t{2048}}) {
       std::vector<float> x = bench_randn(static_cast<size_t>(M * sh.in), 6);
       round_bf16_inplace(x.data(), x.size());
@@ -72,7 +72,7 @@ void bench_quant_gemm(nlohmann::json& j, const Say& say) {
                                    {"out", sh.out},
                                    {"rows", M},
                                    {"weights", to_string(l.weights())},
-                                   {"path", path_name(l.prefill_path())},
+                                   {"path", layers::to_string(l.prefill_path())},
                                    {"picked", picked},
                                    {"ms", s * 1e3},
                                    {"gflops", gf},
@@ -81,8 +81,8 @@ void bench_quant_gemm(nlohmann::json& j, const Say& say) {
                                    {"over_bf16_gemm", gf / g16},
                                    {"over_f32_gemm", gf / g32}});
         say("%-22s %5s %6lld %-10s %10.3f %9.1f %11.1f%% %11.1f%% %10s\n", i == 0 ? sh.name : "",
-            to_string(l.weights()), static_cast<long long>(M), path_name(l.prefill_path()), s * 1e3, gf,
-            100 * gf / g16, 100 * gf / g32, picked ? "yes" : "");
+            to_string(l.weights()), static_cast<long long>(M), layers::to_string(l.prefill_path()), s * 1e3,
+            gf, 100 * gf / g16, 100 * gf / g32, picked ? "yes" : "");
       }
       say("%-22s %5s %6lld ceilings: bf16 %.1f GFLOP/s (%.3f ms), fp32 %.1f GFLOP/s (%.3f ms)\n", "", "",
           static_cast<long long>(M), g16, t[0] * 1e3, g32, t[1] * 1e3);

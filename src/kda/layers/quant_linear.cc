@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "kda/common/isa.h"
+#include "kda/kernels/gemm/int4_dpbf16.h"
 #include "kda/kernels/gemm/quant_tile.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
@@ -37,7 +38,9 @@ QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision pr
   if (precision != Precision::BF16 || !cpu_has_bf16_gemm()) return Prefill::Fp32Tiles;
   // int4's bf16 tile is twice as deep (hi + lo): it pays where bf16 runs at well over twice the fp32
   // rate (AMX), not where it runs at about twice (AVX512_BF16 alone).
-  if (weights == Weights::Int4 && !onednn_bf16_uses_amx()) return Prefill::Fp32Tiles;
+  // Without AMX int4 takes the project's kernel, at the bf16 rate on the scheme's integers.
+  if (weights == Weights::Int4 && !onednn_bf16_uses_amx())
+    return qg::cpu_has_int4_dpbf16() ? Prefill::Int4Dpbf16 : Prefill::Fp32Tiles;
   return Prefill::Bf16Tiles;
 }
 
@@ -70,10 +73,17 @@ QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::v
 
 QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
                          Weights weights, Precision precision, Prefill prefill)
-    : QuantLinear((prefill == Prefill::Bf16Tiles && precision != Precision::BF16)
-                      ? throw std::invalid_argument("QuantLinear: bf16 tiles need the bf16 precision")
+    : QuantLinear((prefill != Prefill::Fp32Tiles && precision != Precision::BF16)
+                      ? throw std::invalid_argument(
+                            prefill == Prefill::Bf16Tiles
+                                ? "QuantLinear: bf16 tiles need the bf16 precision"
+                                : "QuantLinear: the int4 dpbf16 path needs the bf16 precision")
                       : in_features,
                   out_features, weight, weights, precision) {
+  if (prefill == Prefill::Int4Dpbf16 && (weights != Weights::Int4 || !qg::cpu_has_int4_dpbf16()))
+    throw std::invalid_argument(weights != Weights::Int4
+                                    ? "QuantLinear: the int4 dpbf16 path needs int4 weights"
+                                    : "QuantLinear: the int4 dpbf16 path needs a CPU with AVX512_BF16");
   prefill_ = prefill;
 }
 
@@ -106,6 +116,7 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
   if (M > kDecodeRows && prefill_ == Prefill::Bf16Tiles) return prefill_bf16(x, M, ldx, y, ldy);
+  if (M > kDecodeRows && prefill_ == Prefill::Int4Dpbf16) return prefill_int4(x, M, ldx, y, ldy);
   // x and y as fp32 rows: fp32 x rounded to bf16 in the bf16 precision (its rounding point), as is in
   // the fp32 one.
   im.rows.with(x, M, ldx, y, ldy, precision_ == Precision::BF16,
@@ -193,6 +204,49 @@ void QuantLinear::prefill_bf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t
 #pragma omp parallel for schedule(static) if (M * nt >= (int64_t{1} << 16))
     for (int64_t i = 0; i < M; i += 16)
       qg::scale_columns(yt + i * nt, nt, std::min<int64_t>(16, M - i), scale, nt, y + i * ldy + n0, ldy);
+  }
+}
+
+// x as bf16 rows (fp32 x rounded to nearest even, the bf16 precision's rounding point of a layer input;
+// bf16 x read in place), then the kernel into y, or into dense fp32 scratch rounded to nearest even into a
+// bf16 y. Caller holds the mutex.
+template <class X, class Y>
+void QuantLinear::prefill_int4(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const {
+  const qg::PackedWeights v = impl_->packed.view();
+  const qg::Int4Weights w{static_cast<const uint8_t*>(v.data), v.scale, v.in, v.out};
+  // The calling thread's scratch, shared by every QuantLinear it calls.
+  thread_local std::vector<bf16_t> xs;
+  thread_local std::vector<float> ys;
+  const bf16_t* xb = nullptr;
+  int64_t ldxb = ldx;
+  if constexpr (std::is_same_v<X, bf16_t>) {
+    xb = x;
+  } else {
+    bf16_t* xr = aligned(xs, M * in_);
+#pragma omp parallel for schedule(static) if (M * in_ >= (int64_t{1} << 16))
+    for (int64_t i = 0; i < M; ++i) f32_to_bf16_array(x + i * ldx, xr + i * in_, static_cast<size_t>(in_));
+    xb = xr;
+    ldxb = in_;
+  }
+  if constexpr (std::is_same_v<Y, float>) {
+    qg::gemm_int4_dpbf16(xb, M, ldxb, w, y, ldy);
+  } else {
+    float* yt = aligned(ys, M * out_);
+    qg::gemm_int4_dpbf16(xb, M, ldxb, w, yt, out_);
+#pragma omp parallel for schedule(static) if (M * out_ >= (int64_t{1} << 16))
+    for (int64_t i = 0; i < M; i += 16)
+      qg::scale_columns(yt + i * out_, out_, std::min<int64_t>(16, M - i), nullptr, out_, y + i * ldy, ldy);
+  }
+}
+
+const char* to_string(QuantLinear::Prefill p) {
+  switch (p) {
+    case QuantLinear::Prefill::Bf16Tiles:
+      return "bf16 tiles";
+    case QuantLinear::Prefill::Int4Dpbf16:
+      return "int4 dpbf16";
+    default:
+      return "fp32 tiles";
   }
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kda/common/isa.h"
+#include "kda/kernels/gemm/dpbf16_lane.h"
 
 #if defined(KDA_WITH_AVX512) && defined(__GNUC__) && defined(__x86_64__)
 #define KDA_BF16_VNNI_BUILD 1
@@ -35,11 +36,6 @@ void check_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const
   if (ldx < K || ldy < N) throw std::invalid_argument(f + ": a row stride below its row's size");
   if (M > 0 && (x == nullptr || w == nullptr || y == nullptr)) throw std::invalid_argument(f + ": null data");
 }
-
-// vdpbf16ps's arithmetic: denormal inputs and results as zero (keeping the sign), the rest IEEE fp32 with
-// rounding to nearest even (a product of two bf16 values is exact in fp32 unless it overflows or is
-// denormal).
-float daz(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
 
 }  // namespace
 
@@ -67,10 +63,10 @@ void gemm_bf16_vnni_reference(const bf16_t* x, int64_t M, int64_t ldx, const bf1
       for (int64_t p = 0; p < K / 2; ++p) {
         const bf16_t* wp = wr + p * 2 * kVnniBlockN;
         const bf16_t* xp = x + m * ldx + 2 * p;
-        acc = daz(acc + daz(daz(bf16_to_f32(wp[1])) * daz(bf16_to_f32(xp[1]))));
-        acc = daz(acc + daz(daz(bf16_to_f32(wp[0])) * daz(bf16_to_f32(xp[0]))));
+        acc =
+            dpbf16_pair(acc, bf16_to_f32(wp[0]), bf16_to_f32(wp[1]), bf16_to_f32(xp[0]), bf16_to_f32(xp[1]));
         if ((p + 1) % chunk == 0 || p + 1 == K / 2) {  // a chunk's end: its sum is, or joins, the total
-          total = p < chunk ? acc : daz(total + acc);
+          total = p < chunk ? acc : dpbf16_daz(total + acc);
           acc = 0.0f;
         }
       }
