@@ -310,10 +310,11 @@ TEST(QuantGemm, PrefillPrimitivesStayBoundedOverManyRowCounts) {
   EXPECT_EQ(ql.cached_primitives(), layers::QuantLinear::kMaxPrimitives);
 }
 
-// QuantLinear (through Linear, as the layer holds it): the decode path (M <= 64: activations quantized
-// as the kernels take them) and the prefill path (the tiles through oneDNN: bf16 ones in the bf16
-// precision where this CPU has a native bf16 matmul, fp32 otherwise; test_quant_prefill takes both on
-// every CPU), fp32 and bf16 inputs and outputs, against x W_deq^T in double.
+// QuantLinear (through Linear, as the layer holds it): the decode path (M <= decode_rows(): activations
+// quantized as the kernels take them) and the prefill path (the tiles through oneDNN: bf16 ones in the bf16
+// precision where this CPU has a native bf16 matmul, fp32 otherwise, or int4's dpbf16 kernel;
+// test_quant_prefill takes each on every CPU that has it), fp32 and bf16 inputs and outputs, against
+// x W_deq^T in double.
 TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
   const int64_t in = 256, out = 600;  // out > 2 tiles of 256: a tail tile
   const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 77, 0.06f);
@@ -325,14 +326,14 @@ TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
       EXPECT_EQ(lin.weight_bytes(), bytes);
       const layers::QuantLinear ql(in, out, wsrc, fmt, prec);
       const std::vector<float> wf = ql.dequantized();
-      for (int64_t M : {1, 3, 64, 65, 300}) {
+      for (int64_t M : {1, 3, 8, 9, 64, 65, 300}) {
         const std::string what =
             std::string(to_string(fmt)) + "/" + to_string(prec) + " M=" + std::to_string(M);
         const int64_t ldx = in + 8, ldy = out + 4;
         std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 200 + M);
         std::vector<float> xr = x;  // as the projection reads it: bf16-rounded in the bf16 precision
         if (prec == Precision::BF16) round_bf16_inplace(xr.data(), xr.size());
-        if (M <= layers::QuantLinear::kDecodeRows) {
+        if (M <= ql.decode_rows()) {
           const bool i8 = fmt == Weights::Int8;
           const int qmax = i8 ? qg::activation_qmax(in) : qg::kInt4ActivationMax;
           const int64_t run = i8 ? in : qg::kInt4Group;

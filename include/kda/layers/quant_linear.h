@@ -4,7 +4,8 @@
 // to bf16 first, the layer input's rounding point, as Linear does), accumulation is fp32, and a bf16
 // output is rounded to nearest even as it is stored.
 //
-// Up to kDecodeRows rows (decode): the packed kernels, one pass over the packed bytes. More rows
+// Up to decode_rows() rows (kDecodeRows; kDpbf16DecodeRows on the Int4Dpbf16 path, whose kernel is faster
+// from there on): the packed decode kernels, one pass over the packed bytes. More rows
 // (prefill, compute bound): a tile of output channels at a time is widened and multiplied, so the packed
 // weights are never resident in a wider form (prefill_path()):
 //  - Bf16Tiles, in the bf16 precision where oneDNN's bf16 matmul runs natively (AVX512_BF16 or AMX;
@@ -34,6 +35,9 @@ namespace kda::layers {
 class QuantLinear {
  public:
   static constexpr int64_t kDecodeRows = 64;
+  // On the Int4Dpbf16 path: from 9 rows on its kernel beats the integer decode kernels (at the model's
+  // shapes on Zen 4: 0.73-0.78 of their time at 16 rows, 1.06-1.07 at 8; docs/performance.md).
+  static constexpr int64_t kDpbf16DecodeRows = 8;
   static constexpr int64_t kTile = 256;       // output channels per fp32 tile on the prefill path
   static constexpr int64_t kBf16Tile = 2048;  // output channels per bf16 tile
   enum class Prefill { Fp32Tiles, Bf16Tiles, Int4Dpbf16 };
@@ -75,6 +79,8 @@ class QuantLinear {
 
   size_t cached_primitives() const;
   Prefill prefill_path() const { return prefill_; }
+  // The most rows a call sends to the packed decode kernels (more go to the prefill path).
+  int64_t decode_rows() const { return prefill_ == Prefill::Int4Dpbf16 ? kDpbf16DecodeRows : kDecodeRows; }
 
  private:
   struct Impl;

@@ -115,13 +115,14 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
   if (M == 0) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& im = *impl_;
-  if (M > kDecodeRows && prefill_ == Prefill::Bf16Tiles) return prefill_bf16(x, M, ldx, y, ldy);
-  if (M > kDecodeRows && prefill_ == Prefill::Int4Dpbf16) return prefill_int4(x, M, ldx, y, ldy);
+  const int64_t decode = decode_rows();
+  if (M > decode && prefill_ == Prefill::Bf16Tiles) return prefill_bf16(x, M, ldx, y, ldy);
+  if (M > decode && prefill_ == Prefill::Int4Dpbf16) return prefill_int4(x, M, ldx, y, ldy);
   // x and y as fp32 rows: fp32 x rounded to bf16 in the bf16 precision (its rounding point), as is in
   // the fp32 one.
   im.rows.with(x, M, ldx, y, ldy, precision_ == Precision::BF16,
                [&](const float* xf, int64_t ldxf, float* yf, int64_t ldyf) {
-                 if (M <= kDecodeRows) {
+                 if (M <= decode) {
                    qg::gemm(xf, M, ldxf, im.packed.view(), yf, ldyf);
                  } else {
                    prefill(xf, M, ldxf, yf, ldyf);

@@ -65,9 +65,11 @@ void check_split(int64_t I, int tp_size, const std::string& what) {
 // Linear creates a oneDNN primitive per shape, and the number of tokens an expert gets varies per call.
 // Quantized weights up to QuantLinear::kDecodeRows rows run the packed kernels, which keep no primitive
 // per shape and would compute the pad rows (at a few rows per expert they are compute bound): there the
-// count stays as it is.
-int64_t padded_rows(int64_t n, Weights weights) {
+// count stays as it is; so at any count on the int4 dpbf16 path (no primitives either).
+int64_t padded_rows(int64_t n, Weights weights, Precision precision) {
   if (weights != Weights::BF16 && n <= layers::QuantLinear::kDecodeRows) return n;
+  if (layers::QuantLinear::prefill_path_for(weights, precision) == layers::QuantLinear::Prefill::Int4Dpbf16)
+    return n;
   if (n > 64) return (n + 63) / 64 * 64;
   int64_t p = 1;
   while (p < n) p *= 2;
@@ -548,7 +550,7 @@ void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
   for (int e = 0; e < E_; ++e) {
     const int64_t n = offsets_[e + 1] - offsets_[e];
     if (n == 0) continue;  // an expert no token picked: its weights are not read
-    const int64_t np = padded_rows(n, weights_);
+    const int64_t np = padded_rows(n, weights_, precision_);
     if (s.xe.size() < static_cast<size_t>(np * D_)) s.xe.resize(static_cast<size_t>(np * D_));
     if (s.ye.size() < static_cast<size_t>(np * D_)) s.ye.resize(static_cast<size_t>(np * D_));
     const int64_t* rows = rows_.data() + offsets_[e];
@@ -577,7 +579,7 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
   // expert's slices after its first (which writes straight into y), T rows each.
   std::vector<int64_t> rows_of(static_cast<size_t>(na)), out_at(static_cast<size_t>(na) + 1, 0);
   for (int a = 0; a < na; ++a) {
-    rows_of[a] = padded_rows(offsets_[active[a] + 1] - offsets_[active[a]], weights_);
+    rows_of[a] = padded_rows(offsets_[active[a] + 1] - offsets_[active[a]], weights_, precision_);
     out_at[a + 1] = out_at[a] + rows_of[a] * experts_[active[a]]->pieces();
   }
   const int64_t shared_at = out_at.back(), total = shared_at + T * std::max(0, shared_pieces - 1);

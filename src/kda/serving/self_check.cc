@@ -42,11 +42,11 @@ namespace kda::serving {
 double bf16_check_bound(int layers) { return 6e-3 * std::sqrt(static_cast<double>(std::max(layers, 1))); }
 
 // Quantized weights (int8 / int4) are held to a looser bound, in either precision. QuantLinear multiplies
-// up to kDecodeRows rows with its packed kernels and more rows by dequantizing tiles for oneDNN's fp32
-// matmul, and the two agree only to about 1e-3 relative (the fp32 error ratio of a KDA-only stack
-// re-run alone was already 2 on the mini checkpoint). A MoE layer's top-k selection turns such a
-// difference into an O(1) one wherever a token's k-th and (k+1)-th experts nearly tie, and the KDA states
-// carry it to every later position. Measured on the tiny model checkpoint (8 requests of up to 120
+// up to decode_rows() rows with its packed kernels (activations quantized to int16) and more rows on its
+// prefill path (activations as they are), and the two agree only to about 1e-3 relative (the fp32 error ratio
+// of a KDA-only stack re-run alone was already 2 on the mini checkpoint). A MoE layer's top-k selection turns
+// such a difference into an O(1) one wherever a token's k-th and (k+1)-th experts nearly tie, and the KDA
+// states carry it to every later position. Measured on the tiny model checkpoint (8 requests of up to 120
 // tokens, a token budget of 64, every request re-run, seeds 1-3) the worst relative L2 was 0.09 (int8) and
 // 0.11 (int4), in bf16 and fp32 alike, and 0.12 on the test suite's hybrid config; the bound is twice the
 // worst. A request served from another's state, or fed other tokens, moves its rows by O(1).
