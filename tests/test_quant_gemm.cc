@@ -326,7 +326,7 @@ TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
       EXPECT_EQ(lin.weight_bytes(), bytes);
       const layers::QuantLinear ql(in, out, wsrc, fmt, prec);
       const std::vector<float> wf = ql.dequantized();
-      for (int64_t M : {1, 3, 8, 9, 64, 65, 300}) {
+      for (int64_t M : {1, 3, 8, 9, 16, 17, 64, 65, 300}) {
         const std::string what =
             std::string(to_string(fmt)) + "/" + to_string(prec) + " M=" + std::to_string(M);
         const int64_t ldx = in + 8, ldy = out + 4;

@@ -1,6 +1,6 @@
 // QuantLinear's prefill paths (more than kDecodeRows rows): the bf16 tiles of kernels/gemm/quant_tile.h
 // against their scalar reference bit for bit and against the scheme's fp32 weights (int8: the integers,
-// int4: hi + lo within 2^-16), and every path (bf16 tiles, fp32 tiles, int4 dpbf16 where the CPU has
+// int4: hi + lo within 2^-16), and every path (bf16 tiles, fp32 tiles, dpbf16 where the CPU has
 // AVX512_BF16) against x W^T in double (W the
 // scheme's dequantized weights, x as the projection reads it) within fp32 summation rounding, at the
 // model's widths and odd ones, several row counts, strided rows, bf16 in and out; NaN weights; the
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
-#include "kda/kernels/gemm/int4_dpbf16.h"
+#include "kda/kernels/gemm/quant_dpbf16.h"
 #include "kda/kernels/gemm/quant_tile.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/quant_linear.h"
@@ -139,11 +139,13 @@ TEST(QuantPrefill, BadTileCallsAreRefused) {
       [&] { QuantLinear(64, 3, w, Weights::Int8, Precision::FP32, Prefill::Bf16Tiles); },
       "bf16 tiles need the bf16 precision");
   expect_throw_with<std::invalid_argument>(
-      [&] { QuantLinear(64, 3, w, Weights::Int4, Precision::FP32, Prefill::Int4Dpbf16); },
-      "the int4 dpbf16 path needs the bf16 precision");
+      [&] { QuantLinear(64, 3, w, Weights::Int4, Precision::FP32, Prefill::Dpbf16); },
+      "the dpbf16 path needs the bf16 precision");
   expect_throw_with<std::invalid_argument>(
-      [&] { QuantLinear(64, 3, w, Weights::Int8, Precision::BF16, Prefill::Int4Dpbf16); },
-      "needs int4 weights");
+      [&] {
+        QuantLinear(48, 3, std::vector<float>(48 * 3, 0.5f), Weights::Int8, Precision::BF16, Prefill::Dpbf16);
+      },
+      "a multiple of 32");
 }
 
 // Both prefill paths at the model's widths (the expert's [2I, D] and [D, I], tiles with a tail) and odd
@@ -158,8 +160,8 @@ TEST(QuantPrefill, BothPathsEqualTheSchemeInDouble) {
     const std::vector<float> wsrc = random_normal(static_cast<size_t>(c.in * c.out), 60 + c.out, 0.04f);
     for (Weights fmt : {Weights::Int8, Weights::Int4}) {
       std::vector<std::unique_ptr<QuantLinear>> paths;
-      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Int4Dpbf16})
-        if (p != Prefill::Int4Dpbf16 || (fmt == Weights::Int4 && qg::cpu_has_int4_dpbf16()))
+      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Dpbf16})
+        if (p != Prefill::Dpbf16 || qg::cpu_has_quant_dpbf16())
           paths.push_back(std::make_unique<QuantLinear>(c.in, c.out, wsrc, fmt, Precision::BF16, p));
       const QuantLinear picked(c.in, c.out, wsrc, fmt, Precision::BF16);
       EXPECT_EQ(picked.prefill_path(), QuantLinear::prefill_path_for(fmt, Precision::BF16));

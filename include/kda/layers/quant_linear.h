@@ -4,16 +4,17 @@
 // to bf16 first, the layer input's rounding point, as Linear does), accumulation is fp32, and a bf16
 // output is rounded to nearest even as it is stored.
 //
-// Up to decode_rows() rows (kDecodeRows; kDpbf16DecodeRows on the Int4Dpbf16 path, whose kernel is faster
-// from there on): the packed decode kernels, one pass over the packed bytes. More rows
+// Up to decode_rows() rows (kDecodeRows; fewer on the Dpbf16 path, whose kernels are faster from there
+// on): the packed decode kernels, one pass over the packed bytes. More rows
 // (prefill, compute bound): a tile of output channels at a time is widened and multiplied, so the packed
 // weights are never resident in a wider form (prefill_path()):
 //  - Bf16Tiles, in the bf16 precision where oneDNN's bf16 matmul runs natively (AVX512_BF16 or AMX;
 //    int4 only with AMX): the tile in bf16 as kernels/gemm/quant_tile.h writes it (int8's integers
 //    with the scales applied to the sums, int4's weights as hi + lo), the products the scheme's own.
-//  - Int4Dpbf16, int4 in the bf16 precision on AVX512_BF16 without AMX: the project's kernel
-//    (kernels/gemm/int4_dpbf16.h), panels of the integer values with the group scales applied to each
-//    group's sums: the bf16 rate without hi + lo's doubled depth.
+//  - Dpbf16, in the bf16 precision on AVX512_BF16 without AMX (int8 and int4, an input size that is a
+//    multiple of 32): the project's kernels (kernels/gemm/quant_dpbf16.h), panels of the scheme's integers
+//    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 9
+//    (int8) or 17 (int4) rows on, where the integer decode kernels, with int16 activations, fall behind.
 //  - Fp32Tiles otherwise: the tile dequantized to fp32 through oneDNN's fp32 matmul.
 #pragma once
 
@@ -35,12 +36,14 @@ namespace kda::layers {
 class QuantLinear {
  public:
   static constexpr int64_t kDecodeRows = 64;
-  // On the Int4Dpbf16 path: from 9 rows on its kernel beats the integer decode kernels (at the model's
-  // shapes on Zen 4: 0.73-0.78 of their time at 16 rows, 1.06-1.07 at 8; docs/performance.md).
-  static constexpr int64_t kDpbf16DecodeRows = 8;
+  // On the Dpbf16 path its kernels take the calls of more rows than these: where they beat the integer
+  // decode kernels on cold weights at the model's shapes (Zen 4, `kda bench --only qdecode`: int8 at 16
+  // rows 0.71-0.92 of their time, int4 at 16 rows 1.06-1.28 and at 32 rows 0.74-0.90; docs/performance.md).
+  static constexpr int64_t kDpbf16DecodeRowsInt8 = 8;
+  static constexpr int64_t kDpbf16DecodeRowsInt4 = 16;
   static constexpr int64_t kTile = 256;       // output channels per fp32 tile on the prefill path
   static constexpr int64_t kBf16Tile = 2048;  // output channels per bf16 tile
-  enum class Prefill { Fp32Tiles, Bf16Tiles, Int4Dpbf16 };
+  enum class Prefill { Fp32Tiles, Bf16Tiles, Dpbf16 };
   // The prefill path a projection of these weights and precision takes on this CPU.
   static Prefill prefill_path_for(Weights weights, Precision precision);
   // The prefill path's matmul primitives kept for reuse: one per (rows, tile width, strides), at most
@@ -54,8 +57,8 @@ class QuantLinear {
   // checkpoint (io/packed_checkpoint.h): used as it is, nothing converted.
   QuantLinear(const kernels::gemm::PackedMatrix& packed, Precision precision);
   // The same with the prefill path chosen (benchmarks and tests of each on one CPU): Bf16Tiles and
-  // Int4Dpbf16 only in the bf16 precision (std::invalid_argument otherwise: fp32 activations are not bf16
-  // values), Int4Dpbf16 only for int4 weights on a CPU with AVX512_BF16.
+  // Dpbf16 only in the bf16 precision (std::invalid_argument otherwise: fp32 activations are not bf16
+  // values), Dpbf16 only on a CPU with AVX512_BF16 and an input size that is a multiple of 32.
   QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Weights weights,
               Precision precision, Prefill prefill);
   ~QuantLinear();
@@ -80,7 +83,10 @@ class QuantLinear {
   size_t cached_primitives() const;
   Prefill prefill_path() const { return prefill_; }
   // The most rows a call sends to the packed decode kernels (more go to the prefill path).
-  int64_t decode_rows() const { return prefill_ == Prefill::Int4Dpbf16 ? kDpbf16DecodeRows : kDecodeRows; }
+  int64_t decode_rows() const {
+    if (prefill_ != Prefill::Dpbf16) return kDecodeRows;
+    return weights_ == Weights::Int8 ? kDpbf16DecodeRowsInt8 : kDpbf16DecodeRowsInt4;
+  }
 
  private:
   struct Impl;
@@ -90,7 +96,7 @@ class QuantLinear {
   template <class X, class Y>
   void prefill_bf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
   template <class X, class Y>
-  void prefill_int4(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
+  void prefill_dpbf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
   int64_t in_ = 0, out_ = 0;
   Weights weights_ = Weights::Int8;
   Precision precision_ = Precision::BF16;

@@ -9,7 +9,7 @@
 #include <type_traits>
 
 #include "kda/common/isa.h"
-#include "kda/kernels/gemm/int4_dpbf16.h"
+#include "kda/kernels/gemm/quant_dpbf16.h"
 #include "kda/kernels/gemm/quant_tile.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/fp32_rows.h"
@@ -38,11 +38,23 @@ QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision pr
   if (precision != Precision::BF16 || !cpu_has_bf16_gemm()) return Prefill::Fp32Tiles;
   // int4's bf16 tile is twice as deep (hi + lo): it pays where bf16 runs at well over twice the fp32
   // rate (AMX), not where it runs at about twice (AVX512_BF16 alone).
-  // Without AMX int4 takes the project's kernel, at the bf16 rate on the scheme's integers.
-  if (weights == Weights::Int4 && !onednn_bf16_uses_amx())
-    return qg::cpu_has_int4_dpbf16() ? Prefill::Int4Dpbf16 : Prefill::Fp32Tiles;
+  // Without AMX the project's kernels, at the bf16 rate on the scheme's integers (a layer whose input size
+  // they do not take falls back: the constructors).
+  if (!onednn_bf16_uses_amx() && qg::cpu_has_quant_dpbf16()) return Prefill::Dpbf16;
   return Prefill::Bf16Tiles;
 }
+
+namespace {
+
+// prefill_path_for, where the dpbf16 kernels take the input size (a multiple of 32); else int8's bf16 tiles
+// (what that CPU has without them) and int4's fp32 tiles.
+QuantLinear::Prefill path_for(Weights weights, Precision precision, int64_t in) {
+  const QuantLinear::Prefill p = QuantLinear::prefill_path_for(weights, precision);
+  if (p != QuantLinear::Prefill::Dpbf16 || in % 32 == 0) return p;
+  return weights == Weights::Int8 ? QuantLinear::Prefill::Bf16Tiles : QuantLinear::Prefill::Fp32Tiles;
+}
+
+}  // namespace
 
 struct QuantLinear::Impl {
   Impl(Weights weights, const std::vector<float>& w, int64_t in, int64_t out)
@@ -68,22 +80,22 @@ QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::v
     throw std::invalid_argument("QuantLinear: weight has " + std::to_string(weight.size()) +
                                 " values, expected " + std::to_string(out_) + " x " + std::to_string(in_));
   impl_ = std::make_unique<Impl>(weights, weight, in_, out_);
-  prefill_ = prefill_path_for(weights, precision);
+  prefill_ = path_for(weights, precision, in_);
 }
 
 QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
                          Weights weights, Precision precision, Prefill prefill)
-    : QuantLinear((prefill != Prefill::Fp32Tiles && precision != Precision::BF16)
-                      ? throw std::invalid_argument(
-                            prefill == Prefill::Bf16Tiles
-                                ? "QuantLinear: bf16 tiles need the bf16 precision"
-                                : "QuantLinear: the int4 dpbf16 path needs the bf16 precision")
-                      : in_features,
-                  out_features, weight, weights, precision) {
-  if (prefill == Prefill::Int4Dpbf16 && (weights != Weights::Int4 || !qg::cpu_has_int4_dpbf16()))
-    throw std::invalid_argument(weights != Weights::Int4
-                                    ? "QuantLinear: the int4 dpbf16 path needs int4 weights"
-                                    : "QuantLinear: the int4 dpbf16 path needs a CPU with AVX512_BF16");
+    : QuantLinear(
+          (prefill != Prefill::Fp32Tiles && precision != Precision::BF16)
+              ? throw std::invalid_argument(prefill == Prefill::Bf16Tiles
+                                                ? "QuantLinear: bf16 tiles need the bf16 precision"
+                                                : "QuantLinear: the dpbf16 path needs the bf16 precision")
+              : in_features,
+          out_features, weight, weights, precision) {
+  if (prefill == Prefill::Dpbf16 && (in_features % 32 != 0 || !qg::cpu_has_quant_dpbf16()))
+    throw std::invalid_argument(
+        in_features % 32 != 0 ? "QuantLinear: the dpbf16 path needs an input size that is a multiple of 32"
+                              : "QuantLinear: the dpbf16 path needs a CPU with AVX512_BF16");
   prefill_ = prefill;
 }
 
@@ -92,7 +104,7 @@ QuantLinear::QuantLinear(const qg::PackedMatrix& packed, Precision precision)
   if (weights_ != Weights::Int8 && weights_ != Weights::Int4)
     throw std::invalid_argument("QuantLinear: packed weights must be int8 or int4");
   impl_ = std::make_unique<Impl>(packed);
-  prefill_ = prefill_path_for(weights_, precision);
+  prefill_ = path_for(weights_, precision, in_);
 }
 
 QuantLinear::~QuantLinear() = default;
@@ -117,7 +129,7 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
   Impl& im = *impl_;
   const int64_t decode = decode_rows();
   if (M > decode && prefill_ == Prefill::Bf16Tiles) return prefill_bf16(x, M, ldx, y, ldy);
-  if (M > decode && prefill_ == Prefill::Int4Dpbf16) return prefill_int4(x, M, ldx, y, ldy);
+  if (M > decode && prefill_ == Prefill::Dpbf16) return prefill_dpbf16(x, M, ldx, y, ldy);
   // x and y as fp32 rows: fp32 x rounded to bf16 in the bf16 precision (its rounding point), as is in
   // the fp32 one.
   im.rows.with(x, M, ldx, y, ldy, precision_ == Precision::BF16,
@@ -212,9 +224,16 @@ void QuantLinear::prefill_bf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t
 // bf16 x read in place), then the kernel into y, or into dense fp32 scratch rounded to nearest even into a
 // bf16 y. Caller holds the mutex.
 template <class X, class Y>
-void QuantLinear::prefill_int4(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const {
+void QuantLinear::prefill_dpbf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const {
   const qg::PackedWeights v = impl_->packed.view();
-  const qg::Int4Weights w{static_cast<const uint8_t*>(v.data), v.scale, v.in, v.out};
+  const auto gemm = [&](const bf16_t* xb, int64_t ldxb, float* yf, int64_t ldyf) {
+    if (v.format == Weights::Int8)
+      qg::gemm_int8_dpbf16(
+          xb, M, ldxb, qg::Int8Weights{static_cast<const int8_t*>(v.data), v.scale, v.in, v.out}, yf, ldyf);
+    else
+      qg::gemm_int4_dpbf16(
+          xb, M, ldxb, qg::Int4Weights{static_cast<const uint8_t*>(v.data), v.scale, v.in, v.out}, yf, ldyf);
+  };
   // The calling thread's scratch, shared by every QuantLinear it calls.
   thread_local std::vector<bf16_t> xs;
   thread_local std::vector<float> ys;
@@ -230,10 +249,10 @@ void QuantLinear::prefill_int4(const X* x, int64_t M, int64_t ldx, Y* y, int64_t
     ldxb = in_;
   }
   if constexpr (std::is_same_v<Y, float>) {
-    qg::gemm_int4_dpbf16(xb, M, ldxb, w, y, ldy);
+    gemm(xb, ldxb, y, ldy);
   } else {
     float* yt = aligned(ys, M * out_);
-    qg::gemm_int4_dpbf16(xb, M, ldxb, w, yt, out_);
+    gemm(xb, ldxb, yt, out_);
 #pragma omp parallel for schedule(static) if (M * out_ >= (int64_t{1} << 16))
     for (int64_t i = 0; i < M; i += 16)
       qg::scale_columns(yt + i * out_, out_, std::min<int64_t>(16, M - i), nullptr, out_, y + i * ldy, ldy);
@@ -244,8 +263,8 @@ const char* to_string(QuantLinear::Prefill p) {
   switch (p) {
     case QuantLinear::Prefill::Bf16Tiles:
       return "bf16 tiles";
-    case QuantLinear::Prefill::Int4Dpbf16:
-      return "int4 dpbf16";
+    case QuantLinear::Prefill::Dpbf16:
+      return "dpbf16";
     default:
       return "fp32 tiles";
   }

@@ -65,10 +65,10 @@ void check_split(int64_t I, int tp_size, const std::string& what) {
 // Linear creates a oneDNN primitive per shape, and the number of tokens an expert gets varies per call.
 // Quantized weights up to QuantLinear::kDecodeRows rows run the packed kernels, which keep no primitive
 // per shape and would compute the pad rows (at a few rows per expert they are compute bound): there the
-// count stays as it is; so at any count on the int4 dpbf16 path (no primitives either).
+// count stays as it is; so at any count on the dpbf16 path (no primitives either).
 int64_t padded_rows(int64_t n, Weights weights, Precision precision) {
   if (weights != Weights::BF16 && n <= layers::QuantLinear::kDecodeRows) return n;
-  if (layers::QuantLinear::prefill_path_for(weights, precision) == layers::QuantLinear::Prefill::Int4Dpbf16)
+  if (layers::QuantLinear::prefill_path_for(weights, precision) == layers::QuantLinear::Prefill::Dpbf16)
     return n;
   if (n > 64) return (n + 63) / 64 * 64;
   int64_t p = 1;
