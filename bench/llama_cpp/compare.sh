@@ -3,7 +3,8 @@
 # 32 experts) from bench/make_checkpoint.py, converted to GGUF by llama.cpp's converter and quantized by
 # llama-quantize (Q8_0, Q4_0), packed for kda by kda quantize (int8, int4). Per weights mode, in turns:
 # llama-bench -p 512 -n 128 -t 2, then kda simulate on one 512-token request with 128 decode steps
-# (prefill tokens/s = 512 / TTFT, decode tokens/s = 1 / the median step), ROUNDS rounds. A manual
+# (prefill tokens/s = 512 / TTFT, decode tokens/s = 1 / the median step), and the prefill again warm (below),
+# ROUNDS rounds. A manual
 # measurement: it needs a llama.cpp build (LLAMA_BIN) and its source (for the converter), not part of the
 # test suite. docs/performance.md has the figures and how llama.cpp was built.
 #
@@ -30,6 +31,16 @@ kda_run() {  # kda_run DIR WEIGHTS [FLAGS...]
     --check 0 --json 2>/dev/null |
     /usr/bin/python3 -c 'import json,sys; d=json.load(sys.stdin); print("pp512 %.1f tg128 %.1f" % (512e3 / d["ttft_ms_p50"], 1e3 / d["step_ms_p50"]))'
 }
+# The same prompt length after a first request has run (three 512-token requests one after another; the
+# median TTFT is a warm one): llama-bench times its runs after a warm-up run, kda_run's TTFT is the
+# process's first request.
+kda_warm() {  # kda_warm DIR WEIGHTS [FLAGS...]
+  local dir=$1 w=$2
+  shift 2
+  echo '[{"prompt_len":512,"output_len":4,"arrival_step":0},{"prompt_len":512,"output_len":4,"arrival_step":8},{"prompt_len":512,"output_len":4,"arrival_step":16}]' >"$work/warm_trace.json"
+  "$kda" simulate --model "$dir" --weights "$w" "$@" --trace "$work/warm_trace.json" --check 0 --json 2>/dev/null |
+    /usr/bin/python3 -c 'import json,sys; d=json.load(sys.stdin); print("pp512 %.1f" % (512e3 / d["ttft_ms_p50"]))'
+}
 for r in $(seq "$rounds"); do
   for m in bf16:bf16 q8_0:int8 q4_0:int4; do
     g=${m%%:*} w=${m##*:}
@@ -41,6 +52,7 @@ for row in csv.DictReader(sys.stdin):
     dir=$work/bf16
     [ "$w" = bf16 ] || dir=$work/$w
     echo "round $r kda $w $(kda_run "$dir" "$w")"
+    echo "round $r kda $w warm $(kda_warm "$dir" "$w")"
     [ "$w" = bf16 ] || echo "round $r kda $w+head $(kda_run "$dir" "$w" --quantize-lm-head)"
   done
 done
