@@ -26,36 +26,24 @@ namespace kg = kernels::gemm;
   if (!kg::cpu_has_quant_dpbf16()) GTEST_SKIP() << "this CPU (or build) has no AVX512_BF16"
 
 // The packed weights as each format's kernels take them, and the kernel and reference of the format.
-struct Int8 {
-  static constexpr Weights kFormat = Weights::Int8;
-  static kg::Int8Weights view(const kg::PackedMatrix& p) {
+template <class W, Weights F, auto Gemm, auto Reference>
+struct Format {
+  static constexpr Weights kFormat = F;
+  static W view(const kg::PackedMatrix& p) {
     const kg::PackedWeights v = p.view();
-    return kg::Int8Weights{static_cast<const int8_t*>(v.data), v.scale, v.in, v.out};
+    return W{static_cast<decltype(W::q)>(v.data), v.scale, v.in, v.out};
   }
   static void gemm(const bf16_t* x, int64_t M, int64_t ldx, const kg::PackedMatrix& p, float* y,
                    int64_t ldy) {
-    kg::gemm_int8_dpbf16(x, M, ldx, view(p), y, ldy);
+    Gemm(x, M, ldx, view(p), y, ldy);
   }
   static void reference(const bf16_t* x, int64_t M, int64_t ldx, const kg::PackedMatrix& p, float* y,
                         int64_t ldy) {
-    kg::gemm_int8_dpbf16_reference(x, M, ldx, view(p), y, ldy);
+    Reference(x, M, ldx, view(p), y, ldy);
   }
 };
-struct Int4 {
-  static constexpr Weights kFormat = Weights::Int4;
-  static kg::Int4Weights view(const kg::PackedMatrix& p) {
-    const kg::PackedWeights v = p.view();
-    return kg::Int4Weights{static_cast<const uint8_t*>(v.data), v.scale, v.in, v.out};
-  }
-  static void gemm(const bf16_t* x, int64_t M, int64_t ldx, const kg::PackedMatrix& p, float* y,
-                   int64_t ldy) {
-    kg::gemm_int4_dpbf16(x, M, ldx, view(p), y, ldy);
-  }
-  static void reference(const bf16_t* x, int64_t M, int64_t ldx, const kg::PackedMatrix& p, float* y,
-                        int64_t ldy) {
-    kg::gemm_int4_dpbf16_reference(x, M, ldx, view(p), y, ldy);
-  }
-};
+using Int8 = Format<kg::Int8Weights, Weights::Int8, kg::gemm_int8_dpbf16, kg::gemm_int8_dpbf16_reference>;
+using Int4 = Format<kg::Int4Weights, Weights::Int4, kg::gemm_int4_dpbf16, kg::gemm_int4_dpbf16_reference>;
 
 template <class F>
 void equalsItsReferenceBitForBit() {

@@ -229,6 +229,16 @@ inline void rows(const bf16_t* x, int64_t ldx, int64_t m0, const bf16_t* pw, con
   }
 }
 
+// rows<kInt4, mb> for the mb < kMB rows left after the full groups (none where mb is 0).
+template <bool kInt4, int MB = kMB - 1>
+inline void tail_rows(int mb, const bf16_t* x, int64_t ldx, int64_t m0, const bf16_t* pw, const float* ps,
+                      int64_t G, float* y, int64_t ldy, int64_t n0, int64_t out) {
+  if constexpr (MB > 0) {
+    if (mb == MB) return rows<kInt4, MB>(x, ldx, m0, pw, ps, G, y, ldy, n0, out);
+    tail_rows<kInt4, MB - 1>(mb, x, ldx, m0, pw, ps, G, y, ldy, n0, out);
+  }
+}
+
 // Blocks [b0, b1) of 32 channels against rows [r0, r1): each block's panel built once, then every group of
 // rows.
 template <class W>
@@ -241,25 +251,7 @@ void blocks(const bf16_t* x, int64_t r0, int64_t r1, int64_t ldx, const W& w, fl
     build_panel(w, n0, pw, ps);
     int64_t m = r0;
     for (; m + kMB <= r1; m += kMB) rows<int4, kMB>(x, ldx, m, pw, ps, G, y, ldy, n0, w.out);
-    switch (r1 - m) {
-      case 5:
-        rows<int4, 5>(x, ldx, m, pw, ps, G, y, ldy, n0, w.out);
-        break;
-      case 4:
-        rows<int4, 4>(x, ldx, m, pw, ps, G, y, ldy, n0, w.out);
-        break;
-      case 3:
-        rows<int4, 3>(x, ldx, m, pw, ps, G, y, ldy, n0, w.out);
-        break;
-      case 2:
-        rows<int4, 2>(x, ldx, m, pw, ps, G, y, ldy, n0, w.out);
-        break;
-      case 1:
-        rows<int4, 1>(x, ldx, m, pw, ps, G, y, ldy, n0, w.out);
-        break;
-      default:
-        break;
-    }
+    tail_rows<int4>(static_cast<int>(r1 - m), x, ldx, m, pw, ps, G, y, ldy, n0, w.out);
   }
 }
 __attribute__((flatten)) void blocks_int8(const bf16_t* x, int64_t r0, int64_t r1, int64_t ldx,
