@@ -8,9 +8,10 @@
 // on): the packed decode kernels, one pass over the packed bytes. More rows
 // (prefill, compute bound): a tile of output channels at a time is widened and multiplied, so the packed
 // weights are never resident in a wider form (prefill_path()):
-//  - Bf16Tiles, in the bf16 precision where oneDNN's bf16 matmul runs natively (AVX512_BF16 or AMX;
-//    int4 only with AMX): the tile in bf16 as kernels/gemm/quant_tile.h writes it (int8's integers
-//    with the scales applied to the sums, int4's weights as hi + lo), the products the scheme's own.
+//  - Bf16Tiles, in the bf16 precision where oneDNN's bf16 matmul runs on AMX (and, without AMX, for an
+//    int8 layer whose input size Dpbf16 does not take): the tile in bf16 as kernels/gemm/quant_tile.h
+//    writes it (int8's integers with the scales applied to the sums, int4's weights as hi + lo), the
+//    products the scheme's own.
 //  - Dpbf16, in the bf16 precision on AVX512_BF16 without AMX (int8 and int4, an input size that is a
 //    multiple of 32): the project's kernels (kernels/gemm/quant_dpbf16.h), panels of the scheme's integers
 //    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 9

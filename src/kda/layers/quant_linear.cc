@@ -36,10 +36,9 @@ T* aligned(std::vector<T>& v, int64_t n) {
 
 QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision precision) {
   if (precision != Precision::BF16 || !cpu_has_bf16_gemm()) return Prefill::Fp32Tiles;
-  // int4's bf16 tile is twice as deep (hi + lo): it pays where bf16 runs at well over twice the fp32
-  // rate (AMX), not where it runs at about twice (AVX512_BF16 alone).
   // Without AMX the project's kernels, at the bf16 rate on the scheme's integers (a layer whose input size
-  // they do not take falls back: the constructors).
+  // they do not take falls back: path_for below). With AMX oneDNN's bf16 matmul on tiles: int4's tile is
+  // twice as deep (hi + lo), which still pays at AMX's rate, well over twice the fp32 one.
   if (!onednn_bf16_uses_amx() && qg::cpu_has_quant_dpbf16()) return Prefill::Dpbf16;
   return Prefill::Bf16Tiles;
 }
