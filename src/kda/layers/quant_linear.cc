@@ -8,6 +8,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kda/common/aligned_scratch.h"
 #include "kda/common/isa.h"
 #include "kda/kernels/gemm/quant_dpbf16.h"
 #include "kda/kernels/gemm/quant_tile.h"
@@ -20,19 +21,6 @@ namespace kda::layers {
 
 using dnnl::memory;
 namespace qg = kda::kernels::gemm;
-
-namespace {
-
-// v sized for n values from a 64-byte boundary, which it returns: oneDNN's bf16 kernels run at about
-// half speed on operands that are not (AMX tile loads split across cache lines).
-template <class T>
-T* aligned(std::vector<T>& v, int64_t n) {
-  v.resize(static_cast<size_t>(n) + 64 / sizeof(T));
-  const auto a = reinterpret_cast<uintptr_t>(v.data());
-  return v.data() + ((64 - a % 64) % 64) / sizeof(T);
-}
-
-}  // namespace
 
 QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision precision) {
   if (precision != Precision::BF16 || !cpu_has_bf16_gemm()) return Prefill::Fp32Tiles;

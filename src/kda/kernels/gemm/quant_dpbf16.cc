@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kda/common/aligned_scratch.h"
 #include "kda/common/isa.h"
 #include "kda/kernels/gemm/dpbf16_lane.h"
 
@@ -266,14 +267,6 @@ __attribute__((flatten)) void blocks_int4(const bf16_t* x, int64_t r0, int64_t r
 }
 
 #pragma GCC pop_options
-
-// v sized for n values from a 64-byte boundary, which it returns.
-template <class T>
-T* aligned(std::vector<T>& v, int64_t n) {
-  v.resize(static_cast<size_t>(n) + 64 / sizeof(T));
-  const auto a = reinterpret_cast<uintptr_t>(v.data());
-  return v.data() + ((64 - a % 64) % 64) / sizeof(T);
-}
 
 // Threads split the blocks of 32 channels (static); rows go in passes of kRowChunk.
 template <class W, class Blocks>
