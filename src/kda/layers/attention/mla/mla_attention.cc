@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/gemm/f32_block.h"
 
 namespace kda::layers::attention::mla {
 namespace {
@@ -98,24 +99,6 @@ void parallel_items(const std::vector<WorkItem>& items, Body&& body) {
   if (err) std::rethrow_exception(err);
 }
 
-// The expansion through kv_b, shared by both plain kernels: kv [S, Hm * (dn + dv)] per sequence (a
-// threaded GEMM each), bf16-rounded in the bf16 mode; kv_off[b] is sequence b's first value.
-std::vector<float> expand_kv(const MlaAttnArgs& a, std::vector<int64_t>& kv_off) {
-  const MlaDims& d = a.dims;
-  const int64_t R = d.kv_lora, lat = R + d.qk_rope, kvw = int64_t{d.heads} * (d.qk_nope + d.v_head);
-  kv_off.assign(a.seqs.size() + 1, 0);
-  for (size_t b = 0; b < a.seqs.size(); ++b)
-    kv_off[b + 1] = kv_off[b] + (a.seqs[b].prefix + a.seqs[b].extend) * kvw;
-  std::vector<float> kv(static_cast<size_t>(kv_off.back()));
-  for (size_t b = 0; b < a.seqs.size(); ++b) {
-    const int64_t S = a.seqs[b].prefix + a.seqs[b].extend;
-    if (a.seqs[b].extend == 0 || S == 0) continue;
-    sgemm('N', 'T', S, kvw, R, 1.0f, a.seqs[b].latent, lat, a.w_kvb, R, 0.0f, kv.data() + kv_off[b], kvw);
-    if (a.bf16) round_bf16_inplace(kv.data() + kv_off[b], static_cast<size_t>(S * kvw));
-  }
-  return kv;
-}
-
 // A query block's pass over one key block [j0, j0 + kn) in the online softmax: scores s (scaled), masked
 // as causal_softmax masks them; per row the running max mx and sum l, the output rows acc [nb, dv]
 // rescaled to the new max; s left as the block's weights exp(s - max) (0 where masked).
@@ -147,6 +130,47 @@ void online_softmax_block(float* s, int64_t kn, int64_t nb, const MlaSeq& seq, i
   }
 }
 
+// The expansion through kv_b, shared by both plain kernels: one sequence's keys and values (a threaded
+// GEMM per head) in the layouts the flash kernel's block GEMMs (gemm_f32_block) read in place: each head's
+// nope keys transposed, kt [dn, ldk] (a column per key), the rope keys every head shares transposed, rt [dr,
+// ldk], and each head's values v [S, ldv]; bf16-rounded in the bf16 mode as expand_kv's.
+struct PlainKv {
+  int64_t ldk = 0, ldv = 0;
+  std::vector<float> kt, rt, v;
+};
+
+std::vector<PlainKv> expand_plain(const MlaAttnArgs& a) {
+  const MlaDims& d = a.dims;
+  const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora, lat = R + dr;
+  std::vector<PlainKv> out(a.seqs.size());
+  for (size_t b = 0; b < a.seqs.size(); ++b) {
+    const MlaSeq& s = a.seqs[b];
+    const int64_t S = s.prefix + s.extend;
+    if (s.extend == 0 || S == 0) continue;
+    PlainKv& p = out[b];
+    p.ldk = kernels::gemm::f32_block_ld(S);
+    p.ldv = kernels::gemm::f32_block_ld(dv);
+    p.kt.resize(static_cast<size_t>(Hm * dn * p.ldk));
+    p.rt.resize(static_cast<size_t>(dr * p.ldk));
+    p.v.resize(static_cast<size_t>(Hm * S * p.ldv));
+    for (int64_t h = 0; h < Hm; ++h) {
+      const float* w_uk = a.w_kvb + h * (dn + dv) * R;  // [dn, R]
+      const float* w_uv = w_uk + dn * R;                // [dv, R]
+      float* kt = p.kt.data() + h * dn * p.ldk;
+      float* v = p.v.data() + h * S * p.ldv;
+      sgemm('N', 'T', dn, S, R, 1.0f, w_uk, R, s.latent, lat, 0.0f, kt, p.ldk);
+      sgemm('N', 'T', S, dv, R, 1.0f, s.latent, lat, w_uv, R, 0.0f, v, p.ldv);
+      if (a.bf16) {
+        for (int64_t c = 0; c < dn; ++c) round_bf16_inplace(kt + c * p.ldk, static_cast<size_t>(S));
+        for (int64_t j = 0; j < S; ++j) round_bf16_inplace(v + j * p.ldv, static_cast<size_t>(dv));
+      }
+    }
+    for (int64_t j = 0; j < S; ++j)
+      for (int64_t c = 0; c < dr; ++c) p.rt[static_cast<size_t>(c * p.ldk + j)] = s.latent[j * lat + R + c];
+  }
+  return out;
+}
+
 }  // namespace
 
 bool prefer_absorbed(const MlaDims& d, int64_t prefix, int64_t extend) {
@@ -159,16 +183,17 @@ bool prefer_absorbed(const MlaDims& d, int64_t prefix, int64_t extend) {
 }
 
 // Flash-style: a query block walks its keys in blocks of kKeyBlock with an online softmax (running max
-// and sum per row, fp32), so the scores in memory are [block, kKeyBlock], never a row per key.
+// and sum per row, fp32), so the scores in memory are [block, kKeyBlock], never a row per key. The block
+// GEMMs read the expanded keys and values in place and allocate nothing (f32_block.h says why).
 void mla_attention_plain(const MlaAttnArgs& a) {
   check_args(a);
   const MlaDims& d = a.dims;
-  const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
-  const int64_t lat = R + dr, kvw = Hm * (dn + dv), qw = dn + dr;
-  std::vector<int64_t> kv_off;
-  const std::vector<float> kv = expand_kv(a, kv_off);
+  const int64_t dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head;
+  const int64_t qw = dn + dr;
+  const std::vector<PlainKv> kv = expand_plain(a);
   parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& buf) {
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
+    const PlainKv& p = kv[static_cast<size_t>(w.seq)];
     const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1;  // keys the block's last query sees
     buf.resize(static_cast<size_t>(nb * kKeyBlock + nb * dv + 2 * nb));
     float* scores = buf.data();
@@ -179,13 +204,15 @@ void mla_attention_plain(const MlaAttnArgs& a) {
     std::fill(mx, mx + nb, -INFINITY);
     std::fill(l, l + nb, 0.0f);
     const float* q = a.q + (s.q_row + w.i0) * a.ldq + w.head * qw;
-    const float* k = kv.data() + kv_off[static_cast<size_t>(w.seq)] + w.head * (dn + dv);
+    const float* kt = p.kt.data() + w.head * dn * p.ldk;
+    const float* v = p.v.data() + w.head * (s.prefix + s.extend) * p.ldv;
     for (int64_t j0 = 0; j0 < ns; j0 += kKeyBlock) {
       const int64_t kn = std::min(kKeyBlock, ns - j0);
-      sgemm('N', 'T', nb, kn, dn, a.scale, q, a.ldq, k + j0 * kvw, kvw, 0.0f, scores, kn);
-      sgemm('N', 'T', nb, kn, dr, a.scale, q + dn, a.ldq, s.latent + j0 * lat + R, lat, 1.0f, scores, kn);
+      kernels::gemm::gemm_f32_block(nb, kn, dn, a.scale, q, a.ldq, kt + j0, p.ldk, 0.0f, scores, kn);
+      kernels::gemm::gemm_f32_block(nb, kn, dr, a.scale, q + dn, a.ldq, p.rt.data() + j0, p.ldk, 1.0f, scores,
+                                    kn);
       online_softmax_block(scores, kn, nb, s, w.i0, j0, mx, l, acc, dv);
-      sgemm('N', 'N', nb, dv, kn, 1.0f, scores, kn, k + j0 * kvw + dn, kvw, 1.0f, acc, dv);
+      kernels::gemm::gemm_f32_block(nb, dv, kn, 1.0f, scores, kn, v + j0 * p.ldv, p.ldv, 1.0f, acc, dv);
     }
     float* o = a.o + (s.q_row + w.i0) * a.ldo + w.head * dv;
     for (int64_t ii = 0; ii < nb; ++ii) {
@@ -200,21 +227,21 @@ void mla_attention_plain(const MlaAttnArgs& a) {
 void mla_attention_plain_reference(const MlaAttnArgs& a) {
   check_args(a);
   const MlaDims& d = a.dims;
-  const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
-  const int64_t lat = R + dr, kvw = Hm * (dn + dv), qw = dn + dr;
-  std::vector<int64_t> kv_off;
-  const std::vector<float> kv = expand_kv(a, kv_off);
+  const int64_t dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, qw = dn + dr;
+  const std::vector<PlainKv> kv = expand_plain(a);
   parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& scores) {
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
+    const PlainKv& p = kv[static_cast<size_t>(w.seq)];
     const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1;  // keys the block's last query sees
     scores.resize(static_cast<size_t>(nb * ns));
     const float* q = a.q + (s.q_row + w.i0) * a.ldq + w.head * qw;
-    const float* k = kv.data() + kv_off[static_cast<size_t>(w.seq)] + w.head * (dn + dv);
-    sgemm('N', 'T', nb, ns, dn, a.scale, q, a.ldq, k, kvw, 0.0f, scores.data(), ns);
-    sgemm('N', 'T', nb, ns, dr, a.scale, q + dn, a.ldq, s.latent + R, lat, 1.0f, scores.data(), ns);
+    const float* kt = p.kt.data() + w.head * dn * p.ldk;
+    const float* v = p.v.data() + w.head * (s.prefix + s.extend) * p.ldv;
+    sgemm('N', 'N', nb, ns, dn, a.scale, q, a.ldq, kt, p.ldk, 0.0f, scores.data(), ns);
+    sgemm('N', 'N', nb, ns, dr, a.scale, q + dn, a.ldq, p.rt.data(), p.ldk, 1.0f, scores.data(), ns);
     causal_softmax(scores.data(), ns, nb, s, w.i0);
     float* o = a.o + (s.q_row + w.i0) * a.ldo + w.head * dv;
-    sgemm('N', 'N', nb, dv, ns, 1.0f, scores.data(), ns, k + dn, kvw, 0.0f, o, a.ldo);
+    sgemm('N', 'N', nb, dv, ns, 1.0f, scores.data(), ns, v, p.ldv, 0.0f, o, a.ldo);
     if (a.bf16)
       for (int64_t ii = 0; ii < nb; ++ii) round_bf16_inplace(o + ii * a.ldo, static_cast<size_t>(dv));
   });
