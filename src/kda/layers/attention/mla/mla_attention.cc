@@ -133,7 +133,8 @@ void online_softmax_block(float* s, int64_t kn, int64_t nb, const MlaSeq& seq, i
 // The expansion through kv_b, shared by both plain kernels: one sequence's keys and values (a threaded
 // GEMM per head) in the layouts the flash kernel's block GEMMs (gemm_f32_block) read in place: each head's
 // nope keys transposed, kt [dn, ldk] (a column per key), the rope keys every head shares transposed, rt [dr,
-// ldk], and each head's values v [S, ldv]; bf16-rounded in the bf16 mode as expand_kv's.
+// ldk], and each head's values v [S, ldv]; the expanded keys and values bf16-rounded in the bf16 mode (the
+// layer's rounding point: kv_b's output), the rope keys as the cache holds them.
 struct PlainKv {
   int64_t ldk = 0, ldv = 0;
   std::vector<float> kt, rt, v;
