@@ -37,7 +37,7 @@ KDA_PYTHONPATH=- KDA_BINARY=build/kda $VPY -m pytest -q tests/python
 echo "== kernel tests without AVX-512 (KDA_ENABLE_AVX512=OFF)"
 cmake -S . -B build-portable -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_ENABLE_AVX512=OFF -DKDA_BUILD_BENCH=OFF \
   -DKDA_BUILD_PYTHON=OFF >/dev/null
-PORTABLE_TESTS=(test_kernels test_chunk_kda_blocks test_short_conv test_vec_math)
+PORTABLE_TESTS=(test_kernels test_chunk_kda_blocks test_short_conv test_vec_math test_f32_block test_mla_flash)
 cmake --build build-portable -j "$JOBS" --target "${PORTABLE_TESTS[@]}"
 for t in "${PORTABLE_TESTS[@]}"; do build-portable/"$t" --gtest_brief=1; done
 # And the AVX2 build's portable copy alone, as on a CPU without AVX2 (KDA_ISA caps the choice).
