@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the build, the tests and the lint need -- only those that are missing.
 set -euo pipefail
-PKGS=(build-essential cmake ninja-build pkg-config git
+PKGS=(build-essential cmake ninja-build pkg-config git ccache
       libdnnl-dev nlohmann-json3-dev libzip-dev zlib1g-dev libcli11-dev
       libgtest-dev libgmock-dev libbenchmark-dev
       libopenmpi-dev openmpi-bin

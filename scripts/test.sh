@@ -16,6 +16,11 @@ pre-commit run --all-files --show-diff-on-failure
 echo "== Release build + tests"
 # Debian's interpreter: NumPy, PyTorch and pytest come from Debian's packages.
 PY=/usr/bin/python3
+# ccache between this build and the pip install's (below): both compile the library with the same
+# commands, so the second is served from the cache instead of compiling all of it again. Only these two
+# builds use it (the sanitizer builds share nothing); a caller's own launcher is kept for every build.
+CALLER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER-}
+export CMAKE_CXX_COMPILER_LAUNCHER=${CALLER_LAUNCHER:-ccache}
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$PY >/dev/null
 cmake --build build -j "$JOBS"
 ctest --test-dir build --output-on-failure -j "$JOBS"
@@ -33,6 +38,7 @@ KDA_PYTHONPATH=build/python KDA_BINARY=build/kda $VPY -m pytest -q tests/python
 echo "== pip install --no-build-isolation . into the venv (offline), pytest on the installed package"
 build-venv/bin/pip install -q --no-build-isolation --no-index .
 KDA_PYTHONPATH=- KDA_BINARY=build/kda $VPY -m pytest -q tests/python
+if [ -n "$CALLER_LAUNCHER" ]; then export CMAKE_CXX_COMPILER_LAUNCHER=$CALLER_LAUNCHER; else unset CMAKE_CXX_COMPILER_LAUNCHER; fi
 
 echo "== kernel tests without AVX-512 (KDA_ENABLE_AVX512=OFF)"
 cmake -S . -B build-portable -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_ENABLE_AVX512=OFF -DKDA_BUILD_BENCH=OFF \
