@@ -56,6 +56,28 @@ TEST(Allocator, BuildingAPoolKeepsLargeBlocksInTheirOwnMappings) {
   EXPECT_TRUE(configure_allocator());  // in effect, and calling it again changes nothing
 }
 
+// A model load's scope serves blocks up to 32 MiB from the heap, scopes nest, and the outermost one's end
+// puts the fixed threshold back.
+TEST(Allocator, ALoadScopeServesLargeBlocksFromTheHeapUntilTheOutermostEnds) {
+  if (testing::kSanitizedMalloc) GTEST_SKIP() << "glibc's own malloc only, not a sanitizer's";
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("GLIBC_TUNABLES"))
+    GTEST_SKIP() << "the environment sets malloc's own parameters";
+  ASSERT_TRUE(configure_allocator());
+  ASSERT_TRUE(gets_own_mapping(8 << 20));
+  {
+    const LoadAllocatorScope outer;
+    EXPECT_FALSE(gets_own_mapping(8 << 20));
+    EXPECT_TRUE(gets_own_mapping(64 << 20));  // above glibc's largest threshold
+    {
+      const LoadAllocatorScope inner;
+      EXPECT_FALSE(gets_own_mapping(8 << 20));
+    }
+    EXPECT_FALSE(gets_own_mapping(8 << 20));  // the inner scope's end leaves the outer's setting
+  }
+  EXPECT_TRUE(gets_own_mapping(8 << 20));
+  EXPECT_TRUE(gets_own_mapping(kMmapThreshold));
+}
+
 // In a fresh process (the death-test child re-runs only this test), a threshold set in the environment
 // wins: configure_allocator leaves malloc alone and says so.
 TEST(Allocator, AThresholdChosenInTheEnvironmentIsLeftAlone) {

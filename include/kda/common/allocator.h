@@ -1,4 +1,5 @@
-// The library's one setting of the C library's allocator, made when the first state pool is built.
+// The library's one setting of the C library's allocator, made when the first state pool is built, and
+// its relaxation for the span of a model load (LoadAllocatorScope).
 //
 // glibc malloc serves a block of at least its mmap threshold from its own mapping, and by default raises
 // the threshold to the size of each such block freed (up to 32 MiB). After the first large scratch buffer
@@ -21,5 +22,23 @@ inline constexpr std::size_t kMmapThreshold = 128 * 1024;
 // (MALLOC_MMAP_THRESHOLD_, or glibc.malloc.mmap_threshold in GLIBC_TUNABLES). A program that wants another
 // setting calls mallopt after building its first pool.
 bool configure_allocator();
+
+// While one is alive (any thread; scopes nest), blocks up to 32 MiB (glibc's largest threshold) are
+// served from the heap and freed blocks stay there: a model load's per-tensor temporaries (an expert's
+// fp32 copy before packing, a head block) then reuse the same pages instead of each mapping, faulting
+// in and unmapping fresh ones -- on a virtual machine a first touch can cost tens of microseconds a page.
+// The last scope to end restores configure_allocator()'s threshold and hands the heap's free pages back
+// (malloc_trim), so resident memory after the load is what the model holds. Does nothing where
+// configure_allocator() is not in effect.
+class LoadAllocatorScope {
+ public:
+  LoadAllocatorScope();
+  ~LoadAllocatorScope();
+  LoadAllocatorScope(const LoadAllocatorScope&) = delete;
+  LoadAllocatorScope& operator=(const LoadAllocatorScope&) = delete;
+
+ private:
+  bool active_ = false;
+};
 
 }  // namespace kda

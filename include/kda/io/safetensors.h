@@ -119,6 +119,9 @@ class Checkpoint {
   // only the slice's bytes are read from the mapping (tensor-parallel ranks load their shards).
   std::vector<float> load_f32_slice(const std::string& name, const std::vector<int64_t>& expected_shape,
                                     int dim, int64_t begin, int64_t end) const;
+  // The same into `out`, resized (its storage reused when large enough: a loader's block after block).
+  void load_f32_slice_into(const std::string& name, const std::vector<int64_t>& expected_shape, int dim,
+                           int64_t begin, int64_t end, std::vector<float>& out) const;
   std::vector<bf16_t> load_bf16(const std::string& name, const std::vector<int64_t>& expected_shape) const;
 
   const std::filesystem::path& root() const { return root_; }

@@ -232,8 +232,9 @@ class KimiLinearForCausalLM {
   // reads in place for two rows or more (compute_logits says why); resident, counted in weight_bytes, not in
   // head_weight_bytes (the bytes one call reads).
   std::vector<bf16_t> head_bf16_;
-  // Builds the head's blocks from rows(begin, end) -> fp32 [end - begin, D].
-  void build_head(int64_t V, const std::function<std::vector<float>(int64_t, int64_t)>& rows);
+  // Builds the head's blocks from rows(begin, end, out): out = fp32 [end - begin, D]. One buffer serves every
+  // block, so a loader's fp32 copy reuses the same pages block after block.
+  void build_head(int64_t V, const std::function<void(int64_t, int64_t, std::vector<float>&)>& rows);
   layers::attention::linear::KDAAttnBackend backend_;
   // compute_logits' normed rows [M, D], and one block's logits [M, block] before they go to their columns
   // (compute_logits says why); the normed rows in bf16 for the AMX head.

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -18,6 +19,9 @@ bool threshold_chosen_by_environment() {
   return tunables != nullptr && std::strstr(tunables, "glibc.malloc.mmap_threshold") != nullptr;
 }
 
+std::mutex load_mutex;
+int load_depth = 0;  // live LoadAllocatorScopes that are active
+
 }  // namespace
 
 bool configure_allocator() {
@@ -29,6 +33,30 @@ bool configure_allocator() {
   return in_effect;
 #else
   return false;
+#endif
+}
+
+LoadAllocatorScope::LoadAllocatorScope() {
+#if defined(__GLIBC__)
+  if (!configure_allocator()) return;
+  const std::lock_guard<std::mutex> lock(load_mutex);
+  if (load_depth++ == 0) {
+    mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  }
+  active_ = true;
+#endif
+}
+
+LoadAllocatorScope::~LoadAllocatorScope() {
+#if defined(__GLIBC__)
+  if (!active_) return;
+  const std::lock_guard<std::mutex> lock(load_mutex);
+  if (--load_depth == 0) {
+    mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMmapThreshold));
+    mallopt(M_TRIM_THRESHOLD, 128 * 1024);  // glibc's default
+    malloc_trim(0);
+  }
 #endif
 }
 

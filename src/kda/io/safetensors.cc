@@ -463,6 +463,13 @@ std::vector<float> Checkpoint::load_f32(const std::string& name,
 std::vector<float> Checkpoint::load_f32_slice(const std::string& name,
                                               const std::vector<int64_t>& expected_shape, int dim,
                                               int64_t begin, int64_t end) const {
+  std::vector<float> out;
+  load_f32_slice_into(name, expected_shape, dim, begin, end, out);
+  return out;
+}
+
+void Checkpoint::load_f32_slice_into(const std::string& name, const std::vector<int64_t>& expected_shape,
+                                     int dim, int64_t begin, int64_t end, std::vector<float>& out) const {
   const TensorView& v = check_shape(get(name), expected_shape);
   if (dim < 0 || dim >= static_cast<int>(v.shape.size()) || begin < 0 || end < begin || end > v.shape[dim])
     throw std::runtime_error("tensor '" + name + "' of shape " + shape_str(v.shape) + ": cannot take [" +
@@ -474,11 +481,10 @@ std::vector<float> Checkpoint::load_f32_slice(const std::string& name,
   for (size_t d = dim + 1; d < v.shape.size(); ++d) inner *= static_cast<size_t>(v.shape[d]);
   const size_t run = static_cast<size_t>(end - begin) * inner,
                extent = static_cast<size_t>(v.shape[dim]) * inner;
-  std::vector<float> out(outer * run);
+  out.resize(outer * run);
   for (size_t o = 0; o < outer; ++o)
     convert_f32_parallel(v, o * extent + static_cast<size_t>(begin) * inner, run, out.data() + o * run);
   drop_resident_pages(v);
-  return out;
 }
 
 std::vector<bf16_t> Checkpoint::load_bf16(const std::string& name,

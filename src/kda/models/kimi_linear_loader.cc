@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/common/allocator.h"
 #include "kda/common/seeded.h"
 #include "kda/io/checkpoint_keys.h"
 #include "kda/io/packed_checkpoint.h"
@@ -77,6 +78,7 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
         "from_pretrained: num_experts / vocab overrides apply to synthetic models only");
   const io::KimiLinearConfig cfg = io::load_model_config(dir);  // refuses what the spec does not define
   check_options(cfg, opts);
+  const LoadAllocatorScope load_scope;  // the per-tensor temporaries reuse their pages (allocator.h)
   std::unique_ptr<KimiLinearForCausalLM> m(new KimiLinearForCausalLM(cfg, opts));
   m->init_ids();
   const int L = model_layer_count(cfg, opts.num_layers);
@@ -160,16 +162,17 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
   // The head dense in the precision's type (an explicit option quantizes it), block by block; tied: the
   // embedding's rows.
   if (tied)
-    m->build_head(V, [&](int64_t b, int64_t e) {
-      std::vector<float> rows(static_cast<size_t>((e - b) * D));
+    m->build_head(V, [&](int64_t b, int64_t e, std::vector<float>& rows) {
+      rows.resize(static_cast<size_t>((e - b) * D));
       if (bf16)
         bf16_to_f32_array((embed_mapped ? embed_mapped : embed16.data()) + b * D, rows.data(), rows.size());
       else
         std::copy(embed.begin() + b * D, embed.begin() + e * D, rows.begin());
-      return rows;
     });
   else
-    m->build_head(V, [&](int64_t b, int64_t e) { return ckpt.load_f32_slice(kHeadKey, {V, D}, 0, b, e); });
+    m->build_head(V, [&](int64_t b, int64_t e, std::vector<float>& rows) {
+      ckpt.load_f32_slice_into(kHeadKey, {V, D}, 0, b, e, rows);
+    });
   release_after(L + 1);
   if (embed_mapped)
     m->model_ = std::make_unique<KimiLinearModel>(cfg, embed_mapped, std::move(embed_owner), V,
@@ -208,6 +211,7 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::synthetic(const io
   check_options(cfg, opts);
   if (opts.vocab < 0 || opts.num_experts < 0)
     throw std::invalid_argument("synthetic: vocab and num_experts must be >= 0 (0: the config's)");
+  const LoadAllocatorScope load_scope;
   std::unique_ptr<KimiLinearForCausalLM> m(new KimiLinearForCausalLM(cfg, opts));
   m->init_ids();
   const int L = model_layer_count(cfg, opts.num_layers);
@@ -257,7 +261,9 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::synthetic(const io
         std::move(kda[i]), std::move(mla[i]), std::move(mlp), std::move(moe)));
   }
   const float head_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  m->build_head(V, [&](int64_t b, int64_t e) { return seeded_table(seed, kHeadTable, b, e, D, head_scale); });
+  m->build_head(V, [&](int64_t b, int64_t e, std::vector<float>& rows) {
+    rows = seeded_table(seed, kHeadTable, b, e, D, head_scale);
+  });
   m->model_ =
       std::make_unique<KimiLinearModel>(cfg, prec, seeded_table(seed, kEmbedTable, 0, V, D, 1.0f), V,
                                         std::move(layers), std::vector<float>(static_cast<size_t>(D), 1.0f));

@@ -396,8 +396,8 @@ int64_t KimiLinearForCausalLM::head_weight_bytes() const {
   return b;
 }
 
-void KimiLinearForCausalLM::build_head(int64_t V,
-                                       const std::function<std::vector<float>(int64_t, int64_t)>& rows) {
+void KimiLinearForCausalLM::build_head(
+    int64_t V, const std::function<void(int64_t, int64_t, std::vector<float>&)>& rows) {
   const int64_t D = cfg_.hidden_size;
   const int64_t per =
       opts_.lm_head_block_rows > 0 ? opts_.lm_head_block_rows : std::max<int64_t>(1, kHeadBlockValues / D);
@@ -409,9 +409,10 @@ void KimiLinearForCausalLM::build_head(int64_t V,
   const bool amx = opts_.precision == Precision::BF16 && hw == Weights::BF16 &&
                    kernels::gemm::cpu_has_amx_bf16() && kernels::gemm::bf16_amx_takes(D);
   if (amx) head_bf16_.resize(static_cast<size_t>(V * D));
+  std::vector<float> r;
   for (int64_t b = 0; b < V; b += per) {
     const int64_t e = std::min(V, b + per);
-    const std::vector<float> r = rows(b, e);
+    rows(b, e, r);
     if (amx) {
       if (static_cast<int64_t>(r.size()) != (e - b) * D)
         throw std::invalid_argument("lm_head rows [" + str(b) + ", " + str(e) +

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kda/common/allocator.h"
 #include "kda/io/checkpoint_keys.h"
 #include "kda/io/config.h"
 #include "kda/io/file.h"
@@ -68,6 +69,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& model, const fs::path& out, 
   check_out_dir(out);
   std::error_code ec;
   if (fs::equivalent(model, out, ec)) throw std::invalid_argument("--out must differ from --model");
+  const LoadAllocatorScope load_scope;  // each tensor's fp32 copy reuses the last one's pages (allocator.h)
   const io::KimiLinearConfig cfg = io::load_model_config(model);
   io::Checkpoint ckpt(model);
   if (const auto w = io::packed_weights(ckpt))
