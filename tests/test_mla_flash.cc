@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -110,6 +111,42 @@ TEST(MlaFlash, GrowingScoresMoveTheRunningMax) { compare({{0, 1100}, {900, 130}}
 
 TEST(MlaFlash, VerifyTreesMaskAsTheReference) {
   compare({{10, 6, true}, {300, 40, true}, {0, 70, true}}, false, 0.0f, "trees fp32");
+}
+
+// A scratch kept across calls (as a layer keeps one) gives the bits of a call's own buffers, whatever the
+// calls before left in it: a large call, then smaller ones over a scratch filled with NaN (padding and stale
+// rows must not be read), then a larger one that grows it, in both kernels.
+TEST(MlaFlash, AScratchKeptAcrossCallsGivesTheBitsOfOwnBuffers) {
+  const mla::MlaDims d{4, 128, 64, 128, 512};
+  const int64_t lat = d.kv_lora + d.qk_rope, qw = d.heads * (d.qk_nope + d.qk_rope), ow = d.heads * d.v_head;
+  const std::vector<float> w =
+      random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), 13, 0.05f);
+  mla::MlaScratch scratch;
+  const std::vector<std::vector<std::pair<int64_t, int64_t>>> calls{
+      {{0, 600}, {100, 90}}, {{0, 70}}, {{30, 5}, {0, 1}}, {{0, 900}, {500, 200}, {3, 0}}};
+  for (size_t k = 0; k < calls.size(); ++k)
+    for (const bool reference : {false, true}) {
+      int64_t T = 0, L = 0;
+      for (const auto& [prefix, extend] : calls[k]) T += extend, L += prefix + extend;
+      const std::vector<float> q = random_normal(static_cast<size_t>(T * qw), 30 + k, 2.0f);
+      const std::vector<float> latent = random_normal(static_cast<size_t>(L * lat), 40 + k);
+      std::vector<mla::MlaSeq> seqs;
+      for (int64_t row = 0, at = 0; const auto& [prefix, extend] : calls[k]) {
+        seqs.push_back({row, prefix, extend, latent.data() + at * lat, nullptr});
+        row += extend;
+        at += prefix + extend;
+      }
+      std::vector<float> own(static_cast<size_t>(T * ow), 0.0f), kept(own);
+      mla::MlaAttnArgs a{d, q.data(), qw, seqs, w.data(), 1.0f / std::sqrt(192.0f), true, own.data(), ow};
+      (reference ? mla::mla_attention_plain_reference : mla::mla_attention_plain)(a);
+      for (auto* b : {&scratch.kt, &scratch.rt, &scratch.v}) std::fill(b->begin(), b->end(), NAN);
+      a.o = kept.data();
+      a.scratch = &scratch;
+      (reference ? mla::mla_attention_plain_reference : mla::mla_attention_plain)(a);
+      EXPECT_EQ(std::memcmp(own.data(), kept.data(), own.size() * sizeof(float)), 0)
+          << "call " << k << (reference ? " (reference)" : "");
+    }
+  EXPECT_FALSE(scratch.kt.empty());
 }
 
 // A sequence's output rows are the same bits alone and in any batch, in both forms: what the serving

@@ -33,6 +33,10 @@
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/model_executor/forward_batch_info.h"
 
+namespace kda::layers::attention::mla {
+struct MlaScratch;
+}
+
 namespace kda::models {
 
 // Throws std::invalid_argument when `tp_size` ranks cannot split the config's MLA heads evenly.
@@ -74,6 +78,7 @@ class KimiMLAAttention {
   KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_idx, const MlaLayerWeights& w,
                    Precision precision, distributed::TensorParallel tp = {}, Weights weights = Weights::BF16,
                    MlaOptions options = {});
+  ~KimiMLAAttention();
   KimiMLAAttention(const KimiMLAAttention&) = delete;
   KimiMLAAttention& operator=(const KimiMLAAttention&) = delete;
 
@@ -121,6 +126,7 @@ class KimiMLAAttention {
   std::vector<float> w_kvb_;  // kv_b as the attention multiplies by it (bf16-rounded / dequantized values)
   // Scratch.
   std::vector<float> q_, a_, lat_new_, lat_, o_;
+  std::unique_ptr<layers::attention::mla::MlaScratch> plain_kv_;  // the plain form's expanded keys, values
 };
 
 }  // namespace kda::models

@@ -190,6 +190,8 @@ std::vector<float> effective_kvb(const MlaLayerWeights& mw, int64_t R, int64_t o
 
 }  // namespace
 
+KimiMLAAttention::~KimiMLAAttention() = default;
+
 KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_idx, const MlaLayerWeights& w,
                                    Precision precision, distributed::TensorParallel tp, Weights weights,
                                    MlaOptions options)
@@ -385,7 +387,9 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
   }
   // 4. Attention; a padded row's o stays zero, so its output is zero.
   o_.assign(static_cast<size_t>(T * Hm_ * dv_), 0.0f);
-  mla::MlaAttnArgs args{dims, q_.data(), qw, {}, w_kvb_.data(), scale_, bf16, o_.data(), Hm_ * dv_};
+  if (!plain_kv_) plain_kv_ = std::make_unique<mla::MlaScratch>();
+  mla::MlaAttnArgs args{dims,   q_.data(), qw,        {},        w_kvb_.data(),
+                        scale_, bf16,      o_.data(), Hm_ * dv_, plain_kv_.get()};
   if (!plain.empty()) {
     args.seqs = plain;
     mla::mla_attention_plain(args);

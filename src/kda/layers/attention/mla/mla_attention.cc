@@ -137,28 +137,53 @@ void online_softmax_block(float* s, int64_t kn, int64_t nb, const MlaSeq& seq, i
 // layer's rounding point: kv_b's output), the rope keys as the cache holds them.
 struct PlainKv {
   int64_t ldk = 0, ldv = 0;
-  std::vector<float> kt, rt, v;
+  const float *kt = nullptr, *rt = nullptr, *v = nullptr;
 };
 
-std::vector<PlainKv> expand_plain(const MlaAttnArgs& a) {
+// b holding at least n values; grown without keeping its old values, never shrunk.
+float* at_least(std::vector<float>& b, size_t n) {
+  if (b.size() < n) {
+    b.clear();
+    b.shrink_to_fit();
+    b.resize(n);
+  }
+  return b.data();
+}
+
+std::vector<PlainKv> expand_plain(const MlaAttnArgs& a, MlaScratch& scratch) {
   const MlaDims& d = a.dims;
   const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora, lat = R + dr;
+  // Every sequence's share of the three buffers, then the buffers once.
   std::vector<PlainKv> out(a.seqs.size());
+  std::vector<size_t> kt_at(a.seqs.size()), rt_at(a.seqs.size()), v_at(a.seqs.size());
+  size_t kt_n = 0, rt_n = 0, v_n = 0;
+  for (size_t b = 0; b < a.seqs.size(); ++b) {
+    const MlaSeq& s = a.seqs[b];
+    const int64_t S = s.prefix + s.extend;
+    if (s.extend == 0 || S == 0) continue;
+    out[b].ldk = kernels::gemm::f32_block_ld(S);
+    out[b].ldv = kernels::gemm::f32_block_ld(dv);
+    kt_at[b] = kt_n, rt_at[b] = rt_n, v_at[b] = v_n;
+    kt_n += static_cast<size_t>(Hm * dn * out[b].ldk);
+    rt_n += static_cast<size_t>(dr * out[b].ldk);
+    v_n += static_cast<size_t>(Hm * S * out[b].ldv);
+  }
+  float* const kt_all = at_least(scratch.kt, kt_n);
+  float* const rt_all = at_least(scratch.rt, rt_n);
+  float* const v_all = at_least(scratch.v, v_n);
   for (size_t b = 0; b < a.seqs.size(); ++b) {
     const MlaSeq& s = a.seqs[b];
     const int64_t S = s.prefix + s.extend;
     if (s.extend == 0 || S == 0) continue;
     PlainKv& p = out[b];
-    p.ldk = kernels::gemm::f32_block_ld(S);
-    p.ldv = kernels::gemm::f32_block_ld(dv);
-    p.kt.resize(static_cast<size_t>(Hm * dn * p.ldk));
-    p.rt.resize(static_cast<size_t>(dr * p.ldk));
-    p.v.resize(static_cast<size_t>(Hm * S * p.ldv));
+    p.kt = kt_all + kt_at[b];
+    p.rt = rt_all + rt_at[b];
+    p.v = v_all + v_at[b];
     for (int64_t h = 0; h < Hm; ++h) {
       const float* w_uk = a.w_kvb + h * (dn + dv) * R;  // [dn, R]
       const float* w_uv = w_uk + dn * R;                // [dv, R]
-      float* kt = p.kt.data() + h * dn * p.ldk;
-      float* v = p.v.data() + h * S * p.ldv;
+      float* kt = kt_all + kt_at[b] + h * dn * p.ldk;
+      float* v = v_all + v_at[b] + h * S * p.ldv;
       sgemm('N', 'T', dn, S, R, 1.0f, w_uk, R, s.latent, lat, 0.0f, kt, p.ldk);
       sgemm('N', 'T', S, dv, R, 1.0f, s.latent, lat, w_uv, R, 0.0f, v, p.ldv);
       if (a.bf16) {
@@ -166,8 +191,9 @@ std::vector<PlainKv> expand_plain(const MlaAttnArgs& a) {
         for (int64_t j = 0; j < S; ++j) round_bf16_inplace(v + j * p.ldv, static_cast<size_t>(dv));
       }
     }
+    float* rt = rt_all + rt_at[b];
     for (int64_t j = 0; j < S; ++j)
-      for (int64_t c = 0; c < dr; ++c) p.rt[static_cast<size_t>(c * p.ldk + j)] = s.latent[j * lat + R + c];
+      for (int64_t c = 0; c < dr; ++c) rt[c * p.ldk + j] = s.latent[j * lat + R + c];
   }
   return out;
 }
@@ -191,7 +217,8 @@ void mla_attention_plain(const MlaAttnArgs& a) {
   const MlaDims& d = a.dims;
   const int64_t dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head;
   const int64_t qw = dn + dr;
-  const std::vector<PlainKv> kv = expand_plain(a);
+  MlaScratch own;
+  const std::vector<PlainKv> kv = expand_plain(a, a.scratch != nullptr ? *a.scratch : own);
   parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& buf) {
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
     const PlainKv& p = kv[static_cast<size_t>(w.seq)];
@@ -205,13 +232,12 @@ void mla_attention_plain(const MlaAttnArgs& a) {
     std::fill(mx, mx + nb, -INFINITY);
     std::fill(l, l + nb, 0.0f);
     const float* q = a.q + (s.q_row + w.i0) * a.ldq + w.head * qw;
-    const float* kt = p.kt.data() + w.head * dn * p.ldk;
-    const float* v = p.v.data() + w.head * (s.prefix + s.extend) * p.ldv;
+    const float* kt = p.kt + w.head * dn * p.ldk;
+    const float* v = p.v + w.head * (s.prefix + s.extend) * p.ldv;
     for (int64_t j0 = 0; j0 < ns; j0 += kKeyBlock) {
       const int64_t kn = std::min(kKeyBlock, ns - j0);
       kernels::gemm::gemm_f32_block(nb, kn, dn, a.scale, q, a.ldq, kt + j0, p.ldk, 0.0f, scores, kn);
-      kernels::gemm::gemm_f32_block(nb, kn, dr, a.scale, q + dn, a.ldq, p.rt.data() + j0, p.ldk, 1.0f, scores,
-                                    kn);
+      kernels::gemm::gemm_f32_block(nb, kn, dr, a.scale, q + dn, a.ldq, p.rt + j0, p.ldk, 1.0f, scores, kn);
       online_softmax_block(scores, kn, nb, s, w.i0, j0, mx, l, acc, dv);
       kernels::gemm::gemm_f32_block(nb, dv, kn, 1.0f, scores, kn, v + j0 * p.ldv, p.ldv, 1.0f, acc, dv);
     }
@@ -229,17 +255,18 @@ void mla_attention_plain_reference(const MlaAttnArgs& a) {
   check_args(a);
   const MlaDims& d = a.dims;
   const int64_t dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, qw = dn + dr;
-  const std::vector<PlainKv> kv = expand_plain(a);
+  MlaScratch own;
+  const std::vector<PlainKv> kv = expand_plain(a, a.scratch != nullptr ? *a.scratch : own);
   parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& scores) {
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
     const PlainKv& p = kv[static_cast<size_t>(w.seq)];
     const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1;  // keys the block's last query sees
     scores.resize(static_cast<size_t>(nb * ns));
     const float* q = a.q + (s.q_row + w.i0) * a.ldq + w.head * qw;
-    const float* kt = p.kt.data() + w.head * dn * p.ldk;
-    const float* v = p.v.data() + w.head * (s.prefix + s.extend) * p.ldv;
+    const float* kt = p.kt + w.head * dn * p.ldk;
+    const float* v = p.v + w.head * (s.prefix + s.extend) * p.ldv;
     sgemm('N', 'N', nb, ns, dn, a.scale, q, a.ldq, kt, p.ldk, 0.0f, scores.data(), ns);
-    sgemm('N', 'N', nb, ns, dr, a.scale, q + dn, a.ldq, p.rt.data(), p.ldk, 1.0f, scores.data(), ns);
+    sgemm('N', 'N', nb, ns, dr, a.scale, q + dn, a.ldq, p.rt, p.ldk, 1.0f, scores.data(), ns);
     causal_softmax(scores.data(), ns, nb, s, w.i0);
     float* o = a.o + (s.q_row + w.i0) * a.ldo + w.head * dv;
     sgemm('N', 'N', nb, dv, ns, 1.0f, scores.data(), ns, v, p.ldv, 0.0f, o, a.ldo);

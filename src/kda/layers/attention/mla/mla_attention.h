@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace kda::layers::attention::mla {
 
@@ -51,6 +52,13 @@ struct MlaSeq {
   const uint8_t* visible = nullptr;
 };
 
+// Where the plain form keeps the keys and values it expands through kv_b for a call (every head's, of each
+// sequence). A layer that passes the same one to every call touches those pages once, not on every
+// prefill; without one (nullptr) a call expands into buffers of its own, freed on return.
+struct MlaScratch {
+  std::vector<float> kt, rt, v;
+};
+
 struct MlaAttnArgs {
   MlaDims dims;
   const float* q = nullptr;  // [T, heads * (dn + dr)], row stride ldq: per head q_nope | q_pe
@@ -61,6 +69,8 @@ struct MlaAttnArgs {
   bool bf16 = false;             // the bf16 mode's rounding points
   float* o = nullptr;            // [T, heads * dv], row stride ldo; rows of the sequences' new tokens written
   int64_t ldo = 0;
+  MlaScratch* scratch =
+      nullptr;  // the plain forms' expanded keys and values (above); not shared between threads
 };
 
 // The plain form flash-style: each (sequence, head, block of 64 queries) walks its keys in blocks of 256
