@@ -56,7 +56,7 @@ TEST(Allocator, BuildingAPoolKeepsLargeBlocksInTheirOwnMappings) {
   EXPECT_TRUE(configure_allocator());  // in effect, and calling it again changes nothing
 }
 
-// A model load's scope serves blocks up to 32 MiB from the heap, scopes nest, and the outermost one's end
+// A model load's scope serves blocks up to 16 MiB from the heap, scopes nest, and the outermost one's end
 // puts the fixed threshold back.
 TEST(Allocator, ALoadScopeServesLargeBlocksFromTheHeapUntilTheOutermostEnds) {
   if (testing::kSanitizedMalloc) GTEST_SKIP() << "glibc's own malloc only, not a sanitizer's";
@@ -67,7 +67,7 @@ TEST(Allocator, ALoadScopeServesLargeBlocksFromTheHeapUntilTheOutermostEnds) {
   {
     const LoadAllocatorScope outer;
     EXPECT_FALSE(gets_own_mapping(8 << 20));
-    EXPECT_TRUE(gets_own_mapping(64 << 20));  // above glibc's largest threshold
+    EXPECT_TRUE(gets_own_mapping(32 << 20));  // above the scope's threshold
     {
       const LoadAllocatorScope inner;
       EXPECT_FALSE(gets_own_mapping(8 << 20));

@@ -23,11 +23,12 @@ inline constexpr std::size_t kMmapThreshold = 128 * 1024;
 // setting calls mallopt after building its first pool.
 bool configure_allocator();
 
-// While one is alive (any thread; scopes nest), blocks up to 32 MiB (glibc's largest threshold) are
-// served from the heap and freed blocks stay there: a model load's per-tensor temporaries (an expert's
-// fp32 copy before packing, a head block) then reuse the same pages instead of each mapping, faulting
-// in and unmapping fresh ones -- on a virtual machine a first touch can cost tens of microseconds a page.
-// The last scope to end restores configure_allocator()'s threshold and hands the heap's free pages back
+// While one is alive (any thread; scopes nest), blocks up to 16 MiB are served from the heap and freed
+// blocks stay there: a model load's per-tensor temporaries (an expert's fp32 copy before packing: 9.4 MB
+// at the real shapes) then reuse the same pages instead of each mapping, faulting in and unmapping fresh
+// ones -- on a virtual machine a first touch can cost tens of microseconds a page. Larger blocks keep their
+// own mappings: as heap holes between long-lived weights they raised a load's peak resident memory. The
+// last scope to end restores configure_allocator()'s threshold and hands the heap's free pages back
 // (malloc_trim), so resident memory after the load is what the model holds. Does nothing where
 // configure_allocator() is not in effect.
 class LoadAllocatorScope {
@@ -36,6 +37,10 @@ class LoadAllocatorScope {
   ~LoadAllocatorScope();
   LoadAllocatorScope(const LoadAllocatorScope&) = delete;
   LoadAllocatorScope& operator=(const LoadAllocatorScope&) = delete;
+  // Hands the heap's free pages back now (malloc_trim): a loader calls it between layers, so the
+  // temporaries' pages are reused within a layer and the load's peak stays one layer's temporaries above
+  // the weights built so far.
+  void trim() const;
 
  private:
   bool active_ = false;

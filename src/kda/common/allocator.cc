@@ -41,10 +41,16 @@ LoadAllocatorScope::LoadAllocatorScope() {
   if (!configure_allocator()) return;
   const std::lock_guard<std::mutex> lock(load_mutex);
   if (load_depth++ == 0) {
-    mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024);
+    mallopt(M_MMAP_THRESHOLD, 16 * 1024 * 1024);
     mallopt(M_TRIM_THRESHOLD, 1 << 30);
   }
   active_ = true;
+#endif
+}
+
+void LoadAllocatorScope::trim() const {
+#if defined(__GLIBC__)
+  if (active_) malloc_trim(0);
 #endif
 }
 

@@ -157,6 +157,7 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
                                                         std::move(kda), std::move(mla), std::move(mlp),
                                                         std::move(moe)));
     release_after(i + 1);
+    load_scope.trim();
   }
   auto norm = ckpt.load_f32(kNormKey, {D});
   // The head dense in the precision's type (an explicit option quantizes it), block by block; tied: the
