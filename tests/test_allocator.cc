@@ -3,9 +3,15 @@
 // the process chose through the environment is left alone.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 #include "kda/common/allocator.h"
+#include "kda/common/weight_buffer.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "support/test_support.h"
 
@@ -103,6 +109,47 @@ TEST(Allocator, AThresholdChosenInTheEnvironmentIsLeftAlone) {
 TEST(Allocator, BuildingAPoolKeepsLargeBlocksInTheirOwnMappings) { GTEST_SKIP() << "glibc's malloc only"; }
 
 #endif
+
+// The smaps field `field` of the mapping holding `p` ("" when none has it).
+std::string smaps_field(const void* p, const std::string& field) {
+  std::ifstream in("/proc/self/smaps");
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(in, line);) {
+    uintptr_t lo = 0, hi = 0;
+    char dash = 0;
+    std::istringstream head(line);
+    if (head >> std::hex >> lo >> dash >> hi && dash == '-' && line.find(':') > line.find(' ')) {
+      inside = lo <= a && a < hi;
+      continue;
+    }
+    if (inside && line.rfind(field + ":", 0) == 0) return line.substr(field.size() + 1);
+  }
+  return "";
+}
+
+// A weight buffer is writable end to end; from 2 MiB it starts on a 2 MiB boundary in a mapping that the
+// kernel may back with transparent huge pages (where THP is not switched off), smaller ones on 64 bytes.
+TEST(Allocator, WeightBuffersFromTwoMiBAreAlignedForHugePages) {
+  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode((std::istreambuf_iterator<char>(thp)), std::istreambuf_iterator<char>());
+  const bool thp_on = !mode.empty() && mode.find("[never]") == std::string::npos;
+  for (const size_t bytes :
+       {size_t{1}, size_t{100}, kHugePageBytes - 1, kHugePageBytes, 5 * kHugePageBytes + 3}) {
+    const WeightBuffer b = allocate_weights(bytes);
+    ASSERT_NE(b.get(), nullptr) << bytes;
+    const auto a = reinterpret_cast<uintptr_t>(b.get());
+    const bool huge = bytes >= kHugePageBytes;
+    EXPECT_EQ(a % (huge ? kHugePageBytes : 64), 0u) << bytes;
+    std::memset(b.get(), 0x5A, bytes);
+    EXPECT_EQ(static_cast<const unsigned char*>(b.get())[bytes - 1], 0x5A) << bytes;
+    if (huge && thp_on) {
+      const std::string eligible = smaps_field(b.get(), "THPeligible");
+      ASSERT_FALSE(eligible.empty()) << "no THPeligible line in /proc/self/smaps";
+      EXPECT_NE(eligible.find('1'), std::string::npos) << bytes << " bytes: THPeligible" << eligible;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace kda

@@ -189,5 +189,44 @@ TEST(Bf16Gemm, AChoiceIsOnlyForBf16ProjectionsWithBf16Weights) {
   EXPECT_EQ(layers::Linear(64, 32, w, Precision::BF16).bf16_gemm(), expect);
 }
 
+// A Linear built from bf16 rows (a checkpoint's mapped tensor) is the Linear built from their values in
+// fp32, bit for bit, whichever kernel multiplies: the bf16 ones read the rows as they are, the widened
+// ones and the fp32 precision widen them.
+TEST(Bf16Gemm, ALinearFromBf16RowsIsTheOneFromTheirValues) {
+  const int64_t in = 2304, out = 300;
+  const std::vector<bf16_t> wb = to_bf16(random_normal(static_cast<size_t>(in * out), 11, 0.02f));
+  std::vector<float> wf(wb.size());
+  bf16_to_f32_array(wb.data(), wf.data(), wf.size());
+  struct Mode {
+    Precision precision;
+    layers::Bf16Gemm gemm;
+  };
+  std::vector<Mode> modes{{Precision::FP32, layers::Bf16Gemm::Auto},
+                          {Precision::BF16, layers::Bf16Gemm::Auto},
+                          {Precision::BF16, layers::Bf16Gemm::Widened}};
+  if (cpu_has_bf16_gemm()) modes.push_back({Precision::BF16, layers::Bf16Gemm::OneDnn});
+  if (cpu_has_bf16_gemm() && layers::onednn_bf16_k_chunk(in, out) >= 0)
+    modes.push_back({Precision::BF16, layers::Bf16Gemm::OneDnnVnni});
+  for (const Mode& mode : modes) {
+    const layers::Linear from_f32(in, out, wf, mode.precision, Weights::BF16, mode.gemm);
+    const layers::Linear from_bf16(in, out, wb.data(), mode.precision, mode.gemm);
+    const std::string what = std::string("precision ") + to_string(mode.precision) + ", gemm " +
+                             std::to_string(static_cast<int>(mode.gemm));
+    EXPECT_EQ(from_bf16.bf16_gemm(), from_f32.bf16_gemm()) << what;
+    EXPECT_EQ(from_bf16.weight_bytes(), from_f32.weight_bytes()) << what;
+    for (int64_t M : {1, 4, 65}) {
+      const std::vector<float> x = random_normal(static_cast<size_t>(M * in), 60 + M);
+      std::vector<float> ya(static_cast<size_t>(M * out)), yb(ya.size());
+      from_f32.forward(x.data(), M, ya.data());
+      from_bf16.forward(x.data(), M, yb.data());
+      EXPECT_EQ(std::memcmp(ya.data(), yb.data(), sizeof(float) * ya.size()), 0) << what << ", M " << M;
+    }
+  }
+  expect_throw_with<std::invalid_argument>([&] { layers::Linear(in, out, nullptr, Precision::BF16); },
+                                           "null bf16 weight");
+  expect_throw_with<std::invalid_argument>([&] { layers::Linear(0, out, wb.data(), Precision::BF16); },
+                                           "features must be positive");
+}
+
 }  // namespace
 }  // namespace kda

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "kda/common/bf16.h"
 #include "kda/distributed/in_process.h"
 #include "kda/io/config.h"
 #include "kda/io/kimi_linear_48b.h"
@@ -321,6 +322,41 @@ TEST(KimiLinearModel, TiedEmbeddingsUseEmbedTokensAsTheHead) {
   EXPECT_EQ(ra.logits, rb.logits);
   const auto want = c.f32("logits");  // the dumps' own head differs: the tie is not a no-op
   EXPECT_GT(testing::rel_l2(rb.logits.data(), want.data(), want.size()), 1e-2);
+}
+
+// In the bf16 precision a dense head is built from bf16 rows as they are (a mapped BF16 lm_head, or the tied
+// embedding) and otherwise from fp32 blocks: the same head, so the same logits bit for bit.
+TEST(KimiLinearModel, TheHeadFromBf16RowsIsTheHeadFromTheirFp32Values) {
+  auto cfg = io::load_model_config(model_dumps_dir());
+  auto w = testing::read_model_weights(model_dumps_dir());
+  io::StTensor head = w.at("lm_head.weight");
+  for (float& v : head.values) v = bf16_to_f32(f32_to_bf16(v));
+  const auto write = [&](const char* name, io::StDType head_dtype, bool tied) {
+    head.dtype = head_dtype;
+    w["lm_head.weight"] = head;
+    w["model.embed_tokens.weight"] = head;  // one table for all three: the same hidden states
+    io::KimiLinearConfig c = cfg;
+    if (tied) {
+      w.erase("lm_head.weight");
+      c.tie_word_embeddings = true;
+    }
+    const auto dir = testing::make_temp_dir(name);
+    testing::write_model_checkpoint(dir, c, w, 2);
+    return dir;
+  };
+  const auto f32_head = write("head_f32", io::StDType::F32, false);
+  const auto bf16_head = write("head_bf16", io::StDType::BF16, false);
+  const auto tied = write("head_tied", io::StDType::BF16, true);
+  const auto c = load_model_dump_case("T7");
+  const auto logits = [&](const std::filesystem::path& dir) {
+    return run_model_case(*KimiLinearForCausalLM::from_pretrained(dir, opts_of(Precision::BF16)), c.input_ids,
+                          {})
+        .logits;
+  };
+  const auto want = logits(f32_head);
+  ASSERT_TRUE(all_finite(want));
+  EXPECT_EQ(logits(bf16_head), want);
+  EXPECT_EQ(logits(tied), want);
 }
 
 TEST(KimiLinearModel, SyntheticIsSeededAndEqualAcrossTensorParallelism) {

@@ -55,6 +55,11 @@ class Linear {
   // OneDnnVnni where the kernel cannot give oneDNN's bits here is std::invalid_argument too.
   Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Precision precision,
          Weights weights = Weights::BF16, Bf16Gemm bf16_gemm = Bf16Gemm::Auto);
+  // bf16 weights from bf16 values, [out, in] row-major (a checkpoint's tensor as its mapping holds it):
+  // the bf16 precision reorders them into oneDNN's layout as they are, with no fp32 copy of W on the way
+  // (a loader's cost at the LM head's size); the fp32 precision and the widened kernels widen them.
+  Linear(int64_t in_features, int64_t out_features, const bf16_t* weight, Precision precision,
+         Bf16Gemm bf16_gemm = Bf16Gemm::Auto);
   // W already packed in the kernels' layout (kernels/gemm/weight_format.h), owned or borrowed from a
   // mapped checkpoint (io/packed_checkpoint.h), used as it is: int8 / int4 go to a QuantLinear; bf16
   // (the widened kernels' blocks) only in the bf16 precision, as Bf16Gemm::Widened. Other combinations
@@ -97,6 +102,7 @@ class Linear {
   template <class X, class Y>
   void forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const;
   void check(int64_t M, int64_t ldx, int64_t ldy, bool bf16_io) const;
+  void init_dense(const float* wf, const bf16_t* wb, Bf16Gemm bf16_gemm);
   const bf16_t* to_bf16(const float* x, int64_t M, int64_t ldx) const;
   const bf16_t* dense(const bf16_t* x, int64_t M, int64_t ldx) const;
   void run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, int64_t ldy) const;

@@ -235,6 +235,11 @@ class KimiLinearForCausalLM {
   // Builds the head's blocks from rows(begin, end, out): out = fp32 [end - begin, D]. One buffer serves every
   // block, so a loader's fp32 copy reuses the same pages block after block.
   void build_head(int64_t V, const std::function<void(int64_t, int64_t, std::vector<float>&)>& rows);
+  // The same from the head as bf16 [V, D] rows (the checkpoint's mapping, or the tied embedding), read as
+  // they are, with no fp32 copy: only for a dense head in the bf16 precision (bf16_head_source()).
+  void build_head(int64_t V, const bf16_t* head);
+  bool bf16_head_source() const;
+  int64_t head_block_rows() const;  // rows per head block: the option's, or kHeadBlockValues' worth
   layers::attention::linear::KDAAttnBackend backend_;
   // compute_logits' normed rows [M, D], and one block's logits [M, block] before they go to their columns
   // (compute_logits says why); the normed rows in bf16 for the AMX head.

@@ -1,5 +1,6 @@
 #include "kda/layers/bf16_vnni_rows.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/common/weight_buffer.h"
 #include "kda/kernels/gemm/bf16_vnni.h"
 #include "kda/layers/onednn_isa.h"
 
@@ -45,12 +47,38 @@ int64_t probe(int64_t K, int64_t N) {
   const memory::desc any({K, N}, memory::data_type::bf16, memory::format_tag::any);
   const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, any, dst), eng);
   if (!in_vnni_layout(pd.weights_desc(), K, N)) return -1;
-  std::vector<bf16_t> wt = probe_values(N * K, 7), x = probe_values(M * K, 11);
-  memory plain({{K, N}, memory::data_type::bf16, memory::dims{1, K}}, eng, wt.data());
-  memory w(pd.weights_desc(), eng);
-  dnnl::reorder(plain, w).execute(stream, plain, w);
+  // W's columns repeat every 64, one block of the layout: each column still sums probe values of every
+  // exponent, so a chunk that is not oneDNN's shows in every column, while W is drawn and reordered one
+  // block's worth (the head's blocks are 29 K columns) and copied block after block into the layout,
+  // whose 64-column blocks are contiguous; the last block reordered at its own width, so that its
+  // padding columns are oneDNN's zeros.
+  constexpr int64_t kBlock = 64;
+  const std::vector<bf16_t> x = probe_values(M * K, 11);
+  const std::vector<bf16_t> wt = probe_values(std::min(N, kBlock) * K, 7);
+  auto block_of = [&](int64_t n) {  // [K, n] in the layout, n <= 64: one block's bytes, padding included
+    const memory::desc md({K, n}, memory::data_type::bf16, memory::format_tag::BA16a64b2a);
+    memory plain({{K, n}, memory::data_type::bf16, memory::dims{1, K}}, eng, const_cast<bf16_t*>(wt.data()));
+    memory blk(md, eng);
+    dnnl::reorder(plain, blk).execute(stream, plain, blk);
+    stream.wait();
+    const auto* p = static_cast<const uint8_t*>(blk.get_data_handle());
+    return std::vector<uint8_t>(p, p + md.get_size());
+  };
+  const int64_t full = N / kBlock, tail = N % kBlock;
+  const std::vector<uint8_t> body = block_of(std::min(N, kBlock));
+  const size_t block_bytes = body.size();
+  if (pd.weights_desc().get_size() != block_bytes * static_cast<size_t>(full + (tail > 0))) return -1;
+  const WeightBuffer buf = allocate_weights(pd.weights_desc().get_size());
+  auto* wb = static_cast<uint8_t*>(buf.get());
+  for (int64_t b = 0; b < full; ++b) std::memcpy(wb + b * block_bytes, body.data(), block_bytes);
+  if (tail > 0) {
+    const std::vector<uint8_t> last = block_of(tail);
+    if (last.size() != block_bytes) return -1;
+    std::memcpy(wb + full * block_bytes, last.data(), block_bytes);
+  }
+  memory w(pd.weights_desc(), eng, buf.get());
   std::vector<float> want(static_cast<size_t>(M * N)), got(want.size());
-  memory xs(src, eng, x.data()), ys(dst, eng, want.data());
+  memory xs(src, eng, const_cast<bf16_t*>(x.data())), ys(dst, eng, want.data());
   dnnl::matmul(pd).execute(stream, {{DNNL_ARG_SRC, xs}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_DST, ys}});
   stream.wait();
   const auto* wp = static_cast<const bf16_t*>(w.get_data_handle());

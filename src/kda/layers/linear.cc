@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "kda/common/isa.h"
+#include "kda/common/weight_buffer.h"
 #include "kda/kernels/gemm/bf16_vnni.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/bf16_vnni_rows.h"
@@ -29,6 +30,8 @@ struct Linear::Impl {
   // is the layout for dense input rows at a mid-sized M; a call shape that wants another (strided rows
   // take a plain-layout kernel) gets a copy, or replaces it while no primitive uses it yet.
   std::vector<dnnl::memory> w;
+  // w's first memory's bytes (weight_buffer.h: huge pages from 2 MiB); freed with it, unless vnni_w holds it.
+  WeightBuffer w_buf;
   // One primitive per (M, ldx, ldy, output type), with the weight memory it takes.
   mutable MatmulCache prims{kMaxPrimitives};
   mutable std::mutex mu;
@@ -72,33 +75,62 @@ Linear::Linear(int64_t in_features, int64_t out_features, const std::vector<floa
   if (static_cast<int64_t>(weight.size()) != in_ * out_)
     throw std::invalid_argument("Linear: weight has " + std::to_string(weight.size()) + " values, expected " +
                                 std::to_string(out_) + " x " + std::to_string(in_));
-  const bool bf16_dense = precision_ == Precision::BF16 && weights == Weights::BF16;
-  if (bf16_gemm != Bf16Gemm::Auto && !bf16_dense)
-    throw std::invalid_argument("Linear: a bf16 GEMM choice is only for bf16 projections with bf16 weights");
   if (weights != Weights::BF16) {
+    if (bf16_gemm != Bf16Gemm::Auto)
+      throw std::invalid_argument(
+          "Linear: a bf16 GEMM choice is only for bf16 projections with bf16 weights");
     impl_->quant = std::make_unique<QuantLinear>(in_, out_, weight, weights, precision);
     return;
   }
+  init_dense(weight.data(), nullptr, bf16_gemm);
+}
+
+Linear::Linear(int64_t in_features, int64_t out_features, const bf16_t* weight, Precision precision,
+               Bf16Gemm bf16_gemm)
+    : in_(in_features), out_(out_features), precision_(precision), impl_(std::make_unique<Impl>()) {
+  if (in_ <= 0 || out_ <= 0) throw std::invalid_argument("Linear: features must be positive");
+  if (weight == nullptr) throw std::invalid_argument("Linear: null bf16 weight");
+  init_dense(nullptr, weight, bf16_gemm);
+}
+
+// W dense (bf16 weights) from fp32 values (wf) or bf16 ones (wb), [out, in] row-major either way: into
+// oneDNN's layout, or the widened kernels' blocks.
+void Linear::init_dense(const float* wf, const bf16_t* wb, Bf16Gemm bf16_gemm) {
+  const bool bf16_dense = precision_ == Precision::BF16;
+  if (bf16_gemm != Bf16Gemm::Auto && !bf16_dense)
+    throw std::invalid_argument("Linear: a bf16 GEMM choice is only for bf16 projections with bf16 weights");
+  const size_t n = static_cast<size_t>(in_ * out_);
+  std::vector<float> widened;  // bf16 values where the fp32 forms need them
   if (bf16_dense) {
     bf16_gemm_ = bf16_gemm != Bf16Gemm::Auto ? bf16_gemm
                  : cpu_has_bf16_gemm()       ? Bf16Gemm::OneDnnVnni
                                              : Bf16Gemm::Widened;
   }
+  if (wb != nullptr && (!bf16_dense || bf16_gemm_ == Bf16Gemm::Widened)) {
+    widened.resize(n);
+    bf16_to_f32_array(wb, widened.data(), n);
+    wf = widened.data();
+    wb = nullptr;
+  }
   if (bf16_gemm_ == Bf16Gemm::Widened) {
-    impl_->w_packed = std::make_unique<kernels::gemm::PackedMatrix>(Weights::BF16, weight.data(), in_, out_);
+    impl_->w_packed = std::make_unique<kernels::gemm::PackedMatrix>(Weights::BF16, wf, in_, out_);
     impl_->widened = std::make_unique<Fp32Rows>(in_, out_);
     return;
   }
-  const auto dt = precision_ == Precision::BF16 ? memory::data_type::bf16 : memory::data_type::f32;
+  const auto dt = bf16_dense ? memory::data_type::bf16 : memory::data_type::f32;
   std::vector<bf16_t> w_bf16;
-  void* plain = const_cast<float*>(weight.data());
-  if (precision_ == Precision::BF16) {
-    w_bf16.resize(weight.size());
-    f32_to_bf16_array(weight.data(), w_bf16.data(), weight.size());
+  void* plain = const_cast<float*>(wf);
+  if (wb != nullptr) {
+    plain = const_cast<bf16_t*>(wb);  // read only: the reorder's source
+  } else if (bf16_dense) {
+    w_bf16.resize(n);
+    f32_to_bf16_array(wf, w_bf16.data(), n);
     plain = w_bf16.data();
   }
   Impl& im = *impl_;
-  im.w.emplace_back(matmul_pd(im.engine, 256, in_, out_, in_, out_, dt, false).weights_desc(), im.engine);
+  const memory::desc w_md = matmul_pd(im.engine, 256, in_, out_, in_, out_, dt, false).weights_desc();
+  im.w_buf = allocate_weights(w_md.get_size());
+  im.w.emplace_back(w_md, im.engine, im.w_buf.get());
   memory src(plain_weight_md(in_, out_, dt), im.engine, plain);
   dnnl::reorder(src, im.w[0]).execute(im.stream, src, im.w[0]);
   im.stream.wait();
@@ -248,7 +280,10 @@ void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, in
       memory copy(pd.weights_desc(), im.engine);
       dnnl::reorder(im.w[0], copy).execute(im.stream, im.w[0], copy);
       im.stream.wait();
-      if (im.prims.size() == 0) im.w.clear();
+      if (im.prims.size() == 0) {
+        im.w.clear();
+        if (im.vnni_chunk < 0) im.w_buf.reset();
+      }
       im.w.push_back(copy);
       w = im.w.end() - 1;
     }

@@ -161,8 +161,17 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
   }
   auto norm = ckpt.load_f32(kNormKey, {D});
   // The head dense in the precision's type (an explicit option quantizes it), block by block; tied: the
-  // embedding's rows.
-  if (tied)
+  // embedding's rows. A dense head in the bf16 precision is built from the bf16 rows as they are (the
+  // mapping, or the tied table), the others from fp32 blocks.
+  const io::TensorView* head_view = tied ? nullptr : &ckpt.get(kHeadKey);
+  const bool head_mapped = head_view != nullptr && head_view->dtype == io::StDType::BF16 &&
+                           head_view->shape == std::vector<int64_t>{V, D} &&
+                           reinterpret_cast<uintptr_t>(head_view->data) % alignof(bf16_t) == 0;
+  if (m->bf16_head_source() && tied)
+    m->build_head(V, embed_mapped ? embed_mapped : embed16.data());
+  else if (m->bf16_head_source() && head_mapped)
+    m->build_head(V, reinterpret_cast<const bf16_t*>(head_view->data));
+  else if (tied)
     m->build_head(V, [&](int64_t b, int64_t e, std::vector<float>& rows) {
       rows.resize(static_cast<size_t>((e - b) * D));
       if (bf16)

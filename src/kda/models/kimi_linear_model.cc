@@ -399,8 +399,7 @@ int64_t KimiLinearForCausalLM::head_weight_bytes() const {
 void KimiLinearForCausalLM::build_head(
     int64_t V, const std::function<void(int64_t, int64_t, std::vector<float>&)>& rows) {
   const int64_t D = cfg_.hidden_size;
-  const int64_t per =
-      opts_.lm_head_block_rows > 0 ? opts_.lm_head_block_rows : std::max<int64_t>(1, kHeadBlockValues / D);
+  const int64_t per = head_block_rows();
   const Weights hw = opts_.quantize_lm_head ? opts_.weights : Weights::BF16;
   lm_head_.clear();
   head_begin_.clear();
@@ -421,6 +420,32 @@ void KimiLinearForCausalLM::build_head(
       f32_to_bf16_array(r.data(), head_bf16_.data() + b * D, r.size());
     }
     lm_head_.emplace_back(D, e - b, r, opts_.precision, hw);
+    head_begin_.push_back(b);
+  }
+}
+
+int64_t KimiLinearForCausalLM::head_block_rows() const {
+  return opts_.lm_head_block_rows > 0 ? opts_.lm_head_block_rows
+                                      : std::max<int64_t>(1, kHeadBlockValues / cfg_.hidden_size);
+}
+
+bool KimiLinearForCausalLM::bf16_head_source() const {
+  return opts_.precision == Precision::BF16 && !opts_.quantize_lm_head;
+}
+
+void KimiLinearForCausalLM::build_head(int64_t V, const bf16_t* head) {
+  if (!bf16_head_source())
+    throw std::invalid_argument("build_head: bf16 rows make a dense head in the bf16 precision only");
+  const int64_t D = cfg_.hidden_size;
+  const int64_t per = head_block_rows();
+  lm_head_.clear();
+  head_begin_.clear();
+  head_bf16_.clear();
+  if (kernels::gemm::cpu_has_amx_bf16() && kernels::gemm::bf16_amx_takes(D))
+    head_bf16_.assign(head, head + V * D);
+  for (int64_t b = 0; b < V; b += per) {
+    const int64_t e = std::min(V, b + per);
+    lm_head_.emplace_back(D, e - b, head + b * D, opts_.precision);
     head_begin_.push_back(b);
   }
 }

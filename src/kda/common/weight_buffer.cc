@@ -1,0 +1,44 @@
+#include "kda/common/weight_buffer.h"
+
+#include <sys/mman.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+
+namespace kda {
+
+void WeightBufferFree::operator()(void* p) const {
+  if (p == nullptr) return;
+  if (bytes == 0) {
+    std::free(p);
+    return;
+  }
+  ::munmap(p, bytes);
+}
+
+WeightBuffer allocate_weights(std::size_t bytes) {
+  if (bytes < kHugePageBytes) {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return WeightBuffer(p, WeightBufferFree{0});
+  }
+  // Map one huge page more than needed and keep the 2 MiB-aligned span: the parts before and after it go
+  // back at once, so the mapping is exactly the aligned span.
+  const std::size_t len = (bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  void* raw =
+      ::mmap(nullptr, len + kHugePageBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) throw std::bad_alloc();
+  const auto base = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (base + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  if (aligned > base) ::munmap(raw, aligned - base);
+  const uintptr_t tail = base + len + kHugePageBytes - (aligned + len);
+  if (tail > 0) ::munmap(reinterpret_cast<void*>(aligned + len), tail);
+  void* p = reinterpret_cast<void*>(aligned);
+#if defined(MADV_HUGEPAGE)
+  ::madvise(p, len, MADV_HUGEPAGE);  // advice: refused (no THP in this kernel), the pages stay 4 KiB
+#endif
+  return WeightBuffer(p, WeightBufferFree{len});
+}
+
+}  // namespace kda
