@@ -73,7 +73,8 @@ TEST(Allocator, ALoadScopeServesLargeBlocksFromTheHeapUntilTheOutermostEnds) {
   {
     const LoadAllocatorScope outer;
     EXPECT_FALSE(gets_own_mapping(8 << 20));
-    EXPECT_TRUE(gets_own_mapping(32 << 20));  // above the scope's threshold
+    EXPECT_FALSE(gets_own_mapping(20 << 20));  // an expert's stacked gate and up at the real shapes
+    EXPECT_TRUE(gets_own_mapping(48 << 20));   // above the scope's threshold
     {
       const LoadAllocatorScope inner;
       EXPECT_FALSE(gets_own_mapping(8 << 20));

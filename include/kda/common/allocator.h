@@ -23,14 +23,15 @@ inline constexpr std::size_t kMmapThreshold = 128 * 1024;
 // setting calls mallopt after building its first pool.
 bool configure_allocator();
 
-// While one is alive (any thread; scopes nest), blocks up to 16 MiB are served from the heap and freed
-// blocks stay there: a model load's per-tensor temporaries (an expert's fp32 copy before packing: 9.4 MB
-// at the real shapes) then reuse the same pages instead of each mapping, faulting in and unmapping fresh
-// ones -- on a virtual machine a first touch can cost tens of microseconds a page. Larger blocks keep their
-// own mappings: as heap holes between long-lived weights they raised a load's peak resident memory. The
-// last scope to end restores configure_allocator()'s threshold and hands the heap's free pages back
-// (malloc_trim), so resident memory after the load is what the model holds. Does nothing where
-// configure_allocator() is not in effect.
+// While one is alive (any thread; scopes nest), blocks up to 32 MiB are served from the heap and freed
+// blocks stay there: a model load's per-tensor temporaries (an expert's fp32 gate and up, stacked before
+// packing: 18.9 MB at the real shapes) then reuse the same pages instead of each mapping, faulting in and
+// unmapping fresh ones -- on a virtual machine a first touch can cost tens of microseconds a page. The
+// weights built meanwhile stay out of the heap (their buffers of 2 MiB or more are mappings of their
+// own, weight_buffer.h), so freed temporaries leave no holes between them. The last scope to end
+// restores configure_allocator()'s threshold and hands the heap's free pages back (malloc_trim), so
+// resident memory after the load is what the model holds. Does nothing where configure_allocator() is not
+// in effect.
 class LoadAllocatorScope {
  public:
   LoadAllocatorScope();

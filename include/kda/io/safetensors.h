@@ -98,6 +98,11 @@ struct StRawTensor {
 void write_safetensors_raw(const std::filesystem::path& path, const std::vector<StRawTensor>& tensors,
                            const std::map<std::string, std::string>& metadata);
 
+// Bytes of a read-only file mapping that the caller read in place and is done with: their whole pages leave
+// the resident set, as a converting load's do (clean pages: read again, they come back from the file).
+// For a tensor whose shard stays mapped for others used in place (a packed checkpoint's).
+void drop_resident(const void* data, size_t nbytes);
+
 // A checkpoint: a directory holding model.safetensors or model.safetensors.index.json (shards mapped
 // lazily, only when one of their tensors is asked for), or a path to a single .safetensors file.
 class Checkpoint {

@@ -237,7 +237,9 @@ class KimiLinearForCausalLM {
   void build_head(int64_t V, const std::function<void(int64_t, int64_t, std::vector<float>&)>& rows);
   // The same from the head as bf16 [V, D] rows (the checkpoint's mapping, or the tied embedding), read as
   // they are, with no fp32 copy: only for a dense head in the bf16 precision (bf16_head_source()).
-  void build_head(int64_t V, const bf16_t* head);
+  // block_done(begin, end), when given, follows each block's build.
+  void build_head(int64_t V, const bf16_t* head,
+                  const std::function<void(int64_t, int64_t)>& block_done = nullptr);
   bool bf16_head_source() const;
   int64_t head_block_rows() const;  // rows per head block: the option's, or kHeadBlockValues' worth
   layers::attention::linear::KDAAttnBackend backend_;

@@ -41,7 +41,7 @@ LoadAllocatorScope::LoadAllocatorScope() {
   if (!configure_allocator()) return;
   const std::lock_guard<std::mutex> lock(load_mutex);
   if (load_depth++ == 0) {
-    mallopt(M_MMAP_THRESHOLD, 16 * 1024 * 1024);
+    mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024);
     mallopt(M_TRIM_THRESHOLD, 1 << 30);
   }
   active_ = true;

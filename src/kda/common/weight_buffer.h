@@ -3,7 +3,7 @@
 // pages (MADV_HUGEPAGE, which the "madvise" THP mode -- Debian's default -- asks for). Filling a 128 MB
 // head block then takes 64 page faults instead of 32 K, and a decode step that streams every weight
 // walks a TLB entry per 2 MiB instead of per 4 KiB. Smaller blocks, and kernels without THP, get
-// ordinary pages (64-byte aligned). Private to the library.
+// ordinary pages (64-byte aligned), as do the last, partial 2 MiB of a block. Private to the library.
 #pragma once
 
 #include <cstddef>

@@ -442,14 +442,16 @@ void convert_f32_parallel(const TensorView& v, size_t first, size_t n, float* ou
 // leave the resident set (they are clean: read again, they come back from the file). Loading a checkpoint
 // tensor by tensor then holds one tensor's mapped pages at a time beside the weights built so far, not
 // every tensor of the shards still open.
-void drop_resident_pages(const TensorView& v) {
+void drop_resident_pages(const TensorView& v) { drop_resident(v.data, v.nbytes); }
+
+}  // namespace
+
+void drop_resident(const void* data, size_t nbytes) {
   const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<uintptr_t>(v.data), end = begin + v.nbytes;
+  const auto begin = reinterpret_cast<uintptr_t>(data), end = begin + nbytes;
   const uintptr_t lo = (begin + page - 1) / page * page, hi = end / page * page;
   if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
 }
-
-}  // namespace
 
 std::vector<float> Checkpoint::load_f32(const std::string& name,
                                         const std::vector<int64_t>& expected_shape) const {

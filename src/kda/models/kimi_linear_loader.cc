@@ -169,9 +169,14 @@ std::unique_ptr<KimiLinearForCausalLM> KimiLinearForCausalLM::from_pretrained(
                            reinterpret_cast<uintptr_t>(head_view->data) % alignof(bf16_t) == 0;
   if (m->bf16_head_source() && tied)
     m->build_head(V, embed_mapped ? embed_mapped : embed16.data());
-  else if (m->bf16_head_source() && head_mapped)
-    m->build_head(V, reinterpret_cast<const bf16_t*>(head_view->data));
-  else if (tied)
+  else if (m->bf16_head_source() && head_mapped) {
+    // Block by block the rows read leave the resident set: the shard may stay mapped (a packed
+    // checkpoint's last layer is used in place), and the load's peak then holds one block of them.
+    const auto* head = reinterpret_cast<const bf16_t*>(head_view->data);
+    m->build_head(V, head, [&](int64_t b, int64_t e) {
+      io::drop_resident(head + b * D, sizeof(bf16_t) * static_cast<size_t>((e - b) * D));
+    });
+  } else if (tied)
     m->build_head(V, [&](int64_t b, int64_t e, std::vector<float>& rows) {
       rows.resize(static_cast<size_t>((e - b) * D));
       if (bf16)

@@ -433,7 +433,8 @@ bool KimiLinearForCausalLM::bf16_head_source() const {
   return opts_.precision == Precision::BF16 && !opts_.quantize_lm_head;
 }
 
-void KimiLinearForCausalLM::build_head(int64_t V, const bf16_t* head) {
+void KimiLinearForCausalLM::build_head(int64_t V, const bf16_t* head,
+                                       const std::function<void(int64_t, int64_t)>& block_done) {
   if (!bf16_head_source())
     throw std::invalid_argument("build_head: bf16 rows make a dense head in the bf16 precision only");
   const int64_t D = cfg_.hidden_size;
@@ -447,6 +448,7 @@ void KimiLinearForCausalLM::build_head(int64_t V, const bf16_t* head) {
     const int64_t e = std::min(V, b + per);
     lm_head_.emplace_back(D, e - b, head + b * D, opts_.precision);
     head_begin_.push_back(b);
+    if (block_done) block_done(b, e);
   }
 }
 

@@ -1,6 +1,7 @@
 // The table of weight formats, the GEMM entry points that read it and the reference.
 #include "kda/kernels/gemm/weight_format.h"
 
+#include <cstring>
 #include <iterator>
 #include <memory>
 #include <stdexcept>
@@ -192,9 +193,9 @@ PackedMatrix::PackedMatrix(Weights format, const float* w, int64_t in, int64_t o
   const WeightFormat& f = weight_format(format);
   check_shape(f, in, out);
   if (w == nullptr) throw std::invalid_argument(std::string(f.name) + " weights: no values");
-  data_.resize(static_cast<size_t>(f.data_bytes(in, out)));
+  data_ = allocate_weights(static_cast<size_t>(f.data_bytes(in, out)));
   scale_.resize(static_cast<size_t>(f.scale_count(in, out)));
-  f.pack(w, in, out, data_.data(), scale_.data());
+  f.pack(w, in, out, static_cast<uint8_t*>(data_.get()), scale_.data());
   view_ = {format, nullptr, nullptr, in, out};
   point_at_own();
 }
@@ -208,14 +209,23 @@ PackedMatrix::PackedMatrix(const PackedWeights& view, std::shared_ptr<const void
                                 " weights: a borrowed view needs its bytes and an owner");
 }
 
-PackedMatrix::PackedMatrix(const PackedMatrix& o)
-    : data_(o.data_), scale_(o.scale_), owner_(o.owner_), view_(o.view_) {
-  if (!owner_) point_at_own();
+PackedMatrix::PackedMatrix(const PackedMatrix& o) : scale_(o.scale_), owner_(o.owner_), view_(o.view_) {
+  if (!owner_) {
+    data_ = copy_of(o);
+    point_at_own();
+  }
+}
+
+WeightBuffer PackedMatrix::copy_of(const PackedMatrix& o) {
+  const auto n = static_cast<size_t>(o.data_bytes());
+  WeightBuffer b = allocate_weights(n);
+  std::memcpy(b.get(), o.data_.get(), n);
+  return b;
 }
 
 PackedMatrix& PackedMatrix::operator=(const PackedMatrix& o) {
   if (this != &o) {
-    data_ = o.data_;
+    data_ = o.owner_ ? WeightBuffer() : copy_of(o);
     scale_ = o.scale_;
     owner_ = o.owner_;
     view_ = o.view_;
@@ -225,7 +235,7 @@ PackedMatrix& PackedMatrix::operator=(const PackedMatrix& o) {
 }
 
 void PackedMatrix::point_at_own() {
-  view_.data = data_.data();
+  view_.data = static_cast<const uint8_t*>(data_.get());
   view_.scale = scale_.empty() ? nullptr : scale_.data();
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kda/common/isa.h"
+#include "kda/common/weight_buffer.h"
 #include "kda/common/weights.h"
 
 namespace kda::kernels::gemm {
@@ -63,7 +64,7 @@ class PackedMatrix {
   PackedMatrix(const PackedWeights& view, std::shared_ptr<const void> owner);
   PackedMatrix(const PackedMatrix& o);
   PackedMatrix& operator=(const PackedMatrix& o);
-  PackedMatrix(PackedMatrix&&) noexcept = default;  // a vector's move keeps its buffer: view_ stays valid
+  PackedMatrix(PackedMatrix&&) noexcept = default;  // a move keeps the buffer: view_ stays valid
   PackedMatrix& operator=(PackedMatrix&&) noexcept = default;
 
   const PackedWeights& view() const { return view_; }
@@ -76,7 +77,8 @@ class PackedMatrix {
 
  private:
   void point_at_own();
-  std::vector<uint8_t> data_;
+  static WeightBuffer copy_of(const PackedMatrix& o);
+  WeightBuffer data_;  // owned bytes (weight_buffer.h: huge pages from 2 MiB); empty when borrowed
   std::vector<float> scale_;
   std::shared_ptr<const void> owner_;
   PackedWeights view_;
