@@ -3,6 +3,8 @@
 // the process chose through the environment is left alone.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -129,19 +131,28 @@ std::string smaps_field(const void* p, const std::string& field) {
   return "";
 }
 
-// A weight buffer is writable end to end; from 2 MiB it starts on a 2 MiB boundary in a mapping that the
-// kernel may back with transparent huge pages (where THP is not switched off), smaller ones on 64 bytes.
+// A weight buffer comes zeroed and is writable end to end; from 2 MiB it starts on a 2 MiB boundary in a
+// mapping that the kernel may back with transparent huge pages (where THP is not switched off), smaller ones
+// on 64 bytes.
 TEST(Allocator, WeightBuffersFromTwoMiBAreAlignedForHugePages) {
   std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
   std::string mode((std::istreambuf_iterator<char>(thp)), std::istreambuf_iterator<char>());
   const bool thp_on = !mode.empty() && mode.find("[never]") == std::string::npos;
   for (const size_t bytes :
        {size_t{1}, size_t{100}, kHugePageBytes - 1, kHugePageBytes, 5 * kHugePageBytes + 3}) {
+    if (bytes < kHugePageBytes) {  // a freed dirty block of that size, which the heap may hand out again
+      auto* d = static_cast<unsigned char*>(std::malloc(bytes + 64));
+      std::memset(d, 0xA5, bytes + 64);
+      std::free(d);
+    }
     const WeightBuffer b = allocate_weights(bytes);
     ASSERT_NE(b.get(), nullptr) << bytes;
     const auto a = reinterpret_cast<uintptr_t>(b.get());
     const bool huge = bytes >= kHugePageBytes;
     EXPECT_EQ(a % (huge ? kHugePageBytes : 64), 0u) << bytes;
+    const auto* bytes_at = static_cast<const unsigned char*>(b.get());
+    EXPECT_EQ(std::count(bytes_at, bytes_at + bytes, 0), static_cast<std::ptrdiff_t>(bytes))
+        << bytes << ": not zeroed";
     std::memset(b.get(), 0x5A, bytes);
     EXPECT_EQ(static_cast<const unsigned char*>(b.get())[bytes - 1], 0x5A) << bytes;
     if (huge && thp_on) {

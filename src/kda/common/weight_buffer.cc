@@ -2,8 +2,10 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 namespace kda {
@@ -19,8 +21,10 @@ void WeightBufferFree::operator()(void* p) const {
 
 WeightBuffer allocate_weights(std::size_t bytes) {
   if (bytes < kHugePageBytes) {
-    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    const std::size_t n = std::max<std::size_t>(64, (bytes + 63) / 64 * 64);
+    void* p = std::aligned_alloc(64, n);
     if (p == nullptr) throw std::bad_alloc();
+    std::memset(p, 0, n);  // zeroed as the mapped ones are: a packing's padding bytes are then defined
     return WeightBuffer(p, WeightBufferFree{0});
   }
   // Map one huge page more than needed and keep the span from the first 2 MiB boundary: the parts before

@@ -17,7 +17,7 @@ struct WeightBufferFree {
 };
 using WeightBuffer = std::unique_ptr<void, WeightBufferFree>;
 
-// `bytes` (> 0) of uninitialised memory, 64-byte aligned at least; std::bad_alloc when none is left.
+// `bytes` of zeroed memory, 64-byte aligned at least; std::bad_alloc when none is left.
 WeightBuffer allocate_weights(std::size_t bytes);
 
 // The block size from which allocate_weights maps and advises huge pages.
