@@ -3,6 +3,7 @@
 // each sequence alone, both MoE combine modes against the float64 reference of each, tensor parallelism,
 // and bad input (checkpoints, configs, ids, batches, pools) refused with nothing changed.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <cmath>
 #include <filesystem>
@@ -20,6 +21,7 @@
 #include "support/model_checkpoint.h"
 #include "support/model_dump_case.h"
 #include "support/model_reference.h"
+#include "support/small_model_config.h"
 #include "support/test_support.h"
 
 namespace kda {
@@ -392,6 +394,56 @@ TEST(KimiLinearModel, SyntheticIsSeededAndEqualAcrossTensorParallelism) {
   for (int r = 0; r < 2; ++r)
     EXPECT_LE(testing::max_error_ratio(logits[r].data(), ra.logits.data(), ra.logits.size(), 1e-4, 1e-4), 1.0)
         << "rank " << r;
+}
+
+// Minor page faults of one prefill of ids as a fresh request (its pools made beforehand).
+int64_t prefill_faults(KimiLinearForCausalLM& m, const std::vector<int32_t>& ids) {
+  const auto T = static_cast<int64_t>(ids.size());
+  auto pools = m.make_pools(1, T);
+  std::vector<float> h(static_cast<size_t>(T * m.hidden_size()), 0.0f);
+  const auto reqs = pools->req_to_token_pool.alloc(1);
+  auto fb = model_executor::ForwardBatch::extend(reqs, {static_cast<int32_t>(T)}, {0});
+  rusage u0{}, u1{};
+  getrusage(RUSAGE_SELF, &u0);
+  m.forward(ids.data(), T, fb, *pools, h.data());
+  getrusage(RUSAGE_SELF, &u1);
+  EXPECT_TRUE(all_finite(h));
+  return u1.ru_minflt - u0.ru_minflt;
+}
+
+// reserve(T) sizes and touches what a T-token prefill uses: a model's first prefill after it faults in
+// little, one without it (the thread scratch already grown by the first) its own workspaces. Every layer
+// kind (KDA, MLA, dense MLP, MoE), both precisions and the quantized projections' paths.
+TEST(KimiLinearModel, ReserveTouchesTheWorkspacesOfTheFirstPrefill) {
+  const auto cfg = kda::testing::small_model_config({1, 2, 3}, {4}, 512);
+  constexpr int64_t T = 1024;
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i) ids[i] = static_cast<int32_t>((i * 131 + 7) % 512);
+  struct Mode {
+    Precision precision;
+    Weights weights;
+  };
+  for (const Mode md : {Mode{Precision::FP32, Weights::BF16}, Mode{Precision::BF16, Weights::BF16},
+                        Mode{Precision::BF16, Weights::Int8}, Mode{Precision::BF16, Weights::Int4}}) {
+    SCOPED_TRACE(std::string(to_string(md.precision)) + " precision, " + to_string(md.weights) + " weights");
+    ModelOptions o;
+    o.precision = md.precision;
+    o.weights = md.weights;
+    auto reserved = KimiLinearForCausalLM::synthetic(cfg, o, 7);
+    reserved->reserve(T);
+    const int64_t after_reserve = prefill_faults(*reserved, ids);
+    const int64_t again = prefill_faults(*reserved, ids);
+    const int64_t unreserved = prefill_faults(*KimiLinearForCausalLM::synthetic(cfg, o, 7), ids);
+    // The model's own workspaces at these widths are thousands of pages; what reserve leaves is the
+    // step's small per-call buffers and the fresh pools' pages, as in a second prefill, and in the fp32
+    // precision oneDNN's fp32 matmul growing its own scratchpad on its first call at this row count
+    // (out of reach: only a GEMM of that size grows it), about a third of the model's.
+    const int64_t factor = md.precision == Precision::BF16 ? 4 : 2;
+    EXPECT_GT(unreserved, factor * after_reserve)
+        << after_reserve << " faults after reserve, " << again << " in a second prefill, " << unreserved
+        << " without reserve";
+    EXPECT_THROW(reserved->reserve(-1), std::invalid_argument);
+  }
 }
 
 // --- bad input -------------------------------------------------------------------------------------

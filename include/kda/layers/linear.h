@@ -92,6 +92,12 @@ class Linear {
   void forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
   void forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
 
+  // Grows the calling thread's conversion scratch (shared by every projection the thread calls) to what a
+  // forward of up to M rows needs, any input and output type, and touches it: a model sizes its
+  // workspaces at load for the scheduler's token budget, so a server's first long prompt does not fault
+  // them in (KimiLinearForCausalLM::reserve).
+  void reserve(int64_t M) const;
+
   // Matmul primitives kept for reuse: one per call shape, at most kMaxPrimitives (least recently used
   // dropped first).
   static constexpr size_t kMaxPrimitives = 64;

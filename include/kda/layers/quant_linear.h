@@ -80,6 +80,9 @@ class QuantLinear {
   void forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
   void forward(const float* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
   void forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t ldy) const;
+  // The calling thread's scratch (shared by every QuantLinear it calls) grown to what a forward of up to M
+  // rows needs on this projection's path, any input and output type, and touched (Linear::reserve).
+  void reserve(int64_t M) const;
 
   size_t cached_primitives() const;
   Prefill prefill_path() const { return prefill_; }

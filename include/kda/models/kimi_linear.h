@@ -106,6 +106,10 @@ class KimiDeltaAttention {
   // in place, at the slots of the backend's forward metadata.
   void forward(const float* hidden_states, int64_t T, const model_executor::ForwardBatch& forward_batch,
                mem_cache::RecurrentStatePool& pool, float* out, KdaWorkspace* workspace = nullptr);
+  // What a forward of up to T tokens through `backend` uses, grown and touched at load (the workspace,
+  // the projections' thread scratch, the backend's buffers), so a first long prompt does not fault it in.
+  void reserve(int64_t T, layers::attention::linear::LinearRecurrentAttnBackend& backend,
+               KdaWorkspace* workspace = nullptr);
 
  private:
   int layer_idx_;
@@ -119,6 +123,7 @@ class KimiDeltaAttention {
   layers::Linear f_b_, g_b_, o_proj_;
   layers::RadixLinearAttention attn_;
   KdaWorkspace own_ws_;
+  void fit_workspace(KdaWorkspace& ws, int64_t T) const;
 };
 
 }  // namespace kda::models

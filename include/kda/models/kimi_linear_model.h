@@ -96,6 +96,8 @@ class KimiDecoderLayer {
   // h [T, D] in place: h += attn(norm(h)); h += mlp(norm(h)). `normed` / `tmp`: [T, D] scratch.
   void forward(float* h, int64_t T, const model_executor::ForwardBatch& fb, mem_cache::MemoryPools& pools,
                double eps, Precision precision, KdaWorkspace& ws, float* normed, float* tmp);
+  // What forward uses for up to T tokens, grown and touched (KimiLinearForCausalLM::reserve).
+  void reserve(int64_t T, layers::attention::linear::LinearRecurrentAttnBackend& backend, KdaWorkspace& ws);
 
  private:
   int layer_idx_;
@@ -135,6 +137,8 @@ class KimiLinearModel {
   // h [T, D] through every layer, in place (the residual stream before model.norm).
   void forward_layers(float* h, int64_t T, const model_executor::ForwardBatch& fb,
                       mem_cache::MemoryPools& pools);
+  // forward_layers' buffers and every layer's workspaces for up to T tokens through `backend`.
+  void reserve(int64_t T, layers::attention::linear::LinearRecurrentAttnBackend& backend);
 
  private:
   io::KimiLinearConfig cfg_;
@@ -196,6 +200,13 @@ class KimiLinearForCausalLM {
   // stream after the last layer, before model.norm.
   void forward(const int32_t* input_ids, int64_t T, model_executor::ForwardBatch& fb,
                mem_cache::MemoryPools& pools, float* hidden_final);
+  // Sizes the workspaces a forward of up to T tokens uses (one prompt of T tokens: the layers' buffers,
+  // the KDA backend's -- `backend`, or the model's own when null --, MLA's expanded keys for T keys, the
+  // MoE's for an expert all T tokens pick, the projections' conversion scratch) and touches them now, as
+  // llama.cpp reserves its compute buffers for n_ubatch at context creation: a server's first long
+  // prompt then costs what later ones do, not their page faults besides. The thread scratch is the calling
+  // thread's: call it from the thread that runs the forwards. A larger step still grows them.
+  void reserve(int64_t T, layers::attention::linear::LinearRecurrentAttnBackend* backend = nullptr);
   // model.norm + lm_head on M rows of hidden [M, D] -> logits [M, V] fp32.
   void compute_logits(const float* hidden, int64_t M, float* logits);
   // After a TARGET_VERIFY forward: the KDA states move to the accepted tokens (KDAAttnBackend::accept) and

@@ -112,6 +112,9 @@ class KimiMLAAttention {
   // run) are thrown before the pool or out changes.
   void forward(const float* hidden_states, int64_t T, const model_executor::ForwardBatch& fb,
                mem_cache::MemoryPools& pools, float* out);
+  // What a prefill of up to T tokens (one sequence, no cached prefix) uses, grown and touched at load:
+  // q, the latent rows, o, the plain form's expanded keys and values, the projections' thread scratch.
+  void reserve(int64_t T);
 
  private:
   int layer_idx_;

@@ -105,6 +105,9 @@ class KimiMLP {
   // output are rounded. allreduce: sum the row-parallel partials over the tensor-parallel ranks here (the
   // dense MLP); false leaves this rank's partial (unrounded under TP) for a caller that sums once (MoE).
   void forward(const float* x, int64_t T, float* out, bool allreduce = true);
+  // The calling thread's scratch grown to a forward of up to T tokens and touched (at load: a first long
+  // prompt does not fault it in).
+  void reserve(int64_t T) const;
   int64_t hidden() const;
   int64_t intermediate() const;  // this rank's
   int64_t weight_bytes() const;
@@ -154,6 +157,9 @@ class KimiMoE {
   // x [T, D] (post-attention-normed) -> out [T, D], allreduced once under tensor parallelism; bf16: y
   // rounded once after the routed sum and the shared expert are added in fp32.
   void forward(const float* x, int64_t T, float* out);
+  // What a forward of up to T tokens uses, grown and touched at load: the router's logits, the grouped
+  // pairs, and the calling thread's scratch for the shared expert and for an expert all T tokens pick.
+  void reserve(int64_t T);
 
   int layer_idx() const { return layer_idx_; }
   int64_t hidden() const { return D_; }

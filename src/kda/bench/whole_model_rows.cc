@@ -17,6 +17,8 @@
 // is native, else dequantized fp32 tiles by fp32 activations). Where a step is far
 // from its floor the parts are timed alone at the same shapes (the MoE and dense MLPs, the LM head; the
 // rest is attention, norms and the residual stream) so the report says where the time goes.
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -151,23 +153,34 @@ DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t 
   return best;
 }
 
+int64_t minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
 // A prefill of T tokens (one request, a fresh one each time), the LM head on its last row: the first
-// run's seconds (the model's first prefill at that size: what a server's first request meets) and the
-// best of `reps`.
+// run's seconds and page faults (the model's first prefill at that size: what a server's first request
+// meets; the output rows sized beforehand, as the engine's are) and the best of `reps` with the faults of
+// the second.
 struct PrefillTimes {
   double first = 0.0, best = 1e30;
+  int64_t first_faults = 0, second_faults = 0;
 };
 PrefillTimes time_prefill(models::KimiLinearForCausalLM& m, int64_t T, int reps) {
   Runner r(m, 1, T);
   r.ids = token_ids(T, m.vocab_size(), 3);
+  r.h.resize(static_cast<size_t>(T * m.hidden_size()));
   PrefillTimes t;
   for (int i = 0; i < reps; ++i) {
     const auto reqs = r.pools->req_to_token_pool.alloc(1);
     auto fb = model_executor::ForwardBatch::extend(reqs, {static_cast<int32_t>(T)}, {0});
+    const int64_t f0 = minor_faults();
     const auto t0 = Clock::now();
     r.step(fb, 1);
     const double s = since(t0);
-    if (i == 0) t.first = s;
+    if (i == 0) t.first = s, t.first_faults = minor_faults() - f0;
+    if (i == 1) t.second_faults = minor_faults() - f0;
     t.best = std::min(t.best, s);
     r.pools->req_to_token_pool.free(reqs);
   }
@@ -254,6 +267,10 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
     const auto t0 = Clock::now();
     auto m = models::KimiLinearForCausalLM::synthetic(cfg, mo, 7);
     const double build_s = since(t0);
+    // The workspaces of a kPrefill-token step, sized at load as the engine sizes them for its token budget.
+    const auto t_reserve = Clock::now();
+    m->reserve(kPrefill);
+    const double reserve_s = since(t_reserve);
     const int64_t active = m->active_weight_bytes();
     // Enough steps that a few of them meet a quiet moment on a shared host (its load moved 8 steps by 30%).
     const DecodeStep s1 = time_decode(*m, 1, kContext, 24);
@@ -288,6 +305,9 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                           {"model_prefill_tok_s", static_cast<double>(kPrefill) / pre},
                           {"prefill_first_s", pt.first},
                           {"prefill_first_over_best", pt.first / pre},
+                          {"prefill_first_faults", pt.first_faults},
+                          {"prefill_second_faults", pt.second_faults},
+                          {"reserve_s", reserve_s},
                           {"prefill_gflops", flops / pre / 1e9},
                           {"prefill_gemm_fraction", frac},
                           {"prefill_gemm_ceiling", f32_gemm ? "fp32" : "bf16"},

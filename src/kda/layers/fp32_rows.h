@@ -19,6 +19,14 @@ class Fp32Rows {
  public:
   Fp32Rows(int64_t in_features, int64_t out_features) : in_(in_features), out_(out_features) {}
 
+  // The calling thread's scratch grown to a call of M rows (both views converted) and touched.
+  void reserve(int64_t M) const {
+    std::vector<float>& xs = scratch(0);
+    std::vector<float>& ys = scratch(1);
+    if (static_cast<int64_t>(xs.size()) < M * in_) xs.resize(static_cast<size_t>(M * in_));
+    if (static_cast<int64_t>(ys.size()) < M * out_) ys.resize(static_cast<size_t>(M * out_));
+  }
+
   // Calls run(xf, ldxf, yf, ldyf) with the fp32 views of x [M, ldx] and y [M, ldy].
   template <class X, class Y, class Run>
   void with(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy, bool round_x, Run run) {

@@ -257,6 +257,16 @@ void Linear::forward(const bf16_t* x, int64_t M, int64_t ldx, bf16_t* y, int64_t
   forward_as(x, M, ldx, y, ldy);
 }
 
+void Linear::reserve(int64_t M) const {
+  if (M <= 0) return;
+  if (impl_->quant) return impl_->quant->reserve(M);
+  if (impl_->widened) return impl_->widened->reserve(M);
+  // to_bf16 / dense: the bf16 precision's input rows (the vnni kernel's few rows as well).
+  if (precision_ != Precision::BF16) return;
+  std::vector<bf16_t>& scratch = x_bf16_scratch();
+  if (static_cast<int64_t>(scratch.size()) < M * in_) scratch.resize(static_cast<size_t>(M * in_));
+}
+
 int64_t Linear::weight_bytes() const {
   if (impl_->quant) return impl_->quant->weight_bytes();
   if (impl_->widened) return impl_->w_packed->bytes();  // with its padding

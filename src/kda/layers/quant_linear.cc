@@ -41,6 +41,16 @@ QuantLinear::Prefill path_for(Weights weights, Precision precision, int64_t in) 
   return weights == Weights::Int8 ? QuantLinear::Prefill::Bf16Tiles : QuantLinear::Prefill::Fp32Tiles;
 }
 
+// The calling thread's scratch, shared by every QuantLinear it calls: the fp32 path's dequantized tile;
+// the bf16 paths' input rows, weight tile and fp32 output.
+struct QuantScratch {
+  std::vector<float> tile_f32, y_f32;
+  std::vector<bf16_t> x_bf16, tile_bf16;
+};
+QuantScratch& quant_scratch() {
+  thread_local QuantScratch s;
+  return s;
+}
 }  // namespace
 
 struct QuantLinear::Impl {
@@ -134,8 +144,7 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
 void QuantLinear::prefill(const float* xf, int64_t M, int64_t ldxf, float* yf, int64_t ldyf) const {
   Impl& im = *impl_;
   // One dequantized weight tile: the calling thread's, shared by every QuantLinear it calls.
-  thread_local std::vector<float> ts;
-  float* tile = aligned(ts, kTile * in_);
+  float* tile = aligned(quant_scratch().tile_f32, kTile * in_);
   for (int64_t n0 = 0; n0 < out_; n0 += kTile) {
     const int64_t nt = std::min(kTile, out_ - n0);
     float* wt = tile;
@@ -169,12 +178,10 @@ void QuantLinear::prefill_bf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t
   Impl& im = *impl_;
   const qg::PackedWeights w = im.packed.view();
   const int64_t in = in_, depth = qg::bf16_tile_depth(w), tile_n = std::min(kBf16Tile, out_);
-  // The calling thread's scratch, shared by every QuantLinear it calls.
-  thread_local std::vector<bf16_t> xs, ts;
-  thread_local std::vector<float> ys;
-  bf16_t* xb = aligned(xs, M * depth);
-  bf16_t* tile = aligned(ts, qg::bf16_blocked_tile_size(w, tile_n));
-  float* yt = aligned(ys, M * tile_n);
+  QuantScratch& s = quant_scratch();
+  bf16_t* xb = aligned(s.x_bf16, M * depth);
+  bf16_t* tile = aligned(s.tile_bf16, qg::bf16_blocked_tile_size(w, tile_n));
+  float* yt = aligned(s.y_f32, M * tile_n);
 #pragma omp parallel for schedule(static) if (M * in >= (int64_t{1} << 16))
   for (int64_t i = 0; i < M; ++i) {
     if constexpr (std::is_same_v<X, bf16_t>)
@@ -221,9 +228,8 @@ void QuantLinear::prefill_dpbf16(const X* x, int64_t M, int64_t ldx, Y* y, int64
       qg::gemm_int4_dpbf16(
           xb, M, ldxb, qg::Int4Weights{static_cast<const uint8_t*>(v.data), v.scale, v.in, v.out}, yf, ldyf);
   };
-  // The calling thread's scratch, shared by every QuantLinear it calls.
-  thread_local std::vector<bf16_t> xs;
-  thread_local std::vector<float> ys;
+  std::vector<bf16_t>& xs = quant_scratch().x_bf16;
+  std::vector<float>& ys = quant_scratch().y_f32;
   const bf16_t* xb = nullptr;
   int64_t ldxb = ldx;
   if constexpr (std::is_same_v<X, bf16_t>) {
@@ -243,6 +249,35 @@ void QuantLinear::prefill_dpbf16(const X* x, int64_t M, int64_t ldx, Y* y, int64
 #pragma omp parallel for schedule(static) if (M * out_ >= (int64_t{1} << 16))
     for (int64_t i = 0; i < M; i += 16)
       qg::scale_columns(yt + i * out_, out_, std::min<int64_t>(16, M - i), nullptr, out_, y + i * ldy, ldy);
+  }
+}
+
+void QuantLinear::reserve(int64_t M) const {
+  if (M <= 0) return;
+  // The sizes the paths above take for M rows (aligned() adds a cache line): every path's rows of x and
+  // y as fp32, then the one this projection's prefill takes.
+  const auto grow = [](auto& v, int64_t n) {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    if (v.size() < static_cast<size_t>(n) + 64 / sizeof(T)) aligned(v, n);
+  };
+  impl_->rows.reserve(M);
+  QuantScratch& s = quant_scratch();
+  if (M <= decode_rows()) return;
+  const qg::PackedWeights w = impl_->packed.view();
+  switch (prefill_) {
+    case Prefill::Bf16Tiles: {
+      const int64_t tile_n = std::min(kBf16Tile, out_);
+      grow(s.x_bf16, M * qg::bf16_tile_depth(w));
+      grow(s.tile_bf16, qg::bf16_blocked_tile_size(w, tile_n));
+      grow(s.y_f32, M * tile_n);
+      break;
+    }
+    case Prefill::Dpbf16:
+      grow(s.x_bf16, M * in_);
+      grow(s.y_f32, M * out_);
+      break;
+    default:
+      grow(s.tile_f32, kTile * in_);
   }
 }
 

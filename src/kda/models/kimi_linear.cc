@@ -320,6 +320,34 @@ int64_t KimiDeltaAttention::weight_bytes() const {
   return proj_.weight_bytes() + f_b_.weight_bytes() + g_b_.weight_bytes() + o_proj_.weight_bytes();
 }
 
+// The workspace a forward of T tokens uses: the fused projection's output, f, z, the kernel output o and
+// the gated norm's y (bf16 where the mode stores them so).
+void KimiDeltaAttention::fit_workspace(KdaWorkspace& ws, int64_t T) const {
+  const auto n = [&](int64_t cols) { return static_cast<size_t>(T * cols); };
+  const int64_t n_proj = 3 * P_ + 2 * K_ + H_;
+  ws.o.resize(n(P_));
+  if (precision_ == Precision::BF16) {
+    ws.proj_bf16.resize(n(n_proj));
+    ws.f_bf16.resize(n(P_));
+    ws.z_bf16.resize(n(P_));
+    ws.y_bf16.resize(n(P_));
+  } else {
+    ws.proj.resize(n(n_proj));
+    ws.f.resize(n(P_));
+    ws.z.resize(n(P_));
+    ws.y.resize(n(P_));
+  }
+}
+
+void KimiDeltaAttention::reserve(int64_t T, layers::attention::linear::LinearRecurrentAttnBackend& backend,
+                                 KdaWorkspace* workspace) {
+  if (T <= 0) return;
+  KdaWorkspace& ws = workspace ? *workspace : own_ws_;
+  if (ws.o.size() < static_cast<size_t>(T * P_)) fit_workspace(ws, T);
+  for (const layers::Linear* l : {&proj_, &f_b_, &g_b_, &o_proj_}) l->reserve(T);
+  backend.reserve(attn_, T);
+}
+
 void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
                                  const model_executor::ForwardBatch& forward_batch,
                                  mem_cache::RecurrentStatePool& pool, float* out, KdaWorkspace* workspace) {
@@ -348,11 +376,8 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
   // 2. The gate bottlenecks f = W_fb (W_fa x), z = W_gb (W_ga x), in the bf16 mode bf16 in and out.
   // 3. conv + kernel through the backend.
   // Activations are fp32 or (bf16 mode) bf16 values stored as bf16: half the bytes written and read.
-  ws.o.resize(static_cast<size_t>(T * P_));
+  fit_workspace(ws, T);
   const auto project_and_attend = [&](auto& proj, auto& f, auto& z) {
-    proj.resize(static_cast<size_t>(T * n_proj));
-    f.resize(static_cast<size_t>(T * P_));
-    z.resize(static_cast<size_t>(T * P_));
     auto* pr = proj.data();
     proj_.forward(hidden_states, T, D_, pr, n_proj);
     f_b_.forward(pr + 3 * P_, T, n_proj, f.data(), P_);
@@ -370,10 +395,6 @@ void KimiDeltaAttention::forward(const float* hidden_states, int64_t T,
   // 4. gated RMS norm per (token, head): y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(z). The bf16
   // rounding point of the kernel output o is applied as it is read here, and y's as it is written: y goes
   // to o_proj as bf16 without a conversion pass.
-  if (bf16)
-    ws.y_bf16.resize(static_cast<size_t>(T * P_));
-  else
-    ws.y.resize(static_cast<size_t>(T * P_));
   const int64_t rows = T * H_;
   const float eps = static_cast<float>(eps_);
   const int K = static_cast<int>(K_);

@@ -104,6 +104,18 @@ void KimiDecoderLayer::forward(float* h, int64_t T, const model_executor::Forwar
   add_residual(h, tmp, n, precision);
 }
 
+void KimiDecoderLayer::reserve(int64_t T, layers::attention::linear::LinearRecurrentAttnBackend& backend,
+                               KdaWorkspace& ws) {
+  if (kda_)
+    kda_->reserve(T, backend, &ws);
+  else
+    mla_->reserve(T);
+  if (mlp_)
+    mlp_->reserve(T);
+  else
+    moe_->reserve(T);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // KimiLinearModel
 
@@ -194,6 +206,14 @@ void KimiLinearModel::forward_layers(float* h, int64_t T, const model_executor::
   tmp_.resize(n);
   for (auto& l : layers_)
     l->forward(h, T, fb, pools, cfg_.rms_norm_eps, precision_, ws_, normed_.data(), tmp_.data());
+}
+
+void KimiLinearModel::reserve(int64_t T, layers::attention::linear::LinearRecurrentAttnBackend& backend) {
+  if (T <= 0) return;
+  const size_t n = static_cast<size_t>(T * cfg_.hidden_size);
+  if (normed_.size() < n) normed_.resize(n);
+  if (tmp_.size() < n) tmp_.resize(n);
+  for (auto& l : layers_) l->reserve(T, backend, ws_);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -347,6 +367,12 @@ void KimiLinearForCausalLM::accept(const model_executor::ForwardBatch& fb, std::
   }
   for (size_t b = 0; b < accepted.size(); ++b)
     if (fb.req_pool_indices[b] >= 0) rtp.accept_tokens(fb.req_pool_indices[b], committed[b], kept[b]);
+}
+
+void KimiLinearForCausalLM::reserve(int64_t T,
+                                    layers::attention::linear::LinearRecurrentAttnBackend* backend) {
+  if (T < 0) throw std::invalid_argument("reserve: negative token count " + str(T));
+  model_->reserve(T, backend ? *backend : backend_);
 }
 
 void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float* logits) {

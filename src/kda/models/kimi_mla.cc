@@ -246,6 +246,26 @@ int64_t KimiMLAAttention::weight_bytes() const {
          static_cast<int64_t>(w_kvb_.size() * sizeof(float));
 }
 
+void KimiMLAAttention::reserve(int64_t T) {
+  if (T <= 0) return;
+  const auto grow = [](std::vector<float>& v, int64_t n) {
+    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+  };
+  // forward's sizes (steps 1, 3 and 4 below) for T new tokens of one sequence of T tokens.
+  const int64_t qw = Hm_ * (dn_ + dr_), lw = R_ + dr_;
+  grow(q_, T * qw);
+  grow(a_, T * lw);
+  grow(lat_, T * lw);
+  grow(o_, T * Hm_ * dv_);
+  if (!plain_kv_) plain_kv_ = std::make_unique<mla::MlaScratch>();
+  const mla::MlaDims dims{static_cast<int>(Hm_), static_cast<int>(dn_), static_cast<int>(dr_),
+                          static_cast<int>(dv_), static_cast<int>(R_)};
+  const bool absorb = options_.form == MlaForm::Absorbed ||
+                      (options_.form == MlaForm::Auto && mla::prefer_absorbed(dims, 0, T));
+  if (!absorb) mla::reserve_plain(dims, T, *plain_kv_);
+  for (const layers::Linear* l : {&q_proj_, &kv_a_, &o_proj_}) l->reserve(T);
+}
+
 void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const model_executor::ForwardBatch& fb,
                                mem_cache::MemoryPools& pools, float* out) {
   using model_executor::ForwardMode;

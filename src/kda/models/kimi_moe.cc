@@ -254,6 +254,10 @@ void KimiMLP::forward(const float* x, int64_t T, float* out, bool allreduce) {
   }
 }
 
+void KimiMLP::reserve(int64_t T) const {
+  if (T > 0) mlp_->reserve(T, thread_scratch().mlp);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // KimiMoE
 
@@ -514,6 +518,24 @@ void KimiMoE::forward(const float* x, int64_t T, float* out) {
     run_grouped(x, T, out);
   if (tp_.size > 1) tp_.comm->allreduce_sum(out, static_cast<size_t>(T * D_));
   if (bf16) round_bf16_inplace(out, static_cast<size_t>(T * D_));
+}
+
+void KimiMoE::reserve(int64_t T) {
+  if (T <= 0) return;
+  const auto grow = [](auto& v, int64_t n) {
+    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+  };
+  grow(logits_, T * E_);
+  grow(rows_, T * k_);
+  router_->reserve(T);
+  // run_grouped's: the shared expert over T rows, then an expert's gathered rows (at most T: a token picks
+  // an expert once), every expert the same shape.
+  ThreadScratch& s = thread_scratch();
+  if (shared_) shared_->reserve(T, s.mlp, s.part);
+  const int64_t np = padded_rows(T, weights_, precision_);
+  grow(s.xe, np * D_);
+  grow(s.ye, np * D_);
+  if (!experts_.empty()) experts_.front()->reserve(np, s.mlp, s.part);
 }
 
 namespace {

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <deque>
 #include <exception>
+#include <future>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -409,15 +410,25 @@ void OpenAIServer::serve() {
   if (!impl_->bound) bind();
   auto& im = *impl_;
   std::exception_ptr engine_error;
+  // The engine's workspaces are sized and touched on its own thread (the forwards' thread scratch is that
+  // thread's) before the server takes requests: the first long prompt then costs what later ones do.
+  std::promise<void> ready;
   std::thread engine_thread([&] {
     try {
+      im.engine.reserve_workspaces();
+      ready.set_value();
       im.engine.run(im.engine_stop);
     } catch (...) {
       engine_error = std::current_exception();
       im.stopping.store(true);
       im.http.stop();
+      try {
+        ready.set_value();
+      } catch (const std::future_error&) {  // set already: the loop was running
+      }
     }
   });
+  ready.get_future().wait();
   if (!im.stopping.load()) im.http.listen_after_bind();
   im.stopping.store(true);
   im.engine_stop.store(true);

@@ -695,6 +695,13 @@ void Engine::await_burst(std::unique_lock<std::mutex>& lk, const std::atomic<boo
   totals_.admission_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+void Engine::reserve_workspaces() {
+  const int64_t T = opt_.scheduler.token_budget;
+  runner_.reserve(T);
+  if (y_.size() < static_cast<size_t>(T * D_)) y_.resize(static_cast<size_t>(T * D_));
+  if (toks_.size() < static_cast<size_t>(T)) toks_.resize(static_cast<size_t>(T));
+}
+
 void Engine::run(const std::atomic<bool>& stop) {
   while (!stop.load()) {
     if (live_.empty()) {

@@ -162,6 +162,11 @@ class Engine {
   // and on waking from idle to a request, waits out the admission window (EngineOptions::
   // admission_window_ms); returns once `stop` is set (after the step in flight), aborting what is left.
   void run(const std::atomic<bool>& stop);
+  // Sizes and touches the workspaces of a step of the scheduler's token budget (the model's, on the
+  // calling thread: ModelRunner::reserve; the step's hidden rows), so the first long prompt costs what
+  // later ones do. On the thread that steps the engine (run's), before it starts: requests that arrive
+  // meanwhile would meet a loop that is not yet running.
+  void reserve_workspaces();
   // One step when there is work (false when idle). Not concurrently with run().
   bool step();
   EngineStats stats() const;  // thread safe

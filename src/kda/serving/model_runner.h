@@ -35,6 +35,9 @@ class ModelRunner {
 
   // input_ids [T] -> out [T, D], the residual stream after the last layer (T = fb.num_tokens()).
   void forward(model_executor::ForwardBatch& fb, const int32_t* input_ids, float* out);
+  // The model's workspaces for a step of up to T tokens through this runner's backend, sized and touched
+  // on the calling thread (KimiLinearForCausalLM::reserve).
+  void reserve(int64_t T) { model_->reserve(T, &backend_); }
   // After a TARGET_VERIFY forward of `fb`: each request's slot moves to the state after its accepted
   // tokens (accepted[i]: row position of request i's last accepted token; KDAAttnBackend::accept), and its
   // length (and token slots) back to the committed tokens.

@@ -153,6 +153,7 @@ ServeResult serve(ModelRunner& runner, const std::vector<RequestSpec>& requests,
     res.spec_emitted_tokens += s.decode_tokens;
   };
   Engine engine(runner, std::move(eo));
+  engine.reserve_workspaces();
 
   auto on_finished = [&](int64_t r) {  // a finished turn: its next turn's prompt, due arrival_step steps on
     ++completed;

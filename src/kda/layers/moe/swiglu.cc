@@ -64,21 +64,38 @@ SwigluMlp::SwigluMlp(int64_t D, int64_t I, Linear gate_up, Linear down, Precisio
                                 " and intermediate " + std::to_string(I));
 }
 
+namespace {
+// The scratch a SwigluMlp forward of T rows uses: gate|up [T, 2I] and silu*up [T, I], bf16 or fp32.
+void grow_scratch(SwigluScratch& s, int64_t T, int64_t I, bool bf16) {
+  const size_t nh = static_cast<size_t>(T * 2 * I), na = static_cast<size_t>(T * I);
+  if (bf16) {
+    if (s.h16.size() < nh) s.h16.resize(nh);
+    if (s.a16.size() < na) s.a16.resize(na);
+  } else {
+    if (s.h.size() < nh) s.h.resize(nh);
+    if (s.a.size() < na) s.a.resize(na);
+  }
+}
+}  // namespace
+
+void SwigluMlp::reserve(int64_t T, SwigluScratch& s) const {
+  if (T <= 0) return;
+  grow_scratch(s, T, I_, precision_ == Precision::BF16);
+  gate_up_.reserve(T);
+  down_.reserve(T);
+}
+
 void SwigluMlp::forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
                         SwigluScratch& s) const {
   if (T <= 0) return;
-  const size_t nh = static_cast<size_t>(T * 2 * I_), na = static_cast<size_t>(T * I_);
+  grow_scratch(s, T, I_, precision_ == Precision::BF16);
   if (precision_ == Precision::BF16) {
-    if (s.h16.size() < nh) s.h16.resize(nh);
-    if (s.a16.size() < na) s.a16.resize(na);
     gate_up_.forward(x, T, ldx, s.h16.data(), 2 * I_);
     silu_mul(s.h16.data(), T, I_, s.a16.data());
     down_.forward(s.a16.data(), T, I_, out, ldo);
     if (round_out)
       for (int64_t t = 0; t < T; ++t) round_bf16_inplace(out + t * ldo, static_cast<size_t>(D_));
   } else {
-    if (s.h.size() < nh) s.h.resize(nh);
-    if (s.a.size() < na) s.a.resize(na);
     gate_up_.forward(x, T, ldx, s.h.data(), 2 * I_);
     silu_mul(s.h.data(), T, I_, s.a.data());
     down_.forward(s.a.data(), T, I_, out, ldo);
@@ -151,6 +168,13 @@ void SwigluPieces::forward(const float* x, int64_t T, int64_t ldx, float* out, i
   }
   if (round_out)
     for (int64_t t = 0; t < T; ++t) round_bf16_inplace(out + t * ldo, static_cast<size_t>(D_));
+}
+
+void SwigluPieces::reserve(int64_t T, SwigluScratch& scratch, std::vector<float>& part) const {
+  if (T <= 0) return;
+  for (const SwigluMlp& m : pieces_) m.reserve(T, scratch);
+  if (pieces_.size() > 1 && part.size() < static_cast<size_t>(T * D_))
+    part.resize(static_cast<size_t>(T * D_));
 }
 
 void SwigluPieces::add_part(float* out, int64_t ldo, const float* part, int64_t ldp, int64_t T, int64_t D) {

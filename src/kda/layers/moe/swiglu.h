@@ -42,6 +42,8 @@ class SwigluMlp {
   // x [T, D] with row stride ldx -> out [T, D] with row stride ldo.
   void forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
                SwigluScratch& scratch) const;
+  // `scratch` and the projections' thread scratch grown to a forward of up to T rows, and touched.
+  void reserve(int64_t T, SwigluScratch& scratch) const;
 
  private:
   int64_t D_, I_;
@@ -82,6 +84,8 @@ class SwigluPieces {
   // `part` is [T, D] scratch for pieces after the first.
   void forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
                SwigluScratch& scratch, std::vector<float>& part) const;
+  // What forward and forward_piece take for up to T rows, grown and touched (SwigluMlp::reserve).
+  void reserve(int64_t T, SwigluScratch& scratch, std::vector<float>& part) const;
   // out [T, D] (stride ldo) += part [T, D] (stride ldp).
   static void add_part(float* out, int64_t ldo, const float* part, int64_t ldp, int64_t T, int64_t D);
 

@@ -132,6 +132,10 @@ class LinearRecurrentAttnBackend {
                              std::span<const int32_t> recurrent_indices);
   const LinearRecurrentAttnBackendMetadata& forward_metadata() const { return forward_metadata_; }
 
+  // The buffers an EXTEND forward of up to T tokens through `layer` uses (its conv output and
+  // beta), grown and touched: a model sizes them at load for the scheduler's token budget.
+  void reserve(const RadixLinearAttention& layer, int64_t T);
+
   // o: [T, Hv * Dv] kernel output.
   void forward(const RadixLinearAttention& layer, const model_executor::ForwardBatch& forward_batch,
                const LinearAttnInputs& in, mem_cache::RecurrentStatePool& recurrent_state_pool, float* o);

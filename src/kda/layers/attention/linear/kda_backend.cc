@@ -151,6 +151,20 @@ int64_t LinearRecurrentAttnBackend::conv_out_stride(const RadixLinearAttention& 
   return (c * elem_bytes) % 4096 == 0 ? c + 64 / elem_bytes : c;
 }
 
+void LinearRecurrentAttnBackend::reserve(const RadixLinearAttention& layer, int64_t T) {
+  if (T <= 0) return;
+  const auto grow = [](auto& v, int64_t n) {
+    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+  };
+  // forward's sizes for a prefill: bf16 rows in the bf16 mode, fp32 rows in the fp32 one (a decode batch's
+  // few fp32 rows are left to the first decode).
+  if (layer.params().bf16_activations)
+    grow(conv_out_bf16_, T * conv_out_stride(layer, sizeof(bf16_t)));
+  else
+    grow(conv_out_, T * conv_out_stride(layer, sizeof(float)));
+  grow(beta_, T * layer.params().num_v_heads);
+}
+
 void LinearRecurrentAttnBackend::compute_beta(const RadixLinearAttention& layer, const LinearAttnInputs& in,
                                               int64_t T) {
   const auto& p = layer.params();

@@ -150,6 +150,16 @@ float* at_least(std::vector<float>& b, size_t n) {
   return b.data();
 }
 
+// The three buffers' values for one sequence of S keys (the layouts above).
+struct PlainKvSize {
+  size_t kt, rt, v;
+};
+PlainKvSize plain_kv_size(const MlaDims& d, int64_t S) {
+  const int64_t ldk = kernels::gemm::f32_block_ld(S), ldv = kernels::gemm::f32_block_ld(d.v_head);
+  return {static_cast<size_t>(int64_t{d.heads} * d.qk_nope * ldk), static_cast<size_t>(d.qk_rope * ldk),
+          static_cast<size_t>(int64_t{d.heads} * S * ldv)};
+}
+
 std::vector<PlainKv> expand_plain(const MlaAttnArgs& a, MlaScratch& scratch) {
   const MlaDims& d = a.dims;
   const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora, lat = R + dr;
@@ -164,9 +174,10 @@ std::vector<PlainKv> expand_plain(const MlaAttnArgs& a, MlaScratch& scratch) {
     out[b].ldk = kernels::gemm::f32_block_ld(S);
     out[b].ldv = kernels::gemm::f32_block_ld(dv);
     kt_at[b] = kt_n, rt_at[b] = rt_n, v_at[b] = v_n;
-    kt_n += static_cast<size_t>(Hm * dn * out[b].ldk);
-    rt_n += static_cast<size_t>(dr * out[b].ldk);
-    v_n += static_cast<size_t>(Hm * S * out[b].ldv);
+    const PlainKvSize n = plain_kv_size(d, S);
+    kt_n += n.kt;
+    rt_n += n.rt;
+    v_n += n.v;
   }
   float* const kt_all = at_least(scratch.kt, kt_n);
   float* const rt_all = at_least(scratch.rt, rt_n);
@@ -212,6 +223,14 @@ bool prefer_absorbed(const MlaDims& d, int64_t prefix, int64_t extend) {
 // Flash-style: a query block walks its keys in blocks of kKeyBlock with an online softmax (running max
 // and sum per row, fp32), so the scores in memory are [block, kKeyBlock], never a row per key. The block
 // GEMMs read the expanded keys and values in place and allocate nothing (f32_block.h says why).
+void reserve_plain(const MlaDims& dims, int64_t keys, MlaScratch& scratch) {
+  if (keys <= 0) return;
+  const PlainKvSize n = plain_kv_size(dims, keys);
+  at_least(scratch.kt, n.kt);
+  at_least(scratch.rt, n.rt);
+  at_least(scratch.v, n.v);
+}
+
 void mla_attention_plain(const MlaAttnArgs& a) {
   check_args(a);
   const MlaDims& d = a.dims;

@@ -59,6 +59,10 @@ struct MlaScratch {
   std::vector<float> kt, rt, v;
 };
 
+// `scratch` grown to the plain form's expanded keys and values of one sequence of `keys` keys, and
+// touched: a layer sizes it at load for its longest prefill (KimiMLAAttention::reserve).
+void reserve_plain(const MlaDims& dims, int64_t keys, MlaScratch& scratch);
+
 struct MlaAttnArgs {
   MlaDims dims;
   const float* q = nullptr;  // [T, heads * (dn + dr)], row stride ldq: per head q_nope | q_pe
