@@ -11,12 +11,14 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kda/common/seeded.h"
 #include "kda/distributed/in_process.h"
 #include "kda/io/config.h"
 #include "kda/io/safetensors.h"
+#include "kda/kernels/silu_mul_isa.h"
 #include "kda/layers/moe/router.h"
 #include "kda/layers/moe/swiglu.h"
 #include "kda/models/kimi_moe.h"
@@ -160,24 +162,34 @@ TEST(MoeSynthetic, SeededUniformsHaveUnitVarianceAndDependOnTheKeyOnly) {
   EXPECT_NEAR(var, 1.0, 0.02);
 }
 
+// The entry point (this CPU's copy) and the portable copy, which every build has, against the reference
+// (libm's expf), at widths with and without a vector tail.
 TEST(MoeSwiglu, SiluMulRowsEqualTheReference) {
-  for (int64_t I : {1, 17, 1024}) {
-    const int64_t T = 9;
-    const auto h = testing::random_normal(static_cast<size_t>(T * 2 * I), I, 2.0f);
-    std::vector<float> a(T * I), ref(T * I);
-    layers::moe::silu_mul(h.data(), T, I, a.data());
-    layers::moe::silu_mul_reference(h.data(), T, I, ref.data(), false);
-    EXPECT_LE(testing::max_error_ratio(a.data(), ref.data(), a.size(), 1e-6, 1e-6), 1.0);
-    std::vector<bf16_t> h16(h.size()), a16(T * I);
-    f32_to_bf16_array(h.data(), h16.data(), h.size());
-    std::vector<float> hr(h.size()), ar(T * I);
-    bf16_to_f32_array(h16.data(), hr.data(), h.size());
-    layers::moe::silu_mul(h16.data(), T, I, a16.data());
-    layers::moe::silu_mul_reference(hr.data(), T, I, ref.data(), true);
-    bf16_to_f32_array(a16.data(), ar.data(), ar.size());
-    // One bf16 ulp where exp's last fp32 bit decides the rounding.
-    EXPECT_LE(testing::max_error_ratio(ar.data(), ref.data(), ar.size(), 1e-30, 1.0 / 128), 1.0);
-  }
+  using F32 = void (*)(const float*, int64_t, int64_t, float*);
+  using B16 = void (*)(const bf16_t*, int64_t, int64_t, bf16_t*);
+  const std::pair<F32, B16> copies[] = {{&layers::moe::silu_mul, &layers::moe::silu_mul},
+                                        {&kernels::portable::silu_mul, &kernels::portable::silu_mul}};
+  for (const auto& [f32, b16] : copies)
+    for (int64_t I : {1, 17, 1024}) {
+      const int64_t T = I == 1024 ? 40 : 9;  // 40 x 1024: past the parallel threshold
+      auto h = testing::random_normal(static_cast<size_t>(T * 2 * I), I, 2.0f);
+      h[0] = -120.0f;  // exp(120) overflows: silu is 0 to fp32 tolerance, not NaN
+      h[1 % h.size()] = 95.0f;
+      std::vector<float> a(T * I), ref(T * I);
+      f32(h.data(), T, I, a.data());
+      layers::moe::silu_mul_reference(h.data(), T, I, ref.data(), false);
+      EXPECT_LE(testing::max_error_ratio(a.data(), ref.data(), a.size(), 1e-6, 1e-6), 1.0) << "I " << I;
+      std::vector<bf16_t> h16(h.size()), a16(T * I);
+      f32_to_bf16_array(h.data(), h16.data(), h.size());
+      std::vector<float> hr(h.size()), ar(T * I);
+      bf16_to_f32_array(h16.data(), hr.data(), h.size());
+      b16(h16.data(), T, I, a16.data());
+      layers::moe::silu_mul_reference(hr.data(), T, I, ref.data(), true);
+      bf16_to_f32_array(a16.data(), ar.data(), ar.size());
+      // One bf16 ulp where exp's last fp32 bits decide the rounding.
+      EXPECT_LE(testing::max_error_ratio(ar.data(), ref.data(), ar.size(), 1e-30, 1.0 / 128), 1.0)
+          << "I " << I;
+    }
 }
 
 TEST(MoeSwiglu, PiecesSplitIntoSlicesOf32Rows) {

@@ -8,6 +8,7 @@
 
 #include "kda/kernels/gemm/bf16_gemm.h"
 #include "kda/kernels/gemm/weight_format.h"
+#include "kda/kernels/silu_mul.h"
 
 namespace kda::layers::moe {
 
@@ -195,29 +196,8 @@ void silu_mul_reference(const float* h, int64_t T, int64_t I, float* a, bool rou
     }
 }
 
-void silu_mul(const float* h, int64_t T, int64_t I, float* a) {
-#pragma omp parallel for schedule(static) if (T * I >= kParallelElems)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* g = h + t * 2 * I;
-    const float* u = g + I;
-    float* o = a + t * I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) o[i] = silu(g[i]) * u[i];
-  }
-}
+void silu_mul(const float* h, int64_t T, int64_t I, float* a) { kernels::silu_mul(h, T, I, a); }
 
-void silu_mul(const bf16_t* h, int64_t T, int64_t I, bf16_t* a) {
-#pragma omp parallel for schedule(static) if (T * I >= kParallelElems)
-  for (int64_t t = 0; t < T; ++t) {
-    const bf16_t* g = h + t * 2 * I;
-    const bf16_t* u = g + I;
-    bf16_t* o = a + t * I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const float gv = bf16_to_f32(g[i]);
-      o[i] = f32_to_bf16(silu(gv) * bf16_to_f32(u[i]));
-    }
-  }
-}
+void silu_mul(const bf16_t* h, int64_t T, int64_t I, bf16_t* a) { kernels::silu_mul(h, T, I, a); }
 
 }  // namespace kda::layers::moe
