@@ -256,10 +256,6 @@ void QuantLinear::reserve(int64_t M) const {
   if (M <= 0) return;
   // The sizes the paths above take for M rows (aligned() adds a cache line): every path's rows of x and
   // y as fp32, then the one this projection's prefill takes.
-  const auto grow = [](auto& v, int64_t n) {
-    using T = typename std::decay_t<decltype(v)>::value_type;
-    if (v.size() < static_cast<size_t>(n) + 64 / sizeof(T)) aligned(v, n);
-  };
   impl_->rows.reserve(M);
   QuantScratch& s = quant_scratch();
   if (M <= decode_rows()) return;
@@ -267,17 +263,17 @@ void QuantLinear::reserve(int64_t M) const {
   switch (prefill_) {
     case Prefill::Bf16Tiles: {
       const int64_t tile_n = std::min(kBf16Tile, out_);
-      grow(s.x_bf16, M * qg::bf16_tile_depth(w));
-      grow(s.tile_bf16, qg::bf16_blocked_tile_size(w, tile_n));
-      grow(s.y_f32, M * tile_n);
+      grow_aligned(s.x_bf16, M * qg::bf16_tile_depth(w));
+      grow_aligned(s.tile_bf16, qg::bf16_blocked_tile_size(w, tile_n));
+      grow_aligned(s.y_f32, M * tile_n);
       break;
     }
     case Prefill::Dpbf16:
-      grow(s.x_bf16, M * in_);
-      grow(s.y_f32, M * out_);
+      grow_aligned(s.x_bf16, M * in_);
+      grow_aligned(s.y_f32, M * out_);
       break;
     default:
-      grow(s.tile_f32, kTile * in_);
+      grow_aligned(s.tile_f32, kTile * in_);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/common/aligned_scratch.h"
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
 #include "kda/io/packed_checkpoint.h"
@@ -248,9 +249,6 @@ int64_t KimiMLAAttention::weight_bytes() const {
 
 void KimiMLAAttention::reserve(int64_t T) {
   if (T <= 0) return;
-  const auto grow = [](std::vector<float>& v, int64_t n) {
-    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
-  };
   // forward's sizes (steps 1, 3 and 4 below) for T new tokens of one sequence of T tokens.
   const int64_t qw = Hm_ * (dn_ + dr_), lw = R_ + dr_;
   grow(q_, T * qw);

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/common/aligned_scratch.h"
 #include "kda/common/allocator.h"
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
@@ -522,9 +523,6 @@ void KimiMoE::forward(const float* x, int64_t T, float* out) {
 
 void KimiMoE::reserve(int64_t T) {
   if (T <= 0) return;
-  const auto grow = [](auto& v, int64_t n) {
-    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
-  };
   grow(logits_, T * E_);
   grow(rows_, T * k_);
   router_->reserve(T);

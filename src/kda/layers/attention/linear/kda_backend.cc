@@ -7,6 +7,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kda/common/aligned_scratch.h"
 #include "kda/common/bf16.h"
 #include "kda/common/parallel_spans.h"
 #include "kda/kernels/short_conv.h"
@@ -153,9 +154,6 @@ int64_t LinearRecurrentAttnBackend::conv_out_stride(const RadixLinearAttention& 
 
 void LinearRecurrentAttnBackend::reserve(const RadixLinearAttention& layer, int64_t T) {
   if (T <= 0) return;
-  const auto grow = [](auto& v, int64_t n) {
-    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
-  };
   // forward's sizes for a prefill: bf16 rows in the bf16 mode, fp32 rows in the fp32 one (a decode batch's
   // few fp32 rows are left to the first decode).
   if (layer.params().bf16_activations)

@@ -7,6 +7,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kda/common/aligned_scratch.h"
 #include "kda/common/bf16.h"
 #include "kda/common/parallel_spans.h"
 #include "kda/kernels/short_conv.h"
@@ -353,9 +354,6 @@ void LinearRecurrentAttnBackend::accept(const ForwardBatch& batch, std::span<con
   const int64_t H = verify_layers_[0]->params().num_v_heads;
   // Sized for the verify buffer's most tokens (see forward_verify); the states for this batch's rows.
   const int64_t Tcap = std::max<int64_t>(Tp, kept_rows_ * kept_tokens_);
-  const auto grow = [](auto& v, int64_t n) {
-    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
-  };
   grow(accept_rows_, Tcap * E);
   grow(accept_beta_, Tcap * H);
   grow(accept_o_, Tcap * HV);
