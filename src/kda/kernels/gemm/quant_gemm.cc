@@ -51,6 +51,28 @@ struct DotBw {
   }
 };
 
+// One step of int8_block: inputs [k, k + 32) of rows [m0, m0 + MB) x channels [n0, n0 + NB). kTail: the
+// last, partial step, its loads masked to mk (the full steps' plain loads keep GCC's store motion: with a
+// masked load in the loop it kept every accumulator's copy on the stack too, a store per product).
+template <int MB, int NB, class Dot, bool kTail>
+inline void int8_step(const int16_t* xq, int64_t in, const Int8Weights& w, int64_t m0, int64_t n0, int64_t k,
+                      __mmask32 mk, __m512i (&acc)[MB][NB]) {
+  if (!kTail && (k & 63) == 0 && n0 + 2 * NB <= w.out)  // NB lines of the next block per 64 inputs
+    for (int j = 0; j < NB; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * in) + NB * k + 64 * j, _MM_HINT_T0);
+  __m512i wv[NB];
+  for (int j = 0; j < NB; ++j) {
+    const int8_t* q = w.q + (n0 + j) * in + k;
+    wv[j] = _mm512_cvtepi8_epi16(kTail ? _mm256_maskz_loadu_epi8(mk, q)
+                                       : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  }
+  for (int i = 0; i < MB; ++i) {
+    const int16_t* x = xq + (m0 + i) * in + k;
+    const __m512i xv = kTail ? _mm512_maskz_loadu_epi16(mk, x) : _mm512_loadu_si512(x);
+    for (int j = 0; j < NB; ++j) acc[i][j] = Dot::dot_s16(acc[i][j], wv[j], xv);
+  }
+}
+
 // int8 weights, int16 activations. Rows [m0, m0 + MB) x channels [n0, n0 + NB): MB * NB int32
 // accumulators of 16 lanes; 32 inputs per step (one 32-byte load per channel, widened to int16).
 // activation_qmax() keeps every lane's sum inside int32.
@@ -60,19 +82,10 @@ inline void int8_block(const int16_t* xq, const float* sx, int64_t in, const Int
   __m512i acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < in; k += 32) {
-    const __mmask32 mk = in - k >= 32 ? ~__mmask32(0) : __mmask32((uint32_t{1} << (in - k)) - 1);
-    if ((k & 63) == 0 && n0 + 2 * NB <= w.out)  // NB lines of the next block per 64 inputs
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * in) + NB * k + 64 * j, _MM_HINT_T0);
-    __m512i wv[NB];
-    for (int j = 0; j < NB; ++j)
-      wv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mk, w.q + (n0 + j) * in + k));
-    for (int i = 0; i < MB; ++i) {
-      const __m512i xv = _mm512_maskz_loadu_epi16(mk, xq + (m0 + i) * in + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = Dot::dot_s16(acc[i][j], wv[j], xv);
-    }
-  }
+  const int64_t full = in / 32 * 32;
+  for (int64_t k = 0; k < full; k += 32) int8_step<MB, NB, Dot, false>(xq, in, w, m0, n0, k, 0, acc);
+  if (full < in)
+    int8_step<MB, NB, Dot, true>(xq, in, w, m0, n0, full, __mmask32((uint32_t{1} << (in - full)) - 1), acc);
   // The lanes' exact total (int64: 16 lanes of int32 may pass it), converted once: the portable and the
   // AMX kernels' value bit for bit, so that a row's output does not depend on which kernel its call took.
   for (int i = 0; i < MB; ++i)
@@ -126,41 +139,49 @@ void pack_x_int4(const int16_t* xq, const float* sx, int64_t M, int64_t in, std:
 // row one int32 dot product (lanes 4g'..4g'+3 belong to group g' of the chunk), converted once and
 // scaled (weight scale times activation scale) in one FMA into fp32 accumulators. A chunk past the
 // last group reads zeros (masked loads).
+// One chunk c of int4_block (ng of its 4 groups in the weights). kTail: the last chunk, partial, its
+// loads masked (as int8_step's, masked loads only outside the loop).
+template <int MB, int NB, class Dot, bool kTail>
+inline void int4_chunk(const XChunk* xp, int64_t C, const Int4Weights& w, int64_t m0, int64_t n0, int64_t c,
+                       int64_t ng, __m512 (&acc)[MB][NB]) {
+  const int64_t G = w.in / kInt4Group, row_bytes = w.in / 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __mmask64 mb = kTail ? (__mmask64(1) << (16 * ng)) - 1 : ~__mmask64(0);
+  const __mmask8 ms = static_cast<__mmask8>((1u << ng) - 1);
+  for (int j = 0; j < NB; ++j) {
+    const uint8_t* wp = w.q + (n0 + j) * row_bytes + 64 * c;
+    const float* sp = w.scale + (n0 + j) * G + 4 * c;
+    if (!kTail && n0 + 2 * NB <= w.out) {  // per chunk NB lines of the next block's weights, per 4 its scales
+      _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * row_bytes) + 64 * (NB * c + j),
+                   _MM_HINT_T0);
+      if ((c & 3) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w.scale + (n0 + NB) * G) + 64 * (NB * (c / 4) + j),
+                     _MM_HINT_T0);
+    }
+    const __m512i b = kTail ? _mm512_maskz_loadu_epi8(mb, wp) : _mm512_loadu_si512(wp);
+    const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+    const __m512 s = _mm512_permutexvar_ps(
+        spread, _mm512_castps128_ps512(kTail ? _mm_maskz_loadu_ps(ms, sp) : _mm_loadu_ps(sp)));
+    for (int i = 0; i < MB; ++i) {
+      const XChunk& x = xp[(m0 + i) * C + c];
+      const __m512i d =
+          Dot::dot_int4(_mm512_load_si512(x.ncorr), lo, hi, _mm512_load_si512(x.h_lo),
+                        _mm512_load_si512(x.h_hi), _mm512_load_si512(x.l_lo), _mm512_load_si512(x.l_hi));
+      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_load_ps(x.sx)), acc[i][j]);
+    }
+  }
+}
+
 template <int MB, int NB, class Dot>
 inline void int4_block(const XChunk* xp, int64_t C, const Int4Weights& w, int64_t m0, int64_t n0, float* y,
                        int64_t ldy) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t G = w.in / kInt4Group, row_bytes = w.in / 2;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  for (int64_t c = 0; c < C; ++c) {
-    const int64_t ng = std::min<int64_t>(4, G - 4 * c);
-    const __mmask64 mb = ng == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * ng)) - 1;
-    const __mmask8 ms = static_cast<__mmask8>((1u << ng) - 1);
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* wp = w.q + (n0 + j) * row_bytes + 64 * c;
-      if (n0 + 2 * NB <= w.out) {  // per chunk NB lines of the next block's weights, per 4 its scales
-        _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * row_bytes) + 64 * (NB * c + j),
-                     _MM_HINT_T0);
-        if ((c & 3) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(w.scale + (n0 + NB) * G) + 64 * (NB * (c / 4) + j),
-                       _MM_HINT_T0);
-      }
-      const __m512i b = _mm512_maskz_loadu_epi8(mb, wp);
-      const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
-      const __m512 s = _mm512_permutexvar_ps(
-          spread, _mm512_castps128_ps512(_mm_maskz_loadu_ps(ms, w.scale + (n0 + j) * G + 4 * c)));
-      for (int i = 0; i < MB; ++i) {
-        const XChunk& x = xp[(m0 + i) * C + c];
-        const __m512i d =
-            Dot::dot_int4(_mm512_load_si512(x.ncorr), lo, hi, _mm512_load_si512(x.h_lo),
-                          _mm512_load_si512(x.h_hi), _mm512_load_si512(x.l_lo), _mm512_load_si512(x.l_hi));
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_load_ps(x.sx)), acc[i][j]);
-      }
-    }
-  }
+  const int64_t G = w.in / kInt4Group, full = G / 4;
+  for (int64_t c = 0; c < full; ++c) int4_chunk<MB, NB, Dot, false>(xp, C, w, m0, n0, c, 4, acc);
+  if (full < C) int4_chunk<MB, NB, Dot, true>(xp, C, w, m0, n0, full, G - 4 * full, acc);
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) y[(m0 + i) * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
