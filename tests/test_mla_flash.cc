@@ -124,8 +124,14 @@ TEST(MlaFlash, AScratchKeptAcrossCallsGivesTheBitsOfOwnBuffers) {
   mla::MlaScratch scratch;
   const std::vector<std::vector<std::pair<int64_t, int64_t>>> calls{
       {{0, 600}, {100, 90}}, {{0, 70}}, {{30, 5}, {0, 1}}, {{0, 900}, {500, 200}, {3, 0}}};
+  // The plain form and its reference keep their expanded keys and values there, the absorbed form its q~,
+  // u and q_pe.
+  const std::vector<std::pair<void (*)(const mla::MlaAttnArgs&), const char*>> forms{
+      {mla::mla_attention_plain, "plain"},
+      {mla::mla_attention_plain_reference, "plain reference"},
+      {mla::mla_attention_absorbed, "absorbed"}};
   for (size_t k = 0; k < calls.size(); ++k)
-    for (const bool reference : {false, true}) {
+    for (const auto& [form, name] : forms) {
       int64_t T = 0, L = 0;
       for (const auto& [prefix, extend] : calls[k]) T += extend, L += prefix + extend;
       const std::vector<float> q = random_normal(static_cast<size_t>(T * qw), 30 + k, 2.0f);
@@ -138,15 +144,17 @@ TEST(MlaFlash, AScratchKeptAcrossCallsGivesTheBitsOfOwnBuffers) {
       }
       std::vector<float> own(static_cast<size_t>(T * ow), 0.0f), kept(own);
       mla::MlaAttnArgs a{d, q.data(), qw, seqs, w.data(), 1.0f / std::sqrt(192.0f), true, own.data(), ow};
-      (reference ? mla::mla_attention_plain_reference : mla::mla_attention_plain)(a);
-      for (auto* b : {&scratch.kt, &scratch.rt, &scratch.v}) std::fill(b->begin(), b->end(), NAN);
+      form(a);
+      for (auto* b : {&scratch.kt, &scratch.rt, &scratch.v, &scratch.qt, &scratch.u, &scratch.qpe})
+        std::fill(b->begin(), b->end(), NAN);
       a.o = kept.data();
       a.scratch = &scratch;
-      (reference ? mla::mla_attention_plain_reference : mla::mla_attention_plain)(a);
+      form(a);
       EXPECT_EQ(std::memcmp(own.data(), kept.data(), own.size() * sizeof(float)), 0)
-          << "call " << k << (reference ? " (reference)" : "");
+          << "call " << k << " (" << name << ")";
     }
   EXPECT_FALSE(scratch.kt.empty());
+  EXPECT_FALSE(scratch.qt.empty());
 }
 
 // A sequence's output rows are the same bits alone and in any batch, in both forms: what the serving

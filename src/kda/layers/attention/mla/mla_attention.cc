@@ -298,6 +298,13 @@ void mla_attention_plain_reference(const MlaAttnArgs& a) {
 // stacked into one [G * nb, R] matrix against the sequence's latent rows, which every head shares. So a
 // decode step (nb = 1) multiplies a [G, R] block by the latent rows once per group, not once per head
 // (one pass over the cache per group instead of a matrix-vector product per head).
+//
+// Three passes. 1: q~ of every item, head by head (threads split the heads): each head's W_UK [dn, R] is
+// read from memory once per call and stays in the caches for every item, where an item at a time read
+// every head's, the layer's whole kv_b (8 MB in fp32 at the real shapes), once per sequence: a decode
+// batch of 16 read it 16 times. 2: per item, the scores, softmax and u = sum_s p_s c_hat_s. 3: o = W_UV u,
+// head by head as pass 1. Every GEMM is the one a pass over items would run (the same operands and shape),
+// so the results do not depend on the order.
 void mla_attention_absorbed(const MlaAttnArgs& a) {
   check_args(a);
   const MlaDims& d = a.dims;
@@ -313,52 +320,89 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   const int64_t per_thread = (Hm + threads - 1) / threads;
   struct Item {
     int64_t seq, i0, i1, h0, h1;
+    int64_t at;  // where its stacked [G * nb, R] q~ and u start in qt and u below
   };
   std::vector<Item> items;
+  int64_t stacked = 0;
   for (int64_t b = 0; b < static_cast<int64_t>(a.seqs.size()); ++b)
     for (int64_t i0 = 0; i0 < a.seqs[b].extend; i0 += kQueryBlock) {
       const int64_t i1 = std::min(a.seqs[b].extend, i0 + kQueryBlock), nb = i1 - i0;
       const int64_t G = std::max<int64_t>(1, std::min({Hm, kMaxStacked / nb, per_thread}));
-      for (int64_t h0 = 0; h0 < Hm; h0 += G) items.push_back({b, i0, i1, h0, std::min(Hm, h0 + G)});
+      for (int64_t h0 = 0; h0 < Hm; h0 += G) {
+        const int64_t h1 = std::min(Hm, h0 + G);
+        items.push_back({b, i0, i1, h0, h1, stacked});
+        stacked += (h1 - h0) * nb;
+      }
     }
   if (items.empty()) return;
+  // Each item's q~, u ([M, R], row (g, ii)) and q_pe ([M, dr]), M = its heads x its queries.
+  MlaScratch own;
+  MlaScratch& sc = a.scratch ? *a.scratch : own;
+  float* const qt = at_least(sc.qt, static_cast<size_t>(stacked * R));
+  float* const u = at_least(sc.u, static_cast<size_t>(stacked * R));
+  float* const qpe = at_least(sc.qpe, static_cast<size_t>(stacked * dr));
+  // Items that hold head h, in order (an item's heads are contiguous, groups in head order).
+  std::vector<std::vector<int64_t>> by_head(static_cast<size_t>(Hm));
+  for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k)
+    for (int64_t h = items[static_cast<size_t>(k)].h0; h < items[static_cast<size_t>(k)].h1; ++h)
+      by_head[static_cast<size_t>(h)].push_back(k);
   std::exception_ptr err;
+  const auto keep = [&err] {
+#pragma omp critical(mla_attention_error)
+    if (!err) err = std::current_exception();
+  };
 #pragma omp parallel
   {
-    std::vector<float> buf;
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < Hm; ++h) {
+      try {
+        const float* w_uk = a.w_kvb + h * (dn + dv) * R;  // [dn, R]
+        for (const int64_t k : by_head[static_cast<size_t>(h)]) {
+          const Item& w = items[static_cast<size_t>(k)];
+          const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
+          const int64_t nb = w.i1 - w.i0, r0 = w.at + (h - w.h0) * nb;
+          const float* q = a.q + (s.q_row + w.i0) * a.ldq + h * qw;
+          sgemm('N', 'N', nb, R, dn, 1.0f, q, a.ldq, w_uk, R, 0.0f, qt + r0 * R, R);
+          for (int64_t ii = 0; ii < nb; ++ii) std::copy_n(q + ii * a.ldq + dn, dr, qpe + (r0 + ii) * dr);
+        }
+      } catch (...) {
+        keep();
+      }
+    }
+    // (the implicit barrier: every q~ written)
+    std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k) {
       try {
         const Item& w = items[static_cast<size_t>(k)];
         const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
         const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1, M = (w.h1 - w.h0) * nb;
-        buf.resize(static_cast<size_t>(M * ns + 2 * M * R + M * dr));
-        float* scores = buf.data();
-        float* qt = scores + M * ns;  // q~ [M, R], row (g, ii)
-        float* u = qt + M * R;        // sum_s p_s c_hat_s [M, R]
-        float* qpe = u + M * R;       // q_pe [M, dr]
-        const float* q0 = a.q + (s.q_row + w.i0) * a.ldq;
-        for (int64_t h = w.h0; h < w.h1; ++h) {
-          const int64_t r0 = (h - w.h0) * nb;
-          const float* w_uk = a.w_kvb + h * (dn + dv) * R;  // [dn, R]
-          sgemm('N', 'N', nb, R, dn, 1.0f, q0 + h * qw, a.ldq, w_uk, R, 0.0f, qt + r0 * R, R);
-          for (int64_t ii = 0; ii < nb; ++ii)
-            std::copy_n(q0 + ii * a.ldq + h * qw + dn, dr, qpe + (r0 + ii) * dr);
-        }
-        sgemm('N', 'T', M, ns, R, a.scale, qt, R, s.latent, lat, 0.0f, scores, ns);
-        sgemm('N', 'T', M, ns, dr, a.scale, qpe, dr, s.latent + R, lat, 1.0f, scores, ns);
-        for (int64_t h = w.h0; h < w.h1; ++h) causal_softmax(scores + (h - w.h0) * nb * ns, ns, nb, s, w.i0);
-        sgemm('N', 'N', M, R, ns, 1.0f, scores, ns, s.latent, lat, 0.0f, u, R);
-        for (int64_t h = w.h0; h < w.h1; ++h) {
-          const float* w_uv = a.w_kvb + (h * (dn + dv) + dn) * R;  // [dv, R]
+        scores.resize(static_cast<size_t>(M * ns));
+        const float* qk = qt + w.at * R;
+        sgemm('N', 'T', M, ns, R, a.scale, qk, R, s.latent, lat, 0.0f, scores.data(), ns);
+        sgemm('N', 'T', M, ns, dr, a.scale, qpe + w.at * dr, dr, s.latent + R, lat, 1.0f, scores.data(), ns);
+        for (int64_t h = w.h0; h < w.h1; ++h)
+          causal_softmax(scores.data() + (h - w.h0) * nb * ns, ns, nb, s, w.i0);
+        sgemm('N', 'N', M, R, ns, 1.0f, scores.data(), ns, s.latent, lat, 0.0f, u + w.at * R, R);
+      } catch (...) {
+        keep();
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < Hm; ++h) {
+      try {
+        const float* w_uv = a.w_kvb + (h * (dn + dv) + dn) * R;  // [dv, R]
+        for (const int64_t k : by_head[static_cast<size_t>(h)]) {
+          const Item& w = items[static_cast<size_t>(k)];
+          const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
+          const int64_t nb = w.i1 - w.i0;
           float* o = a.o + (s.q_row + w.i0) * a.ldo + h * dv;
-          sgemm('N', 'T', nb, dv, R, 1.0f, u + (h - w.h0) * nb * R, R, w_uv, R, 0.0f, o, a.ldo);
+          sgemm('N', 'T', nb, dv, R, 1.0f, u + (w.at + (h - w.h0) * nb) * R, R, w_uv, R, 0.0f, o, a.ldo);
           if (a.bf16)
             for (int64_t ii = 0; ii < nb; ++ii) round_bf16_inplace(o + ii * a.ldo, static_cast<size_t>(dv));
         }
       } catch (...) {
-#pragma omp critical(mla_attention_error)
-        if (!err) err = std::current_exception();
+        keep();
       }
     }
   }

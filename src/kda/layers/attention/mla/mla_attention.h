@@ -57,6 +57,7 @@ struct MlaSeq {
 // prefill; without one (nullptr) a call expands into buffers of its own, freed on return.
 struct MlaScratch {
   std::vector<float> kt, rt, v;
+  std::vector<float> qt, u, qpe;  // the absorbed form's q~, u and q_pe of a call's every query and head
 };
 
 // `scratch` grown to the plain form's expanded keys and values of one sequence of `keys` keys, and
@@ -73,8 +74,8 @@ struct MlaAttnArgs {
   bool bf16 = false;             // the bf16 mode's rounding points
   float* o = nullptr;            // [T, heads * dv], row stride ldo; rows of the sequences' new tokens written
   int64_t ldo = 0;
-  MlaScratch* scratch =
-      nullptr;  // the plain forms' expanded keys and values (above); not shared between threads
+  MlaScratch* scratch = nullptr;  // the plain form's expanded keys and values, the absorbed form's q~ and u
+                                  // (above); not shared between threads
 };
 
 // The plain form flash-style: each (sequence, head, block of 64 queries) walks its keys in blocks of 256
