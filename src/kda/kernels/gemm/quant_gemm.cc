@@ -251,14 +251,25 @@ KDA_QUANT_RANGES(DotBw, bw)
 
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
+// vpdpbusd / vpdpwssd in inline asm, the accumulator updated in place: GCC 12 compiles their intrinsics
+// with a register copy of the accumulator before each one (they overwrite it), so that a block of 16
+// products ran at 1.35 cycles per vpdpwssd against 0.99 with these (Zen 4, L1-resident operands).
+inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+}
+inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
 struct DotVnni {
   static inline __m512i dot_int4(__m512i ncorr, __m512i lo, __m512i hi, __m512i h_lo, __m512i h_hi,
                                  __m512i l_lo, __m512i l_hi) {
-    const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, h_lo), hi, h_hi);
-    const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ncorr, l_lo, lo), l_hi, hi);
+    const __m512i h = dpbusd(dpbusd(_mm512_setzero_si512(), lo, h_lo), hi, h_hi);
+    const __m512i l = dpbusd(dpbusd(ncorr, l_lo, lo), l_hi, hi);
     return _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
   }
-  static inline __m512i dot_s16(__m512i acc, __m512i a, __m512i b) { return _mm512_dpwssd_epi32(acc, a, b); }
+  static inline __m512i dot_s16(__m512i acc, __m512i a, __m512i b) { return dpwssd(acc, a, b); }
 };
 KDA_QUANT_RANGES(DotVnni, vnni)
 #pragma GCC pop_options
