@@ -14,8 +14,8 @@
 //    products the scheme's own.
 //  - Dpbf16, in the bf16 precision on AVX512_BF16 without AMX (int8 and int4, an input size that is a
 //    multiple of 32): the project's kernels (kernels/gemm/quant_dpbf16.h), panels of the scheme's integers
-//    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 17
-//    rows on, where the integer decode kernels, with int16 activations, fall behind.
+//    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 33
+//    (int8) or 17 (int4) rows on, where the integer decode kernels, with int16 activations, fall behind.
 //  - Fp32Tiles otherwise: the tile dequantized to fp32 through oneDNN's fp32 matmul.
 #pragma once
 
@@ -38,10 +38,10 @@ class QuantLinear {
  public:
   static constexpr int64_t kDecodeRows = 64;
   // On the Dpbf16 path its kernels take the calls of more rows than these: where they beat the integer
-  // decode kernels on cold weights at the model's shapes (Zen 4, `kda bench --only qdecode`: int8 at 16
-  // rows 1.14-1.38 of their time, at 32 rows 0.92-1.10; int4 at 16 rows 1.06-1.28 and at 32 rows
+  // decode kernels on cold weights at the model's shapes (Zen 4, `kda bench --only qdecode`: int8 at 32
+  // rows 1.01-1.29 of their time, at 64 rows 0.91-1.03; int4 at 16 rows 1.06-1.28 and at 32 rows
   // 0.74-0.90; docs/performance.md).
-  static constexpr int64_t kDpbf16DecodeRowsInt8 = 16;
+  static constexpr int64_t kDpbf16DecodeRowsInt8 = 32;
   static constexpr int64_t kDpbf16DecodeRowsInt4 = 16;
   static constexpr int64_t kTile = 256;       // output channels per fp32 tile on the prefill path
   static constexpr int64_t kBf16Tile = 2048;  // output channels per bf16 tile
