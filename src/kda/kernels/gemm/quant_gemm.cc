@@ -134,11 +134,6 @@ void pack_x_int4(const int16_t* xq, const float* sx, int64_t M, int64_t in, std:
     }
 }
 
-// Rows [m0, m0 + MB) x channels [n0, n0 + NB) of an int4 GEMM. Per chunk and channel: one 64-byte load
-// split into low and high nibbles, and the 4 group scales spread over the lanes of their groups; per
-// row one int32 dot product (lanes 4g'..4g'+3 belong to group g' of the chunk), converted once and
-// scaled (weight scale times activation scale) in one FMA into fp32 accumulators. A chunk past the
-// last group reads zeros (masked loads).
 // One chunk c of int4_block (ng of its 4 groups in the weights). kTail: the last chunk, partial, its
 // loads masked (as int8_step's, masked loads only outside the loop).
 template <int MB, int NB, class Dot, bool kTail>
@@ -173,6 +168,11 @@ inline void int4_chunk(const XChunk* xp, int64_t C, const Int4Weights& w, int64_
   }
 }
 
+// Rows [m0, m0 + MB) x channels [n0, n0 + NB) of an int4 GEMM. Per chunk and channel: one 64-byte load
+// split into low and high nibbles, and the 4 group scales spread over the lanes of their groups; per
+// row one int32 dot product (lanes 4g'..4g'+3 belong to group g' of the chunk), converted once and
+// scaled (weight scale times activation scale) in one FMA into fp32 accumulators. A chunk past the
+// last group reads zeros (masked loads).
 template <int MB, int NB, class Dot>
 inline void int4_block(const XChunk* xp, int64_t C, const Int4Weights& w, int64_t m0, int64_t n0, float* y,
                        int64_t ldy) {
