@@ -252,8 +252,8 @@ KDA_QUANT_RANGES(DotBw, bw)
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
 // vpdpbusd / vpdpwssd in inline asm, the accumulator updated in place: GCC 12 compiles their intrinsics
-// with a register copy of the accumulator before each one (they overwrite it), so that a block of 16
-// products ran at 1.35 cycles per vpdpwssd against 0.99 with these (Zen 4, L1-resident operands).
+// with a register copy of the accumulator before each one (they overwrite it), and those copies held a
+// block of products well below the instruction's rate (docs/performance.md, "Batch 16").
 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
   return acc;
