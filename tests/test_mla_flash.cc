@@ -14,6 +14,9 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/common/isa.h"
+#include "kda/kernels/online_softmax.h"
+#include "kda/kernels/online_softmax_isa.h"
 #include "kda/layers/attention/mla/mla_attention.h"
 #include "support/test_support.h"
 
@@ -111,6 +114,49 @@ TEST(MlaFlash, GrowingScoresMoveTheRunningMax) { compare({{0, 1100}, {900, 130}}
 
 TEST(MlaFlash, VerifyTreesMaskAsTheReference) {
   compare({{10, 6, true}, {300, 40, true}, {0, 70, true}}, false, 0.0f, "trees fp32");
+}
+
+// The online softmax step (kernels/online_softmax.h) of every ISA copy in the build that this CPU runs
+// against its reference: rows of several widths (a vector and its tail), rows partly masked, a row masked
+// whole on its first block (left untouched) and after one (rescaled by 1), running maxima below and above
+// the block's, and scores far enough below the max that exp underflows (0 in both).
+TEST(MlaFlash, OnlineSoftmaxStepEqualsTheReference) {
+  using Step = void (*)(float*, int64_t, int64_t, float*, float*, float*, int64_t);
+  std::vector<std::pair<Step, const char*>> copies{{&kernels::online_softmax_block, "dispatch"},
+                                                   {&kernels::portable::online_softmax_block, "portable"}};
+#if defined(KDA_WITH_AVX2)
+  if (isa_available(Isa::Avx2)) copies.emplace_back(&kernels::avx2::online_softmax_block, "avx2");
+#endif
+#if defined(KDA_WITH_AVX512)
+  if (isa_available(Isa::Avx512)) copies.emplace_back(&kernels::avx512::online_softmax_block, "avx512");
+#endif
+  const int64_t rows = 6, dv = 37;
+  for (const auto& [step, name] : copies)
+    for (int64_t n : {1, 15, 16, 17, 256}) {
+      std::vector<float> s = random_normal(static_cast<size_t>(rows * n), static_cast<uint64_t>(n), 4.0f);
+      for (int64_t j = n / 2; j < n; ++j) s[1 * n + j] = -INFINITY;             // a causal tail
+      for (int64_t j = 0; j < n; ++j) s[2 * n + j] = s[3 * n + j] = -INFINITY;  // masked whole
+      s[4 * n + n - 1] = -200.0f;                                               // exp underflows
+      std::vector<float> mx{-INFINITY, 1.0f, -INFINITY, 0.5f, 30.0f, -2.0f},
+          l{0.0f, 2.0f, 0.0f, 3.0f, 1.5f, 7.0f};
+      std::vector<float> acc = random_normal(static_cast<size_t>(rows * dv), 99);
+      for (int64_t c = 0; c < dv; ++c) acc[2 * dv + c] = 0.0f;
+      std::vector<float> s2(s), mx2(mx), l2(l), acc2(acc);
+      step(s.data(), n, rows, mx.data(), l.data(), acc.data(), dv);
+      kernels::online_softmax_block_reference(s2.data(), n, rows, mx2.data(), l2.data(), acc2.data(), dv);
+      const std::string what = std::string(name) + " n " + std::to_string(n);
+      EXPECT_LE(testing::max_error_ratio(s.data(), s2.data(), s.size(), 1e-30, 4e-7), 1.0) << what;
+      EXPECT_LE(testing::max_error_ratio(l.data(), l2.data(), l.size(), 1e-30, 1e-6), 1.0) << what;
+      EXPECT_LE(testing::max_error_ratio(acc.data(), acc2.data(), acc.size(), 1e-30, 4e-7), 1.0) << what;
+      EXPECT_EQ(mx, mx2) << what;
+      EXPECT_EQ(mx[2], -INFINITY) << what;  // untouched
+      EXPECT_EQ(l[2], 0.0f) << what;
+      for (int64_t j = 0; j < n; ++j) {
+        EXPECT_EQ(s[2 * n + j], 0.0f) << what;
+        EXPECT_EQ(s[3 * n + j], 0.0f) << what;
+      }
+      for (int64_t j = n / 2; j < n; ++j) EXPECT_EQ(s[1 * n + j], 0.0f) << what;
+    }
 }
 
 // A scratch kept across calls (as a layer keeps one) gives the bits of a call's own buffers, whatever the

@@ -12,6 +12,7 @@
 
 #include "kda/common/bf16.h"
 #include "kda/kernels/gemm/f32_block.h"
+#include "kda/kernels/online_softmax.h"
 
 namespace kda::layers::attention::mla {
 namespace {
@@ -100,8 +101,9 @@ void parallel_items(const std::vector<WorkItem>& items, Body&& body) {
 }
 
 // A query block's pass over one key block [j0, j0 + kn) in the online softmax: scores s (scaled), masked
-// as causal_softmax masks them; per row the running max mx and sum l, the output rows acc [nb, dv]
-// rescaled to the new max; s left as the block's weights exp(s - max) (0 where masked).
+// as causal_softmax masks them, then the step of kernels/online_softmax.h: per row the running max mx and
+// sum l, the output rows acc [nb, dv] rescaled to the new max; s left as the block's weights exp(s - max)
+// (0 where masked).
 void online_softmax_block(float* s, int64_t kn, int64_t nb, const MlaSeq& seq, int64_t i0, int64_t j0,
                           float* mx, float* l, float* acc, int64_t dv) {
   for (int64_t ii = 0; ii < nb; ++ii) {
@@ -111,23 +113,8 @@ void online_softmax_block(float* s, int64_t kn, int64_t nb, const MlaSeq& seq, i
     if (seq.visible)
       for (int64_t jj = std::max<int64_t>(0, seq.prefix - j0); jj < kn && j0 + jj < last; ++jj)
         if (!seq.visible[i * seq.extend + (j0 + jj - seq.prefix)]) r[jj] = -INFINITY;
-    float m = mx[ii];
-    for (int64_t jj = 0; jj < kn; ++jj) m = std::max(m, r[jj]);
-    if (m == -INFINITY) {  // nothing seen yet: the block adds nothing
-      std::fill(r, r + kn, 0.0f);
-      continue;
-    }
-    const float alpha = std::exp(mx[ii] - m);  // 0 on the first block a row sees
-    float sum = 0.0f;
-    for (int64_t jj = 0; jj < kn; ++jj) {
-      r[jj] = std::exp(r[jj] - m);
-      sum += r[jj];
-    }
-    l[ii] = l[ii] * alpha + sum;
-    mx[ii] = m;
-    float* o = acc + ii * dv;
-    for (int64_t c = 0; c < dv; ++c) o[c] *= alpha;
   }
+  kernels::online_softmax_block(s, kn, nb, mx, l, acc, dv);
 }
 
 // The expansion through kv_b, shared by both plain kernels: one sequence's keys and values (a threaded
