@@ -121,7 +121,7 @@ TEST(MlaFlash, VerifyTreesMaskAsTheReference) {
 // whole on its first block (left untouched) and after one (rescaled by 1), running maxima below and above
 // the block's, and scores far enough below the max that exp underflows (0 in both).
 TEST(MlaFlash, OnlineSoftmaxStepEqualsTheReference) {
-  using Step = void (*)(float*, int64_t, int64_t, float*, float*, float*, int64_t);
+  using Step = void (*)(float*, int64_t, int64_t, float, float*, float*, float*, int64_t);
   std::vector<std::pair<Step, const char*>> copies{{&kernels::online_softmax_block, "dispatch"},
                                                    {&kernels::portable::online_softmax_block, "portable"}};
 #if defined(KDA_WITH_AVX2)
@@ -136,14 +136,15 @@ TEST(MlaFlash, OnlineSoftmaxStepEqualsTheReference) {
       std::vector<float> s = random_normal(static_cast<size_t>(rows * n), static_cast<uint64_t>(n), 4.0f);
       for (int64_t j = n / 2; j < n; ++j) s[1 * n + j] = -INFINITY;             // a causal tail
       for (int64_t j = 0; j < n; ++j) s[2 * n + j] = s[3 * n + j] = -INFINITY;  // masked whole
-      s[4 * n + n - 1] = -200.0f;                                               // exp underflows
+      s[4 * n + n - 1] = -2000.0f;                                              // exp underflows
       std::vector<float> mx{-INFINITY, 1.0f, -INFINITY, 0.5f, 30.0f, -2.0f},
           l{0.0f, 2.0f, 0.0f, 3.0f, 1.5f, 7.0f};
       std::vector<float> acc = random_normal(static_cast<size_t>(rows * dv), 99);
       for (int64_t c = 0; c < dv; ++c) acc[2 * dv + c] = 0.0f;
       std::vector<float> s2(s), mx2(mx), l2(l), acc2(acc);
-      step(s.data(), n, rows, mx.data(), l.data(), acc.data(), dv);
-      kernels::online_softmax_block_reference(s2.data(), n, rows, mx2.data(), l2.data(), acc2.data(), dv);
+      step(s.data(), n, rows, 0.125f, mx.data(), l.data(), acc.data(), dv);
+      kernels::online_softmax_block_reference(s2.data(), n, rows, 0.125f, mx2.data(), l2.data(), acc2.data(),
+                                              dv);
       const std::string what = std::string(name) + " n " + std::to_string(n);
       EXPECT_LE(testing::max_error_ratio(s.data(), s2.data(), s.size(), 1e-30, 4e-7), 1.0) << what;
       EXPECT_LE(testing::max_error_ratio(l.data(), l2.data(), l.size(), 1e-30, 1e-6), 1.0) << what;
@@ -193,6 +194,7 @@ TEST(MlaFlash, AScratchKeptAcrossCallsGivesTheBitsOfOwnBuffers) {
       form(a);
       for (auto* b : {&scratch.kt, &scratch.rt, &scratch.v, &scratch.qt, &scratch.u, &scratch.qpe})
         std::fill(b->begin(), b->end(), NAN);
+      std::fill(scratch.kb.begin(), scratch.kb.end(), bf16_t{0x7FC0});  // NaN
       a.o = kept.data();
       a.scratch = &scratch;
       form(a);
@@ -201,6 +203,7 @@ TEST(MlaFlash, AScratchKeptAcrossCallsGivesTheBitsOfOwnBuffers) {
     }
   EXPECT_FALSE(scratch.kt.empty());
   EXPECT_FALSE(scratch.qt.empty());
+  EXPECT_EQ(scratch.kb.empty(), !mla::plain_bf16_keys(d, true));  // the bf16 keys where the CPU takes them
 }
 
 // A sequence's output rows are the same bits alone and in any batch, in both forms: what the serving

@@ -1,6 +1,7 @@
 // `kda bench --only kernels`, the MLA row: the plain-form MLA prefill attention of one 2048-token prompt
-// at the real shapes (32 heads, R 512, dn 128, dr 64, dv 128; fp32, as the layer calls it), the
-// flash-style kernel and its reference (a block's scores over every key) in turns.
+// at the real shapes (32 heads, R 512, dn 128, dr 64, dv 128), the flash-style kernel in fp32 and in the
+// bf16 mode (bf16 values in, as the layer passes them; its scores on vdpbf16ps where plain_bf16_keys says
+// so) and the reference (fp32; a block's scores over every key), in turns.
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -8,6 +9,7 @@
 
 #include "kda/bench/inputs.h"
 #include "kda/bench/rows.h"
+#include "kda/common/bf16.h"
 #include "kda/io/kimi_linear_48b.h"
 #include "kda/layers/attention/mla/mla_attention.h"
 
@@ -19,16 +21,22 @@ void bench_mla_prefill(nlohmann::json& j, const Say& say) {
   const mla::MlaDims d{S::kMlaHeads, S::kQkNope, S::kQkRope, S::kVHead, S::kKvLoraRank};
   const int64_t T = 2048, qw = int64_t{d.heads} * (d.qk_nope + d.qk_rope), lat = d.kv_lora + d.qk_rope,
                 ow = int64_t{d.heads} * d.v_head;
-  const std::vector<float> q = bench_randn(static_cast<size_t>(T * qw), 31),
-                           latent = bench_randn(static_cast<size_t>(T * lat), 32),
-                           w = bench_randn(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora),
-                                           33, 0.05f);
+  std::vector<float> q = bench_randn(static_cast<size_t>(T * qw), 31),
+                     latent = bench_randn(static_cast<size_t>(T * lat), 32),
+                     w = bench_randn(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), 33,
+                                     0.05f);
+  // bf16 values from the start, so the fp32 and bf16 runs see the same inputs.
+  for (std::vector<float>* v : {&q, &latent, &w}) round_bf16_inplace(v->data(), v->size());
   std::vector<float> o(static_cast<size_t>(T * ow));
   const mla::MlaSeq seq{0, 0, T, latent.data(), nullptr};
   const mla::MlaAttnArgs a{d,     q.data(), qw, {&seq, 1}, w.data(), 1.0f / std::sqrt(192.0f),
                            false, o.data(), ow};
-  const auto t = best_interleaved(
-      {[&] { mla::mla_attention_plain(a); }, [&] { mla::mla_attention_plain_reference(a); }}, 3, 2.0);
+  mla::MlaAttnArgs a16 = a;
+  a16.bf16 = true;
+  const auto t =
+      best_interleaved({[&] { mla::mla_attention_plain(a); }, [&] { mla::mla_attention_plain_reference(a); },
+                        [&] { mla::mla_attention_plain(a16); }},
+                       3, 2.0);
   // The expansion through kv_b, then per head QK^T over dn + dr and PV over dv on the causal half.
   const double flops = 2.0 * T * d.kv_lora * (d.qk_nope + d.v_head) * d.heads +
                        2.0 * d.heads * (T * (T + 1) / 2.0) * (d.qk_nope + d.qk_rope + d.v_head);
@@ -37,11 +45,17 @@ void bench_mla_prefill(nlohmann::json& j, const Say& say) {
                       {"reference_ms", t[1] * 1e3},
                       {"flash_gflops", flops / t[0] / 1e9},
                       {"reference_gflops", flops / t[1] / 1e9},
-                      {"flash_over_reference", t[0] / t[1]}};
+                      {"flash_over_reference", t[0] / t[1]},
+                      {"flash_bf16_ms", t[2] * 1e3},
+                      {"flash_bf16_gflops", flops / t[2] / 1e9},
+                      {"flash_bf16_keys", mla::plain_bf16_keys(d, true)}};
   say("\n%-30s %8s %12s %12s %10s %14s\n", "MLA prefill attention (plain)", "tokens", "flash ms", "ref ms",
       "flash/ref", "flash GFLOP/s");
   say("%-30s %8lld %12.2f %12.2f %10.2f %14.1f\n", "32 heads, fp32", static_cast<long long>(T), t[0] * 1e3,
       t[1] * 1e3, t[0] / t[1], flops / t[0] / 1e9);
+  say("%-30s %8lld %12.2f %12s %10.2f %14.1f\n",
+      mla::plain_bf16_keys(d, true) ? "32 heads, bf16 (vdpbf16ps QK)" : "32 heads, bf16 (fp32 QK)",
+      static_cast<long long>(T), t[2] * 1e3, "", t[2] / t[1], flops / t[2] / 1e9);
 }
 
 }  // namespace kda::bench

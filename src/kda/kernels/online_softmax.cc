@@ -17,12 +17,16 @@ inline float exp_or_zero(float x) { return x < -87.0f ? 0.0f : exp_simd(x); }
 
 }  // namespace
 
-void online_softmax_block(float* s, int64_t n, int64_t rows, float* mx, float* l, float* acc, int64_t dv) {
+void online_softmax_block(float* s, int64_t n, int64_t rows, float scale, float* mx, float* l, float* acc,
+                          int64_t dv) {
   for (int64_t i = 0; i < rows; ++i) {
     float* r = s + i * n;
     float m = mx[i];
 #pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < n; ++j) m = r[j] > m ? r[j] : m;
+    for (int64_t j = 0; j < n; ++j) {
+      r[j] *= scale;
+      m = r[j] > m ? r[j] : m;
+    }
     if (m == -INFINITY) {  // nothing seen yet: the block adds nothing
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) r[j] = 0.0f;

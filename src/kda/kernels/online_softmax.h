@@ -2,10 +2,11 @@
 // by block and never hold a score row over every key (MLA's flash-style prefill). fp32 throughout, as the
 // spec's softmax is in every mode. Private to the library and its tests.
 //
-// For each of the `rows` rows of s [rows, n] (scores already scaled, masked entries -inf), with the row's
-// running max mx, running sum l and output row acc (dv values, the weighted sum of values so far):
+// For each of the `rows` rows of s [rows, n] (raw scores, masked entries -inf; scale > 0 multiplies each),
+// with the row's running max mx, running sum l and output row acc (dv values, the weighted sum of values
+// so far):
 //
-//   m' = max(mx, max_j s_j);  s_j <- exp(s_j - m');  alpha = exp(mx - m');
+//   s_j <- scale s_j;  m' = max(mx, max_j s_j);  s_j <- exp(s_j - m');  alpha = exp(mx - m');
 //   l <- l alpha + sum_j s_j;  acc <- acc alpha;  mx <- m'
 //
 // exp is exact 0 for masked entries and wherever s_j - m' < -87 (below 2^-125 of the row's largest
@@ -19,9 +20,10 @@
 namespace kda::kernels {
 
 // The copy for the fastest ISA this CPU runs (vectorised exp, max and sum over each row).
-void online_softmax_block(float* s, int64_t n, int64_t rows, float* mx, float* l, float* acc, int64_t dv);
+void online_softmax_block(float* s, int64_t n, int64_t rows, float scale, float* mx, float* l, float* acc,
+                          int64_t dv);
 // The reference: the same step in plain loops with libm's expf.
-void online_softmax_block_reference(float* s, int64_t n, int64_t rows, float* mx, float* l, float* acc,
-                                    int64_t dv);
+void online_softmax_block_reference(float* s, int64_t n, int64_t rows, float scale, float* mx, float* l,
+                                    float* acc, int64_t dv);
 
 }  // namespace kda::kernels

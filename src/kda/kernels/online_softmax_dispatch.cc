@@ -9,27 +9,31 @@
 
 namespace kda::kernels {
 
-void online_softmax_block(float* s, int64_t n, int64_t rows, float* mx, float* l, float* acc, int64_t dv) {
+void online_softmax_block(float* s, int64_t n, int64_t rows, float scale, float* mx, float* l, float* acc,
+                          int64_t dv) {
   switch (best_isa()) {
 #if defined(KDA_WITH_AVX512)
     case Isa::Avx512:
-      return avx512::online_softmax_block(s, n, rows, mx, l, acc, dv);
+      return avx512::online_softmax_block(s, n, rows, scale, mx, l, acc, dv);
 #endif
 #if defined(KDA_WITH_AVX2)
     case Isa::Avx2:
-      return avx2::online_softmax_block(s, n, rows, mx, l, acc, dv);
+      return avx2::online_softmax_block(s, n, rows, scale, mx, l, acc, dv);
 #endif
     default:
-      return portable::online_softmax_block(s, n, rows, mx, l, acc, dv);
+      return portable::online_softmax_block(s, n, rows, scale, mx, l, acc, dv);
   }
 }
 
-void online_softmax_block_reference(float* s, int64_t n, int64_t rows, float* mx, float* l, float* acc,
-                                    int64_t dv) {
+void online_softmax_block_reference(float* s, int64_t n, int64_t rows, float scale, float* mx, float* l,
+                                    float* acc, int64_t dv) {
   for (int64_t i = 0; i < rows; ++i) {
     float* r = s + i * n;
     float m = mx[i];
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, r[j]);
+    for (int64_t j = 0; j < n; ++j) {
+      r[j] *= scale;
+      m = std::max(m, r[j]);
+    }
     if (m == -INFINITY) {
       std::fill(r, r + n, 0.0f);
       continue;

@@ -6,8 +6,9 @@
 
 namespace kda::kernels {
 
-#define KDA_ONLINE_SOFTMAX_DECLS \
-  void online_softmax_block(float* s, int64_t n, int64_t rows, float* mx, float* l, float* acc, int64_t dv);
+#define KDA_ONLINE_SOFTMAX_DECLS                                                                             \
+  void online_softmax_block(float* s, int64_t n, int64_t rows, float scale, float* mx, float* l, float* acc, \
+                            int64_t dv);
 
 namespace portable {
 KDA_ONLINE_SOFTMAX_DECLS

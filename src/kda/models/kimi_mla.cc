@@ -260,7 +260,7 @@ void KimiMLAAttention::reserve(int64_t T) {
                           static_cast<int>(dv_), static_cast<int>(R_)};
   const bool absorb = options_.form == MlaForm::Absorbed ||
                       (options_.form == MlaForm::Auto && mla::prefer_absorbed(dims, 0, T));
-  if (!absorb) mla::reserve_plain(dims, T, *plain_kv_);
+  if (!absorb) mla::reserve_plain(dims, T, precision_ == Precision::BF16, *plain_kv_);
   for (const layers::Linear* l : {&q_proj_, &kv_a_, &o_proj_}) l->reserve(T);
 }
 

@@ -248,7 +248,9 @@ void run(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, in
   if (M == 0) return;
   const int64_t chunk = (k_chunk <= 0 || k_chunk >= K ? K : k_chunk) / 2;  // in pairs
   const int64_t cols = (N + 15) / 16;
-  if (K * N < kParallelMin || cols < 2) {
+  // Inside a parallel region (a kernel's work item: MLA's flash-style prefill) the calling thread does it
+  // all.
+  if (K * N < kParallelMin || cols < 2 || omp_in_parallel()) {
     columns(x, M, ldx, w, K, chunk, 0, cols, out);
     return;
   }

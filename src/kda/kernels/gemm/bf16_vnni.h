@@ -10,7 +10,8 @@
 // (tests/test_bf16_vnni.cc checks it bit for bit; layers::Linear finds the chunk by asking oneDNN, and
 // sends rows here only where the bits agree), and never depend on the rows beside it. Rows go in groups that
 // share each weight load (the weights of a 64-channel block stay in L1 while the groups pass over a stretch
-// of inputs); threads split the channels in columns of 16.
+// of inputs); threads split the channels in columns of 16 (called inside a parallel region, the
+// calling thread does them all).
 //
 // The layout (oneDNN's dims {K, N}, a = K, b = N): blocks of 64 output channels one after the other,
 // each K / 2 rows of 64 channels x 2 inputs: the value W[n][k] of block nb = n / 64 sits at

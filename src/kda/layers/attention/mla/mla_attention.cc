@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/gemm/bf16_vnni.h"
 #include "kda/kernels/gemm/f32_block.h"
 #include "kda/kernels/online_softmax.h"
 
@@ -21,6 +22,8 @@ namespace {
 constexpr int64_t kQueryBlock = 64;
 // Keys per step of the flash-style plain kernel: a block's scores stay in L1/L2.
 constexpr int64_t kKeyBlock = 256;
+static_assert(kKeyBlock % kernels::gemm::kVnniBlockN == 0,
+              "a key block starts a block of the bf16 keys' layout");
 
 // Row-major C = alpha op(A) op(B) + beta C through oneDNN (single-threaded inside a parallel region).
 void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
@@ -79,14 +82,20 @@ void check_args(const MlaAttnArgs& a) {
                                   ", extend " + std::to_string(s.extend) + " and no latent rows");
 }
 
-// Runs body(item, thread scratch) over the items in parallel; the first exception is rethrown after the
+// A thread's buffers across its work items.
+struct ThreadBuffers {
+  std::vector<float> f;
+  std::vector<bf16_t> b;
+};
+
+// Runs body(item, thread buffers) over the items in parallel; the first exception is rethrown after the
 // region (none may escape it).
 template <class Body>
 void parallel_items(const std::vector<WorkItem>& items, Body&& body) {
   std::exception_ptr err;
 #pragma omp parallel
   {
-    std::vector<float> scratch;
+    ThreadBuffers scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k) {
       try {
@@ -100,12 +109,12 @@ void parallel_items(const std::vector<WorkItem>& items, Body&& body) {
   if (err) std::rethrow_exception(err);
 }
 
-// A query block's pass over one key block [j0, j0 + kn) in the online softmax: scores s (scaled), masked
+// A query block's pass over one key block [j0, j0 + kn) in the online softmax: scores s (times scale), masked
 // as causal_softmax masks them, then the step of kernels/online_softmax.h: per row the running max mx and
 // sum l, the output rows acc [nb, dv] rescaled to the new max; s left as the block's weights exp(s - max)
 // (0 where masked).
 void online_softmax_block(float* s, int64_t kn, int64_t nb, const MlaSeq& seq, int64_t i0, int64_t j0,
-                          float* mx, float* l, float* acc, int64_t dv) {
+                          float scale, float* mx, float* l, float* acc, int64_t dv) {
   for (int64_t ii = 0; ii < nb; ++ii) {
     float* r = s + ii * kn;
     const int64_t i = i0 + ii, last = seq.prefix + i;  // the last key row ii sees
@@ -114,21 +123,27 @@ void online_softmax_block(float* s, int64_t kn, int64_t nb, const MlaSeq& seq, i
       for (int64_t jj = std::max<int64_t>(0, seq.prefix - j0); jj < kn && j0 + jj < last; ++jj)
         if (!seq.visible[i * seq.extend + (j0 + jj - seq.prefix)]) r[jj] = -INFINITY;
   }
-  kernels::online_softmax_block(s, kn, nb, mx, l, acc, dv);
+  kernels::online_softmax_block(s, kn, nb, scale, mx, l, acc, dv);
 }
 
 // The expansion through kv_b, shared by both plain kernels: one sequence's keys and values (a threaded
-// GEMM per head) in the layouts the flash kernel's block GEMMs (gemm_f32_block) read in place: each head's
-// nope keys transposed, kt [dn, ldk] (a column per key), the rope keys every head shares transposed, rt [dr,
-// ldk], and each head's values v [S, ldv]; the expanded keys and values bf16-rounded in the bf16 mode (the
-// layer's rounding point: kv_b's output), the rope keys as the cache holds them.
+// GEMM per head) in the layouts the flash kernel's block GEMMs read in place, the expanded keys and values
+// bf16-rounded in the bf16 mode (the layer's rounding point: kv_b's output), the rope keys as the cache
+// holds them. Each head's values v [S, ldv]; the keys either
+// - fp32 for gemm_f32_block: each head's nope keys transposed, kt [dn, ldk] (a column per key), and the rope
+//   keys every head shares transposed, rt [dr, ldk]; or
+// - bf16 for gemm_bf16_vnni (plain_bf16_keys): each head's [k_nope | k_pe] rows packed, kb [(dn + dr) * ldb]
+//   with ldb the keys rounded up to the layout's block of 64 (padding keys 0); kt then holds one head's
+//   nope keys at a time, on their way to kb.
 struct PlainKv {
-  int64_t ldk = 0, ldv = 0;
+  int64_t ldk = 0, ldv = 0, ldb = 0;
   const float *kt = nullptr, *rt = nullptr, *v = nullptr;
+  const bf16_t* kb = nullptr;
 };
 
 // b holding at least n values; grown without keeping its old values, never shrunk.
-float* at_least(std::vector<float>& b, size_t n) {
+template <class T>
+T* at_least(std::vector<T>& b, size_t n) {
   if (b.size() < n) {
     b.clear();
     b.shrink_to_fit();
@@ -137,58 +152,110 @@ float* at_least(std::vector<float>& b, size_t n) {
   return b.data();
 }
 
-// The three buffers' values for one sequence of S keys (the layouts above).
+// The four buffers' values for one sequence of S keys (the layouts above; kt one head's with bf16 keys).
 struct PlainKvSize {
-  size_t kt, rt, v;
+  size_t kt, rt, v, kb;
 };
-PlainKvSize plain_kv_size(const MlaDims& d, int64_t S) {
+int64_t packed_keys(int64_t S) {
+  return (S + kernels::gemm::kVnniBlockN - 1) / kernels::gemm::kVnniBlockN * kernels::gemm::kVnniBlockN;
+}
+PlainKvSize plain_kv_size(const MlaDims& d, int64_t S, bool bf16_keys) {
   const int64_t ldk = kernels::gemm::f32_block_ld(S), ldv = kernels::gemm::f32_block_ld(d.v_head);
-  return {static_cast<size_t>(int64_t{d.heads} * d.qk_nope * ldk), static_cast<size_t>(d.qk_rope * ldk),
-          static_cast<size_t>(int64_t{d.heads} * S * ldv)};
+  const size_t v = static_cast<size_t>(int64_t{d.heads} * S * ldv);
+  if (bf16_keys)
+    return {static_cast<size_t>(d.qk_nope * ldk), 0, v,
+            static_cast<size_t>(int64_t{d.heads} * (d.qk_nope + d.qk_rope) * packed_keys(S))};
+  return {static_cast<size_t>(int64_t{d.heads} * d.qk_nope * ldk), static_cast<size_t>(d.qk_rope * ldk), v,
+          0};
 }
 
-std::vector<PlainKv> expand_plain(const MlaAttnArgs& a, MlaScratch& scratch) {
+// One head's keys in gemm_bf16_vnni's layout (bf16_vnni.h: blocks of 64 keys, each (dn + dr) / 2 rows of 64
+// keys x 2 inputs): the pairs of the nope keys kt [dn, ldk] (rounded to bf16 here), then those of the rope
+// keys, copied from `rope` (head 0's kb, already packed) or, without it, taken from the latent rows. Threads
+// split the blocks.
+void pack_keys(const float* kt, int64_t ldk, const float* latent, int64_t lat, int64_t R, const bf16_t* rope,
+               int64_t dn, int64_t dr, int64_t S, int64_t ldb, bf16_t* kb) {
+  constexpr int64_t B = kernels::gemm::kVnniBlockN;
+  const int64_t K = dn + dr;
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < ldb / B; ++nb) {
+    bf16_t* blk = kb + nb * B * K;
+    const int64_t n = std::min(B, S - nb * B);  // keys of this block; the rest padding
+    for (int64_t p = 0; p < dn / 2; ++p) {
+      const float* r0 = kt + 2 * p * ldk + nb * B;
+      const float* r1 = r0 + ldk;
+      bf16_t* d = blk + p * 2 * B;
+      for (int64_t c = 0; c < n; ++c) {
+        d[2 * c] = f32_to_bf16(r0[c]);
+        d[2 * c + 1] = f32_to_bf16(r1[c]);
+      }
+      std::fill(d + 2 * n, d + 2 * B, bf16_t{0});
+    }
+    bf16_t* rb = blk + dn * B;  // the rope keys' dr / 2 pair rows
+    if (rope != nullptr) {
+      std::copy(rope + nb * B * K + dn * B, rope + nb * B * K + K * B, rb);
+      continue;
+    }
+    std::fill(rb, rb + dr * B, bf16_t{0});
+    for (int64_t c = 0; c < n; ++c) {
+      const float* k = latent + (nb * B + c) * lat + R;
+      for (int64_t e = 0; e < dr; ++e) rb[(e / 2) * 2 * B + 2 * c + e % 2] = f32_to_bf16(k[e]);
+    }
+  }
+}
+
+std::vector<PlainKv> expand_plain(const MlaAttnArgs& a, bool bf16_keys, MlaScratch& scratch) {
   const MlaDims& d = a.dims;
   const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora, lat = R + dr;
-  // Every sequence's share of the three buffers, then the buffers once.
+  // Every sequence's share of the buffers, then the buffers once (with bf16 keys kt is one head's, reused).
   std::vector<PlainKv> out(a.seqs.size());
-  std::vector<size_t> kt_at(a.seqs.size()), rt_at(a.seqs.size()), v_at(a.seqs.size());
-  size_t kt_n = 0, rt_n = 0, v_n = 0;
+  std::vector<size_t> kt_at(a.seqs.size()), rt_at(a.seqs.size()), v_at(a.seqs.size()), kb_at(a.seqs.size());
+  size_t kt_n = 0, rt_n = 0, v_n = 0, kb_n = 0;
   for (size_t b = 0; b < a.seqs.size(); ++b) {
     const MlaSeq& s = a.seqs[b];
     const int64_t S = s.prefix + s.extend;
     if (s.extend == 0 || S == 0) continue;
     out[b].ldk = kernels::gemm::f32_block_ld(S);
     out[b].ldv = kernels::gemm::f32_block_ld(dv);
-    kt_at[b] = kt_n, rt_at[b] = rt_n, v_at[b] = v_n;
-    const PlainKvSize n = plain_kv_size(d, S);
-    kt_n += n.kt;
+    out[b].ldb = packed_keys(S);
+    const PlainKvSize n = plain_kv_size(d, S, bf16_keys);
+    kt_at[b] = bf16_keys ? 0 : kt_n, rt_at[b] = rt_n, v_at[b] = v_n, kb_at[b] = kb_n;
+    kt_n = bf16_keys ? std::max(kt_n, n.kt) : kt_n + n.kt;
     rt_n += n.rt;
     v_n += n.v;
+    kb_n += n.kb;
   }
   float* const kt_all = at_least(scratch.kt, kt_n);
   float* const rt_all = at_least(scratch.rt, rt_n);
   float* const v_all = at_least(scratch.v, v_n);
+  bf16_t* const kb_all = at_least(scratch.kb, kb_n);
   for (size_t b = 0; b < a.seqs.size(); ++b) {
     const MlaSeq& s = a.seqs[b];
     const int64_t S = s.prefix + s.extend;
     if (s.extend == 0 || S == 0) continue;
     PlainKv& p = out[b];
-    p.kt = kt_all + kt_at[b];
-    p.rt = rt_all + rt_at[b];
     p.v = v_all + v_at[b];
+    if (bf16_keys)
+      p.kb = kb_all + kb_at[b];
+    else
+      p.kt = kt_all + kt_at[b], p.rt = rt_all + rt_at[b];
     for (int64_t h = 0; h < Hm; ++h) {
       const float* w_uk = a.w_kvb + h * (dn + dv) * R;  // [dn, R]
       const float* w_uv = w_uk + dn * R;                // [dv, R]
-      float* kt = kt_all + kt_at[b] + h * dn * p.ldk;
+      float* kt = kt_all + kt_at[b] + (bf16_keys ? 0 : h * dn * p.ldk);
       float* v = v_all + v_at[b] + h * S * p.ldv;
       sgemm('N', 'T', dn, S, R, 1.0f, w_uk, R, s.latent, lat, 0.0f, kt, p.ldk);
       sgemm('N', 'T', S, dv, R, 1.0f, s.latent, lat, w_uv, R, 0.0f, v, p.ldv);
-      if (a.bf16) {
-        for (int64_t c = 0; c < dn; ++c) round_bf16_inplace(kt + c * p.ldk, static_cast<size_t>(S));
+      if (a.bf16)
         for (int64_t j = 0; j < S; ++j) round_bf16_inplace(v + j * p.ldv, static_cast<size_t>(dv));
+      if (bf16_keys) {
+        bf16_t* kb = kb_all + kb_at[b] + h * (dn + dr) * p.ldb;
+        pack_keys(kt, p.ldk, s.latent, lat, R, h == 0 ? nullptr : kb_all + kb_at[b], dn, dr, S, p.ldb, kb);
+      } else if (a.bf16) {
+        for (int64_t c = 0; c < dn; ++c) round_bf16_inplace(kt + c * p.ldk, static_cast<size_t>(S));
       }
     }
+    if (bf16_keys) continue;
     float* rt = rt_all + rt_at[b];
     for (int64_t j = 0; j < S; ++j)
       for (int64_t c = 0; c < dr; ++c) rt[c * p.ldk + j] = s.latent[j * lat + R + c];
@@ -210,12 +277,18 @@ bool prefer_absorbed(const MlaDims& d, int64_t prefix, int64_t extend) {
 // Flash-style: a query block walks its keys in blocks of kKeyBlock with an online softmax (running max
 // and sum per row, fp32), so the scores in memory are [block, kKeyBlock], never a row per key. The block
 // GEMMs read the expanded keys and values in place and allocate nothing (f32_block.h says why).
-void reserve_plain(const MlaDims& dims, int64_t keys, MlaScratch& scratch) {
+bool plain_bf16_keys(const MlaDims& dims, bool bf16) {
+  return bf16 && kernels::gemm::cpu_has_bf16_vnni() && dims.qk_nope % 2 == 0 && dims.qk_rope % 2 == 0 &&
+         kernels::gemm::bf16_vnni_takes(dims.qk_nope + dims.qk_rope);
+}
+
+void reserve_plain(const MlaDims& dims, int64_t keys, bool bf16, MlaScratch& scratch) {
   if (keys <= 0) return;
-  const PlainKvSize n = plain_kv_size(dims, keys);
+  const PlainKvSize n = plain_kv_size(dims, keys, plain_bf16_keys(dims, bf16));
   at_least(scratch.kt, n.kt);
   at_least(scratch.rt, n.rt);
   at_least(scratch.v, n.v);
+  at_least(scratch.kb, n.kb);
 }
 
 void mla_attention_plain(const MlaAttnArgs& a) {
@@ -224,11 +297,13 @@ void mla_attention_plain(const MlaAttnArgs& a) {
   const int64_t dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head;
   const int64_t qw = dn + dr;
   MlaScratch own;
-  const std::vector<PlainKv> kv = expand_plain(a, a.scratch != nullptr ? *a.scratch : own);
-  parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& buf) {
+  const bool bf16_keys = plain_bf16_keys(d, a.bf16);
+  const std::vector<PlainKv> kv = expand_plain(a, bf16_keys, a.scratch != nullptr ? *a.scratch : own);
+  parallel_items(work_items(a), [&](const WorkItem& w, ThreadBuffers& tb) {
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
     const PlainKv& p = kv[static_cast<size_t>(w.seq)];
     const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1;  // keys the block's last query sees
+    std::vector<float>& buf = tb.f;
     buf.resize(static_cast<size_t>(nb * kKeyBlock + nb * dv + 2 * nb));
     float* scores = buf.data();
     float* acc = scores + nb * kKeyBlock;
@@ -238,13 +313,25 @@ void mla_attention_plain(const MlaAttnArgs& a) {
     std::fill(mx, mx + nb, -INFINITY);
     std::fill(l, l + nb, 0.0f);
     const float* q = a.q + (s.q_row + w.i0) * a.ldq + w.head * qw;
-    const float* kt = p.kt + w.head * dn * p.ldk;
     const float* v = p.v + w.head * (s.prefix + s.extend) * p.ldv;
+    const bf16_t* qb = nullptr;
+    if (bf16_keys) {  // the block's queries in bf16 (exact: q is a GEMM output, rounded in the bf16 mode)
+      tb.b.resize(static_cast<size_t>(nb * qw));
+      for (int64_t ii = 0; ii < nb; ++ii)
+        f32_to_bf16_array(q + ii * a.ldq, tb.b.data() + ii * qw, static_cast<size_t>(qw));
+      qb = tb.b.data();
+    }
     for (int64_t j0 = 0; j0 < ns; j0 += kKeyBlock) {
       const int64_t kn = std::min(kKeyBlock, ns - j0);
-      kernels::gemm::gemm_f32_block(nb, kn, dn, a.scale, q, a.ldq, kt + j0, p.ldk, 0.0f, scores, kn);
-      kernels::gemm::gemm_f32_block(nb, kn, dr, a.scale, q + dn, a.ldq, p.rt + j0, p.ldk, 1.0f, scores, kn);
-      online_softmax_block(scores, kn, nb, s, w.i0, j0, mx, l, acc, dv);
+      if (bf16_keys) {  // key block j0 starts a block of the layout (kKeyBlock is a multiple of its 64)
+        const bf16_t* kb = p.kb + (w.head * p.ldb + j0) * qw;
+        kernels::gemm::gemm_bf16_vnni(qb, nb, qw, kb, qw, kn, scores, kn, 0);
+      } else {
+        const float* kt = p.kt + w.head * dn * p.ldk;
+        kernels::gemm::gemm_f32_block(nb, kn, dn, 1.0f, q, a.ldq, kt + j0, p.ldk, 0.0f, scores, kn);
+        kernels::gemm::gemm_f32_block(nb, kn, dr, 1.0f, q + dn, a.ldq, p.rt + j0, p.ldk, 1.0f, scores, kn);
+      }
+      online_softmax_block(scores, kn, nb, s, w.i0, j0, a.scale, mx, l, acc, dv);
       kernels::gemm::gemm_f32_block(nb, dv, kn, 1.0f, scores, kn, v + j0 * p.ldv, p.ldv, 1.0f, acc, dv);
     }
     float* o = a.o + (s.q_row + w.i0) * a.ldo + w.head * dv;
@@ -262,8 +349,9 @@ void mla_attention_plain_reference(const MlaAttnArgs& a) {
   const MlaDims& d = a.dims;
   const int64_t dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, qw = dn + dr;
   MlaScratch own;
-  const std::vector<PlainKv> kv = expand_plain(a, a.scratch != nullptr ? *a.scratch : own);
-  parallel_items(work_items(a), [&](const WorkItem& w, std::vector<float>& scores) {
+  const std::vector<PlainKv> kv = expand_plain(a, false, a.scratch != nullptr ? *a.scratch : own);
+  parallel_items(work_items(a), [&](const WorkItem& w, ThreadBuffers& tb) {
+    std::vector<float>& scores = tb.f;
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
     const PlainKv& p = kv[static_cast<size_t>(w.seq)];
     const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1;  // keys the block's last query sees

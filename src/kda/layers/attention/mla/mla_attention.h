@@ -30,6 +30,8 @@
 #include <span>
 #include <vector>
 
+#include "kda/common/bf16.h"
+
 namespace kda::layers::attention::mla {
 
 struct MlaDims {
@@ -57,12 +59,21 @@ struct MlaSeq {
 // prefill; without one (nullptr) a call expands into buffers of its own, freed on return.
 struct MlaScratch {
   std::vector<float> kt, rt, v;
+  std::vector<bf16_t> kb;  // the plain form's bf16 keys (plain_bf16_keys): every head's, of each sequence
   std::vector<float> qt, u, qpe;  // the absorbed form's q~, u and q_pe of a call's every query and head
 };
 
-// `scratch` grown to the plain form's expanded keys and values of one sequence of `keys` keys, and
-// touched: a layer sizes it at load for its longest prefill (KimiMLAAttention::reserve).
-void reserve_plain(const MlaDims& dims, int64_t keys, MlaScratch& scratch);
+// Whether mla_attention_plain multiplies queries by keys in bf16 (vdpbf16ps, fp32 sums): in the bf16 mode on
+// a CPU with AVX512_BF16, where q (a GEMM output), the expanded k_nope (kv_b's output) and k_pe (a cache
+// entry) are bf16 values already, so each product is exact and only the order of the fp32 sums changes.
+// The keys are then packed per head as [k_nope | k_pe] in the layout of gemm_bf16_vnni
+// (kernels/gemm/bf16_vnni.h), the values stay fp32 (the softmax weights they meet are not rounded).
+bool plain_bf16_keys(const MlaDims& dims, bool bf16);
+
+// `scratch` grown to the plain form's expanded keys and values of one sequence of `keys` keys (in the
+// layout that `bf16` picks, plain_bf16_keys), and touched: a layer sizes it at load for its longest
+// prefill (KimiMLAAttention::reserve).
+void reserve_plain(const MlaDims& dims, int64_t keys, bool bf16, MlaScratch& scratch);
 
 struct MlaAttnArgs {
   MlaDims dims;
@@ -80,9 +91,9 @@ struct MlaAttnArgs {
 
 // The plain form flash-style: each (sequence, head, block of 64 queries) walks its keys in blocks of 256
 // with an online softmax (a running max and sum per query, fp32; the output rows rescaled when the max
-// grows), so no score row spans every key. mla_attention_plain_reference is the same form with a
-// block's scores over all the keys it sees, then a plain softmax: the reference the tests compare it with
-// (the same sums up to fp32 rounding order).
+// grows), so no score row spans every key; the scores in bf16 where plain_bf16_keys says so.
+// mla_attention_plain_reference is the same form with a block's scores over all the keys it sees, then a
+// plain softmax: the reference the tests compare it with (the same sums up to fp32 rounding order).
 void mla_attention_plain(const MlaAttnArgs& a);
 void mla_attention_plain_reference(const MlaAttnArgs& a);
 void mla_attention_absorbed(const MlaAttnArgs& a);
