@@ -62,6 +62,32 @@ void causal_softmax(float* scores, int64_t ld, int64_t rows, const MlaSeq& seq, 
   }
 }
 
+// causal_softmax's result through the vectorised step of kernels/online_softmax.h (one block spanning each
+// row; the same masks, the same max-subtracted fp32 softmax, exp within 1.5 ulp of libm's): the absorbed
+// form's, whose decode steps over a long context spend a large part of their time in exp otherwise.
+// stats: 2 * rows values of scratch.
+void causal_softmax_vec(float* scores, int64_t ld, int64_t rows, const MlaSeq& seq, int64_t i0,
+                        std::vector<float>& stats) {
+  for (int64_t ii = 0; ii < rows; ++ii) {
+    float* s = scores + ii * ld;
+    const int64_t i = i0 + ii, n = seq.prefix + i + 1;
+    if (seq.visible)
+      for (int64_t m = 0; m < i; ++m)
+        if (!seq.visible[i * seq.extend + m]) s[seq.prefix + m] = -INFINITY;
+    std::fill(s + n, s + ld, -INFINITY);
+  }
+  stats.assign(static_cast<size_t>(2 * rows), 0.0f);
+  float* mx = stats.data();
+  float* l = mx + rows;
+  std::fill(mx, mx + rows, -INFINITY);
+  kernels::online_softmax_block(scores, ld, rows, 1.0f, mx, l, nullptr, 0);
+  for (int64_t ii = 0; ii < rows; ++ii) {
+    float* s = scores + ii * ld;
+    const float inv = 1.0f / l[ii];
+    for (int64_t j = 0; j < seq.prefix + i0 + ii + 1; ++j) s[j] *= inv;
+  }
+}
+
 struct WorkItem {
   int64_t seq, head, i0, i1;
 };
@@ -445,7 +471,7 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
       }
     }
     // (the implicit barrier: every q~ written)
-    std::vector<float> scores;
+    std::vector<float> scores, stats;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k) {
       try {
@@ -457,7 +483,7 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
         sgemm('N', 'T', M, ns, R, a.scale, qk, R, s.latent, lat, 0.0f, scores.data(), ns);
         sgemm('N', 'T', M, ns, dr, a.scale, qpe + w.at * dr, dr, s.latent + R, lat, 1.0f, scores.data(), ns);
         for (int64_t h = w.h0; h < w.h1; ++h)
-          causal_softmax(scores.data() + (h - w.h0) * nb * ns, ns, nb, s, w.i0);
+          causal_softmax_vec(scores.data() + (h - w.h0) * nb * ns, ns, nb, s, w.i0, stats);
         sgemm('N', 'N', M, R, ns, 1.0f, scores.data(), ns, s.latent, lat, 0.0f, u + w.at * R, R);
       } catch (...) {
         keep();
