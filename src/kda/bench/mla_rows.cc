@@ -1,7 +1,8 @@
 // `kda bench --only kernels`, the MLA row: the plain-form MLA prefill attention of one 2048-token prompt
 // at the real shapes (32 heads, R 512, dn 128, dr 64, dv 128), the flash-style kernel in fp32 and in the
 // bf16 mode (bf16 values in, as the layer passes them; its scores on vdpbf16ps where plain_bf16_keys says
-// so) and the reference (fp32; a block's scores over every key), in turns.
+// so) and the reference (fp32; a block's scores over every key), in turns; then the absorbed form's decode
+// step of 16 sequences over 4096 cached tokens each.
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -56,6 +57,28 @@ void bench_mla_prefill(nlohmann::json& j, const Say& say) {
   say("%-30s %8lld %12.2f %12s %10.2f %14.1f\n",
       mla::plain_bf16_keys(d, true) ? "32 heads, bf16 (vdpbf16ps QK)" : "32 heads, bf16 (fp32 QK)",
       static_cast<long long>(T), t[2] * 1e3, "", t[2] / t[1], flops / t[2] / 1e9);
+
+  // Decode: the absorbed form on 16 sequences of one new token each after 4096 cached ones, the bf16 mode,
+  // with a scratch kept across calls as the layer keeps one.
+  const int64_t B = 16, P = 4096;
+  std::vector<float> qd = bench_randn(static_cast<size_t>(B * qw), 34),
+                     lat_d = bench_randn(static_cast<size_t>(B * (P + 1) * lat), 35);
+  for (std::vector<float>* v : {&qd, &lat_d}) round_bf16_inplace(v->data(), v->size());
+  std::vector<float> od(static_cast<size_t>(B * ow));
+  std::vector<mla::MlaSeq> seqs;
+  for (int64_t b = 0; b < B; ++b) seqs.push_back({b, P, 1, lat_d.data() + b * (P + 1) * lat, nullptr});
+  mla::MlaScratch scratch;
+  const mla::MlaAttnArgs ad{d,    qd.data(), qw, seqs,    w.data(), 1.0f / std::sqrt(192.0f),
+                            true, od.data(), ow, &scratch};
+  const double td = best_interleaved({[&] { mla::mla_attention_absorbed(ad); }}, 5, 1.0)[0];
+  // Per sequence and head: q~ and o through W_UK / W_UV, then scores over R + dr and u over R per key.
+  const double dflops =
+      2.0 * B * d.heads * ((d.qk_nope + d.v_head) * d.kv_lora + (P + 1) * (2.0 * d.kv_lora + d.qk_rope));
+  j["mla_decode"] = {
+      {"batch", B}, {"context", P}, {"absorbed_ms", td * 1e3}, {"absorbed_gflops", dflops / td / 1e9}};
+  say("%-30s %8s %12s %14s\n", "MLA decode attention (absorbed)", "batch", "ms", "GFLOP/s");
+  say("%-30s %8lld %12.2f %14.1f\n", "32 heads, bf16, 4096 cached", static_cast<long long>(B), td * 1e3,
+      dflops / td / 1e9);
 }
 
 }  // namespace kda::bench

@@ -30,7 +30,7 @@ double bench_chunk(const RowOptions& o, GemmCeiling& g32, nlohmann::json& j, std
 // fused_recurrent_kda (decode) rows against memcpy bandwidth cp (GB/s).
 void bench_recurrent(const RowOptions& o, double cp, nlohmann::json& j, const Say& say);
 // The plain-form MLA prefill attention of a 2048-token prompt at the real shapes, flash-style against
-// its reference ("mla_prefill").
+// its reference ("mla_prefill"), and the absorbed form's decode step over a long context ("mla_decode").
 void bench_mla_prefill(nlohmann::json& j, const Say& say);
 // The layer (fp32, bf16, int8 / int4 weights) at EXTEND and DECODE, against its GEMMs alone.
 void bench_layer(const RowOptions& o, double cp, nlohmann::json& j, const Say& say);
