@@ -160,6 +160,36 @@ TEST(MlaFlash, OnlineSoftmaxStepEqualsTheReference) {
     }
 }
 
+// The absorbed form's decode rows (one new token: the keys, heads and latent columns shared out over the
+// threads, u summed in runs of keys) against the plain reference: contexts within one run and across
+// several, beside an extend in the same call, 4 heads (a part of a column strip) and the real 32.
+TEST(MlaFlash, AbsorbedDecodeRowsEqualThePlainReference) {
+  for (const int heads : {4, 32}) {
+    const mla::MlaDims d{heads, 128, 64, 128, 512};
+    const int64_t lat = d.kv_lora + d.qk_rope, qw = d.heads * (d.qk_nope + d.qk_rope),
+                  ow = d.heads * d.v_head;
+    const std::vector<std::pair<int64_t, int64_t>> specs{{700, 1}, {0, 1}, {255, 1}, {100, 5}, {1030, 1}};
+    int64_t T = 0, L = 0;
+    for (const auto& [prefix, extend] : specs) T += extend, L += prefix + extend;
+    const std::vector<float> q = random_normal(static_cast<size_t>(T * qw), 21, 2.0f);
+    const std::vector<float> latent = random_normal(static_cast<size_t>(L * lat), 22);
+    const std::vector<float> w =
+        random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), 23, 0.05f);
+    std::vector<mla::MlaSeq> seqs;
+    for (int64_t row = 0, at = 0; const auto& [prefix, extend] : specs) {
+      seqs.push_back({row, prefix, extend, latent.data() + at * lat, nullptr});
+      row += extend;
+      at += prefix + extend;
+    }
+    std::vector<float> o(static_cast<size_t>(T * ow)), ref(o);
+    mla::MlaAttnArgs a{d, q.data(), qw, seqs, w.data(), 1.0f / std::sqrt(192.0f), false, o.data(), ow};
+    mla::mla_attention_absorbed(a);
+    a.o = ref.data();
+    mla::mla_attention_plain_reference(a);
+    EXPECT_LE(testing::max_error_ratio(o.data(), ref.data(), o.size(), 1e-5, 1e-4), 1.0) << heads << " heads";
+  }
+}
+
 // A scratch kept across calls (as a layer keeps one) gives the bits of a call's own buffers, whatever the
 // calls before left in it: a large call, then smaller ones over a scratch filled with NaN (padding and stale
 // rows must not be read), then a larger one that grows it, in both kernels.
@@ -169,8 +199,11 @@ TEST(MlaFlash, AScratchKeptAcrossCallsGivesTheBitsOfOwnBuffers) {
   const std::vector<float> w =
       random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), 13, 0.05f);
   mla::MlaScratch scratch;
-  const std::vector<std::vector<std::pair<int64_t, int64_t>>> calls{
-      {{0, 600}, {100, 90}}, {{0, 70}}, {{30, 5}, {0, 1}}, {{0, 900}, {500, 200}, {3, 0}}};
+  const std::vector<std::vector<std::pair<int64_t, int64_t>>> calls{{{0, 600}, {100, 90}},
+                                                                    {{0, 70}},
+                                                                    {{30, 5}, {0, 1}},
+                                                                    {{0, 900}, {500, 200}, {3, 0}},
+                                                                    {{700, 1}, {40, 1}}};
   // The plain form and its reference keep their expanded keys and values there, the absorbed form its q~,
   // u and q_pe.
   const std::vector<std::pair<void (*)(const mla::MlaAttnArgs&), const char*>> forms{
@@ -192,7 +225,8 @@ TEST(MlaFlash, AScratchKeptAcrossCallsGivesTheBitsOfOwnBuffers) {
       std::vector<float> own(static_cast<size_t>(T * ow), 0.0f), kept(own);
       mla::MlaAttnArgs a{d, q.data(), qw, seqs, w.data(), 1.0f / std::sqrt(192.0f), true, own.data(), ow};
       form(a);
-      for (auto* b : {&scratch.kt, &scratch.rt, &scratch.v, &scratch.qt, &scratch.u, &scratch.qpe})
+      for (auto* b :
+           {&scratch.kt, &scratch.rt, &scratch.v, &scratch.qt, &scratch.u, &scratch.qpe, &scratch.st})
         std::fill(b->begin(), b->end(), NAN);
       std::fill(scratch.kb.begin(), scratch.kb.end(), bf16_t{0x7FC0});  // NaN
       a.o = kept.data();
@@ -242,7 +276,7 @@ TEST(MlaFlash, EachSequencesRowsAreTheSameBitsAloneAndInABatch) {
   };
   // Decode rows of several sequences, and short extends on cached prefixes (the prefix cache's case).
   const std::vector<std::vector<std::pair<int64_t, int64_t>>> batches{
-      {{40, 1}, {7, 1}, {130, 1}, {64, 1}, {1, 1}},
+      {{40, 1}, {7, 1}, {700, 1}, {130, 1}, {64, 1}, {1, 1}},
       {{128, 9}, {128, 20}, {128, 5}},
       {{0, 70}, {64, 3}, {200, 1}}};
   for (const bool absorbed : {false, true})

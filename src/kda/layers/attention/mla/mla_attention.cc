@@ -419,22 +419,38 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   constexpr int64_t kMaxStacked = 256;
   const int64_t threads = std::max(1, omp_get_max_threads());
   const int64_t per_thread = (Hm + threads - 1) / threads;
+  //
+  // A sequence of one new token (a decode row) is one item of every head instead, whose scores and u the
+  // threads share (decode_item below): its keys split for the scores, the heads for the softmax, the
+  // latent columns for u. Each value is still summed by one thread in a fixed order, so its bits depend
+  // neither on the batch nor on the thread count.
   struct Item {
     int64_t seq, i0, i1, h0, h1;
     int64_t at;  // where its stacked [G * nb, R] q~ and u start in qt and u below
+    bool decode;
   };
   std::vector<Item> items;
-  int64_t stacked = 0;
-  for (int64_t b = 0; b < static_cast<int64_t>(a.seqs.size()); ++b)
-    for (int64_t i0 = 0; i0 < a.seqs[b].extend; i0 += kQueryBlock) {
-      const int64_t i1 = std::min(a.seqs[b].extend, i0 + kQueryBlock), nb = i1 - i0;
+  std::vector<int64_t> decodes;  // the decode items, in order
+  int64_t stacked = 0, decode_keys = 0;
+  for (int64_t b = 0; b < static_cast<int64_t>(a.seqs.size()); ++b) {
+    const MlaSeq& s = a.seqs[static_cast<size_t>(b)];
+    if (s.extend == 1) {
+      decodes.push_back(static_cast<int64_t>(items.size()));
+      items.push_back({b, 0, 1, 0, Hm, stacked, true});
+      stacked += Hm;
+      decode_keys = std::max(decode_keys, s.prefix + 1);
+      continue;
+    }
+    for (int64_t i0 = 0; i0 < s.extend; i0 += kQueryBlock) {
+      const int64_t i1 = std::min(s.extend, i0 + kQueryBlock), nb = i1 - i0;
       const int64_t G = std::max<int64_t>(1, std::min({Hm, kMaxStacked / nb, per_thread}));
       for (int64_t h0 = 0; h0 < Hm; h0 += G) {
         const int64_t h1 = std::min(Hm, h0 + G);
-        items.push_back({b, i0, i1, h0, h1, stacked});
+        items.push_back({b, i0, i1, h0, h1, stacked, false});
         stacked += (h1 - h0) * nb;
       }
     }
+  }
   if (items.empty()) return;
   // Each item's q~, u ([M, R], row (g, ii)) and q_pe ([M, dr]), M = its heads x its queries.
   MlaScratch own;
@@ -442,6 +458,10 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   float* const qt = at_least(sc.qt, static_cast<size_t>(stacked * R));
   float* const u = at_least(sc.u, static_cast<size_t>(stacked * R));
   float* const qpe = at_least(sc.qpe, static_cast<size_t>(stacked * dr));
+  // The decode items' shared buffers, one item at a time: q~ and q_pe transposed ([R + dr, Hm]), the
+  // scores key by key ([keys, Hm]) and the softmax weights head by head ([Hm, keys]).
+  float* const dec =
+      decodes.empty() ? nullptr : at_least(sc.st, static_cast<size_t>((lat + 2 * decode_keys) * Hm));
   // Items that hold head h, in order (an item's heads are contiguous, groups in head order).
   std::vector<std::vector<int64_t>> by_head(static_cast<size_t>(Hm));
   for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k)
@@ -451,6 +471,58 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   const auto keep = [&err] {
 #pragma omp critical(mla_attention_error)
     if (!err) err = std::current_exception();
+  };
+  // A decode item's scores, softmax and u, run by every thread of the region (worksharing loops, each
+  // ending in a barrier).
+  constexpr int64_t kDecodeKeys = 64, kDecodeCols = 64;  // keys and latent columns per share
+  constexpr int64_t kDecodeRun = 256;                    // keys per run of u's sums
+  const auto decode_item = [&](const Item& w, std::vector<float>& stats) {
+    const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
+    const int64_t ns = s.prefix + 1;
+    float* const qT = dec;            // [R + dr, Hm]: q~ then q_pe, transposed
+    float* const sT = qT + lat * Hm;  // [ns, Hm]
+    float* const pw = sT + ns * Hm;   // [Hm, ns]
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < Hm; ++h) {
+      for (int64_t r = 0; r < R; ++r) qT[r * Hm + h] = qt[(w.at + h) * R + r];
+      for (int64_t r = 0; r < dr; ++r) qT[(R + r) * Hm + h] = qpe[(w.at + h) * dr + r];
+    }
+#pragma omp for schedule(static)
+    for (int64_t j0 = 0; j0 < ns; j0 += kDecodeKeys) {
+      try {
+        const int64_t n = std::min(kDecodeKeys, ns - j0);
+        const float* l0 = s.latent + j0 * lat;
+        kernels::gemm::gemm_f32_block(n, Hm, R, a.scale, l0, lat, qT, Hm, 0.0f, sT + j0 * Hm, Hm);
+        kernels::gemm::gemm_f32_block(n, Hm, dr, a.scale, l0 + R, lat, qT + R * Hm, Hm, 1.0f, sT + j0 * Hm,
+                                      Hm);
+      } catch (...) {
+        keep();
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < Hm; ++h) {
+      try {
+        float* p = pw + h * ns;
+        for (int64_t j = 0; j < ns; ++j) p[j] = sT[j * Hm + h];
+        causal_softmax_vec(p, ns, 1, s, 0, stats);
+      } catch (...) {
+        keep();
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t c0 = 0; c0 < R; c0 += kDecodeCols) {
+      try {
+        // In runs of kDecodeRun keys, each run's sums added to u's: a run's strip of latent columns stays in
+        // L2 while the heads' row tiles pass it (over every key it would be streamed once per row tile).
+        const int64_t n = std::min(kDecodeCols, R - c0);
+        for (int64_t k0 = 0; k0 < ns; k0 += kDecodeRun)
+          kernels::gemm::gemm_f32_block(Hm, n, std::min(kDecodeRun, ns - k0), 1.0f, pw + k0, ns,
+                                        s.latent + k0 * lat + c0, lat, k0 == 0 ? 0.0f : 1.0f,
+                                        u + w.at * R + c0, R);
+      } catch (...) {
+        keep();
+      }
+    }
   };
 #pragma omp parallel
   {
@@ -472,10 +544,12 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
     }
     // (the implicit barrier: every q~ written)
     std::vector<float> scores, stats;
+    for (const int64_t k : decodes) decode_item(items[static_cast<size_t>(k)], stats);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k) {
       try {
         const Item& w = items[static_cast<size_t>(k)];
+        if (w.decode) continue;
         const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
         const int64_t nb = w.i1 - w.i0, ns = s.prefix + w.i1, M = (w.h1 - w.h0) * nb;
         scores.resize(static_cast<size_t>(M * ns));

@@ -22,8 +22,9 @@
 // prefix + i and sees positions 0..prefix + i; with a visibility matrix, the prefix and the new tokens it
 // names). bf16: o is rounded before o_proj in both; the plain
 // form rounds kv (a GEMM output, a spec rounding point); the absorbed form has no kv and keeps its own
-// intermediates (q~, u) fp32. GEMM-shaped work goes through oneDNN's sgemm, OpenMP over (sequence, head,
-// query block).
+// intermediates (q~, u) fp32. GEMM-shaped work goes through oneDNN's sgemm and the block GEMMs of
+// kernels/gemm (f32_block.h, bf16_vnni.h), OpenMP over (sequence, head, query block); the absorbed form's
+// decode rows (one new token each) share their keys, heads and latent columns out over the threads instead.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +62,7 @@ struct MlaScratch {
   std::vector<float> kt, rt, v;
   std::vector<bf16_t> kb;  // the plain form's bf16 keys (plain_bf16_keys): every head's, of each sequence
   std::vector<float> qt, u, qpe;  // the absorbed form's q~, u and q_pe of a call's every query and head
+  std::vector<float> st;          // the absorbed form's decode rows: q~ transposed, scores, softmax weights
 };
 
 // Whether mla_attention_plain multiplies queries by keys in bf16 (vdpbf16ps, fp32 sums): in the bf16 mode on
