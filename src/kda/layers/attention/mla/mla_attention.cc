@@ -39,6 +39,14 @@ void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const
     throw std::runtime_error("MLA attention: oneDNN sgemm failed (status " + std::to_string(st) + ")");
 }
 
+// The scores row s of new token i over the sequence's keys: the new tokens a verify tree hides from it
+// (its visibility matrix, if any) set to -inf.
+void mask_tree(float* s, const MlaSeq& seq, int64_t i) {
+  if (!seq.visible) return;
+  for (int64_t m = 0; m < i; ++m)
+    if (!seq.visible[i * seq.extend + m]) s[seq.prefix + m] = -INFINITY;
+}
+
 // Row ii of a query block (new token i0 + ii) sees keys [0, prefix + i0 + ii]; with a visibility matrix,
 // only those of the new tokens it names. Softmax in fp32, max-subtracted; masked entries become 0 so the
 // block's value GEMM can run over every key.
@@ -46,9 +54,7 @@ void causal_softmax(float* scores, int64_t ld, int64_t rows, const MlaSeq& seq, 
   for (int64_t ii = 0; ii < rows; ++ii) {
     float* s = scores + ii * ld;
     const int64_t i = i0 + ii, n = seq.prefix + i + 1;
-    if (seq.visible)
-      for (int64_t m = 0; m < i; ++m)
-        if (!seq.visible[i * seq.extend + m]) s[seq.prefix + m] = -INFINITY;
+    mask_tree(s, seq, i);
     float m = -INFINITY;
     for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
     float sum = 0.0f;
@@ -71,9 +77,7 @@ void causal_softmax_vec(float* scores, int64_t ld, int64_t rows, const MlaSeq& s
   for (int64_t ii = 0; ii < rows; ++ii) {
     float* s = scores + ii * ld;
     const int64_t i = i0 + ii, n = seq.prefix + i + 1;
-    if (seq.visible)
-      for (int64_t m = 0; m < i; ++m)
-        if (!seq.visible[i * seq.extend + m]) s[seq.prefix + m] = -INFINITY;
+    mask_tree(s, seq, i);
     std::fill(s + n, s + ld, -INFINITY);
   }
   stats.assign(static_cast<size_t>(2 * rows), 0.0f);
