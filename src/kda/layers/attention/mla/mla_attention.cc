@@ -304,14 +304,14 @@ bool prefer_absorbed(const MlaDims& d, int64_t prefix, int64_t extend) {
   return absorbed < plain;
 }
 
-// Flash-style: a query block walks its keys in blocks of kKeyBlock with an online softmax (running max
-// and sum per row, fp32), so the scores in memory are [block, kKeyBlock], never a row per key. The block
-// GEMMs read the expanded keys and values in place and allocate nothing (f32_block.h says why).
 bool plain_bf16_keys(const MlaDims& dims, bool bf16) {
   return bf16 && kernels::gemm::cpu_has_bf16_vnni() && dims.qk_nope % 2 == 0 && dims.qk_rope % 2 == 0 &&
          kernels::gemm::bf16_vnni_takes(dims.qk_nope + dims.qk_rope);
 }
 
+// Flash-style: a query block walks its keys in blocks of kKeyBlock with an online softmax (running max
+// and sum per row, fp32), so the scores in memory are [block, kKeyBlock], never a row per key. The block
+// GEMMs read the expanded keys and values in place and allocate nothing (f32_block.h says why).
 void reserve_plain(const MlaDims& dims, int64_t keys, bool bf16, MlaScratch& scratch) {
   if (keys <= 0) return;
   const PlainKvSize n = plain_kv_size(dims, keys, plain_bf16_keys(dims, bf16));
@@ -423,7 +423,6 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   constexpr int64_t kMaxStacked = 256;
   const int64_t threads = std::max(1, omp_get_max_threads());
   const int64_t per_thread = (Hm + threads - 1) / threads;
-  //
   // A sequence of one new token (a decode row) is one item of every head instead, whose scores and u the
   // threads share (decode_item below): its keys split for the scores, the heads for the softmax, the
   // latent columns for u. Each value is still summed by one thread in a fixed order, so its bits depend
