@@ -1,0 +1,174 @@
+#include "kda/kernels/gemm/bf16_amx_block.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/kernels/gemm/bf16_amx.h"
+#include "kda/kernels/gemm/bf16_vnni.h"
+
+#if defined(KDA_WITH_AVX512) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    defined(__linux__)
+#define KDA_AMX_BLOCK_BUILD 1
+
+#include "kda/kernels/gemm/amx_tiles.h"
+#include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
+#endif
+
+namespace kda::kernels::gemm {
+
+namespace {
+
+void check_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K,
+                int64_t N, const float* y, int64_t ldy) {
+  const std::string f(what);
+  if (K < 1 || K % 32 != 0 || N < 1 || M < 0)
+    throw std::invalid_argument(f + ": bad sizes M " + std::to_string(M) + ", K " + std::to_string(K) +
+                                " (a positive multiple of 32), N " + std::to_string(N));
+  if (ldx < K || ldy < N) throw std::invalid_argument(f + ": a row stride below its row's size");
+  if (M > 0 && (x == nullptr || w == nullptr || y == nullptr)) throw std::invalid_argument(f + ": null data");
+}
+
+// W[n][k] in gemm_bf16_vnni's layout (bf16_vnni.h).
+inline bf16_t at(const bf16_t* w, int64_t K, int64_t n, int64_t k) {
+  return w[n / kVnniBlockN * kVnniBlockN * K + k / 2 * 2 * kVnniBlockN + n % kVnniBlockN * 2 + k % 2];
+}
+
+}  // namespace
+
+bool bf16_amx_block_takes(int64_t K) { return K > 0 && K % 32 == 0 && cpu_has_amx_bf16(); }
+
+void gemm_bf16_amx_block_reference(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K,
+                                   int64_t N, float* y, int64_t ldy) {
+  check_args("gemm_bf16_amx_block_reference", x, M, ldx, w, K, N, y, ldy);
+  std::vector<float> wn(static_cast<size_t>(K));
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) wn[k] = bf16_to_f32(at(w, K, n, k));
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s += bf16_to_f32(x[m * ldx + k]) * wn[k];
+      y[m * ldy + n] = s;
+    }
+  }
+}
+
+#if defined(KDA_AMX_BLOCK_BUILD)
+
+namespace {
+
+constexpr int64_t kT = 16;     // a tile's rows of x (A, C) and channels (B, C)
+constexpr int64_t kStep = 32;  // inputs per step: an A tile row's 64 bytes, a B tile's 16 pair rows
+
+using amx::TileConfig;
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,amx-tile,amx-bf16")
+
+// Tiles: 0, 1 the sums of the first 16 rows by the two channel tiles, 2, 3 those of the next 16 rows; 4,
+// 5 the two row tiles of x; 6, 7 the two channel tiles of W. A tile of no rows or channels (past M or N)
+// stays unconfigured and unused.
+class Tiles {
+ public:
+  Tiles() = default;
+  ~Tiles() {
+    if (configured_) _tile_release();
+  }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+  // ra, rb: rows of the two row tiles (rb may be 0); ca, cb: channels of the two channel tiles (cb may
+  // be 0). Configured only when it changes (the blocks at the edges of M and N).
+  void shape(int64_t ra, int64_t rb, int64_t ca, int64_t cb) {
+    const int64_t key = ((ra * 32 + rb) * 32 + ca) * 32 + cb;
+    if (configured_ && key == key_) return;
+    TileConfig c;
+    const int64_t rows[2] = {ra, rb}, cols[2] = {ca, cb};
+    for (int r = 0; r < 2; ++r) {
+      if (rows[r] == 0) continue;
+      c.rows[4 + r] = static_cast<uint8_t>(rows[r]);
+      c.colsb[4 + r] = 2 * kStep;
+      for (int j = 0; j < 2; ++j) {
+        if (cols[j] == 0) continue;
+        c.rows[2 * r + j] = static_cast<uint8_t>(rows[r]);
+        c.colsb[2 * r + j] = static_cast<uint16_t>(4 * cols[j]);
+      }
+    }
+    for (int j = 0; j < 2; ++j) {
+      if (cols[j] == 0) continue;
+      c.rows[6 + j] = kStep / 2;
+      c.colsb[6 + j] = static_cast<uint16_t>(4 * cols[j]);
+    }
+    asm volatile("ldtilecfg %0" ::"m"(c));
+    configured_ = true;
+    key_ = key;
+  }
+
+ private:
+  bool configured_ = false;
+  int64_t key_ = 0;
+};
+
+void run(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N, float* y,
+         int64_t ldy) {
+  KDA_TILE_FENCE();  // the caller's stores to x before the tile loads read it
+  Tiles tiles;
+  constexpr int64_t kPairRow = 2 * kVnniBlockN;  // values in a block's row of input pairs
+  for (int64_t m0 = 0; m0 < M; m0 += 2 * kT) {
+    const int64_t ra = std::min(kT, M - m0), rb = std::clamp<int64_t>(M - m0 - kT, 0, kT);
+    const bf16_t* xa = x + m0 * ldx;
+    const bf16_t* xb = xa + kT * ldx;
+    for (int64_t n0 = 0; n0 < N; n0 += 2 * kT) {
+      const int64_t ca = std::min(kT, N - n0), cb = std::clamp<int64_t>(N - n0 - kT, 0, kT);
+      tiles.shape(ra, rb, ca, cb);
+      // Channel tiles of 32 channels never straddle a block of 64.
+      const bf16_t* wb = w + n0 / kVnniBlockN * kVnniBlockN * K + n0 % kVnniBlockN * 2;
+      _tile_zero(0);
+      if (cb) _tile_zero(1);
+      if (rb) _tile_zero(2);
+      if (rb && cb) _tile_zero(3);
+      for (int64_t k = 0; k < K; k += kStep) {
+        const bf16_t* wk = wb + k / 2 * kPairRow;
+        _tile_loadd(4, xa + k, 2 * ldx);
+        _tile_loadd(6, wk, 2 * kPairRow);
+        _tile_dpbf16ps(0, 4, 6);
+        if (cb) {
+          _tile_loadd(7, wk + 2 * kT, 2 * kPairRow);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (rb) {
+          _tile_loadd(5, xb + k, 2 * ldx);
+          _tile_dpbf16ps(2, 5, 6);
+          if (cb) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      float* ya = y + m0 * ldy + n0;
+      _tile_stored(0, ya, 4 * ldy);
+      if (cb) _tile_stored(1, ya + kT, 4 * ldy);
+      if (rb) _tile_stored(2, ya + kT * ldy, 4 * ldy);
+      if (rb && cb) _tile_stored(3, ya + kT * ldy + kT, 4 * ldy);
+    }
+  }
+  KDA_TILE_FENCE();  // y's stores before the caller reads them
+}
+
+#pragma GCC pop_options
+
+}  // namespace
+
+void gemm_bf16_amx_block(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
+                         float* y, int64_t ldy) {
+  if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_bf16_amx_block: no AMX-BF16 on this CPU");
+  check_args("gemm_bf16_amx_block", x, M, ldx, w, K, N, y, ldy);
+  run(x, M, ldx, w, K, N, y, ldy);
+}
+
+#else  // no AMX in this build
+
+void gemm_bf16_amx_block(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, float*, int64_t) {
+  throw std::logic_error("gemm_bf16_amx_block: not in this build");
+}
+
+#endif
+
+}  // namespace kda::kernels::gemm
