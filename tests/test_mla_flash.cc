@@ -18,6 +18,7 @@
 #include "kda/kernels/online_softmax.h"
 #include "kda/kernels/online_softmax_isa.h"
 #include "kda/layers/attention/mla/mla_attention.h"
+#include "kda/layers/linear.h"
 #include "support/test_support.h"
 
 namespace kda {
@@ -30,6 +31,9 @@ struct SeqSpec {
   int64_t prefix, extend;
   bool tree = false;
 };
+
+void check_against(const std::vector<float>& o, const std::vector<float>& oref, int64_t T, int64_t ow,
+                   int64_t ldo, bool bf16, bool kv_flips, const std::string& what);
 
 // Runs both kernels on the sequences and compares o elementwise: fp32 within 1e-5 of the row's scale
 // (the sums' order differs), bf16 within one bf16 step of |b| more (a sum on either side of a rounding
@@ -74,11 +78,27 @@ void compare(const std::vector<SeqSpec>& specs, bool bf16, float ramp, const std
     row += s.extend;
     at += S;
   }
-  std::vector<float> o(static_cast<size_t>(std::max<int64_t>(T, 1) * ldo), 5.0f), oref(o);
-  mla::MlaAttnArgs a{d, q.data(), ldq, seqs, w.data(), 1.0f / std::sqrt(192.0f), bf16, o.data(), ldo};
-  mla::mla_attention_plain(a);
-  a.o = oref.data();
+  std::vector<float> oref(static_cast<size_t>(std::max<int64_t>(T, 1) * ldo), 5.0f);
+  mla::MlaAttnArgs a{d, q.data(), ldq, seqs, w.data(), 1.0f / std::sqrt(192.0f), bf16, oref.data(), ldo};
   mla::mla_attention_plain_reference(a);
+  // bf16: the expansion through kv_b's sgemm per head, and through kv_b as a bf16 Linear.
+  const layers::Linear kv_b(d.kv_lora, d.heads * (d.qk_nope + d.v_head), w, Precision::BF16);
+  for (const layers::Linear* linear : {static_cast<const layers::Linear*>(nullptr), &kv_b}) {
+    if (linear && !bf16) break;
+    std::vector<float> o(oref.size(), 5.0f);
+    a.o = o.data();
+    a.kv_b = linear;
+    mla::mla_attention_plain(a);
+    check_against(o, oref, T, ow, ldo, bf16, linear != nullptr, what + (linear ? " kv_b Linear" : ""));
+  }
+}
+
+// o against the reference's oref elementwise (compare's bounds); the padding between rows untouched.
+// kv_flips: the two expansions sum kv_b's products in different orders, so a kv value at a rounding
+// boundary lands one bf16 step apart; o, a weighted average of the values, then moves by up to 2^-8 of
+// their scale (taken as the row's largest |o|), beyond its own rounding.
+void check_against(const std::vector<float>& o, const std::vector<float>& oref, int64_t T, int64_t ow,
+                   int64_t ldo, bool bf16, bool kv_flips, const std::string& what) {
   // The sums' rounding scales with the values summed, not with a result that cancels: the bound takes
   // the row's largest output as its scale.
   int bad = 0;
@@ -92,7 +112,9 @@ void compare(const std::vector<SeqSpec>& specs, bool bf16, float ramp, const std
         if (x != 5.0f) ++bad;
         continue;
       }
-      const double fp32 = 1e-5 * (1.0 + scale), tol = bf16 ? std::ldexp(std::fabs(r), -7) + fp32 : fp32;
+      const double fp32 = 1e-5 * (1.0 + scale),
+                   tol = bf16 ? std::ldexp(std::fabs(r), -7) + fp32 + (kv_flips ? std::ldexp(scale, -8) : 0.0)
+                              : fp32;
       if (!(std::fabs(x - r) <= tol)) ++bad;
       worst = std::max(worst, std::fabs(static_cast<double>(x) - r) / fp32);
     }

@@ -95,7 +95,8 @@ class KimiMLAAttention {
   // The resident projection bytes on this rank: q_proj, kv_a_proj_with_mqa and o_proj as their Linear
   // holds them, and kv_b_proj as the attention kernels read it (fp32 [Hm*(dn+dv), R]: the precision's
   // values, bf16-rounded or dequantized from int8 / int4, since both forms multiply by it inside the
-  // attention rather than through a Linear).
+  // attention rather than through a Linear). The bf16 mode's second copy of kv_b for the prefill's
+  // expansion is left out: what a decode step reads is what this counts.
   int64_t weight_bytes() const;
   // q_proj, kv_a_proj_with_mqa and o_proj by name (model.layers.{i}.self_attn.<name> in a packed
   // checkpoint); kv_b_proj is no Linear here (see weight_bytes()).
@@ -127,6 +128,10 @@ class KimiMLAAttention {
   std::vector<float> norm_w_;  // kv_a_layernorm [R]
   layers::Linear q_proj_, kv_a_, o_proj_;
   std::vector<float> w_kvb_;  // kv_b as the attention multiplies by it (bf16-rounded / dequantized values)
+  // With bf16 weights in the bf16 precision, the same values as a bf16 Linear: the plain form's expansion
+  // (prefill) as one bf16 GEMM (MlaAttnArgs::kv_b). A second copy of kv_b (8 MB a layer at the real
+  // shapes).
+  std::unique_ptr<layers::Linear> kv_b16_;
   // Scratch.
   std::vector<float> q_, a_, lat_new_, lat_, o_;
   std::unique_ptr<layers::attention::mla::MlaScratch> plain_kv_;  // the plain form's expanded keys, values

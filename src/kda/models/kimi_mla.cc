@@ -219,6 +219,8 @@ KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_id
           w.packed, "o_proj", Hm_ * dv_, D_, [&] { return w.o_proj; }, precision, weights)),
       w_kvb_(effective_kvb(w, R_, Hm_ * (dn_ + dv_), precision, weights)) {
   check_layer(cfg, layer_idx);
+  if (precision == Precision::BF16 && weights == Weights::BF16)
+    kv_b16_ = std::make_unique<layers::Linear>(R_, Hm_ * (dn_ + dv_), w_kvb_, precision);
   if (options.kv_norm_eps < 0.0)
     throw std::invalid_argument("MlaOptions.kv_norm_eps must be >= 0 (0: rms_norm_eps), got " +
                                 std::to_string(options.kv_norm_eps));
@@ -260,8 +262,9 @@ void KimiMLAAttention::reserve(int64_t T) {
                           static_cast<int>(dv_), static_cast<int>(R_)};
   const bool absorb = options_.form == MlaForm::Absorbed ||
                       (options_.form == MlaForm::Auto && mla::prefer_absorbed(dims, 0, T));
-  if (!absorb) mla::reserve_plain(dims, T, precision_ == Precision::BF16, *plain_kv_);
+  if (!absorb) mla::reserve_plain(dims, T, precision_ == Precision::BF16, kv_b16_ != nullptr, *plain_kv_);
   for (const layers::Linear* l : {&q_proj_, &kv_a_, &o_proj_}) l->reserve(T);
+  if (kv_b16_ && !absorb) kv_b16_->reserve(T);
 }
 
 void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const model_executor::ForwardBatch& fb,
@@ -406,8 +409,8 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
   // 4. Attention; a padded row's o stays zero, so its output is zero.
   o_.assign(static_cast<size_t>(T * Hm_ * dv_), 0.0f);
   if (!plain_kv_) plain_kv_ = std::make_unique<mla::MlaScratch>();
-  mla::MlaAttnArgs args{dims,   q_.data(), qw,        {},        w_kvb_.data(),
-                        scale_, bf16,      o_.data(), Hm_ * dv_, plain_kv_.get()};
+  mla::MlaAttnArgs args{dims,      q_.data(),       qw,           {}, w_kvb_.data(), scale_, bf16, o_.data(),
+                        Hm_ * dv_, plain_kv_.get(), kv_b16_.get()};
   if (!plain.empty()) {
     args.seqs = plain;
     mla::mla_attention_plain(args);

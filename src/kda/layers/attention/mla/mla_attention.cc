@@ -5,15 +5,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/gemm/bf16_amx_block.h"
 #include "kda/kernels/gemm/bf16_vnni.h"
 #include "kda/kernels/gemm/f32_block.h"
 #include "kda/kernels/online_softmax.h"
+#include "kda/layers/linear.h"
 
 namespace kda::layers::attention::mla {
 namespace {
@@ -157,9 +160,10 @@ void online_softmax_block(float* s, int64_t kn, int64_t nb, const MlaSeq& seq, i
 }
 
 // The expansion through kv_b, shared by both plain kernels: one sequence's keys and values (a threaded
-// GEMM per head) in the layouts the flash kernel's block GEMMs read in place, the expanded keys and values
-// bf16-rounded in the bf16 mode (the layer's rounding point: kv_b's output), the rope keys as the cache
-// holds them. Each head's values v [S, ldv]; the keys either
+// GEMM per head, or one bf16 GEMM over every head through MlaAttnArgs::kv_b) in the layouts the flash
+// kernel's block GEMMs read in place, the expanded keys and values bf16-rounded in the bf16 mode (the layer's
+// rounding point: kv_b's output), the rope keys as the cache holds them. Each head's values v [S, ldv]; the
+// keys either
 // - fp32 for gemm_f32_block: each head's nope keys transposed, kt [dn, ldk] (a column per key), and the rope
 //   keys every head shares transposed, rt [dr, ldk]; or
 // - bf16 for gemm_bf16_vnni (plain_bf16_keys): each head's [k_nope | k_pe] rows packed, kb [(dn + dr) * ldb]
@@ -184,25 +188,45 @@ T* at_least(std::vector<T>& b, size_t n) {
 
 // The four buffers' values for one sequence of S keys (the layouts above; kt one head's with bf16 keys).
 struct PlainKvSize {
-  size_t kt, rt, v, kb;
+  size_t kt, rt, v, kb, kv;
 };
 int64_t packed_keys(int64_t S) {
   return (S + kernels::gemm::kVnniBlockN - 1) / kernels::gemm::kVnniBlockN * kernels::gemm::kVnniBlockN;
 }
-PlainKvSize plain_kv_size(const MlaDims& d, int64_t S, bool bf16_keys) {
+PlainKvSize plain_kv_size(const MlaDims& d, int64_t S, bool bf16_keys, bool rows16) {
   const int64_t ldk = kernels::gemm::f32_block_ld(S), ldv = kernels::gemm::f32_block_ld(d.v_head);
   const size_t v = static_cast<size_t>(int64_t{d.heads} * S * ldv);
+  if (bf16_keys && rows16)
+    return {0, 0, v, static_cast<size_t>(int64_t{d.heads} * (d.qk_nope + d.qk_rope) * packed_keys(S)),
+            static_cast<size_t>(int64_t{d.heads} * (d.qk_nope + d.v_head) * S)};
   if (bf16_keys)
     return {static_cast<size_t>(d.qk_nope * ldk), 0, v,
-            static_cast<size_t>(int64_t{d.heads} * (d.qk_nope + d.qk_rope) * packed_keys(S))};
-  return {static_cast<size_t>(int64_t{d.heads} * d.qk_nope * ldk), static_cast<size_t>(d.qk_rope * ldk), v,
+            static_cast<size_t>(int64_t{d.heads} * (d.qk_nope + d.qk_rope) * packed_keys(S)), 0};
+  return {static_cast<size_t>(int64_t{d.heads} * d.qk_nope * ldk), static_cast<size_t>(d.qk_rope * ldk), v, 0,
           0};
+}
+
+// The rope keys' dr / 2 pair rows of block nb of one head's packed keys (blk, n of its keys real): copied
+// from `rope` (head 0's kb, already packed) or, without it, taken from the latent rows.
+void pack_rope(bf16_t* blk, int64_t nb, int64_t n, const float* latent, int64_t lat, int64_t R,
+               const bf16_t* rope, int64_t dn, int64_t dr) {
+  constexpr int64_t B = kernels::gemm::kVnniBlockN;
+  const int64_t K = dn + dr;
+  bf16_t* rb = blk + dn * B;
+  if (rope != nullptr) {
+    std::copy(rope + nb * B * K + dn * B, rope + nb * B * K + K * B, rb);
+    return;
+  }
+  std::fill(rb, rb + dr * B, bf16_t{0});
+  for (int64_t c = 0; c < n; ++c) {
+    const float* k = latent + (nb * B + c) * lat + R;
+    for (int64_t e = 0; e < dr; ++e) rb[(e / 2) * 2 * B + 2 * c + e % 2] = f32_to_bf16(k[e]);
+  }
 }
 
 // One head's keys in gemm_bf16_vnni's layout (bf16_vnni.h: blocks of 64 keys, each (dn + dr) / 2 rows of 64
 // keys x 2 inputs): the pairs of the nope keys kt [dn, ldk] (rounded to bf16 here), then those of the rope
-// keys, copied from `rope` (head 0's kb, already packed) or, without it, taken from the latent rows. Threads
-// split the blocks.
+// keys (pack_rope). Threads split the blocks.
 void pack_keys(const float* kt, int64_t ldk, const float* latent, int64_t lat, int64_t R, const bf16_t* rope,
                int64_t dn, int64_t dr, int64_t S, int64_t ldb, bf16_t* kb) {
   constexpr int64_t B = kernels::gemm::kVnniBlockN;
@@ -221,16 +245,31 @@ void pack_keys(const float* kt, int64_t ldk, const float* latent, int64_t lat, i
       }
       std::fill(d + 2 * n, d + 2 * B, bf16_t{0});
     }
-    bf16_t* rb = blk + dn * B;  // the rope keys' dr / 2 pair rows
-    if (rope != nullptr) {
-      std::copy(rope + nb * B * K + dn * B, rope + nb * B * K + K * B, rb);
-      continue;
-    }
-    std::fill(rb, rb + dr * B, bf16_t{0});
+    pack_rope(blk, nb, n, latent, lat, R, rope, dn, dr);
+  }
+}
+
+// The same from kv_b's bf16 output rows kv [S, ldkv] (head h's k_nope at column h (dn + dv), its v after
+// it): a key's input pairs are its row's consecutive 32-bit words. Its values widened into v [S, ldv].
+void pack_keys_from_rows(const bf16_t* kv, int64_t ldkv, const float* latent, int64_t lat, int64_t R,
+                         const bf16_t* rope, int64_t dn, int64_t dr, int64_t dv, int64_t S, int64_t ldb,
+                         bf16_t* kb, float* v, int64_t ldv) {
+  constexpr int64_t B = kernels::gemm::kVnniBlockN;
+  const int64_t K = dn + dr;
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < ldb / B; ++nb) {
+    bf16_t* blk = kb + nb * B * K;
+    const int64_t n = std::min(B, S - nb * B);
     for (int64_t c = 0; c < n; ++c) {
-      const float* k = latent + (nb * B + c) * lat + R;
-      for (int64_t e = 0; e < dr; ++e) rb[(e / 2) * 2 * B + 2 * c + e % 2] = f32_to_bf16(k[e]);
+      const bf16_t* row = kv + (nb * B + c) * ldkv;
+      for (int64_t p = 0; p < dn / 2; ++p)
+        std::memcpy(blk + p * 2 * B + 2 * c, row + 2 * p, 2 * sizeof(bf16_t));
+      bf16_to_f32_array(row + dn, v + (nb * B + c) * ldv, static_cast<size_t>(dv));
     }
+    if (n < B)
+      for (int64_t p = 0; p < dn / 2; ++p)
+        std::fill(blk + p * 2 * B + 2 * n, blk + (p + 1) * 2 * B, bf16_t{0});
+    pack_rope(blk, nb, n, latent, lat, R, rope, dn, dr);
   }
 }
 
@@ -239,8 +278,12 @@ std::vector<PlainKv> expand_plain(const MlaAttnArgs& a, bool bf16_keys, MlaScrat
   const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora, lat = R + dr;
   // Every sequence's share of the buffers, then the buffers once (with bf16 keys kt is one head's, reused).
   std::vector<PlainKv> out(a.seqs.size());
+  // With kv_b as a bf16 Linear (MlaAttnArgs::kv_b) a sequence's kv_b output lands in scratch.kv, reused
+  // by the next sequence, and kt is not needed.
+  const bool rows16 = bf16_keys && a.kv_b != nullptr;
+  const int64_t ldkv = int64_t{Hm} * (dn + dv);
   std::vector<size_t> kt_at(a.seqs.size()), rt_at(a.seqs.size()), v_at(a.seqs.size()), kb_at(a.seqs.size());
-  size_t kt_n = 0, rt_n = 0, v_n = 0, kb_n = 0;
+  size_t kt_n = 0, rt_n = 0, v_n = 0, kb_n = 0, kv_n = 0;
   for (size_t b = 0; b < a.seqs.size(); ++b) {
     const MlaSeq& s = a.seqs[b];
     const int64_t S = s.prefix + s.extend;
@@ -248,9 +291,10 @@ std::vector<PlainKv> expand_plain(const MlaAttnArgs& a, bool bf16_keys, MlaScrat
     out[b].ldk = kernels::gemm::f32_block_ld(S);
     out[b].ldv = kernels::gemm::f32_block_ld(dv);
     out[b].ldb = packed_keys(S);
-    const PlainKvSize n = plain_kv_size(d, S, bf16_keys);
+    const PlainKvSize n = plain_kv_size(d, S, bf16_keys, rows16);
     kt_at[b] = bf16_keys ? 0 : kt_n, rt_at[b] = rt_n, v_at[b] = v_n, kb_at[b] = kb_n;
     kt_n = bf16_keys ? std::max(kt_n, n.kt) : kt_n + n.kt;
+    kv_n = std::max(kv_n, n.kv);
     rt_n += n.rt;
     v_n += n.v;
     kb_n += n.kb;
@@ -259,6 +303,7 @@ std::vector<PlainKv> expand_plain(const MlaAttnArgs& a, bool bf16_keys, MlaScrat
   float* const rt_all = at_least(scratch.rt, rt_n);
   float* const v_all = at_least(scratch.v, v_n);
   bf16_t* const kb_all = at_least(scratch.kb, kb_n);
+  bf16_t* const kv = at_least(scratch.kv, kv_n);
   for (size_t b = 0; b < a.seqs.size(); ++b) {
     const MlaSeq& s = a.seqs[b];
     const int64_t S = s.prefix + s.extend;
@@ -269,6 +314,14 @@ std::vector<PlainKv> expand_plain(const MlaAttnArgs& a, bool bf16_keys, MlaScrat
       p.kb = kb_all + kb_at[b];
     else
       p.kt = kt_all + kt_at[b], p.rt = rt_all + rt_at[b];
+    if (rows16) {
+      a.kv_b->forward(s.latent, S, lat, kv, ldkv);
+      for (int64_t h = 0; h < Hm; ++h)
+        pack_keys_from_rows(kv + h * (dn + dv), ldkv, s.latent, lat, R, h == 0 ? nullptr : kb_all + kb_at[b],
+                            dn, dr, dv, S, p.ldb, kb_all + kb_at[b] + h * (dn + dr) * p.ldb,
+                            v_all + v_at[b] + h * S * p.ldv, p.ldv);
+      continue;
+    }
     for (int64_t h = 0; h < Hm; ++h) {
       const float* w_uk = a.w_kvb + h * (dn + dv) * R;  // [dn, R]
       const float* w_uv = w_uk + dn * R;                // [dv, R]
@@ -312,13 +365,14 @@ bool plain_bf16_keys(const MlaDims& dims, bool bf16) {
 // Flash-style: a query block walks its keys in blocks of kKeyBlock with an online softmax (running max
 // and sum per row, fp32), so the scores in memory are [block, kKeyBlock], never a row per key. The block
 // GEMMs read the expanded keys and values in place and allocate nothing (f32_block.h says why).
-void reserve_plain(const MlaDims& dims, int64_t keys, bool bf16, MlaScratch& scratch) {
+void reserve_plain(const MlaDims& dims, int64_t keys, bool bf16, bool kv_b_linear, MlaScratch& scratch) {
   if (keys <= 0) return;
-  const PlainKvSize n = plain_kv_size(dims, keys, plain_bf16_keys(dims, bf16));
+  const PlainKvSize n = plain_kv_size(dims, keys, plain_bf16_keys(dims, bf16), kv_b_linear);
   at_least(scratch.kt, n.kt);
   at_least(scratch.rt, n.rt);
   at_least(scratch.v, n.v);
   at_least(scratch.kb, n.kb);
+  at_least(scratch.kv, n.kv);
 }
 
 void mla_attention_plain(const MlaAttnArgs& a) {
@@ -328,6 +382,9 @@ void mla_attention_plain(const MlaAttnArgs& a) {
   const int64_t qw = dn + dr;
   MlaScratch own;
   const bool bf16_keys = plain_bf16_keys(d, a.bf16);
+  // The bf16 scores on AMX tiles where the CPU has them (several times vdpbf16ps's rate), which read the
+  // same packed keys.
+  const bool amx = bf16_keys && kernels::gemm::bf16_amx_block_takes(qw);
   const std::vector<PlainKv> kv = expand_plain(a, bf16_keys, a.scratch != nullptr ? *a.scratch : own);
   parallel_items(work_items(a), [&](const WorkItem& w, ThreadBuffers& tb) {
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
@@ -355,7 +412,10 @@ void mla_attention_plain(const MlaAttnArgs& a) {
       const int64_t kn = std::min(kKeyBlock, ns - j0);
       if (bf16_keys) {  // key block j0 starts a block of the layout (kKeyBlock is a multiple of its 64)
         const bf16_t* kb = p.kb + (w.head * p.ldb + j0) * qw;
-        kernels::gemm::gemm_bf16_vnni(qb, nb, qw, kb, qw, kn, scores, kn, 0);
+        if (amx)
+          kernels::gemm::gemm_bf16_amx_block(qb, nb, qw, kb, qw, kn, scores, kn);
+        else
+          kernels::gemm::gemm_bf16_vnni(qb, nb, qw, kb, qw, kn, scores, kn, 0);
       } else {
         const float* kt = p.kt + w.head * dn * p.ldk;
         kernels::gemm::gemm_f32_block(nb, kn, dn, 1.0f, q, a.ldq, kt + j0, p.ldk, 0.0f, scores, kn);

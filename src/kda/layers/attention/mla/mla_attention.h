@@ -23,8 +23,9 @@
 // names). bf16: o is rounded before o_proj in both; the plain
 // form rounds kv (a GEMM output, a spec rounding point); the absorbed form has no kv and keeps its own
 // intermediates (q~, u) fp32. GEMM-shaped work goes through oneDNN's sgemm and the block GEMMs of
-// kernels/gemm (f32_block.h, bf16_vnni.h), OpenMP over (sequence, head, query block); the absorbed form's
-// decode rows (one new token each) share their keys, heads and latent columns out over the threads instead.
+// kernels/gemm (f32_block.h, bf16_vnni.h, bf16_amx_block.h), OpenMP over (sequence, head, query block); the
+// absorbed form's decode rows (one new token each) share their keys, heads and latent columns out over the
+// threads instead.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,10 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+
+namespace kda::layers {
+class Linear;
+}
 
 namespace kda::layers::attention::mla {
 
@@ -61,21 +66,23 @@ struct MlaSeq {
 struct MlaScratch {
   std::vector<float> kt, rt, v;
   std::vector<bf16_t> kb;  // the plain form's bf16 keys (plain_bf16_keys): every head's, of each sequence
+  std::vector<bf16_t> kv;  // the plain form's kv_b output of one sequence through MlaAttnArgs::kv_b
   std::vector<float> qt, u, qpe;  // the absorbed form's q~, u and q_pe of a call's every query and head
   std::vector<float> st;          // the absorbed form's decode rows: q~ transposed, scores, softmax weights
 };
 
-// Whether mla_attention_plain multiplies queries by keys in bf16 (vdpbf16ps, fp32 sums): in the bf16 mode on
-// a CPU with AVX512_BF16, where q (a GEMM output), the expanded k_nope (kv_b's output) and k_pe (a cache
-// entry) are bf16 values already, so each product is exact and only the order of the fp32 sums changes.
-// The keys are then packed per head as [k_nope | k_pe] in the layout of gemm_bf16_vnni
-// (kernels/gemm/bf16_vnni.h), the values stay fp32 (the softmax weights they meet are not rounded).
+// Whether mla_attention_plain multiplies queries by keys in bf16 (vdpbf16ps, or AMX tiles where the CPU has
+// them; fp32 sums): in the bf16 mode on a CPU with AVX512_BF16, where q (a GEMM output), the expanded
+// k_nope (kv_b's output) and k_pe (a cache entry) are bf16 values already, so each product is exact and
+// only the order of the fp32 sums changes. The keys are then packed per head as [k_nope | k_pe] in the
+// layout of gemm_bf16_vnni (kernels/gemm/bf16_vnni.h), which gemm_bf16_amx_block reads as it is; the
+// values stay fp32 (the softmax weights they meet are not rounded).
 bool plain_bf16_keys(const MlaDims& dims, bool bf16);
 
 // `scratch` grown to the plain form's expanded keys and values of one sequence of `keys` keys (in the
-// layout that `bf16` picks, plain_bf16_keys), and touched: a layer sizes it at load for its longest
-// prefill (KimiMLAAttention::reserve).
-void reserve_plain(const MlaDims& dims, int64_t keys, bool bf16, MlaScratch& scratch);
+// layout that `bf16` picks, plain_bf16_keys; with kv_b_linear, MlaAttnArgs::kv_b's output too), and
+// touched: a layer sizes it at load for its longest prefill (KimiMLAAttention::reserve).
+void reserve_plain(const MlaDims& dims, int64_t keys, bool bf16, bool kv_b_linear, MlaScratch& scratch);
 
 struct MlaAttnArgs {
   MlaDims dims;
@@ -89,6 +96,11 @@ struct MlaAttnArgs {
   int64_t ldo = 0;
   MlaScratch* scratch = nullptr;  // the plain form's expanded keys and values, the absorbed form's q~ and u
                                   // (above); not shared between threads
+  // Optional, the bf16 mode: kv_b as a bf16 Linear of exactly w_kvb's values (bf16 weights). Where
+  // plain_bf16_keys holds, the plain form then expands a sequence's keys and values in one bf16 GEMM over
+  // every head (exact products, fp32 sums, each output rounded to bf16 as kv_b's output is) in place of an
+  // fp32 sgemm per head, which runs at a fraction of the bf16 GEMM's rate.
+  const Linear* kv_b = nullptr;
 };
 
 // The plain form flash-style: each (sequence, head, block of 64 queries) walks its keys in blocks of 256
