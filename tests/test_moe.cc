@@ -250,6 +250,45 @@ TEST(MoeSwiglu, PiecesEqualTheWholeMlp) {
       "down_proj");
 }
 
+// bf16 rows in (and out) give the bits of fp32 rows in with the roundings between: x is what gate_up
+// rounds fp32 x to, and a bf16 output is down's output rounded as round_out rounds it. Whole MLPs with
+// every weights mode; in pieces only fp32 out (their partials are summed first); fp32 precision refuses.
+TEST(MoeSwiglu, Bf16RowsGiveTheBitsOfFp32Rows) {
+  using layers::moe::SwigluMlp;
+  using layers::moe::SwigluPieces;
+  const int64_t D = 256, I = 128;
+  const MlpWeights w = MlpWeights::synthetic(D, I, 17);
+  for (Weights wt : {Weights::BF16, Weights::Int8, Weights::Int4}) {
+    const SwigluMlp mlp(D, I, w.gate_proj, w.up_proj, w.down_proj, Precision::BF16, wt);
+    const SwigluPieces sliced(D, I, w.gate_proj, w.up_proj, w.down_proj, Precision::BF16, wt, 2);
+    layers::moe::SwigluScratch s;
+    std::vector<float> part;
+    for (int64_t T : {1, 5, 64, 130}) {
+      const std::string what = std::string(to_string(wt)) + " T " + std::to_string(T);
+      auto x = testing::random_normal(static_cast<size_t>(T * D), 30 + T);
+      std::vector<bf16_t> x16(x.size());
+      f32_to_bf16_array(x.data(), x16.data(), x.size());
+      std::vector<float> want(x.size()), got(x.size()), got_sliced(x.size()), want_sliced(x.size());
+      mlp.forward(x.data(), T, D, want.data(), D, true, s);
+      mlp.forward(x16.data(), T, D, got.data(), D, true, s);
+      EXPECT_EQ(got, want) << what;
+      std::vector<bf16_t> y16(x.size());
+      mlp.forward(x16.data(), T, D, y16.data(), D, s);
+      for (size_t i = 0; i < y16.size(); ++i) ASSERT_EQ(bf16_to_f32(y16[i]), want[i]) << what << " at " << i;
+      sliced.forward(x.data(), T, D, want_sliced.data(), D, true, s, part);
+      sliced.forward(x16.data(), T, D, got_sliced.data(), D, true, s, part);
+      EXPECT_EQ(got_sliced, want_sliced) << what;
+      testing::expect_throw_with<std::logic_error>(
+          [&] { sliced.forward(x16.data(), T, D, y16.data(), D, s); }, "2 pieces");
+    }
+  }
+  const SwigluMlp fp32(D, I, w.gate_proj, w.up_proj, w.down_proj, Precision::FP32, Weights::BF16);
+  layers::moe::SwigluScratch s;
+  std::vector<bf16_t> x16(static_cast<size_t>(D)), y16(x16.size());
+  testing::expect_throw_with<std::logic_error>([&] { fp32.forward(x16.data(), 1, D, y16.data(), D, s); },
+                                               "fp32 precision");
+}
+
 // ------------------------------------------------------------------------------------------------
 // KimiMLP
 

@@ -190,6 +190,7 @@ class KimiMoE {
   KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& src, Precision precision,
           distributed::TensorParallel tp, Weights weights, MoeOptions opts);
   void run_grouped(const float* x, int64_t T, float* y);
+  void run_grouped_bf16(const float* x, int64_t T, float* y);
   void run_side_by_side(const float* x, int64_t T, float* y);
 
   int layer_idx_;

@@ -36,9 +36,10 @@ constexpr int64_t kRouterSeed = -1, kSharedSeed = -2;
 // sized by the largest call, never one buffer per layer.
 struct ThreadScratch {
   SwigluScratch mlp;
-  std::vector<float> xe, ye;  // an expert's gathered rows and its output
-  std::vector<float> part;    // a sliced MLP's partial outputs after its first slice
-  std::vector<float> side;    // the calling thread's: every active expert's output side by side
+  std::vector<float> xe, ye;            // an expert's gathered rows and its output
+  std::vector<bf16_t> x16, xe16, ye16;  // the same as bf16 rows (run_grouped in the bf16 precision)
+  std::vector<float> part;              // a sliced MLP's partial outputs after its first slice
+  std::vector<float> side;              // the calling thread's: every active expert's output side by side
 };
 ThreadScratch& thread_scratch() {
   thread_local ThreadScratch s;
@@ -533,28 +534,39 @@ void KimiMoE::reserve(int64_t T) {
   const int64_t np = padded_rows(T, weights_, precision_);
   grow(s.xe, np * D_);
   grow(s.ye, np * D_);
+  if (precision_ == Precision::BF16) {
+    grow(s.x16, T * D_);
+    grow(s.xe16, np * D_);
+    grow(s.ye16, np * D_);
+  }
   if (!experts_.empty()) experts_.front()->reserve(np, s.mlp, s.part);
 }
 
 namespace {
 
-// xe [padded(n), D] = the rows of x of the expert's (token, slot) pairs; padding rows zero.
-void gather(const float* x, int64_t D, const int64_t* rows, int64_t n, int64_t k, float* xe, int64_t n_pad) {
+// xe [padded(n), D] = the rows of x of the expert's (token, slot) pairs; padding rows zero. T: float or
+// bf16 rows.
+template <class T>
+void gather(const T* x, int64_t D, const int64_t* rows, int64_t n, int64_t k, T* xe, int64_t n_pad) {
 #pragma omp parallel for schedule(static) if (n * D >= kParallelCopy)
-  for (int64_t j = 0; j < n; ++j) std::memcpy(xe + j * D, x + rows[j] / k * D, sizeof(float) * D);
-  if (n_pad > n) std::memset(xe + n * D, 0, sizeof(float) * static_cast<size_t>((n_pad - n) * D));
+  for (int64_t j = 0; j < n; ++j) std::memcpy(xe + j * D, x + rows[j] / k * D, sizeof(T) * D);
+  if (n_pad > n) std::memset(xe + n * D, 0, sizeof(T) * static_cast<size_t>((n_pad - n) * D));
 }
 
+inline float widen(float v) { return v; }
+inline float widen(bf16_t v) { return bf16_to_f32(v); }
+
 // y[token] += w * ye[j] for the expert's pairs; each token appears once per expert, so rows never race.
-void scatter_add(const float* ye, int64_t D, const int64_t* rows, int64_t n, int64_t k, const float* w,
+template <class T>
+void scatter_add(const T* ye, int64_t D, const int64_t* rows, int64_t n, int64_t k, const float* w,
                  float* y) {
 #pragma omp parallel for schedule(static) if (n * D >= kParallelCopy)
   for (int64_t j = 0; j < n; ++j) {
     const float wj = w[rows[j]];
     float* yr = y + rows[j] / k * D;
-    const float* er = ye + j * D;
+    const T* er = ye + j * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) yr[d] += wj * er[d];
+    for (int64_t d = 0; d < D; ++d) yr[d] += wj * widen(er[d]);
   }
 }
 
@@ -563,6 +575,13 @@ void scatter_add(const float* ye, int64_t D, const int64_t* rows, int64_t n, int
 void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
   const bool round_out = precision_ == Precision::BF16 && tp_.size == 1;
   ThreadScratch& s = thread_scratch();
+  // Where every expert's output is a rounding point (bf16, whole experts) the rows stay bf16 throughout:
+  // x converted once (what each gate_up would round it to), gathered and multiplied as bf16, each
+  // expert's output stored rounded as bf16 and widened as it is added. The same values as fp32 rows
+  // with the roundings in between, in half the bytes.
+  if (round_out && (!shared_ || shared_->pieces() == 1) &&
+      std::all_of(experts_.begin(), experts_.end(), [](const auto& e) { return e->pieces() == 1; }))
+    return run_grouped_bf16(x, T, y);
   if (shared_)
     shared_->forward(x, T, D_, y, D_, round_out, s.mlp, s.part);
   else
@@ -577,6 +596,30 @@ void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
     gather(x, D_, rows, n, k_, s.xe.data(), np);
     experts_[e]->forward(s.xe.data(), np, D_, s.ye.data(), D_, round_out, s.mlp, s.part);
     scatter_add(s.ye.data(), D_, rows, n, k_, topk_w_.data(), y);
+  }
+}
+
+void KimiMoE::run_grouped_bf16(const float* x, int64_t T, float* y) {
+  ThreadScratch& s = thread_scratch();
+  if (s.x16.size() < static_cast<size_t>(T * D_)) s.x16.resize(static_cast<size_t>(T * D_));
+  bf16_t* x16 = s.x16.data();
+  const int64_t D = D_;
+#pragma omp parallel for schedule(static) if (T * D >= kParallelCopy)
+  for (int64_t t = 0; t < T; ++t) f32_to_bf16_array(x + t * D, x16 + t * D, static_cast<size_t>(D));
+  if (shared_)
+    shared_->forward(x16, T, D_, y, D_, true, s.mlp, s.part);
+  else
+    std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * D_));
+  for (int e = 0; e < E_; ++e) {
+    const int64_t n = offsets_[e + 1] - offsets_[e];
+    if (n == 0) continue;
+    const int64_t np = padded_rows(n, weights_, precision_);
+    if (s.xe16.size() < static_cast<size_t>(np * D_)) s.xe16.resize(static_cast<size_t>(np * D_));
+    if (s.ye16.size() < static_cast<size_t>(np * D_)) s.ye16.resize(static_cast<size_t>(np * D_));
+    const int64_t* rows = rows_.data() + offsets_[e];
+    gather(x16, D_, rows, n, k_, s.xe16.data(), np);
+    experts_[e]->forward(s.xe16.data(), np, D_, s.ye16.data(), D_, s.mlp);
+    scatter_add(s.ye16.data(), D_, rows, n, k_, topk_w_.data(), y);
   }
 }
 

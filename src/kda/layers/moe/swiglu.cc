@@ -4,6 +4,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "kda/kernels/gemm/bf16_gemm.h"
@@ -103,6 +104,31 @@ void SwigluMlp::forward(const float* x, int64_t T, int64_t ldx, float* out, int6
   }
 }
 
+template <class Y>
+void SwigluMlp::forward_bf16(const bf16_t* x, int64_t T, int64_t ldx, Y* out, int64_t ldo, bool round_out,
+                             SwigluScratch& s) const {
+  if (precision_ != Precision::BF16)
+    throw std::logic_error("SwiGLU MLP: bf16 rows into an MLP of the fp32 precision");
+  if (T <= 0) return;
+  grow_scratch(s, T, I_, true);
+  gate_up_.forward(x, T, ldx, s.h16.data(), 2 * I_);
+  silu_mul(s.h16.data(), T, I_, s.a16.data());
+  down_.forward(s.a16.data(), T, I_, out, ldo);
+  if constexpr (std::is_same_v<Y, float>)
+    if (round_out)
+      for (int64_t t = 0; t < T; ++t) round_bf16_inplace(out + t * ldo, static_cast<size_t>(D_));
+}
+
+void SwigluMlp::forward(const bf16_t* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
+                        SwigluScratch& s) const {
+  forward_bf16(x, T, ldx, out, ldo, round_out, s);
+}
+
+void SwigluMlp::forward(const bf16_t* x, int64_t T, int64_t ldx, bf16_t* out, int64_t ldo,
+                        SwigluScratch& s) const {
+  forward_bf16(x, T, ldx, out, ldo, true, s);
+}
+
 int SwigluPieces::pieces_for(int64_t I, Weights weights, int want) {
   if (want < 1) throw std::invalid_argument("SwiGLU MLP: " + std::to_string(want) + " pieces asked for");
   // Slices the formats take without padding: int4's groups, and the widened bf16 kernels' input groups
@@ -159,6 +185,25 @@ void SwigluPieces::forward_piece(int p, const float* x, int64_t T, int64_t ldx, 
 
 void SwigluPieces::forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
                            SwigluScratch& scratch, std::vector<float>& part) const {
+  forward_as(x, T, ldx, out, ldo, round_out, scratch, part);
+}
+
+void SwigluPieces::forward(const bf16_t* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
+                           SwigluScratch& scratch, std::vector<float>& part) const {
+  forward_as(x, T, ldx, out, ldo, round_out, scratch, part);
+}
+
+void SwigluPieces::forward(const bf16_t* x, int64_t T, int64_t ldx, bf16_t* out, int64_t ldo,
+                           SwigluScratch& scratch) const {
+  if (pieces_.size() != 1)
+    throw std::logic_error("SwiGLU MLP: bf16 output of an MLP in " + std::to_string(pieces_.size()) +
+                           " pieces (their partials are summed in fp32 first)");
+  pieces_[0].forward(x, T, ldx, out, ldo, scratch);
+}
+
+template <class X>
+void SwigluPieces::forward_as(const X* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
+                              SwigluScratch& scratch, std::vector<float>& part) const {
   if (T <= 0) return;
   if (pieces_.size() == 1) return pieces_[0].forward(x, T, ldx, out, ldo, round_out, scratch);
   pieces_[0].forward(x, T, ldx, out, ldo, false, scratch);

@@ -42,6 +42,13 @@ class SwigluMlp {
   // x [T, D] with row stride ldx -> out [T, D] with row stride ldo.
   void forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
                SwigluScratch& scratch) const;
+  // The bf16 precision with x as bf16 rows (what gate_up would round fp32 x to; a MoE converts its input
+  // once for the shared and every routed expert), out fp32 (rounded where round_out) or bf16 (always a
+  // rounding point: down's output rounded as it is stored). std::logic_error in the fp32 precision.
+  void forward(const bf16_t* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
+               SwigluScratch& scratch) const;
+  void forward(const bf16_t* x, int64_t T, int64_t ldx, bf16_t* out, int64_t ldo,
+               SwigluScratch& scratch) const;
   // `scratch` and the projections' thread scratch grown to a forward of up to T rows, and touched.
   void reserve(int64_t T, SwigluScratch& scratch) const;
 
@@ -49,6 +56,9 @@ class SwigluMlp {
   int64_t D_, I_;
   Precision precision_;
   Linear gate_up_, down_;
+  template <class Y>
+  void forward_bf16(const bf16_t* x, int64_t T, int64_t ldx, Y* out, int64_t ldo, bool round_out,
+                    SwigluScratch& scratch) const;
 };
 
 // One MLP as `pieces` SwigluMlps over consecutive slices of its intermediate rows (gate / up rows,
@@ -84,6 +94,13 @@ class SwigluPieces {
   // `part` is [T, D] scratch for pieces after the first.
   void forward(const float* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
                SwigluScratch& scratch, std::vector<float>& part) const;
+  // The same from bf16 rows (SwigluMlp's bf16 forward).
+  void forward(const bf16_t* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
+               SwigluScratch& scratch, std::vector<float>& part) const;
+  // One piece only (std::logic_error else: the pieces' partials are summed in fp32 before the rounding):
+  // bf16 rows in, bf16 rows out.
+  void forward(const bf16_t* x, int64_t T, int64_t ldx, bf16_t* out, int64_t ldo,
+               SwigluScratch& scratch) const;
   // What forward and forward_piece take for up to T rows, grown and touched (SwigluMlp::reserve).
   void reserve(int64_t T, SwigluScratch& scratch, std::vector<float>& part) const;
   // out [T, D] (stride ldo) += part [T, D] (stride ldp).
@@ -92,6 +109,9 @@ class SwigluPieces {
  private:
   int64_t D_, I_;
   std::vector<SwigluMlp> pieces_;
+  template <class X>
+  void forward_as(const X* x, int64_t T, int64_t ldx, float* out, int64_t ldo, bool round_out,
+                  SwigluScratch& scratch, std::vector<float>& part) const;
 };
 
 // a[t, i] = silu(h[t, i]) * h[t, I + i] over T rows of h [T, 2I]; the reference (libm's expf; fp32 in and
