@@ -710,8 +710,10 @@ TEST(PrefixCache, Bf16SelfCheckPassesWithTheCache) {
 
 // A later turn's history restored from the cache, computed by decode steps, is re-run the same way (the
 // session's turns alone with a cache of the re-run's own), so a bf16 multi-turn run passes its check on
-// the whole hybrid model; and a restore the batched run got wrong (every slot's state in one KDA layer
-// negated once the first turn finished, so the second turn's snapshot restores it) fails it.
+// the whole hybrid model; and a restore the batched run got wrong (every slot's state in every KDA layer
+// negated once the first turn finished, so the second turn's snapshot restores it) fails it. (One layer's
+// alone took the check's worst to 0.097 or to 0.0074 against its 0.012 bound, as a bf16 near-tie in the
+// first turn's greedy tokens went one way or the other; every layer's takes it to 0.05-0.11.)
 TEST(PrefixCache, Bf16MultiTurnCheckPassesAndFailsOnACorruptedRestore) {
   auto w = cache_workload(WorkloadKind::kMultiTurn);
   w.requests = 1;
@@ -737,7 +739,7 @@ TEST(PrefixCache, Bf16MultiTurnCheckPassesAndFailsOnACorruptedRestore) {
     bool corrupted = false;
     so.progress = [&](const ProgressInfo& pi) {
       if (!corrupt || corrupted || pi.requests_done != 1) return;
-      for (int id = 0; id < p.layers && !corrupted; ++id) {
+      for (int id = 0; id < p.layers; ++id) {
         try {
           auto l = runner.pools().recurrent_state_pool.get_linear_recurrent_layer_cache(id);
           for (int64_t i = 0; i < l.num_slots * l.recurrent_slot_elems; ++i) l.recurrent[i] = -l.recurrent[i];

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kda/common/bf16.h"
+#include "kda/common/isa_target.h"
 #include "kda/kernels/gemm/bf16_amx.h"
 #include "kda/layers/bf16_vnni_rows.h"
 
@@ -27,22 +28,34 @@ void add_residual(float* h, const float* x, size_t n, Precision precision) {
 }
 }  // namespace
 
+namespace {
+// One row: its sum of squares in 16 interleaved lanes (element d into lane d % 16, each lane summed in
+// order, then the lanes folded in halves), an order the vector units run as written and that no ISA
+// changes; a single running sum was a chain of dependent adds, the norm's whole cost.
+KDA_TARGET_CLONES void rms_norm_row(const float* h, int64_t D, const float* w, float eps, bool bf16,
+                                    float* o) {
+  constexpr int64_t kLanes = 16;
+  float lane[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lane[j] += h[d + j] * h[d + j];
+  for (int64_t j = 0; d + j < D; ++j) lane[j] += h[d + j] * h[d + j];
+  for (int64_t half = kLanes / 2; half > 0; half /= 2)
+    for (int64_t j = 0; j < half; ++j) lane[j] += lane[j + half];
+  const float inv = 1.0f / std::sqrt(lane[0] / static_cast<float>(D) + eps);
+  if (bf16)
+    for (int64_t i = 0; i < D; ++i) o[i] = round_bf16(w[i] * (h[i] * inv));
+  else
+    for (int64_t i = 0; i < D; ++i) o[i] = w[i] * (h[i] * inv);
+}
+}  // namespace
+
 void rms_norm_rows(const float* x, int64_t T, int64_t D, const float* w, double eps, Precision precision,
                    float* y) {
   const bool bf16 = precision == Precision::BF16;
   const float feps = static_cast<float>(eps);
 #pragma omp parallel for schedule(static) if (T > 16)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* h = x + t * D;
-    float* o = y + t * D;
-    float ss = 0.0f;
-    for (int64_t d = 0; d < D; ++d) ss += h[d] * h[d];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + feps);
-    if (bf16)
-      for (int64_t d = 0; d < D; ++d) o[d] = round_bf16(w[d] * (h[d] * inv));
-    else
-      for (int64_t d = 0; d < D; ++d) o[d] = w[d] * (h[d] * inv);
-  }
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * D, D, w, feps, bf16, y + t * D);
 }
 
 int model_layer_count(const io::KimiLinearConfig& cfg, int num_layers) {
