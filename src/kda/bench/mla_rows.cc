@@ -1,18 +1,22 @@
 // `kda bench --only kernels`, the MLA row: the plain-form MLA prefill attention of one 2048-token prompt
 // at the real shapes (32 heads, R 512, dn 128, dr 64, dv 128), the flash-style kernel in fp32 and in the
-// bf16 mode (bf16 values in, as the layer passes them; its scores on vdpbf16ps where plain_bf16_keys says
-// so) and the reference (fp32; a block's scores over every key), in turns; then the absorbed form's decode
-// step of 16 sequences over 4096 cached tokens each.
+// bf16 mode (bf16 values in and kv_b as a bf16 Linear, as the layer passes them with bf16 weights; its
+// scores on AMX tiles or vdpbf16ps where plain_bf16_keys says so) and the reference (fp32; a block's scores
+// over every key), in turns; then the absorbed form's decode step of 16 sequences over 4096 cached tokens
+// each.
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <string>
 #include <vector>
 
 #include "kda/bench/inputs.h"
 #include "kda/bench/rows.h"
 #include "kda/common/bf16.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "kda/kernels/gemm/bf16_amx_block.h"
 #include "kda/layers/attention/mla/mla_attention.h"
+#include "kda/layers/linear.h"
 
 namespace kda::bench {
 
@@ -32,8 +36,14 @@ void bench_mla_prefill(nlohmann::json& j, const Say& say) {
   const mla::MlaSeq seq{0, 0, T, latent.data(), nullptr};
   const mla::MlaAttnArgs a{d,     q.data(), qw, {&seq, 1}, w.data(), 1.0f / std::sqrt(192.0f),
                            false, o.data(), ow};
+  const layers::Linear kv_b(d.kv_lora, int64_t{d.heads} * (d.qk_nope + d.v_head), w, Precision::BF16);
   mla::MlaAttnArgs a16 = a;
   a16.bf16 = true;
+  a16.kv_b = &kv_b;
+  const bool bf16_keys = mla::plain_bf16_keys(d, true);
+  const char* scores = !bf16_keys                                                   ? "fp32"
+                       : kernels::gemm::bf16_amx_block_takes(d.qk_nope + d.qk_rope) ? "amx"
+                                                                                    : "vdpbf16ps";
   const auto t =
       best_interleaved({[&] { mla::mla_attention_plain(a); }, [&] { mla::mla_attention_plain_reference(a); },
                         [&] { mla::mla_attention_plain(a16); }},
@@ -49,13 +59,13 @@ void bench_mla_prefill(nlohmann::json& j, const Say& say) {
                       {"flash_over_reference", t[0] / t[1]},
                       {"flash_bf16_ms", t[2] * 1e3},
                       {"flash_bf16_gflops", flops / t[2] / 1e9},
-                      {"flash_bf16_keys", mla::plain_bf16_keys(d, true)}};
+                      {"flash_bf16_keys", bf16_keys},
+                      {"flash_bf16_scores", scores}};
   say("\n%-30s %8s %12s %12s %10s %14s\n", "MLA prefill attention (plain)", "tokens", "flash ms", "ref ms",
       "flash/ref", "flash GFLOP/s");
   say("%-30s %8lld %12.2f %12.2f %10.2f %14.1f\n", "32 heads, fp32", static_cast<long long>(T), t[0] * 1e3,
       t[1] * 1e3, t[0] / t[1], flops / t[0] / 1e9);
-  say("%-30s %8lld %12.2f %12s %10.2f %14.1f\n",
-      mla::plain_bf16_keys(d, true) ? "32 heads, bf16 (vdpbf16ps QK)" : "32 heads, bf16 (fp32 QK)",
+  say("%-30s %8lld %12.2f %12s %10.2f %14.1f\n", (std::string("32 heads, bf16 (") + scores + " QK)").c_str(),
       static_cast<long long>(T), t[2] * 1e3, "", t[2] / t[1], flops / t[2] / 1e9);
 
   // Decode: the absorbed form on 16 sequences of one new token each after 4096 cached ones, the bf16 mode,
