@@ -128,9 +128,9 @@ class KimiMLAAttention {
   std::vector<float> norm_w_;  // kv_a_layernorm [R]
   layers::Linear q_proj_, kv_a_, o_proj_;
   std::vector<float> w_kvb_;  // kv_b as the attention multiplies by it (bf16-rounded / dequantized values)
-  // With bf16 weights in the bf16 precision, the same values as a bf16 Linear: the plain form's expansion
-  // (prefill) as one bf16 GEMM (MlaAttnArgs::kv_b). A second copy of kv_b (8 MB a layer at the real
-  // shapes).
+  // With bf16 weights in the bf16 precision, on a CPU where the plain form packs bf16 keys, the same
+  // values as a bf16 Linear: the plain form's expansion (prefill) as one bf16 GEMM (MlaAttnArgs::kv_b). A
+  // second copy of kv_b (8 MB a layer at the real shapes).
   std::unique_ptr<layers::Linear> kv_b16_;
   // Scratch.
   std::vector<float> q_, a_, lat_new_, lat_, o_;

@@ -219,7 +219,10 @@ KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_id
           w.packed, "o_proj", Hm_ * dv_, D_, [&] { return w.o_proj; }, precision, weights)),
       w_kvb_(effective_kvb(w, R_, Hm_ * (dn_ + dv_), precision, weights)) {
   check_layer(cfg, layer_idx);
-  if (precision == Precision::BF16 && weights == Weights::BF16)
+  // Only where the plain form takes it: with bf16 keys (plain_bf16_keys), which it packs from its rows.
+  const mla::MlaDims dims{static_cast<int>(Hm_), static_cast<int>(dn_), static_cast<int>(dr_),
+                          static_cast<int>(dv_), static_cast<int>(R_)};
+  if (precision == Precision::BF16 && weights == Weights::BF16 && mla::plain_bf16_keys(dims, true))
     kv_b16_ = std::make_unique<layers::Linear>(R_, Hm_ * (dn_ + dv_), w_kvb_, precision);
   if (options.kv_norm_eps < 0.0)
     throw std::invalid_argument("MlaOptions.kv_norm_eps must be >= 0 (0: rms_norm_eps), got " +
