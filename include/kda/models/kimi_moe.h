@@ -190,7 +190,10 @@ class KimiMoE {
   KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& src, Precision precision,
           distributed::TensorParallel tp, Weights weights, MoeOptions opts);
   void run_grouped(const float* x, int64_t T, float* y);
-  void run_grouped_bf16(const float* x, int64_t T, float* y);
+  // The shared expert into y, then the routed experts' rows of x (fp32 or bf16 rows, R) gathered into xe
+  // and their outputs ye added, expert after expert.
+  template <class R>
+  void run_experts(const R* x, int64_t T, std::vector<R>& xe, std::vector<R>& ye, bool round_out, float* y);
   void run_side_by_side(const float* x, int64_t T, float* y);
 
   int layer_idx_;

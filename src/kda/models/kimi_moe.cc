@@ -7,6 +7,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kda/common/aligned_scratch.h"
 #include "kda/common/allocator.h"
@@ -580,8 +581,21 @@ void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
   // expert's output stored rounded as bf16 and widened as it is added. The same values as fp32 rows
   // with the roundings in between, in half the bytes.
   if (round_out && (!shared_ || shared_->pieces() == 1) &&
-      std::all_of(experts_.begin(), experts_.end(), [](const auto& e) { return e->pieces() == 1; }))
-    return run_grouped_bf16(x, T, y);
+      std::all_of(experts_.begin(), experts_.end(), [](const auto& e) { return e->pieces() == 1; })) {
+    if (s.x16.size() < static_cast<size_t>(T * D_)) s.x16.resize(static_cast<size_t>(T * D_));
+    bf16_t* x16 = s.x16.data();
+    const int64_t D = D_;
+#pragma omp parallel for schedule(static) if (T * D >= kParallelCopy)
+    for (int64_t t = 0; t < T; ++t) f32_to_bf16_array(x + t * D, x16 + t * D, static_cast<size_t>(D));
+    return run_experts(x16, T, s.xe16, s.ye16, true, y);
+  }
+  run_experts(x, T, s.xe, s.ye, round_out, y);
+}
+
+template <class R>
+void KimiMoE::run_experts(const R* x, int64_t T, std::vector<R>& xe, std::vector<R>& ye, bool round_out,
+                          float* y) {
+  ThreadScratch& s = thread_scratch();
   if (shared_)
     shared_->forward(x, T, D_, y, D_, round_out, s.mlp, s.part);
   else
@@ -590,36 +604,15 @@ void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
     const int64_t n = offsets_[e + 1] - offsets_[e];
     if (n == 0) continue;  // an expert no token picked: its weights are not read
     const int64_t np = padded_rows(n, weights_, precision_);
-    if (s.xe.size() < static_cast<size_t>(np * D_)) s.xe.resize(static_cast<size_t>(np * D_));
-    if (s.ye.size() < static_cast<size_t>(np * D_)) s.ye.resize(static_cast<size_t>(np * D_));
+    if (xe.size() < static_cast<size_t>(np * D_)) xe.resize(static_cast<size_t>(np * D_));
+    if (ye.size() < static_cast<size_t>(np * D_)) ye.resize(static_cast<size_t>(np * D_));
     const int64_t* rows = rows_.data() + offsets_[e];
-    gather(x, D_, rows, n, k_, s.xe.data(), np);
-    experts_[e]->forward(s.xe.data(), np, D_, s.ye.data(), D_, round_out, s.mlp, s.part);
-    scatter_add(s.ye.data(), D_, rows, n, k_, topk_w_.data(), y);
-  }
-}
-
-void KimiMoE::run_grouped_bf16(const float* x, int64_t T, float* y) {
-  ThreadScratch& s = thread_scratch();
-  if (s.x16.size() < static_cast<size_t>(T * D_)) s.x16.resize(static_cast<size_t>(T * D_));
-  bf16_t* x16 = s.x16.data();
-  const int64_t D = D_;
-#pragma omp parallel for schedule(static) if (T * D >= kParallelCopy)
-  for (int64_t t = 0; t < T; ++t) f32_to_bf16_array(x + t * D, x16 + t * D, static_cast<size_t>(D));
-  if (shared_)
-    shared_->forward(x16, T, D_, y, D_, true, s.mlp, s.part);
-  else
-    std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * D_));
-  for (int e = 0; e < E_; ++e) {
-    const int64_t n = offsets_[e + 1] - offsets_[e];
-    if (n == 0) continue;
-    const int64_t np = padded_rows(n, weights_, precision_);
-    if (s.xe16.size() < static_cast<size_t>(np * D_)) s.xe16.resize(static_cast<size_t>(np * D_));
-    if (s.ye16.size() < static_cast<size_t>(np * D_)) s.ye16.resize(static_cast<size_t>(np * D_));
-    const int64_t* rows = rows_.data() + offsets_[e];
-    gather(x16, D_, rows, n, k_, s.xe16.data(), np);
-    experts_[e]->forward(s.xe16.data(), np, D_, s.ye16.data(), D_, s.mlp);
-    scatter_add(s.ye16.data(), D_, rows, n, k_, topk_w_.data(), y);
+    gather(x, D_, rows, n, k_, xe.data(), np);
+    if constexpr (std::is_same_v<R, bf16_t>)
+      experts_[e]->forward(xe.data(), np, D_, ye.data(), D_, s.mlp);
+    else
+      experts_[e]->forward(xe.data(), np, D_, ye.data(), D_, round_out, s.mlp, s.part);
+    scatter_add(ye.data(), D_, rows, n, k_, topk_w_.data(), y);
   }
 }
 
