@@ -8,20 +8,14 @@
 #include <string>
 #include <vector>
 
-#if defined(KDA_WITH_AVX512) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
-    defined(__linux__)
-#define KDA_AMX_BF16_BUILD 1
-
 #include "kda/kernels/gemm/amx_tiles.h"
-#include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
-#endif
 
 namespace kda::kernels::gemm {
 
-namespace {
+namespace amx {
 
-void check_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K,
-                int64_t N, const float* y, int64_t ldy) {
+void check_bf16_gemm_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w,
+                          int64_t K, int64_t N, const float* y, int64_t ldy) {
   const std::string f(what);
   if (K < 1 || N < 1 || M < 0)
     throw std::invalid_argument(f + ": bad sizes M " + std::to_string(M) + ", K " + std::to_string(K) +
@@ -30,11 +24,15 @@ void check_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const
   if (M > 0 && (x == nullptr || w == nullptr || y == nullptr)) throw std::invalid_argument(f + ": null data");
 }
 
+}  // namespace amx
+
+namespace {
+using amx::check_bf16_gemm_args;
 }  // namespace
 
 void gemm_bf16_amx_reference(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
                              float* y, int64_t ldy) {
-  check_args("gemm_bf16_amx_reference", x, M, ldx, w, K, N, y, ldy);
+  check_bf16_gemm_args("gemm_bf16_amx_reference", x, M, ldx, w, K, N, y, ldy);
   // x transposed to [K, M]: the rows' sums then advance side by side, each still k ascending.
   std::vector<float> xt(static_cast<size_t>(K * M)), wf(static_cast<size_t>(K)), acc(static_cast<size_t>(M));
   for (int64_t m = 0; m < M; ++m)
@@ -51,7 +49,7 @@ void gemm_bf16_amx_reference(const bf16_t* x, int64_t M, int64_t ldx, const bf16
   }
 }
 
-#if defined(KDA_AMX_BF16_BUILD)
+#if defined(KDA_AMX_BUILD)
 
 // cpu_has_amx_bf16 is defined in quant_amx.cc, beside cpu_has_amx_int8 (one grant of the tile data).
 
@@ -217,7 +215,7 @@ void split_blocks(int64_t nblocks, int64_t weights, Body body) {
 void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N, float* y,
                    int64_t ldy) {
   if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_bf16_amx: no AMX-BF16 on this CPU");
-  check_args("gemm_bf16_amx", x, M, ldx, w, K, N, y, ldy);
+  check_bf16_gemm_args("gemm_bf16_amx", x, M, ldx, w, K, N, y, ldy);
   if (!bf16_amx_takes(K))
     throw std::invalid_argument("gemm_bf16_amx: the input size " + std::to_string(K) +
                                 " is not a multiple of 32");

@@ -6,16 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "kda/kernels/gemm/amx_tiles.h"
 #include "kda/kernels/gemm/bf16_amx.h"
 #include "kda/kernels/gemm/bf16_vnni.h"
-
-#if defined(KDA_WITH_AVX512) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
-    defined(__linux__)
-#define KDA_AMX_BLOCK_BUILD 1
-
-#include "kda/kernels/gemm/amx_tiles.h"
-#include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
-#endif
 
 namespace kda::kernels::gemm {
 
@@ -23,12 +16,10 @@ namespace {
 
 void check_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K,
                 int64_t N, const float* y, int64_t ldy) {
-  const std::string f(what);
-  if (K < 1 || K % 32 != 0 || N < 1 || M < 0)
-    throw std::invalid_argument(f + ": bad sizes M " + std::to_string(M) + ", K " + std::to_string(K) +
-                                " (a positive multiple of 32), N " + std::to_string(N));
-  if (ldx < K || ldy < N) throw std::invalid_argument(f + ": a row stride below its row's size");
-  if (M > 0 && (x == nullptr || w == nullptr || y == nullptr)) throw std::invalid_argument(f + ": null data");
+  if (K % 32 != 0)
+    throw std::invalid_argument(std::string(what) + ": the input size " + std::to_string(K) +
+                                " is not a multiple of 32");
+  amx::check_bf16_gemm_args(what, x, M, ldx, w, K, N, y, ldy);
 }
 
 // W[n][k] in gemm_bf16_vnni's layout (bf16_vnni.h).
@@ -54,7 +45,7 @@ void gemm_bf16_amx_block_reference(const bf16_t* x, int64_t M, int64_t ldx, cons
   }
 }
 
-#if defined(KDA_AMX_BLOCK_BUILD)
+#if defined(KDA_AMX_BUILD)
 
 namespace {
 

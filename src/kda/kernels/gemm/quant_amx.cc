@@ -9,17 +9,13 @@
 #include <vector>
 
 #include "kda/common/isa.h"
+#include "kda/kernels/gemm/amx_tiles.h"
 #include "kda/kernels/gemm/quant_gemm_isa.h"
 
-#if defined(KDA_WITH_AVX512) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
-    defined(__linux__)
-#define KDA_AMX_BUILD 1
+#if defined(KDA_AMX_BUILD)
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include "kda/kernels/gemm/amx_tiles.h"
-#include "kda/kernels/kda/avx512.h"  // <immintrin.h>, its GCC 12 false warnings silenced
 #endif
 
 namespace kda::kernels::gemm {
