@@ -23,10 +23,8 @@ namespace kda {
 namespace {
 
 namespace qg = kernels::gemm;
+using testing::abs_bf16;
 using testing::random_bf16;
-
-#define SKIP_WITHOUT_AMX_BF16() \
-  if (!qg::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build"
 
 struct Shape {
   int64_t K, N;
@@ -36,11 +34,6 @@ struct Shape {
 constexpr Shape kShapes[] = {{2304, 29127}, {2304, 12576}, {2304, 576}, {2336, 100}, {224, 33},
                              {96, 37},      {32, 15},      {160, 48},   {32, 1}};
 constexpr int64_t kMaxRows = 64;
-
-std::vector<bf16_t> abs_of(std::vector<bf16_t> v) {
-  for (bf16_t& h : v) h = static_cast<bf16_t>(h & 0x7fffu);
-  return v;
-}
 
 // The kernel on rows [m0, m0 + M) of x [rows, ldx] into a fresh y [M, ldy] filled with 7 (its padding
 // columns must keep it).
@@ -97,22 +90,14 @@ TEST(Bf16Amx, MatchesTheReferenceAtEveryRowCount) {
     const auto w = random_bf16(static_cast<size_t>(s.K * s.N), ++seed);
     std::vector<float> ref(static_cast<size_t>(kMaxRows * s.N)), mag(ref.size());
     qg::gemm_bf16_amx_reference(x.data(), kMaxRows, ldx, w.data(), s.K, s.N, ref.data(), s.N);
-    qg::gemm_bf16_amx_reference(abs_of(x).data(), kMaxRows, ldx, abs_of(w).data(), s.K, s.N, mag.data(), s.N);
+    qg::gemm_bf16_amx_reference(abs_bf16(x).data(), kMaxRows, ldx, abs_bf16(w).data(), s.K, s.N, mag.data(),
+                                s.N);
     for (int64_t M = 1; M <= kMaxRows; ++M) {
       const std::vector<float> y = amx(x, 0, M, ldx, w, s, ldy);
-      int64_t bad = 0;
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t n = 0; n < s.N; ++n) {
-          const double tol = 2.0 * s.K * std::ldexp(static_cast<double>(mag[m * s.N + n]), -24) * 1.01;
-          if (!(std::fabs(y[m * ldy + n] - ref[m * s.N + n]) <= tol) && bad++ < 3)
-            ADD_FAILURE() << "K " << s.K << " N " << s.N << " M " << M << ": y[" << m << ", " << n
-                          << "] = " << y[m * ldy + n] << ", reference " << ref[m * s.N + n] << " (tolerance "
-                          << tol << ")";
-        }
-        for (int64_t n = s.N; n < ldy; ++n)
-          if (y[m * ldy + n] != 7.0f && bad++ < 3) ADD_FAILURE() << "padding column " << n << " written";
-      }
-      ASSERT_EQ(bad, 0) << "K " << s.K << " N " << s.N << " M " << M;
+      const std::string what =
+          "K " + std::to_string(s.K) + " N " + std::to_string(s.N) + " M " + std::to_string(M);
+      ASSERT_EQ(testing::fp32_sum_mismatches(y.data(), M, ldy, ref.data(), mag.data(), s.N, s.K, what), 0)
+          << what;
     }
   }
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kda/common/bf16.h"
@@ -22,10 +23,8 @@ namespace kda {
 namespace {
 
 namespace qg = kernels::gemm;
+using testing::abs_bf16;
 using testing::random_bf16;
-
-#define SKIP_WITHOUT_AMX_BF16() \
-  if (!qg::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build"
 
 // W [N, K] (row-major) and the same in gemm_bf16_vnni's layout.
 struct Weights {
@@ -36,11 +35,6 @@ struct Weights {
     qg::pack_bf16_vnni(plain.data(), K, N, packed.data());
   }
 };
-
-std::vector<bf16_t> abs_of(std::vector<bf16_t> v) {
-  for (bf16_t& h : v) h = static_cast<bf16_t>(h & 0x7fffu);
-  return v;
-}
 
 TEST(Bf16AmxBlock, ReferenceIsTheExactSumWithinFp32Rounding) {
   const int64_t M = 5, K = 96, N = 70, ldx = K + 3, ldy = N + 2;
@@ -89,26 +83,17 @@ TEST(Bf16AmxBlock, MatchesTheReferenceAtEveryRowCount) {
     const auto x = random_bf16(static_cast<size_t>(kMaxRows * ldx), ++seed);
     const Weights w(s.K, s.N, ++seed);
     std::vector<float> ref(static_cast<size_t>(kMaxRows * s.N)), mag(ref.size());
-    const std::vector<bf16_t> wabs = abs_of(w.packed);
+    const std::vector<bf16_t> wabs = abs_bf16(w.packed);
     qg::gemm_bf16_amx_block_reference(x.data(), kMaxRows, ldx, w.packed.data(), s.K, s.N, ref.data(), s.N);
-    qg::gemm_bf16_amx_block_reference(abs_of(x).data(), kMaxRows, ldx, wabs.data(), s.K, s.N, mag.data(),
+    qg::gemm_bf16_amx_block_reference(abs_bf16(x).data(), kMaxRows, ldx, wabs.data(), s.K, s.N, mag.data(),
                                       s.N);
     for (int64_t M = 1; M <= kMaxRows; ++M) {
       std::vector<float> y(static_cast<size_t>(M * ldy), 7.0f);
       qg::gemm_bf16_amx_block(x.data(), M, ldx, w.packed.data(), s.K, s.N, y.data(), ldy);
-      int64_t bad = 0;
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t n = 0; n < s.N; ++n) {
-          const double tol = 2.0 * s.K * std::ldexp(static_cast<double>(mag[m * s.N + n]), -24) * 1.01;
-          if (!(std::fabs(y[m * ldy + n] - ref[m * s.N + n]) <= tol) && bad++ < 3)
-            ADD_FAILURE() << "K " << s.K << " N " << s.N << " M " << M << ": y[" << m << ", " << n
-                          << "] = " << y[m * ldy + n] << ", reference " << ref[m * s.N + n] << " (tolerance "
-                          << tol << ")";
-        }
-        for (int64_t n = s.N; n < ldy; ++n)
-          if (y[m * ldy + n] != 7.0f && bad++ < 3) ADD_FAILURE() << "column " << n << " past N written";
-      }
-      ASSERT_EQ(bad, 0) << "K " << s.K << " N " << s.N << " M " << M;
+      const std::string what =
+          "K " + std::to_string(s.K) + " N " + std::to_string(s.N) + " M " + std::to_string(M);
+      ASSERT_EQ(testing::fp32_sum_mismatches(y.data(), M, ldy, ref.data(), mag.data(), s.N, s.K, what), 0)
+          << what;
     }
   }
 }

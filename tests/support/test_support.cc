@@ -88,6 +88,27 @@ std::vector<bf16_t> random_bf16(size_t n, uint64_t seed) {
   return b;
 }
 
+std::vector<bf16_t> abs_bf16(std::vector<bf16_t> v) {
+  for (bf16_t& h : v) h = static_cast<bf16_t>(h & 0x7fffu);
+  return v;
+}
+
+int64_t fp32_sum_mismatches(const float* y, int64_t M, int64_t ldy, const float* ref, const float* mag,
+                            int64_t N, int64_t K, const std::string& what) {
+  int64_t bad = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      const double tol = 2.0 * K * std::ldexp(static_cast<double>(mag[m * N + n]), -24) * 1.01;
+      if (!(std::fabs(y[m * ldy + n] - ref[m * N + n]) <= tol) && bad++ < 3)
+        ADD_FAILURE() << what << ": y[" << m << ", " << n << "] = " << y[m * ldy + n] << ", reference "
+                      << ref[m * N + n] << " (tolerance " << tol << ")";
+    }
+    for (int64_t n = N; n < ldy; ++n)
+      if (y[m * ldy + n] != 7.0f && bad++ < 3) ADD_FAILURE() << what << ": column " << n << " past N written";
+  }
+  return bad;
+}
+
 std::vector<float> random_uniform(size_t n, uint64_t seed, float lo, float hi) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> d(lo, hi);

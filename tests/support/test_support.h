@@ -44,6 +44,16 @@ std::vector<float> random_normal(size_t n, uint64_t seed, float stddev = 1.0f);
 std::vector<float> random_uniform(size_t n, uint64_t seed, float lo, float hi);
 // random_normal's values rounded to bf16 (nearest even).
 std::vector<bf16_t> random_bf16(size_t n, uint64_t seed);
+// In a test body: skipped where the CPU (or the build) has no AMX-BF16 (kernels/gemm/bf16_amx.h).
+#define SKIP_WITHOUT_AMX_BF16() \
+  if (!kda::kernels::gemm::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build"
+// v with every value's sign cleared (|v|: the magnitudes a bf16 GEMM's rounding bound scales with).
+std::vector<bf16_t> abs_bf16(std::vector<bf16_t> v);
+// A bf16 GEMM's rows y [M, ldy] against its reference ref [>= M, N] (row stride N): each |y - ref| within
+// 2 K 2^-24 mag (two fp32 sums of the same exact products in different orders; mag: the reference on |x|
+// and |W|), and y's columns past N still 7. The first mismatches are reported with `what`; their count.
+int64_t fp32_sum_mismatches(const float* y, int64_t M, int64_t ldy, const float* ref, const float* mag,
+                            int64_t N, int64_t K, const std::string& what);
 
 // Worst |a-b| / (atol + rtol*|b|) over all elements (<= 1 means within tolerance).
 double max_error_ratio(const float* a, const float* b, size_t n, double atol, double rtol);
