@@ -91,6 +91,14 @@ void compare(const std::vector<SeqSpec>& specs, bool bf16, float ramp, const std
     mla::mla_attention_plain(a);
     check_against(o, oref, T, ow, ldo, bf16, linear != nullptr, what + (linear ? " kv_b Linear" : ""));
   }
+  // A kv_b Linear of other dims is refused before anything is written.
+  const layers::Linear wrong(d.kv_lora, d.heads * d.qk_nope,
+                             std::vector<float>(d.kv_lora * d.heads * d.qk_nope), Precision::BF16);
+  std::vector<float> o(oref.size(), 5.0f);
+  a.o = o.data();
+  a.kv_b = &wrong;
+  testing::expect_throw_with<std::invalid_argument>([&] { mla::mla_attention_plain(a); }, "kv_b's Linear");
+  for (float x : o) ASSERT_EQ(x, 5.0f);
 }
 
 // o against the reference's oref elementwise (compare's bounds); the padding between rows untouched.

@@ -113,6 +113,11 @@ void check_args(const MlaAttnArgs& a) {
     if (s.prefix < 0 || s.extend < 0 || (s.prefix + s.extend > 0 && !s.latent))
       throw std::invalid_argument("MLA attention: a sequence with prefix " + std::to_string(s.prefix) +
                                   ", extend " + std::to_string(s.extend) + " and no latent rows");
+  const int64_t kv_out = int64_t{a.dims.heads} * (a.dims.qk_nope + a.dims.v_head);
+  if (a.kv_b != nullptr && (a.kv_b->in_features() != a.dims.kv_lora || a.kv_b->out_features() != kv_out))
+    throw std::invalid_argument("MLA attention: kv_b's Linear is [" + std::to_string(a.kv_b->out_features()) +
+                                ", " + std::to_string(a.kv_b->in_features()) + "], the dims want [" +
+                                std::to_string(kv_out) + ", " + std::to_string(a.dims.kv_lora) + "]");
 }
 
 // A thread's buffers across its work items.
