@@ -189,6 +189,7 @@ class KimiMoE {
   struct Source;
   KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& src, Precision precision,
           distributed::TensorParallel tp, Weights weights, MoeOptions opts);
+  bool bf16_rows() const;
   void run_grouped(const float* x, int64_t T, float* y);
   // The shared expert into y, then the routed experts' rows of x (fp32 or bf16 rows, R) gathered into xe
   // and their outputs ye added, expert after expert.

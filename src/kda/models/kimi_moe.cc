@@ -533,12 +533,13 @@ void KimiMoE::reserve(int64_t T) {
   ThreadScratch& s = thread_scratch();
   if (shared_) shared_->reserve(T, s.mlp, s.part);
   const int64_t np = padded_rows(T, weights_, precision_);
-  grow(s.xe, np * D_);
-  grow(s.ye, np * D_);
-  if (precision_ == Precision::BF16) {
+  if (bf16_rows()) {
     grow(s.x16, T * D_);
     grow(s.xe16, np * D_);
     grow(s.ye16, np * D_);
+  } else {
+    grow(s.xe, np * D_);
+    grow(s.ye, np * D_);
   }
   if (!experts_.empty()) experts_.front()->reserve(np, s.mlp, s.part);
 }
@@ -573,15 +574,19 @@ void scatter_add(const T* ye, int64_t D, const int64_t* rows, int64_t n, int64_t
 
 }  // namespace
 
+// Where every expert's output is a rounding point (bf16, no tensor-parallel partials, whole experts)
+// run_grouped's rows stay bf16 throughout: x converted once (what each gate_up would round it to),
+// gathered and multiplied as bf16, each expert's output stored rounded as bf16 and widened as it is
+// added. The same values as fp32 rows with the roundings in between, in half the bytes.
+bool KimiMoE::bf16_rows() const {
+  return precision_ == Precision::BF16 && tp_.size == 1 && (!shared_ || shared_->pieces() == 1) &&
+         std::all_of(experts_.begin(), experts_.end(), [](const auto& e) { return e->pieces() == 1; });
+}
+
 void KimiMoE::run_grouped(const float* x, int64_t T, float* y) {
   const bool round_out = precision_ == Precision::BF16 && tp_.size == 1;
   ThreadScratch& s = thread_scratch();
-  // Where every expert's output is a rounding point (bf16, whole experts) the rows stay bf16 throughout:
-  // x converted once (what each gate_up would round it to), gathered and multiplied as bf16, each
-  // expert's output stored rounded as bf16 and widened as it is added. The same values as fp32 rows
-  // with the roundings in between, in half the bytes.
-  if (round_out && (!shared_ || shared_->pieces() == 1) &&
-      std::all_of(experts_.begin(), experts_.end(), [](const auto& e) { return e->pieces() == 1; })) {
+  if (bf16_rows()) {
     if (s.x16.size() < static_cast<size_t>(T * D_)) s.x16.resize(static_cast<size_t>(T * D_));
     bf16_t* x16 = s.x16.data();
     const int64_t D = D_;
