@@ -34,8 +34,9 @@
 #include "kda/model_executor/forward_batch_info.h"
 
 namespace kda::layers::attention::mla {
+struct MlaDims;
 struct MlaScratch;
-}
+}  // namespace kda::layers::attention::mla
 
 namespace kda::models {
 
@@ -118,6 +119,9 @@ class KimiMLAAttention {
   void reserve(int64_t T);
 
  private:
+  // The attention kernels' dims (this rank's heads), built from the members below.
+  layers::attention::mla::MlaDims mla_dims() const;
+
   int layer_idx_;
   Precision precision_;
   distributed::TensorParallel tp_;

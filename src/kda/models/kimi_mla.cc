@@ -193,6 +193,11 @@ std::vector<float> effective_kvb(const MlaLayerWeights& mw, int64_t R, int64_t o
 
 KimiMLAAttention::~KimiMLAAttention() = default;
 
+mla::MlaDims KimiMLAAttention::mla_dims() const {
+  return mla::MlaDims{static_cast<int>(Hm_), static_cast<int>(dn_), static_cast<int>(dr_),
+                      static_cast<int>(dv_), static_cast<int>(R_)};
+}
+
 KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_idx, const MlaLayerWeights& w,
                                    Precision precision, distributed::TensorParallel tp, Weights weights,
                                    MlaOptions options)
@@ -220,8 +225,7 @@ KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_id
       w_kvb_(effective_kvb(w, R_, Hm_ * (dn_ + dv_), precision, weights)) {
   check_layer(cfg, layer_idx);
   // Only where the plain form takes it: with bf16 keys (plain_bf16_keys), which it packs from its rows.
-  const mla::MlaDims dims{static_cast<int>(Hm_), static_cast<int>(dn_), static_cast<int>(dr_),
-                          static_cast<int>(dv_), static_cast<int>(R_)};
+  const mla::MlaDims dims = mla_dims();
   if (precision == Precision::BF16 && weights == Weights::BF16 && mla::plain_bf16_keys(dims, true))
     kv_b16_ = std::make_unique<layers::Linear>(R_, Hm_ * (dn_ + dv_), w_kvb_, precision);
   if (options.kv_norm_eps < 0.0)
@@ -261,8 +265,7 @@ void KimiMLAAttention::reserve(int64_t T) {
   grow(lat_, T * lw);
   grow(o_, T * Hm_ * dv_);
   if (!plain_kv_) plain_kv_ = std::make_unique<mla::MlaScratch>();
-  const mla::MlaDims dims{static_cast<int>(Hm_), static_cast<int>(dn_), static_cast<int>(dr_),
-                          static_cast<int>(dv_), static_cast<int>(R_)};
+  const mla::MlaDims dims = mla_dims();
   const bool absorb = options_.form == MlaForm::Absorbed ||
                       (options_.form == MlaForm::Auto && mla::prefer_absorbed(dims, 0, T));
   if (!absorb) mla::reserve_plain(dims, T, precision_ == Precision::BF16, kv_b16_ != nullptr, *plain_kv_);
@@ -385,8 +388,7 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
   }
   lat_.resize(static_cast<size_t>(lat_rows * lw));
   std::vector<mla::MlaSeq> plain, absorbed;
-  const mla::MlaDims dims{static_cast<int>(Hm_), static_cast<int>(dn_), static_cast<int>(dr_),
-                          static_cast<int>(dv_), static_cast<int>(R_)};
+  const mla::MlaDims dims = mla_dims();
   int64_t at = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t E = row0[b + 1] - row0[b];
