@@ -7,6 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 JOBS=$(nproc)
+# The tests run $JOBS at a time, each with an OpenMP team of $JOBS threads. Threads that spin at a barrier
+# (libgomp's default) take the cores from the other test's threads, which then wait out whole time
+# slices, many times over in the tests of small models with many short parallel regions
+# (docs/reliability.md, "The test command's time").
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 # The disk this run has (a CI machine once ran out of it halfway through the suite).
 df -h . "${TMPDIR:-/tmp}" || true
 
