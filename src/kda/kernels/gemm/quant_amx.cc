@@ -67,8 +67,7 @@ constexpr int64_t kRows = 16;  // a tile's rows: channels of A and C, activation
 using amx::TileConfig;
 
 #pragma GCC push_options
-#pragma GCC target( \
-    "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx2,fma,amx-tile,amx-int8,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-int8,amx-bf16")
 
 // int8 tiles: 0 the weights (16 channels by 64 inputs), 1 and 2 the activations' high and low bytes (16
 // rows of `rows` rows' 4 bytes), 3 and 4 their int32 sums (16 channels by `rows` rows). A block of fewer
@@ -248,11 +247,14 @@ inline __m512i bf16_of_ints(__m512i v) {
 }
 
 // The inputs of a group in the order the tiles take them: word j of a channel's tile row holds input
-// input_at(j) (any order gives the same exact sums; this one lets one byte shuffle unpack the nibbles).
-// Word j = 4 q + i takes a nibble of the group's qword q % 2 (bytes 8 (q % 2) .. + 7; the 16 bytes sit in
-// every 128-bit lane): byte 2 (q / 2) + i / 2 of it, the low nibble for even i, the high for odd.
-inline int64_t byte_at(int64_t j) { return 8 * (j / 4 % 2) + 2 * (j / 8) + j % 4 / 2; }
-inline int64_t input_at(int64_t j) { return byte_at(j) + 16 * (j % 2); }
+// input_at(j) (any order gives the same exact sums; this one lets one shift per word unpack the nibbles).
+// The group's 16 bytes sit in every 128-bit lane L = j / 8; word w = j % 8 of them holds bytes 2 w and
+// 2 w + 1, whose nibbles from bit 4 L on are inputs 2 w (low nibble of the low byte), 16 + 2 w (its high
+// nibble), 2 w + 1 and 17 + 2 w.
+inline int64_t input_at(int64_t j) {
+  const int64_t w = j % 8, L = j / 8;
+  return 2 * w + L / 2 + 16 * (L % 2);
+}
 
 // The bf16 activation tiles of R <= 8 rows xq [R, in]: per group one tile of 16 input pairs by 16
 // columns, dword [p][m] holding inputs input_at(2p) and input_at(2p + 1) of row m as two bf16, 256 h of
@@ -278,15 +280,14 @@ void split_rows_bf16(const int16_t* xq, int64_t R, int64_t in, int64_t g0, int64
 }
 
 // Group g of the 16 channels from q0 (rows of row_bytes) as bf16 (nibble - 8) in input_at order, into a
-// [16][32]: the group's 16 bytes in every 128-bit lane; per word the 8 bits from its nibble on
-// (vpmultishiftqb, `fields`), whose low 5 index `table` (its 32 entries repeat every 16: the bit above
-// the nibble is the next nibble's).
-inline void unpack_group(const uint8_t* q0, int64_t row_bytes, int64_t g, uint16_t* a, __m512i fields,
+// [16][32]: the group's 16 bytes in every 128-bit lane, each word shifted right by 4 L (`shifts`), whose
+// low 5 bits index `table` (its 32 entries repeat every 16: the bit above the nibble is the next one's).
+inline void unpack_group(const uint8_t* q0, int64_t row_bytes, int64_t g, uint16_t* a, __m512i shifts,
                          __m512i table) {
   for (int64_t n = 0; n < kRows; ++n) {
     const __m512i v = _mm512_broadcast_i32x4(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + n * row_bytes + 16 * g)));
-    _mm512_store_si512(a + 32 * n, _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(fields, v), table));
+    _mm512_store_si512(a + 32 * n, _mm512_permutexvar_epi16(_mm512_srlv_epi16(v, shifts), table));
   }
 }
 
@@ -309,17 +310,14 @@ inline void store_group(int64_t g, float* c) {
   KDA_TILE_FENCE();
 }
 
-// A paired group's sums c [16 channels][8 rows' high parts, their low ones] into acc [8] (channels 2 j
-// and 2 j + 1 in lanes 0..7 and 8..15 of acc[j]), times weight scale (ws[n * G]) and activation scale
-// (sxv per row): per output one FMA of the exact sum by the product of the scales, as on int8 tiles.
-inline void scale_paired(const float* c, __m512 sxv, const float* ws, int64_t G, __m512* acc) {
-  const __m512 sx2 = _mm512_shuffle_f32x4(sxv, sxv, 0x44);  // rows 0..7 twice
-  for (int64_t j = 0; j < kRows / 2; ++j) {
-    const __m512 c0 = _mm512_load_ps(c + 2 * j * kRows), c1 = _mm512_load_ps(c + (2 * j + 1) * kRows);
-    const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x44), _mm512_shuffle_f32x4(c0, c1, 0xEE));
-    const __m512 scale = _mm512_mask_mul_ps(_mm512_mul_ps(_mm512_set1_ps(ws[2 * j * G]), sx2), 0xFF00,
-                                            _mm512_set1_ps(ws[(2 * j + 1) * G]), sx2);
-    acc[j] = _mm512_fmadd_ps(sum, scale, acc[j]);
+// A paired group's sums c [16 channels][8 rows' high parts, their low ones] into acc [16 channels] (lanes:
+// rows 0..7), times weight scale (ws[n * G]) and activation scale (sxv per row): per output one FMA of the
+// exact sum by the product of the scales, as on int8 tiles. In 256-bit vectors: on these CPUs they take
+// three ports where 512-bit ones take two, and the halves of a row of c need no shuffle.
+inline void scale_paired(const float* c, __m256 sxv, const float* ws, int64_t G, __m256* acc) {
+  for (int64_t n = 0; n < kRows; ++n) {
+    const __m256 sum = _mm256_add_ps(_mm256_load_ps(c + n * kRows), _mm256_load_ps(c + n * kRows + 8));
+    acc[n] = _mm256_fmadd_ps(sum, _mm256_mul_ps(_mm256_set1_ps(ws[n * G]), sxv), acc[n]);
   }
 }
 
@@ -382,10 +380,9 @@ void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int6
     entries[i] = static_cast<uint16_t>(u >> 16);  // exact: a small integer
   }
   const __m512i table = _mm512_load_si512(entries);
-  alignas(64) uint8_t shifts[64];
-  for (int64_t j = 0; j < 64; ++j)
-    shifts[j] = static_cast<uint8_t>(8 * (byte_at(j / 2) % 8) + 4 * (j / 2 % 2));
-  const __m512i fields = _mm512_load_si512(shifts);
+  alignas(64) uint16_t shift_of[32];
+  for (int j = 0; j < 32; ++j) shift_of[j] = static_cast<uint16_t>(4 * (j / 8));
+  const __m512i shifts = _mm512_load_si512(shift_of);
   const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   // Low nibbles of a group's 16 bytes are its inputs 0..15, the high ones 16..31.
   const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
@@ -446,8 +443,10 @@ void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int6
         scale_sums(hs, ls, _mm512_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc);
       } else {
         const uint32_t* xg = xbf;
-        unpack_group(q0, row_bytes, 0, a[0], fields, table);
-        if (G > 1) unpack_group(q0, row_bytes, 1, a[1], fields, table);
+        __m256 acc8[kRows];
+        for (auto& v : acc8) v = _mm256_setzero_ps();
+        unpack_group(q0, row_bytes, 0, a[0], shifts, table);
+        if (G > 1) unpack_group(q0, row_bytes, 1, a[1], shifts, table);
         for (int64_t g = 0; g < G; ++g, xg += kRows * kRows) {
           if (prefetch) {
             for (int64_t j = 0; j < 4; ++j) _mm_prefetch(next + 256 * g + 64 * j, _MM_HINT_T0);
@@ -460,21 +459,18 @@ void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int6
             KDA_PAIRED_PRODUCT(1, 4, 7, a[g % 3], xg);
           KDA_TILE_FENCE();  // the unpacking below overwrites what the group before this one loaded
           // Two groups ahead: a tile load of vector stores that have not yet reached the cache waits.
-          if (g + 2 < G) unpack_group(q0, row_bytes, g + 2, a[(g + 2) % 3], fields, table);
+          if (g + 2 < G) unpack_group(q0, row_bytes, g + 2, a[(g + 2) % 3], shifts, table);
           // Group g - 1's sums out of their tile, group g - 2's (stored a step ago) scaled: the vector
           // loads of a tile's store that has not yet reached the cache wait for it.
           if (g > 0) store_group(g - 1, c[(g - 1) % 2]);
-          if (g > 1) scale_paired(c[g % 2], _mm512_loadu_ps(sxb + (g - 2) * kRows), ws + g - 2, G, acc);
+          if (g > 1) scale_paired(c[g % 2], _mm256_loadu_ps(sxb + (g - 2) * kRows), ws + g - 2, G, acc8);
           KDA_TILE_FENCE();
         }
-        if (G > 1) scale_paired(c[G % 2], _mm512_loadu_ps(sxb + (G - 2) * kRows), ws + G - 2, G, acc);
+        if (G > 1) scale_paired(c[G % 2], _mm256_loadu_ps(sxb + (G - 2) * kRows), ws + G - 2, G, acc8);
         store_group(G - 1, c[(G - 1) % 2]);
-        scale_paired(c[(G - 1) % 2], _mm512_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc);
-        // Channel 2 j + 1 from the top half of acc[j] (the rows past 8 are not written).
-        for (int64_t j = kRows / 2 - 1; j >= 0; --j) {
-          acc[2 * j + 1] = _mm512_shuffle_f32x4(acc[j], acc[j], 0xEE);
-          acc[2 * j] = acc[j];
-        }
+        scale_paired(c[(G - 1) % 2], _mm256_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc8);
+        // The rows past 8 are not written.
+        for (int64_t n = 0; n < kRows; ++n) acc[n] = _mm512_castps256_ps512(acc8[n]);
       }
       write_rows(acc, b * kRows, R, n0, y, ldy);
     }

@@ -15,12 +15,12 @@
 //    AMX-INT8 tiles: the weights unpacked to (nibble - 8) bytes, h and l as for int8 (a tile product of
 //    one group's 32 inputs each), the two int32 sums combined and converted per group. A block of at
 //    most 8 rows (M <= 8, or the last M % 16 rows) runs on AMX-BF16 tiles: the weights unpacked to
-//    (nibble - 8) in bf16 (one vpmultishiftqb and one vpermw per channel and group), the activations as
-//    256 h and l in bf16 side by side in one tile (columns 0..7 and 8..15), so one product per group
-//    gives both sums in fp32. Every bf16 value there is an integer and every partial sum stays below
-//    2^24 (8 * 32768 * 32 = 2^23), so the two sums and their fp32 sum are exact: the vector unit is left
-//    an add, a multiply and an FMA per 16 outputs, where int8 tiles leave a shift, an add, a conversion,
-//    a multiply and an FMA per 16 rows of one channel.
+//    (nibble - 8) in bf16 (one vpsrlvw and one vpermw per channel and group), the activations as 256 h
+//    and l in bf16 side by side in one tile (columns 0..7 and 8..15), so one product per group gives
+//    both sums in fp32. Every bf16 value there is an integer and every partial sum stays below 2^24
+//    (8 * 32768 * 32 = 2^23), so the two sums and their fp32 sum are exact: the vector unit is left an
+//    add, a multiply and an FMA per 8 outputs (in 256-bit vectors, which take a third port), where int8
+//    tiles leave a shift, an add, a conversion, a multiply and an FMA per 16 rows of one channel.
 // The activations are the B operand, rearranged once per call into the tiles' interleaved layout (int4's
 // bf16 block by the threads, a share of the groups each). Threads split the blocks of 16 channels; the
 // channels past the last whole block go to the AVX-512 kernel.
@@ -35,7 +35,7 @@ namespace kda::kernels::gemm {
 // Whether this CPU has AMX-TILE and AMX-INT8 and the kernel lets this process use the tile data
 // (Linux's arch_prctl permission, asked once here): false on every other machine and build.
 bool cpu_has_amx_int8();
-// The same for AMX-BF16 (with AVX512_BF16 and AVX512_VBMI), which the int4 kernel takes beside AMX-INT8.
+// The same for AMX-BF16 (with AVX512_BF16), which the int4 kernel takes beside AMX-INT8.
 bool cpu_has_amx_bf16();
 
 // The row counts from which the entry points (weight_format.h) take the AMX kernels over the AVX-512
