@@ -220,6 +220,91 @@ TEST(MlaFlash, AbsorbedDecodeRowsEqualThePlainReference) {
   }
 }
 
+// A decode row of the absorbed form reading the pool's rows in place (MlaSeq::slots, rows scattered over
+// the pool in a random order, fp32 and bf16 pools) gives the bits of the same rows gathered into latent,
+// beside an extend that stays gathered; contexts within a block of keys, across runs and 4 and 32 heads.
+// Sequences that may not read pool rows are refused before o is written.
+TEST(MlaFlash, AbsorbedDecodeRowsReadThePoolInPlaceAsGathered) {
+  for (const int heads : {4, 32})
+    for (const bool bf16 : {false, true}) {
+      const std::string what = std::to_string(heads) + (bf16 ? " heads, bf16 pool" : " heads, fp32 pool");
+      const mla::MlaDims d{heads, 128, 64, 128, 512};
+      const int64_t lat = d.kv_lora + d.qk_rope, qw = d.heads * (d.qk_nope + d.qk_rope),
+                    ow = d.heads * d.v_head;
+      const std::vector<std::pair<int64_t, int64_t>> specs{{700, 1}, {0, 1}, {100, 5}, {1030, 1}, {63, 1}};
+      int64_t T = 0, L = 0;
+      for (const auto& [prefix, extend] : specs) T += extend, L += prefix + extend;
+      const std::vector<float> q = random_normal(static_cast<size_t>(T * qw), 31, 2.0f);
+      const std::vector<float> w =
+          random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), 33, 0.05f);
+      // The pool: slot 0 unused, every other slot one position of one sequence, in a random order.
+      const int64_t slots = L + 1;
+      std::vector<float> pool = random_normal(static_cast<size_t>(slots * lat), 32);
+      if (bf16) round_bf16_inplace(pool.data(), pool.size());
+      std::vector<bf16_t> pool16(pool.size());
+      f32_to_bf16_array(pool.data(), pool16.data(), pool.size());
+      std::vector<int32_t> order(static_cast<size_t>(L));
+      for (int64_t i = 0; i < L; ++i) order[i] = static_cast<int32_t>(i + 1);
+      std::shuffle(order.begin(), order.end(), std::mt19937(5));
+      std::vector<float> latent(static_cast<size_t>(L * lat));
+      for (int64_t i = 0; i < L; ++i) std::copy_n(pool.data() + order[i] * lat, lat, latent.data() + i * lat);
+      std::vector<mla::MlaSeq> gathered, in_place;
+      for (int64_t row = 0, at = 0; const auto& [prefix, extend] : specs) {
+        gathered.push_back({row, prefix, extend, latent.data() + at * lat, nullptr});
+        mla::MlaSeq s = gathered.back();
+        if (extend == 1) {
+          s.latent = nullptr;
+          s.slots = order.data() + at;
+          if (bf16)
+            s.pool_bf16 = pool16.data();
+          else
+            s.pool_f32 = pool.data();
+        }
+        in_place.push_back(s);
+        row += extend;
+        at += prefix + extend;
+      }
+      std::vector<float> want(static_cast<size_t>(T * ow), 5.0f), got(want);
+      mla::MlaAttnArgs a{d,    q.data(),    qw, gathered, w.data(), 1.0f / std::sqrt(192.0f),
+                         bf16, want.data(), ow};
+      mla::mla_attention_absorbed(a);
+      a.seqs = in_place;
+      a.o = got.data();
+      mla::mla_attention_absorbed(a);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * got.size()), 0) << what;
+      // Refused, o untouched: pool rows in the plain form and its reference, for an extend, with no pool
+      // or with both, beside latent rows.
+      std::vector<float> o(want.size(), 5.0f);
+      a.o = o.data();
+      testing::expect_throw_with<std::invalid_argument>([&] { mla::mla_attention_plain(a); },
+                                                        "only the absorbed form's decode rows");
+      testing::expect_throw_with<std::invalid_argument>([&] { mla::mla_attention_plain_reference(a); },
+                                                        "only the absorbed form's decode rows");
+      const auto refused = [&](mla::MlaSeq s, const char* why) {
+        std::vector<mla::MlaSeq> one{s};
+        a.seqs = one;
+        testing::expect_throw_with<std::invalid_argument>([&] { mla::mla_attention_absorbed(a); }, why);
+      };
+      mla::MlaSeq s = in_place[0];
+      s.extend = 2;
+      refused(s, "only the absorbed form's decode rows");
+      s = in_place[0];
+      s.pool_f32 = nullptr;
+      s.pool_bf16 = nullptr;
+      refused(s, "no pool");
+      s.pool_f32 = pool.data();
+      s.pool_bf16 = pool16.data();
+      refused(s, "two pools");
+      s = in_place[0];
+      s.latent = latent.data();
+      refused(s, "both latent rows and pool slots");
+      s = in_place[0];
+      s.slots = nullptr;
+      refused(s, "no latent rows");
+      for (float x : o) ASSERT_EQ(x, 5.0f) << what;
+    }
+}
+
 // A scratch kept across calls (as a layer keeps one) gives the bits of a call's own buffers, whatever the
 // calls before left in it: a large call, then smaller ones over a scratch filled with NaN (padding and stale
 // rows must not be read), then a larger one that grows it, in both kernels.

@@ -3,10 +3,13 @@
 // bf16 mode (bf16 values in and kv_b as a bf16 Linear, as the layer passes them with bf16 weights; its
 // scores on AMX tiles or vdpbf16ps where plain_bf16_keys says so) and the reference (fp32; a block's scores
 // over every key), in turns; then the absorbed form's decode step of 16 sequences over 4096 cached tokens
-// each.
+// each, on gathered rows, with the gather from a bf16 pool, and reading that pool in place.
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -69,26 +72,62 @@ void bench_mla_prefill(nlohmann::json& j, const Say& say) {
       static_cast<long long>(T), t[2] * 1e3, "", t[2] / t[1], flops / t[2] / 1e9);
 
   // Decode: the absorbed form on 16 sequences of one new token each after 4096 cached ones, the bf16 mode,
-  // with a scratch kept across calls as the layer keeps one.
-  const int64_t B = 16, P = 4096;
+  // with a scratch kept across calls as the layer keeps one. In turns: on rows gathered before the call
+  // (the kernel alone), the gather from a bf16 pool (rows scattered over it, as a pool's slots are after
+  // churn) into those rows and the call, and the call reading the pool's rows in place (MlaSeq::slots), as
+  // the layer runs a decode row.
+  const int64_t B = 16, P = 4096, rows = B * (P + 1);
   std::vector<float> qd = bench_randn(static_cast<size_t>(B * qw), 34),
-                     lat_d = bench_randn(static_cast<size_t>(B * (P + 1) * lat), 35);
+                     lat_d = bench_randn(static_cast<size_t>(rows * lat), 35);
   for (std::vector<float>* v : {&qd, &lat_d}) round_bf16_inplace(v->data(), v->size());
+  std::vector<int32_t> slot(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) slot[i] = static_cast<int32_t>(i + 1);
+  std::shuffle(slot.begin(), slot.end(), std::mt19937(36));
+  std::vector<bf16_t> pool(static_cast<size_t>((rows + 1) * lat));
+  for (int64_t i = 0; i < rows; ++i)
+    f32_to_bf16_array(lat_d.data() + i * lat, pool.data() + slot[i] * lat, static_cast<size_t>(lat));
   std::vector<float> od(static_cast<size_t>(B * ow));
-  std::vector<mla::MlaSeq> seqs;
-  for (int64_t b = 0; b < B; ++b) seqs.push_back({b, P, 1, lat_d.data() + b * (P + 1) * lat, nullptr});
+  std::vector<mla::MlaSeq> seqs, in_place;
+  for (int64_t b = 0; b < B; ++b) {
+    seqs.push_back({b, P, 1, lat_d.data() + b * (P + 1) * lat, nullptr});
+    mla::MlaSeq s{b, P, 1, nullptr, nullptr};
+    s.slots = slot.data() + b * (P + 1);
+    s.pool_bf16 = pool.data();
+    in_place.push_back(s);
+  }
   mla::MlaScratch scratch;
   const mla::MlaAttnArgs ad{d,    qd.data(), qw, seqs,    w.data(), 1.0f / std::sqrt(192.0f),
                             true, od.data(), ow, &scratch};
-  const double td = best_interleaved({[&] { mla::mla_attention_absorbed(ad); }}, 5, 1.0)[0];
+  mla::MlaAttnArgs ap = ad;
+  ap.seqs = in_place;
+  const auto gather = [&] {
+#pragma omp parallel for
+    for (int64_t i = 0; i < rows; ++i)
+      bf16_to_f32_array(pool.data() + slot[i] * lat, lat_d.data() + i * lat, static_cast<size_t>(lat));
+  };
+  const std::vector<double> td = best_interleaved({[&] { mla::mla_attention_absorbed(ad); },
+                                                   [&] {
+                                                     gather();
+                                                     mla::mla_attention_absorbed(ad);
+                                                   },
+                                                   [&] { mla::mla_attention_absorbed(ap); }},
+                                                  5, 1.0);
   // Per sequence and head: q~ and o through W_UK / W_UV, then scores over R + dr and u over R per key.
   const double dflops =
       2.0 * B * d.heads * ((d.qk_nope + d.v_head) * d.kv_lora + (P + 1) * (2.0 * d.kv_lora + d.qk_rope));
-  j["mla_decode"] = {
-      {"batch", B}, {"context", P}, {"absorbed_ms", td * 1e3}, {"absorbed_gflops", dflops / td / 1e9}};
+  j["mla_decode"] = {{"batch", B},
+                     {"context", P},
+                     {"absorbed_ms", td[0] * 1e3},
+                     {"absorbed_gflops", dflops / td[0] / 1e9},
+                     {"gather_and_absorbed_ms", td[1] * 1e3},
+                     {"pool_in_place_ms", td[2] * 1e3},
+                     {"pool_in_place_over_gather", td[2] / td[1]}};
   say("%-30s %8s %12s %14s\n", "MLA decode attention (absorbed)", "batch", "ms", "GFLOP/s");
-  say("%-30s %8lld %12.2f %14.1f\n", "32 heads, bf16, 4096 cached", static_cast<long long>(B), td * 1e3,
-      dflops / td / 1e9);
+  say("%-30s %8lld %12.2f %14.1f\n", "32 heads, bf16, 4096 cached", static_cast<long long>(B), td[0] * 1e3,
+      dflops / td[0] / 1e9);
+  say("%-30s %8lld %12.2f\n", "  + gather from a bf16 pool", static_cast<long long>(B), td[1] * 1e3);
+  say("%-30s %8lld %12.2f %14s\n", "  the pool read in place", static_cast<long long>(B), td[2] * 1e3,
+      ("x" + std::to_string(td[2] / td[1]).substr(0, 4) + " of gather").c_str());
 }
 
 }  // namespace kda::bench

@@ -304,7 +304,6 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
   const int64_t B = fb.batch_size();
   std::vector<std::span<const int32_t>> toks(static_cast<size_t>(B));
   std::vector<int64_t> row0(static_cast<size_t>(B) + 1, 0);
-  int64_t lat_rows = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int32_t req = fb.req_pool_indices[b];
     const int64_t E = fb.extend_seq_lens[b];
@@ -327,7 +326,6 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
       if (s < 1 || s >= view.num_slots)
         throw std::invalid_argument(who + ": request " + str(req) + " maps to token slot " + str(s) +
                                     " outside the KV pool [1, " + str(view.num_slots - 1) + "]");
-    if (E > 0) lat_rows += L;
   }
   if (T == 0) return;
 
@@ -386,30 +384,47 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
     }
     at_parent += E - 1;
   }
+  // A decode row of the absorbed form reads the pool's rows in place (MlaSeq::slots); the others are
+  // gathered into lat_.
+  const mla::MlaDims dims = mla_dims();
+  std::vector<uint8_t> absorb(static_cast<size_t>(B), 0);
+  int64_t lat_rows = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t E = row0[b + 1] - row0[b];
+    if (fb.req_pool_indices[b] == -1 || E == 0) continue;
+    const int64_t L = static_cast<int64_t>(toks[b].size());
+    absorb[b] = options_.form == MlaForm::Absorbed ||
+                (options_.form == MlaForm::Auto && mla::prefer_absorbed(dims, L - E, E));
+    if (!absorb[b] || E != 1) lat_rows += L;
+  }
   lat_.resize(static_cast<size_t>(lat_rows * lw));
   std::vector<mla::MlaSeq> plain, absorbed;
-  const mla::MlaDims dims = mla_dims();
   int64_t at = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t E = row0[b + 1] - row0[b];
     if (fb.req_pool_indices[b] == -1 || E == 0) continue;
     const int64_t L = static_cast<int64_t>(toks[b].size());
-    float* dst = lat_.data() + at * lw;
     const auto& tk = toks[b];
+    mla::MlaSeq seq{row0[b], L - E, E, nullptr,
+                    visible.empty() ? nullptr : visible[static_cast<size_t>(b)].data()};
+    if (absorb[b] && E == 1) {
+      seq.slots = tk.data();
+      seq.pool_f32 = view.kv_f32;
+      seq.pool_bf16 = view.kv_f32 ? nullptr : view.kv_bf16;
+    } else {
+      float* dst = lat_.data() + at * lw;
 #pragma omp parallel for if (L > 256)
-    for (int64_t s = 0; s < L; ++s) {
-      const int64_t slot = tk[static_cast<size_t>(s)];
-      if (view.kv_f32)
-        std::copy_n(view.kv_f32 + slot * lw, lw, dst + s * lw);
-      else
-        bf16_to_f32_array(view.kv_bf16 + slot * lw, dst + s * lw, static_cast<size_t>(lw));
+      for (int64_t s = 0; s < L; ++s) {
+        const int64_t slot = tk[static_cast<size_t>(s)];
+        if (view.kv_f32)
+          std::copy_n(view.kv_f32 + slot * lw, lw, dst + s * lw);
+        else
+          bf16_to_f32_array(view.kv_bf16 + slot * lw, dst + s * lw, static_cast<size_t>(lw));
+      }
+      at += L;
+      seq.latent = dst;
     }
-    at += L;
-    const mla::MlaSeq seq{row0[b], L - E, E, dst,
-                          visible.empty() ? nullptr : visible[static_cast<size_t>(b)].data()};
-    const bool absorb = options_.form == MlaForm::Absorbed ||
-                        (options_.form == MlaForm::Auto && mla::prefer_absorbed(dims, L - E, E));
-    (absorb ? absorbed : plain).push_back(seq);
+    (absorb[b] ? absorbed : plain).push_back(seq);
   }
   // 4. Attention; a padded row's o stays zero, so its output is zero.
   o_.assign(static_cast<size_t>(T * Hm_ * dv_), 0.0f);

@@ -108,11 +108,25 @@ std::vector<WorkItem> work_items(const MlaAttnArgs& a) {
   return items;
 }
 
-void check_args(const MlaAttnArgs& a) {
-  for (const MlaSeq& s : a.seqs)
-    if (s.prefix < 0 || s.extend < 0 || (s.prefix + s.extend > 0 && !s.latent))
+// pool_rows: the caller is the absorbed form, whose decode rows may read the pool's rows in place.
+void check_args(const MlaAttnArgs& a, bool pool_rows) {
+  for (const MlaSeq& s : a.seqs) {
+    const auto bad = [&s](const std::string& why) {
       throw std::invalid_argument("MLA attention: a sequence with prefix " + std::to_string(s.prefix) +
-                                  ", extend " + std::to_string(s.extend) + " and no latent rows");
+                                  ", extend " + std::to_string(s.extend) + " " + why);
+    };
+    if (s.prefix < 0 || s.extend < 0) bad("(negative)");
+    if (s.prefix + s.extend == 0) continue;
+    if (s.slots == nullptr) {
+      if (!s.latent) bad("and no latent rows");
+      continue;
+    }
+    if (s.latent) bad("has both latent rows and pool slots");
+    if (!pool_rows || s.extend != 1)
+      bad("reads pool rows in place, which only the absorbed form's decode rows (extend 1) do");
+    if ((s.pool_f32 == nullptr) == (s.pool_bf16 == nullptr))
+      bad(s.pool_f32 ? "has pool slots in two pools (fp32 and bf16)" : "has pool slots and no pool");
+  }
   const int64_t kv_out = int64_t{a.dims.heads} * (a.dims.qk_nope + a.dims.v_head);
   if (a.kv_b != nullptr && (a.kv_b->in_features() != a.dims.kv_lora || a.kv_b->out_features() != kv_out))
     throw std::invalid_argument("MLA attention: kv_b's Linear is [" + std::to_string(a.kv_b->out_features()) +
@@ -381,7 +395,7 @@ void reserve_plain(const MlaDims& dims, int64_t keys, bool bf16, bool kv_b_linea
 }
 
 void mla_attention_plain(const MlaAttnArgs& a) {
-  check_args(a);
+  check_args(a, false);
   const MlaDims& d = a.dims;
   const int64_t dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head;
   const int64_t qw = dn + dr;
@@ -440,7 +454,7 @@ void mla_attention_plain(const MlaAttnArgs& a) {
 
 // The reference: a query block's scores over every key it sees at once, [block, keys], then softmax.
 void mla_attention_plain_reference(const MlaAttnArgs& a) {
-  check_args(a);
+  check_args(a, false);
   const MlaDims& d = a.dims;
   const int64_t dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, qw = dn + dr;
   MlaScratch own;
@@ -475,8 +489,25 @@ void mla_attention_plain_reference(const MlaAttnArgs& a) {
 // batch of 16 read it 16 times. 2: per item, the scores, softmax and u = sum_s p_s c_hat_s. 3: o = W_UV u,
 // head by head as pass 1. Every GEMM is the one a pass over items would run (the same operands and shape),
 // so the results do not depend on the order.
+namespace {
+
+// Rows [j0, j0 + n) of a decode row's pool rows (MlaSeq::slots), columns [c0, c0 + cols) of each, into dst
+// [n, ld] as fp32: the values a gather into latent holds, a block at a time.
+void pool_block(const MlaSeq& s, int64_t lat, int64_t j0, int64_t n, int64_t c0, int64_t cols, float* dst,
+                int64_t ld) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t at = int64_t{s.slots[j0 + j]} * lat + c0;
+    if (s.pool_f32)
+      std::copy_n(s.pool_f32 + at, cols, dst + j * ld);
+    else
+      bf16_to_f32_array(s.pool_bf16 + at, dst + j * ld, static_cast<size_t>(cols));
+  }
+}
+
+}  // namespace
+
 void mla_attention_absorbed(const MlaAttnArgs& a) {
-  check_args(a);
+  check_args(a, true);
   const MlaDims& d = a.dims;
   const int64_t Hm = d.heads, dn = d.qk_nope, dr = d.qk_rope, dv = d.v_head, R = d.kv_lora;
   const int64_t lat = R + dr, qw = dn + dr;
@@ -544,7 +575,7 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   // ending in a barrier).
   constexpr int64_t kDecodeKeys = 64, kDecodeCols = 64;  // keys and latent columns per share
   constexpr int64_t kDecodeRun = 256;                    // keys per run of u's sums
-  const auto decode_item = [&](const Item& w, std::vector<float>& stats) {
+  const auto decode_item = [&](const Item& w, std::vector<float>& stats, std::vector<float>& rows) {
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
     const int64_t ns = s.prefix + 1;
     float* const qT = dec;            // [R + dr, Hm]: q~ then q_pe, transposed
@@ -559,7 +590,11 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
     for (int64_t j0 = 0; j0 < ns; j0 += kDecodeKeys) {
       try {
         const int64_t n = std::min(kDecodeKeys, ns - j0);
-        const float* l0 = s.latent + j0 * lat;
+        const float* l0 = s.latent ? s.latent + j0 * lat : nullptr;
+        if (!l0) {
+          pool_block(s, lat, j0, n, 0, lat, at_least(rows, static_cast<size_t>(n * lat)), lat);
+          l0 = rows.data();
+        }
         kernels::gemm::gemm_f32_block(n, Hm, R, a.scale, l0, lat, qT, Hm, 0.0f, sT + j0 * Hm, Hm);
         kernels::gemm::gemm_f32_block(n, Hm, dr, a.scale, l0 + R, lat, qT + R * Hm, Hm, 1.0f, sT + j0 * Hm,
                                       Hm);
@@ -582,11 +617,18 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
       try {
         // In runs of kDecodeRun keys, each run's sums added to u's: a run's strip of latent columns stays in
         // L2 while the heads' row tiles pass it (over every key it would be streamed once per row tile).
-        const int64_t n = std::min(kDecodeCols, R - c0);
-        for (int64_t k0 = 0; k0 < ns; k0 += kDecodeRun)
-          kernels::gemm::gemm_f32_block(Hm, n, std::min(kDecodeRun, ns - k0), 1.0f, pw + k0, ns,
-                                        s.latent + k0 * lat + c0, lat, k0 == 0 ? 0.0f : 1.0f,
-                                        u + w.at * R + c0, R);
+        const int64_t n = std::min(kDecodeCols, R - c0), ldb = kernels::gemm::f32_block_ld(n);
+        for (int64_t k0 = 0; k0 < ns; k0 += kDecodeRun) {
+          const int64_t kn = std::min(kDecodeRun, ns - k0);
+          if (s.latent) {
+            kernels::gemm::gemm_f32_block(Hm, n, kn, 1.0f, pw + k0, ns, s.latent + k0 * lat + c0, lat,
+                                          k0 == 0 ? 0.0f : 1.0f, u + w.at * R + c0, R);
+          } else {  // the run's strip from the pool's rows
+            pool_block(s, lat, k0, kn, c0, n, at_least(rows, static_cast<size_t>(kn * ldb)), ldb);
+            kernels::gemm::gemm_f32_block(Hm, n, kn, 1.0f, pw + k0, ns, rows.data(), ldb,
+                                          k0 == 0 ? 0.0f : 1.0f, u + w.at * R + c0, R);
+          }
+        }
       } catch (...) {
         keep();
       }
@@ -611,8 +653,8 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
       }
     }
     // (the implicit barrier: every q~ written)
-    std::vector<float> scores, stats;
-    for (const int64_t k : decodes) decode_item(items[static_cast<size_t>(k)], stats);
+    std::vector<float> scores, stats;  // scores: also a decode row's block of pool rows
+    for (const int64_t k : decodes) decode_item(items[static_cast<size_t>(k)], stats, scores);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k) {
       try {

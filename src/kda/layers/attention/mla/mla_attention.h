@@ -58,6 +58,13 @@ struct MlaSeq {
   // Speculative verify trees: [extend, extend] row-major, visible[i * extend + m] != 0 when new token i
   // attends to new token m (its ancestors and itself; every m <= i). Null: causal (a chain).
   const uint8_t* visible = nullptr;
+  // In place of latent, for a decode row (extend 1) of the absorbed form only: the rows where the KV pool
+  // keeps them, position s at row slots[s] of pool_f32 or of pool_bf16 (one of the two; rows of R + dr
+  // values). The decode row reads them a block at a time in their stored width, where a gather into
+  // latent writes every row in fp32 and reads it back (a long context's rows from memory three times).
+  const int32_t* slots = nullptr;
+  const float* pool_f32 = nullptr;
+  const bf16_t* pool_bf16 = nullptr;
 };
 
 // Where the plain form keeps the keys and values it expands through kv_b for a call (every head's, of each
@@ -108,6 +115,8 @@ struct MlaAttnArgs {
 // grows), so no score row spans every key; the scores in bf16 where plain_bf16_keys says so.
 // mla_attention_plain_reference is the same form with a block's scores over all the keys it sees, then a
 // plain softmax: the reference the tests compare it with (the same sums up to fp32 rounding order).
+// Each takes latent rows for every sequence, but mla_attention_absorbed also a decode row's pool rows
+// (MlaSeq::slots); std::invalid_argument for a sequence without the rows it needs, before o is written.
 void mla_attention_plain(const MlaAttnArgs& a);
 void mla_attention_plain_reference(const MlaAttnArgs& a);
 void mla_attention_absorbed(const MlaAttnArgs& a);
