@@ -193,18 +193,30 @@ TEST(MlaFlash, OnlineSoftmaxStepEqualsTheReference) {
 // The absorbed form's decode rows (one new token: the keys, heads and latent columns shared out over the
 // threads, u summed in runs of keys) against the plain reference: contexts within one run and across
 // several, beside an extend in the same call, 4 heads (a part of a column strip) and the real 32.
+// The absorbed decode tests' inputs: `heads` heads at the real widths, the sequences' (prefix, extend), q
+// and kv_b's weights drawn from `seed`.
+struct DecodeCase {
+  mla::MlaDims d;
+  std::vector<std::pair<int64_t, int64_t>> specs;
+  int64_t lat, qw, ow, T = 0, L = 0;
+  std::vector<float> q, w;
+  DecodeCase(int heads, std::vector<std::pair<int64_t, int64_t>> sequences, uint64_t seed)
+      : d{heads, 128, 64, 128, 512},
+        specs(std::move(sequences)),
+        lat(d.kv_lora + d.qk_rope),
+        qw(d.heads * (d.qk_nope + d.qk_rope)),
+        ow(d.heads * d.v_head) {
+    for (const auto& [prefix, extend] : specs) T += extend, L += prefix + extend;
+    q = random_normal(static_cast<size_t>(T * qw), seed, 2.0f);
+    w = random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), seed + 2, 0.05f);
+  }
+};
+
 TEST(MlaFlash, AbsorbedDecodeRowsEqualThePlainReference) {
   for (const int heads : {4, 32}) {
-    const mla::MlaDims d{heads, 128, 64, 128, 512};
-    const int64_t lat = d.kv_lora + d.qk_rope, qw = d.heads * (d.qk_nope + d.qk_rope),
-                  ow = d.heads * d.v_head;
-    const std::vector<std::pair<int64_t, int64_t>> specs{{700, 1}, {0, 1}, {255, 1}, {100, 5}, {1030, 1}};
-    int64_t T = 0, L = 0;
-    for (const auto& [prefix, extend] : specs) T += extend, L += prefix + extend;
-    const std::vector<float> q = random_normal(static_cast<size_t>(T * qw), 21, 2.0f);
+    const DecodeCase c(heads, {{700, 1}, {0, 1}, {255, 1}, {100, 5}, {1030, 1}}, 21);
+    const auto& [d, specs, lat, qw, ow, T, L, q, w] = c;
     const std::vector<float> latent = random_normal(static_cast<size_t>(L * lat), 22);
-    const std::vector<float> w =
-        random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), 23, 0.05f);
     std::vector<mla::MlaSeq> seqs;
     for (int64_t row = 0, at = 0; const auto& [prefix, extend] : specs) {
       seqs.push_back({row, prefix, extend, latent.data() + at * lat, nullptr});
@@ -228,15 +240,8 @@ TEST(MlaFlash, AbsorbedDecodeRowsReadThePoolInPlaceAsGathered) {
   for (const int heads : {4, 32})
     for (const bool bf16 : {false, true}) {
       const std::string what = std::to_string(heads) + (bf16 ? " heads, bf16 pool" : " heads, fp32 pool");
-      const mla::MlaDims d{heads, 128, 64, 128, 512};
-      const int64_t lat = d.kv_lora + d.qk_rope, qw = d.heads * (d.qk_nope + d.qk_rope),
-                    ow = d.heads * d.v_head;
-      const std::vector<std::pair<int64_t, int64_t>> specs{{700, 1}, {0, 1}, {100, 5}, {1030, 1}, {63, 1}};
-      int64_t T = 0, L = 0;
-      for (const auto& [prefix, extend] : specs) T += extend, L += prefix + extend;
-      const std::vector<float> q = random_normal(static_cast<size_t>(T * qw), 31, 2.0f);
-      const std::vector<float> w =
-          random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), 33, 0.05f);
+      const DecodeCase c(heads, {{700, 1}, {0, 1}, {100, 5}, {1030, 1}, {63, 1}}, 31);
+      const auto& [d, specs, lat, qw, ow, T, L, q, w] = c;
       // The pool: slot 0 unused, every other slot one position of one sequence, in a random order.
       const int64_t slots = L + 1;
       std::vector<float> pool = random_normal(static_cast<size_t>(slots * lat), 32);
