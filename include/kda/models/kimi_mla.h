@@ -137,7 +137,7 @@ class KimiMLAAttention {
   // second copy of kv_b (8 MB a layer at the real shapes).
   std::unique_ptr<layers::Linear> kv_b16_;
   // Scratch.
-  std::vector<float> q_, a_, lat_new_, lat_, o_;
+  std::vector<float> q_, a_, lat_, o_;
   std::unique_ptr<layers::attention::mla::MlaScratch> plain_kv_;  // the plain form's expanded keys, values
 };
 

@@ -353,8 +353,9 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
       c[j] = bf16 ? round_bf16(v) : v;
     }
   }
-  // 3. The new tokens' cache rows (c_hat | k_pe), then every attended sequence's rows gathered in position
-  // order (the new ones read back: in the bf16 mode what the cache holds is what is attended to).
+  // 3. The new tokens' cache rows (c_hat | k_pe), then every attended sequence's rows in position order,
+  // read from the cache (the new ones read back: in the bf16 mode what the cache holds is what is attended
+  // to), gathered or in place (below).
   for (int64_t b = 0; b < B; ++b) {
     if (fb.req_pool_indices[b] == -1) continue;
     const int64_t E = row0[b + 1] - row0[b], P = static_cast<int64_t>(toks[b].size()) - E;

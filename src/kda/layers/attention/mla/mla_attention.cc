@@ -478,17 +478,6 @@ void mla_attention_plain_reference(const MlaAttnArgs& a) {
   });
 }
 
-// The absorbed form: a work item is a query block of one sequence and a group of heads, whose q~ rows are
-// stacked into one [G * nb, R] matrix against the sequence's latent rows, which every head shares. So a
-// decode step (nb = 1) multiplies a [G, R] block by the latent rows once per group, not once per head
-// (one pass over the cache per group instead of a matrix-vector product per head).
-//
-// Three passes. 1: q~ of every item, head by head (threads split the heads): each head's W_UK [dn, R] is
-// read from memory once per call and stays in the caches for every item, where an item at a time read
-// every head's, the layer's whole kv_b (8 MB in fp32 at the real shapes), once per sequence: a decode
-// batch of 16 read it 16 times. 2: per item, the scores, softmax and u = sum_s p_s c_hat_s. 3: o = W_UV u,
-// head by head as pass 1. Every GEMM is the one a pass over items would run (the same operands and shape),
-// so the results do not depend on the order.
 namespace {
 
 // Rows [j0, j0 + n) of a decode row's pool rows (MlaSeq::slots), columns [c0, c0 + cols) of each, into dst
@@ -506,6 +495,17 @@ void pool_block(const MlaSeq& s, int64_t lat, int64_t j0, int64_t n, int64_t c0,
 
 }  // namespace
 
+// The absorbed form: a work item is a query block of one sequence and a group of heads, whose q~ rows are
+// stacked into one [G * nb, R] matrix against the sequence's latent rows, which every head shares. So a
+// decode step (nb = 1) multiplies a [G, R] block by the latent rows once per group, not once per head
+// (one pass over the cache per group instead of a matrix-vector product per head).
+//
+// Three passes. 1: q~ of every item, head by head (threads split the heads): each head's W_UK [dn, R] is
+// read from memory once per call and stays in the caches for every item, where an item at a time read
+// every head's, the layer's whole kv_b (8 MB in fp32 at the real shapes), once per sequence: a decode
+// batch of 16 read it 16 times. 2: per item, the scores, softmax and u = sum_s p_s c_hat_s. 3: o = W_UV u,
+// head by head as pass 1. Every GEMM is the one a pass over items would run (the same operands and shape),
+// so the results do not depend on the order.
 void mla_attention_absorbed(const MlaAttnArgs& a) {
   check_args(a, true);
   const MlaDims& d = a.dims;
