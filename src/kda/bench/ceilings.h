@@ -66,7 +66,9 @@ struct PlainGemm {
 double copy_gbps(size_t bytes);
 
 // Read bandwidth: every thread sums its part of a buffer larger than the caches (the weights of a decode
-// step are read, not written). Timed by the caller, in turns with what it bounds.
+// step are read, not written), as 4 streams read in lockstep into independent vector accumulators (one
+// accumulator over one stream reads well below what the decode kernels stream). Timed by the caller, in
+// turns with what it bounds.
 struct ReadBandwidth {
   std::vector<float> buf;
   float sink = 0.0f;
