@@ -40,8 +40,8 @@ namespace {
 // Sums kStreams runs of len floats each (run s at p + s len; len a multiple of 32), read in lockstep into 8
 // independent vector accumulators: loads that do not wait on each other's adds, from several streams at
 // once, so that memory, not the add's latency or one stream's prefetch, sets the pace. One accumulator
-// over one stream (an OpenMP simd reduction) read 21 GB/s on a host where the LM head's kernel streamed
-// 33; this reads 32-33 there (docs/performance.md, "The read ceiling, measured again").
+// over one stream (an OpenMP simd reduction) read well below what the LM head's kernel streamed on an AMX
+// host; this reads what it streams (docs/performance.md, "The read ceiling, measured again").
 constexpr int kStreams = 4;
 #if defined(__GNUC__) && defined(__x86_64__)
 #define KDA_HAVE_READ_PROBE 1
