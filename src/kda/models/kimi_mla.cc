@@ -414,14 +414,11 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
       seq.pool_bf16 = view.kv_f32 ? nullptr : view.kv_bf16;
     } else {
       float* dst = lat_.data() + at * lw;
+      constexpr int64_t kRun = 64;  // rows per share of the threads
 #pragma omp parallel for if (L > 256)
-      for (int64_t s = 0; s < L; ++s) {
-        const int64_t slot = tk[static_cast<size_t>(s)];
-        if (view.kv_f32)
-          std::copy_n(view.kv_f32 + slot * lw, lw, dst + s * lw);
-        else
-          bf16_to_f32_array(view.kv_bf16 + slot * lw, dst + s * lw, static_cast<size_t>(lw));
-      }
+      for (int64_t s0 = 0; s0 < L; s0 += kRun)
+        mla::pool_rows_f32(tk.data(), view.kv_f32, view.kv_bf16, lw, s0, std::min(kRun, L - s0), 0, lw,
+                           dst + s0 * lw, lw);
       at += L;
       seq.latent = dst;
     }

@@ -478,22 +478,16 @@ void mla_attention_plain_reference(const MlaAttnArgs& a) {
   });
 }
 
-namespace {
-
-// Rows [j0, j0 + n) of a decode row's pool rows (MlaSeq::slots), columns [c0, c0 + cols) of each, into dst
-// [n, ld] as fp32: the values a gather into latent holds, a block at a time.
-void pool_block(const MlaSeq& s, int64_t lat, int64_t j0, int64_t n, int64_t c0, int64_t cols, float* dst,
-                int64_t ld) {
+void pool_rows_f32(const int32_t* slots, const float* pool_f32, const bf16_t* pool_bf16, int64_t row_len,
+                   int64_t j0, int64_t n, int64_t c0, int64_t cols, float* dst, int64_t ld) {
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t at = int64_t{s.slots[j0 + j]} * lat + c0;
-    if (s.pool_f32)
-      std::copy_n(s.pool_f32 + at, cols, dst + j * ld);
+    const int64_t at = int64_t{slots[j0 + j]} * row_len + c0;
+    if (pool_f32)
+      std::copy_n(pool_f32 + at, cols, dst + j * ld);
     else
-      bf16_to_f32_array(s.pool_bf16 + at, dst + j * ld, static_cast<size_t>(cols));
+      bf16_to_f32_array(pool_bf16 + at, dst + j * ld, static_cast<size_t>(cols));
   }
 }
-
-}  // namespace
 
 // The absorbed form: a work item is a query block of one sequence and a group of heads, whose q~ rows are
 // stacked into one [G * nb, R] matrix against the sequence's latent rows, which every head shares. So a
@@ -592,7 +586,8 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
         const int64_t n = std::min(kDecodeKeys, ns - j0);
         const float* l0 = s.latent ? s.latent + j0 * lat : nullptr;
         if (!l0) {
-          pool_block(s, lat, j0, n, 0, lat, at_least(rows, static_cast<size_t>(n * lat)), lat);
+          pool_rows_f32(s.slots, s.pool_f32, s.pool_bf16, lat, j0, n, 0, lat,
+                        at_least(rows, static_cast<size_t>(n * lat)), lat);
           l0 = rows.data();
         }
         kernels::gemm::gemm_f32_block(n, Hm, R, a.scale, l0, lat, qT, Hm, 0.0f, sT + j0 * Hm, Hm);
@@ -624,7 +619,8 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
             kernels::gemm::gemm_f32_block(Hm, n, kn, 1.0f, pw + k0, ns, s.latent + k0 * lat + c0, lat,
                                           k0 == 0 ? 0.0f : 1.0f, u + w.at * R + c0, R);
           } else {  // the run's strip from the pool's rows
-            pool_block(s, lat, k0, kn, c0, n, at_least(rows, static_cast<size_t>(kn * ldb)), ldb);
+            pool_rows_f32(s.slots, s.pool_f32, s.pool_bf16, lat, k0, kn, c0, n,
+                          at_least(rows, static_cast<size_t>(kn * ldb)), ldb);
             kernels::gemm::gemm_f32_block(Hm, n, kn, 1.0f, pw + k0, ns, rows.data(), ldb,
                                           k0 == 0 ? 0.0f : 1.0f, u + w.at * R + c0, R);
           }

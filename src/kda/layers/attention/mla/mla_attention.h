@@ -115,6 +115,12 @@ struct MlaAttnArgs {
 // grows), so no score row spans every key; the scores in bf16 where plain_bf16_keys says so.
 // mla_attention_plain_reference is the same form with a block's scores over all the keys it sees, then a
 // plain softmax: the reference the tests compare it with (the same sums up to fp32 rounding order).
+// Rows [j0, j0 + n) of a sequence's pool rows (position s at row slots[s] of pool_f32 or, where it is
+// null, of pool_bf16; rows of row_len values), columns [c0, c0 + cols) of each, into dst [n, ld] as fp32:
+// the gather a layer runs into MlaSeq::latent, and the absorbed form's decode rows a block at a time.
+void pool_rows_f32(const int32_t* slots, const float* pool_f32, const bf16_t* pool_bf16, int64_t row_len,
+                   int64_t j0, int64_t n, int64_t c0, int64_t cols, float* dst, int64_t ld);
+
 // Each takes latent rows for every sequence, but mla_attention_absorbed also a decode row's pool rows
 // (MlaSeq::slots); std::invalid_argument for a sequence without the rows it needs, before o is written.
 void mla_attention_plain(const MlaAttnArgs& a);
