@@ -119,20 +119,16 @@ void blocks(const uint32_t* xb, int64_t rows, int64_t groups, int64_t cols, cons
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t n0 = nb * kC, nc = std::min(kC, N - n0);
     const bf16_t* a = w + n0 * K;
-    // The next block's channels are one run of bytes, fetched 16 lines per step in address order into L2
-    // (a block's run passes L1's size: fetched into L1 it would evict this block's lines before their
-    // use), so that the whole run is near when its block starts; this block's lines two steps ahead into L1.
-    const bool more = nb + 1 < nb1;
-    const char* next = more ? reinterpret_cast<const char*>(a + kC * K) : nullptr;
-    const int64_t next_bytes = more ? 2 * K * std::min(kC, N - n0 - kC) : 0;
+    // This block's lines two steps ahead into L1; memory's reads are left to the hardware's prefetchers,
+    // which follow the 16 channels' runs. Software prefetches of the next block into L2, 16 lines a step,
+    // held the head's read below those prefetchers' rate (each takes an L1 miss slot until its line is in:
+    // docs/performance.md, "The LM head in one copy").
     tiles.shape(nc, cols);
     _tile_zero(4);
     if (groups > 1) _tile_zero(5);
     if (groups > 2) _tile_zero(6);
     if (groups > 3) _tile_zero(7);
     for (int64_t k = 0; k < K; k += kStep) {
-      for (int64_t j = 0; j < 16 && 32 * k + 64 * j < next_bytes; ++j)
-        _mm_prefetch(next + 32 * k + 64 * j, _MM_HINT_T1);
       if (k + 2 * kStep < K)
         for (int64_t j = 0; j < nc; ++j)
           _mm_prefetch(reinterpret_cast<const char*>(a + j * K + k + 2 * kStep), _MM_HINT_T0);

@@ -11,8 +11,8 @@
 // channels by 16 rows), stored transposed into y. Every output is an fp32 sum of exact bf16 products
 // over the inputs in ascending steps of 32 whatever M is: a row's result does not depend on the rows beside
 // it. The tile unit treats denormal inputs and results as zero. Threads split the blocks of 16 channels;
-// the last block, of fewer channels, takes tiles of fewer rows. The next block's weights are prefetched into
-// L2 while a block runs, its own lines two steps ahead into L1 (as quant_amx.cc does).
+// the last block, of fewer channels, takes tiles of fewer rows. A block's lines are prefetched two steps
+// ahead into L1; memory's reads are the hardware prefetchers' (no software prefetch of the next block).
 #pragma once
 
 #include <cstdint>
