@@ -16,6 +16,7 @@
 #include "kda/distributed/in_process.h"
 #include "kda/io/config.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "kda/kernels/gemm/bf16_amx.h"
 #include "kda/models/kimi_linear_case.h"
 #include "kda/models/kimi_linear_model.h"
 #include "support/model_checkpoint.h"
@@ -359,6 +360,31 @@ TEST(KimiLinearModel, TheHeadFromBf16RowsIsTheHeadFromTheirFp32Values) {
   ASSERT_TRUE(all_finite(want));
   EXPECT_EQ(logits(bf16_head), want);
   EXPECT_EQ(logits(tied), want);
+}
+
+// A row's logits do not depend on the rows computed beside it where the head runs on the AMX kernel (a
+// decode row alone and the same row in a verify batch agree bit for bit); elsewhere oneDNN's one-row and
+// many-row kernels sum in their own orders, within fp32 rounding of each other. The head is counted once.
+TEST(KimiLinearModel, ARowsLogitsAreThoseOfItsRowInABatch) {
+  auto m = KimiLinearForCausalLM::from_pretrained(model_dumps_dir(), opts_of(Precision::BF16));
+  const int64_t D = m->hidden_size(), V = m->vocab_size(), M = 5;
+  EXPECT_EQ(m->weight_bytes(), m->model().weight_bytes() + m->head_weight_bytes());
+  EXPECT_EQ(m->head_weight_bytes(), V * D * static_cast<int64_t>(sizeof(bf16_t)));
+  const std::vector<float> h = testing::random_normal(static_cast<size_t>(M * D), 3);
+  std::vector<float> batch(static_cast<size_t>(M * V)), one(static_cast<size_t>(V));
+  m->compute_logits(h.data(), M, batch.data());
+  ASSERT_TRUE(all_finite(batch));
+  const bool amx = kernels::gemm::cpu_has_amx_bf16();
+  for (int64_t r = 0; r < M; ++r) {
+    m->compute_logits(h.data() + r * D, 1, one.data());
+    const float* want = batch.data() + r * V;
+    if (amx)
+      EXPECT_EQ(std::vector<float>(one.begin(), one.end()), std::vector<float>(want, want + V))
+          << "row " << r;
+    else
+      EXPECT_LE(testing::max_error_ratio(one.data(), want, static_cast<size_t>(V), 1e-5, 1e-5), 1.0)
+          << "row " << r;
+  }
 }
 
 TEST(KimiLinearModel, SyntheticIsSeededAndEqualAcrossTensorParallelism) {

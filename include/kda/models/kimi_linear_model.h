@@ -238,11 +238,16 @@ class KimiLinearForCausalLM {
   static constexpr int64_t kHeadBlockValues = int64_t{1} << 26;
   std::vector<layers::Linear> lm_head_;
   std::vector<int64_t> head_begin_;
-  // Beside lm_head_ where the AMX kernel applies (bf16 precision, a dense head, a CPU with AMX-BF16:
-  // build_head decides), the head as one bf16 matrix [V, D] in the checkpoint's layout, which that kernel
-  // reads in place for two rows or more (compute_logits says why); resident, counted in weight_bytes, not in
-  // head_weight_bytes (the bytes one call reads).
-  std::vector<bf16_t> head_bf16_;
+  // Instead of lm_head_ where the AMX kernel applies (bf16 precision, a dense head, a CPU with AMX-BF16:
+  // amx_head() says), the head as one bf16 matrix [V, D] in the checkpoint's layout, which that kernel reads
+  // for every row count (compute_logits says why): one copy of the head's bytes, where oneDNN's layouts
+  // took one at load and another at the first one-row call beside the kernel's own. It lives in memory of
+  // its own in huge pages (head_owner_ holds it): the kernel reads it 1.3x as fast as from 4 KiB pages (a
+  // file mapping's; docs/performance.md, "The LM head in one copy").
+  const bf16_t* head_amx_ = nullptr;
+  std::shared_ptr<void> head_owner_;
+  bool amx_head() const;
+  bf16_t* allocate_amx_head(int64_t V);  // head_owner_'s memory for the AMX head, head_amx_ set
   // Builds the head's blocks from rows(begin, end, out): out = fp32 [end - begin, D]. One buffer serves every
   // block, so a loader's fp32 copy reuses the same pages block after block.
   void build_head(int64_t V, const std::function<void(int64_t, int64_t, std::vector<float>&)>& rows);

@@ -5,9 +5,11 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kda/common/bf16.h"
 #include "kda/common/isa_target.h"
+#include "kda/common/weight_buffer.h"
 #include "kda/kernels/gemm/bf16_amx.h"
 #include "kda/layers/bf16_vnni_rows.h"
 
@@ -395,18 +397,18 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
   rms_norm_rows(hidden, M, D, model_->norm_weight().data(), cfg_.rms_norm_eps, opts_.precision,
                 head_in_.data());
   const int64_t V = vocab_size();
-  // Two rows or more (verify rows, batched decode) go to the AMX kernel where build_head made its copy: it
-  // reads the head in its checkpoint layout, one pass for up to 64 rows, and writes each row's logits
-  // straight to their columns, where oneDNN's kernels read the head more slowly from two rows on
-  // (docs/performance.md, "The LM head's row counts"). One row stays on oneDNN's strided gemm below, which
-  // reads it faster than the tile kernel does at M = 1 within a model step (measured side by side).
-  if (!head_bf16_.empty() && M >= 2) {
+  // Where the CPU has AMX-BF16, every row count goes to the AMX kernel (bf16_amx.h): it reads the head in its
+  // checkpoint layout, one pass for up to 64 rows, and writes each row's logits straight to their columns,
+  // where oneDNN's kernels read the head more slowly from two rows on (docs/performance.md, "The LM head's
+  // row counts") and its one-row gemm wants a layout of its own. A row's logits then do not depend on the
+  // rows beside it (a decode row and a verify row agree bit for bit).
+  if (head_amx_ != nullptr) {
     head_in_bf16_.resize(static_cast<size_t>(M * D));
     f32_to_bf16_array(head_in_.data(), head_in_bf16_.data(), head_in_bf16_.size());  // exact in bf16
-    kernels::gemm::gemm_bf16_amx(head_in_bf16_.data(), M, D, head_bf16_.data(), D, V, logits, V);
+    kernels::gemm::gemm_bf16_amx(head_in_bf16_.data(), M, D, head_amx_, D, V, logits, V);
     return;
   }
-  // Without the AMX copy, one row (a batch-1 decode step) goes straight to its columns: oneDNN takes a
+  // Without the AMX head, one row (a batch-1 decode step) goes straight to its columns: oneDNN takes a
   // strided destination through its plain-layout gemm, which at M = 1 reads the head faster than its
   // brgemm kernel does within a model step. At M >= 2 that gemm is far slower than the brgemm kernel on a
   // dense destination, so each block's logits go to a dense buffer first, then to their columns. A head
@@ -430,9 +432,23 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
 }
 
 int64_t KimiLinearForCausalLM::head_weight_bytes() const {
+  if (head_amx_ != nullptr) return vocab_size() * cfg_.hidden_size * static_cast<int64_t>(sizeof(bf16_t));
   int64_t b = 0;
   for (const auto& l : lm_head_) b += l.weight_bytes();
   return b;
+}
+
+bool KimiLinearForCausalLM::amx_head() const {
+  return opts_.precision == Precision::BF16 && !opts_.quantize_lm_head && kernels::gemm::cpu_has_amx_bf16() &&
+         kernels::gemm::bf16_amx_takes(cfg_.hidden_size);
+}
+
+// The AMX head's memory for V x D values: huge pages (allocate_weights), held by head_owner_.
+bf16_t* KimiLinearForCausalLM::allocate_amx_head(int64_t V) {
+  head_owner_ =
+      std::shared_ptr<void>(allocate_weights(sizeof(bf16_t) * static_cast<size_t>(V * cfg_.hidden_size)));
+  head_amx_ = static_cast<const bf16_t*>(head_owner_.get());
+  return static_cast<bf16_t*>(head_owner_.get());
 }
 
 void KimiLinearForCausalLM::build_head(
@@ -442,24 +458,23 @@ void KimiLinearForCausalLM::build_head(
   const Weights hw = opts_.quantize_lm_head ? opts_.weights : Weights::BF16;
   lm_head_.clear();
   head_begin_.clear();
-  head_bf16_.clear();
-  // Where the AMX kernel applies, the head also as one bf16 [V, D] matrix for M >= 2 (compute_logits).
-  const bool amx = opts_.precision == Precision::BF16 && hw == Weights::BF16 &&
-                   kernels::gemm::cpu_has_amx_bf16() && kernels::gemm::bf16_amx_takes(D);
-  if (amx) head_bf16_.resize(static_cast<size_t>(V * D));
+  head_owner_.reset();
+  head_amx_ = nullptr;
+  bf16_t* amx = amx_head() ? allocate_amx_head(V) : nullptr;
   std::vector<float> r;
   for (int64_t b = 0; b < V; b += per) {
     const int64_t e = std::min(V, b + per);
     rows(b, e, r);
-    if (amx) {
-      if (static_cast<int64_t>(r.size()) != (e - b) * D)
-        throw std::invalid_argument("lm_head rows [" + str(b) + ", " + str(e) +
-                                    "): " + str(static_cast<int64_t>(r.size())) + " values, expected " +
-                                    str((e - b) * D));
-      f32_to_bf16_array(r.data(), head_bf16_.data() + b * D, r.size());
+    if (static_cast<int64_t>(r.size()) != (e - b) * D)
+      throw std::invalid_argument("lm_head rows [" + str(b) + ", " + str(e) +
+                                  "): " + str(static_cast<int64_t>(r.size())) + " values, expected " +
+                                  str((e - b) * D));
+    if (amx != nullptr) {
+      f32_to_bf16_array(r.data(), amx + b * D, r.size());
+    } else {
+      lm_head_.emplace_back(D, e - b, r, opts_.precision, hw);
+      head_begin_.push_back(b);
     }
-    lm_head_.emplace_back(D, e - b, r, opts_.precision, hw);
-    head_begin_.push_back(b);
   }
 }
 
@@ -480,21 +495,22 @@ void KimiLinearForCausalLM::build_head(int64_t V, const bf16_t* head,
   const int64_t per = head_block_rows();
   lm_head_.clear();
   head_begin_.clear();
-  head_bf16_.clear();
-  if (kernels::gemm::cpu_has_amx_bf16() && kernels::gemm::bf16_amx_takes(D))
-    head_bf16_.assign(head, head + V * D);
+  head_owner_.reset();
+  head_amx_ = nullptr;
+  bf16_t* amx = amx_head() ? allocate_amx_head(V) : nullptr;
   for (int64_t b = 0; b < V; b += per) {
     const int64_t e = std::min(V, b + per);
-    lm_head_.emplace_back(D, e - b, head + b * D, opts_.precision);
-    head_begin_.push_back(b);
+    if (amx != nullptr) {
+      std::copy(head + b * D, head + e * D, amx + b * D);
+    } else {
+      lm_head_.emplace_back(D, e - b, head + b * D, opts_.precision);
+      head_begin_.push_back(b);
+    }
     if (block_done) block_done(b, e);
   }
 }
 
-int64_t KimiLinearForCausalLM::weight_bytes() const {
-  return model_->weight_bytes() + head_weight_bytes() +
-         static_cast<int64_t>(sizeof(bf16_t) * head_bf16_.size());
-}
+int64_t KimiLinearForCausalLM::weight_bytes() const { return model_->weight_bytes() + head_weight_bytes(); }
 
 int64_t KimiLinearForCausalLM::active_weight_bytes() const {
   const int64_t D = cfg_.hidden_size;
