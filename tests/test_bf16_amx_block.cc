@@ -138,5 +138,54 @@ TEST(Bf16AmxBlock, RefusesBadArgumentsBeforeWriting) {
   for (float v : y) ASSERT_EQ(v, 7.0f);
 }
 
+// The decode rows kernel gives the block kernel's bits at every row count of a decode or verify call (and
+// past one group of 16), on the model's projection widths (64-channel blocks whole and partial) and odd
+// ones, strided rows; a bf16 y is its fp32 y rounded to nearest even; y's columns past N left alone.
+TEST(Bf16AmxRows, GivesTheBlockKernelsBitsAtEveryRowCount) {
+  SKIP_WITHOUT_AMX_BF16();
+  struct Shape {
+    int64_t K, N;
+  };
+  uint64_t seed = 200;
+  for (const Shape s : {Shape{2304, 12576}, Shape{4096, 2304}, Shape{2304, 2048}, Shape{1024, 2304},
+                        Shape{128, 4096}, Shape{192, 200}, Shape{32, 1}, Shape{64, 15}, Shape{96, 70}}) {
+    const int64_t ldx = s.K + 32, ldy = s.N + 3, kRows = 33;
+    const auto x = random_bf16(static_cast<size_t>(kRows * ldx), ++seed);
+    const Weights w(s.K, s.N, ++seed);
+    for (int64_t M : {1, 2, 3, 5, 8, 13, 16, 17, 33}) {
+      const std::string what =
+          "K " + std::to_string(s.K) + " N " + std::to_string(s.N) + " M " + std::to_string(M);
+      std::vector<float> want(static_cast<size_t>(M * ldy), 7.0f), got(want.size(), 7.0f);
+      qg::gemm_bf16_amx_block(x.data(), M, ldx, w.packed.data(), s.K, s.N, want.data(), ldy);
+      qg::gemm_bf16_amx_rows(x.data(), M, ldx, w.packed.data(), s.K, s.N, got.data(), ldy);
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * got.size()), 0) << what;
+      std::vector<bf16_t> got16(static_cast<size_t>(M * ldy), bf16_t{0x7777});
+      qg::gemm_bf16_amx_rows(x.data(), M, ldx, w.packed.data(), s.K, s.N, got16.data(), ldy);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = 0; n < s.N; ++n)
+          ASSERT_EQ(got16[m * ldy + n], f32_to_bf16(want[m * ldy + n]))
+              << what << " row " << m << " ch " << n;
+        for (int64_t n = s.N; n < ldy; ++n) ASSERT_EQ(got16[m * ldy + n], bf16_t{0x7777}) << what;
+      }
+    }
+  }
+}
+
+TEST(Bf16AmxRows, RefusesBadArgumentsBeforeWriting) {
+  SKIP_WITHOUT_AMX_BF16();
+  const int64_t M = 4, K = 64, N = 20;
+  const auto x = random_bf16(static_cast<size_t>(M * K), 5);
+  const Weights w(K, N, 6);
+  std::vector<float> y(static_cast<size_t>(M * N), 7.0f);
+  const auto call = [&](int64_t m, int64_t ldx, int64_t k, int64_t n, int64_t ldy) {
+    qg::gemm_bf16_amx_rows(x.data(), m, ldx, w.packed.data(), k, n, y.data(), ldy);
+  };
+  EXPECT_THROW(call(M, K, 48, N, N), std::invalid_argument);
+  EXPECT_THROW(call(M, K - 1, K, N, N), std::invalid_argument);
+  EXPECT_THROW(call(M, K, K, N, N - 1), std::invalid_argument);
+  EXPECT_THROW(call(-1, K, K, N, N), std::invalid_argument);
+  for (float v : y) ASSERT_EQ(v, 7.0f);
+}
+
 }  // namespace
 }  // namespace kda

@@ -1,9 +1,12 @@
 #include "kda/kernels/gemm/bf16_amx_block.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kda/kernels/gemm/amx_tiles.h"
@@ -15,11 +18,11 @@ namespace kda::kernels::gemm {
 namespace {
 
 void check_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K,
-                int64_t N, const float* y, int64_t ldy) {
+                int64_t N, const void* y, int64_t ldy) {
   if (K % 32 != 0)
     throw std::invalid_argument(std::string(what) + ": the input size " + std::to_string(K) +
                                 " is not a multiple of 32");
-  amx::check_bf16_gemm_args(what, x, M, ldx, w, K, N, y, ldy);
+  amx::check_bf16_gemm_args(what, x, M, ldx, w, K, N, static_cast<const float*>(y), ldy);
 }
 
 // W[n][k] in gemm_bf16_vnni's layout (bf16_vnni.h).
@@ -143,6 +146,75 @@ void run(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, in
   KDA_TILE_FENCE();  // y's stores before the caller reads them
 }
 
+// Rows [0, R) (R <= 16) of x against W's 64-channel blocks [b0, b1): tile 0 the rows' 32 inputs, 1 to 3
+// (and 1 again) the block's four 16-channel B tiles, 4 to 7 their sums. A block past N's last whole one
+// goes through `o` (its padding channels are summed, not stored); a bf16 y through `o` always.
+template <class Y>
+void rows_blocks(const bf16_t* x, int64_t R, int64_t ldx, const bf16_t* w, int64_t K, int64_t N, Y* y,
+                 int64_t ldy, int64_t b0, int64_t b1) {
+  constexpr bool kF32 = std::is_same_v<Y, float>;
+  constexpr int64_t kBlockStep = kStep * kVnniBlockN;  // a block's values per step of 32 inputs (4 KB)
+  TileConfig c;
+  c.rows[0] = static_cast<uint8_t>(R);
+  c.colsb[0] = 2 * kStep;
+  for (int t : {1, 2, 3}) {
+    c.rows[t] = kStep / 2;
+    c.colsb[t] = 4 * kT;
+  }
+  for (int t : {4, 5, 6, 7}) {
+    c.rows[t] = static_cast<uint8_t>(R);
+    c.colsb[t] = 4 * kT;
+  }
+  asm volatile("ldtilecfg %0" ::"m"(c));
+  alignas(64) float o[kT * kVnniBlockN];
+  KDA_TILE_FENCE();  // the caller's stores to x before the tile loads read it
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    const bf16_t* wb = w + nb * kVnniBlockN * K;
+    const int64_t n0 = nb * kVnniBlockN, nc = std::min(kVnniBlockN, N - n0);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t k = 0; k < K; k += kStep) {
+      const bf16_t* bt = wb + k / kStep * kBlockStep;
+      // Two steps ahead: the same block's next lines, or the next block's first (one run of bytes).
+      const char* ahead = reinterpret_cast<const char*>(bt + 2 * kBlockStep);
+      for (int64_t j = 0; j < kBlockStep * 2 / 64; ++j) _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+      _tile_loadd(0, x + k, 2 * ldx);
+      _tile_loadd(1, bt, 4 * kVnniBlockN);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(2, bt + 2 * kT, 4 * kVnniBlockN);
+      _tile_dpbf16ps(5, 0, 2);
+      _tile_loadd(3, bt + 4 * kT, 4 * kVnniBlockN);
+      _tile_dpbf16ps(6, 0, 3);
+      _tile_loadd(1, bt + 6 * kT, 4 * kVnniBlockN);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+    if (kF32 && nc == kVnniBlockN) {
+      float* yb = reinterpret_cast<float*>(y) + n0;
+      _tile_stored(4, yb, 4 * ldy);
+      _tile_stored(5, yb + kT, 4 * ldy);
+      _tile_stored(6, yb + 2 * kT, 4 * ldy);
+      _tile_stored(7, yb + 3 * kT, 4 * ldy);
+      continue;
+    }
+    _tile_stored(4, o, 4 * kVnniBlockN);
+    _tile_stored(5, o + kT, 4 * kVnniBlockN);
+    _tile_stored(6, o + 2 * kT, 4 * kVnniBlockN);
+    _tile_stored(7, o + 3 * kT, 4 * kVnniBlockN);
+    KDA_TILE_FENCE();
+    for (int64_t m = 0; m < R; ++m) {
+      if constexpr (kF32)
+        std::copy(o + m * kVnniBlockN, o + m * kVnniBlockN + nc, y + m * ldy + n0);
+      else
+        f32_to_bf16_array(o + m * kVnniBlockN, y + m * ldy + n0, static_cast<size_t>(nc));
+    }
+    KDA_TILE_FENCE();  // the next block's stores to o after these reads
+  }
+  KDA_TILE_FENCE();  // y's stores before the caller reads them
+  _tile_release();
+}
+
 #pragma GCC pop_options
 
 }  // namespace
@@ -154,10 +226,54 @@ void gemm_bf16_amx_block(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* 
   run(x, M, ldx, w, K, N, y, ldy);
 }
 
+namespace {
+
+// Below this many weights a call runs on one thread (the fork costs more than the work).
+constexpr int64_t kRowsParallelMin = int64_t{1} << 15;
+
+template <class Y>
+void rows(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
+          Y* y, int64_t ldy) {
+  if (!cpu_has_amx_bf16()) throw std::logic_error(std::string(what) + ": no AMX-BF16 on this CPU");
+  check_args(what, x, M, ldx, w, K, N, y, ldy);
+  const int64_t nblocks = (N + kVnniBlockN - 1) / kVnniBlockN;
+  for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+    const int64_t R = std::min(kAmxRows, M - m0);
+    const bf16_t* xr = x + m0 * ldx;
+    Y* yr = y + m0 * ldy;
+    if (K * N < kRowsParallelMin || nblocks < 2) {
+      rows_blocks(xr, R, ldx, w, K, N, yr, ldy, 0, nblocks);
+      continue;
+    }
+#pragma omp parallel
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      rows_blocks(xr, R, ldx, w, K, N, yr, ldy, nblocks * t / nt, nblocks * (t + 1) / nt);
+    }
+  }
+}
+
+}  // namespace
+
+void gemm_bf16_amx_rows(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
+                        float* y, int64_t ldy) {
+  rows("gemm_bf16_amx_rows", x, M, ldx, w, K, N, y, ldy);
+}
+void gemm_bf16_amx_rows(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
+                        bf16_t* y, int64_t ldy) {
+  rows("gemm_bf16_amx_rows", x, M, ldx, w, K, N, y, ldy);
+}
+
 #else  // no AMX in this build
 
 void gemm_bf16_amx_block(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, float*, int64_t) {
   throw std::logic_error("gemm_bf16_amx_block: not in this build");
+}
+void gemm_bf16_amx_rows(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, float*, int64_t) {
+  throw std::logic_error("gemm_bf16_amx_rows: not in this build");
+}
+void gemm_bf16_amx_rows(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, bf16_t*, int64_t) {
+  throw std::logic_error("gemm_bf16_amx_rows: not in this build");
 }
 
 #endif
