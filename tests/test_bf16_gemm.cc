@@ -10,10 +10,12 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/gemm/bf16_amx_block.h"
 #include "kda/kernels/gemm/bf16_gemm.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/bf16_vnni_rows.h"
 #include "kda/layers/linear.h"
+#include "kda/layers/onednn_isa.h"
 #include "support/gemm_check.h"
 #include "support/test_support.h"
 
@@ -172,9 +174,15 @@ TEST(Bf16Gemm, LinearsWidenedPathEqualsOneDnnsBf16Matmul) {
   }
 }
 
+namespace qg = kernels::gemm;
+
+// Whether a bf16 Linear of 64 inputs sends its decode rows to the AMX kernel here (oneDNN on AMX tiles).
+bool amx_rows_here() { return layers::onednn_bf16_uses_amx() && qg::bf16_amx_block_takes(64); }
+
 TEST(Bf16Gemm, AChoiceIsOnlyForBf16ProjectionsWithBf16Weights) {
   const std::vector<float> w(64 * 32, 0.5f);
-  for (auto choice : {layers::Bf16Gemm::OneDnn, layers::Bf16Gemm::OneDnnVnni, layers::Bf16Gemm::Widened}) {
+  for (auto choice : {layers::Bf16Gemm::OneDnn, layers::Bf16Gemm::OneDnnVnni, layers::Bf16Gemm::Widened,
+                      layers::Bf16Gemm::OneDnnAmx}) {
     expect_throw_with<std::invalid_argument>(
         [&] { layers::Linear(64, 32, w, Precision::FP32, Weights::BF16, choice); },
         "only for bf16 projections");
@@ -185,6 +193,7 @@ TEST(Bf16Gemm, AChoiceIsOnlyForBf16ProjectionsWithBf16Weights) {
   EXPECT_EQ(layers::Linear(64, 32, w, Precision::FP32).bf16_gemm(), layers::Bf16Gemm::OneDnn);
   const auto expect = !cpu_has_bf16_gemm()                       ? layers::Bf16Gemm::Widened
                       : layers::onednn_bf16_k_chunk(64, 32) >= 0 ? layers::Bf16Gemm::OneDnnVnni
+                      : amx_rows_here()                          ? layers::Bf16Gemm::OneDnnAmx
                                                                  : layers::Bf16Gemm::OneDnn;
   EXPECT_EQ(layers::Linear(64, 32, w, Precision::BF16).bf16_gemm(), expect);
 }
@@ -226,6 +235,50 @@ TEST(Bf16Gemm, ALinearFromBf16RowsIsTheOneFromTheirValues) {
                                            "null bf16 weight");
   expect_throw_with<std::invalid_argument>([&] { layers::Linear(0, out, wb.data(), Precision::BF16); },
                                            "features must be positive");
+}
+
+// Where oneDNN multiplies with AMX tiles, a bf16 Linear's calls of up to 16 rows go to the AMX decode kernel
+// on oneDNN's copy of W: each row's bits the same alone as in any such call, within fp32 summation
+// rounding of oneDNN's own result, a bf16 output its fp32 one rounded; 17 rows and more stay oneDNN's (its
+// bits). Elsewhere asking for it is refused.
+TEST(Bf16Gemm, OneDnnAmxDecodeRowsDoNotDependOnTheirBatch) {
+  const std::vector<float> w0(64 * 32, 0.5f);
+  if (!amx_rows_here()) {
+    expect_throw_with<std::invalid_argument>(
+        [&] { layers::Linear(64, 32, w0, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnnAmx); },
+        "AMX decode kernel");
+    GTEST_SKIP() << "oneDNN does not use AMX tiles here";
+  }
+  uint64_t seed = 40;
+  for (const auto& [in, out] :
+       {std::pair<int64_t, int64_t>{2304, 300}, {128, 4096}, {4096, 2304}, {96, 70}}) {
+    const std::vector<float> w = random_normal(static_cast<size_t>(in * out), ++seed, 0.02f);
+    const layers::Linear amx(in, out, w, Precision::BF16);
+    const layers::Linear onednn(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
+    ASSERT_EQ(amx.bf16_gemm(), layers::Bf16Gemm::OneDnnAmx);
+    constexpr int64_t kRows = 20;
+    const std::vector<bf16_t> x = to_bf16(random_normal(static_cast<size_t>(kRows * in), ++seed));
+    std::vector<std::vector<float>> alone(kRows, std::vector<float>(static_cast<size_t>(out)));
+    for (int64_t m = 0; m < kRows; ++m) amx.forward(x.data() + m * in, 1, in, alone[m].data(), out);
+    for (int64_t M : {2, 5, 16, 17, 20}) {
+      const std::string what =
+          std::to_string(in) + " -> " + std::to_string(out) + ", " + std::to_string(M) + " rows";
+      std::vector<float> y(static_cast<size_t>(M * out)), ref(y.size());
+      std::vector<bf16_t> y16(y.size());
+      amx.forward(x.data(), M, in, y.data(), out);
+      amx.forward(x.data(), M, in, y16.data(), out);
+      onednn.forward(x.data(), M, in, ref.data(), out);
+      if (M > qg::kAmxRows) {
+        EXPECT_EQ(std::memcmp(y.data(), ref.data(), sizeof(float) * y.size()), 0) << what;
+        continue;
+      }
+      for (int64_t m = 0; m < M; ++m)
+        ASSERT_EQ(std::memcmp(y.data() + m * out, alone[m].data(), sizeof(float) * out), 0)
+            << what << ", row " << m;
+      for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y16[i], f32_to_bf16(y[i])) << what;
+      EXPECT_LE(testing::max_error_ratio(y.data(), ref.data(), y.size(), 1e-5, 1e-5), 1.0) << what;
+    }
+  }
 }
 
 }  // namespace

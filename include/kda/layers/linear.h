@@ -20,16 +20,22 @@
 //   (kernels/gemm/bf16_gemm.h: one pass over W per 64 rows, a row's result independent of the batch it
 //   is in, so a token computes the same bits in a decode step, a verify row or a prefill). The same
 //   rounding points: bf16 x, fp32 accumulation, a bf16 y rounded to nearest even.
+// - OneDnnAmx: where oneDNN multiplies with AMX tiles, calls of up to 16 rows (decode, verify) go to the
+//   project's AMX decode kernel (kernels/gemm/bf16_amx_block.h, gemm_bf16_amx_rows) on the same copy of
+//   W, read once per call in address order; oneDNN keeps the calls of more rows. A decode row's bits do
+//   not depend on the rows beside it (oneDNN's AMX kernels' do); they are oneDNN's where its kernel for
+//   the shape sums the inputs in one run (docs/performance.md, "bf16 decode rows on AMX tiles").
 // - Auto: OneDnnVnni where the CPU has bf16 GEMM hardware (cpu_has_bf16_gemm()) and the kernel gives
-//   oneDNN's bits there (not with AMX tiles), else OneDnn there, Widened elsewhere. Without
+//   oneDNN's bits there (not with AMX tiles), OneDnnAmx where oneDNN uses AMX tiles and the input size
+//   is a multiple of 32, else OneDnn there, Widened elsewhere. Without
 //   AVX512_BF16 oneDNN emulates its bf16 matmul: fast for one row, but compute-bound from two rows on
 //   (verifying 4 drafted tokens cost what decoding them one by one does) and below its fp32 matmul's
 //   speed at prefill.
 //
 // Thread safety: forward may be called from several threads at once; the primitive cache and the oneDNN
 // stream are behind a mutex per object, so calls on one Linear that go to oneDNN take turns (distinct
-// objects run in parallel; OneDnnVnni's decode rows touch neither and take no lock); input / output
-// conversion scratch is the calling thread's, shared by all its projections.
+// objects run in parallel; OneDnnVnni's and OneDnnAmx's decode rows touch neither and take no lock); input /
+// output conversion scratch is the calling thread's, shared by all its projections.
 #pragma once
 
 #include <cstdint>
@@ -47,12 +53,13 @@ class PackedMatrix;
 
 namespace kda::layers {
 
-enum class Bf16Gemm { Auto, OneDnn, OneDnnVnni, Widened };
+enum class Bf16Gemm { Auto, OneDnn, OneDnnVnni, Widened, OneDnnAmx };
 
 class Linear {
  public:
   // bf16_gemm other than Auto only with the bf16 precision and bf16 weights (std::invalid_argument);
-  // OneDnnVnni where the kernel cannot give oneDNN's bits here is std::invalid_argument too.
+  // OneDnnVnni where the kernel cannot give oneDNN's bits here, and OneDnnAmx where oneDNN does not use
+  // AMX tiles or the input size is not a multiple of 32, are std::invalid_argument too.
   Linear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Precision precision,
          Weights weights = Weights::BF16, Bf16Gemm bf16_gemm = Bf16Gemm::Auto);
   // bf16 weights from bf16 values, [out, in] row-major (a checkpoint's tensor as its mapping holds it):
@@ -73,8 +80,8 @@ class Linear {
   int64_t out_features() const { return out_; }
   Precision precision() const { return precision_; }
   Weights weights() const { return weights_; }
-  // OneDnn, OneDnnVnni or Widened for a bf16 projection with bf16 weights (Auto resolved); OneDnn
-  // otherwise.
+  // OneDnn, OneDnnVnni, OneDnnAmx or Widened for a bf16 projection with bf16 weights (Auto resolved);
+  // OneDnn otherwise.
   Bf16Gemm bf16_gemm() const { return bf16_gemm_; }
   // The bytes of W a forward reads: dense (2 or 4 per weight) or the packed quantized values and scales.
   int64_t weight_bytes() const;

@@ -10,11 +10,13 @@
 
 #include "kda/common/isa.h"
 #include "kda/common/weight_buffer.h"
+#include "kda/kernels/gemm/bf16_amx_block.h"
 #include "kda/kernels/gemm/bf16_vnni.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/bf16_vnni_rows.h"
 #include "kda/layers/fp32_rows.h"
 #include "kda/layers/matmul_cache.h"
+#include "kda/layers/onednn_isa.h"
 #include "kda/layers/quant_linear.h"
 
 namespace kda::layers {
@@ -44,6 +46,8 @@ struct Linear::Impl {
   // -1: never. vnni_w holds that layout's memory whatever later calls do to w.
   int64_t vnni_chunk = -1;
   dnnl::memory vnni_w;
+  // Bf16Gemm::OneDnnAmx: calls of up to kAmxRows rows go to the AMX decode kernel on vnni_w.
+  bool amx_rows = false;
 };
 
 namespace {
@@ -134,8 +138,9 @@ void Linear::init_dense(const float* wf, const bf16_t* wb, Bf16Gemm bf16_gemm) {
   memory src(plain_weight_md(in_, out_, dt), im.engine, plain);
   dnnl::reorder(src, im.w[0]).execute(im.stream, src, im.w[0]);
   im.stream.wait();
+  const bool vnni_layout = in_vnni_layout(im.w[0].get_desc(), in_, out_);
   if (bf16_gemm_ == Bf16Gemm::OneDnnVnni) {
-    im.vnni_chunk = in_vnni_layout(im.w[0].get_desc(), in_, out_) ? onednn_bf16_k_chunk(in_, out_) : -1;
+    im.vnni_chunk = vnni_layout ? onednn_bf16_k_chunk(in_, out_) : -1;
     if (im.vnni_chunk >= 0) {
       im.vnni_w = im.w[0];
     } else if (bf16_gemm == Bf16Gemm::OneDnnVnni) {
@@ -143,6 +148,19 @@ void Linear::init_dense(const float* wf, const bf16_t* wb, Bf16Gemm bf16_gemm) {
     } else {
       bf16_gemm_ = Bf16Gemm::OneDnn;  // Auto
     }
+  }
+  // Where oneDNN multiplies with AMX tiles, its kernels read W below the memory's rate at the decode row
+  // counts and sum a row by its batch; the AMX decode kernel reads the same copy in one pass.
+  const bool amx = vnni_layout && onednn_bf16_uses_amx() && kernels::gemm::bf16_amx_block_takes(in_);
+  if (bf16_gemm == Bf16Gemm::OneDnnAmx && !amx)
+    throw std::invalid_argument(
+        "Linear: the AMX decode kernel does not run here (oneDNN without AMX tiles, or " +
+        std::to_string(in_) + " inputs, not a multiple of 32)");
+  if (amx &&
+      (bf16_gemm == Bf16Gemm::OneDnnAmx || (bf16_gemm == Bf16Gemm::Auto && bf16_gemm_ == Bf16Gemm::OneDnn))) {
+    bf16_gemm_ = Bf16Gemm::OneDnnAmx;
+    im.amx_rows = true;
+    im.vnni_w = im.w[0];
   }
 }
 
@@ -217,6 +235,15 @@ void Linear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) c
   check(M, ldx, ldy, x16 || y16);
   if (M == 0) return;
   if (impl_->quant) return impl_->quant->forward(x, M, ldx, y, ldy);
+  if (impl_->amx_rows && M <= kernels::gemm::kAmxRows) {  // no shared state: no lock
+    const auto* w = static_cast<const bf16_t*>(impl_->vnni_w.get_data_handle());
+    if constexpr (x16) {
+      kernels::gemm::gemm_bf16_amx_rows(x, M, ldx, w, in_, out_, y, ldy);
+    } else {
+      kernels::gemm::gemm_bf16_amx_rows(to_bf16(x, M, ldx), M, in_, w, in_, out_, y, ldy);
+    }
+    return;
+  }
   if (impl_->vnni_chunk >= 0 && M <= kVnniMaxRows) {  // no shared state: no lock
     const auto* w = static_cast<const bf16_t*>(impl_->vnni_w.get_data_handle());
     if constexpr (x16) {
@@ -292,7 +319,7 @@ void Linear::run(const void* x, int64_t M, int64_t ldx, void* y, bool y_bf16, in
       im.stream.wait();
       if (im.prims.size() == 0) {
         im.w.clear();
-        if (im.vnni_chunk < 0) im.w_buf.reset();
+        if (im.vnni_chunk < 0 && !im.amx_rows) im.w_buf.reset();
       }
       im.w.push_back(copy);
       w = im.w.end() - 1;
