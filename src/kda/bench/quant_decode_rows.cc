@@ -28,6 +28,7 @@
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/bf16_vnni_rows.h"
 #include "kda/layers/linear.h"
+#include "kda/layers/onednn_isa.h"
 #include "kda/layers/quant_linear.h"
 
 namespace kda::bench {
@@ -53,11 +54,13 @@ int copies_for(int64_t bytes) {
 // into a dense block buffer and copied to them), and the projection shapes above through a bf16 Linear
 // (oneDNN), each beside this CPU's decode kernels, in turns: with AMX-BF16 the AMX kernel (bf16_amx.h),
 // with AVX512_BF16 where it gives oneDNN's bits the Linear with its decode rows on the vnni kernel
-// (Bf16Gemm::OneDnnVnni, bf16_vnni.h), both writing straight into y. Rows of quant_decode with weights
-// "bf16".
+// (Bf16Gemm::OneDnnVnni, bf16_vnni.h), and where oneDNN uses AMX tiles the Linear with its decode rows on
+// the AMX rows kernel (Bf16Gemm::OneDnnAmx, bf16_amx_block.h), all writing straight into y. Rows of
+// quant_decode with weights "bf16".
 void bench_bf16_decode(nlohmann::json& j, const Say& say) {
   const bool amx = qg::cpu_has_amx_bf16(), vnni = layers::onednn_bf16_k_chunk(kD, 2048) >= 0;
   if (!amx && !vnni) return;
+  const bool amx_rows = amx && !vnni && layers::onednn_bf16_uses_amx();
   const int64_t block = (int64_t{1} << 26) / kD;  // the model's head block (kHeadBlockValues / D)
   const std::vector<float> w = bench_randn(static_cast<size_t>(block * kD), 7, 0.02f);
   std::vector<bf16_t> wb(w.size());
@@ -72,7 +75,8 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
     const int64_t blocks = (sh.out + block - 1) / block, copies = copies_for(2 * sh.in * sh.out);
     // Per copy the Linear blocks (the head's; a projection is one), and the same weights as one bf16
     // matrix (every block's rows the first ones of w: the values do not change the time).
-    std::vector<std::vector<layers::Linear>> d16(static_cast<size_t>(copies)), v16(vnni ? d16.size() : 0);
+    std::vector<std::vector<layers::Linear>> d16(static_cast<size_t>(copies)),
+        v16(vnni || amx_rows ? d16.size() : 0);
     std::vector<std::vector<bf16_t>> a16(amx ? static_cast<size_t>(copies) : 0);
     for (int64_t c = 0; c < copies; ++c) {
       if (amx) a16[c].resize(static_cast<size_t>(sh.out * sh.in));
@@ -80,15 +84,17 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
         const int64_t n = std::min(block, sh.out - b * block);
         const std::vector<float> wn = n == block ? w : std::vector<float>(w.begin(), w.begin() + n * sh.in);
         d16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
-        if (vnni) v16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16);  // Auto: OneDnnVnni here
+        if (vnni || amx_rows)  // Auto: OneDnnVnni or OneDnnAmx here
+          v16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16);
         if (amx) std::copy(wb.begin(), wb.begin() + n * sh.in, a16[c].begin() + b * block * sh.in);
       }
     }
-    // The vnni rows only where every block of this shape took the kernel (Auto falls back to oneDNN alone
-    // for a shape whose bits the kernel cannot give).
-    bool vnni_here = vnni;
+    // The Auto rows only where every block of this shape took the decode kernel (Auto falls back to oneDNN
+    // alone for a shape whose bits the vnni kernel cannot give, or whose inputs the AMX one cannot take).
+    const layers::Bf16Gemm decode_kernel = vnni ? layers::Bf16Gemm::OneDnnVnni : layers::Bf16Gemm::OneDnnAmx;
+    bool vnni_here = vnni || amx_rows;
     for (const auto& blocks_of : v16)
-      for (const layers::Linear& l : blocks_of) vnni_here &= l.bf16_gemm() == layers::Bf16Gemm::OneDnnVnni;
+      for (const layers::Linear& l : blocks_of) vnni_here &= l.bf16_gemm() == decode_kernel;
     for (int64_t M :
          {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}, int64_t{16}, int64_t{32}, int64_t{64}}) {
       std::vector<float> x = bench_randn(static_cast<size_t>(M * sh.in), 6),
@@ -126,7 +132,7 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
           for (int64_t b = 0; b < blocks; ++b)
             hs[b].forward(x.data(), M, sh.in, logits.data() + b * block, sh.out);
         });
-        names.push_back("vnni bf16");
+        names.push_back(vnni ? "vnni bf16" : "amx rows");
       }
       const std::vector<double> t = best_interleaved(fns, 5, 1.0);
       const int64_t bytes = 2 * sh.in * sh.out;
