@@ -118,14 +118,18 @@ TEST(Bf16AmxBlock, ARowsBitsDoNotDependOnTheRowsBesideIt) {
   }
 }
 
-TEST(Bf16AmxBlock, RefusesBadArgumentsBeforeWriting) {
-  SKIP_WITHOUT_AMX_BF16();
+// The fp32 entry points of both kernels.
+using Fp32Kernel = void (*)(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, float*,
+                            int64_t);
+
+// Bad sizes and strides are refused before y is written; no rows is nothing to do.
+void expect_refuses_bad_arguments(Fp32Kernel kernel) {
   const int64_t M = 4, K = 64, N = 20;
   const auto x = random_bf16(static_cast<size_t>(M * K), 5);
   const Weights w(K, N, 6);
   std::vector<float> y(static_cast<size_t>(M * N), 7.0f);
   const auto call = [&](int64_t m, int64_t ldx, int64_t k, int64_t n, int64_t ldy) {
-    qg::gemm_bf16_amx_block(x.data(), m, ldx, w.packed.data(), k, n, y.data(), ldy);
+    kernel(x.data(), m, ldx, w.packed.data(), k, n, y.data(), ldy);
   };
   EXPECT_THROW(call(M, K, 48, N, N), std::invalid_argument);
   EXPECT_THROW(call(M, K, 0, N, N), std::invalid_argument);
@@ -134,8 +138,13 @@ TEST(Bf16AmxBlock, RefusesBadArgumentsBeforeWriting) {
   EXPECT_THROW(call(M, K, K, 0, N), std::invalid_argument);
   EXPECT_THROW(call(-1, K, K, N, N), std::invalid_argument);
   for (float v : y) ASSERT_EQ(v, 7.0f);
-  call(0, K, K, N, N);  // no rows: nothing to do
+  call(0, K, K, N, N);
   for (float v : y) ASSERT_EQ(v, 7.0f);
+}
+
+TEST(Bf16AmxBlock, RefusesBadArgumentsBeforeWriting) {
+  SKIP_WITHOUT_AMX_BF16();
+  expect_refuses_bad_arguments(qg::gemm_bf16_amx_block);
 }
 
 // The decode rows kernel gives the block kernel's bits at every row count of a decode or verify call (and
@@ -173,18 +182,7 @@ TEST(Bf16AmxRows, GivesTheBlockKernelsBitsAtEveryRowCount) {
 
 TEST(Bf16AmxRows, RefusesBadArgumentsBeforeWriting) {
   SKIP_WITHOUT_AMX_BF16();
-  const int64_t M = 4, K = 64, N = 20;
-  const auto x = random_bf16(static_cast<size_t>(M * K), 5);
-  const Weights w(K, N, 6);
-  std::vector<float> y(static_cast<size_t>(M * N), 7.0f);
-  const auto call = [&](int64_t m, int64_t ldx, int64_t k, int64_t n, int64_t ldy) {
-    qg::gemm_bf16_amx_rows(x.data(), m, ldx, w.packed.data(), k, n, y.data(), ldy);
-  };
-  EXPECT_THROW(call(M, K, 48, N, N), std::invalid_argument);
-  EXPECT_THROW(call(M, K - 1, K, N, N), std::invalid_argument);
-  EXPECT_THROW(call(M, K, K, N, N - 1), std::invalid_argument);
-  EXPECT_THROW(call(-1, K, K, N, N), std::invalid_argument);
-  for (float v : y) ASSERT_EQ(v, 7.0f);
+  expect_refuses_bad_arguments(static_cast<Fp32Kernel>(qg::gemm_bf16_amx_rows));
 }
 
 }  // namespace
