@@ -190,13 +190,14 @@ void rows_blocks(const bf16_t* x, int64_t R, int64_t ldx, const bf16_t* w, int64
       _tile_loadd(1, bt + 6 * kT, 4 * kVnniBlockN);
       _tile_dpbf16ps(7, 0, 1);
     }
-    if (kF32 && nc == kVnniBlockN) {
-      float* yb = reinterpret_cast<float*>(y) + n0;
-      _tile_stored(4, yb, 4 * ldy);
-      _tile_stored(5, yb + kT, 4 * ldy);
-      _tile_stored(6, yb + 2 * kT, 4 * ldy);
-      _tile_stored(7, yb + 3 * kT, 4 * ldy);
-      continue;
+    if constexpr (kF32) {
+      if (nc == kVnniBlockN) {
+        _tile_stored(4, y + n0, 4 * ldy);
+        _tile_stored(5, y + n0 + kT, 4 * ldy);
+        _tile_stored(6, y + n0 + 2 * kT, 4 * ldy);
+        _tile_stored(7, y + n0 + 3 * kT, 4 * ldy);
+        continue;
+      }
     }
     _tile_stored(4, o, 4 * kVnniBlockN);
     _tile_stored(5, o + kT, 4 * kVnniBlockN);
