@@ -92,9 +92,9 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
     // The Auto rows only where every block of this shape took the decode kernel (Auto falls back to oneDNN
     // alone for a shape whose bits the vnni kernel cannot give, or whose inputs the AMX one cannot take).
     const layers::Bf16Gemm decode_kernel = vnni ? layers::Bf16Gemm::OneDnnVnni : layers::Bf16Gemm::OneDnnAmx;
-    bool vnni_here = vnni || amx_rows;
+    bool auto_here = vnni || amx_rows;
     for (const auto& blocks_of : v16)
-      for (const layers::Linear& l : blocks_of) vnni_here &= l.bf16_gemm() == decode_kernel;
+      for (const layers::Linear& l : blocks_of) auto_here &= l.bf16_gemm() == decode_kernel;
     for (int64_t M :
          {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}, int64_t{16}, int64_t{32}, int64_t{64}}) {
       std::vector<float> x = bench_randn(static_cast<size_t>(M * sh.in), 6),
@@ -126,7 +126,7 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
         });
         names.push_back("amx bf16");
       }
-      if (vnni_here) {
+      if (auto_here) {
         fns.push_back([&] {
           const std::vector<layers::Linear>& hs = v16[iv++ % v16.size()];
           for (int64_t b = 0; b < blocks; ++b)

@@ -235,22 +235,22 @@ void Linear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) c
   check(M, ldx, ldy, x16 || y16);
   if (M == 0) return;
   if (impl_->quant) return impl_->quant->forward(x, M, ldx, y, ldy);
-  if (impl_->amx_rows && M <= kernels::gemm::kAmxRows) {  // no shared state: no lock
+  // The decode rows of OneDnnVnni and OneDnnAmx, on oneDNN's copy of W: no shared state, no lock.
+  const bool amx_rows = impl_->amx_rows && M <= kernels::gemm::kAmxRows;
+  if (amx_rows || (impl_->vnni_chunk >= 0 && M <= kVnniMaxRows)) {
     const auto* w = static_cast<const bf16_t*>(impl_->vnni_w.get_data_handle());
+    const bf16_t* xb = nullptr;
+    int64_t ldb = in_;
     if constexpr (x16) {
-      kernels::gemm::gemm_bf16_amx_rows(x, M, ldx, w, in_, out_, y, ldy);
+      xb = x;
+      ldb = ldx;
     } else {
-      kernels::gemm::gemm_bf16_amx_rows(to_bf16(x, M, ldx), M, in_, w, in_, out_, y, ldy);
+      xb = to_bf16(x, M, ldx);
     }
-    return;
-  }
-  if (impl_->vnni_chunk >= 0 && M <= kVnniMaxRows) {  // no shared state: no lock
-    const auto* w = static_cast<const bf16_t*>(impl_->vnni_w.get_data_handle());
-    if constexpr (x16) {
-      kernels::gemm::gemm_bf16_vnni(x, M, ldx, w, in_, out_, y, ldy, impl_->vnni_chunk);
-    } else {
-      kernels::gemm::gemm_bf16_vnni(to_bf16(x, M, ldx), M, in_, w, in_, out_, y, ldy, impl_->vnni_chunk);
-    }
+    if (amx_rows)
+      kernels::gemm::gemm_bf16_amx_rows(xb, M, ldb, w, in_, out_, y, ldy);
+    else
+      kernels::gemm::gemm_bf16_vnni(xb, M, ldb, w, in_, out_, y, ldy, impl_->vnni_chunk);
     return;
   }
   std::lock_guard<std::mutex> lock(impl_->mu);
