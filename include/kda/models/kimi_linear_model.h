@@ -247,7 +247,7 @@ class KimiLinearForCausalLM {
   const bf16_t* head_amx_ = nullptr;
   std::shared_ptr<void> head_owner_;
   bool amx_head() const;
-  bf16_t* allocate_amx_head(int64_t V);  // head_owner_'s memory for the AMX head, head_amx_ set
+  bf16_t* reset_head(int64_t V);  // the head emptied; the AMX head's memory where it applies
   // Builds the head's blocks from rows(begin, end, out): out = fp32 [end - begin, D]. One buffer serves every
   // block, so a loader's fp32 copy reuses the same pages block after block.
   void build_head(int64_t V, const std::function<void(int64_t, int64_t, std::vector<float>&)>& rows);

@@ -443,8 +443,14 @@ bool KimiLinearForCausalLM::amx_head() const {
          kernels::gemm::bf16_amx_takes(cfg_.hidden_size);
 }
 
-// The AMX head's memory for V x D values: huge pages (allocate_weights), held by head_owner_.
-bf16_t* KimiLinearForCausalLM::allocate_amx_head(int64_t V) {
+// Drops the head built so far; where the AMX head applies, returns its memory for V x D values (huge
+// pages, allocate_weights, held by head_owner_; head_amx_ set), else nullptr (the head goes to lm_head_).
+bf16_t* KimiLinearForCausalLM::reset_head(int64_t V) {
+  lm_head_.clear();
+  head_begin_.clear();
+  head_owner_.reset();
+  head_amx_ = nullptr;
+  if (!amx_head()) return nullptr;
   head_owner_ =
       std::shared_ptr<void>(allocate_weights(sizeof(bf16_t) * static_cast<size_t>(V * cfg_.hidden_size)));
   head_amx_ = static_cast<const bf16_t*>(head_owner_.get());
@@ -456,11 +462,7 @@ void KimiLinearForCausalLM::build_head(
   const int64_t D = cfg_.hidden_size;
   const int64_t per = head_block_rows();
   const Weights hw = opts_.quantize_lm_head ? opts_.weights : Weights::BF16;
-  lm_head_.clear();
-  head_begin_.clear();
-  head_owner_.reset();
-  head_amx_ = nullptr;
-  bf16_t* amx = amx_head() ? allocate_amx_head(V) : nullptr;
+  bf16_t* amx = reset_head(V);
   std::vector<float> r;
   for (int64_t b = 0; b < V; b += per) {
     const int64_t e = std::min(V, b + per);
@@ -493,11 +495,7 @@ void KimiLinearForCausalLM::build_head(int64_t V, const bf16_t* head,
     throw std::invalid_argument("build_head: bf16 rows make a dense head in the bf16 precision only");
   const int64_t D = cfg_.hidden_size;
   const int64_t per = head_block_rows();
-  lm_head_.clear();
-  head_begin_.clear();
-  head_owner_.reset();
-  head_amx_ = nullptr;
-  bf16_t* amx = amx_head() ? allocate_amx_head(V) : nullptr;
+  bf16_t* amx = reset_head(V);
   for (int64_t b = 0; b < V; b += per) {
     const int64_t e = std::min(V, b + per);
     if (amx != nullptr) {
