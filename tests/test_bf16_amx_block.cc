@@ -147,9 +147,10 @@ TEST(Bf16AmxBlock, RefusesBadArgumentsBeforeWriting) {
   expect_refuses_bad_arguments(qg::gemm_bf16_amx_block);
 }
 
-// The decode rows kernel gives the block kernel's bits at every row count of a decode or verify call (and
-// past one group of 16), on the model's projection widths (64-channel blocks whole and partial) and odd
-// ones, strided rows; a bf16 y is its fp32 y rounded to nearest even; y's columns past N left alone.
+// The decode rows kernel gives the block kernel's bits at every row count of a decode or verify call (one
+// group of 16 rows, several in one pass over W, past one pass of kAmxRows), on the model's projection
+// widths (64-channel blocks whole and partial) and odd ones, strided rows; a bf16 y is its fp32 y rounded
+// to nearest even; y's columns past N left alone.
 TEST(Bf16AmxRows, GivesTheBlockKernelsBitsAtEveryRowCount) {
   SKIP_WITHOUT_AMX_BF16();
   struct Shape {
@@ -158,10 +159,11 @@ TEST(Bf16AmxRows, GivesTheBlockKernelsBitsAtEveryRowCount) {
   uint64_t seed = 200;
   for (const Shape s : {Shape{2304, 12576}, Shape{4096, 2304}, Shape{2304, 2048}, Shape{1024, 2304},
                         Shape{128, 4096}, Shape{192, 200}, Shape{32, 1}, Shape{64, 15}, Shape{96, 70}}) {
-    const int64_t ldx = s.K + 32, ldy = s.N + 3, kRows = 33;
+    const int64_t ldx = s.K + 32, ldy = s.N + 3, kRows = qg::kAmxRows + 17;
     const auto x = random_bf16(static_cast<size_t>(kRows * ldx), ++seed);
     const Weights w(s.K, s.N, ++seed);
-    for (int64_t M : {1, 2, 3, 5, 8, 13, 16, 17, 33}) {
+    for (int64_t M :
+         std::initializer_list<int64_t>{1, 2, 3, 5, 8, 13, 16, 17, 33, 48, 63, qg::kAmxRows, kRows}) {
       const std::string what =
           "K " + std::to_string(s.K) + " N " + std::to_string(s.N) + " M " + std::to_string(M);
       std::vector<float> want(static_cast<size_t>(M * ldy), 7.0f), got(want.size(), 7.0f);

@@ -237,10 +237,10 @@ TEST(Bf16Gemm, ALinearFromBf16RowsIsTheOneFromTheirValues) {
                                            "features must be positive");
 }
 
-// Where oneDNN multiplies with AMX tiles, a bf16 Linear's calls of up to 16 rows go to the AMX decode kernel
-// on oneDNN's copy of W: each row's bits the same alone as in any such call, within fp32 summation
-// rounding of oneDNN's own result, a bf16 output its fp32 one rounded; 17 rows and more stay oneDNN's (its
-// bits). Elsewhere asking for it is refused.
+// Where oneDNN multiplies with AMX tiles, a bf16 Linear's calls of up to kAmxRows rows go to the AMX
+// decode kernel on oneDNN's copy of W: each row's bits the same alone as in any such call, within fp32
+// summation rounding of oneDNN's own result, a bf16 output its fp32 one rounded; more rows stay oneDNN's
+// (its bits). Elsewhere asking for it is refused.
 TEST(Bf16Gemm, OneDnnAmxDecodeRowsDoNotDependOnTheirBatch) {
   const std::vector<float> w0(64 * 32, 0.5f);
   if (!amx_rows_here()) {
@@ -256,11 +256,11 @@ TEST(Bf16Gemm, OneDnnAmxDecodeRowsDoNotDependOnTheirBatch) {
     const layers::Linear amx(in, out, w, Precision::BF16);
     const layers::Linear onednn(in, out, w, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
     ASSERT_EQ(amx.bf16_gemm(), layers::Bf16Gemm::OneDnnAmx);
-    constexpr int64_t kRows = 20;
+    constexpr int64_t kRows = qg::kAmxRows + 3;
     const std::vector<bf16_t> x = to_bf16(random_normal(static_cast<size_t>(kRows * in), ++seed));
     std::vector<std::vector<float>> alone(kRows, std::vector<float>(static_cast<size_t>(out)));
     for (int64_t m = 0; m < kRows; ++m) amx.forward(x.data() + m * in, 1, in, alone[m].data(), out);
-    for (int64_t M : {2, 5, 16, 17, 20}) {
+    for (int64_t M : std::initializer_list<int64_t>{2, 5, 16, 17, 40, qg::kAmxRows, kRows}) {
       const std::string what =
           std::to_string(in) + " -> " + std::to_string(out) + ", " + std::to_string(M) + " rows";
       std::vector<float> y(static_cast<size_t>(M * out)), ref(y.size());

@@ -20,11 +20,11 @@
 //   (kernels/gemm/bf16_gemm.h: one pass over W per 64 rows, a row's result independent of the batch it
 //   is in, so a token computes the same bits in a decode step, a verify row or a prefill). The same
 //   rounding points: bf16 x, fp32 accumulation, a bf16 y rounded to nearest even.
-// - OneDnnAmx: where oneDNN multiplies with AMX tiles, calls of up to 16 rows (decode, verify) go to the
-//   project's AMX decode kernel (kernels/gemm/bf16_amx_block.h, gemm_bf16_amx_rows) on the same copy of
-//   W, read once per call in address order; oneDNN keeps the calls of more rows. A decode row's bits do
-//   not depend on the rows beside it (oneDNN's AMX kernels' do); they are oneDNN's where its kernel for
-//   the shape sums the inputs in one run (docs/performance.md, "bf16 decode rows on AMX tiles").
+// - OneDnnAmx: where oneDNN multiplies with AMX tiles, calls of up to 64 rows (decode and verify batches)
+//   go to the project's AMX decode kernel (kernels/gemm/bf16_amx_block.h, gemm_bf16_amx_rows) on the same
+//   copy of W, read from memory once per call in address order; oneDNN keeps the calls of more rows. A decode
+//   row's bits do not depend on the rows beside it (oneDNN's AMX kernels' do); they are oneDNN's where its
+//   kernel for the shape sums the inputs in one run (docs/performance.md, "bf16 decode rows on AMX tiles").
 // - Auto: OneDnnVnni where the CPU has bf16 GEMM hardware (cpu_has_bf16_gemm()) and the kernel gives
 //   oneDNN's bits there (not with AMX tiles), OneDnnAmx where oneDNN uses AMX tiles and the input size
 //   is a multiple of 32, else OneDnn there, Widened elsewhere. Without

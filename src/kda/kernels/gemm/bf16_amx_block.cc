@@ -146,14 +146,9 @@ void run(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, in
   KDA_TILE_FENCE();  // y's stores before the caller reads them
 }
 
-// Rows [0, R) (R <= 16) of x against W's 64-channel blocks [b0, b1): tile 0 the rows' 32 inputs, 1 to 3
-// (and 1 again) the block's four 16-channel B tiles, 4 to 7 their sums. A block past N's last whole one
-// goes through `o` (its padding channels are summed, not stored); a bf16 y through `o` always.
-template <class Y>
-void rows_blocks(const bf16_t* x, int64_t R, int64_t ldx, const bf16_t* w, int64_t K, int64_t N, Y* y,
-                 int64_t ldy, int64_t b0, int64_t b1) {
-  constexpr bool kF32 = std::is_same_v<Y, float>;
-  constexpr int64_t kBlockStep = kStep * kVnniBlockN;  // a block's values per step of 32 inputs (4 KB)
+// The tiles of a group of R <= 16 rows: 0 the rows' 32 inputs, 1 to 3 (and 1 again) a block's four
+// 16-channel B tiles, 4 to 7 their sums.
+inline void configure_rows(int64_t R) {
   TileConfig c;
   c.rows[0] = static_cast<uint8_t>(R);
   c.colsb[0] = 2 * kStep;
@@ -166,54 +161,75 @@ void rows_blocks(const bf16_t* x, int64_t R, int64_t ldx, const bf16_t* w, int64
     c.colsb[t] = 4 * kT;
   }
   asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// Rows [0, M) of x against W's 64-channel blocks [b0, b1), block by block, and in each block its groups
+// of up to 16 rows in turn: the first group reads the block from memory, the others find it in L2 (a
+// block is 128 bytes per input), so that W is read from memory once per call. (Chunks of a block's
+// inputs run group by group, each group's C tiles stored and reloaded between chunks so that the later
+// groups read the chunk from L1, were slower at 32 and 64 rows: docs/performance.md.) A block past N's
+// last whole one goes through `o` (its padding channels are summed, not stored); a bf16 y through `o`
+// always.
+template <class Y>
+void rows_blocks(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N, Y* y,
+                 int64_t ldy, int64_t b0, int64_t b1) {
+  constexpr bool kF32 = std::is_same_v<Y, float>;
+  constexpr int64_t kBlockStep = kStep * kVnniBlockN;  // a block's values per step of 32 inputs (4 KB)
   alignas(64) float o[kT * kVnniBlockN];
-  KDA_TILE_FENCE();  // the caller's stores to x before the tile loads read it
+  int64_t configured = 0;  // the rows of the tile shape loaded
+  KDA_TILE_FENCE();        // the caller's stores to x before the tile loads read it
   for (int64_t nb = b0; nb < b1; ++nb) {
     const bf16_t* wb = w + nb * kVnniBlockN * K;
     const int64_t n0 = nb * kVnniBlockN, nc = std::min(kVnniBlockN, N - n0);
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-    for (int64_t k = 0; k < K; k += kStep) {
-      const bf16_t* bt = wb + k / kStep * kBlockStep;
-      // Two steps ahead: the same block's next lines, or the next block's first (one run of bytes).
-      const char* ahead = reinterpret_cast<const char*>(bt + 2 * kBlockStep);
-      for (int64_t j = 0; j < kBlockStep * 2 / 64; ++j) _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
-      _tile_loadd(0, x + k, 2 * ldx);
-      _tile_loadd(1, bt, 4 * kVnniBlockN);
-      _tile_dpbf16ps(4, 0, 1);
-      _tile_loadd(2, bt + 2 * kT, 4 * kVnniBlockN);
-      _tile_dpbf16ps(5, 0, 2);
-      _tile_loadd(3, bt + 4 * kT, 4 * kVnniBlockN);
-      _tile_dpbf16ps(6, 0, 3);
-      _tile_loadd(1, bt + 6 * kT, 4 * kVnniBlockN);
-      _tile_dpbf16ps(7, 0, 1);
-    }
-    if constexpr (kF32) {
-      if (nc == kVnniBlockN) {
-        _tile_stored(4, y + n0, 4 * ldy);
-        _tile_stored(5, y + n0 + kT, 4 * ldy);
-        _tile_stored(6, y + n0 + 2 * kT, 4 * ldy);
-        _tile_stored(7, y + n0 + 3 * kT, 4 * ldy);
-        continue;
+    for (int64_t m0 = 0; m0 < M; m0 += kT) {
+      const int64_t R = std::min(kT, M - m0);
+      if (R != configured) configure_rows(configured = R);
+      const bf16_t* xr = x + m0 * ldx;
+      Y* yr = y + m0 * ldy;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t k = 0; k < K; k += kStep) {
+        const bf16_t* bt = wb + k / kStep * kBlockStep;
+        // Two steps ahead: the same block's next lines, or the next block's first (one run of bytes).
+        const char* ahead = reinterpret_cast<const char*>(bt + 2 * kBlockStep);
+        for (int64_t j = 0; j < kBlockStep * 2 / 64; ++j) _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+        _tile_loadd(0, xr + k, 2 * ldx);
+        _tile_loadd(1, bt, 4 * kVnniBlockN);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, bt + 2 * kT, 4 * kVnniBlockN);
+        _tile_dpbf16ps(5, 0, 2);
+        _tile_loadd(3, bt + 4 * kT, 4 * kVnniBlockN);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, bt + 6 * kT, 4 * kVnniBlockN);
+        _tile_dpbf16ps(7, 0, 1);
       }
+      if constexpr (kF32) {
+        if (nc == kVnniBlockN) {
+          _tile_stored(4, yr + n0, 4 * ldy);
+          _tile_stored(5, yr + n0 + kT, 4 * ldy);
+          _tile_stored(6, yr + n0 + 2 * kT, 4 * ldy);
+          _tile_stored(7, yr + n0 + 3 * kT, 4 * ldy);
+          continue;
+        }
+      }
+      _tile_stored(4, o, 4 * kVnniBlockN);
+      _tile_stored(5, o + kT, 4 * kVnniBlockN);
+      _tile_stored(6, o + 2 * kT, 4 * kVnniBlockN);
+      _tile_stored(7, o + 3 * kT, 4 * kVnniBlockN);
+      KDA_TILE_FENCE();
+      for (int64_t m = 0; m < R; ++m) {
+        if constexpr (kF32)
+          std::copy(o + m * kVnniBlockN, o + m * kVnniBlockN + nc, yr + m * ldy + n0);
+        else
+          f32_to_bf16_array(o + m * kVnniBlockN, yr + m * ldy + n0, static_cast<size_t>(nc));
+      }
+      KDA_TILE_FENCE();  // the next group's stores to o after these reads
     }
-    _tile_stored(4, o, 4 * kVnniBlockN);
-    _tile_stored(5, o + kT, 4 * kVnniBlockN);
-    _tile_stored(6, o + 2 * kT, 4 * kVnniBlockN);
-    _tile_stored(7, o + 3 * kT, 4 * kVnniBlockN);
-    KDA_TILE_FENCE();
-    for (int64_t m = 0; m < R; ++m) {
-      if constexpr (kF32)
-        std::copy(o + m * kVnniBlockN, o + m * kVnniBlockN + nc, y + m * ldy + n0);
-      else
-        f32_to_bf16_array(o + m * kVnniBlockN, y + m * ldy + n0, static_cast<size_t>(nc));
-    }
-    KDA_TILE_FENCE();  // the next block's stores to o after these reads
   }
   KDA_TILE_FENCE();  // y's stores before the caller reads them
-  _tile_release();
+  if (configured > 0) _tile_release();
 }
 
 #pragma GCC pop_options

@@ -29,14 +29,14 @@ void gemm_bf16_amx_block(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* 
 
 // The decode rows: y = x W^T as gemm_bf16_amx_block computes it (the same bits: each output summed from
 // zero over the inputs in steps of 32), for the row counts of decode and verify steps, where a layer's
-// projection is one pass over W per call. Rows in groups of up to kAmxRows (each group one pass over W);
-// per pass a 64-channel block of W is four B tiles side by side, summed into four C tiles of the group's
-// rows, so that W is read in address order, 4 KB per 32 inputs, prefetched two steps ahead into L1.
-// Threads split the 64-channel blocks (inside a parallel region the calling thread does them all). y
-// fp32, or bf16 rounded to nearest even (f32_to_bf16) as it is stored. W in gemm_bf16_vnni's layout,
-// padded to whole blocks of 64 channels (the padding is read, never stored). The same errors as
+// projection is one pass over W per call of up to kAmxRows rows. Per 64-channel block of W, its four B
+// tiles side by side summed into four C tiles of a group of up to 16 rows, the groups in turn: the first
+// reads the block in address order, 4 KB per 32 inputs, prefetched two steps ahead into L1; the others
+// find it in L2. Threads split the 64-channel blocks (inside a parallel region the calling thread does
+// them all). y fp32, or bf16 rounded to nearest even (f32_to_bf16) as it is stored. W in gemm_bf16_vnni's
+// layout, padded to whole blocks of 64 channels (the padding is read, never stored). The same errors as
 // gemm_bf16_amx_block.
-inline constexpr int64_t kAmxRows = 16;
+inline constexpr int64_t kAmxRows = 64;
 void gemm_bf16_amx_rows(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
                         float* y, int64_t ldy);
 void gemm_bf16_amx_rows(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
