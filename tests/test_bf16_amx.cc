@@ -4,7 +4,7 @@
 // reference; a row's bits independent of the rows beside it; NaN activations and weights confined to
 // their row and channel; the padding columns of y left alone; bad arguments refused before anything is
 // written. The kernel's tests are skipped where the CPU (or the build) has no AMX-BF16; the reference's
-// run everywhere.
+// run everywhere. The tiled layout of W gives the same bits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -140,6 +140,43 @@ TEST(Bf16Amx, NansStayInTheirRowAndChannel) {
       EXPECT_EQ(std::isnan(y[m * s.N + n]), m == 3 || n == 34) << m << ", " << n;
 }
 
+// W in the tiled layout (bf16_amx_tile_rows from fp32 or bf16 rows, in pieces as the LM head is built)
+// gives the [N, K] layout's bits at every row count, on the shapes above (a last block of fewer than 16
+// channels included); bad rows are refused.
+TEST(Bf16Amx, TiledLayoutGivesThePlainLayoutsBits) {
+  uint64_t seed = 300;
+  for (const Shape& s : kShapes) {
+    const auto w = random_bf16(static_cast<size_t>(s.K * s.N), ++seed);
+    std::vector<float> wf(w.size());
+    for (size_t i = 0; i < w.size(); ++i) wf[i] = bf16_to_f32(w[i]);
+    std::vector<bf16_t> tiled(static_cast<size_t>(qg::bf16_amx_tiled_size(s.N, s.K))), from_f32(tiled.size());
+    const int64_t half = s.N / 2;  // two pieces, as build_head's blocks
+    qg::bf16_amx_tile_rows(w.data(), 0, half, s.K, tiled.data());
+    qg::bf16_amx_tile_rows(w.data() + half * s.K, half, s.N, s.K, tiled.data());
+    qg::bf16_amx_tile_rows(wf.data(), 0, s.N, s.K, from_f32.data());
+    for (int64_t n = 0; n < s.N; ++n)
+      for (int64_t k = 0; k < s.K; ++k) {
+        ASSERT_EQ(tiled[qg::bf16_amx_tiled_index(n, k, s.K)], w[n * s.K + k]) << n << ", " << k;
+        ASSERT_EQ(from_f32[qg::bf16_amx_tiled_index(n, k, s.K)], w[n * s.K + k]) << n << ", " << k;
+      }
+    if (!qg::cpu_has_amx_bf16()) continue;
+    const int64_t ldx = s.K + 32, ldy = s.N + 3, rows = kMaxRows + 3;
+    const auto x = random_bf16(static_cast<size_t>(rows * ldx), ++seed);
+    for (int64_t M : {int64_t{1}, int64_t{3}, int64_t{16}, int64_t{17}, kMaxRows, rows}) {
+      const std::vector<float> want = amx(x, 0, M, ldx, w, s, ldy);
+      std::vector<float> got(want.size(), 7.0f);
+      qg::gemm_bf16_amx_tiled(x.data(), M, ldx, tiled.data(), s.K, s.N, got.data(), ldy);
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), sizeof(float) * got.size()), 0)
+          << "K " << s.K << " N " << s.N << " M " << M;
+    }
+  }
+  std::vector<bf16_t> out(static_cast<size_t>(qg::bf16_amx_tiled_size(4, 64)));
+  const std::vector<float> r(4 * 64, 1.0f);
+  EXPECT_THROW(qg::bf16_amx_tile_rows(r.data(), 0, 4, 48, out.data()), std::invalid_argument);  // K
+  EXPECT_THROW(qg::bf16_amx_tile_rows(r.data(), 3, 2, 64, out.data()), std::invalid_argument);
+  EXPECT_THROW(qg::bf16_amx_tile_rows(r.data(), -1, 2, 64, out.data()), std::invalid_argument);
+}
+
 TEST(Bf16Amx, RefusesBadArgumentsBeforeWriting) {
   SKIP_WITHOUT_AMX_BF16();
   const Shape s{64, 20};
@@ -157,6 +194,11 @@ TEST(Bf16Amx, RefusesBadArgumentsBeforeWriting) {
   EXPECT_THROW(call(-1, 96, s.K, s.N, 24), std::invalid_argument);
   for (float v : y) ASSERT_EQ(v, 7.0f);
   EXPECT_NO_THROW(call(0, 96, s.K, s.N, 24));
+  for (float v : y) ASSERT_EQ(v, 7.0f);
+  EXPECT_THROW(qg::gemm_bf16_amx_tiled(x.data(), 4, 96, w.data(), 48, s.N, y.data(), 24),
+               std::invalid_argument);
+  EXPECT_THROW(qg::gemm_bf16_amx_tiled(x.data(), 4, 63, w.data(), s.K, s.N, y.data(), 24),
+               std::invalid_argument);
   for (float v : y) ASSERT_EQ(v, 7.0f);
 }
 

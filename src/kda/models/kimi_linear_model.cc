@@ -398,14 +398,14 @@ void KimiLinearForCausalLM::compute_logits(const float* hidden, int64_t M, float
                 head_in_.data());
   const int64_t V = vocab_size();
   // Where the CPU has AMX-BF16, every row count goes to the AMX kernel (bf16_amx.h): it reads the head in its
-  // checkpoint layout, one pass for up to 64 rows, and writes each row's logits straight to their columns,
-  // where oneDNN's kernels read the head more slowly from two rows on (docs/performance.md, "The LM head's
-  // row counts") and its one-row gemm wants a layout of its own. A row's logits then do not depend on the
-  // rows beside it (a decode row and a verify row agree bit for bit).
+  // tiled layout (each 16-channel block one run of bytes), one pass for up to 64 rows, and writes each row's
+  // logits straight to their columns, where oneDNN's kernels read the head more slowly from two rows on
+  // (docs/performance.md, "The LM head's row counts") and its one-row gemm wants a layout of its own. A row's
+  // logits then do not depend on the rows beside it (a decode row and a verify row agree bit for bit).
   if (head_amx_ != nullptr) {
     head_in_bf16_.resize(static_cast<size_t>(M * D));
     f32_to_bf16_array(head_in_.data(), head_in_bf16_.data(), head_in_bf16_.size());  // exact in bf16
-    kernels::gemm::gemm_bf16_amx(head_in_bf16_.data(), M, D, head_amx_, D, V, logits, V);
+    kernels::gemm::gemm_bf16_amx_tiled(head_in_bf16_.data(), M, D, head_amx_, D, V, logits, V);
     return;
   }
   // Without the AMX head, one row (a batch-1 decode step) goes straight to its columns: oneDNN takes a
@@ -443,16 +443,17 @@ bool KimiLinearForCausalLM::amx_head() const {
          kernels::gemm::bf16_amx_takes(cfg_.hidden_size);
 }
 
-// Drops the head built so far; where the AMX head applies, returns its memory for V x D values (huge
-// pages, allocate_weights, held by head_owner_; head_amx_ set), else nullptr (the head goes to lm_head_).
+// Drops the head built so far; where the AMX head applies, returns its memory for V x D values in the AMX
+// kernel's tiled layout (huge pages, allocate_weights, held by head_owner_; head_amx_ set), else nullptr
+// (the head goes to lm_head_).
 bf16_t* KimiLinearForCausalLM::reset_head(int64_t V) {
   lm_head_.clear();
   head_begin_.clear();
   head_owner_.reset();
   head_amx_ = nullptr;
   if (!amx_head()) return nullptr;
-  head_owner_ =
-      std::shared_ptr<void>(allocate_weights(sizeof(bf16_t) * static_cast<size_t>(V * cfg_.hidden_size)));
+  head_owner_ = std::shared_ptr<void>(allocate_weights(
+      sizeof(bf16_t) * static_cast<size_t>(kernels::gemm::bf16_amx_tiled_size(V, cfg_.hidden_size))));
   head_amx_ = static_cast<const bf16_t*>(head_owner_.get());
   return static_cast<bf16_t*>(head_owner_.get());
 }
@@ -472,7 +473,7 @@ void KimiLinearForCausalLM::build_head(
                                   "): " + str(static_cast<int64_t>(r.size())) + " values, expected " +
                                   str((e - b) * D));
     if (amx != nullptr) {
-      f32_to_bf16_array(r.data(), amx + b * D, r.size());
+      kernels::gemm::bf16_amx_tile_rows(r.data(), b, e, D, amx);
     } else {
       lm_head_.emplace_back(D, e - b, r, opts_.precision, hw);
       head_begin_.push_back(b);
@@ -499,7 +500,7 @@ void KimiLinearForCausalLM::build_head(int64_t V, const bf16_t* head,
   for (int64_t b = 0; b < V; b += per) {
     const int64_t e = std::min(V, b + per);
     if (amx != nullptr) {
-      std::copy(head + b * D, head + e * D, amx + b * D);
+      kernels::gemm::bf16_amx_tile_rows(head + b * D, b, e, D, amx);
     } else {
       lm_head_.emplace_back(D, e - b, head + b * D, opts_.precision);
       head_begin_.push_back(b);

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kda/kernels/gemm/amx_tiles.h"
@@ -109,8 +110,9 @@ inline void write_out(const float* o, int64_t m0, int64_t mr, int64_t n0, int64_
   }
 }
 
-// Channel blocks [nb0, nb1) of W against the pass's `rows` rows of x, arranged in xb (arrange()) as
-// `groups` groups of `cols` columns each.
+// Channel blocks [nb0, nb1) of W (kTiled: W in the tiled layout, else [N, K]) against the pass's `rows`
+// rows of x, arranged in xb (arrange()) as `groups` groups of `cols` columns each.
+template <bool kTiled>
 void blocks(const uint32_t* xb, int64_t rows, int64_t groups, int64_t cols, const bf16_t* w, int64_t K,
             int64_t N, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
   Tiles tiles;
@@ -118,11 +120,11 @@ void blocks(const uint32_t* xb, int64_t rows, int64_t groups, int64_t cols, cons
   const int64_t P = K / 2 * kCols;  // words per group
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t n0 = nb * kC, nc = std::min(kC, N - n0);
-    const bf16_t* a = w + n0 * K;
+    const bf16_t* a = w + n0 * K;  // either layout: the block's values start at its first channel's row
     // This block's lines two steps ahead into L1; memory's reads are left to the hardware's prefetchers,
-    // which follow the 16 channels' runs. Software prefetches of the next block into L2, 16 lines a step,
-    // held the head's read below those prefetchers' rate (each takes an L1 miss slot until its line is in:
-    // docs/performance.md, "The LM head in one copy").
+    // which follow the block's run (tiled) or its 16 channels' runs. Software prefetches of the next block
+    // into L2, 16 lines a step, held the head's read below those prefetchers' rate (each takes an L1 miss
+    // slot until its line is in: docs/performance.md, "The LM head in one copy").
     tiles.shape(nc, cols);
     _tile_zero(4);
     if (groups > 1) _tile_zero(5);
@@ -131,9 +133,14 @@ void blocks(const uint32_t* xb, int64_t rows, int64_t groups, int64_t cols, cons
     for (int64_t k = 0; k < K; k += kStep) {
       if (k + 2 * kStep < K)
         for (int64_t j = 0; j < nc; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(a + j * K + k + 2 * kStep), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(kTiled ? a + (k + 2 * kStep) * kC + j * kStep
+                                                            : a + j * K + k + 2 * kStep),
+                       _MM_HINT_T0);
       const uint32_t* b = xb + k / 2 * kCols;
-      _tile_loadd(0, a + k, 2 * K);
+      if constexpr (kTiled)
+        _tile_loadd(0, a + k * kC, 2 * kStep);
+      else
+        _tile_loadd(0, a + k, 2 * K);
       _tile_loadd(1, b, 4 * kCols);
       _tile_dpbf16ps(4, 0, 1);
       if (groups > 1) {
@@ -208,12 +215,15 @@ void split_blocks(int64_t nblocks, int64_t weights, Body body) {
 
 }  // namespace
 
-void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N, float* y,
-                   int64_t ldy) {
-  if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_bf16_amx: no AMX-BF16 on this CPU");
-  check_bf16_gemm_args("gemm_bf16_amx", x, M, ldx, w, K, N, y, ldy);
+namespace {
+
+template <bool kTiled>
+void run(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
+         float* y, int64_t ldy) {
+  if (!cpu_has_amx_bf16()) throw std::logic_error(std::string(what) + ": no AMX-BF16 on this CPU");
+  check_bf16_gemm_args(what, x, M, ldx, w, K, N, y, ldy);
   if (!bf16_amx_takes(K))
-    throw std::invalid_argument("gemm_bf16_amx: the input size " + std::to_string(K) +
+    throw std::invalid_argument(std::string(what) + ": the input size " + std::to_string(K) +
                                 " is not a multiple of 32");
   // The calling thread's scratch, grown once, before the region (a bad_alloc inside it would terminate).
   thread_local std::vector<uint32_t> xb;
@@ -226,9 +236,21 @@ void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int
     const uint32_t* xp = xb.data();
     float* yp = y + m0 * ldy;
     split_blocks(nblocks, K * N, [&](int64_t nb0, int64_t nb1) {
-      blocks(xp, rows, groups, cols, w, K, N, nb0, nb1, yp, ldy);
+      blocks<kTiled>(xp, rows, groups, cols, w, K, N, nb0, nb1, yp, ldy);
     });
   }
+}
+
+}  // namespace
+
+void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N, float* y,
+                   int64_t ldy) {
+  run<false>("gemm_bf16_amx", x, M, ldx, w, K, N, y, ldy);
+}
+
+void gemm_bf16_amx_tiled(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64_t K, int64_t N,
+                         float* y, int64_t ldy) {
+  run<true>("gemm_bf16_amx_tiled", x, M, ldx, w, K, N, y, ldy);
 }
 
 #else  // no AMX in this build
@@ -236,7 +258,34 @@ void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int
 void gemm_bf16_amx(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, float*, int64_t) {
   throw std::logic_error("gemm_bf16_amx: not in this build");
 }
+void gemm_bf16_amx_tiled(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, float*, int64_t) {
+  throw std::logic_error("gemm_bf16_amx_tiled: not in this build");
+}
 
 #endif
+
+template <class T>
+void tile_rows(const T* rows, int64_t n0, int64_t n1, int64_t K, bf16_t* tiled) {
+  if (n0 < 0 || n1 < n0 || !bf16_amx_takes(K))
+    throw std::invalid_argument("bf16_amx_tile_rows: rows [" + std::to_string(n0) + ", " +
+                                std::to_string(n1) + ") of " + std::to_string(K) + " inputs");
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* r = rows + (n - n0) * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      bf16_t* d = tiled + bf16_amx_tiled_index(n, k, K);
+      if constexpr (std::is_same_v<T, float>)
+        f32_to_bf16_array(r + k, d, 32);
+      else
+        std::copy(r + k, r + k + 32, d);
+    }
+  }
+}
+
+void bf16_amx_tile_rows(const float* rows, int64_t n0, int64_t n1, int64_t K, bf16_t* tiled) {
+  tile_rows(rows, n0, n1, K, tiled);
+}
+void bf16_amx_tile_rows(const bf16_t* rows, int64_t n0, int64_t n1, int64_t K, bf16_t* tiled) {
+  tile_rows(rows, n0, n1, K, tiled);
+}
 
 }  // namespace kda::kernels::gemm
