@@ -52,7 +52,8 @@ int copies_for(int64_t bytes) {
 // (2304 -> 29127, as the model splits the head for oneDNN) and the whole head (2304 -> the vocabulary),
 // each through oneDNN as compute_logits took it there (one row straight into the logits' columns, more
 // into a dense block buffer and copied to them), and the projection shapes above through a bf16 Linear
-// (oneDNN), each beside this CPU's decode kernels, in turns: with AMX-BF16 the AMX kernel (bf16_amx.h),
+// (oneDNN), each beside this CPU's decode kernels, in turns: with AMX-BF16 the AMX kernel (bf16_amx.h, on
+// W in its tiled layout, as the model's LM head lies there),
 // with AVX512_BF16 where it gives oneDNN's bits the Linear with its decode rows on the vnni kernel
 // (Bf16Gemm::OneDnnVnni, bf16_vnni.h), and where oneDNN uses AMX tiles the Linear with its decode rows on
 // the AMX rows kernel (Bf16Gemm::OneDnnAmx, bf16_amx_block.h), all writing straight into y. Rows of
@@ -74,19 +75,20 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
   for (const DecodeShape& sh : shapes) {
     const int64_t blocks = (sh.out + block - 1) / block, copies = copies_for(2 * sh.in * sh.out);
     // Per copy the Linear blocks (the head's; a projection is one), and the same weights as one bf16
-    // matrix (every block's rows the first ones of w: the values do not change the time).
+    // matrix in the AMX kernel's tiled layout (every block's rows the first ones of w: the values do not
+    // change the time).
     std::vector<std::vector<layers::Linear>> d16(static_cast<size_t>(copies)),
         v16(vnni || amx_rows ? d16.size() : 0);
     std::vector<std::vector<bf16_t>> a16(amx ? static_cast<size_t>(copies) : 0);
     for (int64_t c = 0; c < copies; ++c) {
-      if (amx) a16[c].resize(static_cast<size_t>(sh.out * sh.in));
+      if (amx) a16[c].resize(static_cast<size_t>(qg::bf16_amx_tiled_size(sh.out, sh.in)));
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t n = std::min(block, sh.out - b * block);
         const std::vector<float> wn = n == block ? w : std::vector<float>(w.begin(), w.begin() + n * sh.in);
         d16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
         if (vnni || amx_rows)  // Auto: OneDnnVnni or OneDnnAmx here
           v16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16);
-        if (amx) std::copy(wb.begin(), wb.begin() + n * sh.in, a16[c].begin() + b * block * sh.in);
+        if (amx) qg::bf16_amx_tile_rows(wb.data(), b * block, b * block + n, sh.in, a16[c].data());
       }
     }
     // The Auto rows only where every block of this shape took the decode kernel (Auto falls back to oneDNN
@@ -121,8 +123,8 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
       if (amx) {
         fns.push_back([&] {
           f32_to_bf16_array(x.data(), xb.data(), xb.size());
-          qg::gemm_bf16_amx(xb.data(), M, sh.in, a16[ia++ % a16.size()].data(), sh.in, sh.out, logits.data(),
-                            sh.out);
+          qg::gemm_bf16_amx_tiled(xb.data(), M, sh.in, a16[ia++ % a16.size()].data(), sh.in, sh.out,
+                                  logits.data(), sh.out);
         });
         names.push_back("amx bf16");
       }
