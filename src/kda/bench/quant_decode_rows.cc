@@ -20,6 +20,7 @@
 #include "kda/bench/timing.h"
 #include "kda/common/bf16.h"
 #include "kda/common/isa.h"
+#include "kda/common/weight_buffer.h"
 #include "kda/io/kimi_linear_48b.h"
 #include "kda/kernels/gemm/bf16_amx.h"
 #include "kda/kernels/gemm/quant_amx.h"
@@ -75,20 +76,25 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
   for (const DecodeShape& sh : shapes) {
     const int64_t blocks = (sh.out + block - 1) / block, copies = copies_for(2 * sh.in * sh.out);
     // Per copy the Linear blocks (the head's; a projection is one), and the same weights as one bf16
-    // matrix in the AMX kernel's tiled layout (every block's rows the first ones of w: the values do not
-    // change the time).
+    // matrix in the AMX kernel's tiled layout in huge pages, as the model's head lies (in 4 KiB pages the
+    // tiled layout reads slower than [N, K]: docs/performance.md, "The LM head in tile order"); every
+    // block's rows the first ones of w: the values do not change the time.
     std::vector<std::vector<layers::Linear>> d16(static_cast<size_t>(copies)),
         v16(vnni || amx_rows ? d16.size() : 0);
-    std::vector<std::vector<bf16_t>> a16(amx ? static_cast<size_t>(copies) : 0);
+    std::vector<WeightBuffer> a16(amx ? static_cast<size_t>(copies) : 0);
     for (int64_t c = 0; c < copies; ++c) {
-      if (amx) a16[c].resize(static_cast<size_t>(qg::bf16_amx_tiled_size(sh.out, sh.in)));
+      if (amx)
+        a16[c] =
+            allocate_weights(sizeof(bf16_t) * static_cast<size_t>(qg::bf16_amx_tiled_size(sh.out, sh.in)));
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t n = std::min(block, sh.out - b * block);
         const std::vector<float> wn = n == block ? w : std::vector<float>(w.begin(), w.begin() + n * sh.in);
         d16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16, layers::Bf16Gemm::OneDnn);
         if (vnni || amx_rows)  // Auto: OneDnnVnni or OneDnnAmx here
           v16[c].emplace_back(sh.in, n, wn, Precision::BF16, Weights::BF16);
-        if (amx) qg::bf16_amx_tile_rows(wb.data(), b * block, b * block + n, sh.in, a16[c].data());
+        if (amx)
+          qg::bf16_amx_tile_rows(wb.data(), b * block, b * block + n, sh.in,
+                                 static_cast<bf16_t*>(a16[c].get()));
       }
     }
     // The Auto rows only where every block of this shape took the decode kernel (Auto falls back to oneDNN
@@ -123,7 +129,8 @@ void bench_bf16_decode(nlohmann::json& j, const Say& say) {
       if (amx) {
         fns.push_back([&] {
           f32_to_bf16_array(x.data(), xb.data(), xb.size());
-          qg::gemm_bf16_amx_tiled(xb.data(), M, sh.in, a16[ia++ % a16.size()].data(), sh.in, sh.out,
+          qg::gemm_bf16_amx_tiled(xb.data(), M, sh.in,
+                                  static_cast<const bf16_t*>(a16[ia++ % a16.size()].get()), sh.in, sh.out,
                                   logits.data(), sh.out);
         });
         names.push_back("amx bf16");

@@ -118,6 +118,10 @@ void blocks(const uint32_t* xb, int64_t rows, int64_t groups, int64_t cols, cons
   Tiles tiles;
   alignas(64) float o[kC * kCols];
   const int64_t P = K / 2 * kCols;  // words per group
+  // Steps prefetched ahead: 2; in the tiled layout with more than one group 32 (32 KB), where the block's
+  // one run is read at the tile products' pace and 2 steps left it waiting on memory; at one group 32
+  // steps were slower (docs/performance.md, "The LM head in tile order").
+  const int64_t ahead = kTiled && groups > 1 ? 32 : 2;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t n0 = nb * kC, nc = std::min(kC, N - n0);
     const bf16_t* a = w + n0 * K;  // either layout: the block's values start at its first channel's row
@@ -131,9 +135,9 @@ void blocks(const uint32_t* xb, int64_t rows, int64_t groups, int64_t cols, cons
     if (groups > 2) _tile_zero(6);
     if (groups > 3) _tile_zero(7);
     for (int64_t k = 0; k < K; k += kStep) {
-      if (k + 2 * kStep < K)
+      if (k + ahead * kStep < K)
         for (int64_t j = 0; j < nc; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(kTiled ? a + (k + 2 * kStep) * kC + j * kStep
+          _mm_prefetch(reinterpret_cast<const char*>(kTiled ? a + (k + ahead * kStep) * kC + j * kStep
                                                             : a + j * K + k + 2 * kStep),
                        _MM_HINT_T0);
       const uint32_t* b = xb + k / 2 * kCols;
