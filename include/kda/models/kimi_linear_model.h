@@ -243,8 +243,8 @@ class KimiLinearForCausalLM {
   // it reads for every row count (compute_logits says why): one copy of the head's bytes, where oneDNN's
   // layouts took one at load and another at the first one-row call beside the kernel's own. It lives in
   // memory of its own in huge pages (head_owner_ holds it): the kernel reads it 1.3x as fast as from 4 KiB
-  // pages (a file mapping's; docs/performance.md, "The LM head in one copy"), and in tile order about 10%
-  // faster at one row than in the checkpoint's layout ("The LM head in tile order").
+  // pages (a file mapping's; docs/performance.md, "The LM head in one copy"), and in tile order faster at
+  // one row than in the checkpoint's layout, slower from 32 rows ("The LM head in tile order").
   const bf16_t* head_amx_ = nullptr;
   std::shared_ptr<void> head_owner_;
   bool amx_head() const;

@@ -39,9 +39,10 @@ void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int
 // The tiled layout of W: per block of 16 channels (the last one padded to 16 rows, never read) its K / 32
 // tiles of 16 channels by 32 inputs, each 1 KB in one run, value (n, k) at bf16_amx_tiled_index(n, k, K)
 // of bf16_amx_tiled_size(N, K) values. A block is then one run of bytes rather than 16 channel rows 2K
-// bytes apart: at one row the kernel reads the LM head at the read ceiling in this layout, about 10%
-// faster than in [N, K], where 16 channel runs per thread hold the hardware prefetchers below it
-// (docs/performance.md, "The LM head in tile order").
+// bytes apart: at one row the kernel reads the LM head faster in this layout (at the read ceiling, where
+// 16 channel runs per thread hold the hardware prefetchers below it), at 16 rows about as fast, from 32
+// rows slower (one run per thread waits on memory at the tile products' pace): docs/performance.md,
+// "The LM head in tile order".
 inline int64_t bf16_amx_tiled_size(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * K; }
 inline int64_t bf16_amx_tiled_index(int64_t n, int64_t k, int64_t K) {
   return n / 16 * 16 * K + k / 32 * 512 + n % 16 * 32 + k % 32;
