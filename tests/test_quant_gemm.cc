@@ -211,12 +211,14 @@ TEST(QuantGemm, NonFiniteActivationsGiveNaNRows) {
   }
   for (Weights fmt : {Weights::Int8, Weights::Int4})
     for (float bad : {nan, inf, -inf})
-      for (int64_t rows : {M, int64_t{70}}) {  // the decode kernels, the prefill path
+      // The decode kernels, the prefill path (in the bf16 precision on AMX from more rows: 600 > every
+      // decode_rows()).
+      for (int64_t rows : {M, int64_t{70}, int64_t{600}}) {
         const std::string what =
             std::string(to_string(fmt)) + " x=" + std::to_string(bad) + " M=" + std::to_string(rows);
         std::vector<float> x = random_normal(static_cast<size_t>(rows * in), 8);
         x[1 * in + 40] = bad;  // row 1, group 1
-        const bool want_nan = std::isnan(bad) || rows <= layers::QuantLinear::kDecodeRows;
+        bool want_nan = false;
         const auto row_nan = [&](const float* y, int64_t m) {
           return std::all_of(y + m * out, y + (m + 1) * out,
                              [&](float v) { return want_nan ? std::isnan(v) : !std::isfinite(v); });
@@ -227,6 +229,7 @@ TEST(QuantGemm, NonFiniteActivationsGiveNaNRows) {
         std::vector<float> y(static_cast<size_t>(rows * out));
         for (Precision prec : {Precision::FP32, Precision::BF16}) {
           const layers::QuantLinear ql(in, out, wsrc, fmt, prec);
+          want_nan = std::isnan(bad) || rows <= ql.decode_rows();
           std::fill(y.begin(), y.end(), 0.0f);
           ql.forward(x.data(), rows, in, y.data(), out);
           EXPECT_TRUE(row_nan(y.data(), 1)) << what << " " << to_string(prec);
@@ -234,6 +237,7 @@ TEST(QuantGemm, NonFiniteActivationsGiveNaNRows) {
             EXPECT_TRUE(row_finite(y.data(), m)) << what << " " << to_string(prec) << " row " << m;
         }
         if (rows > layers::QuantLinear::kDecodeRows) continue;
+        want_nan = true;
         const qg::PackedMatrix p(fmt, wsrc.data(), in, out);
         const auto run = [&](auto gemm) {
           std::fill(y.begin(), y.end(), 0.0f);
@@ -326,7 +330,9 @@ TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
       EXPECT_EQ(lin.weight_bytes(), bytes);
       const layers::QuantLinear ql(in, out, wsrc, fmt, prec);
       const std::vector<float> wf = ql.dequantized();
-      for (int64_t M : {1, 3, 8, 9, 16, 17, 64, 65, 300}) {
+      // Past 64 rows the decode path runs 64 rows at a time (in the bf16 precision on AMX up to 256 or
+      // 512 rows); 600 rows take the prefill path on every CPU.
+      for (int64_t M : {1, 3, 8, 9, 16, 17, 64, 65, 300, 600}) {
         const std::string what =
             std::string(to_string(fmt)) + "/" + to_string(prec) + " M=" + std::to_string(M);
         const int64_t ldx = in + 8, ldy = out + 4;
@@ -364,6 +370,42 @@ TEST(QuantGemm, QuantLinearDecodeAndPrefillPaths) {
         EXPECT_EQ(bad, 0) << what << " bf16->bf16";
       }
     }
+  }
+}
+
+// The packed kernels' row counts: int8 in the bf16 precision where they run on AMX tiles takes up to 256
+// rows, 64 at a time; the fp32 precision keeps 64; the dpbf16 and amx bf16 paths take fewer. A row's
+// values do not depend on the call's row count: a call of the most rows gives each row the bits of calls
+// of 16 (the AMX kernels' sums are fixed per row whatever the tiles).
+TEST(QuantGemm, PackedRowsGiveEachRowItsBitsAtEveryCount) {
+  using layers::QuantLinear;
+  const int64_t in = 256, out = 80;
+  const std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 78, 0.06f);
+  for (Weights fmt : {Weights::Int8, Weights::Int4}) {
+    const std::string what = to_string(fmt);
+    const QuantLinear f32(in, out, wsrc, fmt, Precision::FP32), b16(in, out, wsrc, fmt, Precision::BF16);
+    EXPECT_EQ(f32.decode_rows(), QuantLinear::kDecodeRows) << what;
+    EXPECT_EQ(QuantLinear::decode_rows_for(fmt, Precision::FP32, in), QuantLinear::kDecodeRows) << what;
+    const QuantLinear::Prefill path = QuantLinear::prefill_path_for(fmt, Precision::BF16);
+    const bool i8 = fmt == Weights::Int8;
+    const int64_t want = path == QuantLinear::Prefill::Dpbf16
+                             ? (i8 ? QuantLinear::kDpbf16DecodeRowsInt8 : QuantLinear::kDpbf16DecodeRowsInt4)
+                         : path == QuantLinear::Prefill::AmxBf16 ? QuantLinear::kAmxBf16DecodeRowsInt4
+                         : i8 && qg::gemm_runs_amx(fmt, in)      ? QuantLinear::kAmxDecodeRowsInt8
+                                                                 : QuantLinear::kDecodeRows;
+    EXPECT_EQ(b16.decode_rows(), want) << what;
+    EXPECT_EQ(QuantLinear::decode_rows_for(fmt, Precision::BF16, in), want) << what;
+    const int64_t M = b16.decode_rows();
+    std::vector<float> x = random_normal(static_cast<size_t>(M * in), 79);
+    round_bf16_inplace(x.data(), x.size());
+    std::vector<float> y(static_cast<size_t>(M * out)), part(static_cast<size_t>(16 * out));
+    b16.forward(x.data(), M, in, y.data(), out);
+    int bad = 0;
+    for (int64_t m0 = 0; m0 + 16 <= M; m0 += 16) {
+      b16.forward(x.data() + m0 * in, 16, in, part.data(), out);
+      for (int64_t i = 0; i < 16 * out; ++i) bad += part[i] != y[m0 * out + i];
+    }
+    EXPECT_EQ(bad, 0) << what << " M=" << M;
   }
 }
 

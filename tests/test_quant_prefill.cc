@@ -1,7 +1,7 @@
 // QuantLinear's prefill paths (more than kDecodeRows rows): the bf16 tiles of kernels/gemm/quant_tile.h
 // against their scalar reference bit for bit and against the scheme's fp32 weights (int8: the integers,
 // int4: hi + lo within 2^-16), and every path (bf16 tiles, fp32 tiles, dpbf16 where the CPU has
-// AVX512_BF16) against x W^T in double (W the
+// AVX512_BF16, int4's amx bf16 where it has AMX-BF16) against x W^T in double (W the
 // scheme's dequantized weights, x as the projection reads it) within fp32 summation rounding, at the
 // model's widths and odd ones, several row counts, strided rows, bf16 in and out; NaN weights; the
 // primitives kept bounded.
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/gemm/quant_amx.h"
 #include "kda/kernels/gemm/quant_dpbf16.h"
 #include "kda/kernels/gemm/quant_tile.h"
 #include "kda/kernels/gemm/weight_format.h"
@@ -137,7 +138,7 @@ TEST(QuantPrefill, BadTileCallsAreRefused) {
                                            "must be int8 or int4");
   expect_throw_with<std::invalid_argument>(
       [&] { QuantLinear(64, 3, w, Weights::Int8, Precision::FP32, Prefill::Bf16Tiles); },
-      "bf16 tiles need the bf16 precision");
+      "the bf16 tiles path needs the bf16 precision");
   expect_throw_with<std::invalid_argument>(
       [&] { QuantLinear(64, 3, w, Weights::Int4, Precision::FP32, Prefill::Dpbf16); },
       "the dpbf16 path needs the bf16 precision");
@@ -146,6 +147,14 @@ TEST(QuantPrefill, BadTileCallsAreRefused) {
         QuantLinear(48, 3, std::vector<float>(48 * 3, 0.5f), Weights::Int8, Precision::BF16, Prefill::Dpbf16);
       },
       "a multiple of 32");
+  expect_throw_with<std::invalid_argument>(
+      [&] { QuantLinear(64, 3, w, Weights::Int4, Precision::FP32, Prefill::AmxBf16); },
+      "the amx bf16 path needs the bf16 precision");
+  expect_throw_with<std::invalid_argument>(
+      [&] { QuantLinear(64, 3, w, Weights::Int8, Precision::BF16, Prefill::AmxBf16); }, "takes int4 weights");
+  if (!qg::cpu_has_amx_bf16())
+    expect_throw_with<std::invalid_argument>(
+        [&] { QuantLinear(64, 3, w, Weights::Int4, Precision::BF16, Prefill::AmxBf16); }, "needs AMX-BF16");
 }
 
 // Both prefill paths at the model's widths (the expert's [2I, D] and [D, I], tiles with a tail) and odd
@@ -160,8 +169,9 @@ TEST(QuantPrefill, BothPathsEqualTheSchemeInDouble) {
     const std::vector<float> wsrc = random_normal(static_cast<size_t>(c.in * c.out), 60 + c.out, 0.04f);
     for (Weights fmt : {Weights::Int8, Weights::Int4}) {
       std::vector<std::unique_ptr<QuantLinear>> paths;
-      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Dpbf16})
-        if (p != Prefill::Dpbf16 || qg::cpu_has_quant_dpbf16())
+      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Dpbf16, Prefill::AmxBf16})
+        if ((p != Prefill::Dpbf16 || qg::cpu_has_quant_dpbf16()) &&
+            (p != Prefill::AmxBf16 || (qg::cpu_has_amx_bf16() && fmt == Weights::Int4)))
           paths.push_back(std::make_unique<QuantLinear>(c.in, c.out, wsrc, fmt, Precision::BF16, p));
       const QuantLinear picked(c.in, c.out, wsrc, fmt, Precision::BF16);
       EXPECT_EQ(picked.prefill_path(), QuantLinear::prefill_path_for(fmt, Precision::BF16));

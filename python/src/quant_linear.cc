@@ -142,8 +142,8 @@ void register_quant_linear(py::module_& m) {
       .def_property_readonly(
           "weight_bytes", [](const PyQuantLinear& s) { return s.linear.weight_bytes(); },
           "The packed bytes a forward reads: quantized values and scales.")
-      .def_property_readonly_static(
-          "decode_rows", [](const py::object&) { return layers::QuantLinear::kDecodeRows; },
+      .def_property_readonly(
+          "decode_rows", [](const PyQuantLinear& s) { return s.linear.decode_rows(); },
           "Row counts up to this take the integer (decode) kernels.")
       .def("__repr__", [](const PyQuantLinear& s) {
         return "QuantLinear(in_features=" + std::to_string(s.linear.in_features()) +

@@ -4,8 +4,9 @@
 // to bf16 first, the layer input's rounding point, as Linear does), accumulation is fp32, and a bf16
 // output is rounded to nearest even as it is stored.
 //
-// Up to decode_rows() rows (kDecodeRows; fewer on the Dpbf16 path, whose kernels are faster from there
-// on): the packed decode kernels, one pass over the packed bytes. More rows
+// Up to decode_rows() rows (decode_rows_for: kDecodeRows; fewer on the Dpbf16 and AmxBf16 paths, whose
+// kernels are faster from there on; more for int8 in the bf16 precision where the packed kernels run on
+// AMX tiles): the packed decode kernels, one pass over the packed bytes per kDecodeRows rows. More rows
 // (prefill, compute bound): a tile of output channels at a time is widened and multiplied, so the packed
 // weights are never resident in a wider form (prefill_path()):
 //  - Bf16Tiles, in the bf16 precision where oneDNN's bf16 matmul runs on AMX (and, without AMX, for an
@@ -16,6 +17,9 @@
 //    multiple of 32): the project's kernels (kernels/gemm/quant_dpbf16.h), panels of the scheme's integers
 //    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 33
 //    (int8) or 17 (int4) rows on, where the integer decode kernels, with int16 activations, fall behind.
+//  - AmxBf16, int4 in the bf16 precision on AMX: the project's kernel (kernels/gemm/quant_amx.h,
+//    gemm_int4_amx_bf16), Dpbf16's scheme on AMX-BF16 tiles: one tile product per group of the scheme's
+//    integers, the scales on the group sums; from 17 rows on.
 //  - Fp32Tiles otherwise: the tile dequantized to fp32 through oneDNN's fp32 matmul.
 #pragma once
 
@@ -43,11 +47,23 @@ class QuantLinear {
   // 0.74-0.90; docs/performance.md).
   static constexpr int64_t kDpbf16DecodeRowsInt8 = 32;
   static constexpr int64_t kDpbf16DecodeRowsInt4 = 16;
+  // int8 in the bf16 precision where the packed kernels run on AMX tiles (kernels/gemm/weight_format.h,
+  // gemm_runs_amx): they take the calls of up to these rows, kDecodeRows at a time. Their time grows with
+  // the rows at about the rate of the bf16 tiles' GEMM, which pays for widening each tile only from a few
+  // hundred rows on (AMX host, the model's shapes: at 256 rows 0.5-0.9 of the bf16 tiles' time;
+  // docs/performance.md). The fp32 precision keeps kDecodeRows: its prefill path takes the activations
+  // unquantized.
+  static constexpr int64_t kAmxDecodeRowsInt8 = 256;
+  // int4 on the AmxBf16 path: its kernel beats the packed ones from 17-32 rows on.
+  static constexpr int64_t kAmxBf16DecodeRowsInt4 = 16;
   static constexpr int64_t kTile = 256;       // output channels per fp32 tile on the prefill path
   static constexpr int64_t kBf16Tile = 2048;  // output channels per bf16 tile
-  enum class Prefill { Fp32Tiles, Bf16Tiles, Dpbf16 };
+  enum class Prefill { Fp32Tiles, Bf16Tiles, Dpbf16, AmxBf16 };
   // The prefill path a projection of these weights and precision takes on this CPU.
   static Prefill prefill_path_for(Weights weights, Precision precision);
+  // The most rows a call of such a projection of `in` inputs sends to the packed decode kernels on this
+  // CPU (decode_rows() of one built with the first constructors below).
+  static int64_t decode_rows_for(Weights weights, Precision precision, int64_t in);
   // The prefill path's matmul primitives kept for reuse: one per (rows, tile width, strides), at most
   // kMaxPrimitives (least recently used dropped first), as Linear keeps its own.
   static constexpr size_t kMaxPrimitives = 32;
@@ -60,7 +76,9 @@ class QuantLinear {
   QuantLinear(const kernels::gemm::PackedMatrix& packed, Precision precision);
   // The same with the prefill path chosen (benchmarks and tests of each on one CPU): Bf16Tiles and
   // Dpbf16 only in the bf16 precision (std::invalid_argument otherwise: fp32 activations are not bf16
-  // values), Dpbf16 only on a CPU with AVX512_BF16 and an input size that is a multiple of 32.
+  // values), Dpbf16 only on a CPU with AVX512_BF16 and an input size that is a multiple of 32, AmxBf16 only
+  // for int4 on a CPU with AMX-BF16. The chosen path takes every call of more than kDecodeRows rows (the
+  // Dpbf16 and AmxBf16 paths' own decode rows on them).
   QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Weights weights,
               Precision precision, Prefill prefill);
   ~QuantLinear();
@@ -88,10 +106,7 @@ class QuantLinear {
   size_t cached_primitives() const;
   Prefill prefill_path() const { return prefill_; }
   // The most rows a call sends to the packed decode kernels (more go to the prefill path).
-  int64_t decode_rows() const {
-    if (prefill_ != Prefill::Dpbf16) return kDecodeRows;
-    return weights_ == Weights::Int8 ? kDpbf16DecodeRowsInt8 : kDpbf16DecodeRowsInt4;
-  }
+  int64_t decode_rows() const { return decode_rows_; }
 
  private:
   struct Impl;
@@ -106,10 +121,11 @@ class QuantLinear {
   Weights weights_ = Weights::Int8;
   Precision precision_ = Precision::BF16;
   Prefill prefill_ = Prefill::Fp32Tiles;
+  int64_t decode_rows_ = kDecodeRows;
   std::unique_ptr<Impl> impl_;
 };
 
-// "fp32 tiles", "bf16 tiles", "int4 dpbf16" (benchmark rows, test messages).
+// "fp32 tiles", "bf16 tiles", "dpbf16", "amx bf16" (benchmark rows, test messages).
 const char* to_string(QuantLinear::Prefill p);
 
 }  // namespace kda::layers

@@ -205,6 +205,7 @@ class KimiMoE {
   float factor_;
   Precision precision_;
   Weights weights_;
+  int64_t unpadded_ = 0;  // an expert's row counts up to this run unpadded (its packed kernels' calls)
   distributed::TensorParallel tp_;
   std::unique_ptr<layers::Linear> router_;  // fp32, dense in every mode
   std::vector<float> bias_;

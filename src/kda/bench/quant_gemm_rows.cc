@@ -14,6 +14,7 @@
 #include "kda/bench/rows.h"
 #include "kda/common/bf16.h"
 #include "kda/io/kimi_linear_48b.h"
+#include "kda/kernels/gemm/quant_amx.h"
 #include "kda/kernels/gemm/quant_dpbf16.h"
 #include "kda/layers/linear.h"
 #include "kda/layers/quant_linear.h"
@@ -47,8 +48,9 @@ void bench_quant_gemm(nlohmann::json& j, const Say& say) {
         d32(sh.in, sh.out, w, Precision::FP32, Weights::BF16);
     std::vector<std::unique_ptr<layers::QuantLinear>> q;
     for (Weights wt : {Weights::Int8, Weights::Int4})
-      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Dpbf16})
-        if (p != Prefill::Dpbf16 || kernels::gemm::cpu_has_quant_dpbf16())
+      for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Dpbf16, Prefill::AmxBf16})
+        if ((p != Prefill::Dpbf16 || kernels::gemm::cpu_has_quant_dpbf16()) &&
+            (p != Prefill::AmxBf16 || (wt == Weights::Int4 && kernels::gemm::cpu_has_amx_bf16())))
           q.push_back(std::make_unique<layers::QuantLinear>(sh.in, sh.out, w, wt, Precision::BF16, p));
     for (int64_t M : {int64_t{128}, int64_t{512}, int64_t{2048}}) {
       std::vector<float> x = bench_randn(static_cast<size_t>(M * sh.in), 6);
@@ -65,8 +67,10 @@ void bench_quant_gemm(nlohmann::json& j, const Say& say) {
       for (size_t i = 0; i < q.size(); ++i) {
         const layers::QuantLinear& l = *q[i];
         const double s = t[2 + i], gf = flops / s / 1e9;
+        // At these rows on this CPU (int8 on AMX sends up to 256 rows to its packed kernels instead).
         const bool picked =
-            layers::QuantLinear::prefill_path_for(l.weights(), Precision::BF16) == l.prefill_path();
+            layers::QuantLinear::prefill_path_for(l.weights(), Precision::BF16) == l.prefill_path() &&
+            M > layers::QuantLinear::decode_rows_for(l.weights(), Precision::BF16, sh.in);
         j["quant_gemm"].push_back({{"shape", sh.name},
                                    {"in", sh.in},
                                    {"out", sh.out},

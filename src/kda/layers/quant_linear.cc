@@ -10,6 +10,7 @@
 
 #include "kda/common/aligned_scratch.h"
 #include "kda/common/isa.h"
+#include "kda/kernels/gemm/quant_amx.h"
 #include "kda/kernels/gemm/quant_dpbf16.h"
 #include "kda/kernels/gemm/quant_tile.h"
 #include "kda/kernels/gemm/weight_format.h"
@@ -28,7 +29,19 @@ QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision pr
   // they do not take falls back: path_for below). With AMX oneDNN's bf16 matmul on tiles: int4's tile is
   // twice as deep (hi + lo), which still pays at AMX's rate, well over twice the fp32 one.
   if (!onednn_bf16_uses_amx() && qg::cpu_has_quant_dpbf16()) return Prefill::Dpbf16;
+  // int4 on AMX: the project's kernel, one tile product per group of the scheme's integers, where the
+  // hi + lo tiles double the depth (1.4-1.9x their time at the model's shapes, docs/performance.md).
+  if (weights == Weights::Int4 && qg::cpu_has_amx_bf16()) return Prefill::AmxBf16;
   return Prefill::Bf16Tiles;
+}
+
+int64_t QuantLinear::decode_rows_for(Weights weights, Precision precision, int64_t in) {
+  const bool int8 = weights == Weights::Int8;
+  const Prefill p = prefill_path_for(weights, precision);
+  if (p == Prefill::Dpbf16 && in % 32 == 0) return int8 ? kDpbf16DecodeRowsInt8 : kDpbf16DecodeRowsInt4;
+  if (p == Prefill::AmxBf16) return kAmxBf16DecodeRowsInt4;
+  if (int8 && precision == Precision::BF16 && qg::gemm_runs_amx(weights, in)) return kAmxDecodeRowsInt8;
+  return kDecodeRows;
 }
 
 namespace {
@@ -78,22 +91,28 @@ QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::v
                                 " values, expected " + std::to_string(out_) + " x " + std::to_string(in_));
   impl_ = std::make_unique<Impl>(weights, weight, in_, out_);
   prefill_ = path_for(weights, precision, in_);
+  decode_rows_ = decode_rows_for(weights, precision, in_);
 }
 
 QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight,
                          Weights weights, Precision precision, Prefill prefill)
-    : QuantLinear(
-          (prefill != Prefill::Fp32Tiles && precision != Precision::BF16)
-              ? throw std::invalid_argument(prefill == Prefill::Bf16Tiles
-                                                ? "QuantLinear: bf16 tiles need the bf16 precision"
-                                                : "QuantLinear: the dpbf16 path needs the bf16 precision")
-              : in_features,
-          out_features, weight, weights, precision) {
+    : QuantLinear((prefill != Prefill::Fp32Tiles && precision != Precision::BF16)
+                      ? throw std::invalid_argument(std::string("QuantLinear: the ") + to_string(prefill) +
+                                                    " path needs the bf16 precision")
+                      : in_features,
+                  out_features, weight, weights, precision) {
   if (prefill == Prefill::Dpbf16 && (in_features % 32 != 0 || !qg::cpu_has_quant_dpbf16()))
     throw std::invalid_argument(
         in_features % 32 != 0 ? "QuantLinear: the dpbf16 path needs an input size that is a multiple of 32"
                               : "QuantLinear: the dpbf16 path needs a CPU with AVX512_BF16");
+  if (prefill == Prefill::AmxBf16 && (weights != Weights::Int4 || !qg::cpu_has_amx_bf16()))
+    throw std::invalid_argument(weights != Weights::Int4 ? "QuantLinear: the amx bf16 path takes int4 weights"
+                                                         : "QuantLinear: the amx bf16 path needs AMX-BF16");
   prefill_ = prefill;
+  decode_rows_ = prefill == Prefill::AmxBf16  ? kAmxBf16DecodeRowsInt4
+                 : prefill != Prefill::Dpbf16 ? kDecodeRows
+                 : weights == Weights::Int8   ? kDpbf16DecodeRowsInt8
+                                              : kDpbf16DecodeRowsInt4;
 }
 
 QuantLinear::QuantLinear(const qg::PackedMatrix& packed, Precision precision)
@@ -102,6 +121,7 @@ QuantLinear::QuantLinear(const qg::PackedMatrix& packed, Precision precision)
     throw std::invalid_argument("QuantLinear: packed weights must be int8 or int4");
   impl_ = std::make_unique<Impl>(packed);
   prefill_ = path_for(weights_, precision, in_);
+  decode_rows_ = decode_rows_for(weights_, precision, in_);
 }
 
 QuantLinear::~QuantLinear() = default;
@@ -126,13 +146,19 @@ void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t l
   Impl& im = *impl_;
   const int64_t decode = decode_rows();
   if (M > decode && prefill_ == Prefill::Bf16Tiles) return prefill_bf16(x, M, ldx, y, ldy);
-  if (M > decode && prefill_ == Prefill::Dpbf16) return prefill_dpbf16(x, M, ldx, y, ldy);
+  if (M > decode && (prefill_ == Prefill::Dpbf16 || prefill_ == Prefill::AmxBf16))
+    return prefill_dpbf16(x, M, ldx, y, ldy);
   // x and y as fp32 rows: fp32 x rounded to bf16 in the bf16 precision (its rounding point), as is in
   // the fp32 one.
   im.rows.with(x, M, ldx, y, ldy, precision_ == Precision::BF16,
                [&](const float* xf, int64_t ldxf, float* yf, int64_t ldyf) {
                  if (M <= decode) {
-                   qg::gemm(xf, M, ldxf, im.packed.view(), yf, ldyf);
+                   // kDecodeRows at a time: the AMX kernels' activations of a chunk stay in L2 while
+                   // every block of W meets them (one pass over W per chunk; from 128 rows on, whole
+                   // calls ran slower than chunks of 64).
+                   for (int64_t m = 0; m < M; m += kDecodeRows)
+                     qg::gemm(xf + m * ldxf, std::min(kDecodeRows, M - m), ldxf, im.packed.view(),
+                              yf + m * ldyf, ldyf);
                  } else {
                    prefill(xf, M, ldxf, yf, ldyf);
                  }
@@ -221,12 +247,14 @@ template <class X, class Y>
 void QuantLinear::prefill_dpbf16(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const {
   const qg::PackedWeights v = impl_->packed.view();
   const auto gemm = [&](const bf16_t* xb, int64_t ldxb, float* yf, int64_t ldyf) {
-    if (v.format == Weights::Int8)
+    const qg::Int4Weights w4{static_cast<const uint8_t*>(v.data), v.scale, v.in, v.out};
+    if (prefill_ == Prefill::AmxBf16)
+      qg::gemm_int4_amx_bf16(xb, M, ldxb, w4, yf, ldyf);
+    else if (v.format == Weights::Int8)
       qg::gemm_int8_dpbf16(
           xb, M, ldxb, qg::Int8Weights{static_cast<const int8_t*>(v.data), v.scale, v.in, v.out}, yf, ldyf);
     else
-      qg::gemm_int4_dpbf16(
-          xb, M, ldxb, qg::Int4Weights{static_cast<const uint8_t*>(v.data), v.scale, v.in, v.out}, yf, ldyf);
+      qg::gemm_int4_dpbf16(xb, M, ldxb, w4, yf, ldyf);
   };
   std::vector<bf16_t>& xs = quant_scratch().x_bf16;
   std::vector<float>& ys = quant_scratch().y_f32;
@@ -269,6 +297,7 @@ void QuantLinear::reserve(int64_t M) const {
       break;
     }
     case Prefill::Dpbf16:
+    case Prefill::AmxBf16:
       grow_aligned(s.x_bf16, M * in_);
       grow_aligned(s.y_f32, M * out_);
       break;
@@ -283,6 +312,8 @@ const char* to_string(QuantLinear::Prefill p) {
       return "bf16 tiles";
     case QuantLinear::Prefill::Dpbf16:
       return "dpbf16";
+    case QuantLinear::Prefill::AmxBf16:
+      return "amx bf16";
     default:
       return "fp32 tiles";
   }

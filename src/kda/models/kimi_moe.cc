@@ -66,13 +66,14 @@ void check_split(int64_t I, int tp_size, const std::string& what) {
 
 // GEMM row counts are padded to few distinct shapes (powers of two up to 64, then multiples of 64): a
 // Linear creates a oneDNN primitive per shape, and the number of tokens an expert gets varies per call.
-// Quantized weights up to QuantLinear::kDecodeRows rows run the packed kernels, which keep no primitive
-// per shape and would compute the pad rows (at a few rows per expert they are compute bound): there the
-// count stays as it is; so at any count on the dpbf16 path (no primitives either).
-int64_t padded_rows(int64_t n, Weights weights, Precision precision) {
-  if (weights != Weights::BF16 && n <= layers::QuantLinear::kDecodeRows) return n;
-  if (layers::QuantLinear::prefill_path_for(weights, precision) == layers::QuantLinear::Prefill::Dpbf16)
-    return n;
+// Quantized weights up to `unpadded` rows (the experts' projections' QuantLinear::decode_rows) run the
+// packed kernels, which keep no primitive per shape and would compute the pad rows (they are compute
+// bound there): the count stays as it is; so at any count on the dpbf16 and amx bf16 paths (no primitives
+// either).
+int64_t padded_rows(int64_t n, Weights weights, Precision precision, int64_t unpadded) {
+  if (weights != Weights::BF16 && n <= unpadded) return n;
+  const layers::QuantLinear::Prefill path = layers::QuantLinear::prefill_path_for(weights, precision);
+  if (path == layers::QuantLinear::Prefill::Dpbf16 || path == layers::QuantLinear::Prefill::AmxBf16) return n;
   if (n > 64) return (n + 63) / 64 * 64;
   int64_t p = 1;
   while (p < n) p *= 2;
@@ -455,6 +456,12 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
   if (src.shared) {
     shared_ = make_pieces(src.shared(), precision, weights, opts.pieces);
   }
+  if (weights != Weights::BF16 && !experts_.empty()) {
+    using layers::QuantLinear;
+    const int64_t I = experts_.front()->piece(0).intermediate();  // down's inputs
+    unpadded_ = std::min(QuantLinear::decode_rows_for(weights, precision, D_),
+                         QuantLinear::decode_rows_for(weights, precision, I));
+  }
 }
 
 KimiMoE::~KimiMoE() = default;
@@ -532,7 +539,7 @@ void KimiMoE::reserve(int64_t T) {
   // an expert once), every expert the same shape.
   ThreadScratch& s = thread_scratch();
   if (shared_) shared_->reserve(T, s.mlp, s.part);
-  const int64_t np = padded_rows(T, weights_, precision_);
+  const int64_t np = padded_rows(T, weights_, precision_, unpadded_);
   if (bf16_rows()) {
     grow(s.x16, T * D_);
     grow(s.xe16, np * D_);
@@ -608,7 +615,7 @@ void KimiMoE::run_experts(const R* x, int64_t T, std::vector<R>& xe, std::vector
   for (int e = 0; e < E_; ++e) {
     const int64_t n = offsets_[e + 1] - offsets_[e];
     if (n == 0) continue;  // an expert no token picked: its weights are not read
-    const int64_t np = padded_rows(n, weights_, precision_);
+    const int64_t np = padded_rows(n, weights_, precision_, unpadded_);
     if (xe.size() < static_cast<size_t>(np * D_)) xe.resize(static_cast<size_t>(np * D_));
     if (ye.size() < static_cast<size_t>(np * D_)) ye.resize(static_cast<size_t>(np * D_));
     const int64_t* rows = rows_.data() + offsets_[e];
@@ -640,7 +647,7 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
   // expert's slices after its first (which writes straight into y), T rows each.
   std::vector<int64_t> rows_of(static_cast<size_t>(na)), out_at(static_cast<size_t>(na) + 1, 0);
   for (int a = 0; a < na; ++a) {
-    rows_of[a] = padded_rows(offsets_[active[a] + 1] - offsets_[active[a]], weights_, precision_);
+    rows_of[a] = padded_rows(offsets_[active[a] + 1] - offsets_[active[a]], weights_, precision_, unpadded_);
     out_at[a + 1] = out_at[a] + rows_of[a] * experts_[active[a]]->pieces();
   }
   const int64_t shared_at = out_at.back(), total = shared_at + T * std::max(0, shared_pieces - 1);

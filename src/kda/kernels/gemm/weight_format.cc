@@ -278,6 +278,18 @@ void gemm(const float* x, int64_t M, int64_t ldx, const PackedWeights& w, float*
   gemm(x, M, ldx, w, y, ldy, best_isa());
 }
 
+bool gemm_runs_amx(Weights format, int64_t in) {
+#if defined(KDA_WITH_AVX512)
+  if (best_isa() != Isa::Avx512 || !cpu_has_amx_int8()) return false;
+  if (format == Weights::Int8) return amx_takes(Int8Weights{nullptr, nullptr, in, 1});
+  return format == Weights::Int4 && cpu_has_amx_bf16();
+#else
+  (void)format;
+  (void)in;
+  return false;
+#endif
+}
+
 void gemm_reference(const float* x, int64_t M, int64_t ldx, const PackedWeights& w, float* y, int64_t ldy) {
   const WeightFormat& f = weight_format(w.format);
   check_call(f, x, M, ldx, w, y, ldy);

@@ -94,6 +94,12 @@ void dequantize_rows(const PackedWeights& w, int64_t n0, int64_t n1, float* out)
 void gemm(const float* x, int64_t M, int64_t ldx, const PackedWeights& w, float* y, int64_t ldy);
 void gemm(const float* x, int64_t M, int64_t ldx, const PackedWeights& w, float* y, int64_t ldy, Isa isa);
 
+// Whether gemm() (best_isa()'s copy) runs this format's AMX tile kernels (quant_amx.h) for W of `in`
+// inputs, from their row counts on: int8 and int4 on a CPU with the tiles they need, int8 for an input
+// size amx_takes. Their time grows with the rows at about the bf16 tiles' GEMM rate, so they stay the
+// faster path up to a few hundred rows (QuantLinear::decode_rows_for).
+bool gemm_runs_amx(Weights format, int64_t in);
+
 // The reference: x quantized as the kernels take it and dequantized (int8, int4; bf16: as it is), W
 // dequantized, then y[m, n] = sum_k x[m, k] W[n, k] in fp32, k ascending.
 void gemm_reference(const float* x, int64_t M, int64_t ldx, const PackedWeights& w, float* y, int64_t ldy);

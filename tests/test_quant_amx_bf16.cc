@@ -1,0 +1,123 @@
+// int4 weights against bf16 activations on AMX-BF16 tiles (gemm_int4_amx_bf16, quant_amx.h; QuantLinear's
+// amx bf16 prefill path): the dpbf16 scheme's value (gemm_int4_dpbf16_reference) within the fp32 rounding
+// of its group sums, at the model's widths and odd ones, row counts across the kernel's chunks of rows, a
+// channel tail (the dpbf16 kernel's bits); a row's bits independent of the rows beside it; outputs past
+// `out` untouched; bad arguments refused before anything is written. Skipped where the CPU lacks AMX-BF16.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/kernels/gemm/quant_amx.h"
+#include "kda/kernels/gemm/quant_dpbf16.h"
+#include "kda/kernels/gemm/quant_gemm.h"
+#include "kda/kernels/gemm/weight_format.h"
+#include "support/test_support.h"
+
+namespace kda {
+namespace {
+
+namespace qg = kernels::gemm;
+using testing::expect_throw_with;
+using testing::random_normal;
+
+qg::Int4Weights int4_of(const qg::PackedMatrix& p) {
+  const qg::PackedWeights v = p.view();
+  return {static_cast<const uint8_t*>(v.data), v.scale, v.in, v.out};
+}
+
+std::vector<bf16_t> bf16_rows(int64_t M, int64_t ld, uint64_t seed) {
+  const std::vector<float> x = random_normal(static_cast<size_t>(M * ld), seed);
+  std::vector<bf16_t> xb(x.size());
+  f32_to_bf16_array(x.data(), xb.data(), xb.size());
+  return xb;
+}
+
+TEST(QuantAmxBf16, Int4IsTheDpbf16SchemeWithinItsGroupSumsRounding) {
+  if (!qg::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build";
+  struct Case {
+    int64_t in, out, M;
+  };
+  // The model's input widths (2304, the expert's down 1024), channels in a multiple of 16 or with a tail
+  // past the last whole block, one group, fewer channels than a block; rows across the 256-row chunks.
+  const Case cases[] = {{2304, 256, 64}, {1024, 272, 300}, {2304, 48, 517}, {96, 37, 17},
+                        {32, 16, 1},     {160, 15, 40},    {128, 260, 256}, {64, 33, 257}};
+  for (const Case& c : cases) {
+    const std::string what = std::to_string(c.in) + "x" + std::to_string(c.out) + " M=" + std::to_string(c.M);
+    std::vector<float> wsrc = random_normal(static_cast<size_t>(c.in * c.out), 50 + c.in, 0.05f);
+    wsrc[0] *= 1e3f;  // an outlier: its group's other weights quantize near zero
+    const qg::PackedMatrix p(Weights::Int4, wsrc.data(), c.in, c.out);
+    const qg::Int4Weights w = int4_of(p);
+    const int64_t ldx = c.in + 16, ldy = c.out + 5, G = c.in / qg::kInt4Group;
+    const std::vector<bf16_t> x = bf16_rows(c.M, ldx, 60 + c.M);
+    std::vector<float> y(static_cast<size_t>(c.M * ldy), 3.0f), ref(static_cast<size_t>(c.M * c.out));
+    qg::gemm_int4_amx_bf16(x.data(), c.M, ldx, w, y.data(), ldy);
+    qg::gemm_int4_dpbf16_reference(x.data(), c.M, ldx, w, ref.data(), c.out);
+    const std::vector<float> wd = qg::dequantize(p.view());
+    const int64_t whole = c.out / 16 * 16;
+    int bad = 0, tail_bad = 0, past = 0;
+    for (int64_t m = 0; m < c.M; ++m) {
+      for (int64_t n = 0; n < c.out; ++n) {
+        const float got = y[m * ldy + n], want = ref[m * c.out + n];
+        if (n >= whole) {  // the channel tail: gemm_int4_dpbf16, its reference's bits
+          tail_bad += got != want;
+          continue;
+        }
+        // Each group sum is rounded in fp32 over at most 32 terms on both sides, and the totals' FMAs
+        // round again per group: (64 + 2 G) units of 2^-24 of the absolute products' sum.
+        double mag = 0.0;
+        for (int64_t k = 0; k < c.in; ++k)
+          mag += std::fabs(static_cast<double>(bf16_to_f32(x[m * ldx + k])) * wd[n * c.in + k]);
+        bad +=
+            !(std::fabs(static_cast<double>(got) - want) <= (64.0 + 2.0 * G) * std::ldexp(mag, -24) + 1e-30);
+      }
+      for (int64_t n = c.out; n < ldy; ++n) past += y[m * ldy + n] != 3.0f;
+    }
+    EXPECT_EQ(bad, 0) << what;
+    EXPECT_EQ(tail_bad, 0) << what;
+    EXPECT_EQ(past, 0) << what;
+    // A row's bits whatever the rows beside it: rows [m0, m0 + k) of the call above, called alone.
+    for (int64_t m0 : {int64_t{0}, c.M / 2, c.M - 1}) {
+      const int64_t k = std::min<int64_t>(c.M - m0, 19);
+      std::vector<float> part(static_cast<size_t>(k * ldy));
+      qg::gemm_int4_amx_bf16(x.data() + m0 * ldx, k, ldx, w, part.data(), ldy);
+      int diff = 0;
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t n = 0; n < c.out; ++n) diff += part[i * ldy + n] != y[(m0 + i) * ldy + n];
+      EXPECT_EQ(diff, 0) << what << " rows from " << m0;
+    }
+  }
+}
+
+TEST(QuantAmxBf16, BadArgumentsAreRefusedBeforeAnythingIsWritten) {
+  const std::vector<float> wsrc = random_normal(64 * 20, 3, 0.05f);
+  const qg::PackedMatrix p(Weights::Int4, wsrc.data(), 64, 20);
+  const qg::Int4Weights w = int4_of(p);
+  const std::vector<bf16_t> x = bf16_rows(4, 64, 4);
+  std::vector<float> y(4 * 20, 7.0f);
+  if (!qg::cpu_has_amx_bf16()) {
+    EXPECT_THROW(qg::gemm_int4_amx_bf16(x.data(), 4, 64, w, y.data(), 20), std::logic_error);
+  } else {
+    qg::Int4Weights odd = w;
+    odd.in = 48;
+    expect_throw_with<std::invalid_argument>(
+        [&] { qg::gemm_int4_amx_bf16(x.data(), 4, 64, odd, y.data(), 20); }, "a positive multiple of 32");
+    expect_throw_with<std::invalid_argument>(
+        [&] { qg::gemm_int4_amx_bf16(x.data(), 4, 63, w, y.data(), 20); }, "row stride");
+    expect_throw_with<std::invalid_argument>(
+        [&] { qg::gemm_int4_amx_bf16(x.data(), 4, 64, w, y.data(), 19); }, "row stride");
+    expect_throw_with<std::invalid_argument>([&] { qg::gemm_int4_amx_bf16(nullptr, 4, 64, w, y.data(), 20); },
+                                             "null data");
+    expect_throw_with<std::invalid_argument>(
+        [&] { qg::gemm_int4_amx_bf16(x.data(), -1, 64, w, y.data(), 20); }, "bad sizes");
+    qg::gemm_int4_amx_bf16(nullptr, 0, 64, w, nullptr, 20);  // no rows: nothing read or written
+  }
+  EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
+}
+
+}  // namespace
+}  // namespace kda
