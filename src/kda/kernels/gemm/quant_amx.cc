@@ -308,6 +308,24 @@ inline void unpack_group(const uint8_t* q0, int64_t row_bytes, int64_t g, uint16
   }
 }
 
+// unpack_group's constants: `table` the bf16 values of (nibble - 8) at the 32 indices vpermw takes (they
+// repeat every 16), `shifts` each word's right shift (4 L in 128-bit lane L).
+struct UnpackConsts {
+  __m512i table, shifts;
+};
+inline UnpackConsts unpack_consts() {
+  alignas(64) uint16_t entries[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>(i % 16 - 8);
+    uint32_t u = 0;
+    std::memcpy(&u, &v, sizeof(u));
+    entries[i] = static_cast<uint16_t>(u >> 16);  // exact: a small integer
+  }
+  alignas(64) uint16_t shift_of[32];
+  for (int j = 0; j < 32; ++j) shift_of[j] = static_cast<uint16_t>(4 * (j / 8));
+  return {_mm512_load_si512(entries), _mm512_load_si512(shift_of)};
+}
+
 // One paired group's product: A tile AT from a, the activation tile BT from bt, the sums into CT. Macros:
 // GCC's tile intrinsics take the tile number as a literal.
 #define KDA_PAIRED_PRODUCT(AT, BT, CT, a, bt) \
@@ -389,17 +407,7 @@ void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int6
   alignas(64) int8_t a8[kRows * 128];
   alignas(64) float c[2][kRows * kRows] = {};
   alignas(64) int32_t hs[kRows * kRows] = {}, ls[kRows * kRows] = {};
-  alignas(64) uint16_t entries[32];
-  for (int i = 0; i < 32; ++i) {
-    const float v = static_cast<float>(i % 16 - 8);
-    uint32_t u = 0;
-    std::memcpy(&u, &v, sizeof(u));
-    entries[i] = static_cast<uint16_t>(u >> 16);  // exact: a small integer
-  }
-  const __m512i table = _mm512_load_si512(entries);
-  alignas(64) uint16_t shift_of[32];
-  for (int j = 0; j < 32; ++j) shift_of[j] = static_cast<uint16_t>(4 * (j / 8));
-  const __m512i shifts = _mm512_load_si512(shift_of);
+  const auto [table, shifts] = unpack_consts();
   const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   // Low nibbles of a group's 16 bytes are its inputs 0..15, the high ones 16..31.
   const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
@@ -545,17 +553,7 @@ void int4_bf16_blocks(const uint32_t* xp, int64_t b0, int64_t b1, int64_t m0, in
   Tiles<configure_bf16_groups> tiles;
   tiles.rows(kRows);
   alignas(64) float c[2][kRows * kRows];
-  alignas(64) uint16_t entries[32];
-  for (int i = 0; i < 32; ++i) {
-    const float v = static_cast<float>(i % 16 - 8);
-    uint32_t u = 0;
-    std::memcpy(&u, &v, sizeof(u));
-    entries[i] = static_cast<uint16_t>(u >> 16);  // exact: a small integer
-  }
-  const __m512i table = _mm512_load_si512(entries);
-  alignas(64) uint16_t shift_of[32];
-  for (int j = 0; j < 32; ++j) shift_of[j] = static_cast<uint16_t>(4 * (j / 8));
-  const __m512i shifts = _mm512_load_si512(shift_of);
+  const auto [table, shifts] = unpack_consts();
   const int64_t in = w.in, G = in / kInt4Group, row_bytes = in / 2, T = kRows * kRows;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t n0 = nb * kRows;
