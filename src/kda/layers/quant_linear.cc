@@ -26,21 +26,31 @@ namespace qg = kda::kernels::gemm;
 QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision precision) {
   if (precision != Precision::BF16 || !cpu_has_bf16_gemm()) return Prefill::Fp32Tiles;
   // Without AMX the project's kernels, at the bf16 rate on the scheme's integers (a layer whose input size
-  // they do not take falls back: path_for below). With AMX oneDNN's bf16 matmul on tiles: int4's tile is
-  // twice as deep (hi + lo), which still pays at AMX's rate, well over twice the fp32 one.
+  // they do not take falls back: path_for below). With AMX: int8 on oneDNN's bf16 matmul on tiles; int4 on
+  // the project's kernel, one tile product per group of the scheme's integers, where the hi + lo tiles
+  // double the depth (1.4-1.9x its time at the model's shapes, docs/performance.md).
   if (!onednn_bf16_uses_amx() && qg::cpu_has_quant_dpbf16()) return Prefill::Dpbf16;
-  // int4 on AMX: the project's kernel, one tile product per group of the scheme's integers, where the
-  // hi + lo tiles double the depth (1.4-1.9x their time at the model's shapes, docs/performance.md).
   if (weights == Weights::Int4 && qg::cpu_has_amx_bf16()) return Prefill::AmxBf16;
   return Prefill::Bf16Tiles;
 }
 
+namespace {
+
+// The decode rows of the paths whose kernels take over from the packed ones early (0: none of those).
+int64_t early_decode_rows(QuantLinear::Prefill p, Weights weights) {
+  if (p == QuantLinear::Prefill::AmxBf16) return QuantLinear::kAmxBf16DecodeRowsInt4;
+  if (p != QuantLinear::Prefill::Dpbf16) return 0;
+  return weights == Weights::Int8 ? QuantLinear::kDpbf16DecodeRowsInt8 : QuantLinear::kDpbf16DecodeRowsInt4;
+}
+
+}  // namespace
+
 int64_t QuantLinear::decode_rows_for(Weights weights, Precision precision, int64_t in) {
-  const bool int8 = weights == Weights::Int8;
   const Prefill p = prefill_path_for(weights, precision);
-  if (p == Prefill::Dpbf16 && in % 32 == 0) return int8 ? kDpbf16DecodeRowsInt8 : kDpbf16DecodeRowsInt4;
-  if (p == Prefill::AmxBf16) return kAmxBf16DecodeRowsInt4;
-  if (int8 && precision == Precision::BF16 && qg::gemm_runs_amx(weights, in)) return kAmxDecodeRowsInt8;
+  if (p != Prefill::Dpbf16 || in % 32 == 0)  // else the dpbf16 path falls back (path_for below)
+    if (const int64_t early = early_decode_rows(p, weights)) return early;
+  if (weights == Weights::Int8 && precision == Precision::BF16 && qg::gemm_runs_amx(weights, in))
+    return kAmxDecodeRowsInt8;
   return kDecodeRows;
 }
 
@@ -109,10 +119,8 @@ QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::v
     throw std::invalid_argument(weights != Weights::Int4 ? "QuantLinear: the amx bf16 path takes int4 weights"
                                                          : "QuantLinear: the amx bf16 path needs AMX-BF16");
   prefill_ = prefill;
-  decode_rows_ = prefill == Prefill::AmxBf16  ? kAmxBf16DecodeRowsInt4
-                 : prefill != Prefill::Dpbf16 ? kDecodeRows
-                 : weights == Weights::Int8   ? kDpbf16DecodeRowsInt8
-                                              : kDpbf16DecodeRowsInt4;
+  const int64_t early = early_decode_rows(prefill, weights);
+  decode_rows_ = early > 0 ? early : kDecodeRows;
 }
 
 QuantLinear::QuantLinear(const qg::PackedMatrix& packed, Precision precision)

@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "kda/common/isa.h"
@@ -21,21 +20,6 @@
 #endif
 
 namespace kda::kernels::gemm {
-
-namespace {
-
-void check_int4_bf16_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w,
-                          const float* y, int64_t ldy) {
-  const std::string f(what);
-  if (w.in < kInt4Group || w.in % kInt4Group != 0 || w.out < 1 || M < 0)
-    throw std::invalid_argument(f + ": bad sizes M " + std::to_string(M) + ", in " + std::to_string(w.in) +
-                                " (a positive multiple of 32), out " + std::to_string(w.out));
-  if (ldx < w.in || ldy < w.out) throw std::invalid_argument(f + ": a row stride below its row's size");
-  if (M > 0 && (x == nullptr || y == nullptr || w.q == nullptr || w.scale == nullptr))
-    throw std::invalid_argument(f + ": null data");
-}
-
-}  // namespace
 
 #if defined(KDA_AMX_BUILD)
 
@@ -544,12 +528,12 @@ inline void scale_group(const float* c, const float* ws, int64_t G, __m512* acc)
     acc[n] = _mm512_fmadd_ps(_mm512_load_ps(c + n * kRows), _mm512_set1_ps(ws[n * G]), acc[n]);
 }
 
-// Channel blocks [nb0, nb1) of int4 weights against the row blocks [b0, b1) of xp (x_tile's tiles, G per
-// row block, row block b's rows m0 + 16 (b - b0) on): per channel block its groups unpacked once into
+// Channel blocks [nb0, nb1) of int4 weights against the B row blocks of xp (x_tile's tiles, G per row
+// block, row block b's rows m0 + 16 b on): per channel block its groups unpacked once into
 // `panel` (G tiles of bf16 weights), then per row block and group one product from zero, the group's
 // sums stored a step later and scaled two steps later, while the next groups' products run.
-void int4_bf16_blocks(const uint32_t* xp, int64_t b0, int64_t b1, int64_t m0, int64_t M, const Int4Weights& w,
-                      int64_t nb0, int64_t nb1, uint16_t* panel, float* y, int64_t ldy) {
+void int4_bf16_blocks(const uint32_t* xp, int64_t B, int64_t m0, int64_t M, const Int4Weights& w, int64_t nb0,
+                      int64_t nb1, uint16_t* panel, float* y, int64_t ldy) {
   Tiles<configure_bf16_groups> tiles;
   tiles.rows(kRows);
   alignas(64) float c[2][kRows * kRows];
@@ -562,8 +546,8 @@ void int4_bf16_blocks(const uint32_t* xp, int64_t b0, int64_t b1, int64_t m0, in
     for (int64_t g = 0; g < G; ++g)
       unpack_group(q0, row_bytes, g, panel + g * kRows * kInt4Group, shifts, table);
     KDA_TILE_FENCE();
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint32_t* xg = xp + (b - b0) * G * T;
+    for (int64_t b = 0; b < B; ++b) {
+      const uint32_t* xg = xp + b * G * T;
       __m512 acc[kRows];
       for (auto& v : acc) v = _mm512_setzero_ps();
       for (int64_t g = 0; g < G; ++g, xg += T) {
@@ -581,7 +565,7 @@ void int4_bf16_blocks(const uint32_t* xp, int64_t b0, int64_t b1, int64_t m0, in
       if (G > 1) scale_group(c[G % 2], ws + G - 2, G, acc);
       store_group(G - 1, c[(G - 1) % 2]);
       scale_group(c[(G - 1) % 2], ws + G - 1, G, acc);
-      const int64_t r0 = m0 + (b - b0) * kRows;
+      const int64_t r0 = m0 + b * kRows;
       write_rows(acc, r0, std::min(kRows, M - r0), n0, y, ldy);
     }
   }
@@ -671,7 +655,7 @@ void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weig
 void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y,
                         int64_t ldy) {
   if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_int4_amx_bf16: no AMX-BF16 on this CPU");
-  check_int4_bf16_args("gemm_int4_amx_bf16", x, M, ldx, w, y, ldy);
+  check_int4_dpbf16_args("gemm_int4_amx_bf16", x, M, ldx, w, y, ldy);
   if (M == 0) return;
   const int64_t G = w.in / kInt4Group, blocks = w.out / kRows, n16 = blocks * kRows, T = kRows * kRows;
   // The calling thread's scratch, grown once before any parallel region: a chunk's activation tiles, then
@@ -692,7 +676,7 @@ void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weigh
           [&](int t, int nt) { x_tiles(x, ldx, M, m0, G, B * G * t / nt, B * G * (t + 1) / nt, xt); },
           [&](int64_t nb0, int64_t nb1) {
             uint16_t* panel = reinterpret_cast<uint16_t*>(xt + xp_size + omp_get_thread_num() * panel_size);
-            int4_bf16_blocks(xt, 0, B, m0, M, w, nb0, nb1, panel, y, ldy);
+            int4_bf16_blocks(xt, B, m0, M, w, nb0, nb1, panel, y, ldy);
           });
   }
   if (n16 < w.out)
@@ -713,7 +697,7 @@ void gemm_int4_amx(const int16_t*, const float*, int64_t, const Int4Weights&, fl
 }
 void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y,
                         int64_t ldy) {
-  check_int4_bf16_args("gemm_int4_amx_bf16", x, M, ldx, w, y, ldy);
+  check_int4_dpbf16_args("gemm_int4_amx_bf16", x, M, ldx, w, y, ldy);
   throw std::logic_error("gemm_int4_amx_bf16: not in this build");
 }
 

@@ -42,6 +42,11 @@ inline int nibble(const uint8_t* group, int k) { return k < 16 ? group[k] & 0xF 
 
 }  // namespace
 
+void check_int4_dpbf16_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w,
+                            const float* y, int64_t ldy) {
+  check_args(what, x, M, ldx, w, y, ldy);
+}
+
 void gemm_int8_dpbf16_reference(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y,
                                 int64_t ldy) {
   check_args("gemm_int8_dpbf16_reference", x, M, ldx, w, y, ldy);
