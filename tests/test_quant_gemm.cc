@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -57,6 +58,16 @@ void avx512_direct(const float* x, int64_t M, int64_t ldx, const qg::PackedWeigh
 }
 #endif
 
+// int8 weights: each output is the exact integer sum converted once, so every kernel gives the portable
+// copy's bits (whichever order its lanes and steps add in).
+void expect_int8_bits(const qg::PackedWeights& w, int64_t M, int64_t ldy, const std::vector<float>& y,
+                      const std::vector<float>& portable, const std::string& what) {
+  if (w.format != Weights::Int8) return;
+  for (int64_t m = 0; m < M; ++m)
+    ASSERT_EQ(std::memcmp(y.data() + m * ldy, portable.data() + m * ldy, sizeof(float) * w.out), 0)
+        << what << " row " << m;
+}
+
 void check_kernels(const qg::PackedWeights& w, const std::string& tag) {
   const std::vector<float> wf = qg::dequantize(w);
   for (int64_t M : {1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64}) {
@@ -64,11 +75,14 @@ void check_kernels(const qg::PackedWeights& w, const std::string& tag) {
     const std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 100 + M);
     std::vector<float> yref(static_cast<size_t>(M * ldy), -1.0f);
     qg::gemm_reference(x.data(), M, ldx, w, yref.data(), ldy);
+    std::vector<float> portable(static_cast<size_t>(M * ldy));
+    qg::gemm(x.data(), M, ldx, w, portable.data(), ldy, Isa::Portable);
     for (Isa isa : available_isas()) {
       std::vector<float> y(static_cast<size_t>(M * ldy), 7.0f);
       qg::gemm(x.data(), M, ldx, w, y.data(), ldy, isa);
       const std::string what = tag + " M=" + std::to_string(M) + " " + to_string(isa);
       expect_close_fp32(x, ldx, wf, M, w.in, w.out, y.data(), ldy, yref.data(), ldy, what);
+      expect_int8_bits(w, M, ldy, y, portable, what);
       // The padding between rows is left as it was.
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = w.out; n < ldy; ++n) ASSERT_EQ(y[m * ldy + n], 7.0f) << what;
@@ -81,6 +95,7 @@ void check_kernels(const qg::PackedWeights& w, const std::string& tag) {
       avx512_direct(x.data(), M, ldx, w, y.data(), ldy, vnni);
       const std::string what = tag + " M=" + std::to_string(M) + (vnni ? " avx512 vnni" : " avx512 bw");
       expect_close_fp32(x, ldx, wf, M, w.in, w.out, y.data(), ldy, yref.data(), ldy, what);
+      expect_int8_bits(w, M, ldy, y, portable, what);
     }
 #endif
   }

@@ -98,6 +98,53 @@ inline void int8_block(const int16_t* xq, const float* sx, int64_t in, const Int
     }
 }
 
+// int8 weights, one or two rows of x (MB): one output channel at a time, its row of weights read
+// straight through (two accumulators per row of x, alternate 32-input steps), with a prefetch kStreamAhead
+// bytes on in address order. Each thread then reads one run of memory, where int8_block's kNB rows
+// at a time make kNB runs a row apart, which held the hardware prefetchers well below the read
+// bandwidth at the model's widths (docs/performance.md, "int8 decode, one channel at a time"). Above
+// two rows of x the block's reuse of each x vector over kNB channels pays more than this gains.
+constexpr int64_t kStreamRows = 2, kStreamAhead = 2048;
+template <int MB, class Dot>
+inline void int8_stream(const int16_t* xq, const float* sx, int64_t in, const Int8Weights& w, int64_t m0,
+                        int64_t n, float* y, int64_t ldy) {
+  __m512i acc[MB][2];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+  const int8_t* r = w.q + n * in;
+  const int8_t* end = w.q + w.out * in;
+  const auto step = [&](int64_t k, int h, bool tail, __mmask32 mk) {
+    const __m512i wv =
+        _mm512_cvtepi8_epi16(tail ? _mm256_maskz_loadu_epi8(mk, r + k)
+                                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + k)));
+    for (int i = 0; i < MB; ++i) {
+      const int16_t* x = xq + (m0 + i) * in + k;
+      acc[i][h] = Dot::dot_s16(acc[i][h], wv, tail ? _mm512_maskz_loadu_epi16(mk, x) : _mm512_loadu_si512(x));
+    }
+  };
+  int64_t k = 0;
+  for (; k + 64 <= in; k += 64) {
+    if (r + k + kStreamAhead < end)
+      _mm_prefetch(reinterpret_cast<const char*>(r + k + kStreamAhead), _MM_HINT_T0);
+    step(k, 0, false, 0);
+    step(k + 32, 1, false, 0);
+  }
+  if (k + 32 <= in) {
+    step(k, 0, false, 0);
+    k += 32;
+  }
+  if (k < in) step(k, 1, true, __mmask32((uint32_t{1} << (in - k)) - 1));
+  for (int i = 0; i < MB; ++i) {
+    int64_t total = 0;
+    for (int h = 0; h < 2; ++h) {
+      const __m512i a = acc[i][h];
+      total +=
+          _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)),
+                                                   _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1))));
+    }
+    y[(m0 + i) * ldy + n] = static_cast<float>(total) * w.scale[n] * sx[m0 + i];
+  }
+}
+
 // int4: x rearranged once per call to the packing of the weights. A chunk is 4 groups (64 packed bytes
 // of a channel); the low nibbles of its bytes are inputs 0..15 of each group, the high ones 16..31.
 // h_* / l_* hold the high (signed) and low (unsigned) bytes of the matching activations, ncorr is -8
@@ -233,18 +280,25 @@ inline void int4_channels(const Int4Call& a, int64_t n0) {
 // flattened function per instruction choice: everything it calls is inlined into it, so the VNNI copy
 // below (its own target region, GCC would not inline a VNNI intrinsic into a function compiled without
 // VNNI) runs the same templates with its dot products in one instruction each.
-#define KDA_QUANT_RANGES(Dot, suffix)                                                            \
-  __attribute__((flatten)) void int8_range_##suffix(const Int8Call& a, int64_t nb0, int64_t nb1, \
-                                                    bool tail) {                                 \
-    for (int64_t nb = nb0; nb < nb1; ++nb) int8_channels<kNB, Dot>(a, nb * kNB);                 \
-    if (tail)                                                                                    \
-      for (int64_t n = nb1 * kNB; n < a.w->out; ++n) int8_channels<1, Dot>(a, n);                \
-  }                                                                                              \
-  __attribute__((flatten)) void int4_range_##suffix(const Int4Call& a, int64_t nb0, int64_t nb1, \
-                                                    bool tail) {                                 \
-    for (int64_t nb = nb0; nb < nb1; ++nb) int4_channels<kNB, Dot>(a, nb * kNB);                 \
-    if (tail)                                                                                    \
-      for (int64_t n = nb1 * kNB; n < a.w->out; ++n) int4_channels<1, Dot>(a, n);                \
+#define KDA_QUANT_RANGES(Dot, suffix)                                                             \
+  __attribute__((flatten)) void int8_range_##suffix(const Int8Call& a, int64_t nb0, int64_t nb1,  \
+                                                    bool tail) {                                  \
+    for (int64_t nb = nb0; nb < nb1; ++nb) int8_channels<kNB, Dot>(a, nb * kNB);                  \
+    if (tail)                                                                                     \
+      for (int64_t n = nb1 * kNB; n < a.w->out; ++n) int8_channels<1, Dot>(a, n);                 \
+  }                                                                                               \
+  __attribute__((flatten)) void int8_stream_##suffix(const Int8Call& a, int64_t n0, int64_t n1) { \
+    for (int64_t n = n0; n < n1; ++n)                                                             \
+      if (a.M == 2)                                                                               \
+        int8_stream<2, Dot>(a.xq, a.sx, a.w->in, *a.w, 0, n, a.y, a.ldy);                         \
+      else                                                                                        \
+        int8_stream<1, Dot>(a.xq, a.sx, a.w->in, *a.w, 0, n, a.y, a.ldy);                         \
+  }                                                                                               \
+  __attribute__((flatten)) void int4_range_##suffix(const Int4Call& a, int64_t nb0, int64_t nb1,  \
+                                                    bool tail) {                                  \
+    for (int64_t nb = nb0; nb < nb1; ++nb) int4_channels<kNB, Dot>(a, nb * kNB);                  \
+    if (tail)                                                                                     \
+      for (int64_t n = nb1 * kNB; n < a.w->out; ++n) int4_channels<1, Dot>(a, n);                 \
   }
 
 KDA_QUANT_RANGES(DotBw, bw)
@@ -288,6 +342,20 @@ void split_channels(const Call& a, int64_t in, int64_t out, Range range) {
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     range(a, full * t / nt, full * (t + 1) / nt, t == nt - 1);
+  }
+}
+
+// Threads split the channels evenly (static), each its own run of rows of the weights.
+template <class Stream>
+void split_stream(const Int8Call& a, Stream stream) {
+  if (a.w->in * a.w->out < kParallelMin) {
+    stream(a, 0, a.w->out);
+    return;
+  }
+#pragma omp parallel
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    stream(a, a.w->out * t / nt, a.w->out * (t + 1) / nt);
   }
 }
 
@@ -342,7 +410,10 @@ void gemm_rows(const int16_t* xq, const float* sx, int64_t sx_row, int64_t M, co
 void gemm_int8(const int16_t* xq, const float* sx, int64_t M, const Int8Weights& w, float* y, int64_t ldy,
                bool vnni) {
   const Int8Call a{xq, sx, &w, y, M, ldy};
-  split_channels(a, w.in, w.out, vnni ? int8_range_vnni : int8_range_bw);
+  if (M <= kStreamRows)
+    split_stream(a, vnni ? int8_stream_vnni : int8_stream_bw);
+  else
+    split_channels(a, w.in, w.out, vnni ? int8_range_vnni : int8_range_bw);
 }
 void gemm_int4(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y, int64_t ldy,
                bool vnni) {
