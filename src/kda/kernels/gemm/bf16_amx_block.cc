@@ -175,6 +175,7 @@ void rows_blocks(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64
                  int64_t ldy, int64_t b0, int64_t b1) {
   constexpr bool kF32 = std::is_same_v<Y, float>;
   constexpr int64_t kBlockStep = kStep * kVnniBlockN;  // a block's values per step of 32 inputs (4 KB)
+  static_assert(kBlockStep * 2 == 4 * 16 * 64, "a step is four quarters of 16 cache lines");
   alignas(64) float o[kT * kVnniBlockN];
   int64_t configured = 0;  // the rows of the tile shape loaded
   KDA_TILE_FENCE();        // the caller's stores to x before the tile loads read it
@@ -192,16 +193,25 @@ void rows_blocks(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64
       _tile_zero(7);
       for (int64_t k = 0; k < K; k += kStep) {
         const bf16_t* bt = wb + k / kStep * kBlockStep;
-        // Two steps ahead: the same block's next lines, or the next block's first (one run of bytes).
-        const char* ahead = reinterpret_cast<const char*>(bt + 2 * kBlockStep);
-        for (int64_t j = 0; j < kBlockStep * 2 / 64; ++j) _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+        // The next step's lines (the same block's, or the next block's first: one run of bytes), a
+        // quarter before each B tile's load. All of them at the top of the step, two steps ahead, read
+        // 0.87-0.9 of the read bandwidth at one row where this reads 0.95-1.0 (docs/performance.md,
+        // "bf16 decode: the prefetches spread over the step").
+        const char* ahead = reinterpret_cast<const char*>(bt + kBlockStep);
+        auto fetch = [ahead](int q) {
+          for (int64_t j = 16 * q; j < 16 * q + 16; ++j) _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+        };
         _tile_loadd(0, xr + k, 2 * ldx);
+        fetch(0);
         _tile_loadd(1, bt, 4 * kVnniBlockN);
         _tile_dpbf16ps(4, 0, 1);
+        fetch(1);
         _tile_loadd(2, bt + 2 * kT, 4 * kVnniBlockN);
         _tile_dpbf16ps(5, 0, 2);
+        fetch(2);
         _tile_loadd(3, bt + 4 * kT, 4 * kVnniBlockN);
         _tile_dpbf16ps(6, 0, 3);
+        fetch(3);
         _tile_loadd(1, bt + 6 * kT, 4 * kVnniBlockN);
         _tile_dpbf16ps(7, 0, 1);
       }
