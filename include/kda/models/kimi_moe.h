@@ -180,9 +180,11 @@ class KimiMoE {
   const layers::moe::SwigluPieces* shared_expert() const { return shared_.get(); }
 
   // When the selected experts average at most this many rows (decode, small batches over many experts)
-  // they run side by side, one slice per thread (MoeOptions::pieces), each GEMM single-threaded: too few rows
-  // to thread one GEMM well, and every thread streams its own expert's weights. More rows (prefill) run
-  // expert after expert with the GEMMs threaded.
+  // the routed ones run side by side, one slice per thread (MoeOptions::pieces), each GEMM single-threaded:
+  // too few rows to thread one GEMM well, and every thread streams its own expert's weights. The shared
+  // expert runs before them with its GEMMs threaded (as one more job it left one thread alone at the end
+  // of every layer at batch 1: 9 jobs on 2 threads). More rows (prefill) run expert after expert with the
+  // GEMMs threaded.
   static constexpr int64_t kSideBySideRows = 16;
 
  private:

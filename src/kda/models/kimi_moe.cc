@@ -630,7 +630,15 @@ void KimiMoE::run_experts(const R* x, int64_t T, std::vector<R>& xe, std::vector
 
 void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
   const bool round_out = precision_ == Precision::BF16 && tp_.size == 1;
-  // MLPs: the active experts in increasing id, then the shared expert (mlp na); a job is one slice of one.
+  // y = the shared expert's output (its pieces added and rounded as run_experts has them), its GEMMs
+  // threaded.
+  if (shared_) {
+    ThreadScratch& s = thread_scratch();
+    shared_->forward(x, T, D_, y, D_, round_out, s.mlp, s.part);
+  } else {
+    std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * D_));
+  }
+  // The active experts in increasing id; a job is one slice of one.
   std::vector<int> active;
   for (int e = 0; e < E_; ++e)
     if (offsets_[e + 1] > offsets_[e]) active.push_back(e);
@@ -641,16 +649,13 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
   std::vector<Job> jobs;
   for (int a = 0; a < na; ++a)
     for (int p = 0; p < experts_[active[a]]->pieces(); ++p) jobs.push_back({a, p});
-  const int shared_pieces = shared_ ? shared_->pieces() : 0;
-  for (int p = 0; p < shared_pieces; ++p) jobs.push_back({na, p});
-  // Each active expert's slices' outputs, one block of its padded rows per slice; then the shared
-  // expert's slices after its first (which writes straight into y), T rows each.
+  // Each active expert's slices' outputs, one block of its padded rows per slice.
   std::vector<int64_t> rows_of(static_cast<size_t>(na)), out_at(static_cast<size_t>(na) + 1, 0);
   for (int a = 0; a < na; ++a) {
     rows_of[a] = padded_rows(offsets_[active[a] + 1] - offsets_[active[a]], weights_, precision_, unpadded_);
     out_at[a + 1] = out_at[a] + rows_of[a] * experts_[active[a]]->pieces();
   }
-  const int64_t shared_at = out_at.back(), total = shared_at + T * std::max(0, shared_pieces - 1);
+  const int64_t total = out_at.back();
   std::vector<float>& ye = thread_scratch().side;
   if (ye.size() < static_cast<size_t>(total * D_)) ye.resize(static_cast<size_t>(total * D_));
   const int n_jobs = static_cast<int>(jobs.size());
@@ -661,11 +666,6 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
     try {
       ThreadScratch& s = thread_scratch();
       const auto [a, p] = jobs[j];
-      if (a == na) {
-        float* out = p == 0 ? y : ye.data() + (shared_at + (p - 1) * T) * D_;
-        shared_->forward_piece(p, x, T, D_, out, D_, s.mlp);
-        continue;
-      }
       const int e = active[a];
       const int64_t n = offsets_[e + 1] - offsets_[e], np = rows_of[a];
       if (s.xe.size() < static_cast<size_t>(np * D_)) s.xe.resize(static_cast<size_t>(np * D_));
@@ -677,19 +677,15 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
     }
   }
   if (error) std::rethrow_exception(error);
-  // Each MLP's slices added in slice order, its sum rounded where a whole MLP's output is (bf16); y is
-  // the shared expert's, then the routed experts are added in increasing id, as run_grouped adds them.
-  // rest: the slices after the first, `stride` rows apart.
+  // Each expert's slices added in slice order, its sum rounded where a whole MLP's output is (bf16), then
+  // added to y in increasing id, as run_grouped adds them. rest: the slices after the first, `stride`
+  // rows apart.
   auto finish = [&](float* out, int64_t ldo, const float* rest, int pieces, int64_t rows, int64_t stride) {
     for (int p = 1; p < pieces; ++p)
       SwigluPieces::add_part(out, ldo, rest + (p - 1) * stride * D_, D_, rows, D_);
     if (round_out)
       for (int64_t t = 0; t < rows; ++t) round_bf16_inplace(out + t * ldo, static_cast<size_t>(D_));
   };
-  if (shared_)
-    finish(y, D_, ye.data() + shared_at * D_, shared_pieces, T, T);
-  else
-    std::memset(y, 0, sizeof(float) * static_cast<size_t>(T * D_));
   for (int a = 0; a < na; ++a) {
     const int e = active[a];
     const int64_t n = offsets_[e + 1] - offsets_[e], np = rows_of[a];
