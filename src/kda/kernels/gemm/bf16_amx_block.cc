@@ -194,9 +194,9 @@ void rows_blocks(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int64
       for (int64_t k = 0; k < K; k += kStep) {
         const bf16_t* bt = wb + k / kStep * kBlockStep;
         // The next step's lines (the same block's, or the next block's first: one run of bytes), a
-        // quarter before each B tile's load. All of them at the top of the step, two steps ahead, read
-        // 0.87-0.9 of the read bandwidth at one row where this reads 0.95-1.0 (docs/performance.md,
-        // "bf16 decode: the prefetches spread over the step").
+        // quarter before each B tile's load. All of them at the top of the step, two steps ahead, held
+        // one row's read further below the bandwidth (docs/performance.md, "bf16 decode: the
+        // prefetches spread over the step").
         const char* ahead = reinterpret_cast<const char*>(bt + kBlockStep);
         auto fetch = [ahead](int q) {
           for (int64_t j = 16 * q; j < 16 * q + 16; ++j) _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
