@@ -73,6 +73,12 @@ inline void int8_step(const int16_t* xq, int64_t in, const Int8Weights& w, int64
   }
 }
 
+// The exact total of an accumulator's 16 int32 lanes (int64: their sum may pass int32).
+inline int64_t lane_total(__m512i a) {
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)),
+                                                  _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1))));
+}
+
 // int8 weights, int16 activations. Rows [m0, m0 + MB) x channels [n0, n0 + NB): MB * NB int32
 // accumulators of 16 lanes; 32 inputs per step (one 32-byte load per channel, widened to int16).
 // activation_qmax() keeps every lane's sum inside int32.
@@ -89,13 +95,8 @@ inline void int8_block(const int16_t* xq, const float* sx, int64_t in, const Int
   // The lanes' exact total (int64: 16 lanes of int32 may pass it), converted once: the portable and the
   // AMX kernels' value bit for bit, so that a row's output does not depend on which kernel its call took.
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) {
-      const __m512i a = acc[i][j];
-      const int64_t total =
-          _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)),
-                                                   _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1))));
-      y[(m0 + i) * ldy + n0 + j] = static_cast<float>(total) * w.scale[n0 + j] * sx[m0 + i];
-    }
+    for (int j = 0; j < NB; ++j)
+      y[(m0 + i) * ldy + n0 + j] = static_cast<float>(lane_total(acc[i][j])) * w.scale[n0 + j] * sx[m0 + i];
 }
 
 // int8 weights, one or two rows of x (MB): one output channel at a time, its row of weights read
@@ -133,16 +134,9 @@ inline void int8_stream(const int16_t* xq, const float* sx, int64_t in, const In
     k += 32;
   }
   if (k < in) step(k, 1, true, __mmask32((uint32_t{1} << (in - k)) - 1));
-  for (int i = 0; i < MB; ++i) {
-    int64_t total = 0;
-    for (int h = 0; h < 2; ++h) {
-      const __m512i a = acc[i][h];
-      total +=
-          _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)),
-                                                   _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1))));
-    }
-    y[(m0 + i) * ldy + n] = static_cast<float>(total) * w.scale[n] * sx[m0 + i];
-  }
+  for (int i = 0; i < MB; ++i)
+    y[(m0 + i) * ldy + n] =
+        static_cast<float>(lane_total(acc[i][0]) + lane_total(acc[i][1])) * w.scale[n] * sx[m0 + i];
 }
 
 // int4: x rearranged once per call to the packing of the weights. A chunk is 4 groups (64 packed bytes
@@ -330,32 +324,18 @@ KDA_QUANT_RANGES(DotVnni, vnni)
 
 #undef KDA_QUANT_RANGES
 
-// Threads split the blocks of kNB channels evenly (static); each calls the range function once.
-template <class Call, class Range>
-void split_channels(const Call& a, int64_t in, int64_t out, Range range) {
-  const int64_t full = out / kNB;
-  if (in * out < kParallelMin) {
-    range(a, 0, full, true);
+// Units [0, units) split evenly over the threads (static), f(u0, u1, last) once per thread; one thread
+// below kParallelMin weights (the fork costs more than the work).
+template <class F>
+void split_units(int64_t weights, int64_t units, F f) {
+  if (weights < kParallelMin) {
+    f(0, units, true);
     return;
   }
 #pragma omp parallel
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    range(a, full * t / nt, full * (t + 1) / nt, t == nt - 1);
-  }
-}
-
-// Threads split the channels evenly (static), each its own run of rows of the weights.
-template <class Stream>
-void split_stream(const Int8Call& a, Stream stream) {
-  if (a.w->in * a.w->out < kParallelMin) {
-    stream(a, 0, a.w->out);
-    return;
-  }
-#pragma omp parallel
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    stream(a, a.w->out * t / nt, a.w->out * (t + 1) / nt);
+    f(units * t / nt, units * (t + 1) / nt, t == nt - 1);
   }
 }
 
@@ -410,10 +390,14 @@ void gemm_rows(const int16_t* xq, const float* sx, int64_t sx_row, int64_t M, co
 void gemm_int8(const int16_t* xq, const float* sx, int64_t M, const Int8Weights& w, float* y, int64_t ldy,
                bool vnni) {
   const Int8Call a{xq, sx, &w, y, M, ldy};
-  if (M <= kStreamRows)
-    split_stream(a, vnni ? int8_stream_vnni : int8_stream_bw);
-  else
-    split_channels(a, w.in, w.out, vnni ? int8_range_vnni : int8_range_bw);
+  if (M <= kStreamRows) {  // channel by channel
+    const auto stream = vnni ? int8_stream_vnni : int8_stream_bw;
+    split_units(w.in * w.out, w.out, [&](int64_t n0, int64_t n1, bool) { stream(a, n0, n1); });
+  } else {  // blocks of kNB channels, the last thread also the channels past the last whole block
+    const auto range = vnni ? int8_range_vnni : int8_range_bw;
+    split_units(w.in * w.out, w.out / kNB,
+                [&](int64_t b0, int64_t b1, bool last) { range(a, b0, b1, last); });
+  }
 }
 void gemm_int4(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y, int64_t ldy,
                bool vnni) {
@@ -423,7 +407,8 @@ void gemm_int4(const int16_t* xq, const float* sx, int64_t M, const Int4Weights&
   const int64_t C = (w.in / kInt4Group + 3) / 4;
   pack_x_int4(xq, sx, M, w.in, xp);
   const Int4Call a{xp.data(), C, &w, y, M, ldy};
-  split_channels(a, w.in, w.out, vnni ? int4_range_vnni : int4_range_bw);
+  const auto range = vnni ? int4_range_vnni : int4_range_bw;
+  split_units(w.in * w.out, w.out / kNB, [&](int64_t b0, int64_t b1, bool last) { range(a, b0, b1, last); });
 }
 #else
 void gemm_int8(const int16_t* xq, const float* sx, int64_t M, const Int8Weights& w, float* y, int64_t ldy,
