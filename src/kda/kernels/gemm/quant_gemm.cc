@@ -107,8 +107,8 @@ inline void int8_block(const int16_t* xq, const float* sx, int64_t in, const Int
 // two rows of x the block's reuse of each x vector over kNB channels pays more than this gains.
 constexpr int64_t kStreamRows = 2, kStreamAhead = 2048;
 template <int MB, class Dot>
-inline void int8_stream(const int16_t* xq, const float* sx, int64_t in, const Int8Weights& w, int64_t m0,
-                        int64_t n, float* y, int64_t ldy) {
+inline void int8_stream(const int16_t* xq, const float* sx, int64_t in, const Int8Weights& w, int64_t n,
+                        float* y, int64_t ldy) {
   __m512i acc[MB][2];
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
   const int8_t* r = w.q + n * in;
@@ -118,7 +118,7 @@ inline void int8_stream(const int16_t* xq, const float* sx, int64_t in, const In
         _mm512_cvtepi8_epi16(tail ? _mm256_maskz_loadu_epi8(mk, r + k)
                                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + k)));
     for (int i = 0; i < MB; ++i) {
-      const int16_t* x = xq + (m0 + i) * in + k;
+      const int16_t* x = xq + i * in + k;
       acc[i][h] = Dot::dot_s16(acc[i][h], wv, tail ? _mm512_maskz_loadu_epi16(mk, x) : _mm512_loadu_si512(x));
     }
   };
@@ -135,8 +135,7 @@ inline void int8_stream(const int16_t* xq, const float* sx, int64_t in, const In
   }
   if (k < in) step(k, 1, true, __mmask32((uint32_t{1} << (in - k)) - 1));
   for (int i = 0; i < MB; ++i)
-    y[(m0 + i) * ldy + n] =
-        static_cast<float>(lane_total(acc[i][0]) + lane_total(acc[i][1])) * w.scale[n] * sx[m0 + i];
+    y[i * ldy + n] = static_cast<float>(lane_total(acc[i][0]) + lane_total(acc[i][1])) * w.scale[n] * sx[i];
 }
 
 // int4: x rearranged once per call to the packing of the weights. A chunk is 4 groups (64 packed bytes
@@ -284,9 +283,9 @@ inline void int4_channels(const Int4Call& a, int64_t n0) {
   __attribute__((flatten)) void int8_stream_##suffix(const Int8Call& a, int64_t n0, int64_t n1) { \
     for (int64_t n = n0; n < n1; ++n)                                                             \
       if (a.M == 2)                                                                               \
-        int8_stream<2, Dot>(a.xq, a.sx, a.w->in, *a.w, 0, n, a.y, a.ldy);                         \
+        int8_stream<2, Dot>(a.xq, a.sx, a.w->in, *a.w, n, a.y, a.ldy);                            \
       else                                                                                        \
-        int8_stream<1, Dot>(a.xq, a.sx, a.w->in, *a.w, 0, n, a.y, a.ldy);                         \
+        int8_stream<1, Dot>(a.xq, a.sx, a.w->in, *a.w, n, a.y, a.ldy);                            \
   }                                                                                               \
   __attribute__((flatten)) void int4_range_##suffix(const Int4Call& a, int64_t nb0, int64_t nb1,  \
                                                     bool tail) {                                  \
