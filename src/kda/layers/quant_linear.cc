@@ -28,7 +28,7 @@ QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision pr
   // Without AMX the project's kernels, at the bf16 rate on the scheme's integers (a layer whose input size
   // they do not take falls back: path_for below). With AMX: int8 on oneDNN's bf16 matmul on tiles; int4 on
   // the project's kernel, one tile product per group of the scheme's integers, where the hi + lo tiles
-  // double the depth (1.4-1.9x its time at the model's shapes, docs/performance.md).
+  // double the depth (docs/performance.md, "int4's prefill on AMX tiles, int8's packed rows up to 256").
   if (!onednn_bf16_uses_amx() && qg::cpu_has_quant_dpbf16()) return Prefill::Dpbf16;
   if (weights == Weights::Int4 && qg::cpu_has_amx_bf16()) return Prefill::AmxBf16;
   return Prefill::Bf16Tiles;
