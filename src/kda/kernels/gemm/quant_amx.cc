@@ -100,20 +100,60 @@ class Tiles {
   int64_t rows_ = 0;
 };
 
+// 16 vectors of 16 dwords transposed: r[i] lane j becomes r[j] lane i.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], s[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // s[i + e] lane L: rows i..i + 3 of column 4 L + e
+    s[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    s[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    s[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    s[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4;
+       ++e) {  // the 4 x 4 transpose of 128-bit lanes of s[e], s[4 + e], s[8 + e], s[12 + e]
+    const __m512i u0 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0x44),
+                  u1 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0xEE),
+                  u2 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0x44),
+                  u3 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+}
+
 // xq [M, in] as B tiles: per block of 16 rows two arrays of in / 4 x 16 words, the high bytes then the
-// low ones, word [k / 4][m] holding inputs k..k + 3 of row m (words of rows past M left unwritten: their
-// tile columns are not read); the tile of inputs [k, k + 4r) is the 4r rows from word k / 4 * 16. in is
-// a multiple of 32.
-void split_rows(const int16_t* xq, int64_t M, int64_t in, uint32_t* xb) {
-  const int64_t W = in / 4 * kRows;
-  const __m256i idx = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
-  for (int64_t row = 0; row < M; ++row) {
-    uint32_t* h = xb + 2 * (row / kRows) * W + row % kRows;
-    uint32_t* l = h + W;
-    for (int64_t k = 0; k < in; k += 32) {
-      const __m512i v = _mm512_loadu_si512(xq + row * in + k);
-      _mm256_i32scatter_epi32(h + k / 4 * kRows, idx, _mm512_cvtepi16_epi8(_mm512_srli_epi16(v, 8)), 4);
-      _mm256_i32scatter_epi32(l + k / 4 * kRows, idx, _mm512_cvtepi16_epi8(v), 4);
+// low ones, word [k / 4][m] holding inputs k..k + 3 of row m (words of rows past M zero); the tile of
+// inputs [k, k + 4r) is the 4r rows from word k / 4 * 16. in is a multiple of 32. Here the share t of nt
+// of the (row block, 64 inputs) pieces: per piece the 16 rows' bytes as 16 vectors, transposed.
+void split_rows(const int16_t* xq, int64_t M, int64_t in, int t, int nt, uint32_t* xb) {
+  const int64_t W = in / 4 * kRows, K = (in + 63) / 64, pieces = (M + kRows - 1) / kRows * K;
+  for (int64_t i = pieces * t / nt; i < pieces * (t + 1) / nt; ++i) {
+    const int64_t b = i / K, k = i % K * 64, kw = std::min<int64_t>(64, in - k);
+    __m512i h[kRows], l[kRows];
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t row = b * kRows + r;
+      if (row >= M) {
+        h[r] = l[r] = _mm512_setzero_si512();
+        continue;
+      }
+      const __m512i v0 = _mm512_loadu_si512(xq + row * in + k);
+      const __m512i v1 = kw == 64 ? _mm512_loadu_si512(xq + row * in + k + 32) : _mm512_setzero_si512();
+      h[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(v0, 8))),
+                                _mm512_cvtepi16_epi8(_mm512_srai_epi16(v1, 8)), 1);
+      l[r] =
+          _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(v0)), _mm512_cvtepi16_epi8(v1), 1);
+    }
+    transpose16(h);
+    transpose16(l);
+    uint32_t* hb = xb + 2 * b * W + k / 4 * kRows;
+    for (int64_t p = 0; p < kw / 4; ++p) {
+      _mm512_storeu_si512(hb + p * kRows, h[p]);
+      _mm512_storeu_si512(hb + W + p * kRows, l[p]);
     }
   }
 }
@@ -212,32 +252,6 @@ inline void configure_int4(int64_t rows) {
     }
   }
   asm volatile("ldtilecfg %0" ::"m"(c));
-}
-
-// 16 vectors of 16 dwords transposed: r[i] lane j becomes r[j] lane i.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], s[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // s[i + e] lane L: rows i..i + 3 of column 4 L + e
-    s[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    s[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    s[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    s[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int e = 0; e < 4;
-       ++e) {  // the 4 x 4 transpose of 128-bit lanes of s[e], s[4 + e], s[8 + e], s[12 + e]
-    const __m512i u0 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0x44),
-                  u1 = _mm512_shuffle_i32x4(s[e], s[4 + e], 0xEE),
-                  u2 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0x44),
-                  u3 = _mm512_shuffle_i32x4(s[8 + e], s[12 + e], 0xEE);
-    r[e] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-    r[4 + e] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
-    r[8 + e] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
-  }
 }
 
 // 32 int16 integers of at most 8 significant bits in bf16 (exact).
@@ -610,11 +624,10 @@ void gemm_int8_amx(const int16_t* xq, const float* sx, int64_t M, const Int8Weig
   xb.resize(static_cast<size_t>(2 * B * (w.in / 4) * kRows));
   sxp.assign(static_cast<size_t>(B * kRows), 0.0f);
   std::copy(sx, sx + M, sxp.begin());
-  split_rows(xq, M, w.in, xb.data());
-  const uint32_t* xp = xb.data();
+  uint32_t* xp = xb.data();
   const float* sp = sxp.data();
   split_blocks(
-      blocks, w.in * n16, [](int, int) {},
+      blocks, w.in * n16, [&](int t, int nt) { split_rows(xq, M, w.in, t, nt, xp); },
       [&](int64_t nb0, int64_t nb1) { int8_blocks(xp, sp, M, w, nb0, nb1, y, ldy); });
   if (n16 < w.out)
     avx512::gemm_int8(xq, sx, M, Int8Weights{w.q + n16 * w.in, w.scale + n16, w.in, w.out - n16}, y + n16,
@@ -637,13 +650,13 @@ void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weig
   sxg.assign(static_cast<size_t>(B * G * kRows), 0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) sxg[((m / kRows) * G + g) * kRows + m % kRows] = sx[m * G + g];
-  if (M8 > 0) split_rows(xq, M8, w.in, xb8.data());
-  const uint32_t* x8 = xb8.data();
+  uint32_t* x8 = xb8.data();
   uint32_t* xf = xbf.data();
   const float* sp = sxg.data();
   split_blocks(
       blocks, w.in * n16,
       [&](int t, int nt) {
+        split_rows(xq, M8, w.in, t, nt, x8);
         if (paired) split_rows_bf16(xq + last * w.in, tail, w.in, G * t / nt, G * (t + 1) / nt, xf);
       },
       [&](int64_t nb0, int64_t nb1) { int4_blocks(x8, xf, sp, M, w, nb0, nb1, y, ldy); });
