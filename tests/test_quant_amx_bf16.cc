@@ -1,8 +1,9 @@
 // int4 weights against bf16 activations on AMX-BF16 tiles (gemm_int4_amx_bf16, quant_amx.h; QuantLinear's
 // amx bf16 prefill path): the dpbf16 scheme's value (gemm_int4_dpbf16_reference) within the fp32 rounding
-// of its group sums, at the model's widths and odd ones, row counts across the kernel's chunks of rows, a
-// channel tail (the dpbf16 kernel's bits); a row's bits independent of the rows beside it; outputs past
-// `out` untouched; bad arguments refused before anything is written. Skipped where the CPU lacks AMX-BF16.
+// of its group sums, at the model's widths and odd ones, row counts across the kernel's chunks of rows and
+// decode calls of at most 16 rows (the weights streamed), a channel tail (the dpbf16 kernel's bits); a row's
+// bits independent of the rows beside it; outputs past `out` untouched; bad arguments refused before anything
+// is written. Skipped where the CPU lacks AMX-BF16.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -43,9 +44,11 @@ TEST(QuantAmxBf16, Int4IsTheDpbf16SchemeWithinItsGroupSumsRounding) {
     int64_t in, out, M;
   };
   // The model's input widths (2304, the expert's down 1024), channels in a multiple of 16 or with a tail
-  // past the last whole block, one group, fewer channels than a block; rows across the 256-row chunks.
+  // past the last whole block, one group, fewer channels than a block; rows across the 256-row chunks, and
+  // decode calls of one row block (at most 16 rows: the weights streamed).
   const Case cases[] = {{2304, 256, 64}, {1024, 272, 300}, {2304, 48, 517}, {96, 37, 17},
-                        {32, 16, 1},     {160, 15, 40},    {128, 260, 256}, {64, 33, 257}};
+                        {32, 16, 1},     {160, 15, 40},    {128, 260, 256}, {64, 33, 257},
+                        {2304, 80, 16},  {1024, 50, 5},    {64, 32, 9}};
   for (const Case& c : cases) {
     const std::string what = std::to_string(c.in) + "x" + std::to_string(c.out) + " M=" + std::to_string(c.M);
     std::vector<float> wsrc = random_normal(static_cast<size_t>(c.in * c.out), 50 + c.in, 0.05f);
@@ -80,16 +83,18 @@ TEST(QuantAmxBf16, Int4IsTheDpbf16SchemeWithinItsGroupSumsRounding) {
     EXPECT_EQ(bad, 0) << what;
     EXPECT_EQ(tail_bad, 0) << what;
     EXPECT_EQ(past, 0) << what;
-    // A row's bits whatever the rows beside it: rows [m0, m0 + k) of the call above, called alone.
-    for (int64_t m0 : {int64_t{0}, c.M / 2, c.M - 1}) {
-      const int64_t k = std::min<int64_t>(c.M - m0, 19);
-      std::vector<float> part(static_cast<size_t>(k * ldy));
-      qg::gemm_int4_amx_bf16(x.data() + m0 * ldx, k, ldx, w, part.data(), ldy);
-      int diff = 0;
-      for (int64_t i = 0; i < k; ++i)
-        for (int64_t n = 0; n < c.out; ++n) diff += part[i * ldy + n] != y[(m0 + i) * ldy + n];
-      EXPECT_EQ(diff, 0) << what << " rows from " << m0;
-    }
+    // A row's bits whatever the rows beside it: rows [m0, m0 + k) of the call above, called alone, in
+    // calls of one row block (streamed) and of more.
+    for (int64_t m0 : {int64_t{0}, c.M / 2, c.M - 1})
+      for (int64_t most : {19, 16, 5}) {
+        const int64_t k = std::min<int64_t>(c.M - m0, most);
+        std::vector<float> part(static_cast<size_t>(k * ldy));
+        qg::gemm_int4_amx_bf16(x.data() + m0 * ldx, k, ldx, w, part.data(), ldy);
+        int diff = 0;
+        for (int64_t i = 0; i < k; ++i)
+          for (int64_t n = 0; n < c.out; ++n) diff += part[i * ldy + n] != y[(m0 + i) * ldy + n];
+        EXPECT_EQ(diff, 0) << what << " rows from " << m0 << ", " << k << " at a time";
+      }
   }
 }
 

@@ -19,7 +19,7 @@
 //    (int8) or 17 (int4) rows on, where the integer decode kernels, with int16 activations, fall behind.
 //  - AmxBf16, int4 in the bf16 precision on AMX: the project's kernel (kernels/gemm/quant_amx.h,
 //    gemm_int4_amx_bf16), Dpbf16's scheme on AMX-BF16 tiles: one tile product per group of the scheme's
-//    integers, the scales on the group sums; from 17 rows on.
+//    integers, the scales on the group sums; from 5 rows on (decode batches included).
 //  - Fp32Tiles otherwise: the tile dequantized to fp32 through oneDNN's fp32 matmul.
 #pragma once
 
@@ -54,8 +54,11 @@ class QuantLinear {
   // docs/performance.md). The fp32 precision keeps kDecodeRows: its prefill path takes the activations
   // unquantized.
   static constexpr int64_t kAmxDecodeRowsInt8 = 256;
-  // int4 on the AmxBf16 path: its kernel beats the packed ones from 17-32 rows on.
-  static constexpr int64_t kAmxBf16DecodeRowsInt4 = 16;
+  // int4 on the AmxBf16 path: its kernel, one tile product per group for up to 16 rows, ties the
+  // AVX-512 packed kernel at 4 rows (whose work grows with each row) and beats the packed AMX one
+  // (activations split in two) from 5 rows on, most from 9 (docs/performance.md, "int4 decode rows on
+  // AMX-BF16 tiles").
+  static constexpr int64_t kAmxBf16DecodeRowsInt4 = 4;
   static constexpr int64_t kTile = 256;       // output channels per fp32 tile on the prefill path
   static constexpr int64_t kBf16Tile = 2048;  // output channels per bf16 tile
   enum class Prefill { Fp32Tiles, Bf16Tiles, Dpbf16, AmxBf16 };

@@ -585,6 +585,56 @@ void int4_bf16_blocks(const uint32_t* xp, int64_t B, int64_t m0, int64_t M, cons
   }
 }
 
+// Channel blocks [nb0, nb1) against one row block of M <= 16 rows (xt: its G tiles of x_tile's), the
+// decode row counts, where each weight is used once per call and comes from memory: no panel; per group
+// the 16 channels unpacked two groups ahead into a ring of three A tiles, the product from zero, its sums
+// stored a group later and scaled a group after that (a tile load of vector stores, and the vector loads
+// of a tile store, wait until those reach the cache), while the next block's weights and scales are
+// prefetched in address order. The same products and steps as int4_bf16_blocks: the same bits.
+void int4_bf16_stream(const uint32_t* xt, int64_t M, const Int4Weights& w, int64_t nb0, int64_t nb1, float* y,
+                      int64_t ldy) {
+  Tiles<configure_bf16_groups> tiles;
+  tiles.rows(kRows);
+  alignas(64) uint16_t a[3][kRows * kInt4Group];
+  alignas(64) float c[2][kRows * kRows];
+  const auto [table, shifts] = unpack_consts();
+  const int64_t in = w.in, G = in / kInt4Group, row_bytes = in / 2, T = kRows * kRows;
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const int64_t n0 = nb * kRows;
+    const uint8_t* q0 = w.q + n0 * row_bytes;
+    const float* ws = w.scale + n0 * G;
+    // The next block's 16 rows are one run of 256 bytes per group, its scales one of 64.
+    const char* next = reinterpret_cast<const char*>(q0 + kRows * row_bytes);
+    const char* next_scale = reinterpret_cast<const char*>(ws + kRows * G);
+    const bool prefetch = nb + 1 < nb1;
+    __m512 acc[kRows];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    unpack_group(q0, row_bytes, 0, a[0], shifts, table);
+    if (G > 1) unpack_group(q0, row_bytes, 1, a[1], shifts, table);
+    const uint32_t* xg = xt;
+    for (int64_t g = 0; g < G; ++g, xg += T) {
+      if (prefetch) {
+        for (int64_t j = 0; j < 4; ++j) _mm_prefetch(next + 256 * g + 64 * j, _MM_HINT_T0);
+        _mm_prefetch(next_scale + 64 * g, _MM_HINT_T0);
+      }
+      KDA_TILE_FENCE();
+      if (g % 2 == 0)
+        KDA_PAIRED_PRODUCT(0, 2, 6, a[g % 3], xg);
+      else
+        KDA_PAIRED_PRODUCT(1, 3, 7, a[g % 3], xg);
+      KDA_TILE_FENCE();  // the unpacking below overwrites what the group before this one loaded
+      if (g + 2 < G) unpack_group(q0, row_bytes, g + 2, a[(g + 2) % 3], shifts, table);
+      if (g > 0) store_group(g - 1, c[(g - 1) % 2]);
+      if (g > 1) scale_group(c[g % 2], ws + g - 2, G, acc);
+      KDA_TILE_FENCE();
+    }
+    if (G > 1) scale_group(c[G % 2], ws + G - 2, G, acc);
+    store_group(G - 1, c[(G - 1) % 2]);
+    scale_group(c[(G - 1) % 2], ws + G - 1, G, acc);
+    write_rows(acc, 0, M, n0, y, ldy);
+  }
+}
+
 #pragma GCC pop_options
 
 // Threads split the channel blocks evenly (static), each running `body` once on its range after every
@@ -681,7 +731,14 @@ void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weigh
   scratch.resize(static_cast<size_t>(xp_size + omp_get_max_threads() * panel_size + 16));
   uint32_t* xt =
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-  for (int64_t m0 = 0; m0 < M; m0 += kAmxBf16ChunkRows) {
+  if (M <= kRows) {  // one row block: the weights streamed
+    if (blocks > 0)
+      split_blocks(
+          blocks, w.in * n16,
+          [&](int t, int nt) { x_tiles(x, ldx, M, 0, G, G * t / nt, G * (t + 1) / nt, xt); },
+          [&](int64_t nb0, int64_t nb1) { int4_bf16_stream(xt, M, w, nb0, nb1, y, ldy); });
+  }
+  for (int64_t m0 = 0; M > kRows && m0 < M; m0 += kAmxBf16ChunkRows) {
     const int64_t rows = std::min(kAmxBf16ChunkRows, M - m0), B = row_blocks(rows);
     if (blocks > 0)
       split_blocks(

@@ -57,16 +57,19 @@ void gemm_int8_amx(const int16_t* xq, const float* sx, int64_t M, const Int8Weig
 void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weights& w, float* y,
                    int64_t ldy);
 
-// int4 weights against bf16 activations at prefill row counts (the bf16 precision's prefill): the scheme
-// of gemm_int4_dpbf16 (quant_dpbf16.h) on AMX-BF16 tiles. Per group of 32 inputs s_g, the sum of x times
-// the (nibble - 8) integers (exact in bf16: every product is exact in fp32), is one tile product from
-// zero, summed in the tile unit's own order (which is neither of vdpbf16ps's); then y = fma(s_g,
-// scale[n, g], y) from y = 0 in ascending g, as gemm_int4_dpbf16_reference. So the result is that
-// reference's up to the fp32 rounding of each group sum; a row's bits do not depend on the rows beside it.
-// Work: per 16-channel block its groups unpacked once into bf16 tiles, x rearranged once per
-// kAmxBf16ChunkRows rows into tiles (16 input pairs by 16 rows, in L2 while every block of W meets them),
-// one product per group and 16 rows, the 16 x 16 sums stored and scaled on the vector unit while the next
-// groups' products run. Threads split the 16-channel blocks; the channels past the last whole block go to
+// int4 weights against bf16 activations (the bf16 precision's prefill, and its decode from a few rows on:
+// QuantLinear::kAmxBf16DecodeRowsInt4): the scheme of gemm_int4_dpbf16 (quant_dpbf16.h) on AMX-BF16
+// tiles. Per group of 32 inputs s_g, the sum of x times the (nibble - 8) integers (exact in bf16: every
+// product is exact in fp32), is one tile product from zero, summed in the tile unit's own order (which is
+// neither of vdpbf16ps's); then y = fma(s_g, scale[n, g], y) from y = 0 in ascending g, as
+// gemm_int4_dpbf16_reference. So the result is that reference's up to the fp32 rounding of each group
+// sum; a row's bits do not depend on the rows beside it.
+// Work: x rearranged once per kAmxBf16ChunkRows rows into tiles (16 input pairs by 16 rows, in L2 while
+// every block of W meets them); per 16-channel block its groups unpacked into bf16 tiles, once into a
+// panel that every row block meets, or (a call of at most 16 rows, where each weight is used once) two
+// groups ahead of their product while the next block's bytes are prefetched; one product per group and 16
+// rows, the 16 x 16 sums stored and scaled on the vector unit while the next groups' products run. Both
+// give the same bits. Threads split the 16-channel blocks; the channels past the last whole block go to
 // gemm_int4_dpbf16. y fp32 [M, ldy >= out]; x bf16 [M, ldx >= in], in a multiple of 32.
 // std::logic_error where !cpu_has_amx_bf16(); std::invalid_argument for bad sizes, strides or null data,
 // before anything is written.
