@@ -70,16 +70,15 @@ using amx::TileConfig;
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-int8,amx-bf16")
 
-// int8 tiles: 0 the weights (16 channels by 64 inputs), 1 and 2 the activations' high and low bytes (16
-// rows of `rows` rows' 4 bytes), 3 and 4 their int32 sums (16 channels by `rows` rows). A block of fewer
-// than 16 rows takes narrower tiles: the columns past them are never read.
+// int8 tiles: 0 and 1 the weights of two channel blocks (16 channels by 64 inputs), 2 and 3 the
+// activations' high and low bytes (16 rows of `rows` rows' 4 bytes), 4 and 5 the first block's int32 sums
+// of them, 6 and 7 the second's (16 channels by `rows` rows). A block of fewer than 16 rows takes narrower
+// tiles: the columns past them are never read.
 inline void configure_int8(int64_t rows) {
   TileConfig c;
-  c.rows[0] = kRows;
-  c.colsb[0] = 64;
-  for (int t = 1; t < 5; ++t) {
+  for (int t = 0; t < 8; ++t) {
     c.rows[t] = kRows;
-    c.colsb[t] = static_cast<uint16_t>(4 * rows);
+    c.colsb[t] = static_cast<uint16_t>(t < 2 ? 64 : 4 * rows);
   }
   asm volatile("ldtilecfg %0" ::"m"(c));
 }
@@ -158,13 +157,6 @@ void split_rows(const int16_t* xq, int64_t M, int64_t in, int t, int nt, uint32_
   }
 }
 
-// Block b's int32 sums of the high and low bytes into hs, ls [16 channels][16 rows].
-inline void store_sums(int32_t* hs, int32_t* ls) {
-  _tile_stored(3, hs, 64);
-  _tile_stored(4, ls, 64);
-  KDA_TILE_FENCE();
-}
-
 // o [16 channels][16 rows] into y's rows [m0, m0 + mr) and columns [n0, n0 + 16).
 inline void write_out(const float* o, int64_t m0, int64_t mr, int64_t n0, float* y, int64_t ldy) {
   for (int64_t m = 0; m < mr; ++m)
@@ -177,52 +169,94 @@ inline __m256 exact(__m256i h8, __m256i l8) {
       _mm512_add_epi64(_mm512_slli_epi64(_mm512_cvtepi32_epi64(h8), 8), _mm512_cvtepi32_epi64(l8)));
 }
 
-// Channel blocks [nb0, nb1) of int8 weights; xb as split_rows, sx the rows' scales padded to whole blocks.
+// The int32 sums of block j (0 or 1) of a pass, tiles 4 + 2 j and 5 + 2 j, times the channel scales and
+// the rows' (sxv) into y's rows [m0, m0 + mr) and columns [n0, n0 + 16).
+inline void scale_out(int j, const float* scale, __m512 sxv, int64_t m0, int64_t mr, int64_t n0, float* y,
+                      int64_t ldy) {
+  alignas(64) int32_t hs[kRows * kRows], ls[kRows * kRows];
+  alignas(64) float o[kRows * kRows];
+  if (j == 0) {
+    _tile_stored(4, hs, 64);
+    _tile_stored(5, ls, 64);
+  } else {
+    _tile_stored(6, hs, 64);
+    _tile_stored(7, ls, 64);
+  }
+  KDA_TILE_FENCE();
+  for (int64_t n = 0; n < kRows; ++n) {
+    const __m512i h = _mm512_load_si512(hs + n * kRows), l = _mm512_load_si512(ls + n * kRows);
+    const __m512 f = _mm512_insertf32x8(
+        _mm512_castps256_ps512(exact(_mm512_castsi512_si256(h), _mm512_castsi512_si256(l))),
+        exact(_mm512_extracti64x4_epi64(h, 1), _mm512_extracti64x4_epi64(l, 1)), 1);
+    _mm512_store_ps(o + n * kRows, _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(scale[n])), sxv));
+  }
+  write_out(o, m0, mr, n0, y, ldy);
+  KDA_TILE_FENCE();  // the next pass's sums overwrite what was stored above
+}
+
+// NB (1 or 2) channel blocks from n0 against every row block: per 64 inputs the activation tiles loaded
+// once for both blocks (halving their reads from L2, where the rows' tiles live), each block's weights
+// (16 channel rows a row apart) and its two products. Two steps ahead, each block's 16 lines and the
+// activation tiles' lines are prefetched into L1. The weights' reads from memory are left to the hardware
+// prefetchers, which follow the 32 channels' runs (a software prefetch of the next blocks into L2, 16
+// lines a step, held the read lower), except for rows of at most kL2AheadMaxIn bytes, runs too short for
+// those prefetchers to get going, where the next blocks' one run goes into L2 in address order over the
+// first row block's steps (docs/performance.md, "int8 decode rows on AMX, two blocks a pass").
+constexpr int64_t kL2AheadMaxIn = 1024;
+template <int NB>
+void int8_pass(const uint32_t* xb, const float* sx, int64_t M, const Int8Weights& w, int64_t n0,
+               Tiles<configure_int8>& tiles, float* y, int64_t ldy) {
+  const int64_t in = w.in, W = in / 4 * kRows;
+  const int8_t* a = w.q + n0 * in;
+  const char* next = reinterpret_cast<const char*>(a + NB * kRows * in);
+  const bool next_l2 = in <= kL2AheadMaxIn && n0 + 2 * NB * kRows <= w.out;
+  for (int64_t b = 0; b * kRows < M; ++b) {
+    const uint8_t* bh = reinterpret_cast<const uint8_t*>(xb + 2 * b * W);
+    const uint8_t* bl = bh + 4 * W;
+    const int64_t R = std::min(kRows, M - b * kRows);
+    tiles.rows(R);
+    _tile_zero(4);
+    _tile_zero(5);
+    if (NB == 2) {
+      _tile_zero(6);
+      _tile_zero(7);
+    }
+    for (int64_t k = 0; k < in; k += 64) {
+      if (k + 128 < in)
+        for (int64_t j = 0; j < kRows; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(bh + 16 * (k + 128) + 64 * j), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(bl + 16 * (k + 128) + 64 * j), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(a + j * in + k + 128), _MM_HINT_T0);
+          if (NB == 2)
+            _mm_prefetch(reinterpret_cast<const char*>(a + (kRows + j) * in + k + 128), _MM_HINT_T0);
+        }
+      if (next_l2 && b == 0)
+        for (int64_t j = 0; j < NB * kRows; ++j) _mm_prefetch(next + NB * 16 * k + 64 * j, _MM_HINT_T1);
+      _tile_loadd(2, bh + 16 * k, 64);
+      _tile_loadd(3, bl + 16 * k, 64);
+      _tile_loadd(0, a + k, in);
+      _tile_dpbssd(4, 0, 2);
+      _tile_dpbsud(5, 0, 3);
+      if (NB == 2) {
+        _tile_loadd(1, a + kRows * in + k, in);
+        _tile_dpbssd(6, 1, 2);
+        _tile_dpbsud(7, 1, 3);
+      }
+    }
+    const __m512 sxv = _mm512_loadu_ps(sx + b * kRows);
+    for (int j = 0; j < NB; ++j)
+      scale_out(j, w.scale + n0 + j * kRows, sxv, b * kRows, R, n0 + j * kRows, y, ldy);
+  }
+}
+
+// Channel blocks [nb0, nb1) of int8 weights, two at a time (the last alone where their count is odd); xb
+// as split_rows, sx the rows' scales padded to whole blocks.
 void int8_blocks(const uint32_t* xb, const float* sx, int64_t M, const Int8Weights& w, int64_t nb0,
                  int64_t nb1, float* y, int64_t ldy) {
   Tiles<configure_int8> tiles;
-  alignas(64) int32_t hs[kRows * kRows] = {}, ls[kRows * kRows] = {};
-  alignas(64) float o[kRows * kRows];
-  const int64_t in = w.in, W = in / 4 * kRows;
-  for (int64_t nb = nb0; nb < nb1; ++nb) {
-    const int64_t n0 = nb * kRows;
-    const int8_t* a = w.q + n0 * in;
-    for (int64_t b = 0; b * kRows < M; ++b) {
-      const uint8_t* bh = reinterpret_cast<const uint8_t*>(xb + 2 * b * W);
-      const uint8_t* bl = bh + 4 * W;
-      const bool prefetch = b == 0 && nb + 1 < nb1;
-      tiles.rows(std::min(kRows, M - b * kRows));
-      _tile_zero(3);
-      _tile_zero(4);
-      for (int64_t k = 0; k < in; k += 64) {
-        // The next block's 16 rows are one run of 16 in bytes: 16 of its lines per step, in address
-        // order, into L2 (a block's run is most of L1: fetched into it, the run evicted this block's
-        // lines before their use), so that the whole run is near while this block runs; and this
-        // block's lines two steps ahead from there into L1.
-        if (prefetch)
-          for (int64_t j = 0; j < kRows; ++j)
-            _mm_prefetch(reinterpret_cast<const char*>(a + kRows * in + 16 * k + 64 * j), _MM_HINT_T1);
-        if (k + 128 < in)
-          for (int64_t j = 0; j < kRows; ++j)
-            _mm_prefetch(reinterpret_cast<const char*>(a + j * in + k + 128), _MM_HINT_T0);
-        _tile_loadd(0, a + k, in);
-        _tile_loadd(1, bh + 16 * k, 64);
-        _tile_loadd(2, bl + 16 * k, 64);
-        _tile_dpbssd(3, 0, 1);
-        _tile_dpbsud(4, 0, 2);
-      }
-      store_sums(hs, ls);
-      const __m512 sxv = _mm512_loadu_ps(sx + b * kRows);
-      for (int64_t n = 0; n < kRows; ++n) {
-        const __m512i h = _mm512_load_si512(hs + n * kRows), l = _mm512_load_si512(ls + n * kRows);
-        const __m512 f = _mm512_insertf32x8(
-            _mm512_castps256_ps512(exact(_mm512_castsi512_si256(h), _mm512_castsi512_si256(l))),
-            exact(_mm512_extracti64x4_epi64(h, 1), _mm512_extracti64x4_epi64(l, 1)), 1);
-        _mm512_store_ps(o + n * kRows, _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(w.scale[n0 + n])), sxv));
-      }
-      write_out(o, b * kRows, std::min(kRows, M - b * kRows), n0, y, ldy);
-    }
-  }
+  int64_t nb = nb0;
+  for (; nb + 1 < nb1; nb += 2) int8_pass<2>(xb, sx, M, w, nb * kRows, tiles, y, ldy);
+  if (nb < nb1) int8_pass<1>(xb, sx, M, w, nb * kRows, tiles, y, ldy);
 }
 
 // int4 blocks of at most 8 rows run on bf16 tiles, both parts of x in one activation tile side by side
