@@ -9,8 +9,8 @@
 
 namespace kda::layers {
 
-// Rows per call up to which the kernel runs: it reads W at 0.54-0.97x oneDNN's time from 1 to 8 rows,
-// and 1.01-1.10x from 16 to 32 (`kda bench --only gemm`, "vnni bf16" rows; docs/performance.md).
+// Rows per call up to which the kernel runs: up to 8 rows it reads W faster than oneDNN's matmul, from 16
+// on about as fast or slower (`kda bench --only gemm`; docs/performance.md, "bf16 decode on AVX512_BF16").
 inline constexpr int64_t kVnniMaxRows = 8;
 
 // The chunk of inputs oneDNN's bf16 matmul sums on its own for a W of K inputs and N outputs (the
