@@ -426,6 +426,45 @@ inline void write_rows(__m512* acc, int64_t m0, int64_t mr, int64_t n0, float* y
   for (int64_t m = 0; m < mr; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + n0, _mm512_castsi512_ps(r[m]));
 }
 
+// One channel block's G groups (16 channels from q0, rows of row_bytes) on bf16 tiles against one
+// activation tile per group (xt, T dwords apart): per group its product from zero, the weights two groups
+// ahead unpacked (a tile load of vector stores that have not yet reached the cache waits), the group
+// before it stored and the one before that handed to scale(g, sums, acc) (the vector loads of a tile's store
+// that has not yet reached the cache wait for it), while the next block's 16 rows (one run of 256 bytes
+// per group) and scales (64 bytes per group) are prefetched in address order where `prefetch`. Always
+// inlined, and acc passed to scale rather than captured by it: so the callers' accumulators stay in
+// registers (as a captured array they went to the stack, which slowed the kernels).
+template <class Acc, class Scale>
+__attribute__((always_inline)) inline void bf16_groups(const uint8_t* q0, int64_t row_bytes, int64_t G,
+                                                       const uint32_t* xt, int64_t T, const char* next,
+                                                       const char* next_scale, bool prefetch, UnpackConsts k,
+                                                       Scale scale, Acc* acc) {
+  alignas(64) uint16_t a[3][kRows * kInt4Group];
+  alignas(64) float c[2][kRows * kRows];
+  unpack_group(q0, row_bytes, 0, a[0], k.shifts, k.table);
+  if (G > 1) unpack_group(q0, row_bytes, 1, a[1], k.shifts, k.table);
+  const uint32_t* xg = xt;
+  for (int64_t g = 0; g < G; ++g, xg += T) {
+    if (prefetch) {
+      for (int64_t j = 0; j < 4; ++j) _mm_prefetch(next + 256 * g + 64 * j, _MM_HINT_T0);
+      _mm_prefetch(next_scale + 64 * g, _MM_HINT_T0);
+    }
+    KDA_TILE_FENCE();
+    if (g % 2 == 0)
+      KDA_PAIRED_PRODUCT(0, 2, 6, a[g % 3], xg);
+    else
+      KDA_PAIRED_PRODUCT(1, 4, 7, a[g % 3], xg);
+    KDA_TILE_FENCE();  // the unpacking below overwrites what the group before this one loaded
+    if (g + 2 < G) unpack_group(q0, row_bytes, g + 2, a[(g + 2) % 3], k.shifts, k.table);
+    if (g > 0) store_group(g - 1, c[(g - 1) % 2]);
+    if (g > 1) scale(g - 2, c[g % 2], acc);
+    KDA_TILE_FENCE();
+  }
+  if (G > 1) scale(G - 2, c[G % 2], acc);
+  store_group(G - 1, c[(G - 1) % 2]);
+  scale(G - 1, c[(G - 1) % 2], acc);
+}
+
 // Channel blocks [nb0, nb1) of int4 weights. Row blocks of more than 8 rows on int8 tiles (xb8 as
 // split_rows): per chunk of 4 groups the 16 channels unpacked to (nibble - 8) bytes, per group one
 // product pair into alternating pairs of sum tiles, a group's sums stored and scaled while the next
@@ -435,11 +474,9 @@ inline void write_rows(__m512* acc, int64_t m0, int64_t mr, int64_t n0, float* y
 void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int64_t M, const Int4Weights& w,
                  int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
   Tiles<configure_int4> tiles;
-  alignas(64) uint16_t a[3][kRows * kInt4Group];
   alignas(64) int8_t a8[kRows * 128];
-  alignas(64) float c[2][kRows * kRows] = {};
   alignas(64) int32_t hs[kRows * kRows] = {}, ls[kRows * kRows] = {};
-  const auto [table, shifts] = unpack_consts();
+  const UnpackConsts consts = unpack_consts();
   const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   // Low nibbles of a group's 16 bytes are its inputs 0..15, the high ones 16..31.
   const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
@@ -499,33 +536,14 @@ void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int6
           KDA_STORE_PAIR(5, 6, hs, ls);
         scale_sums(hs, ls, _mm512_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc);
       } else {
-        const uint32_t* xg = xbf;
         __m256 acc8[kRows];
         for (auto& v : acc8) v = _mm256_setzero_ps();
-        unpack_group(q0, row_bytes, 0, a[0], shifts, table);
-        if (G > 1) unpack_group(q0, row_bytes, 1, a[1], shifts, table);
-        for (int64_t g = 0; g < G; ++g, xg += kRows * kRows) {
-          if (prefetch) {
-            for (int64_t j = 0; j < 4; ++j) _mm_prefetch(next + 256 * g + 64 * j, _MM_HINT_T0);
-            _mm_prefetch(next_scale + 64 * g, _MM_HINT_T0);
-          }
-          KDA_TILE_FENCE();
-          if (g % 2 == 0)
-            KDA_PAIRED_PRODUCT(0, 2, 6, a[g % 3], xg);
-          else
-            KDA_PAIRED_PRODUCT(1, 4, 7, a[g % 3], xg);
-          KDA_TILE_FENCE();  // the unpacking below overwrites what the group before this one loaded
-          // Two groups ahead: a tile load of vector stores that have not yet reached the cache waits.
-          if (g + 2 < G) unpack_group(q0, row_bytes, g + 2, a[(g + 2) % 3], shifts, table);
-          // Group g - 1's sums out of their tile, group g - 2's (stored a step ago) scaled: the vector
-          // loads of a tile's store that has not yet reached the cache wait for it.
-          if (g > 0) store_group(g - 1, c[(g - 1) % 2]);
-          if (g > 1) scale_paired(c[g % 2], _mm256_loadu_ps(sxb + (g - 2) * kRows), ws + g - 2, G, acc8);
-          KDA_TILE_FENCE();
-        }
-        if (G > 1) scale_paired(c[G % 2], _mm256_loadu_ps(sxb + (G - 2) * kRows), ws + G - 2, G, acc8);
-        store_group(G - 1, c[(G - 1) % 2]);
-        scale_paired(c[(G - 1) % 2], _mm256_loadu_ps(sxb + (G - 1) * kRows), ws + G - 1, G, acc8);
+        bf16_groups(
+            q0, row_bytes, G, xbf, kRows * kRows, next, next_scale, prefetch, consts,
+            [sxb, ws, G](int64_t g, const float* sums, __m256* a8) {
+              scale_paired(sums, _mm256_loadu_ps(sxb + g * kRows), ws + g, G, a8);
+            },
+            acc8);
         // The rows past 8 are not written.
         for (int64_t n = 0; n < kRows; ++n) acc[n] = _mm512_castps256_ps512(acc8[n]);
       }
@@ -620,51 +638,24 @@ void int4_bf16_blocks(const uint32_t* xp, int64_t B, int64_t m0, int64_t M, cons
 }
 
 // Channel blocks [nb0, nb1) against one row block of M <= 16 rows (xt: its G tiles of x_tile's), the
-// decode row counts, where each weight is used once per call and comes from memory: no panel; per group
-// the 16 channels unpacked two groups ahead into a ring of three A tiles, the product from zero, its sums
-// stored a group later and scaled a group after that (a tile load of vector stores, and the vector loads
-// of a tile store, wait until those reach the cache), while the next block's weights and scales are
-// prefetched in address order. The same products and steps as int4_bf16_blocks: the same bits.
+// decode row counts, where each weight is used once per call and comes from memory: no panel, the groups
+// streamed through bf16_groups. The same products and steps as int4_bf16_blocks: the same bits.
 void int4_bf16_stream(const uint32_t* xt, int64_t M, const Int4Weights& w, int64_t nb0, int64_t nb1, float* y,
                       int64_t ldy) {
   Tiles<configure_bf16_groups> tiles;
   tiles.rows(kRows);
-  alignas(64) uint16_t a[3][kRows * kInt4Group];
-  alignas(64) float c[2][kRows * kRows];
-  const auto [table, shifts] = unpack_consts();
-  const int64_t in = w.in, G = in / kInt4Group, row_bytes = in / 2, T = kRows * kRows;
+  const UnpackConsts consts = unpack_consts();
+  const int64_t in = w.in, G = in / kInt4Group, row_bytes = in / 2;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t n0 = nb * kRows;
     const uint8_t* q0 = w.q + n0 * row_bytes;
     const float* ws = w.scale + n0 * G;
-    // The next block's 16 rows are one run of 256 bytes per group, its scales one of 64.
-    const char* next = reinterpret_cast<const char*>(q0 + kRows * row_bytes);
-    const char* next_scale = reinterpret_cast<const char*>(ws + kRows * G);
-    const bool prefetch = nb + 1 < nb1;
     __m512 acc[kRows];
     for (auto& v : acc) v = _mm512_setzero_ps();
-    unpack_group(q0, row_bytes, 0, a[0], shifts, table);
-    if (G > 1) unpack_group(q0, row_bytes, 1, a[1], shifts, table);
-    const uint32_t* xg = xt;
-    for (int64_t g = 0; g < G; ++g, xg += T) {
-      if (prefetch) {
-        for (int64_t j = 0; j < 4; ++j) _mm_prefetch(next + 256 * g + 64 * j, _MM_HINT_T0);
-        _mm_prefetch(next_scale + 64 * g, _MM_HINT_T0);
-      }
-      KDA_TILE_FENCE();
-      if (g % 2 == 0)
-        KDA_PAIRED_PRODUCT(0, 2, 6, a[g % 3], xg);
-      else
-        KDA_PAIRED_PRODUCT(1, 3, 7, a[g % 3], xg);
-      KDA_TILE_FENCE();  // the unpacking below overwrites what the group before this one loaded
-      if (g + 2 < G) unpack_group(q0, row_bytes, g + 2, a[(g + 2) % 3], shifts, table);
-      if (g > 0) store_group(g - 1, c[(g - 1) % 2]);
-      if (g > 1) scale_group(c[g % 2], ws + g - 2, G, acc);
-      KDA_TILE_FENCE();
-    }
-    if (G > 1) scale_group(c[G % 2], ws + G - 2, G, acc);
-    store_group(G - 1, c[(G - 1) % 2]);
-    scale_group(c[(G - 1) % 2], ws + G - 1, G, acc);
+    bf16_groups(
+        q0, row_bytes, G, xt, kRows * kRows, reinterpret_cast<const char*>(q0 + kRows * row_bytes),
+        reinterpret_cast<const char*>(ws + kRows * G), nb + 1 < nb1, consts,
+        [ws, G](int64_t g, const float* sums, __m512* a) { scale_group(sums, ws + g, G, a); }, acc);
     write_rows(acc, 0, M, n0, y, ldy);
   }
 }
