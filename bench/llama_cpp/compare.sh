@@ -9,6 +9,10 @@
 # test suite. docs/performance.md has the figures and how llama.cpp was built.
 #
 #   bench/llama_cpp/compare.sh WORK_DIR LLAMA_SRC LLAMA_BIN [ROUNDS] > results.txt
+#
+# LLAMA_BENCH_FLAGS adds flags to every llama-bench run: on an AMX host llama.cpp 0c1e570's repacked
+# (AMX) buffers abort on this model's Q8_0 (GGML_ASSERT(*cur_backend_id != -1)), so there
+# LLAMA_BENCH_FLAGS="--repack 0".
 set -euo pipefail
 work=$1 src=$2 bin=$3 rounds=${4:-3}
 kda=${KDA:-build/kda}
@@ -44,7 +48,8 @@ kda_warm() {  # kda_warm DIR WEIGHTS [FLAGS...]
 for r in $(seq "$rounds"); do
   for m in bf16:bf16 q8_0:int8 q4_0:int4; do
     g=${m%%:*} w=${m##*:}
-    "$bin/llama-bench" -m "$work/$g.gguf" -p 512 -n 128 -t 2 -r 5 -o csv 2>/dev/null |
+    # shellcheck disable=SC2086  # the flags split into words
+    "$bin/llama-bench" -m "$work/$g.gguf" -p 512 -n 128 -t 2 -r 5 ${LLAMA_BENCH_FLAGS:-} -o csv 2>/dev/null |
       /usr/bin/python3 -c 'import csv,sys
 for row in csv.DictReader(sys.stdin):
     test = "pp%s" % row["n_prompt"] if row["n_gen"] == "0" else "tg%s" % row["n_gen"]
