@@ -637,11 +637,12 @@ void int4_bf16_blocks(const uint32_t* xp, int64_t B, int64_t m0, int64_t M, cons
   }
 }
 
-// Channel blocks [nb0, nb1) against one row block of M <= 16 rows (xt: its G tiles of x_tile's), the
-// decode row counts, where each weight is used once per call and comes from memory: no panel, the groups
-// streamed through bf16_groups. The same products and steps as int4_bf16_blocks: the same bits.
-void int4_bf16_stream(const uint32_t* xt, int64_t M, const Int4Weights& w, int64_t nb0, int64_t nb1, float* y,
-                      int64_t ldy) {
+// Channel blocks [nb0, nb1) against one row block of M <= 16 rows from m0 (xt: its G tiles of x_tile's):
+// the decode row counts and a call's last chunk of at most 16 rows, where each weight is used once per call
+// and comes from memory: no panel, the groups streamed through bf16_groups. The same products and steps as
+// int4_bf16_blocks: the same bits.
+void int4_bf16_stream(const uint32_t* xt, int64_t m0, int64_t M, const Int4Weights& w, int64_t nb0,
+                      int64_t nb1, float* y, int64_t ldy) {
   Tiles<configure_bf16_groups> tiles;
   tiles.rows(kRows);
   const UnpackConsts consts = unpack_consts();
@@ -656,7 +657,7 @@ void int4_bf16_stream(const uint32_t* xt, int64_t M, const Int4Weights& w, int64
         q0, row_bytes, G, xt, kRows * kRows, reinterpret_cast<const char*>(q0 + kRows * row_bytes),
         reinterpret_cast<const char*>(ws + kRows * G), nb + 1 < nb1, consts,
         [ws, G](int64_t g, const float* sums, __m512* a) { scale_group(sums, ws + g, G, a); }, acc);
-    write_rows(acc, 0, M, n0, y, ldy);
+    write_rows(acc, m0, M, n0, y, ldy);
   }
 }
 
@@ -753,23 +754,21 @@ void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weigh
   constexpr int64_t kSkew = 1040;  // dwords
   const int64_t xp_size = std::min(row_blocks(M), kAmxBf16ChunkRows / kRows) * G * T + kSkew,
                 panel_size = G * T + kSkew;
-  scratch.resize(static_cast<size_t>(xp_size + omp_get_max_threads() * panel_size + 16));
+  const int64_t panels = M > kRows ? omp_get_max_threads() : 0;  // a call of one row block keeps none
+  scratch.resize(static_cast<size_t>(xp_size + panels * panel_size + 16));
   uint32_t* xt =
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-  if (M <= kRows) {  // one row block: the weights streamed
-    if (blocks > 0)
-      split_blocks(
-          blocks, w.in * n16,
-          [&](int t, int nt) { x_tiles(x, ldx, M, 0, G, G * t / nt, G * (t + 1) / nt, xt); },
-          [&](int64_t nb0, int64_t nb1) { int4_bf16_stream(xt, M, w, nb0, nb1, y, ldy); });
-  }
-  for (int64_t m0 = 0; M > kRows && m0 < M; m0 += kAmxBf16ChunkRows) {
+  for (int64_t m0 = 0; m0 < M; m0 += kAmxBf16ChunkRows) {
     const int64_t rows = std::min(kAmxBf16ChunkRows, M - m0), B = row_blocks(rows);
     if (blocks > 0)
       split_blocks(
-          blocks, w.in * n16 * rows / kRows,
+          blocks, w.in * n16 * std::max<int64_t>(1, rows / kRows),
           [&](int t, int nt) { x_tiles(x, ldx, M, m0, G, B * G * t / nt, B * G * (t + 1) / nt, xt); },
           [&](int64_t nb0, int64_t nb1) {
+            if (B == 1) {  // one row block: each weight used once, streamed
+              int4_bf16_stream(xt, m0, rows, w, nb0, nb1, y, ldy);
+              return;
+            }
             uint16_t* panel = reinterpret_cast<uint16_t*>(xt + xp_size + omp_get_thread_num() * panel_size);
             int4_bf16_blocks(xt, B, m0, M, w, nb0, nb1, panel, y, ldy);
           });

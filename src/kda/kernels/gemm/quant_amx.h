@@ -66,7 +66,7 @@ void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weig
 // sum; a row's bits do not depend on the rows beside it.
 // Work: x rearranged once per kAmxBf16ChunkRows rows into tiles (16 input pairs by 16 rows, in L2 while
 // every block of W meets them); per 16-channel block its groups unpacked into bf16 tiles, once into a
-// panel that every row block meets, or (a call of at most 16 rows, where each weight is used once) two
+// panel that every row block meets, or (a chunk of at most 16 rows, where each weight is used once) two
 // groups ahead of their product while the next block's bytes are prefetched; one product per group and 16
 // rows, the 16 x 16 sums stored and scaled on the vector unit while the next groups' products run. Both
 // give the same bits. Threads split the 16-channel blocks; the channels past the last whole block go to
