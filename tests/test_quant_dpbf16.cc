@@ -1,8 +1,9 @@
 // The quantized GEMMs on AVX512_BF16 (kernels/gemm/quant_dpbf16.h), int8 and int4: bit for bit their
-// references on random shapes (row counts across a group of rows and a pass over the panels, channel counts
-// with and without a whole last panel, the model's input widths, strided rows), the references against the
-// scheme in double, NaN channels and groups, and the checks before writing. tests/test_quant_prefill.cc
-// and test_quant_gemm.cc hold the QuantLinear path that uses them to the scheme in double.
+// references on random shapes (row counts across a group of rows, a pass over the panels and int4's
+// streamed calls of at most 16 rows, channel counts with and without a whole last panel, the model's input
+// widths, strided rows), the references against the scheme in double, NaN channels and groups, and the
+// checks before writing. tests/test_quant_prefill.cc and test_quant_gemm.cc hold the QuantLinear path
+// that uses them to the scheme in double.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -51,8 +52,11 @@ void equalsItsReferenceBitForBit() {
   struct Case {
     int64_t M, in, out;
   };
+  // int4 takes calls of at most 16 rows without a panel (each row count its own copy): 1, 5-7, 9, 12, 13, 16
+  // of them below, channel counts that end a block of 16 and that do not.
   const Case cases[] = {{1, 32, 1},      {5, 64, 17},     {6, 96, 32},    {7, 1024, 33},   {13, 2304, 64},
-                        {65, 1024, 100}, {130, 2304, 48}, {193, 128, 31}, {400, 256, 130}, {12, 9216, 40}};
+                        {65, 1024, 100}, {130, 2304, 48}, {193, 128, 31}, {400, 256, 130}, {12, 9216, 40},
+                        {16, 2304, 47},  {9, 1024, 16},   {17, 64, 20}};
   uint64_t seed = 10;
   for (const Case& c : cases)
     for (const int64_t pad : {int64_t{0}, int64_t{3}}) {

@@ -42,11 +42,10 @@ class QuantLinear {
  public:
   static constexpr int64_t kDecodeRows = 64;
   // On the Dpbf16 path its kernels take the calls of more rows than these: where they beat the integer
-  // decode kernels on cold weights at the model's shapes (Zen 4, `kda bench --only qdecode`: int8 at 32
-  // rows 1.01-1.29 of their time, at 64 rows 0.91-1.03; int4 at 16 rows 1.06-1.28 and at 32 rows
-  // 0.74-0.90; docs/performance.md).
+  // decode kernels on cold weights at the model's shapes (Zen 4, `kda bench --only qdecode`; int4 since its
+  // calls of at most 16 rows widen W in registers: docs/performance.md, "int4 decode rows on AVX512_BF16").
   static constexpr int64_t kDpbf16DecodeRowsInt8 = 32;
-  static constexpr int64_t kDpbf16DecodeRowsInt4 = 16;
+  static constexpr int64_t kDpbf16DecodeRowsInt4 = 8;
   // int8 in the bf16 precision where the packed kernels run on AMX tiles (kernels/gemm/weight_format.h,
   // gemm_runs_amx): they take the calls of up to these rows, kDecodeRows at a time. Their time grows with
   // the rows at about the rate of the bf16 tiles' GEMM, which pays for widening each tile only from a few

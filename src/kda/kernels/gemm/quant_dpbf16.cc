@@ -127,16 +127,60 @@ inline void transpose16(__m512i r[16]) {
 
 // Channels [n0, n0 + 32) of W as the panel the rows read: pw [in / 2 pairs][32 channels][2] bf16 (the
 // scheme's integers; pair p of channel c at (p * 32 + c) * 2), ps the scales (int4: [groups][32]; int8:
-// [32]); channels past out are zero. Per 32 inputs and 16 channels: each channel's values widened to 32 bf16
-// (int4: its 16 bytes through one word permute on a table of the 16 values' bf16 bits; int8: its 32
-// bytes widened to fp32 and converted, exactly), then the 16 x 16 pairs transposed so that a vector holds
-// one pair of every channel.
-inline __m512i int4_values(const Int4Weights& w, int64_t n, int64_t g, __m512i table) {
-  const __m256i b =
-      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + n * (w.in / 2) + g * 16)));
-  const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(0xF))),
-                                         _mm256_srli_epi16(b, 4), 1);
-  return _mm512_permutexvar_epi16(idx, table);  // inputs 0..31 of the group: pair p in lane p
+// [32]); channels past out are zero. Per 32 inputs and 16 channels:
+//  - int4: the 16 channels' 16 bytes transposed as dwords (dword j of every channel in one vector: its
+//    bytes 4j..4j+3 hold the low nibbles of pairs 2j, 2j+1 and the high nibbles of pairs 2j+8, 2j+9), each
+//    pair's two bytes moved to the low bytes of its two words, and one word permute on a table of the 16
+//    values' bf16 bits (indexed by a word's low 5 bits: the table repeats) gives the pair of every
+//    channel. This is the cheap form of the widening: a call of a few rows spends most of its time on it.
+//  - int8: each channel's 32 bytes widened to fp32 and converted, exactly, then the 16 x 16 pairs
+//    transposed so that a vector holds one pair of every channel.
+// Pair p of channel c lands in lane c of vector p in both.
+inline void int4_pairs(const Int4Weights& w, int64_t n0, int64_t g, __m512i table, __m512i pr[16]) {
+  alignas(16) static const uint8_t kZero[16] = {0x88, 0x88, 0x88, 0x88, 0x88, 0x88, 0x88, 0x88,
+                                                0x88, 0x88, 0x88, 0x88, 0x88, 0x88, 0x88, 0x88};  // value 0
+  auto group = [&](int c) {
+    const int64_t n = n0 + c;
+    const uint8_t* b = n < w.out ? w.q + n * (w.in / 2) + g * 16 : kZero;
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  };
+  __m512i r[4];
+  for (int i = 0; i < 4; ++i) {  // r[i]'s 128-bit lane L: channel 4 L + i
+    r[i] = _mm512_castsi128_si512(group(i));
+    r[i] = _mm512_inserti32x4(r[i], group(4 + i), 1);
+    r[i] = _mm512_inserti32x4(r[i], group(8 + i), 2);
+    r[i] = _mm512_inserti32x4(r[i], group(12 + i), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+  const __m512i z[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                        _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};  // lane c: channel c
+  // A word's permute reads its low byte's nibble: z gives the nibbles of bytes 0 and 2 of each dword,
+  // z >> 8 those of bytes 1 and 3; blends put each pair's two in its dword.
+  for (int j = 0; j < 4; ++j)
+    for (int half = 0; half < 2; ++half) {  // low nibbles (pairs 2j, 2j + 1), then high (2j + 8, 2j + 9)
+      const __m512i v = half == 0 ? z[j] : _mm512_srli_epi32(z[j], 4);
+      const __m512i a = _mm512_permutexvar_epi16(v, table);                        // bytes 0, 2
+      const __m512i b = _mm512_permutexvar_epi16(_mm512_srli_epi32(v, 8), table);  // bytes 1, 3
+      pr[2 * j + 8 * half] = _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16));
+      pr[2 * j + 8 * half + 1] = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(a, 16), b);
+    }
+}
+// The scales of channels [n0, n0 + 16) by group: ps[g * stride + c] (channels past out: 0), the [16][G]
+// block moved in 16 x 16 transposes (a scalar gather here held short calls back).
+inline void int4_scales(const Int4Weights& w, int64_t n0, float* ps, int64_t stride) {
+  const int64_t G = w.in / 32;
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const int64_t ng = std::min<int64_t>(16, G - g0);
+    const __mmask16 k = ng == 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << ng) - 1);
+    __m512i r[16];
+    for (int c = 0; c < 16; ++c) {
+      const int64_t n = n0 + c;
+      r[c] = n < w.out ? _mm512_maskz_loadu_epi32(k, w.scale + n * G + g0) : _mm512_setzero_si512();
+    }
+    transpose16(r);
+    for (int64_t j = 0; j < ng; ++j) _mm512_store_si512(ps + (g0 + j) * stride, r[j]);
+  }
 }
 inline __m512i int8_values(const Int8Weights& w, int64_t n, int64_t g) {
   const __m512i q =
@@ -156,22 +200,19 @@ void build_panel(const W& w, int64_t n0, bf16_t* pw, float* ps) {
   for (int h = 0; h < 2; ++h)
     for (int64_t g = 0; g < G; ++g) {
       __m512i r[16];
-      for (int c = 0; c < 16; ++c) {
-        const int64_t n = n0 + 16 * h + c;
-        if (n >= w.out)
-          r[c] = _mm512_setzero_si512();
-        else if constexpr (int4)
-          r[c] = int4_values(w, n, g, values);
-        else
-          r[c] = int8_values(w, n, g);
+      if constexpr (int4) {
+        int4_pairs(w, n0 + 16 * h, g, values, r);
+      } else {
+        for (int c = 0; c < 16; ++c) {
+          const int64_t n = n0 + 16 * h + c;
+          r[c] = n < w.out ? int8_values(w, n, g) : _mm512_setzero_si512();
+        }
+        transpose16(r);
       }
-      transpose16(r);
       for (int p = 0; p < 16; ++p) _mm512_store_si512(pw + ((g * 16 + p) * kBlockN + 16 * h) * 2, r[p]);
     }
   if constexpr (int4) {
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < kBlockN; ++c)
-        ps[g * kBlockN + c] = n0 + c < w.out ? w.scale[(n0 + c) * G + g] : 0.0f;
+    for (int h = 0; h < 2; ++h) int4_scales(w, n0 + 16 * h, ps + 16 * h, kBlockN);
   } else {
     for (int64_t c = 0; c < kBlockN; ++c) ps[c] = n0 + c < w.out ? w.scale[n0 + c] : 0.0f;
   }
@@ -271,6 +312,79 @@ __attribute__((flatten)) void blocks_int4(const bf16_t* x, int64_t r0, int64_t r
   blocks(x, r0, r1, ldx, w, y, ldy, b0, b1, pw, ps);
 }
 
+// Calls of at most kStreamRows rows (decode batches) take no panel: per 16 channels, each group's pairs
+// are widened (int4_pairs) and met at once by every row, the rows' totals held in registers, so the
+// widening is paid once per call and nothing goes through L2 twice. The sums are the panel's, in its
+// order: the bits are the same.
+constexpr int kStreamRows = 16;
+constexpr int kStreamSub = 8;        // rows whose group sums are in registers at once
+constexpr int64_t kStreamAhead = 8;  // groups a channel's software prefetch runs ahead
+
+// N rows' group sums over one group's 16 pairs (pr), scaled into their totals.
+template <int N>
+inline void stream_rows(const bf16_t* xg, int64_t ldx, const __m512i pr[16], __m512 s, __m512* tot) {
+  __m512 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+  for (int p = 0; p < 16; ++p) {
+    const __m512bh wp = reinterpret_cast<__m512bh>(pr[p]);
+    for (int i = 0; i < N; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], wp, reinterpret_cast<__m512bh>(pair_of(xg + i * ldx + 2 * p)));
+  }
+  for (int i = 0; i < N; ++i) tot[i] = _mm512_fmadd_ps(acc[i], s, tot[i]);
+}
+
+// Rows [0, MB) against blocks [b0, b1) of 16 channels; ps: G * 16 floats of scratch.
+template <int MB>
+__attribute__((flatten)) void int4_stream(const bf16_t* x, int64_t ldx, const Int4Weights& w, float* y,
+                                          int64_t ldy, int64_t b0, int64_t b1, float* ps) {
+  const int64_t G = w.in / 32;
+  alignas(64) uint16_t table[32];
+  for (int i = 0; i < 32; ++i) table[i] = f32_to_bf16(static_cast<float>((i & 15) - 8));
+  const __m512i values = _mm512_load_si512(table);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * 16;
+    int4_scales(w, n0, ps, 16);
+    __m512 tot[MB];
+    for (int i = 0; i < MB; ++i) tot[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      // Software prefetch, as 16 channels' rows read side by side run ahead of the hardware prefetcher:
+      // every 4 groups each channel's line kStreamAhead groups on (the next block's rows near the end), and
+      // one line a group of the next block's scales.
+      if (g % 4 == 0) {
+        const int64_t ga = g + kStreamAhead, na = ga < G ? n0 : n0 + 16, gn = ga < G ? ga : ga - G;
+        for (int c = 0; c < 16 && na + c < w.out; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(w.q + (na + c) * (w.in / 2) + gn * 16), _MM_HINT_T0);
+      }
+      if (n0 + 16 < w.out)
+        _mm_prefetch(reinterpret_cast<const char*>(w.scale + (n0 + 16) * G) + g * 64, _MM_HINT_T0);
+      __m512i pr[16];
+      int4_pairs(w, n0, g, values, pr);
+      const __m512 sg = _mm512_load_ps(ps + g * 16);
+      const bf16_t* xg = x + g * 32;
+      if constexpr (MB > kStreamSub) {  // two halves, so that neither waits on its sums' latency
+        constexpr int kFirst = (MB + 1) / 2;
+        stream_rows<kFirst>(xg, ldx, pr, sg, tot);
+        stream_rows<MB - kFirst>(xg + kFirst * ldx, ldx, pr, sg, tot + kFirst);
+      } else {
+        stream_rows<MB>(xg, ldx, pr, sg, tot);
+      }
+    }
+    const int64_t left = w.out - n0;
+    const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(y + i * ldy + n0, k, tot[i]);
+  }
+}
+
+// int4_stream<m> for 1 <= m <= MB.
+template <int MB = kStreamRows>
+void int4_stream_rows(int m, const bf16_t* x, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy,
+                      int64_t b0, int64_t b1, float* ps) {
+  if constexpr (MB > 0) {
+    if (m == MB) return int4_stream<MB>(x, ldx, w, y, ldy, b0, b1, ps);
+    int4_stream_rows<MB - 1>(m, x, ldx, w, y, ldy, b0, b1, ps);
+  }
+}
+
 #pragma GCC pop_options
 
 // Threads split the blocks of 32 channels (static); rows go in passes of kRowChunk.
@@ -312,7 +426,20 @@ void gemm_int8_dpbf16(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights
 void gemm_int4_dpbf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy) {
   if (!cpu_has_quant_dpbf16()) throw std::logic_error("gemm_int4_dpbf16: no AVX512_BF16 on this CPU");
   check_args("gemm_int4_dpbf16", x, M, ldx, w, y, ldy);
-  run(x, M, ldx, w, y, ldy, blocks_int4);
+  if (M == 0 || M > kStreamRows) return run(x, M, ldx, w, y, ldy, blocks_int4);
+  // Threads split the blocks of 16 channels (static), each with its scales' scratch, allocated here.
+  const int64_t nblocks = (w.out + 15) / 16, G = w.in / 32, scales = G * 16;
+  const bool parallel = M * w.in * w.out >= kParallelMin && nblocks >= 2;
+  const int nt = parallel ? omp_get_max_threads() : 1;
+  thread_local std::vector<float> pss;
+  float* ps = aligned(pss, nt * scales);
+  const int m = static_cast<int>(M);
+  if (!parallel) return int4_stream_rows(m, x, ldx, w, y, ldy, 0, nblocks, ps);
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    int4_stream_rows(m, x, ldx, w, y, ldy, nblocks * t / n, nblocks * (t + 1) / n, ps + t * scales);
+  }
 }
 
 #else  // no AVX-512 in this build

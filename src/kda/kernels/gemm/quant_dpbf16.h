@@ -29,7 +29,9 @@ namespace kda::kernels::gemm {
 bool cpu_has_quant_dpbf16();
 
 // y[M, out] (row stride ldy >= out, fp32) = x[M, in] (bf16, row stride ldx >= in) W^T. Any M >= 0; meant
-// for 9 rows or more (each call widens W once per pass of up to 192 rows). int4: in a multiple of 32.
+// for 9 rows or more (each call widens W once per pass of up to 192 rows; int4's calls of at most 16 rows
+// widen each group of 16 channels in registers and meet every row there, with no panel). int4: in a
+// multiple of 32.
 // std::logic_error where !cpu_has_quant_dpbf16(); std::invalid_argument for bad sizes, strides or null data,
 // before anything is written.
 void gemm_int8_dpbf16(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy);
