@@ -7,7 +7,8 @@
 // A decode step reads every weight it uses once: the attention projections, dense MLPs, routers, shared
 // experts and the LM head, and per MoE layer the union of the experts its tokens selected (one request:
 // its top-k; 16: each selected expert once for all the tokens routed to it). Its floor is those bytes /
-// read bandwidth; decode_b1_over_bound and decode_b16_over_bound are the steps' times over their floors.
+// read bandwidth (per row, the best of the run's first reads and a read after each of its timed steps);
+// decode_b1_over_bound and decode_b16_over_bound are the steps' times over their floors.
 // (The recurrent states, read and written once per request and KDA layer, are left out of that floor as
 // the issue defines it; the b16 row gives them and the ratio with them.) The prefill's GEMM work is
 // 2 x T x (the weights a token multiplies) plus the MLA layers' attention scores (QK^T and PV over the
@@ -130,8 +131,12 @@ struct DecodeStep {
 };
 
 // `steps` decode steps of `batch` requests that each already hold `context` tokens, each appending a token
-// to every request; the one with the least seconds per byte read.
-DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t context, int steps) {
+// to every request; the one with the least seconds per byte read. After each step, one pass of `rb` (not
+// timed with the step): *read_s becomes the least of its seconds and those passes', so that the ceiling a
+// row is held to was sampled over the same minutes as its steps (a shared host's bandwidth moves in
+// phases: the same read has taken 1.6x as long from one minute to the next).
+DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t context, int steps,
+                       ReadBandwidth& rb, double* read_s) {
   Runner r(m, batch, batch * (context + steps + 1));
   const auto reqs = r.pools->req_to_token_pool.alloc(batch);
   r.ids = token_ids(batch * context, m.vocab_size(), 1);
@@ -149,6 +154,9 @@ DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t 
     const int64_t bytes = step_weight_bytes(m, batch);
     if (t / static_cast<double>(bytes) < best.seconds / static_cast<double>(std::max<int64_t>(best.bytes, 1)))
       best = {t, bytes};
+    const auto t_read = Clock::now();
+    rb.run();
+    *read_s = std::min(*read_s, since(t_read));
   }
   return best;
 }
@@ -239,7 +247,8 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
   // The ceilings of this run: read bandwidth over a buffer far larger than the caches, the bf16 and fp32
   // GEMMs at the prefill's row count through the Linear the model's projections use.
   ReadBandwidth rb(size_t{1} << 30);
-  const double read_gbs = rb.gbps(best_seconds([&] { rb.run(); }, 5, 1.0));
+  const double start_read_s = best_seconds([&] { rb.run(); }, 5, 1.0);
+  const double read_gbs = rb.gbps(start_read_s);
   double gemm_bf16 = 0.0, gemm_f32 = 0.0;
   {
     GemmCeiling c16(Precision::BF16, kPrefill, kP, kD);
@@ -273,15 +282,17 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
     const double reserve_s = since(t_reserve);
     const int64_t active = m->active_weight_bytes();
     // Enough steps that a few of them meet a quiet moment on a shared host (its load moved 8 steps by 30%).
-    const DecodeStep s1 = time_decode(*m, 1, kContext, 24);
-    const DecodeStep s16 = time_decode(*m, kBatch, kContext / 4, 12);
+    double read_s = start_read_s;  // this row's ceiling: the run's first passes and those between its steps
+    const DecodeStep s1 = time_decode(*m, 1, kContext, 24, rb, &read_s);
+    const DecodeStep s16 = time_decode(*m, kBatch, kContext / 4, 12, rb, &read_s);
+    const double row_gbs = rb.gbps(read_s);
     const double b1 = s1.seconds, b16 = s16.seconds;
     const PrefillTimes pt = time_prefill(*m, kPrefill, 3);
     const double pre = pt.best;
-    const double bound = static_cast<double>(active) / (read_gbs * 1e9);
-    const double bound16 = static_cast<double>(s16.bytes) / (read_gbs * 1e9);
+    const double bound = static_cast<double>(active) / (row_gbs * 1e9);
+    const double bound16 = static_cast<double>(s16.bytes) / (row_gbs * 1e9);
     const int64_t state16 = kBatch * request_state_bytes(*m);
-    const double bound16_state = static_cast<double>(s16.bytes + 2 * state16) / (read_gbs * 1e9);
+    const double bound16_state = static_cast<double>(s16.bytes + 2 * state16) / (row_gbs * 1e9);
     const double flops = prefill_flops(cfg, m->num_layers(), kPrefill, m->vocab_size());
     const double frac = flops / pre / 1e9 / gemm_bf16;
     // The ceiling of the precision the prefill's GEMMs run in (see the top of this file).
@@ -294,7 +305,7 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                           {"weight_bytes", m->weight_bytes()},
                           {"active_weight_bytes", active},
                           {"active_params", m->active_params()},
-                          {"read_bandwidth_gbs", read_gbs},
+                          {"read_bandwidth_gbs", row_gbs},
                           {"model_decode_b1_ms", b1 * 1e3},
                           {"decode_b1_over_bound", b1 / bound},
                           {"model_decode_b16_ms", b16 * 1e3},
@@ -333,11 +344,12 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
     say("%-8s   decode b1 parts: MoE %.1f ms, dense MLP %.1f ms, LM head %.1f ms, attention + rest %.1f ms; "
         "b16: MoE %.1f ms, dense MLP %.1f ms, LM head %.1f ms, attention + rest %.1f ms (%.2f GB of weights, "
         "%.2f GB of states; with them b16/bound %.2f); prefill: MoE %.0f ms, dense MLP %.0f ms, attention + "
-        "rest %.0f ms (%s GEMM ceiling)\n",
+        "rest %.0f ms (%s GEMM ceiling); decode held to %.1f GB/s\n",
         "", d1.moe * 1e3, d1.dense * 1e3, d1.head * 1e3, (b1 - d1.moe - d1.dense - d1.head) * 1e3,
         d16.moe * 1e3, d16.dense * 1e3, d16.head * 1e3, (b16 - d16.moe - d16.dense - d16.head) * 1e3,
         static_cast<double>(s16.bytes) / 1e9, static_cast<double>(state16) / 1e9, b16 / bound16_state,
-        pf.moe * 1e3, pf.dense * 1e3, (pre - pf.moe - pf.dense - pf.head) * 1e3, f32_gemm ? "fp32" : "bf16");
+        pf.moe * 1e3, pf.dense * 1e3, (pre - pf.moe - pf.dense - pf.head) * 1e3, f32_gemm ? "fp32" : "bf16",
+        row_gbs);
     j["model"].push_back(row);
   }
 }
