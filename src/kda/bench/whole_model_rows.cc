@@ -7,7 +7,7 @@
 // A decode step reads every weight it uses once: the attention projections, dense MLPs, routers, shared
 // experts and the LM head, and per MoE layer the union of the experts its tokens selected (one request:
 // its top-k; 16: each selected expert once for all the tokens routed to it). Its floor is those bytes /
-// read bandwidth (per row, the best of the run's first reads and a read after each of its timed steps);
+// read bandwidth (per row, the best of the reads after each of its timed steps);
 // decode_b1_over_bound and decode_b16_over_bound are the steps' times over their floors.
 // (The recurrent states, read and written once per request and KDA layer, are left out of that floor as
 // the issue defines it; the b16 row gives them and the ratio with them.) The prefill's GEMM work is
@@ -133,8 +133,9 @@ struct DecodeStep {
 // `steps` decode steps of `batch` requests that each already hold `context` tokens, each appending a token
 // to every request; the one with the least seconds per byte read. After each step, one pass of `rb` (not
 // timed with the step): *read_s becomes the least of its seconds and those passes', so that the ceiling a
-// row is held to was sampled over the same minutes as its steps (a shared host's bandwidth moves in
-// phases: the same read has taken 1.6x as long from one minute to the next).
+// row is held to is sampled over the same minutes as its steps (a shared host's bandwidth moves in
+// phases: the same read has taken 1.6x as long from one minute to the next, and a ceiling measured at the
+// start of a run held its rows to another phase's).
 DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t context, int steps,
                        ReadBandwidth& rb, double* read_s) {
   Runner r(m, batch, batch * (context + steps + 1));
@@ -247,8 +248,7 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
   // The ceilings of this run: read bandwidth over a buffer far larger than the caches, the bf16 and fp32
   // GEMMs at the prefill's row count through the Linear the model's projections use.
   ReadBandwidth rb(size_t{1} << 30);
-  const double start_read_s = best_seconds([&] { rb.run(); }, 5, 1.0);
-  const double read_gbs = rb.gbps(start_read_s);
+  const double read_gbs = rb.gbps(best_seconds([&] { rb.run(); }, 5, 1.0));
   double gemm_bf16 = 0.0, gemm_f32 = 0.0;
   {
     GemmCeiling c16(Precision::BF16, kPrefill, kP, kD);
@@ -282,7 +282,7 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
     const double reserve_s = since(t_reserve);
     const int64_t active = m->active_weight_bytes();
     // Enough steps that a few of them meet a quiet moment on a shared host (its load moved 8 steps by 30%).
-    double read_s = start_read_s;  // this row's ceiling: the run's first passes and those between its steps
+    double read_s = 1e30;  // this row's ceiling: the passes between its steps (the same minutes)
     const DecodeStep s1 = time_decode(*m, 1, kContext, 24, rb, &read_s);
     const DecodeStep s16 = time_decode(*m, kBatch, kContext / 4, 12, rb, &read_s);
     const double row_gbs = rb.gbps(read_s);
