@@ -129,10 +129,10 @@ inline void transpose16(__m512i r[16]) {
 // scheme's integers; pair p of channel c at (p * 32 + c) * 2), ps the scales (int4: [groups][32]; int8:
 // [32]); channels past out are zero. Per 32 inputs and 16 channels:
 //  - int4: the 16 channels' 16 bytes transposed as dwords (dword j of every channel in one vector: its
-//    bytes 4j..4j+3 hold the low nibbles of pairs 2j, 2j+1 and the high nibbles of pairs 2j+8, 2j+9), each
-//    pair's two bytes moved to the low bytes of its two words, and one word permute on a table of the 16
-//    values' bf16 bits (indexed by a word's low 5 bits: the table repeats) gives the pair of every
-//    channel. This is the cheap form of the widening: a call of a few rows spends most of its time on it.
+//    bytes 4j..4j+3 hold the low nibbles of pairs 2j, 2j+1 and the high nibbles of pairs 2j+8, 2j+9), then
+//    word permutes on a table of the 16 values' bf16 bits (indexed by a word's low 5 bits: the table
+//    repeats) and blends give the pairs of every channel. This is the cheap form of the widening: a call
+//    of a few rows spends most of its time on it.
 //  - int8: each channel's 32 bytes widened to fp32 and converted, exactly, then the 16 x 16 pairs
 //    transposed so that a vector holds one pair of every channel.
 // Pair p of channel c lands in lane c of vector p in both.
@@ -352,7 +352,7 @@ __attribute__((flatten)) void int4_stream(const bf16_t* x, int64_t ldx, const In
       // one line a group of the next block's scales.
       if (g % 4 == 0) {
         const int64_t ga = g + kStreamAhead, na = ga < G ? n0 : n0 + 16, gn = ga < G ? ga : ga - G;
-        for (int c = 0; c < 16 && na + c < w.out; ++c)
+        for (int c = 0; c < 16 && na + c < w.out && gn < G; ++c)
           _mm_prefetch(reinterpret_cast<const char*>(w.q + (na + c) * (w.in / 2) + gn * 16), _MM_HINT_T0);
       }
       if (n0 + 16 < w.out)
