@@ -125,6 +125,13 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// The bf16 bits of the 16 int4 values (nibble - 8), twice over: a word permute reads a word's low 5 bits.
+inline __m512i int4_table() {
+  alignas(64) uint16_t table[32];
+  for (int i = 0; i < 32; ++i) table[i] = f32_to_bf16(static_cast<float>((i & 15) - 8));
+  return _mm512_load_si512(table);
+}
+
 // Channels [n0, n0 + 32) of W as the panel the rows read: pw [in / 2 pairs][32 channels][2] bf16 (the
 // scheme's integers; pair p of channel c at (p * 32 + c) * 2), ps the scales (int4: [groups][32]; int8:
 // [32]); channels past out are zero. Per 32 inputs and 16 channels:
@@ -194,9 +201,7 @@ template <class W>
 void build_panel(const W& w, int64_t n0, bf16_t* pw, float* ps) {
   constexpr bool int4 = std::is_same_v<W, Int4Weights>;
   const int64_t G = w.in / 32;
-  alignas(64) uint16_t table[32];
-  for (int i = 0; i < 32; ++i) table[i] = f32_to_bf16(static_cast<float>((i & 15) - 8));
-  const __m512i values = _mm512_load_si512(table);
+  const __m512i values = int4_table();
   for (int h = 0; h < 2; ++h)
     for (int64_t g = 0; g < G; ++g) {
       __m512i r[16];
@@ -338,9 +343,7 @@ template <int MB>
 __attribute__((flatten)) void int4_stream(const bf16_t* x, int64_t ldx, const Int4Weights& w, float* y,
                                           int64_t ldy, int64_t b0, int64_t b1, float* ps) {
   const int64_t G = w.in / 32;
-  alignas(64) uint16_t table[32];
-  for (int i = 0; i < 32; ++i) table[i] = f32_to_bf16(static_cast<float>((i & 15) - 8));
-  const __m512i values = _mm512_load_si512(table);
+  const __m512i values = int4_table();
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * 16;
     int4_scales(w, n0, ps, 16);
