@@ -134,8 +134,8 @@ struct DecodeStep {
 // to every request; the one with the least seconds per byte read. After each step, one pass of `rb` (not
 // timed with the step): *read_s becomes the least of its seconds and those passes', so that the ceiling a
 // row is held to is sampled over the same minutes as its steps (a shared host's bandwidth moves in
-// phases: the same read has taken 1.6x as long from one minute to the next, and a ceiling measured at the
-// start of a run held its rows to another phase's).
+// phases, and a ceiling measured at the start of a run held its rows to another phase's:
+// docs/performance.md, "Issue 28's table on host B").
 DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t context, int steps,
                        ReadBandwidth& rb, double* read_s) {
   Runner r(m, batch, batch * (context + steps + 1));
