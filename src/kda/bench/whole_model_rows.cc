@@ -10,10 +10,13 @@
 // read bandwidth (per row, the best of the reads after each of its timed steps);
 // decode_b1_over_bound and decode_b16_over_bound are the steps' times over their floors.
 // (The recurrent states, read and written once per request and KDA layer, are left out of that floor as
-// the issue defines it; the b16 row gives them and the ratio with them.) The prefill's GEMM work is
-// 2 x T x (the weights a token multiplies) plus the MLA layers' attention scores (QK^T and PV over the
-// causal half); prefill_over_gemm is its rate over the same run's GEMM ceiling of the precision its GEMMs
-// run in: bf16 with bf16 weights; with int8 / int4 ones the precision of QuantLinear's prefill path on
+// the issue defines it; the b16 row gives them and the ratio with them.) At 16 rows a step multiplies
+// enough that its GEMMs may take longer than its reads on a CPU of few cores: decode_b16_floor_ms is the
+// least time the same run's two ceilings allow it (decode_floor below), decode_b16_floor_over_bound how
+// far above the read bound that puts it, and decode_b16_over_floor how close the step comes. The prefill's
+// GEMM work is 2 x T x (the weights a token multiplies) plus the MLA layers' attention scores (QK^T and PV
+// over the causal half); prefill_over_gemm is its rate over the same run's GEMM ceiling of the precision its
+// GEMMs run in: bf16 with bf16 weights; with int8 / int4 ones the precision of QuantLinear's prefill path on
 // this CPU (QuantLinear::prefill_path_for: weight tiles widened to bf16 for oneDNN's bf16 matmul where it
 // is native, else dequantized fp32 tiles by fp32 activations). Where a step is far
 // from its floor the parts are timed alone at the same shapes (the MoE and dense MLPs, the LM head; the
@@ -124,11 +127,47 @@ int64_t request_state_bytes(const models::KimiLinearForCausalLM& m) {
          (int64_t{c.num_heads} * c.head_k_dim * c.head_v_dim * 4 + conv);
 }
 
-// The decode step of `steps` that came closest to its floor: its seconds and the weight bytes it read.
+// The weights the MoE layers' last forward read (KimiMoE::last_weight_bytes, summed).
+int64_t moe_step_bytes(models::KimiLinearForCausalLM& m) {
+  int64_t b = 0;
+  for (int i = 0; i < m.num_layers(); ++i)
+    if (auto* e = m.model().layer(i).moe()) b += e->last_weight_bytes();
+  return b;
+}
+
+// The decode step of `steps` that came closest to its floor: its seconds, the weight bytes it read, and
+// those of its MoE layers.
 struct DecodeStep {
   double seconds = 1e30;
-  int64_t bytes = 0;
+  int64_t bytes = 0, moe_bytes = 0;
 };
+
+// The least seconds a decode step of `batch` rows can take on a machine of these ceilings, as a roofline
+// per part: the LM head, the MoE layers (routers, shared and selected experts) and the rest (attention
+// projections, dense MLPs, norms, embedding rows), each at least its multiply-adds at the bf16 GEMM
+// ceiling (2 FLOPs a weight a row; the quantized kernels widen to that rate or run it in int16, none
+// faster) and at least its bytes at the read ceiling, one after the other (each part needs the one
+// before's output), plus the states read and written. Within a part compute and reads are taken as
+// overlapped perfectly, and MLA's scores over the context are left out, so no step can be faster.
+double decode_floor(models::KimiLinearForCausalLM& m, const io::KimiLinearConfig& cfg, int64_t batch,
+                    const DecodeStep& s, int64_t state_bytes, double gemm_gflops, double read_gbs) {
+  const double D = static_cast<double>(m.hidden_size()), rows = static_cast<double>(batch);
+  const double head_params = static_cast<double>(m.vocab_size()) * D;
+  double moe_params = 0.0;  // per token
+  for (int i = 0; i < m.num_layers(); ++i)
+    if (const auto* e = m.model().layer(i).moe())
+      moe_params += e->num_experts() * D + (e->top_k() + cfg.num_shared_experts) * 3.0 * D *
+                                               static_cast<double>(cfg.moe_intermediate_size);
+  const double rest_params = static_cast<double>(m.active_params()) - head_params - moe_params;
+  const double head_bytes = static_cast<double>(m.head_weight_bytes());
+  const double moe_bytes = static_cast<double>(s.moe_bytes);
+  const double rest_bytes = static_cast<double>(s.bytes) - head_bytes - moe_bytes;
+  const auto part = [&](double params, double bytes) {
+    return std::max(2.0 * rows * params / (gemm_gflops * 1e9), bytes / (read_gbs * 1e9));
+  };
+  return part(head_params, head_bytes) + part(moe_params, moe_bytes) + part(rest_params, rest_bytes) +
+         2.0 * static_cast<double>(state_bytes) / (read_gbs * 1e9);
+}
 
 // `steps` decode steps of `batch` requests that each already hold `context` tokens, each appending a token
 // to every request; the one with the least seconds per byte read. After each step, one pass of `rb` (not
@@ -154,7 +193,7 @@ DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t 
     const double t = since(t0);
     const int64_t bytes = step_weight_bytes(m, batch);
     if (t / static_cast<double>(bytes) < best.seconds / static_cast<double>(std::max<int64_t>(best.bytes, 1)))
-      best = {t, bytes};
+      best = {t, bytes, moe_step_bytes(m)};
     const auto t_read = Clock::now();
     rb.run();
     *read_s = std::min(*read_s, since(t_read));
@@ -293,6 +332,7 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
     const double bound16 = static_cast<double>(s16.bytes) / (row_gbs * 1e9);
     const int64_t state16 = kBatch * request_state_bytes(*m);
     const double bound16_state = static_cast<double>(s16.bytes + 2 * state16) / (row_gbs * 1e9);
+    const double floor16 = decode_floor(*m, cfg, kBatch, s16, state16, gemm_bf16, row_gbs);
     const double flops = prefill_flops(cfg, m->num_layers(), kPrefill, m->vocab_size());
     const double frac = flops / pre / 1e9 / gemm_bf16;
     // The ceiling of the precision the prefill's GEMMs run in (see the top of this file).
@@ -313,6 +353,9 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                           {"decode_b16_over_bound", b16 / bound16},
                           {"decode_b16_state_bytes", state16},
                           {"decode_b16_over_bound_with_state", b16 / bound16_state},
+                          {"decode_b16_floor_ms", floor16 * 1e3},
+                          {"decode_b16_floor_over_bound", floor16 / bound16},
+                          {"decode_b16_over_floor", b16 / floor16},
                           {"model_prefill_tok_s", static_cast<double>(kPrefill) / pre},
                           {"prefill_first_s", pt.first},
                           {"prefill_first_over_best", pt.first / pre},
@@ -343,13 +386,15 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                     {"prefill_attention_and_rest_ms", (pre - pf.moe - pf.dense - pf.head) * 1e3}};
     say("%-8s   decode b1 parts: MoE %.1f ms, dense MLP %.1f ms, LM head %.1f ms, attention + rest %.1f ms; "
         "b16: MoE %.1f ms, dense MLP %.1f ms, LM head %.1f ms, attention + rest %.1f ms (%.2f GB of weights, "
-        "%.2f GB of states; with them b16/bound %.2f); prefill: MoE %.0f ms, dense MLP %.0f ms, attention + "
+        "%.2f GB of states; with them b16/bound %.2f; the ceilings' floor %.1f ms, %.2f x the bound, the "
+        "step "
+        "%.2f x the floor); prefill: MoE %.0f ms, dense MLP %.0f ms, attention + "
         "rest %.0f ms (%s GEMM ceiling); decode held to %.1f GB/s\n",
         "", d1.moe * 1e3, d1.dense * 1e3, d1.head * 1e3, (b1 - d1.moe - d1.dense - d1.head) * 1e3,
         d16.moe * 1e3, d16.dense * 1e3, d16.head * 1e3, (b16 - d16.moe - d16.dense - d16.head) * 1e3,
         static_cast<double>(s16.bytes) / 1e9, static_cast<double>(state16) / 1e9, b16 / bound16_state,
-        pf.moe * 1e3, pf.dense * 1e3, (pre - pf.moe - pf.dense - pf.head) * 1e3, f32_gemm ? "fp32" : "bf16",
-        row_gbs);
+        floor16 * 1e3, floor16 / bound16, b16 / floor16, pf.moe * 1e3, pf.dense * 1e3,
+        (pre - pf.moe - pf.dense - pf.head) * 1e3, f32_gemm ? "fp32" : "bf16", row_gbs);
     j["model"].push_back(row);
   }
 }
