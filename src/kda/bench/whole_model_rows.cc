@@ -6,10 +6,10 @@
 //
 // A decode step reads every weight it uses once: the attention projections, dense MLPs, routers, shared
 // experts and the LM head, and per MoE layer the union of the experts its tokens selected (one request:
-// its top-k; 16: each selected expert once for all the tokens routed to it). Its floor is those bytes /
+// its top-k; 16: each selected expert once for all the tokens routed to it). Its bound is those bytes /
 // read bandwidth (per row, the best of the reads after each of its timed steps);
-// decode_b1_over_bound and decode_b16_over_bound are the steps' times over their floors.
-// (The recurrent states, read and written once per request and KDA layer, are left out of that floor as
+// decode_b1_over_bound and decode_b16_over_bound are the steps' times over their bounds.
+// (The recurrent states, read and written once per request and KDA layer, are left out of that bound as
 // the issue defines it; the b16 row gives them and the ratio with them.) At 16 rows a step multiplies
 // enough that its GEMMs may take longer than its reads on a CPU of few cores: decode_b16_floor_ms is the
 // least time the same run's two ceilings allow it (decode_floor below), decode_b16_floor_over_bound how
@@ -19,7 +19,7 @@
 // GEMMs run in: bf16 with bf16 weights; with int8 / int4 ones the precision of QuantLinear's prefill path on
 // this CPU (QuantLinear::prefill_path_for: weight tiles widened to bf16 for oneDNN's bf16 matmul where it
 // is native, else dequantized fp32 tiles by fp32 activations). Where a step is far
-// from its floor the parts are timed alone at the same shapes (the MoE and dense MLPs, the LM head; the
+// from its bound the parts are timed alone at the same shapes (the MoE and dense MLPs, the LM head; the
 // rest is attention, norms and the residual stream) so the report says where the time goes.
 #include <sys/resource.h>
 
@@ -135,7 +135,7 @@ int64_t moe_step_bytes(models::KimiLinearForCausalLM& m) {
   return b;
 }
 
-// The decode step of `steps` that came closest to its floor: its seconds, the weight bytes it read, and
+// The decode step of `steps` that came closest to its bound: its seconds, the weight bytes it read, and
 // those of its MoE layers.
 struct DecodeStep {
   double seconds = 1e30;
@@ -145,10 +145,11 @@ struct DecodeStep {
 // The least seconds a decode step of `batch` rows can take on a machine of these ceilings, as a roofline
 // per part: the LM head, the MoE layers (routers, shared and selected experts) and the rest (attention
 // projections, dense MLPs, norms, embedding rows), each at least its multiply-adds at the bf16 GEMM
-// ceiling (2 FLOPs a weight a row; the quantized kernels widen to that rate or run it in int16, none
-// faster) and at least its bytes at the read ceiling, one after the other (each part needs the one
+// ceiling (2 FLOPs a weight a row; the quantized kernels multiply bf16 or int16 activations, at that
+// rate at most) and at least its bytes at the read ceiling, one after the other (each part needs the one
 // before's output), plus the states read and written. Within a part compute and reads are taken as
-// overlapped perfectly, and MLA's scores over the context are left out, so no step can be faster.
+// overlapped perfectly, and MLA's scores over the context are left out: on a steady machine no step is
+// faster (a shared host's bandwidth phases can put a step under it, as they can under the bound).
 double decode_floor(models::KimiLinearForCausalLM& m, const io::KimiLinearConfig& cfg, int64_t batch,
                     const DecodeStep& s, int64_t state_bytes, double gemm_gflops, double read_gbs) {
   const double D = static_cast<double>(m.hidden_size()), rows = static_cast<double>(batch);
@@ -386,10 +387,9 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                     {"prefill_attention_and_rest_ms", (pre - pf.moe - pf.dense - pf.head) * 1e3}};
     say("%-8s   decode b1 parts: MoE %.1f ms, dense MLP %.1f ms, LM head %.1f ms, attention + rest %.1f ms; "
         "b16: MoE %.1f ms, dense MLP %.1f ms, LM head %.1f ms, attention + rest %.1f ms (%.2f GB of weights, "
-        "%.2f GB of states; with them b16/bound %.2f; the ceilings' floor %.1f ms, %.2f x the bound, the "
-        "step "
-        "%.2f x the floor); prefill: MoE %.0f ms, dense MLP %.0f ms, attention + "
-        "rest %.0f ms (%s GEMM ceiling); decode held to %.1f GB/s\n",
+        "%.2f GB of states; with them b16/bound %.2f; the ceilings' floor %.1f ms: %.2f x the bound, "
+        "the step %.2f x it); prefill: MoE %.0f ms, dense MLP %.0f ms, attention + rest %.0f ms (%s GEMM "
+        "ceiling); decode held to %.1f GB/s\n",
         "", d1.moe * 1e3, d1.dense * 1e3, d1.head * 1e3, (b1 - d1.moe - d1.dense - d1.head) * 1e3,
         d16.moe * 1e3, d16.dense * 1e3, d16.head * 1e3, (b16 - d16.moe - d16.dense - d16.head) * 1e3,
         static_cast<double>(s16.bytes) / 1e9, static_cast<double>(state16) / 1e9, b16 / bound16_state,
