@@ -108,14 +108,21 @@ std::vector<int32_t> token_ids(int64_t n, int64_t vocab, int64_t salt) {
   return v;
 }
 
-// The weights a step of `batch` decode rows read: what one token reads, with each MoE layer's router,
-// shared expert and top-k experts replaced by those its last forward read (the union of its selections),
-// and an embedding row per token.
-int64_t step_weight_bytes(models::KimiLinearForCausalLM& m, int64_t batch) {
-  int64_t b =
+// The weights a step of `batch` decode rows read (total): what one token reads, with each MoE layer's
+// router, shared expert and top-k experts replaced by those its last forward read (the union of its
+// selections, KimiMoE::last_weight_bytes; their sum: moe), and an embedding row per token.
+struct StepBytes {
+  int64_t total = 0, moe = 0;
+};
+StepBytes step_weight_bytes(models::KimiLinearForCausalLM& m, int64_t batch) {
+  StepBytes b;
+  b.total =
       m.active_weight_bytes() + (batch - 1) * m.hidden_size() * (m.precision() == Precision::BF16 ? 2 : 4);
   for (int i = 0; i < m.num_layers(); ++i)
-    if (auto* e = m.model().layer(i).moe()) b += e->last_weight_bytes() - e->active_weight_bytes();
+    if (auto* e = m.model().layer(i).moe()) {
+      b.total += e->last_weight_bytes() - e->active_weight_bytes();
+      b.moe += e->last_weight_bytes();
+    }
   return b;
 }
 
@@ -125,14 +132,6 @@ int64_t request_state_bytes(const models::KimiLinearForCausalLM& m) {
   const int64_t conv = (c.conv_kernel - 1) * c.conv_dim * (c.conv_dtype == Precision::BF16 ? 2 : 4);
   return static_cast<int64_t>(c.layer_ids.size()) *
          (int64_t{c.num_heads} * c.head_k_dim * c.head_v_dim * 4 + conv);
-}
-
-// The weights the MoE layers' last forward read (KimiMoE::last_weight_bytes, summed).
-int64_t moe_step_bytes(models::KimiLinearForCausalLM& m) {
-  int64_t b = 0;
-  for (int i = 0; i < m.num_layers(); ++i)
-    if (auto* e = m.model().layer(i).moe()) b += e->last_weight_bytes();
-  return b;
 }
 
 // The decode step of `steps` that came closest to its bound: its seconds, the weight bytes it read, and
@@ -192,9 +191,10 @@ DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t 
     const auto t0 = Clock::now();
     r.step(fb, batch);
     const double t = since(t0);
-    const int64_t bytes = step_weight_bytes(m, batch);
-    if (t / static_cast<double>(bytes) < best.seconds / static_cast<double>(std::max<int64_t>(best.bytes, 1)))
-      best = {t, bytes, moe_step_bytes(m)};
+    const StepBytes bytes = step_weight_bytes(m, batch);
+    if (t / static_cast<double>(bytes.total) <
+        best.seconds / static_cast<double>(std::max<int64_t>(best.bytes, 1)))
+      best = {t, bytes.total, bytes.moe};
     const auto t_read = Clock::now();
     rb.run();
     *read_s = std::min(*read_s, since(t_read));
