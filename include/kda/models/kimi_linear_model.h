@@ -272,6 +272,9 @@ class KimiLinearForCausalLM {
 // (the embedding row is a lookup). The 48B config gives the spec's 3.107 B.
 int64_t kimi_linear_active_params(const io::KimiLinearConfig& cfg, int num_layers = 0, int num_experts = 0,
                                   int64_t vocab = 0);
+// One MoE layer's share of it: the router and its bias, the top-k routed experts and the shared ones, with
+// `num_experts` routed experts (0: the config's; top-k clamped to it).
+int64_t kimi_moe_active_params(const io::KimiLinearConfig& cfg, int num_experts = 0);
 
 // The decoder layer ids a model with `num_layers` (0: all) runs: 0..N-1. Throws std::invalid_argument
 // when num_layers is outside 0..num_hidden_layers.

@@ -156,8 +156,7 @@ double decode_floor(models::KimiLinearForCausalLM& m, const io::KimiLinearConfig
   double moe_params = 0.0;  // per token
   for (int i = 0; i < m.num_layers(); ++i)
     if (const auto* e = m.model().layer(i).moe())
-      moe_params += e->num_experts() * D + (e->top_k() + cfg.num_shared_experts) * 3.0 * D *
-                                               static_cast<double>(cfg.moe_intermediate_size);
+      moe_params += static_cast<double>(models::kimi_moe_active_params(cfg, e->num_experts()));
   const double rest_params = static_cast<double>(m.active_params()) - head_params - moe_params;
   const double head_bytes = static_cast<double>(m.head_weight_bytes());
   const double moe_bytes = static_cast<double>(s.moe_bytes);

@@ -534,14 +534,18 @@ int64_t kimi_linear_active_params(const io::KimiLinearConfig& cfg, int num_layer
   const int64_t Hm = cfg.num_attention_heads, R = cfg.kv_lora_rank, r = cfg.qk_rope_head_dim;
   const int64_t mla = Hm * cfg.qk_head_dim() * D + (R + r) * D + R +
                       Hm * (cfg.qk_nope_head_dim + cfg.v_head_dim) * R + D * Hm * cfg.v_head_dim;
-  const int64_t E = num_experts > 0 ? num_experts : cfg.num_experts;
-  const int64_t k = std::min<int64_t>(cfg.num_experts_per_token, E);
-  const int64_t moe = E * D + E + (k + cfg.num_shared_experts) * 3 * cfg.moe_intermediate_size * D;
+  const int64_t moe = kimi_moe_active_params(cfg, num_experts);
   const int64_t dense = 3 * cfg.intermediate_size * D;
   int64_t total = (vocab > 0 ? vocab : cfg.vocab_size) * D + D;  // lm_head, model.norm
   for (int i = 0; i < L; ++i)
     total += 2 * D + (cfg.is_kda_layer(i) ? kda : mla) + (cfg.is_moe_layer(i) ? moe : dense);
   return total;
+}
+
+int64_t kimi_moe_active_params(const io::KimiLinearConfig& cfg, int num_experts) {
+  const int64_t D = cfg.hidden_size, E = num_experts > 0 ? num_experts : cfg.num_experts;
+  const int64_t k = std::min<int64_t>(cfg.num_experts_per_token, E);
+  return E * D + E + (k + cfg.num_shared_experts) * 3 * cfg.moe_intermediate_size * D;
 }
 
 }  // namespace kda::models
