@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -101,6 +102,49 @@ TEST(Cli, BenchLayersIsForModelOnlyAndWithinTheModel) {
   EXPECT_NE(r.code, 0);
   EXPECT_THAT(r.output, HasSubstr("--layers 28: the model has 27 decoder layers"));
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("ceilings")));
+}
+
+// --rounds repeats --only model's decode measurements; it is refused elsewhere and below 1 before anything
+// is measured.
+TEST(Cli, BenchRoundsIsForModelOnlyAndPositive) {
+  auto r = run_kda("bench --only stack --rounds 2");
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--rounds is for --only model"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("stack (20 layers)")));
+  r = run_kda("bench --only model --rounds 0");
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--rounds"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("ceilings")));
+}
+
+// Each round of --only model's decode gives its own figures; the row's are their medians (with two
+// rounds, the mean of the two) and decode_spread their ranges.
+TEST(Cli, BenchModelRoundsGiveMediansAndSpread) {
+  const auto r = testing::run_command(std::string(KDA_BINARY_PATH) +
+                                      " bench --only model --layers 1 --experts 8 --weights int4 --rounds 2 "
+                                      "--json 2>/dev/null");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  ASSERT_EQ(j.at("model").size(), 1u);
+  const auto& row = j.at("model")[0];
+  const auto& rounds = row.at("decode_rounds");
+  ASSERT_EQ(rounds.size(), 2u);
+  for (const char* key :
+       {"read_bandwidth_gbs", "model_decode_b1_ms", "decode_b1_over_bound", "model_decode_b16_ms",
+        "decode_b16_over_bound", "decode_b16_floor_ms", "decode_b16_over_floor"}) {
+    const double a = rounds[0].at(key).get<double>(), b = rounds[1].at(key).get<double>();
+    EXPECT_GT(a, 0.0) << key;
+    EXPECT_GT(b, 0.0) << key;
+    EXPECT_DOUBLE_EQ(row.at(key).get<double>(), 0.5 * (a + b)) << key;
+  }
+  for (const char* key : {"read_bandwidth_gbs", "decode_b1_over_bound", "decode_b16_over_bound",
+                          "decode_b16_floor_over_bound", "decode_b16_over_floor"}) {
+    const double a = rounds[0].at(key).get<double>(), b = rounds[1].at(key).get<double>();
+    const auto& range = row.at("decode_spread").at(key);
+    ASSERT_EQ(range.size(), 2u) << key;
+    EXPECT_EQ(range[0].get<double>(), std::min(a, b)) << key;
+    EXPECT_EQ(range[1].get<double>(), std::max(a, b)) << key;
+  }
 }
 
 // The prefix cache's own options with the cache turned off are refused by the parser, before anything

@@ -20,6 +20,7 @@ struct RowOptions {
   std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
   int experts = 0;  // the whole model's routed experts per MoE layer (0: serving::kDefaultExperts)
   int layers = 0;   // the whole model's first N decoder layers (0: all)
+  int rounds = 1;   // the whole model's decode rounds per weights mode (bench_model)
 };
 
 // chunk_kda rows against the fp32 GEMM ceiling g32, which is measured in turns with them, and the
@@ -52,8 +53,9 @@ void bench_spec(nlohmann::json& j, const Say& say);
 // keys spec_<experts>_<accept|ngram>_d<d>[_adaptive]_over_plain).
 void bench_spec_serve(const RowOptions& o, nlohmann::json& j, const Say& say);
 // The whole model at its real shapes (o.layers: its first N layers) per weights mode: decode batch 1 and
-// 16, a 2048-token prefill, beside this run's read bandwidth and bf16 / fp32 GEMM ceilings ("model"
-// rows, their "ceilings").
+// 16 (o.rounds times, each round held to the read bandwidth sampled between its own steps: the medians and
+// their spread), a 2048-token prefill, beside this run's read bandwidth and bf16 / fp32 GEMM ceilings
+// ("model" rows, their "ceilings").
 void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say);
 // The tokenizer on one thread: encoding MB/s of ~2 MB of mixed English/Chinese text with a vocabulary of
 // Kimi's size, decoding, and a 100 KB single "word" against 100 KB of text ("tokenizer").

@@ -13,14 +13,16 @@
 // the issue defines it; the b16 row gives them and the ratio with them.) At 16 rows a step multiplies
 // enough that its GEMMs may take longer than its reads on a CPU of few cores: decode_b16_floor_ms is the
 // least time the same run's two ceilings allow it (decode_floor below), decode_b16_floor_over_bound how
-// far above the read bound that puts it, and decode_b16_over_floor how close the step comes. The prefill's
-// GEMM work is 2 x T x (the weights a token multiplies) plus the MLA layers' attention scores (QK^T and PV
-// over the causal half); prefill_over_gemm is its rate over the same run's GEMM ceiling of the precision its
-// GEMMs run in: bf16 with bf16 weights; with int8 / int4 ones the precision of QuantLinear's prefill path on
-// this CPU (QuantLinear::prefill_path_for: weight tiles widened to bf16 for oneDNN's bf16 matmul where it
-// is native, else dequantized fp32 tiles by fp32 activations). Where a step is far
-// from its bound the parts are timed alone at the same shapes (the MoE and dense MLPs, the LM head; the
-// rest is attention, norms and the residual stream) so the report says where the time goes.
+// far above the read bound that puts it, and decode_b16_over_floor how close the step comes. --rounds
+// repeats the decode measurements, each round held to its own minutes' read ceiling: the row's figures
+// are the medians over the rounds, decode_rounds gives each round's and decode_spread their ranges. The
+// prefill's GEMM work is 2 x T x (the weights a token multiplies) plus the MLA layers' attention scores (QK^T
+// and PV over the causal half); prefill_over_gemm is its rate over the same run's GEMM ceiling of the
+// precision its GEMMs run in: bf16 with bf16 weights; with int8 / int4 ones the precision of QuantLinear's
+// prefill path on this CPU (QuantLinear::prefill_path_for: weight tiles widened to bf16 for oneDNN's bf16
+// matmul where it is native, else dequantized fp32 tiles by fp32 activations). Where a step is far from its
+// bound the parts are timed alone at the same shapes (the MoE and dense MLPs, the LM head; the rest is
+// attention, norms and the residual stream) so the report says where the time goes.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -31,6 +33,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kda/bench/ceilings.h"
@@ -201,6 +204,57 @@ DecodeStep time_decode(models::KimiLinearForCausalLM& m, int64_t batch, int64_t 
   return best;
 }
 
+// One round of a row's decode measurements: batch 1 and batch 16, held to the read ceiling sampled between
+// that round's own steps. A shared host's bandwidth moves in phases minutes long; rounds one after the
+// other show how far a ratio moves with them (the issue asks for the spread run after run).
+struct DecodeRound {
+  double read_gbs = 0, b1_ms = 0, b1_over_bound = 0, b16_ms = 0, b16_over_bound = 0, b16_over_bound_state = 0,
+         floor_ms = 0, floor_over_bound = 0, over_floor = 0;
+  DecodeStep s16;
+};
+
+DecodeRound decode_round(models::KimiLinearForCausalLM& m, const io::KimiLinearConfig& cfg, int64_t context,
+                         int64_t batch, ReadBandwidth& rb, double gemm_bf16) {
+  DecodeRound r;
+  double read_s = 1e30;
+  // Enough steps that a few of them meet a quiet moment on a shared host (its load moved a run of 8 steps).
+  const DecodeStep s1 = time_decode(m, 1, context, 24, rb, &read_s);
+  r.s16 = time_decode(m, batch, context / 4, 12, rb, &read_s);
+  r.read_gbs = rb.gbps(read_s);
+  const double bound = static_cast<double>(m.active_weight_bytes()) / (r.read_gbs * 1e9);
+  const double bound16 = static_cast<double>(r.s16.bytes) / (r.read_gbs * 1e9);
+  const int64_t state16 = batch * request_state_bytes(m);
+  const double floor16 = decode_floor(m, cfg, batch, r.s16, state16, gemm_bf16, r.read_gbs);
+  r.b1_ms = s1.seconds * 1e3;
+  r.b1_over_bound = s1.seconds / bound;
+  r.b16_ms = r.s16.seconds * 1e3;
+  r.b16_over_bound = r.s16.seconds / bound16;
+  r.b16_over_bound_state =
+      r.s16.seconds / (static_cast<double>(r.s16.bytes + 2 * state16) / (r.read_gbs * 1e9));
+  r.floor_ms = floor16 * 1e3;
+  r.floor_over_bound = floor16 / bound16;
+  r.over_floor = r.s16.seconds / floor16;
+  return r;
+}
+
+// The median of the rounds' values of one field (the mean of the middle two for an even count).
+double median_of(const std::vector<DecodeRound>& rounds, double DecodeRound::*field) {
+  std::vector<double> v;
+  for (const DecodeRound& r : rounds) v.push_back(r.*field);
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::pair<double, double> range_of(const std::vector<DecodeRound>& rounds, double DecodeRound::*field) {
+  double lo = 1e300, hi = -1e300;
+  for (const DecodeRound& r : rounds) {
+    lo = std::min(lo, r.*field);
+    hi = std::max(hi, r.*field);
+  }
+  return {lo, hi};
+}
+
 int64_t minor_faults() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -320,19 +374,24 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
     m->reserve(kPrefill);
     const double reserve_s = since(t_reserve);
     const int64_t active = m->active_weight_bytes();
-    // Enough steps that a few of them meet a quiet moment on a shared host (its load moved 8 steps by 30%).
-    double read_s = 1e30;  // this row's ceiling: the passes between its steps (the same minutes)
-    const DecodeStep s1 = time_decode(*m, 1, kContext, 24, rb, &read_s);
-    const DecodeStep s16 = time_decode(*m, kBatch, kContext / 4, 12, rb, &read_s);
-    const double row_gbs = rb.gbps(read_s);
-    const double b1 = s1.seconds, b16 = s16.seconds;
+    std::vector<DecodeRound> rounds;
+    for (int r = 0; r < o.rounds; ++r)
+      rounds.push_back(decode_round(*m, cfg, kContext, kBatch, rb, gemm_bf16));
+    // The row's figures: each the median over the rounds (with one round, that round's).
+    const double row_gbs = median_of(rounds, &DecodeRound::read_gbs);
+    const double b1 = median_of(rounds, &DecodeRound::b1_ms) / 1e3,
+                 b16 = median_of(rounds, &DecodeRound::b16_ms) / 1e3;
+    const double b1_over_bound = median_of(rounds, &DecodeRound::b1_over_bound);
+    const double b16_over_bound = median_of(rounds, &DecodeRound::b16_over_bound);
+    const double b16_over_bound_state = median_of(rounds, &DecodeRound::b16_over_bound_state);
+    const double floor16 = median_of(rounds, &DecodeRound::floor_ms) / 1e3;
+    const double floor_over_bound = median_of(rounds, &DecodeRound::floor_over_bound);
+    const double over_floor = median_of(rounds, &DecodeRound::over_floor);
+    // The bytes of the first round's batch-16 step (each round's best step reads its own union of experts).
+    const DecodeStep& s16 = rounds.front().s16;
+    const int64_t state16 = kBatch * request_state_bytes(*m);
     const PrefillTimes pt = time_prefill(*m, kPrefill, 3);
     const double pre = pt.best;
-    const double bound = static_cast<double>(active) / (row_gbs * 1e9);
-    const double bound16 = static_cast<double>(s16.bytes) / (row_gbs * 1e9);
-    const int64_t state16 = kBatch * request_state_bytes(*m);
-    const double bound16_state = static_cast<double>(s16.bytes + 2 * state16) / (row_gbs * 1e9);
-    const double floor16 = decode_floor(*m, cfg, kBatch, s16, state16, gemm_bf16, row_gbs);
     const double flops = prefill_flops(cfg, m->num_layers(), kPrefill, m->vocab_size());
     const double frac = flops / pre / 1e9 / gemm_bf16;
     // The ceiling of the precision the prefill's GEMMs run in (see the top of this file).
@@ -347,15 +406,15 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                           {"active_params", m->active_params()},
                           {"read_bandwidth_gbs", row_gbs},
                           {"model_decode_b1_ms", b1 * 1e3},
-                          {"decode_b1_over_bound", b1 / bound},
+                          {"decode_b1_over_bound", b1_over_bound},
                           {"model_decode_b16_ms", b16 * 1e3},
                           {"decode_b16_weight_bytes", s16.bytes},
-                          {"decode_b16_over_bound", b16 / bound16},
+                          {"decode_b16_over_bound", b16_over_bound},
                           {"decode_b16_state_bytes", state16},
-                          {"decode_b16_over_bound_with_state", b16 / bound16_state},
+                          {"decode_b16_over_bound_with_state", b16_over_bound_state},
                           {"decode_b16_floor_ms", floor16 * 1e3},
-                          {"decode_b16_floor_over_bound", floor16 / bound16},
-                          {"decode_b16_over_floor", b16 / floor16},
+                          {"decode_b16_floor_over_bound", floor_over_bound},
+                          {"decode_b16_over_floor", over_floor},
                           {"model_prefill_tok_s", static_cast<double>(kPrefill) / pre},
                           {"prefill_first_s", pt.first},
                           {"prefill_first_over_best", pt.first / pre},
@@ -366,9 +425,38 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                           {"prefill_gemm_fraction", frac},
                           {"prefill_gemm_ceiling", f32_gemm ? "fp32" : "bf16"},
                           {"prefill_over_gemm", over_gemm}};
+    row["decode_rounds"] = nlohmann::json::array();
+    for (const DecodeRound& r : rounds)
+      row["decode_rounds"].push_back({{"read_bandwidth_gbs", r.read_gbs},
+                                      {"model_decode_b1_ms", r.b1_ms},
+                                      {"decode_b1_over_bound", r.b1_over_bound},
+                                      {"model_decode_b16_ms", r.b16_ms},
+                                      {"decode_b16_over_bound", r.b16_over_bound},
+                                      {"decode_b16_over_bound_with_state", r.b16_over_bound_state},
+                                      {"decode_b16_floor_ms", r.floor_ms},
+                                      {"decode_b16_floor_over_bound", r.floor_over_bound},
+                                      {"decode_b16_over_floor", r.over_floor}});
+    const auto spread = [&](double DecodeRound::*field) {
+      const auto [lo, hi] = range_of(rounds, field);
+      return nlohmann::json::array({lo, hi});
+    };
+    row["decode_spread"] = {{"read_bandwidth_gbs", spread(&DecodeRound::read_gbs)},
+                            {"decode_b1_over_bound", spread(&DecodeRound::b1_over_bound)},
+                            {"decode_b16_over_bound", spread(&DecodeRound::b16_over_bound)},
+                            {"decode_b16_floor_over_bound", spread(&DecodeRound::floor_over_bound)},
+                            {"decode_b16_over_floor", spread(&DecodeRound::over_floor)}};
     say("%-8s %10.1f %12.3f %10.1f %9.2f %11.1f %10.2f %12.1f %9.0f%% %9.2f\n", to_string(w), build_s,
-        static_cast<double>(active) / 1e9, b1 * 1e3, b1 / bound, b16 * 1e3, b16 / bound16,
+        static_cast<double>(active) / 1e9, b1 * 1e3, b1_over_bound, b16 * 1e3, b16_over_bound,
         static_cast<double>(kPrefill) / pre, 100 * over_gemm, static_cast<double>(m->weight_bytes()) / 1e9);
+    if (rounds.size() > 1) {
+      const auto [r0, r1] = range_of(rounds, &DecodeRound::read_gbs);
+      const auto [a0, a1] = range_of(rounds, &DecodeRound::b1_over_bound);
+      const auto [c0, c1] = range_of(rounds, &DecodeRound::b16_over_bound);
+      const auto [f0, f1] = range_of(rounds, &DecodeRound::over_floor);
+      say("%-8s   %zu decode rounds (medians above): read %.1f-%.1f GB/s, b1/bound %.2f-%.2f, b16/bound "
+          "%.2f-%.2f, b16/floor %.2f-%.2f\n",
+          "", rounds.size(), r0, r1, a0, a1, c0, c1, f0, f1);
+    }
     // Where the time goes: the MLPs and the LM head alone at the decode (1 row) and prefill shapes.
     const Parts d1 = time_parts(*m, 1, 1, 5);
     const Parts d16 = time_parts(*m, kBatch, kBatch, 3);
@@ -391,8 +479,8 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
         "ceiling); decode held to %.1f GB/s\n",
         "", d1.moe * 1e3, d1.dense * 1e3, d1.head * 1e3, (b1 - d1.moe - d1.dense - d1.head) * 1e3,
         d16.moe * 1e3, d16.dense * 1e3, d16.head * 1e3, (b16 - d16.moe - d16.dense - d16.head) * 1e3,
-        static_cast<double>(s16.bytes) / 1e9, static_cast<double>(state16) / 1e9, b16 / bound16_state,
-        floor16 * 1e3, floor16 / bound16, b16 / floor16, pf.moe * 1e3, pf.dense * 1e3,
+        static_cast<double>(s16.bytes) / 1e9, static_cast<double>(state16) / 1e9, b16_over_bound_state,
+        floor16 * 1e3, floor_over_bound, over_floor, pf.moe * 1e3, pf.dense * 1e3,
         (pre - pf.moe - pf.dense - pf.head) * 1e3, f32_gemm ? "fp32" : "bf16", row_gbs);
     j["model"].push_back(row);
   }

@@ -34,10 +34,13 @@ int run_bench(const BenchOptions& o) {
   const int threads = omp_get_max_threads();
   nlohmann::json j;
   const Say say{o.json};
-  const bench::RowOptions ro{o.kernel, o.skip_naive, o.weights, o.experts, o.layers};
+  const bench::RowOptions ro{o.kernel, o.skip_naive, o.weights, o.experts, o.layers, o.rounds};
   if (o.experts != 0 && o.only != "model" && o.only != "spec")
     throw std::invalid_argument("--experts is for --only model or --only spec");
   if (o.layers != 0 && o.only != "model") throw std::invalid_argument("--layers is for --only model");
+  if (o.rounds < 1)
+    throw std::invalid_argument("--rounds " + std::to_string(o.rounds) + ": must be positive");
+  if (o.rounds != 1 && o.only != "model") throw std::invalid_argument("--rounds is for --only model");
   // Which copy of the optimized kernels runs (kernels::kernel_name): the one this CPU runs fastest, or
   // the one --kernel forces; the short conv and the gated norm take this CPU's best (KDA_ISA caps it).
   const char* ran = kernels::kernel_name(kernels::parse_kernel_impl(o.kernel));

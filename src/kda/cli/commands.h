@@ -45,6 +45,7 @@ struct BenchOptions {
   std::string weights = "all";  // all | bf16 | int8 | int4: the quantized layer rows beside the dense ones
   int experts = 0;              // --only model: routed experts per MoE layer (0: the default)
   int layers = 0;               // --only model: the first N decoder layers (0: all)
+  int rounds = 1;               // --only model: decode rounds per weights mode
 };
 int run_bench(const BenchOptions& o);
 

@@ -109,6 +109,11 @@ int main(int argc, char** argv) {
                    "--only model: the first N decoder layers of the pattern (default: all 27)")
       ->check(CLI::PositiveNumber);
   bench
+      ->add_option("--rounds", bo.rounds,
+                   "--only model: decode rounds per weights mode, each held to the read bandwidth of its own "
+                   "minutes; the rows give each ratio's median and its range over them (default 1)")
+      ->check(CLI::PositiveNumber);
+  bench
       ->add_option("--weights", bo.weights,
                    "all | bf16 | int8 | int4: quantized layer rows beside the dense ones (--only spec's "
                    "serving rows: that one mode, int4 for all)")
