@@ -37,76 +37,88 @@ double copy_gbps(size_t bytes) {
 
 namespace {
 
-// Sums kStreams runs of len floats each (run s at p + s len; len a multiple of 32), read in lockstep into 8
-// independent vector accumulators: loads that do not wait on each other's adds, from several streams at
-// once, so that memory, not the add's latency or one stream's prefetch, sets the pace. One accumulator
-// over one stream (an OpenMP simd reduction) read well below what the LM head's kernel streamed on an AMX
-// host; this reads what it streams (docs/performance.md, "The read ceiling, measured again").
-constexpr int kStreams = 4;
+// Sums S runs of len floats each (run s at p + s len; len a multiple of 32), read in lockstep into 2 S
+// independent vector accumulators (8 for one stream): loads that do not wait on each other's adds, so that
+// memory, not the add's latency, sets the pace. One accumulator over one stream (an OpenMP simd reduction)
+// read well below what the LM head's kernel streamed on an AMX host, and 4 streams read the head's own rate
+// there (docs/performance.md, "The read ceiling, measured again"); on huge pages one stream of 8
+// accumulators read more than 4 on a Zen 4 host ("The read ceiling on huge pages").
+template <int S>
+constexpr int kAccumulators = S == 1 ? 8 : 2 * S;
 #if defined(__GNUC__) && defined(__x86_64__)
 #define KDA_HAVE_READ_PROBE 1
+template <int S>
 __attribute__((target("avx512f"))) float sum_avx512(const float* p, int64_t len) {
-  __m512 a[2 * kStreams];
+  constexpr int A = kAccumulators<S>, V = A / S;  // vectors per stream and step
+  __m512 a[A];
   for (auto& v : a) v = _mm512_setzero_ps();
-  for (int64_t i = 0; i < len; i += 32)
-    for (int s = 0; s < kStreams; ++s) {
-      a[2 * s] = _mm512_add_ps(a[2 * s], _mm512_loadu_ps(p + s * len + i));
-      a[2 * s + 1] = _mm512_add_ps(a[2 * s + 1], _mm512_loadu_ps(p + s * len + i + 16));
-    }
-  for (int j = 1; j < 2 * kStreams; ++j) a[0] = _mm512_add_ps(a[0], a[j]);
+  for (int64_t i = 0; i < len; i += 16 * V)
+    for (int s = 0; s < S; ++s)
+      for (int v = 0; v < V; ++v)
+        a[s * V + v] = _mm512_add_ps(a[s * V + v], _mm512_loadu_ps(p + s * len + i + 16 * v));
+  for (int j = 1; j < A; ++j) a[0] = _mm512_add_ps(a[0], a[j]);
   return _mm512_reduce_add_ps(a[0]);
 }
+template <int S>
 __attribute__((target("avx2"))) float sum_avx2(const float* p, int64_t len) {
-  __m256 a[2 * kStreams];
+  constexpr int A = kAccumulators<S>, V = A / S;
+  __m256 a[A];
   for (auto& v : a) v = _mm256_setzero_ps();
-  for (int64_t i = 0; i < len; i += 16)
-    for (int s = 0; s < kStreams; ++s) {
-      a[2 * s] = _mm256_add_ps(a[2 * s], _mm256_loadu_ps(p + s * len + i));
-      a[2 * s + 1] = _mm256_add_ps(a[2 * s + 1], _mm256_loadu_ps(p + s * len + i + 8));
-    }
-  for (int j = 1; j < 2 * kStreams; ++j) a[0] = _mm256_add_ps(a[0], a[j]);
+  for (int64_t i = 0; i < len; i += 8 * V)
+    for (int s = 0; s < S; ++s)
+      for (int v = 0; v < V; ++v)
+        a[s * V + v] = _mm256_add_ps(a[s * V + v], _mm256_loadu_ps(p + s * len + i + 8 * v));
+  for (int j = 1; j < A; ++j) a[0] = _mm256_add_ps(a[0], a[j]);
   alignas(32) float v[8];
   _mm256_store_ps(v, a[0]);
   return v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
 }
 #endif
 
+template <int S>
 float sum_portable(const float* p, int64_t len) {
-  float a[2 * kStreams] = {};
-  for (int64_t i = 0; i < len; i += 2)
-    for (int s = 0; s < kStreams; ++s) {
-      a[2 * s] += p[s * len + i];
-      a[2 * s + 1] += p[s * len + i + 1];
-    }
+  constexpr int A = kAccumulators<S>, V = A / S;
+  float a[A] = {};
+  for (int64_t i = 0; i < len; i += V)
+    for (int s = 0; s < S; ++s)
+      for (int v = 0; v < V; ++v) a[s * V + v] += p[s * len + i + v];
   float t = 0.0f;
   for (float v : a) t += v;
   return t;
 }
 
+// One thread's part: S runs of len floats.
+template <int S>
+float sum_part(const float* p, int64_t len) {
+#if defined(KDA_HAVE_READ_PROBE)
+  if (isa_supported_by_cpu(Isa::Avx512)) return sum_avx512<S>(p, len);
+  if (isa_supported_by_cpu(Isa::Avx2)) return sum_avx2<S>(p, len);
+#endif
+  return sum_portable<S>(p, len);
+}
+
 }  // namespace
 
+ReadBandwidth::ReadBandwidth(size_t bytes)
+    : buf(allocate_weights(bytes / sizeof(float) * sizeof(float))), n(bytes / sizeof(float)) {
+  float* p = static_cast<float*>(buf.get());
+  std::fill(p, p + n, 1.0f);
+}
+
 void ReadBandwidth::run() {
-  // Each thread a contiguous part, as kStreams runs of a multiple of 32 floats.
-  constexpr int64_t kUnit = 32 * kStreams;
-  const int64_t units = static_cast<int64_t>(buf.size()) / kUnit;
-  const float* p = buf.data();
+  // Each thread a contiguous part: 4 runs of a multiple of 32 floats, or one of a multiple of 128, by turns.
+  constexpr int64_t kUnit = 128;
+  const bool four = runs++ % 2 == 0;
+  const int64_t units = static_cast<int64_t>(n) / kUnit;
+  const float* p = static_cast<const float*>(buf.get());
   float total = 0.0f;
 #pragma omp parallel reduction(+ : total)
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
     const float* part = p + u0 * kUnit;
-    const int64_t len = (u1 - u0) * kUnit / kStreams;
-#if defined(KDA_HAVE_READ_PROBE)
-    if (isa_supported_by_cpu(Isa::Avx512))
-      total += sum_avx512(part, len);
-    else if (isa_supported_by_cpu(Isa::Avx2))
-      total += sum_avx2(part, len);
-    else
-      total += sum_portable(part, len);
-#else
-    total += sum_portable(part, len);
-#endif
+    const int64_t floats = (u1 - u0) * kUnit;
+    total += four ? sum_part<4>(part, floats / 4) : sum_part<1>(part, floats);
   }
   sink += total;
 }

@@ -9,6 +9,7 @@
 
 #include "kda/bench/inputs.h"
 #include "kda/common/precision.h"
+#include "kda/common/weight_buffer.h"
 #include "kda/common/weights.h"
 #include "kda/layers/linear.h"
 
@@ -66,17 +67,21 @@ struct PlainGemm {
 double copy_gbps(size_t bytes);
 
 // Read bandwidth: every thread sums its part of a buffer larger than the caches (the weights of a decode
-// step are read, not written), as 4 streams read in lockstep into independent vector accumulators (one
-// accumulator over one stream reads well below what the decode kernels stream). Timed by the caller, in
-// turns with what it bounds.
+// step are read, not written) into independent vector accumulators (one accumulator over one stream reads
+// well below what the decode kernels stream). The buffer is in huge pages where the kernel gives them, as
+// the weights are (allocate_weights): on 4 KiB pages the same loops read below what the kernels stream from
+// the weights. The runs alternate two read patterns, 4 streams per thread in lockstep and one stream, so
+// that a caller's best over its runs is the better of the two on this host (which is better differs
+// between hosts: docs/performance.md, "The read ceiling on huge pages"). Timed by the caller, in turns with
+// what it bounds.
 struct ReadBandwidth {
-  std::vector<float> buf;
+  WeightBuffer buf;
+  size_t n = 0;  // floats
   float sink = 0.0f;
-  explicit ReadBandwidth(size_t bytes) : buf(bytes / sizeof(float), 1.0f) {}
+  int64_t runs = 0;
+  explicit ReadBandwidth(size_t bytes);
   void run();
-  double gbps(double seconds) const {
-    return static_cast<double>(buf.size() * sizeof(float)) / seconds / 1e9;
-  }
+  double gbps(double seconds) const { return static_cast<double>(n * sizeof(float)) / seconds / 1e9; }
 };
 
 // The cores' fp32 multiply-add peak: every thread runs independent chains of 16-wide FMAs on registers
