@@ -100,12 +100,14 @@ inline void int8_block(const int16_t* xq, const float* sx, int64_t in, const Int
 }
 
 // int8 weights, one or two rows of x (MB): one output channel at a time, its row of weights read
-// straight through (two accumulators per row of x, alternate 32-input steps), with a prefetch kStreamAhead
-// bytes on in address order. Each thread then reads one run of memory, where int8_block's kNB rows
-// at a time make kNB runs a row apart, which held the hardware prefetchers well below the read
+// straight through (two accumulators per row of x, alternate 32-input steps), with a prefetch into L2
+// kStreamAhead bytes on in address order. Each thread then reads one run of memory, where int8_block's kNB
+// rows at a time make kNB runs a row apart, which held the hardware prefetchers well below the read
 // bandwidth at the model's widths (docs/performance.md, "int8 decode, one channel at a time"). Above
-// two rows of x the block's reuse of each x vector over kNB channels pays more than this gains.
-constexpr int64_t kStreamRows = 2, kStreamAhead = 2048;
+// two rows of x the block's reuse of each x vector over kNB channels pays more than this gains. The
+// prefetch runs far enough ahead to cover the reads in flight when the host's memory is fast, and into L2
+// (a prefetch into L1 that far ahead read slower than none: "The read ceiling on huge pages").
+constexpr int64_t kStreamRows = 2, kStreamAhead = 6144;
 template <int MB, class Dot>
 inline void int8_stream(const int16_t* xq, const float* sx, int64_t in, const Int8Weights& w, int64_t n,
                         float* y, int64_t ldy) {
@@ -125,7 +127,7 @@ inline void int8_stream(const int16_t* xq, const float* sx, int64_t in, const In
   int64_t k = 0;
   for (; k + 64 <= in; k += 64) {
     if (r + k + kStreamAhead < end)
-      _mm_prefetch(reinterpret_cast<const char*>(r + k + kStreamAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r + k + kStreamAhead), _MM_HINT_T1);
     step(k, 0, false, 0);
     step(k + 32, 1, false, 0);
   }
@@ -187,12 +189,15 @@ inline void int4_chunk(const XChunk* xp, int64_t C, const Int4Weights& w, int64_
   for (int j = 0; j < NB; ++j) {
     const uint8_t* wp = w.q + (n0 + j) * row_bytes + 64 * c;
     const float* sp = w.scale + (n0 + j) * G + 4 * c;
-    if (!kTail && n0 + 2 * NB <= w.out) {  // per chunk NB lines of the next block's weights, per 4 its scales
-      _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * row_bytes) + 64 * (NB * c + j),
-                   _MM_HINT_T0);
+    // Per chunk NB lines of the block after next's weights, per 4 its scales, into L2: the next block's
+    // alone, into L1, left the reads in flight short of what the host's memory gives in its fast minutes
+    // (docs/performance.md, "The read ceiling on huge pages").
+    if (!kTail && n0 + 3 * NB <= w.out) {
+      _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + 2 * NB) * row_bytes) + 64 * (NB * c + j),
+                   _MM_HINT_T1);
       if ((c & 3) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w.scale + (n0 + NB) * G) + 64 * (NB * (c / 4) + j),
-                     _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w.scale + (n0 + 2 * NB) * G) + 64 * (NB * (c / 4) + j),
+                     _MM_HINT_T1);
     }
     const __m512i b = kTail ? _mm512_maskz_loadu_epi8(mb, wp) : _mm512_loadu_si512(wp);
     const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
