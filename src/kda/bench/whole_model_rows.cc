@@ -342,15 +342,9 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
   // GEMMs at the prefill's row count through the Linear the model's projections use.
   ReadBandwidth rb(size_t{1} << 30);
   const double read_gbs = rb.gbps(best_seconds([&] { rb.run(); }, 5, 1.0));
-  double gemm_bf16 = 0.0, gemm_f32 = 0.0;
-  {
-    GemmCeiling c16(Precision::BF16, kPrefill, kP, kD);
-    gemm_bf16 = c16.gflops(best_seconds([&] { c16.run(); }));
-  }
-  {
-    GemmCeiling c32(Precision::FP32, kPrefill, kP, kD);
-    gemm_f32 = c32.gflops(best_seconds([&] { c32.run(); }));
-  }
+  GemmCeiling c16(Precision::BF16, kPrefill, kP, kD), c32(Precision::FP32, kPrefill, kP, kD);
+  double gemm_bf16 = c16.gflops(best_seconds([&] { c16.run(); }));
+  double gemm_f32 = c32.gflops(best_seconds([&] { c32.run(); }));
   j["ceilings"] = {
       {"read_bandwidth_gbs", read_gbs}, {"gemm_bf16_gflops", gemm_bf16}, {"gemm_f32_gflops", gemm_f32}};
   say("\nwhole model (Kimi-Linear-48B-A3B shapes, %d layers, top-%d of %d experts, vocab %lld); ceilings: "
@@ -374,6 +368,11 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
     m->reserve(kPrefill);
     const double reserve_s = since(t_reserve);
     const int64_t active = m->active_weight_bytes();
+    // The GEMM ceilings sampled again in this row's minutes: each row is held to the best seen so far. A
+    // shared host's other tenants can hold one sampling well under the cores' rate (a prefill then read
+    // above "its" ceiling).
+    gemm_bf16 = std::max(gemm_bf16, c16.gflops(best_seconds([&] { c16.run(); }, 3, 0.0)));
+    gemm_f32 = std::max(gemm_f32, c32.gflops(best_seconds([&] { c32.run(); }, 3, 0.0)));
     std::vector<DecodeRound> rounds;
     for (int r = 0; r < o.rounds; ++r)
       rounds.push_back(decode_round(*m, cfg, kContext, kBatch, rb, gemm_bf16));
@@ -405,6 +404,8 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                           {"active_weight_bytes", active},
                           {"active_params", m->active_params()},
                           {"read_bandwidth_gbs", row_gbs},
+                          {"gemm_bf16_gflops", gemm_bf16},
+                          {"gemm_f32_gflops", gemm_f32},
                           {"model_decode_b1_ms", b1 * 1e3},
                           {"decode_b1_over_bound", b1_over_bound},
                           {"model_decode_b16_ms", b16 * 1e3},
