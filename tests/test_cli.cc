@@ -130,15 +130,15 @@ TEST(Cli, BenchModelRoundsGiveMediansAndSpread) {
   const auto& rounds = row.at("decode_rounds");
   ASSERT_EQ(rounds.size(), 2u);
   for (const char* key :
-       {"read_bandwidth_gbs", "model_decode_b1_ms", "decode_b1_over_bound", "model_decode_b16_ms",
-        "decode_b16_over_bound", "decode_b16_floor_ms", "decode_b16_over_floor"}) {
+       {"read_bandwidth_gbs", "read_bandwidth_b16_gbs", "model_decode_b1_ms", "decode_b1_over_bound",
+        "model_decode_b16_ms", "decode_b16_over_bound", "decode_b16_floor_ms", "decode_b16_over_floor"}) {
     const double a = rounds[0].at(key).get<double>(), b = rounds[1].at(key).get<double>();
     EXPECT_GT(a, 0.0) << key;
     EXPECT_GT(b, 0.0) << key;
     EXPECT_DOUBLE_EQ(row.at(key).get<double>(), 0.5 * (a + b)) << key;
   }
-  for (const char* key : {"read_bandwidth_gbs", "decode_b1_over_bound", "decode_b16_over_bound",
-                          "decode_b16_floor_over_bound", "decode_b16_over_floor"}) {
+  for (const char* key : {"read_bandwidth_gbs", "read_bandwidth_b16_gbs", "decode_b1_over_bound",
+                          "decode_b16_over_bound", "decode_b16_floor_over_bound", "decode_b16_over_floor"}) {
     const double a = rounds[0].at(key).get<double>(), b = rounds[1].at(key).get<double>();
     const auto& range = row.at("decode_spread").at(key);
     ASSERT_EQ(range.size(), 2u) << key;
