@@ -82,39 +82,39 @@ TEST(Cli, ErrorsAreClear) {
   EXPECT_THAT(r.output, HasSubstr("fp64"));
 }
 
+// `kda args` fails with `message` before it measures anything: its output lacks `measured`, what the
+// section it names prints once it runs.
+void expect_refused_before_measuring(const std::string& args, const std::string& message,
+                                     const std::string& measured) {
+  const auto r = run_kda(args);
+  EXPECT_NE(r.code, 0) << args;
+  EXPECT_THAT(r.output, HasSubstr(message)) << args;
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr(measured))) << args;
+}
+
 // --experts sizes the whole model of --only model and of --only spec's serving rows; other sections have
 // no experts to size, and it is refused before anything is measured.
 TEST(Cli, BenchExpertsIsForModelAndSpecOnly) {
-  const auto r = run_kda("bench --only stack --experts 4");
-  EXPECT_NE(r.code, 0);
-  EXPECT_THAT(r.output, HasSubstr("--experts is for --only model or --only spec"));
-  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("stack (20 layers)")));
+  expect_refused_before_measuring("bench --only stack --experts 4",
+                                  "--experts is for --only model or --only spec", "stack (20 layers)");
 }
 
 // --layers sizes --only model's whole model; it is refused elsewhere and beyond the model's 27 layers
 // before anything is measured.
 TEST(Cli, BenchLayersIsForModelOnlyAndWithinTheModel) {
-  auto r = run_kda("bench --only stack --layers 4");
-  EXPECT_NE(r.code, 0);
-  EXPECT_THAT(r.output, HasSubstr("--layers is for --only model"));
-  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("stack (20 layers)")));
-  r = run_kda("bench --only model --layers 28");
-  EXPECT_NE(r.code, 0);
-  EXPECT_THAT(r.output, HasSubstr("--layers 28: the model has 27 decoder layers"));
-  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("ceilings")));
+  expect_refused_before_measuring("bench --only stack --layers 4", "--layers is for --only model",
+                                  "stack (20 layers)");
+  expect_refused_before_measuring("bench --only model --layers 28",
+                                  "--layers 28: the model has 27 decoder layers", "ceilings");
 }
 
 // --rounds repeats --only model's decode measurements; it is refused elsewhere and below 1 before anything
 // is measured.
 TEST(Cli, BenchRoundsIsForModelOnlyAndPositive) {
-  auto r = run_kda("bench --only stack --rounds 2");
-  EXPECT_NE(r.code, 0);
-  EXPECT_THAT(r.output, HasSubstr("--rounds is for --only model"));
-  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("stack (20 layers)")));
-  r = run_kda("bench --only model --rounds 0");
-  EXPECT_NE(r.code, 0);
-  EXPECT_THAT(r.output, HasSubstr("--rounds"));
-  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("ceilings")));
+  expect_refused_before_measuring("bench --only stack --rounds 2", "--rounds is for --only model",
+                                  "stack (20 layers)");
+  expect_refused_before_measuring("bench --only model --rounds 0", "--rounds: Value 0 not in range",
+                                  "ceilings");
 }
 
 // Each round of --only model's decode gives its own figures; the row's are their medians (with two
