@@ -37,12 +37,13 @@ double copy_gbps(size_t bytes) {
 
 namespace {
 
-// Sums S runs of len floats each (run s at p + s len; len a multiple of 32), read in lockstep into 2 S
-// independent vector accumulators (8 for one stream): loads that do not wait on each other's adds, so that
-// memory, not the add's latency, sets the pace. One accumulator over one stream (an OpenMP simd reduction)
-// read well below what the LM head's kernel streamed on an AMX host, and 4 streams read the head's own rate
-// there (docs/performance.md, "The read ceiling, measured again"); on huge pages one stream of 8
-// accumulators read more than 4 on a Zen 4 host ("The read ceiling on huge pages").
+// Sums S runs of len floats each (run s at p + s len; len a multiple of 16 floats times the vectors a
+// stream has), read in lockstep into 2 S independent vector accumulators (8 for one stream): loads that do
+// not wait on each other's adds, so that memory, not the add's latency, sets the pace. One accumulator over
+// one stream (an OpenMP simd reduction) read well below what the LM head's kernel streamed on an AMX host,
+// and 4 streams read the head's own rate there (docs/performance.md, "The read ceiling, measured again"); on
+// huge pages one stream of 8 accumulators read more than 4 on a Zen 4 host ("The read ceiling on huge
+// pages").
 template <int S>
 constexpr int kAccumulators = S == 1 ? 8 : 2 * S;
 #if defined(__GNUC__) && defined(__x86_64__)

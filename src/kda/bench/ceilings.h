@@ -68,8 +68,8 @@ double copy_gbps(size_t bytes);
 
 // Read bandwidth: every thread sums its part of a buffer larger than the caches (the weights of a decode
 // step are read, not written) into independent vector accumulators (one accumulator over one stream reads
-// well below what the decode kernels stream). The buffer is in huge pages where the kernel gives them, as
-// the weights are (allocate_weights): on 4 KiB pages the same loops read below what the kernels stream from
+// well below what the decode kernels stream). The buffer is in huge pages where the OS gives them, as the
+// weights are (allocate_weights): on 4 KiB pages the same loops read below what the kernels stream from
 // the weights. The runs alternate two read patterns, 4 streams per thread in lockstep and one stream, so
 // that a caller's best over its runs is the better of the two on this host (which is better differs
 // between hosts: docs/performance.md, "The read ceiling on huge pages"). Timed by the caller, in turns with

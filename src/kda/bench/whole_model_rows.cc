@@ -218,7 +218,7 @@ DecodeRound decode_round(models::KimiLinearForCausalLM& m, const io::KimiLinearC
                          int64_t batch, ReadBandwidth& rb, double gemm_bf16) {
   DecodeRound r;
   double read1_s = 1e30, read16_s = 1e30;
-  // Enough steps that a few of them meet a quiet moment on a shared host (its load moved a run of 8 steps).
+  // Enough steps that a few of them meet a quiet moment on a shared host.
   const DecodeStep s1 = time_decode(m, 1, context, 24, rb, &read1_s);
   r.s16 = time_decode(m, batch, context / 4, 12, rb, &read16_s);
   r.read_gbs = rb.gbps(read1_s);
