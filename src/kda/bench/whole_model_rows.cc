@@ -214,6 +214,26 @@ struct DecodeRound {
   DecodeStep s16;
 };
 
+// A round's figures under their JSON keys: the row gives each one's median over the rounds,
+// decode_rounds each round's, and decode_spread the [least, greatest] of the ratios and read ceilings.
+struct RoundField {
+  const char* key;
+  double DecodeRound::*field;
+  bool in_spread;
+};
+constexpr RoundField kRoundFields[] = {
+    {"read_bandwidth_gbs", &DecodeRound::read_gbs, true},
+    {"read_bandwidth_b16_gbs", &DecodeRound::read16_gbs, true},
+    {"model_decode_b1_ms", &DecodeRound::b1_ms, false},
+    {"decode_b1_over_bound", &DecodeRound::b1_over_bound, true},
+    {"model_decode_b16_ms", &DecodeRound::b16_ms, false},
+    {"decode_b16_over_bound", &DecodeRound::b16_over_bound, true},
+    {"decode_b16_over_bound_with_state", &DecodeRound::b16_over_bound_state, false},
+    {"decode_b16_floor_ms", &DecodeRound::floor_ms, false},
+    {"decode_b16_floor_over_bound", &DecodeRound::floor_over_bound, true},
+    {"decode_b16_over_floor", &DecodeRound::over_floor, true},
+};
+
 DecodeRound decode_round(models::KimiLinearForCausalLM& m, const io::KimiLinearConfig& cfg, int64_t context,
                          int64_t batch, ReadBandwidth& rb, double gemm_bf16) {
   DecodeRound r;
@@ -379,16 +399,9 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
     for (int r = 0; r < o.rounds; ++r)
       rounds.push_back(decode_round(*m, cfg, kContext, kBatch, rb, gemm_bf16));
     // The row's figures: each the median over the rounds (with one round, that round's).
-    const double row_gbs = median_of(rounds, &DecodeRound::read_gbs);
-    const double row16_gbs = median_of(rounds, &DecodeRound::read16_gbs);
-    const double b1 = median_of(rounds, &DecodeRound::b1_ms) / 1e3,
-                 b16 = median_of(rounds, &DecodeRound::b16_ms) / 1e3;
-    const double b1_over_bound = median_of(rounds, &DecodeRound::b1_over_bound);
-    const double b16_over_bound = median_of(rounds, &DecodeRound::b16_over_bound);
-    const double b16_over_bound_state = median_of(rounds, &DecodeRound::b16_over_bound_state);
-    const double floor16 = median_of(rounds, &DecodeRound::floor_ms) / 1e3;
-    const double floor_over_bound = median_of(rounds, &DecodeRound::floor_over_bound);
-    const double over_floor = median_of(rounds, &DecodeRound::over_floor);
+    const auto median = [&](double DecodeRound::*field) { return median_of(rounds, field); };
+    const double row_gbs = median(&DecodeRound::read_gbs);
+    const double b1 = median(&DecodeRound::b1_ms) / 1e3, b16 = median(&DecodeRound::b16_ms) / 1e3;
     // The bytes of the first round's batch-16 step (each round's best step reads its own union of experts).
     const DecodeStep& s16 = rounds.front().s16;
     const int64_t state16 = kBatch * request_state_bytes(*m);
@@ -406,20 +419,10 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                           {"weight_bytes", m->weight_bytes()},
                           {"active_weight_bytes", active},
                           {"active_params", m->active_params()},
-                          {"read_bandwidth_gbs", row_gbs},
-                          {"read_bandwidth_b16_gbs", row16_gbs},
                           {"gemm_bf16_gflops", gemm_bf16},
                           {"gemm_f32_gflops", gemm_f32},
-                          {"model_decode_b1_ms", b1 * 1e3},
-                          {"decode_b1_over_bound", b1_over_bound},
-                          {"model_decode_b16_ms", b16 * 1e3},
                           {"decode_b16_weight_bytes", s16.bytes},
-                          {"decode_b16_over_bound", b16_over_bound},
                           {"decode_b16_state_bytes", state16},
-                          {"decode_b16_over_bound_with_state", b16_over_bound_state},
-                          {"decode_b16_floor_ms", floor16 * 1e3},
-                          {"decode_b16_floor_over_bound", floor_over_bound},
-                          {"decode_b16_over_floor", over_floor},
                           {"model_prefill_tok_s", static_cast<double>(kPrefill) / pre},
                           {"prefill_first_s", pt.first},
                           {"prefill_first_over_best", pt.first / pre},
@@ -430,31 +433,20 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
                           {"prefill_gemm_fraction", frac},
                           {"prefill_gemm_ceiling", f32_gemm ? "fp32" : "bf16"},
                           {"prefill_over_gemm", over_gemm}};
-    row["decode_rounds"] = nlohmann::json::array();
-    for (const DecodeRound& r : rounds)
-      row["decode_rounds"].push_back({{"read_bandwidth_gbs", r.read_gbs},
-                                      {"read_bandwidth_b16_gbs", r.read16_gbs},
-                                      {"model_decode_b1_ms", r.b1_ms},
-                                      {"decode_b1_over_bound", r.b1_over_bound},
-                                      {"model_decode_b16_ms", r.b16_ms},
-                                      {"decode_b16_over_bound", r.b16_over_bound},
-                                      {"decode_b16_over_bound_with_state", r.b16_over_bound_state},
-                                      {"decode_b16_floor_ms", r.floor_ms},
-                                      {"decode_b16_floor_over_bound", r.floor_over_bound},
-                                      {"decode_b16_over_floor", r.over_floor}});
-    const auto spread = [&](double DecodeRound::*field) {
-      const auto [lo, hi] = range_of(rounds, field);
-      return nlohmann::json::array({lo, hi});
-    };
-    row["decode_spread"] = {{"read_bandwidth_gbs", spread(&DecodeRound::read_gbs)},
-                            {"read_bandwidth_b16_gbs", spread(&DecodeRound::read16_gbs)},
-                            {"decode_b1_over_bound", spread(&DecodeRound::b1_over_bound)},
-                            {"decode_b16_over_bound", spread(&DecodeRound::b16_over_bound)},
-                            {"decode_b16_floor_over_bound", spread(&DecodeRound::floor_over_bound)},
-                            {"decode_b16_over_floor", spread(&DecodeRound::over_floor)}};
+    row["decode_rounds"] = nlohmann::json(rounds.size(), nlohmann::json::object());
+    row["decode_spread"] = nlohmann::json::object();
+    for (const RoundField& f : kRoundFields) {
+      row[f.key] = median(f.field);
+      for (size_t i = 0; i < rounds.size(); ++i) row["decode_rounds"][i][f.key] = rounds[i].*f.field;
+      if (f.in_spread) {
+        const auto [lo, hi] = range_of(rounds, f.field);
+        row["decode_spread"][f.key] = {lo, hi};
+      }
+    }
     say("%-8s %10.1f %12.3f %10.1f %9.2f %11.1f %10.2f %12.1f %9.0f%% %9.2f\n", to_string(w), build_s,
-        static_cast<double>(active) / 1e9, b1 * 1e3, b1_over_bound, b16 * 1e3, b16_over_bound,
-        static_cast<double>(kPrefill) / pre, 100 * over_gemm, static_cast<double>(m->weight_bytes()) / 1e9);
+        static_cast<double>(active) / 1e9, b1 * 1e3, median(&DecodeRound::b1_over_bound), b16 * 1e3,
+        median(&DecodeRound::b16_over_bound), static_cast<double>(kPrefill) / pre, 100 * over_gemm,
+        static_cast<double>(m->weight_bytes()) / 1e9);
     if (rounds.size() > 1) {
       const auto [r0, r1] = range_of(rounds, &DecodeRound::read_gbs);
       const auto [a0, a1] = range_of(rounds, &DecodeRound::b1_over_bound);
@@ -486,9 +478,10 @@ void bench_model(const RowOptions& o, nlohmann::json& j, const Say& say) {
         "ceiling); decode held to %.1f GB/s\n",
         "", d1.moe * 1e3, d1.dense * 1e3, d1.head * 1e3, (b1 - d1.moe - d1.dense - d1.head) * 1e3,
         d16.moe * 1e3, d16.dense * 1e3, d16.head * 1e3, (b16 - d16.moe - d16.dense - d16.head) * 1e3,
-        static_cast<double>(s16.bytes) / 1e9, static_cast<double>(state16) / 1e9, b16_over_bound_state,
-        floor16 * 1e3, floor_over_bound, over_floor, pf.moe * 1e3, pf.dense * 1e3,
-        (pre - pf.moe - pf.dense - pf.head) * 1e3, f32_gemm ? "fp32" : "bf16", row_gbs);
+        static_cast<double>(s16.bytes) / 1e9, static_cast<double>(state16) / 1e9,
+        median(&DecodeRound::b16_over_bound_state), median(&DecodeRound::floor_ms),
+        median(&DecodeRound::floor_over_bound), median(&DecodeRound::over_floor), pf.moe * 1e3,
+        pf.dense * 1e3, (pre - pf.moe - pf.dense - pf.head) * 1e3, f32_gemm ? "fp32" : "bf16", row_gbs);
     j["model"].push_back(row);
   }
 }
