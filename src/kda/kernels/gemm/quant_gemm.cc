@@ -180,7 +180,7 @@ void pack_x_int4(const int16_t* xq, const float* sx, int64_t M, int64_t in, std:
 // loads masked (as int8_step's, masked loads only outside the loop).
 template <int MB, int NB, class Dot, bool kTail>
 inline void int4_chunk(const XChunk* xp, int64_t C, const Int4Weights& w, int64_t m0, int64_t n0, int64_t c,
-                       int64_t ng, __m512 (&acc)[MB][NB]) {
+                       int64_t ng, int64_t ahead, __m512 (&acc)[MB][NB]) {
   const int64_t G = w.in / kInt4Group, row_bytes = w.in / 2;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -189,15 +189,14 @@ inline void int4_chunk(const XChunk* xp, int64_t C, const Int4Weights& w, int64_
   for (int j = 0; j < NB; ++j) {
     const uint8_t* wp = w.q + (n0 + j) * row_bytes + 64 * c;
     const float* sp = w.scale + (n0 + j) * G + 4 * c;
-    // Per chunk NB lines of the block after next's weights, per 4 its scales, into L2: the next block's
+    // Per chunk NB lines of the block `ahead` blocks on, per 4 its scales, into L2: the next block's
     // alone, into L1, left the reads in flight short of what the host's memory gives in its fast minutes
     // (docs/performance.md, "The read ceiling on huge pages").
-    if (!kTail && n0 + 3 * NB <= w.out) {
-      _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + 2 * NB) * row_bytes) + 64 * (NB * c + j),
-                   _MM_HINT_T1);
+    if (!kTail && n0 + (ahead + 1) * NB <= w.out) {
+      const int64_t na = n0 + ahead * NB;
+      _mm_prefetch(reinterpret_cast<const char*>(w.q + na * row_bytes) + 64 * (NB * c + j), _MM_HINT_T1);
       if ((c & 3) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w.scale + (n0 + 2 * NB) * G) + 64 * (NB * (c / 4) + j),
-                     _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w.scale + na * G) + 64 * (NB * (c / 4) + j), _MM_HINT_T1);
     }
     const __m512i b = kTail ? _mm512_maskz_loadu_epi8(mb, wp) : _mm512_loadu_si512(wp);
     const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
@@ -213,6 +212,8 @@ inline void int4_chunk(const XChunk* xp, int64_t C, const Int4Weights& w, int64_
   }
 }
 
+constexpr int64_t kInt4AheadBytes = 8192;
+
 // Rows [m0, m0 + MB) x channels [n0, n0 + NB) of an int4 GEMM. Per chunk and channel: one 64-byte load
 // split into low and high nibbles, and the 4 group scales spread over the lanes of their groups; per
 // row one int32 dot product (lanes 4g'..4g'+3 belong to group g' of the chunk), converted once and
@@ -225,8 +226,13 @@ inline void int4_block(const XChunk* xp, int64_t C, const Int4Weights& w, int64_
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t G = w.in / kInt4Group, full = G / 4;
-  for (int64_t c = 0; c < full; ++c) int4_chunk<MB, NB, Dot, false>(xp, C, w, m0, n0, c, 4, acc);
-  if (full < C) int4_chunk<MB, NB, Dot, true>(xp, C, w, m0, n0, full, G - 4 * full, acc);
+  // The prefetches run kInt4AheadBytes on at least, two blocks at the least: blocks of short rows (an
+  // expert's down projection, 512 bytes a channel) read slower prefetched two blocks on (docs/performance.md,
+  // "The int4 one-row kernel's prefetch distance").
+  const int64_t block_bytes = NB * (w.in / 2),
+                ahead = std::max<int64_t>(2, (kInt4AheadBytes + block_bytes - 1) / block_bytes);
+  for (int64_t c = 0; c < full; ++c) int4_chunk<MB, NB, Dot, false>(xp, C, w, m0, n0, c, 4, ahead, acc);
+  if (full < C) int4_chunk<MB, NB, Dot, true>(xp, C, w, m0, n0, full, G - 4 * full, ahead, acc);
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) y[(m0 + i) * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
