@@ -2,8 +2,10 @@
 // threshold, so a large block freed does not send every later one of its size to the heap; a threshold
 // the process chose through the environment is left alone.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -11,6 +13,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kda/common/allocator.h"
 #include "kda/common/weight_buffer.h"
@@ -131,36 +135,70 @@ std::string smaps_field(const void* p, const std::string& field) {
   return "";
 }
 
-// A weight buffer comes zeroed and is writable end to end; from 2 MiB it starts on a 2 MiB boundary in a
-// mapping that the kernel may back with transparent huge pages (where THP is not switched off), smaller ones
-// on 64 bytes.
-TEST(Allocator, WeightBuffersFromTwoMiBAreAlignedForHugePages) {
+bool thp_on() {
   std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
   std::string mode((std::istreambuf_iterator<char>(thp)), std::istreambuf_iterator<char>());
-  const bool thp_on = !mode.empty() && mode.find("[never]") == std::string::npos;
-  for (const size_t bytes :
-       {size_t{1}, size_t{100}, kHugePageBytes - 1, kHugePageBytes, 5 * kHugePageBytes + 3}) {
-    if (bytes < kHugePageBytes) {  // a freed dirty block of that size, which the heap may hand out again
-      auto* d = static_cast<unsigned char*>(std::malloc(bytes + 64));
-      std::memset(d, 0xA5, bytes + 64);
-      std::free(d);
-    }
+  return !mode.empty() && mode.find("[never]") == std::string::npos;
+}
+
+// A weight buffer comes zeroed and is writable end to end, in memory the kernel may back with transparent
+// huge pages (where THP is not switched off): under kPooledBytes cut from a shared chunk on 64 bytes, from
+// it in a mapping of its own on a 2 MiB boundary.
+TEST(Allocator, WeightBuffersAreZeroedAndEligibleForHugePages) {
+  for (const size_t bytes : {size_t{1}, size_t{100}, kHugePageBytes - 1, kHugePageBytes,
+                             5 * kHugePageBytes + 3, kPooledBytes - 1, kPooledBytes, kPooledBytes + 3}) {
     const WeightBuffer b = allocate_weights(bytes);
     ASSERT_NE(b.get(), nullptr) << bytes;
     const auto a = reinterpret_cast<uintptr_t>(b.get());
-    const bool huge = bytes >= kHugePageBytes;
-    EXPECT_EQ(a % (huge ? kHugePageBytes : 64), 0u) << bytes;
+    const bool own = bytes >= kPooledBytes;
+    EXPECT_EQ(a % (own ? kHugePageBytes : 64), 0u) << bytes;
+    EXPECT_EQ(b.get_deleter().chunk == nullptr, own) << bytes;
     const auto* bytes_at = static_cast<const unsigned char*>(b.get());
     EXPECT_EQ(std::count(bytes_at, bytes_at + bytes, 0), static_cast<std::ptrdiff_t>(bytes))
         << bytes << ": not zeroed";
     std::memset(b.get(), 0x5A, bytes);
     EXPECT_EQ(static_cast<const unsigned char*>(b.get())[bytes - 1], 0x5A) << bytes;
-    if (huge && thp_on) {
+    if (thp_on()) {
       const std::string eligible = smaps_field(b.get(), "THPeligible");
       ASSERT_FALSE(eligible.empty()) << "no THPeligible line in /proc/self/smaps";
       EXPECT_NE(eligible.find('1'), std::string::npos) << bytes << " bytes: THPeligible" << eligible;
     }
   }
+}
+
+// Blocks cut from a chunk follow one another without overlapping, each zeroed even where an earlier
+// one was written and freed (a freed block's bytes are not handed out again), and the chunk goes back to
+// the system with its last block.
+TEST(Allocator, PooledWeightBuffersShareAChunkThatGoesBackWithItsLastBlock) {
+  // Blocks until one starts a chunk of its own making (its first block sits at the chunk's base).
+  std::vector<WeightBuffer> fill;
+  fill.push_back(allocate_weights(kPooledBytes - 64));
+  WeightChunk* const first = fill.back().get_deleter().chunk;
+  while (fill.back().get_deleter().chunk == first) fill.push_back(allocate_weights(kPooledBytes - 64));
+  WeightBuffer x = std::move(fill.back());
+  fill.pop_back();
+  fill.clear();
+  const auto base = reinterpret_cast<uintptr_t>(x.get());
+  ASSERT_EQ(base % kHugePageBytes, 0u);
+  std::memset(x.get(), 0xA5, 1000);
+  WeightBuffer y = allocate_weights(1000);
+  ASSERT_EQ(y.get_deleter().chunk, x.get_deleter().chunk);
+  const auto at_y = reinterpret_cast<uintptr_t>(y.get());
+  EXPECT_GE(at_y, base + kPooledBytes - 64);  // after x (and, under ASan, a poisoned gap)
+  EXPECT_LT(at_y, base + kPooledBytes);
+  x.reset();
+  WeightBuffer z = allocate_weights(100);
+  ASSERT_EQ(z.get_deleter().chunk, y.get_deleter().chunk);
+  EXPECT_GE(reinterpret_cast<uintptr_t>(z.get()), at_y + 1024);  // x's freed bytes are not handed out again
+  const auto* zb = static_cast<const unsigned char*>(z.get());
+  EXPECT_EQ(std::count(zb, zb + 100, 0), 100);
+  unsigned char resident = 0;
+  EXPECT_EQ(::mincore(reinterpret_cast<void*>(base), 4096, &resident), 0) << "the chunk went back early";
+  y.reset();
+  z.reset();
+  errno = 0;
+  EXPECT_EQ(::mincore(reinterpret_cast<void*>(base), 4096, &resident), -1);
+  EXPECT_EQ(errno, ENOMEM) << "the chunk is still mapped after its last block was freed";
 }
 
 }  // namespace

@@ -1,9 +1,17 @@
-// Memory for a weight the process packs or reorders at load and reads on every step: blocks of 2 MiB or
-// more come from a mapping of their own, aligned to 2 MiB and offered to the kernel's transparent huge
-// pages (MADV_HUGEPAGE, which the "madvise" THP mode -- Debian's default -- asks for). Filling a 128 MB
-// head block then takes 64 page faults instead of 32 K, and a decode step that streams every weight
-// walks a TLB entry per 2 MiB instead of per 4 KiB. Smaller blocks, and kernels without THP, get
-// ordinary pages (64-byte aligned), as do the last, partial 2 MiB of a block. Private to the library.
+// Memory for a weight the process packs or reorders at load and reads on every step, offered to the
+// kernel's transparent huge pages (MADV_HUGEPAGE, which the "madvise" THP mode -- Debian's default -- asks
+// for): a decode step that streams every weight then walks a TLB entry per 2 MiB instead of per 4 KiB, and
+// filling a 128 MB head block takes 64 page faults instead of 32 K.
+//  - Blocks under 2 MiB (kPooledBytes) are cut, one after another, from shared chunks of kChunkBytes that
+//    start on a 2 MiB boundary, so that an int4 expert's down projection (1.2 MB) or a scale vector sits
+//    in huge pages as the larger blocks do. A chunk goes back to the system when its last block is
+//    freed; a freed block's bytes are not handed out again (weights live as long as their model), its
+//    whole pages go back at once.
+//  - Larger blocks get a mapping of their own from a 2 MiB boundary, rounded to 4 KiB: their last,
+//    partial 2 MiB is in ordinary pages. (Cutting blocks up to 16 MiB from the chunks as well put those
+//    tails in huge pages too, but a load's peak resident set grew by twice as much:
+//    docs/performance.md, "The int4 one-row kernel's prefetch distance".)
+// Private to the library.
 #pragma once
 
 #include <cstddef>
@@ -11,16 +19,21 @@
 
 namespace kda {
 
+struct WeightChunk;  // a shared chunk (weight_buffer.cc)
+
 struct WeightBufferFree {
-  std::size_t bytes = 0;  // the mapping's length; 0: from aligned_alloc
+  std::size_t bytes = 0;         // the block's length (of its mapping, where it has one of its own)
+  WeightChunk* chunk = nullptr;  // else the chunk the block was cut from
   void operator()(void* p) const;
 };
 using WeightBuffer = std::unique_ptr<void, WeightBufferFree>;
 
-// `bytes` of zeroed memory, 64-byte aligned at least; std::bad_alloc when none is left.
+// `bytes` of zeroed memory, 64-byte aligned at least (on 2 MiB from kPooledBytes on); std::bad_alloc when
+// none is left. Thread-safe.
 WeightBuffer allocate_weights(std::size_t bytes);
 
-// The block size from which allocate_weights maps and advises huge pages.
 inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
+inline constexpr std::size_t kChunkBytes = std::size_t{64} << 20;
+inline constexpr std::size_t kPooledBytes = kHugePageBytes;
 
 }  // namespace kda

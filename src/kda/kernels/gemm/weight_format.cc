@@ -194,8 +194,9 @@ PackedMatrix::PackedMatrix(Weights format, const float* w, int64_t in, int64_t o
   check_shape(f, in, out);
   if (w == nullptr) throw std::invalid_argument(std::string(f.name) + " weights: no values");
   data_ = allocate_weights(static_cast<size_t>(f.data_bytes(in, out)));
-  scale_.resize(static_cast<size_t>(f.scale_count(in, out)));
-  f.pack(w, in, out, static_cast<uint8_t*>(data_.get()), scale_.data());
+  const auto scales = static_cast<size_t>(f.scale_count(in, out));
+  if (scales > 0) scale_ = allocate_weights(sizeof(float) * scales);
+  f.pack(w, in, out, static_cast<uint8_t*>(data_.get()), static_cast<float*>(scale_.get()));
   view_ = {format, nullptr, nullptr, in, out};
   point_at_own();
 }
@@ -209,24 +210,26 @@ PackedMatrix::PackedMatrix(const PackedWeights& view, std::shared_ptr<const void
                                 " weights: a borrowed view needs its bytes and an owner");
 }
 
-PackedMatrix::PackedMatrix(const PackedMatrix& o) : scale_(o.scale_), owner_(o.owner_), view_(o.view_) {
+PackedMatrix::PackedMatrix(const PackedMatrix& o) : owner_(o.owner_), view_(o.view_) {
   if (!owner_) {
-    data_ = copy_of(o);
+    data_ = copy_of(o.data_, static_cast<size_t>(o.data_bytes()));
+    scale_ = copy_of(o.scale_, sizeof(float) * static_cast<size_t>(o.scale_count()));
     point_at_own();
   }
 }
 
-WeightBuffer PackedMatrix::copy_of(const PackedMatrix& o) {
-  const auto n = static_cast<size_t>(o.data_bytes());
+WeightBuffer PackedMatrix::copy_of(const WeightBuffer& from, size_t n) {
+  if (!from) return {};
   WeightBuffer b = allocate_weights(n);
-  std::memcpy(b.get(), o.data_.get(), n);
+  std::memcpy(b.get(), from.get(), n);
   return b;
 }
 
 PackedMatrix& PackedMatrix::operator=(const PackedMatrix& o) {
   if (this != &o) {
-    data_ = o.owner_ ? WeightBuffer() : copy_of(o);
-    scale_ = o.scale_;
+    data_ = o.owner_ ? WeightBuffer() : copy_of(o.data_, static_cast<size_t>(o.data_bytes()));
+    scale_ =
+        o.owner_ ? WeightBuffer() : copy_of(o.scale_, sizeof(float) * static_cast<size_t>(o.scale_count()));
     owner_ = o.owner_;
     view_ = o.view_;
     if (!owner_) point_at_own();
@@ -236,7 +239,7 @@ PackedMatrix& PackedMatrix::operator=(const PackedMatrix& o) {
 
 void PackedMatrix::point_at_own() {
   view_.data = static_cast<const uint8_t*>(data_.get());
-  view_.scale = scale_.empty() ? nullptr : scale_.data();
+  view_.scale = static_cast<const float*>(scale_.get());
 }
 
 int64_t PackedMatrix::data_bytes() const {

@@ -77,9 +77,9 @@ class PackedMatrix {
 
  private:
   void point_at_own();
-  static WeightBuffer copy_of(const PackedMatrix& o);
-  WeightBuffer data_;  // owned bytes (weight_buffer.h: huge pages from 2 MiB); empty when borrowed
-  std::vector<float> scale_;
+  static WeightBuffer copy_of(const WeightBuffer& from, size_t n);  // empty from empty
+  WeightBuffer data_;   // owned bytes (weight_buffer.h: in huge pages); empty when borrowed
+  WeightBuffer scale_;  // owned scales, as data_; empty when borrowed or the format has none
   std::shared_ptr<const void> owner_;
   PackedWeights view_;
 };
