@@ -32,8 +32,8 @@ using WeightBuffer = std::unique_ptr<void, WeightBufferFree>;
 // none is left. Thread-safe.
 WeightBuffer allocate_weights(std::size_t bytes);
 
-inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
-inline constexpr std::size_t kChunkBytes = std::size_t{64} << 20;
-inline constexpr std::size_t kPooledBytes = kHugePageBytes;
+inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;  // a transparent huge page (x86-64)
+inline constexpr std::size_t kChunkBytes = std::size_t{64} << 20;    // a shared chunk's size
+inline constexpr std::size_t kPooledBytes = kHugePageBytes;          // blocks below it come from chunks
 
 }  // namespace kda
