@@ -9,8 +9,8 @@
 //    whole pages go back at once.
 //  - Larger blocks get a mapping of their own from a 2 MiB boundary, rounded to 4 KiB: their last,
 //    partial 2 MiB is in ordinary pages. (Cutting blocks up to 16 MiB from the chunks as well put those
-//    tails in huge pages too, but a load's peak resident set grew by twice as much:
-//    docs/performance.md, "The int4 one-row kernel's prefetch distance".)
+//    tails in huge pages too, but a load's peak resident set grew twice as much as with the pool under
+//    2 MiB: docs/performance.md, "The int4 one-row kernel's prefetch distance".)
 // Private to the library.
 #pragma once
 
