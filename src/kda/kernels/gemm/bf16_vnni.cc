@@ -124,7 +124,8 @@ enum : unsigned {
   kEndChunk = 2,    // the stretch ends its chunk: the sums go to total (else back to part)
   kFirstChunk = 4,  // ... and are the total (else added to it)
   kLast = 8,        // ... and the total goes to y
-  kFetch = 16,      // the group prefetches the block's lines `ahead` pairs on
+  kFetch = 16,      // the group prefetches the block's lines `ahead` pairs on, into L1
+  kFetchL2 = 32,    // ... into L2 instead
 };
 
 // Rows [m0, m0 + MB) against NZ columns of 16 channels of one block (wb: the first column's values of
@@ -142,6 +143,9 @@ inline void group(const bf16_t* x, int64_t ldx, int64_t m0, const bf16_t* wb, in
     if (f & kFetch)
       for (int j = 0; j < NZ; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(wp + ahead * kPairRow + 32 * j), _MM_HINT_T0);
+    if (f & kFetchL2)
+      for (int j = 0; j < NZ; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wp + ahead * kPairRow + 32 * j), _MM_HINT_T1);
     __m512 wv[NZ];
     for (int j = 0; j < NZ; ++j) wv[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(wp + 32 * j));
     for (int i = 0; i < MB; ++i) {
@@ -189,7 +193,10 @@ inline void group_rows(int mb, const bf16_t* x, int64_t ldx, int64_t m0, const b
 // pairs. With one group a chunk runs with its sums in registers, fetching the block's lines a little
 // ahead; with more, stretch by stretch, each group's sums kept in memory between stretches (the same
 // additions in the same order either way), and every group fetches the next stretch's lines, so that
-// their reads from memory overlap all the groups' work on this stretch.
+// their reads from memory overlap all the groups' work on this stretch. Those go to L2: fetched into L1
+// beside the stretch the groups are reading (16 KB each, in an L1 of 32 KB on Zen 4), they evicted lines
+// the later groups still read, which held 12-16 rows below oneDNN's matmul (docs/performance.md, "bf16
+// decode rows: the next stretch into L2").
 template <int NZ>
 void block_rows(const bf16_t* x, int64_t ldx, int64_t r0, int64_t r1, const bf16_t* w, int64_t K,
                 int64_t chunk, int64_t nb, int64_t j0, const Out& out, float* part, float* total) {
@@ -206,7 +213,8 @@ void block_rows(const bf16_t* x, int64_t ldx, int64_t r0, int64_t r1, const bf16
       for (int64_t m = r0; m < r1; m += kMB) {
         const int mb = static_cast<int>(std::min<int64_t>(kMB, r1 - m));
         const Sums s{part + (m - r0) * 64, total + (m - r0) * 64};
-        group_rows<NZ>(mb, x, ldx, m, wb, p0, p1, s, f | kFetch, rows <= kMB ? kPrefetch : kStretch, out, n0);
+        group_rows<NZ>(mb, x, ldx, m, wb, p0, p1, s, f | (rows <= kMB ? kFetch : kFetchL2),
+                       rows <= kMB ? kPrefetch : kStretch, out, n0);
       }
     }
   }
