@@ -9,9 +9,10 @@
 
 namespace kda::layers {
 
-// Rows per call up to which the kernel runs: up to 8 rows it reads W faster than oneDNN's matmul, from 16
-// on about as fast or slower (`kda bench --only gemm`; docs/performance.md, "bf16 decode on AVX512_BF16").
-inline constexpr int64_t kVnniMaxRows = 8;
+// Rows per call up to which the kernel runs: up to 24 rows it is faster than oneDNN's matmul at the model's
+// shapes, from 32 on about as fast or slower (docs/performance.md, "bf16 decode on AVX512_BF16" and "bf16
+// decode rows: the next stretch into L2").
+inline constexpr int64_t kVnniMaxRows = 24;
 
 // The chunk of inputs oneDNN's bf16 matmul sums on its own for a W of K inputs and N outputs (the
 // kernel's k_chunk), found once per shape and process by running both on probe values of that shape and
