@@ -15,8 +15,8 @@
 //    products the scheme's own.
 //  - Dpbf16, in the bf16 precision on AVX512_BF16 without AMX (int8 and int4, an input size that is a
 //    multiple of 32): the project's kernels (kernels/gemm/quant_dpbf16.h), panels of the scheme's integers
-//    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 33
-//    (int8) or 17 (int4) rows on, where the integer decode kernels, with int16 activations, fall behind.
+//    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 49
+//    (int8) or 9 (int4) rows on, where the integer decode kernels, with int16 activations, fall behind.
 //  - AmxBf16, int4 in the bf16 precision on AMX: the project's kernel (kernels/gemm/quant_amx.h,
 //    gemm_int4_amx_bf16), Dpbf16's scheme on AMX-BF16 tiles: one tile product per group of the scheme's
 //    integers, the scales on the group sums; from 5 rows on (decode batches included).
@@ -43,8 +43,9 @@ class QuantLinear {
   static constexpr int64_t kDecodeRows = 64;
   // On the Dpbf16 path its kernels take the calls of more rows than these: where they beat the integer
   // decode kernels on cold weights at the model's shapes (Zen 4, `kda bench --only qdecode`; int4 since its
-  // calls of at most 16 rows widen W in registers: docs/performance.md, "int4 decode rows on AVX512_BF16").
-  static constexpr int64_t kDpbf16DecodeRowsInt8 = 32;
+  // calls of at most 16 rows widen W in registers: docs/performance.md, "int4 decode rows on AVX512_BF16";
+  // int8 since its integer kernel prefetches into L2: "int8 decode rows: the next block into L2").
+  static constexpr int64_t kDpbf16DecodeRowsInt8 = 48;
   static constexpr int64_t kDpbf16DecodeRowsInt4 = 8;
   // int8 in the bf16 precision where the packed kernels run on AMX tiles (kernels/gemm/weight_format.h,
   // gemm_runs_amx): they take the calls of up to these rows, kDecodeRows at a time. Their time grows with
