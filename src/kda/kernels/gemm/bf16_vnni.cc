@@ -194,9 +194,9 @@ inline void group_rows(int mb, const bf16_t* x, int64_t ldx, int64_t m0, const b
 // ahead; with more, stretch by stretch, each group's sums kept in memory between stretches (the same
 // additions in the same order either way), and every group fetches the next stretch's lines, so that
 // their reads from memory overlap all the groups' work on this stretch. Those go to L2: fetched into L1
-// beside the stretch the groups are reading (16 KB each, in an L1 of 32 KB on Zen 4), they evicted lines
-// the later groups still read, which held 12-16 rows below oneDNN's matmul (docs/performance.md, "bf16
-// decode rows: the next stretch into L2").
+// beside the stretch the groups are reading (the two fill a 32 KB L1, Zen 4's), they evicted lines the
+// later groups still read, and the kernel fell behind oneDNN's matmul from a few groups on
+// (docs/performance.md, "bf16 decode rows: the next stretch into L2").
 template <int NZ>
 void block_rows(const bf16_t* x, int64_t ldx, int64_t r0, int64_t r1, const bf16_t* w, int64_t K,
                 int64_t chunk, int64_t nb, int64_t j0, const Out& out, float* part, float* total) {

@@ -58,9 +58,9 @@ template <int MB, int NB, class Dot, bool kTail>
 inline void int8_step(const int16_t* xq, int64_t in, const Int8Weights& w, int64_t m0, int64_t n0, int64_t k,
                       __mmask32 mk, __m512i (&acc)[MB][NB]) {
   // NB lines of the next block per 64 inputs, into L2: into L1 they evicted the block's own lines and the
-  // rows of x before the rows were done with them (at 2304 inputs the block and the next one are 18 KB, the
-  // x of 4 rows 18 KB more, in an L1 of 32 KB on Zen 4), which held 3-32 rows at 0.5-0.95 of this speed
-  // (docs/performance.md, "int8 decode rows: the next block into L2").
+  // rows of x before the rows were done with them (at the model's widths the two blocks and the x of a few
+  // rows pass a 32 KB L1, Zen 4's), which slowed every row count this kernel takes (docs/performance.md,
+  // "int8 decode rows: the next block into L2").
   if (!kTail && (k & 63) == 0 && n0 + 2 * NB <= w.out)
     for (int j = 0; j < NB; ++j)
       _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + NB) * in) + NB * k + 64 * j, _MM_HINT_T1);
