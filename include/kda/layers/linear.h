@@ -13,7 +13,8 @@
 // - OneDnn: oneDNN's bf16 matmul, W reordered into its layout (above). On a CPU with AMX its tiles sum
 //   a row in an order set by the call's row count, so a row's bits depend on its batch unless the
 //   process asked for batch invariance (src/kda/layers/onednn_isa.h: AVX512_BF16 kernels only).
-// - OneDnnVnni: the same, but calls of up to 8 rows (decode, verify) go to the AVX512_BF16 decode kernel
+// - OneDnnVnni: the same, but calls of up to kVnniMaxRows rows (decode batches, verify steps, the LM head
+//   of a batch) go to the AVX512_BF16 decode kernel
 //   (kernels/gemm/bf16_vnni.h) on the same copy of W, which reads it near the memory bandwidth where
 //   oneDNN's kernels do not, and gives each row oneDNN's bits (src/kda/layers/bf16_vnni_rows.h).
 // - Widened: W kept as bf16 in its [out, in] layout and multiplied by the bf16 GEMM kernels
