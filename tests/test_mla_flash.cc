@@ -9,12 +9,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kda/common/bf16.h"
 #include "kda/common/isa.h"
+#include "kda/kernels/gemm/row_gemv.h"
+#include "kda/kernels/gemm/weight_format.h"
 #include "kda/kernels/online_softmax.h"
 #include "kda/kernels/online_softmax_isa.h"
 #include "kda/layers/attention/mla/mla_attention.h"
@@ -230,6 +233,55 @@ TEST(MlaFlash, AbsorbedDecodeRowsEqualThePlainReference) {
     mla::mla_attention_plain_reference(a);
     EXPECT_LE(testing::max_error_ratio(o.data(), ref.data(), o.size(), 1e-5, 1e-4), 1.0) << heads << " heads";
   }
+}
+
+// kv_b held compact for the decode rows (MlaAttnArgs::kv_b_rows: int8 / int4 packed, bf16) gives the bits
+// of its fp32 values as w_kvb, decode rows beside an extend; a kv_b_rows of another shape is refused
+// before o is written.
+TEST(MlaFlash, AbsorbedDecodeRowsFromACompactKvbGiveTheFp32Bits) {
+  const DecodeCase c(32, {{300, 1}, {0, 1}, {100, 5}, {70, 1}}, 41);
+  const auto& [d, specs, lat, qw, ow, T, L, q, w] = c;
+  const std::vector<float> latent = random_normal(static_cast<size_t>(L * lat), 42);
+  std::vector<mla::MlaSeq> seqs;
+  for (int64_t row = 0, at = 0; const auto& [prefix, extend] : specs) {
+    seqs.push_back({row, prefix, extend, latent.data() + at * lat, nullptr});
+    row += extend;
+    at += prefix + extend;
+  }
+  const int64_t rows = d.heads * (d.qk_nope + d.v_head), R = d.kv_lora;
+  for (const Weights f : {Weights::BF16, Weights::Int8, Weights::Int4}) {
+    std::vector<bf16_t> w16;
+    std::unique_ptr<kernels::gemm::PackedMatrix> packed;
+    std::vector<float> values;  // the compact copy's values, fp32
+    kernels::gemm::RowMatrix compact;
+    if (f == Weights::BF16) {
+      w16.resize(w.size());
+      f32_to_bf16_array(w.data(), w16.data(), w.size());
+      values.resize(w.size());
+      bf16_to_f32_array(w16.data(), values.data(), w.size());
+      compact = {kernels::gemm::RowFormat::BF16, w16.data(), nullptr, rows, R};
+    } else {
+      packed = std::make_unique<kernels::gemm::PackedMatrix>(f, w.data(), R, rows);
+      values = kernels::gemm::dequantize(packed->view());
+      compact = {f == Weights::Int8 ? kernels::gemm::RowFormat::Int8 : kernels::gemm::RowFormat::Int4,
+                 packed->view().data, packed->view().scale, rows, R};
+    }
+    for (const bool bf16 : {false, true}) {
+      std::vector<float> want(static_cast<size_t>(T * ow)), got(want);
+      mla::MlaAttnArgs a{d,    q.data(),    qw, seqs, values.data(), 1.0f / std::sqrt(192.0f),
+                         bf16, want.data(), ow};
+      mla::mla_attention_absorbed(a);
+      a.o = got.data();
+      a.kv_b_rows = compact;
+      mla::mla_attention_absorbed(a);
+      EXPECT_EQ(got, want) << to_string(f) << (bf16 ? ", bf16 mode" : ", fp32 mode");
+    }
+  }
+  std::vector<float> o(static_cast<size_t>(T * ow), 3.0f);
+  mla::MlaAttnArgs a{d, q.data(), qw, seqs, w.data(), 1.0f / std::sqrt(192.0f), false, o.data(), ow};
+  a.kv_b_rows = {kernels::gemm::RowFormat::F32, w.data(), nullptr, rows - 1, R};
+  EXPECT_THROW(mla::mla_attention_absorbed(a), std::invalid_argument);
+  EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float v) { return v == 3.0f; }));
 }
 
 // A decode row of the absorbed form reading the pool's rows in place (MlaSeq::slots, rows scattered over

@@ -93,11 +93,10 @@ class KimiMLAAttention {
   const MlaOptions& options() const { return options_; }
   int64_t hidden_size() const { return D_; }
   int64_t local_heads() const { return Hm_; }
-  // The resident projection bytes on this rank: q_proj, kv_a_proj_with_mqa and o_proj as their Linear
-  // holds them, and kv_b_proj as the attention kernels read it (fp32 [Hm*(dn+dv), R]: the precision's
-  // values, bf16-rounded or dequantized from int8 / int4, since both forms multiply by it inside the
-  // attention rather than through a Linear). The bf16 mode's second copy of kv_b for the prefill's
-  // expansion is left out: what a decode step reads is what this counts.
+  // The projection bytes a decode step reads on this rank: q_proj, kv_a_proj_with_mqa and o_proj as their
+  // Linear holds them, and kv_b_proj as the absorbed form's decode rows read it (the int8 / int4 packing,
+  // bf16 values in the bf16 mode with bf16 weights, else fp32). The fp32 copy of kv_b's values that the
+  // prefill's forms multiply by, and the bf16 mode's bf16 Linear of it, are left out.
   int64_t weight_bytes() const;
   // q_proj, kv_a_proj_with_mqa and o_proj by name (model.layers.{i}.self_attn.<name> in a packed
   // checkpoint); kv_b_proj is no Linear here (see weight_bytes()).
@@ -132,6 +131,9 @@ class KimiMLAAttention {
   std::vector<float> norm_w_;  // kv_a_layernorm [R]
   layers::Linear q_proj_, kv_a_, o_proj_;
   std::vector<float> w_kvb_;  // kv_b as the attention multiplies by it (bf16-rounded / dequantized values)
+  // The same values as the decode rows read them, in the weights' compact format (kimi_mla.cc).
+  struct DecodeKvb;
+  std::unique_ptr<DecodeKvb> kvb_decode_;
   // With bf16 weights in the bf16 precision, on a CPU where the plain form packs bf16 keys, the same
   // values as a bf16 Linear: the plain form's expansion (prefill) as one bf16 GEMM (MlaAttnArgs::kv_b). A
   // second copy of kv_b (8 MB a layer at the real shapes).

@@ -9,7 +9,9 @@
 #include "kda/common/aligned_scratch.h"
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
+#include "kda/common/weight_buffer.h"
 #include "kda/io/packed_checkpoint.h"
+#include "kda/kernels/gemm/row_gemv.h"
 #include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/attention/mla/mla_attention.h"
 #include "kda/layers/quant_linear.h"
@@ -159,7 +161,7 @@ const MlaLayerWeights& checked(const MlaLayerWeights& w, const io::KimiLinearCon
                 dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, R = cfg.kv_lora_rank;
   check_size(w.kv_a_layernorm, R, "kv_a_layernorm");
   if (!w.packed.empty()) {
-    // Packed: each projection is checked as it is built (make_linear, effective_kvb).
+    // Packed: each projection is checked as it is built (make_linear, packed_kvb).
     if (tp_size > 1) throw std::invalid_argument("MlaLayerWeights: packed projections on one rank only");
     return w;
   }
@@ -170,26 +172,32 @@ const MlaLayerWeights& checked(const MlaLayerWeights& w, const io::KimiLinearCon
   return w;
 }
 
-// kv_b as the attention kernels multiply by it: the precision's values (bf16-rounded in the bf16 mode),
-// or the int8 / int4 scheme's dequantized values, so that both forms see what a kv_b Linear would.
-// A packed checkpoint's kv_b is dequantized from its packing: the values conversion at load gives.
-std::vector<float> effective_kvb(const MlaLayerWeights& mw, int64_t R, int64_t out, Precision p,
-                                 Weights weights) {
+// A packed checkpoint's kv_b, checked against the layer; null where the weights hold it in fp32.
+std::shared_ptr<const kernels::gemm::PackedMatrix> packed_kvb(const MlaLayerWeights& mw, int64_t R,
+                                                              int64_t out, Weights weights) {
   const auto packed = mw.packed.find("kv_b_proj");
-  if (packed != mw.packed.end()) {
-    const kernels::gemm::PackedWeights& v = packed->second->view();
-    if (v.format != weights || v.in != R || v.out != out)
-      throw std::invalid_argument("projection 'kv_b_proj' is packed as " + std::string(to_string(v.format)) +
-                                  " [" + str(v.out) + ", " + str(v.in) + "], the layer wants " +
-                                  to_string(weights) + " [" + str(out) + ", " + str(R) + "]");
-    return kernels::gemm::dequantize(v);
-  }
-  const std::vector<float>& w = mw.kv_b_proj;
-  if (weights == Weights::BF16) return param(w, p);
-  return layers::QuantLinear(R, out, w, weights, p).dequantized();
+  if (packed == mw.packed.end()) return nullptr;
+  const kernels::gemm::PackedWeights& v = packed->second->view();
+  if (v.format != weights || v.in != R || v.out != out)
+    throw std::invalid_argument("projection 'kv_b_proj' is packed as " + std::string(to_string(v.format)) +
+                                " [" + str(v.out) + ", " + str(v.in) + "], the layer wants " +
+                                to_string(weights) + " [" + str(out) + ", " + str(R) + "]");
+  return packed->second;
 }
 
 }  // namespace
+
+// kv_b twice: as the attention kernels multiply by it, fp32 (w_kvb_: the precision's values, bf16-rounded
+// in the bf16 mode, or the int8 / int4 scheme's dequantized values, so that both forms see what a kv_b
+// Linear would), and as the absorbed form's decode rows read it (rows): the int8 / int4 packing those
+// values come from, or in the bf16 mode with bf16 weights the values in bf16 (exact: they are
+// bf16-rounded), else w_kvb_ itself. A decode step reads kv_b once per layer; the compact copy is a half
+// (bf16) to a seventh (int4) of the fp32 one's bytes.
+struct KimiMLAAttention::DecodeKvb {
+  std::shared_ptr<const kernels::gemm::PackedMatrix> packed;
+  WeightBuffer bf16;
+  kernels::gemm::RowMatrix rows;
+};
 
 KimiMLAAttention::~KimiMLAAttention() = default;
 
@@ -222,8 +230,30 @@ KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_id
           weights)),
       o_proj_(layers::make_linear(
           w.packed, "o_proj", Hm_ * dv_, D_, [&] { return w.o_proj; }, precision, weights)),
-      w_kvb_(effective_kvb(w, R_, Hm_ * (dn_ + dv_), precision, weights)) {
+      kvb_decode_(std::make_unique<DecodeKvb>()) {
   check_layer(cfg, layer_idx);
+  const int64_t kvb_out = Hm_ * (dn_ + dv_);
+  DecodeKvb& dk = *kvb_decode_;
+  using kernels::gemm::RowFormat;
+  dk.packed = packed_kvb(w, R_, kvb_out, weights);
+  if (weights == Weights::Int8 || weights == Weights::Int4) {
+    // Packed here from fp32 as a kv_b QuantLinear would pack it, where the checkpoint did not.
+    if (!dk.packed)
+      dk.packed =
+          std::make_shared<const kernels::gemm::PackedMatrix>(weights, w.kv_b_proj.data(), R_, kvb_out);
+    const kernels::gemm::PackedWeights& v = dk.packed->view();
+    w_kvb_ = kernels::gemm::dequantize(v);
+    dk.rows = {weights == Weights::Int8 ? RowFormat::Int8 : RowFormat::Int4, v.data, v.scale, kvb_out, R_};
+  } else {
+    w_kvb_ = dk.packed ? kernels::gemm::dequantize(dk.packed->view()) : param(w.kv_b_proj, precision);
+    dk.packed.reset();
+    dk.rows = {RowFormat::F32, w_kvb_.data(), nullptr, kvb_out, R_};
+    if (precision == Precision::BF16) {
+      dk.bf16 = allocate_weights(w_kvb_.size() * sizeof(bf16_t));
+      f32_to_bf16_array(w_kvb_.data(), static_cast<bf16_t*>(dk.bf16.get()), w_kvb_.size());
+      dk.rows = {RowFormat::BF16, dk.bf16.get(), nullptr, kvb_out, R_};
+    }
+  }
   // Only where the plain form takes it: with bf16 keys (plain_bf16_keys), which it packs from its rows.
   const mla::MlaDims dims = mla_dims();
   if (precision == Precision::BF16 && weights == Weights::BF16 && mla::plain_bf16_keys(dims, true))
@@ -253,7 +283,7 @@ std::vector<std::pair<std::string, const layers::Linear*>> KimiMLAAttention::pro
 
 int64_t KimiMLAAttention::weight_bytes() const {
   return q_proj_.weight_bytes() + kv_a_.weight_bytes() + o_proj_.weight_bytes() +
-         static_cast<int64_t>(w_kvb_.size() * sizeof(float));
+         kernels::gemm::row_bytes(kvb_decode_->rows, kvb_decode_->rows.rows);
 }
 
 void KimiMLAAttention::reserve(int64_t T) {
@@ -427,8 +457,18 @@ void KimiMLAAttention::forward(const float* hidden_states, int64_t T, const mode
   // 4. Attention; a padded row's o stays zero, so its output is zero.
   o_.assign(static_cast<size_t>(T * Hm_ * dv_), 0.0f);
   if (!plain_kv_) plain_kv_ = std::make_unique<mla::MlaScratch>();
-  mla::MlaAttnArgs args{dims,      q_.data(),       qw,           {}, w_kvb_.data(), scale_, bf16, o_.data(),
-                        Hm_ * dv_, plain_kv_.get(), kv_b16_.get()};
+  mla::MlaAttnArgs args{dims,
+                        q_.data(),
+                        qw,
+                        {},
+                        w_kvb_.data(),
+                        scale_,
+                        bf16,
+                        o_.data(),
+                        Hm_ * dv_,
+                        plain_kv_.get(),
+                        kv_b16_.get(),
+                        kvb_decode_->rows};
   if (!plain.empty()) {
     args.seqs = plain;
     mla::mla_attention_plain(args);

@@ -545,6 +545,16 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
     }
   }
   if (items.empty()) return;
+  // A decode item's products with W_UK and W_UV read kv_b row by row in the format it is held in (row_gemv.h:
+  // the same values as w_kvb, fewer bytes); oneDNN's sgemm at one row read it well under the bandwidth.
+  const kernels::gemm::RowMatrix kvb =
+      a.kv_b_rows.data != nullptr
+          ? a.kv_b_rows
+          : kernels::gemm::RowMatrix{kernels::gemm::RowFormat::F32, a.w_kvb, nullptr, Hm * (dn + dv), R};
+  if (kvb.rows != Hm * (dn + dv) || kvb.cols != R)
+    throw std::invalid_argument("mla_attention_absorbed: kv_b_rows is [" + std::to_string(kvb.rows) + ", " +
+                                std::to_string(kvb.cols) + "], the heads need [" +
+                                std::to_string(Hm * (dn + dv)) + ", " + std::to_string(R) + "]");
   // Each item's q~, u ([M, R], row (g, ii)) and q_pe ([M, dr]), M = its heads x its queries.
   MlaScratch own;
   MlaScratch& sc = a.scratch ? *a.scratch : own;
@@ -641,7 +651,10 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
           const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
           const int64_t nb = w.i1 - w.i0, r0 = w.at + (h - w.h0) * nb;
           const float* q = a.q + (s.q_row + w.i0) * a.ldq + h * qw;
-          sgemm('N', 'N', nb, R, dn, 1.0f, q, a.ldq, w_uk, R, 0.0f, qt + r0 * R, R);
+          if (w.decode)
+            kernels::gemm::gemv_rows_xw(kvb, h * (dn + dv), dn, q, qt + r0 * R);
+          else
+            sgemm('N', 'N', nb, R, dn, 1.0f, q, a.ldq, w_uk, R, 0.0f, qt + r0 * R, R);
           for (int64_t ii = 0; ii < nb; ++ii) std::copy_n(q + ii * a.ldq + dn, dr, qpe + (r0 + ii) * dr);
         }
       } catch (...) {
@@ -678,7 +691,10 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
           const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
           const int64_t nb = w.i1 - w.i0;
           float* o = a.o + (s.q_row + w.i0) * a.ldo + h * dv;
-          sgemm('N', 'T', nb, dv, R, 1.0f, u + (w.at + (h - w.h0) * nb) * R, R, w_uv, R, 0.0f, o, a.ldo);
+          if (w.decode)
+            kernels::gemm::gemv_rows_wx(kvb, h * (dn + dv) + dn, dv, u + (w.at + (h - w.h0)) * R, o);
+          else
+            sgemm('N', 'T', nb, dv, R, 1.0f, u + (w.at + (h - w.h0) * nb) * R, R, w_uv, R, 0.0f, o, a.ldo);
           if (a.bf16)
             for (int64_t ii = 0; ii < nb; ++ii) round_bf16_inplace(o + ii * a.ldo, static_cast<size_t>(dv));
         }

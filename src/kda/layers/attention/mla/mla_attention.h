@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "kda/common/bf16.h"
+#include "kda/kernels/gemm/row_gemv.h"
 
 namespace kda::layers {
 class Linear;
@@ -108,6 +109,10 @@ struct MlaAttnArgs {
   // every head (exact products, fp32 sums, each output rounded to bf16 as kv_b's output is) in place of an
   // fp32 sgemm per head, which runs at a fraction of the bf16 GEMM's rate.
   const Linear* kv_b = nullptr;
+  // Optional: kv_b as the absorbed form's decode rows read it (row_gemv.h), w_kvb's values exactly in a
+  // compact format (the int8 / int4 packing or bf16), [heads * (dn + dv), R]. None (data null): w_kvb's
+  // fp32 rows. Either way the decode rows' products are the same (row_gemv.h widens each row to them).
+  kernels::gemm::RowMatrix kv_b_rows = {};
 };
 
 // The plain form flash-style: each (sequence, head, block of 64 queries) walks its keys in blocks of 256

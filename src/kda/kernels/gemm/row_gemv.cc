@@ -1,0 +1,325 @@
+#include "kda/kernels/gemm/row_gemv.h"
+
+#include <algorithm>
+#include <bit>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/common/isa.h"
+#include "kda/common/isa_target.h"
+#include "kda/kernels/gemm/quant_gemm.h"
+#include "kda/kernels/gemm/weight_format.h"
+#include "kda/kernels/kda/avx512.h"
+
+namespace kda::kernels::gemm {
+namespace {
+
+// Columns widened at a time: a chunk of a row (2 KB of fp32) stays in L1 beside y or x.
+constexpr int64_t kChunk = 512;
+
+int64_t row_stride_bytes(const RowMatrix& w) {
+  switch (w.format) {
+    case RowFormat::F32:
+      return w.cols * 4;
+    case RowFormat::BF16:
+      return w.cols * 2;
+    case RowFormat::Int8:
+      return w.cols;
+    case RowFormat::Int4:
+      return w.cols / 2;
+  }
+  return 0;
+}
+
+// Row r's first byte.
+inline const void* row_at(const RowMatrix& w, int64_t r) {
+  return static_cast<const uint8_t*>(w.data) + r * row_stride_bytes(w);
+}
+
+void check(const RowMatrix& w, int64_t r0, int64_t n, const float* x, const float* y, const char* who) {
+  const std::string at = std::string(who) + ": ";
+  if (w.rows < 0 || w.cols <= 0 || w.data == nullptr)
+    throw std::invalid_argument(at + "the matrix has no data or no columns");
+  if ((w.format == RowFormat::Int8 || w.format == RowFormat::Int4) && w.scale == nullptr)
+    throw std::invalid_argument(at + "int8 / int4 rows need their scales");
+  if (w.format == RowFormat::Int4 && w.cols % kInt4Group != 0)
+    throw std::invalid_argument(at + "int4 rows of " + std::to_string(w.cols) +
+                                " columns: not a multiple of " + std::to_string(kInt4Group));
+  if (r0 < 0 || n < 0 || r0 + n > w.rows)
+    throw std::invalid_argument(at + "rows [" + std::to_string(r0) + ", " + std::to_string(r0 + n) +
+                                ") outside the matrix's " + std::to_string(w.rows));
+  if (x == nullptr || y == nullptr) throw std::invalid_argument(at + "null x or y");
+}
+
+// Columns [c0, c0 + n) of row r as fp32 (the format's dequantized values); c0 and n multiples of 32 for
+// int4. F32 rows are read in place.
+inline const float* widen(const RowMatrix& w, int64_t r, int64_t c0, int64_t n, float* buf) {
+  const void* row = row_at(w, r);
+  switch (w.format) {
+    case RowFormat::F32:
+      return static_cast<const float*>(row) + c0;
+    case RowFormat::BF16: {
+      const bf16_t* b = static_cast<const bf16_t*>(row) + c0;
+      for (int64_t c = 0; c < n; ++c) buf[c] = std::bit_cast<float>(static_cast<uint32_t>(b[c]) << 16);
+      return buf;
+    }
+    case RowFormat::Int8: {
+      const int8_t* q = static_cast<const int8_t*>(row) + c0;
+      const float s = w.scale[r];
+      for (int64_t c = 0; c < n; ++c) buf[c] = static_cast<float>(q[c]) * s;
+      return buf;
+    }
+    case RowFormat::Int4: {
+      // Group g's 16 bytes hold columns 32g + j (low nibble) and 32g + 16 + j (high).
+      const int64_t G = w.cols / kInt4Group;
+      for (int64_t g = c0 / kInt4Group; g < (c0 + n) / kInt4Group; ++g) {
+        const uint8_t* b = static_cast<const uint8_t*>(row) + g * 16;
+        const float s = w.scale[r * G + g];
+        float* o = buf + (g * kInt4Group - c0);
+        for (int j = 0; j < 16; ++j) {
+          o[j] = static_cast<float>((b[j] & 0xF) - 8) * s;
+          o[16 + j] = static_cast<float>((b[j] >> 4) - 8) * s;
+        }
+      }
+      return buf;
+    }
+  }
+  return buf;
+}
+
+KDA_TARGET_CLONES void xw_rows(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
+  alignas(64) float buf[kChunk];
+  for (int64_t c0 = 0; c0 < w.cols; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, w.cols - c0);
+    float* yc = y + c0;
+    for (int64_t c = 0; c < n; ++c) yc[c] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float* r = widen(w, k0 + k, c0, n, buf);
+      const float xk = x[k];
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) yc[c] += xk * r[c];
+    }
+  }
+}
+
+KDA_TARGET_CLONES void wx_rows(const RowMatrix& w, int64_t n0, int64_t N, const float* x, float* y) {
+  alignas(64) float buf[kChunk];
+  for (int64_t n = 0; n < N; ++n) {
+    float s = 0.0f;
+    for (int64_t c0 = 0; c0 < w.cols; c0 += kChunk) {
+      const int64_t m = std::min(kChunk, w.cols - c0);
+      const float* r = widen(w, n0 + n, c0, m, buf);
+      const float* xc = x + c0;
+      float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+      for (int64_t c = 0; c < m; ++c) part += r[c] * xc[c];
+      s += part;
+    }
+    y[n] = s;
+  }
+}
+
+#if defined(KDA_WITH_AVX512) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KDA_ROW_GEMV_AVX512 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
+// The same sums with each row's values widened into registers, 16 columns a vector: xw's chain of
+// multiply-adds per output in row order; wx sums a row in 4 accumulators, vector v into accumulator
+// v % 4, then (0 + 1) + (2 + 3) and the lanes. Columns a multiple of 16.
+
+// Vectors [v0, v0 + NV) of row r (columns 16 v0 on), widened; int4's come in pairs (a group's low
+// nibbles are its first 16 columns, its high ones the next 16), so NV is even for int4.
+template <RowFormat F, int NV>
+inline void load_row(const RowMatrix& w, int64_t r, int64_t v0, __m512 (&out)[NV]) {
+  const void* row = row_at(w, r);
+  if constexpr (F == RowFormat::F32) {
+    for (int v = 0; v < NV; ++v) out[v] = _mm512_loadu_ps(static_cast<const float*>(row) + 16 * (v0 + v));
+  } else if constexpr (F == RowFormat::BF16) {
+    for (int v = 0; v < NV; ++v) {
+      const __m256i b = _mm256_loadu_si256(static_cast<const __m256i*>(row) + v0 + v);
+      out[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    }
+  } else if constexpr (F == RowFormat::Int8) {
+    const __m512 s = _mm512_set1_ps(w.scale[r]);
+    for (int v = 0; v < NV; ++v) {
+      const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(row) + v0 + v);
+      out[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
+    }
+  } else {
+    static_assert(NV % 2 == 0, "int4 rows widen a group (two vectors) at a time");
+    const int64_t G = w.cols / kInt4Group;
+    const __m512i nib = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
+    for (int v = 0; v < NV; v += 2) {
+      const int64_t g = (v0 + v) / 2;
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(row) + g));
+      const __m512 s = _mm512_set1_ps(w.scale[r * G + g]);
+      const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(b, nib), eight);
+      const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight);
+      out[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), s);
+      out[v + 1] = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), s);
+    }
+  }
+}
+
+// Rows a pass (int4): each vector of y is loaded once per kXwRows rows and meets them in row order, the
+// widening of 4 rows' groups between. (Strips of y held in registers over every row instead read each
+// row a strip's width at a time, a row apart, which read slower still.)
+constexpr int kXwRows = 4;
+
+template <RowFormat F, int NR>
+inline void xw_rows_avx512(const RowMatrix& w, int64_t k0, const float* x, bool first, float* y) {
+  constexpr int U = F == RowFormat::Int4 ? 2 : 1;  // vectors a unit: an int4 group gives two
+  __m512 xs[NR];
+  for (int i = 0; i < NR; ++i) xs[i] = _mm512_set1_ps(x[i]);
+  for (int64_t v = 0; v < w.cols / 16; v += U) {
+    __m512 acc[U];
+    for (int u = 0; u < U; ++u) acc[u] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + 16 * (v + u));
+    for (int i = 0; i < NR; ++i) {
+      __m512 row[U];
+      load_row<F, U>(w, k0 + i, v, row);
+      for (int u = 0; u < U; ++u) acc[u] = _mm512_fmadd_ps(xs[i], row[u], acc[u]);
+    }
+    for (int u = 0; u < U; ++u) _mm512_storeu_ps(y + 16 * (v + u), acc[u]);
+  }
+}
+
+template <RowFormat F>
+void xw_avx512(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
+  if (K == 0) {
+    for (int64_t c = 0; c < w.cols; ++c) y[c] = 0.0f;
+    return;
+  }
+  int64_t k = 0;
+  for (; k + kXwRows <= K; k += kXwRows) xw_rows_avx512<F, kXwRows>(w, k0 + k, x + k, k == 0, y);
+  for (; k < K; ++k) xw_rows_avx512<F, 1>(w, k0 + k, x + k, k == 0, y);
+}
+
+template <RowFormat F>
+void wx_avx512(const RowMatrix& w, int64_t n0, int64_t N, const float* x, float* y) {
+  const int64_t nv = w.cols / 16;
+  for (int64_t n = 0; n < N; ++n) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t v = 0;
+    for (; v + 4 <= nv; v += 4) {
+      __m512 row[4];
+      load_row<F, 4>(w, n0 + n, v, row);
+      for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(row[j], _mm512_loadu_ps(x + 16 * (v + j)), acc[j]);
+    }
+    for (; v < nv; v += 2) {  // what is left: 2 vectors (int4 columns come 32 at a time), or 1
+      if (F == RowFormat::Int4 || v + 2 <= nv) {
+        __m512 row[2];
+        load_row<F, 2>(w, n0 + n, v, row);
+        for (int j = 0; j < 2; ++j)
+          acc[j] = _mm512_fmadd_ps(row[j], _mm512_loadu_ps(x + 16 * (v + j)), acc[j]);
+      } else if constexpr (F != RowFormat::Int4) {
+        __m512 row[1];
+        load_row<F, 1>(w, n0 + n, v, row);
+        acc[0] = _mm512_fmadd_ps(row[0], _mm512_loadu_ps(x + 16 * v), acc[0]);
+      }
+    }
+    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  }
+}
+
+template <RowFormat F>
+void run_avx512(bool xw, const RowMatrix& w, int64_t r0, int64_t n, const float* x, float* y) {
+  if (xw)
+    xw_avx512<F>(w, r0, n, x, y);
+  else
+    wx_avx512<F>(w, r0, n, x, y);
+}
+
+// Whether the AVX-512 bodies ran: wx in every format (so that every format sums in one order), xw for
+// int4 rows only, on columns a multiple of 16 on a CPU that has it. fp32, bf16 and int8 rows read faster
+// one at a time through the loop of xw_rows, in the same order of multiply-adds (fused, as this copy
+// fuses them): docs/performance.md, "MLA decode: kv_b read in place".
+bool avx512_rows(bool xw, const RowMatrix& w, int64_t r0, int64_t n, const float* x, float* y) {
+  if (w.cols % 16 != 0 || best_isa() != Isa::Avx512 || (xw && w.format != RowFormat::Int4)) return false;
+  switch (w.format) {
+    case RowFormat::F32:
+      run_avx512<RowFormat::F32>(xw, w, r0, n, x, y);
+      break;
+    case RowFormat::BF16:
+      run_avx512<RowFormat::BF16>(xw, w, r0, n, x, y);
+      break;
+    case RowFormat::Int8:
+      run_avx512<RowFormat::Int8>(xw, w, r0, n, x, y);
+      break;
+    case RowFormat::Int4:
+      run_avx512<RowFormat::Int4>(xw, w, r0, n, x, y);
+      break;
+  }
+  return true;
+}
+#pragma GCC pop_options
+#endif
+
+// Row r of W in fp32 through weight_format.h's dequantize (the reference's path).
+std::vector<float> reference_row(const RowMatrix& w, int64_t r) {
+  std::vector<float> out(static_cast<size_t>(w.cols));
+  const void* row = row_at(w, r);
+  switch (w.format) {
+    case RowFormat::F32:
+      std::copy_n(static_cast<const float*>(row), w.cols, out.data());
+      break;
+    case RowFormat::BF16:
+      bf16_to_f32_array(static_cast<const bf16_t*>(row), out.data(), static_cast<size_t>(w.cols));
+      break;
+    case RowFormat::Int8:
+      dequantize_rows({Weights::Int8, row, w.scale + r, w.cols, 1}, 0, 1, out.data());
+      break;
+    case RowFormat::Int4:
+      dequantize_rows({Weights::Int4, row, w.scale + r * (w.cols / kInt4Group), w.cols, 1}, 0, 1, out.data());
+      break;
+  }
+  return out;
+}
+
+}  // namespace
+
+int64_t row_bytes(const RowMatrix& w, int64_t rows) {
+  const int64_t scales = w.format == RowFormat::Int8   ? 1
+                         : w.format == RowFormat::Int4 ? w.cols / kInt4Group
+                                                       : 0;
+  return rows * (row_stride_bytes(w) + scales * static_cast<int64_t>(sizeof(float)));
+}
+
+void gemv_rows_xw(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
+  check(w, k0, K, x, y, "gemv_rows_xw");
+#if defined(KDA_ROW_GEMV_AVX512)
+  if (avx512_rows(true, w, k0, K, x, y)) return;
+#endif
+  xw_rows(w, k0, K, x, y);
+}
+
+void gemv_rows_wx(const RowMatrix& w, int64_t n0, int64_t N, const float* x, float* y) {
+  check(w, n0, N, x, y, "gemv_rows_wx");
+#if defined(KDA_ROW_GEMV_AVX512)
+  if (avx512_rows(false, w, n0, N, x, y)) return;
+#endif
+  wx_rows(w, n0, N, x, y);
+}
+
+void gemv_rows_xw_reference(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
+  check(w, k0, K, x, y, "gemv_rows_xw_reference");
+  std::vector<double> acc(static_cast<size_t>(w.cols), 0.0);
+  for (int64_t k = 0; k < K; ++k) {
+    const std::vector<float> r = reference_row(w, k0 + k);
+    for (int64_t c = 0; c < w.cols; ++c) acc[c] += static_cast<double>(x[k]) * r[c];
+  }
+  for (int64_t c = 0; c < w.cols; ++c) y[c] = static_cast<float>(acc[c]);
+}
+
+void gemv_rows_wx_reference(const RowMatrix& w, int64_t n0, int64_t N, const float* x, float* y) {
+  check(w, n0, N, x, y, "gemv_rows_wx_reference");
+  for (int64_t n = 0; n < N; ++n) {
+    const std::vector<float> r = reference_row(w, n0 + n);
+    double s = 0.0;
+    for (int64_t c = 0; c < w.cols; ++c) s += static_cast<double>(r[c]) * x[c];
+    y[n] = static_cast<float>(s);
+  }
+}
+
+}  // namespace kda::kernels::gemm

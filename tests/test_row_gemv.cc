@@ -1,0 +1,154 @@
+// The row-by-row matrix-vector products of kernels/gemm/row_gemv.h (the MLA absorbed form's decode rows):
+// against their references in every format on shapes across the kernel's 512-column chunks (the real
+// kv_b's 512 among them), row sub-ranges, the claim that a compact copy gives its fp32 copy's bits, and
+// the checks before anything is written.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/common/bf16.h"
+#include "kda/kernels/gemm/row_gemv.h"
+#include "kda/kernels/gemm/weight_format.h"
+#include "support/test_support.h"
+
+namespace kda {
+namespace {
+
+namespace kg = kernels::gemm;
+using kg::RowFormat;
+using testing::random_normal;
+
+// W [rows, cols] held in one format, and its values as the format gives them (fp32).
+struct Held {
+  RowFormat format;
+  std::vector<float> values;  // the dequantized (or widened) values, [rows, cols]
+  std::vector<bf16_t> bf16;
+  std::unique_ptr<kg::PackedMatrix> packed;
+  kg::RowMatrix view;
+};
+
+Held hold(RowFormat f, const std::vector<float>& w, int64_t rows, int64_t cols) {
+  Held h{f, w, {}, nullptr, {}};
+  switch (f) {
+    case RowFormat::F32:
+      h.view = {f, h.values.data(), nullptr, rows, cols};
+      break;
+    case RowFormat::BF16:
+      h.bf16.resize(w.size());
+      f32_to_bf16_array(w.data(), h.bf16.data(), w.size());
+      bf16_to_f32_array(h.bf16.data(), h.values.data(), w.size());
+      h.view = {f, h.bf16.data(), nullptr, rows, cols};
+      break;
+    case RowFormat::Int8:
+    case RowFormat::Int4: {
+      h.packed = std::make_unique<kg::PackedMatrix>(f == RowFormat::Int8 ? Weights::Int8 : Weights::Int4,
+                                                    w.data(), cols, rows);
+      h.values = kg::dequantize(h.packed->view());
+      h.view = {f, h.packed->view().data, h.packed->view().scale, rows, cols};
+      break;
+    }
+  }
+  return h;
+}
+
+const char* name(RowFormat f) {
+  return f == RowFormat::F32 ? "f32" : f == RowFormat::BF16 ? "bf16" : f == RowFormat::Int8 ? "int8" : "int4";
+}
+
+// Each output within a few fp32 roundings of its sum of |products| (the reference sums in double).
+void expect_close(const std::vector<float>& got, const std::vector<float>& want,
+                  const std::vector<double>& mag, int64_t terms, const std::string& what) {
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!(std::fabs(static_cast<double>(got[i]) - want[i]) <=
+          2.4e-7 * static_cast<double>(terms + 2) * mag[i]))
+      ++bad;
+  EXPECT_EQ(bad, 0) << what;
+}
+
+TEST(RowGemv, EqualsTheReferenceInEveryFormat) {
+  struct Shape {
+    int64_t rows, cols, r0, n;
+  };
+  // kv_b at the real shapes (a head's 128 W_UK rows, its 128 W_UV rows), one group, columns past a
+  // 512-column chunk and not a multiple of it, single rows, a range at the end.
+  const std::vector<Shape> shapes{{512, 512, 0, 128}, {512, 512, 384, 128}, {4, 32, 0, 4},
+                                  {40, 544, 3, 37},   {24, 1056, 5, 1},     {64, 96, 63, 1},
+                                  {16, 2048, 0, 16}};
+  uint64_t seed = 11;
+  for (const Shape& s : shapes)
+    for (const RowFormat f : {RowFormat::F32, RowFormat::BF16, RowFormat::Int8, RowFormat::Int4}) {
+      const std::vector<float> w = random_normal(static_cast<size_t>(s.rows * s.cols), ++seed, 0.05f);
+      const Held h = hold(f, w, s.rows, s.cols);
+      const std::string what = std::string(name(f)) + " [" + std::to_string(s.rows) + ", " +
+                               std::to_string(s.cols) + "] rows " + std::to_string(s.r0) + " + " +
+                               std::to_string(s.n);
+      // x W over rows [r0, r0 + n): cols outputs.
+      const std::vector<float> x = random_normal(static_cast<size_t>(s.n), ++seed);
+      std::vector<float> got(static_cast<size_t>(s.cols)), want(got.size());
+      kg::gemv_rows_xw(h.view, s.r0, s.n, x.data(), got.data());
+      kg::gemv_rows_xw_reference(h.view, s.r0, s.n, x.data(), want.data());
+      std::vector<double> mag(got.size(), 0.0);
+      for (int64_t k = 0; k < s.n; ++k)
+        for (int64_t c = 0; c < s.cols; ++c) mag[c] += std::fabs(x[k] * h.values[(s.r0 + k) * s.cols + c]);
+      expect_close(got, want, mag, s.n, "xw " + what);
+      // W x over the same rows: n outputs.
+      const std::vector<float> u = random_normal(static_cast<size_t>(s.cols), ++seed);
+      std::vector<float> got2(static_cast<size_t>(s.n)), want2(got2.size());
+      kg::gemv_rows_wx(h.view, s.r0, s.n, u.data(), got2.data());
+      kg::gemv_rows_wx_reference(h.view, s.r0, s.n, u.data(), want2.data());
+      std::vector<double> mag2(got2.size(), 0.0);
+      for (int64_t n = 0; n < s.n; ++n)
+        for (int64_t c = 0; c < s.cols; ++c) mag2[n] += std::fabs(u[c] * h.values[(s.r0 + n) * s.cols + c]);
+      expect_close(got2, want2, mag2, s.cols, "wx " + what);
+    }
+}
+
+// What MLA's compact kv_b rests on: the compact copy's products are its fp32 values' products, bit for bit.
+TEST(RowGemv, ACompactCopyGivesTheBitsOfItsFp32Values) {
+  const int64_t rows = 256, cols = 512;
+  const std::vector<float> w = random_normal(static_cast<size_t>(rows * cols), 5, 0.05f);
+  const std::vector<float> x = random_normal(static_cast<size_t>(rows), 6), u = random_normal(cols, 7);
+  for (const RowFormat f : {RowFormat::BF16, RowFormat::Int8, RowFormat::Int4}) {
+    const Held h = hold(f, w, rows, cols);
+    const kg::RowMatrix f32{RowFormat::F32, h.values.data(), nullptr, rows, cols};
+    std::vector<float> a(cols), b(cols), c(128), d(128);
+    kg::gemv_rows_xw(h.view, 0, 128, x.data(), a.data());
+    kg::gemv_rows_xw(f32, 0, 128, x.data(), b.data());
+    kg::gemv_rows_wx(h.view, 128, 128, u.data(), c.data());
+    kg::gemv_rows_wx(f32, 128, 128, u.data(), d.data());
+    EXPECT_EQ(a, b) << name(f);
+    EXPECT_EQ(c, d) << name(f);
+  }
+}
+
+TEST(RowGemv, RowBytesCountValuesAndScales) {
+  const std::vector<float> v(64, 0.0f);
+  EXPECT_EQ(kg::row_bytes({RowFormat::F32, v.data(), nullptr, 2, 64}, 2), 2 * 64 * 4);
+  EXPECT_EQ(kg::row_bytes({RowFormat::BF16, v.data(), nullptr, 2, 64}, 2), 2 * 64 * 2);
+  EXPECT_EQ(kg::row_bytes({RowFormat::Int8, v.data(), v.data(), 2, 64}, 2), 2 * (64 + 4));
+  EXPECT_EQ(kg::row_bytes({RowFormat::Int4, v.data(), v.data(), 2, 64}, 2), 2 * (32 + 2 * 4));
+}
+
+TEST(RowGemv, BadArgumentsAreRefusedBeforeWriting) {
+  const std::vector<float> w = random_normal(8 * 64, 3), x(64, 1.0f);
+  const kg::RowMatrix m{RowFormat::F32, w.data(), nullptr, 8, 64};
+  std::vector<float> y(64, 7.0f);
+  const std::vector<float> before = y;
+  EXPECT_THROW(kg::gemv_rows_xw(m, 4, 5, x.data(), y.data()), std::invalid_argument);   // past the rows
+  EXPECT_THROW(kg::gemv_rows_wx(m, -1, 2, x.data(), y.data()), std::invalid_argument);  // negative start
+  EXPECT_THROW(kg::gemv_rows_wx(m, 0, 2, nullptr, y.data()), std::invalid_argument);
+  EXPECT_THROW(kg::gemv_rows_xw({RowFormat::Int4, w.data(), w.data(), 8, 48}, 0, 1, x.data(), y.data()),
+               std::invalid_argument);  // int4 columns not a multiple of 32
+  EXPECT_THROW(kg::gemv_rows_xw({RowFormat::Int8, w.data(), nullptr, 8, 64}, 0, 1, x.data(), y.data()),
+               std::invalid_argument);  // no scales
+  EXPECT_THROW(kg::gemv_rows_xw({RowFormat::F32, nullptr, nullptr, 8, 64}, 0, 1, x.data(), y.data()),
+               std::invalid_argument);
+  EXPECT_EQ(y, before);
+}
+
+}  // namespace
+}  // namespace kda
