@@ -85,7 +85,6 @@ constexpr int64_t kParallelMin = int64_t{1} << 15;
 constexpr int kMB = 6;             // rows per group: 6 x 4 accumulators, 4 weight vectors, 1 broadcast
 constexpr int64_t kPassRows = 48;  // rows per pass over W (8 groups; their partial sums fit the stack)
 constexpr int64_t kStretch = 64;   // input pairs per stretch: a block's 128 inputs, 16 KB, stay in L1
-constexpr int64_t kPrefetch = 16;  // pairs ahead that a lone group fetches the block's lines
 constexpr int64_t kPairRow = 2 * kVnniBlockN;  // values per pair row of a block
 
 #pragma GCC push_options
@@ -124,8 +123,7 @@ enum : unsigned {
   kEndChunk = 2,    // the stretch ends its chunk: the sums go to total (else back to part)
   kFirstChunk = 4,  // ... and are the total (else added to it)
   kLast = 8,        // ... and the total goes to y
-  kFetch = 16,      // the group prefetches the block's lines `ahead` pairs on, into L1
-  kFetchL2 = 32,    // ... into L2 instead
+  kFetchL2 = 16,    // the group prefetches the block's lines `ahead` pairs on, into L2
 };
 
 // Rows [m0, m0 + MB) against NZ columns of 16 channels of one block (wb: the first column's values of
@@ -140,9 +138,6 @@ inline void group(const bf16_t* x, int64_t ldx, int64_t m0, const bf16_t* wb, in
   const bf16_t* xr = x + m0 * ldx;
   for (int64_t p = p0; p < p1; ++p) {
     const bf16_t* wp = wb + p * kPairRow;
-    if (f & kFetch)
-      for (int j = 0; j < NZ; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(wp + ahead * kPairRow + 32 * j), _MM_HINT_T0);
     if (f & kFetchL2)
       for (int j = 0; j < NZ; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(wp + ahead * kPairRow + 32 * j), _MM_HINT_T1);
@@ -190,10 +185,12 @@ inline void group_rows(int mb, const bf16_t* x, int64_t ldx, int64_t m0, const b
 }
 
 // Rows [r0, r1) (at most kPassRows) against columns [j0, j0 + NZ) of block nb, chunk by chunk of `chunk`
-// pairs. With one group a chunk runs with its sums in registers, fetching the block's lines a little
-// ahead; with more, stretch by stretch, each group's sums kept in memory between stretches (the same
-// additions in the same order either way), and every group fetches the next stretch's lines, so that
-// their reads from memory overlap all the groups' work on this stretch. Those go to L2: fetched into L1
+// pairs. With one group a chunk runs with its sums in registers, the block's lines read in address order
+// with no prefetch (the hardware's alone read the LM head at one to six rows as fast as the read ceiling,
+// where an L1 prefetch 4 KB ahead read it slower: docs/performance.md, "The LM head's one-row pass
+// without a prefetch"); with more, stretch by stretch, each group's sums kept in memory between stretches
+// (the same additions in the same order either way), and every group fetches the next stretch's lines, so
+// that their reads from memory overlap all the groups' work on this stretch. Those go to L2: fetched into L1
 // beside the stretch the groups are reading (the two fill a 32 KB L1, Zen 4's), they evicted lines the
 // later groups still read, and the kernel fell behind oneDNN's matmul from a few groups on
 // (docs/performance.md, "bf16 decode rows: the next stretch into L2").
@@ -213,8 +210,7 @@ void block_rows(const bf16_t* x, int64_t ldx, int64_t r0, int64_t r1, const bf16
       for (int64_t m = r0; m < r1; m += kMB) {
         const int mb = static_cast<int>(std::min<int64_t>(kMB, r1 - m));
         const Sums s{part + (m - r0) * 64, total + (m - r0) * 64};
-        group_rows<NZ>(mb, x, ldx, m, wb, p0, p1, s, f | (rows <= kMB ? kFetch : kFetchL2),
-                       rows <= kMB ? kPrefetch : kStretch, out, n0);
+        group_rows<NZ>(mb, x, ldx, m, wb, p0, p1, s, f | (rows <= kMB ? 0u : kFetchL2), kStretch, out, n0);
       }
     }
   }
