@@ -213,6 +213,16 @@ struct DecodeCase {
     q = random_normal(static_cast<size_t>(T * qw), seed, 2.0f);
     w = random_normal(static_cast<size_t>(d.heads * (d.qk_nope + d.v_head) * d.kv_lora), seed + 2, 0.05f);
   }
+  // The sequences over `latent` (every sequence's rows, gathered in order).
+  std::vector<mla::MlaSeq> gathered(const std::vector<float>& latent) const {
+    std::vector<mla::MlaSeq> seqs;
+    for (int64_t row = 0, at = 0; const auto& [prefix, extend] : specs) {
+      seqs.push_back({row, prefix, extend, latent.data() + at * lat, nullptr});
+      row += extend;
+      at += prefix + extend;
+    }
+    return seqs;
+  }
 };
 
 TEST(MlaFlash, AbsorbedDecodeRowsEqualThePlainReference) {
@@ -220,12 +230,7 @@ TEST(MlaFlash, AbsorbedDecodeRowsEqualThePlainReference) {
     const DecodeCase c(heads, {{700, 1}, {0, 1}, {255, 1}, {100, 5}, {1030, 1}}, 21);
     const auto& [d, specs, lat, qw, ow, T, L, q, w] = c;
     const std::vector<float> latent = random_normal(static_cast<size_t>(L * lat), 22);
-    std::vector<mla::MlaSeq> seqs;
-    for (int64_t row = 0, at = 0; const auto& [prefix, extend] : specs) {
-      seqs.push_back({row, prefix, extend, latent.data() + at * lat, nullptr});
-      row += extend;
-      at += prefix + extend;
-    }
+    const std::vector<mla::MlaSeq> seqs = c.gathered(latent);
     std::vector<float> o(static_cast<size_t>(T * ow)), ref(o);
     mla::MlaAttnArgs a{d, q.data(), qw, seqs, w.data(), 1.0f / std::sqrt(192.0f), false, o.data(), ow};
     mla::mla_attention_absorbed(a);
@@ -242,12 +247,7 @@ TEST(MlaFlash, AbsorbedDecodeRowsFromACompactKvbGiveTheFp32Bits) {
   const DecodeCase c(32, {{300, 1}, {0, 1}, {100, 5}, {70, 1}}, 41);
   const auto& [d, specs, lat, qw, ow, T, L, q, w] = c;
   const std::vector<float> latent = random_normal(static_cast<size_t>(L * lat), 42);
-  std::vector<mla::MlaSeq> seqs;
-  for (int64_t row = 0, at = 0; const auto& [prefix, extend] : specs) {
-    seqs.push_back({row, prefix, extend, latent.data() + at * lat, nullptr});
-    row += extend;
-    at += prefix + extend;
-  }
+  const std::vector<mla::MlaSeq> seqs = c.gathered(latent);
   const int64_t rows = d.heads * (d.qk_nope + d.v_head), R = d.kv_lora;
   for (const Weights f : {Weights::BF16, Weights::Int8, Weights::Int4}) {
     std::vector<bf16_t> w16;

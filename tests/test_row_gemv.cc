@@ -86,24 +86,22 @@ TEST(RowGemv, EqualsTheReferenceInEveryFormat) {
       const std::string what = std::string(name(f)) + " [" + std::to_string(s.rows) + ", " +
                                std::to_string(s.cols) + "] rows " + std::to_string(s.r0) + " + " +
                                std::to_string(s.n);
-      // x W over rows [r0, r0 + n): cols outputs.
-      const std::vector<float> x = random_normal(static_cast<size_t>(s.n), ++seed);
-      std::vector<float> got(static_cast<size_t>(s.cols)), want(got.size());
-      kg::gemv_rows_xw(h.view, s.r0, s.n, x.data(), got.data());
-      kg::gemv_rows_xw_reference(h.view, s.r0, s.n, x.data(), want.data());
-      std::vector<double> mag(got.size(), 0.0);
-      for (int64_t k = 0; k < s.n; ++k)
-        for (int64_t c = 0; c < s.cols; ++c) mag[c] += std::fabs(x[k] * h.values[(s.r0 + k) * s.cols + c]);
-      expect_close(got, want, mag, s.n, "xw " + what);
-      // W x over the same rows: n outputs.
-      const std::vector<float> u = random_normal(static_cast<size_t>(s.cols), ++seed);
-      std::vector<float> got2(static_cast<size_t>(s.n)), want2(got2.size());
-      kg::gemv_rows_wx(h.view, s.r0, s.n, u.data(), got2.data());
-      kg::gemv_rows_wx_reference(h.view, s.r0, s.n, u.data(), want2.data());
-      std::vector<double> mag2(got2.size(), 0.0);
-      for (int64_t n = 0; n < s.n; ++n)
-        for (int64_t c = 0; c < s.cols; ++c) mag2[n] += std::fabs(u[c] * h.values[(s.r0 + n) * s.cols + c]);
-      expect_close(got2, want2, mag2, s.cols, "wx " + what);
+      // x W over rows [r0, r0 + n) (cols outputs), then W u over the same rows (n outputs): output o's
+      // terms are x[k] W[r0 + k, o], or u[c] W[r0 + o, c].
+      for (const bool xw : {true, false}) {
+        const int64_t in = xw ? s.n : s.cols, outs = xw ? s.cols : s.n;
+        const std::vector<float> x = random_normal(static_cast<size_t>(in), ++seed);
+        std::vector<float> got(static_cast<size_t>(outs)), want(got.size());
+        (xw ? kg::gemv_rows_xw : kg::gemv_rows_wx)(h.view, s.r0, s.n, x.data(), got.data());
+        (xw ? kg::gemv_rows_xw_reference : kg::gemv_rows_wx_reference)(h.view, s.r0, s.n, x.data(),
+                                                                       want.data());
+        std::vector<double> mag(got.size(), 0.0);
+        for (int64_t o = 0; o < outs; ++o)
+          for (int64_t k = 0; k < in; ++k)
+            mag[o] += std::fabs(x[k] *
+                                (xw ? h.values[(s.r0 + k) * s.cols + o] : h.values[(s.r0 + o) * s.cols + k]));
+        expect_close(got, want, mag, in, (xw ? "xw " : "wx ") + what);
+      }
     }
 }
 

@@ -286,20 +286,26 @@ int64_t row_bytes(const RowMatrix& w, int64_t rows) {
   return rows * (row_stride_bytes(w) + scales * static_cast<int64_t>(sizeof(float)));
 }
 
-void gemv_rows_xw(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
-  check(w, k0, K, x, y, "gemv_rows_xw");
+namespace {
+// gemv_rows_xw (xw) or gemv_rows_wx over rows [r0, r0 + n).
+void gemv_rows(bool xw, const RowMatrix& w, int64_t r0, int64_t n, const float* x, float* y) {
+  check(w, r0, n, x, y, xw ? "gemv_rows_xw" : "gemv_rows_wx");
 #if defined(KDA_ROW_GEMV_AVX512)
-  if (avx512_rows(true, w, k0, K, x, y)) return;
+  if (avx512_rows(xw, w, r0, n, x, y)) return;
 #endif
-  xw_rows(w, k0, K, x, y);
+  if (xw)
+    xw_rows(w, r0, n, x, y);
+  else
+    wx_rows(w, r0, n, x, y);
+}
+}  // namespace
+
+void gemv_rows_xw(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
+  gemv_rows(true, w, k0, K, x, y);
 }
 
 void gemv_rows_wx(const RowMatrix& w, int64_t n0, int64_t N, const float* x, float* y) {
-  check(w, n0, N, x, y, "gemv_rows_wx");
-#if defined(KDA_ROW_GEMV_AVX512)
-  if (avx512_rows(false, w, n0, N, x, y)) return;
-#endif
-  wx_rows(w, n0, N, x, y);
+  gemv_rows(false, w, n0, N, x, y);
 }
 
 void gemv_rows_xw_reference(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
