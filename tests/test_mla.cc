@@ -15,6 +15,7 @@
 
 #include "kda/distributed/in_process.h"
 #include "kda/io/safetensors.h"
+#include "kda/kernels/gemm/weight_format.h"
 #include "kda/layers/quant_linear.h"
 #include "kda/mem_cache/memory_pool.h"
 #include "kda/models/kimi_mla.h"
@@ -496,6 +497,18 @@ TEST(Mla, BadInputIsAClearErrorThatChangesNothing) {
   short_w.kv_b_proj.pop_back();
   testing::expect_throw_with<std::invalid_argument>(
       [&] { KimiMLAAttention bad(cfg, kLayer, short_w, Precision::FP32); }, "kv_b_proj");
+  // A packed layer (o_proj packed) whose kv_b_proj is neither packed nor given in fp32, in every weights
+  // mode.
+  auto no_kvb = w;
+  no_kvb.kv_b_proj.clear();
+  const int64_t o_in = cfg.num_attention_heads * cfg.v_head_dim;
+  for (const Weights f : {Weights::Int8, Weights::Int4}) {
+    no_kvb.packed["o_proj"] =
+        std::make_shared<const kernels::gemm::PackedMatrix>(f, w.o_proj.data(), o_in, cfg.hidden_size);
+    testing::expect_throw_with<std::invalid_argument>(
+        [&] { KimiMLAAttention bad(cfg, kLayer, no_kvb, Precision::FP32, {}, f); },
+        "kv_b_proj holds 0 values");
+  }
 }
 
 TEST(Mla, LoadsTheTinyModelsMlaLayer) {

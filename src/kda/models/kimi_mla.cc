@@ -236,6 +236,10 @@ KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_id
   DecodeKvb& dk = *kvb_decode_;
   using kernels::gemm::RowFormat;
   dk.packed = packed_kvb(w, R_, kvb_out, weights);
+  // A packed layer's fp32 tensors are not checked by size (checked() above): kv_b's is, where it is used.
+  if (!dk.packed && static_cast<int64_t>(w.kv_b_proj.size()) != kvb_out * R_)
+    throw std::invalid_argument("kv_b_proj holds " + str(static_cast<int64_t>(w.kv_b_proj.size())) +
+                                " values, expected [" + str(kvb_out) + ", " + str(R_) + "]");
   if (weights == Weights::Int8 || weights == Weights::Int4) {
     // Packed here from fp32 as a kv_b QuantLinear would pack it, where the checkpoint did not.
     if (!dk.packed)
