@@ -38,19 +38,21 @@ inline const void* row_at(const RowMatrix& w, int64_t r) {
   return static_cast<const uint8_t*>(w.data) + r * row_stride_bytes(w);
 }
 
+// The call's arguments, checked on every call (the message is built only for a bad one).
 void check(const RowMatrix& w, int64_t r0, int64_t n, const float* x, const float* y, const char* who) {
-  const std::string at = std::string(who) + ": ";
-  if (w.rows < 0 || w.cols <= 0 || w.data == nullptr)
-    throw std::invalid_argument(at + "the matrix has no data or no columns");
+  const auto fail = [who](const std::string& what) {
+    throw std::invalid_argument(std::string(who) + ": " + what);
+  };
+  if (w.rows < 0 || w.cols <= 0 || w.data == nullptr) fail("the matrix has no data or no columns");
   if ((w.format == RowFormat::Int8 || w.format == RowFormat::Int4) && w.scale == nullptr)
-    throw std::invalid_argument(at + "int8 / int4 rows need their scales");
+    fail("int8 / int4 rows need their scales");
   if (w.format == RowFormat::Int4 && w.cols % kInt4Group != 0)
-    throw std::invalid_argument(at + "int4 rows of " + std::to_string(w.cols) +
-                                " columns: not a multiple of " + std::to_string(kInt4Group));
+    fail("int4 rows of " + std::to_string(w.cols) + " columns: not a multiple of " +
+         std::to_string(kInt4Group));
   if (r0 < 0 || n < 0 || r0 + n > w.rows)
-    throw std::invalid_argument(at + "rows [" + std::to_string(r0) + ", " + std::to_string(r0 + n) +
-                                ") outside the matrix's " + std::to_string(w.rows));
-  if (x == nullptr || y == nullptr) throw std::invalid_argument(at + "null x or y");
+    fail("rows [" + std::to_string(r0) + ", " + std::to_string(r0 + n) + ") outside the matrix's " +
+         std::to_string(w.rows));
+  if (x == nullptr || y == nullptr) fail("null x or y");
 }
 
 // Columns [c0, c0 + n) of row r as fp32 (the format's dequantized values); c0 and n multiples of 32 for
