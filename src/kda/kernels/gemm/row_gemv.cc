@@ -127,9 +127,9 @@ KDA_TARGET_CLONES void wx_rows(const RowMatrix& w, int64_t n0, int64_t N, const 
 #define KDA_ROW_GEMV_AVX512 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
-// The same sums with each row's values widened into registers, 16 columns a vector: xw's chain of
-// multiply-adds per output in row order; wx sums a row in 4 accumulators, vector v into accumulator
-// v % 4, then (0 + 1) + (2 + 3) and the lanes. Columns a multiple of 16.
+// The same sums with each row's values widened into registers, 16 columns a vector: xw (int4 rows) a
+// chain of multiply-adds per output in row order; wx sums a row in 4 accumulators, vector v into
+// accumulator v % 4, then (0 + 1) + (2 + 3) and the lanes. Columns a multiple of 16.
 
 // Vectors [v0, v0 + NV) of row r (columns 16 v0 on), widened; int4's come in pairs (a group's low
 // nibbles are its first 16 columns, its high ones the next 16), so NV is even for int4.
@@ -165,37 +165,35 @@ inline void load_row(const RowMatrix& w, int64_t r, int64_t v0, __m512 (&out)[NV
   }
 }
 
-// Rows a pass (int4): each vector of y is loaded once per kXwRows rows and meets them in row order, the
-// widening of 4 rows' groups between. (Strips of y held in registers over every row instead read each
-// row a strip's width at a time, a row apart, which read slower still.)
+// xw over int4 rows, kXwRows rows a pass: each pair of y's vectors (a group's columns) is loaded once per
+// pass and meets the rows in row order, their groups widened between. (Strips of y held in registers over
+// every row instead read each row a strip's width at a time, a row apart, which read slower still.)
 constexpr int kXwRows = 4;
 
-template <RowFormat F, int NR>
-inline void xw_rows_avx512(const RowMatrix& w, int64_t k0, const float* x, bool first, float* y) {
-  constexpr int U = F == RowFormat::Int4 ? 2 : 1;  // vectors a unit: an int4 group gives two
+template <int NR>
+inline void xw_int4_pass(const RowMatrix& w, int64_t k0, const float* x, bool first, float* y) {
   __m512 xs[NR];
   for (int i = 0; i < NR; ++i) xs[i] = _mm512_set1_ps(x[i]);
-  for (int64_t v = 0; v < w.cols / 16; v += U) {
-    __m512 acc[U];
-    for (int u = 0; u < U; ++u) acc[u] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + 16 * (v + u));
+  for (int64_t v = 0; v < w.cols / 16; v += 2) {
+    __m512 acc[2];
+    for (int u = 0; u < 2; ++u) acc[u] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + 16 * (v + u));
     for (int i = 0; i < NR; ++i) {
-      __m512 row[U];
-      load_row<F, U>(w, k0 + i, v, row);
-      for (int u = 0; u < U; ++u) acc[u] = _mm512_fmadd_ps(xs[i], row[u], acc[u]);
+      __m512 row[2];
+      load_row<RowFormat::Int4, 2>(w, k0 + i, v, row);
+      for (int u = 0; u < 2; ++u) acc[u] = _mm512_fmadd_ps(xs[i], row[u], acc[u]);
     }
-    for (int u = 0; u < U; ++u) _mm512_storeu_ps(y + 16 * (v + u), acc[u]);
+    for (int u = 0; u < 2; ++u) _mm512_storeu_ps(y + 16 * (v + u), acc[u]);
   }
 }
 
-template <RowFormat F>
-void xw_avx512(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
+void xw_int4_avx512(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
   if (K == 0) {
     for (int64_t c = 0; c < w.cols; ++c) y[c] = 0.0f;
     return;
   }
   int64_t k = 0;
-  for (; k + kXwRows <= K; k += kXwRows) xw_rows_avx512<F, kXwRows>(w, k0 + k, x + k, k == 0, y);
-  for (; k < K; ++k) xw_rows_avx512<F, 1>(w, k0 + k, x + k, k == 0, y);
+  for (; k + kXwRows <= K; k += kXwRows) xw_int4_pass<kXwRows>(w, k0 + k, x + k, k == 0, y);
+  for (; k < K; ++k) xw_int4_pass<1>(w, k0 + k, x + k, k == 0, y);
 }
 
 template <RowFormat F>
@@ -225,32 +223,29 @@ void wx_avx512(const RowMatrix& w, int64_t n0, int64_t N, const float* x, float*
   }
 }
 
-template <RowFormat F>
-void run_avx512(bool xw, const RowMatrix& w, int64_t r0, int64_t n, const float* x, float* y) {
-  if (xw)
-    xw_avx512<F>(w, r0, n, x, y);
-  else
-    wx_avx512<F>(w, r0, n, x, y);
-}
-
 // Whether the AVX-512 bodies ran: wx in every format (so that every format sums in one order), xw for
 // int4 rows only, on columns a multiple of 16 on a CPU that has it. fp32, bf16 and int8 rows read faster
 // one at a time through the loop of xw_rows, in the same order of multiply-adds (fused, as this copy
 // fuses them): docs/performance.md, "MLA decode: kv_b read in place".
 bool avx512_rows(bool xw, const RowMatrix& w, int64_t r0, int64_t n, const float* x, float* y) {
-  if (w.cols % 16 != 0 || best_isa() != Isa::Avx512 || (xw && w.format != RowFormat::Int4)) return false;
+  if (w.cols % 16 != 0 || best_isa() != Isa::Avx512) return false;
+  if (xw) {
+    if (w.format != RowFormat::Int4) return false;
+    xw_int4_avx512(w, r0, n, x, y);
+    return true;
+  }
   switch (w.format) {
     case RowFormat::F32:
-      run_avx512<RowFormat::F32>(xw, w, r0, n, x, y);
+      wx_avx512<RowFormat::F32>(w, r0, n, x, y);
       break;
     case RowFormat::BF16:
-      run_avx512<RowFormat::BF16>(xw, w, r0, n, x, y);
+      wx_avx512<RowFormat::BF16>(w, r0, n, x, y);
       break;
     case RowFormat::Int8:
-      run_avx512<RowFormat::Int8>(xw, w, r0, n, x, y);
+      wx_avx512<RowFormat::Int8>(w, r0, n, x, y);
       break;
     case RowFormat::Int4:
-      run_avx512<RowFormat::Int4>(xw, w, r0, n, x, y);
+      wx_avx512<RowFormat::Int4>(w, r0, n, x, y);
       break;
   }
   return true;
