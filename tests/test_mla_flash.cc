@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,11 +16,11 @@
 #include "kda/common/bf16.h"
 #include "kda/common/isa.h"
 #include "kda/kernels/gemm/row_gemv.h"
-#include "kda/kernels/gemm/weight_format.h"
 #include "kda/kernels/online_softmax.h"
 #include "kda/kernels/online_softmax_isa.h"
 #include "kda/layers/attention/mla/mla_attention.h"
 #include "kda/layers/linear.h"
+#include "support/compact_rows.h"
 #include "support/test_support.h"
 
 namespace kda {
@@ -249,32 +248,19 @@ TEST(MlaFlash, AbsorbedDecodeRowsFromACompactKvbGiveTheFp32Bits) {
   const std::vector<float> latent = random_normal(static_cast<size_t>(L * lat), 42);
   const std::vector<mla::MlaSeq> seqs = c.gathered(latent);
   const int64_t rows = d.heads * (d.qk_nope + d.v_head), R = d.kv_lora;
-  for (const Weights f : {Weights::BF16, Weights::Int8, Weights::Int4}) {
-    std::vector<bf16_t> w16;
-    std::unique_ptr<kernels::gemm::PackedMatrix> packed;
-    std::vector<float> values;  // the compact copy's values, fp32
-    kernels::gemm::RowMatrix compact;
-    if (f == Weights::BF16) {
-      w16.resize(w.size());
-      f32_to_bf16_array(w.data(), w16.data(), w.size());
-      values.resize(w.size());
-      bf16_to_f32_array(w16.data(), values.data(), w.size());
-      compact = {kernels::gemm::RowFormat::BF16, w16.data(), nullptr, rows, R};
-    } else {
-      packed = std::make_unique<kernels::gemm::PackedMatrix>(f, w.data(), R, rows);
-      values = kernels::gemm::dequantize(packed->view());
-      compact = {f == Weights::Int8 ? kernels::gemm::RowFormat::Int8 : kernels::gemm::RowFormat::Int4,
-                 packed->view().data, packed->view().scale, rows, R};
-    }
+  for (const kernels::gemm::RowFormat f :
+       {kernels::gemm::RowFormat::BF16, kernels::gemm::RowFormat::Int8, kernels::gemm::RowFormat::Int4}) {
+    const auto compact = testing::compact_rows(f, w, rows, R);
+    const std::vector<float>& values = compact->values;  // the compact copy's values, fp32
     for (const bool bf16 : {false, true}) {
       std::vector<float> want(static_cast<size_t>(T * ow)), got(want);
       mla::MlaAttnArgs a{d,    q.data(),    qw, seqs, values.data(), 1.0f / std::sqrt(192.0f),
                          bf16, want.data(), ow};
       mla::mla_attention_absorbed(a);
       a.o = got.data();
-      a.kv_b_rows = compact;
+      a.kv_b_rows = compact->view;
       mla::mla_attention_absorbed(a);
-      EXPECT_EQ(got, want) << to_string(f) << (bf16 ? ", bf16 mode" : ", fp32 mode");
+      EXPECT_EQ(got, want) << testing::row_format_name(f) << (bf16 ? ", bf16 mode" : ", fp32 mode");
     }
   }
   std::vector<float> o(static_cast<size_t>(T * ow), 3.0f);

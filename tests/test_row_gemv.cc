@@ -9,9 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "kda/common/bf16.h"
 #include "kda/kernels/gemm/row_gemv.h"
-#include "kda/kernels/gemm/weight_format.h"
+#include "support/compact_rows.h"
 #include "support/test_support.h"
 
 namespace kda {
@@ -20,43 +19,6 @@ namespace {
 namespace kg = kernels::gemm;
 using kg::RowFormat;
 using testing::random_normal;
-
-// W [rows, cols] held in one format, and its values as the format gives them (fp32).
-struct Held {
-  RowFormat format;
-  std::vector<float> values;  // the dequantized (or widened) values, [rows, cols]
-  std::vector<bf16_t> bf16;
-  std::unique_ptr<kg::PackedMatrix> packed;
-  kg::RowMatrix view;
-};
-
-Held hold(RowFormat f, const std::vector<float>& w, int64_t rows, int64_t cols) {
-  Held h{f, w, {}, nullptr, {}};
-  switch (f) {
-    case RowFormat::F32:
-      h.view = {f, h.values.data(), nullptr, rows, cols};
-      break;
-    case RowFormat::BF16:
-      h.bf16.resize(w.size());
-      f32_to_bf16_array(w.data(), h.bf16.data(), w.size());
-      bf16_to_f32_array(h.bf16.data(), h.values.data(), w.size());
-      h.view = {f, h.bf16.data(), nullptr, rows, cols};
-      break;
-    case RowFormat::Int8:
-    case RowFormat::Int4: {
-      h.packed = std::make_unique<kg::PackedMatrix>(f == RowFormat::Int8 ? Weights::Int8 : Weights::Int4,
-                                                    w.data(), cols, rows);
-      h.values = kg::dequantize(h.packed->view());
-      h.view = {f, h.packed->view().data, h.packed->view().scale, rows, cols};
-      break;
-    }
-  }
-  return h;
-}
-
-const char* name(RowFormat f) {
-  return f == RowFormat::F32 ? "f32" : f == RowFormat::BF16 ? "bf16" : f == RowFormat::Int8 ? "int8" : "int4";
-}
 
 // Each output within a few fp32 roundings of its sum of |products| (the reference sums in double).
 void expect_close(const std::vector<float>& got, const std::vector<float>& want,
@@ -84,9 +46,10 @@ TEST(RowGemv, EqualsTheReferenceInEveryFormat) {
     for (const RowFormat f : {RowFormat::F32, RowFormat::BF16, RowFormat::Int8, RowFormat::Int4}) {
       if (f == RowFormat::Int4 && s.cols % 32 != 0) continue;
       const std::vector<float> w = random_normal(static_cast<size_t>(s.rows * s.cols), ++seed, 0.05f);
-      const Held h = hold(f, w, s.rows, s.cols);
-      const std::string what = std::string(name(f)) + " [" + std::to_string(s.rows) + ", " +
-                               std::to_string(s.cols) + "] rows " + std::to_string(s.r0) + " + " +
+      const auto held = testing::compact_rows(f, w, s.rows, s.cols);
+      const testing::CompactRows& h = *held;
+      const std::string what = std::string(testing::row_format_name(f)) + " [" + std::to_string(s.rows) +
+                               ", " + std::to_string(s.cols) + "] rows " + std::to_string(s.r0) + " + " +
                                std::to_string(s.n);
       // x W over rows [r0, r0 + n) (cols outputs), then W u over the same rows (n outputs): output o's
       // terms are x[k] W[r0 + k, o], or u[c] W[r0 + o, c].
@@ -113,15 +76,16 @@ TEST(RowGemv, ACompactCopyGivesTheBitsOfItsFp32Values) {
   const std::vector<float> w = random_normal(static_cast<size_t>(rows * cols), 5, 0.05f);
   const std::vector<float> x = random_normal(static_cast<size_t>(rows), 6), u = random_normal(cols, 7);
   for (const RowFormat f : {RowFormat::BF16, RowFormat::Int8, RowFormat::Int4}) {
-    const Held h = hold(f, w, rows, cols);
+    const auto held = testing::compact_rows(f, w, rows, cols);
+    const testing::CompactRows& h = *held;
     const kg::RowMatrix f32{RowFormat::F32, h.values.data(), nullptr, rows, cols};
     std::vector<float> a(cols), b(cols), c(128), d(128);
     kg::gemv_rows_xw(h.view, 0, 128, x.data(), a.data());
     kg::gemv_rows_xw(f32, 0, 128, x.data(), b.data());
     kg::gemv_rows_wx(h.view, 128, 128, u.data(), c.data());
     kg::gemv_rows_wx(f32, 128, 128, u.data(), d.data());
-    EXPECT_EQ(a, b) << name(f);
-    EXPECT_EQ(c, d) << name(f);
+    EXPECT_EQ(a, b) << testing::row_format_name(f);
+    EXPECT_EQ(c, d) << testing::row_format_name(f);
   }
 }
 
