@@ -135,8 +135,9 @@ class KimiMLAAttention {
   struct DecodeKvb;
   std::unique_ptr<DecodeKvb> kvb_decode_;
   // With bf16 weights in the bf16 precision, on a CPU where the plain form packs bf16 keys, the same
-  // values as a bf16 Linear: the plain form's expansion (prefill) as one bf16 GEMM (MlaAttnArgs::kv_b). A
-  // second copy of kv_b (8 MB a layer at the real shapes).
+  // values as a bf16 Linear: the plain form's expansion (prefill) as one bf16 GEMM (MlaAttnArgs::kv_b).
+  // Another copy of kv_b (8 MB a layer at the real shapes), in the Linear's layout, beside the row-major
+  // one the decode rows read.
   std::unique_ptr<layers::Linear> kv_b16_;
   // Scratch.
   std::vector<float> q_, a_, lat_, o_;

@@ -235,22 +235,21 @@ KimiMLAAttention::KimiMLAAttention(const io::KimiLinearConfig& cfg, int layer_id
   const int64_t kvb_out = Hm_ * (dn_ + dv_);
   DecodeKvb& dk = *kvb_decode_;
   using kernels::gemm::RowFormat;
-  dk.packed = packed_kvb(w, R_, kvb_out, weights);
+  const auto packed = packed_kvb(w, R_, kvb_out, weights);
   // A packed layer's fp32 tensors are not checked by size (checked() above): kv_b's is, where it is used.
-  if (!dk.packed && static_cast<int64_t>(w.kv_b_proj.size()) != kvb_out * R_)
+  if (!packed && static_cast<int64_t>(w.kv_b_proj.size()) != kvb_out * R_)
     throw std::invalid_argument("kv_b_proj holds " + str(static_cast<int64_t>(w.kv_b_proj.size())) +
                                 " values, expected [" + str(kvb_out) + ", " + str(R_) + "]");
   if (weights == Weights::Int8 || weights == Weights::Int4) {
     // Packed here from fp32 as a kv_b QuantLinear would pack it, where the checkpoint did not.
-    if (!dk.packed)
-      dk.packed =
-          std::make_shared<const kernels::gemm::PackedMatrix>(weights, w.kv_b_proj.data(), R_, kvb_out);
+    dk.packed = packed ? packed
+                       : std::make_shared<const kernels::gemm::PackedMatrix>(weights, w.kv_b_proj.data(), R_,
+                                                                             kvb_out);
     const kernels::gemm::PackedWeights& v = dk.packed->view();
     w_kvb_ = kernels::gemm::dequantize(v);
     dk.rows = {weights == Weights::Int8 ? RowFormat::Int8 : RowFormat::Int4, v.data, v.scale, kvb_out, R_};
   } else {
-    w_kvb_ = dk.packed ? kernels::gemm::dequantize(dk.packed->view()) : param(w.kv_b_proj, precision);
-    dk.packed.reset();
+    w_kvb_ = packed ? kernels::gemm::dequantize(packed->view()) : param(w.kv_b_proj, precision);
     dk.rows = {RowFormat::F32, w_kvb_.data(), nullptr, kvb_out, R_};
     if (precision == Precision::BF16) {
       dk.bf16 = allocate_weights(w_kvb_.size() * sizeof(bf16_t));
