@@ -69,12 +69,16 @@ using amx::TileConfig;
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,amx-tile,amx-bf16")
 
 // Tiles: 0 the weights (`channels` channels by 32 inputs), 1 to 3 a group's x (16 input pairs by `cols`
-// rows' words), 4 to 7 the groups' sums (`channels` by `cols`). Columns and rows past them are never read.
-inline void configure(int64_t channels, int64_t cols) {
+// rows' words), 4 to 7 the groups' sums (`channels` by `cols`). With one group, 2 and 3 hold weights too
+// (four_blocks). Columns and rows past them are never read.
+inline void configure(int64_t channels, int64_t cols, int64_t groups) {
   TileConfig c;
-  c.rows[0] = static_cast<uint8_t>(channels);
-  c.colsb[0] = 2 * kStep;
+  for (int t : {0, 2, 3}) {
+    c.rows[t] = static_cast<uint8_t>(channels);
+    c.colsb[t] = 2 * kStep;
+  }
   for (int t : {1, 2, 3}) {
+    if (t > 1 && groups == 1) continue;
     c.rows[t] = kStep / 2;
     c.colsb[t] = static_cast<uint16_t>(4 * cols);
   }
@@ -94,12 +98,13 @@ class Tiles {
   }
   Tiles(const Tiles&) = delete;
   Tiles& operator=(const Tiles&) = delete;
-  void shape(int64_t channels, int64_t cols) {
-    if (channels != channels_ || cols != cols_) configure(channels_ = channels, cols_ = cols);
+  void shape(int64_t channels, int64_t cols, int64_t groups) {
+    if (channels != channels_ || cols != cols_ || groups != groups_)
+      configure(channels_ = channels, cols_ = cols, groups_ = groups);
   }
 
  private:
-  int64_t channels_ = 0, cols_ = 0;
+  int64_t channels_ = 0, cols_ = 0, groups_ = 0;
 };
 
 // o [channels][kCols] (a stored C tile) into y's rows [m0, m0 + mr) and columns [n0, n0 + nc).
@@ -110,6 +115,62 @@ inline void write_out(const float* o, int64_t m0, int64_t mr, int64_t n0, int64_
   }
 }
 
+// Full channel blocks of the tiled layout from nb0, four a pass, against one group of `rows` rows of x
+// (`cols` columns): each step's x tile serves four weight tiles (0, 2, 3, then 0 again), four C tiles (4
+// to 7) summing side by side. Every sum is the one-block pass's, in the same order. With one block a
+// pass, 2 to 16 rows read the LM head 10-15% slower than one row (one run per thread, each step's
+// product waiting on the last): docs/performance.md, "The LM head's rows four blocks a pass". Returns
+// the first block left (fewer than four, or a last block of fewer channels).
+int64_t four_blocks(const uint32_t* xb, int64_t rows, int64_t cols, const bf16_t* w, int64_t K, int64_t N,
+                    int64_t nb0, int64_t nb1, float* y, int64_t ldy, Tiles& tiles) {
+  constexpr int64_t kBlocks = 4, kAhead = 2;  // steps prefetched ahead into L1, as one block a pass
+  alignas(64) float o[kC * kCols];
+  tiles.shape(kC, cols, 1);
+  const int64_t bs = kC * K;  // values per block
+  int64_t nb = nb0;
+  for (; nb + kBlocks <= nb1 && (nb + kBlocks) * kC <= N; nb += kBlocks) {
+    const bf16_t* a = w + nb * bs;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t k = 0; k < K; k += kStep) {
+      if (k + kAhead * kStep < K)
+        for (int64_t b = 0; b < kBlocks; ++b)
+          for (int64_t j = 0; j < kC; ++j)
+            _mm_prefetch(reinterpret_cast<const char*>(a + b * bs + (k + kAhead * kStep) * kC + j * kStep),
+                         _MM_HINT_T0);
+      _tile_loadd(1, xb + k / 2 * kCols, 4 * kCols);
+      _tile_loadd(0, a + k * kC, 2 * kStep);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(2, a + bs + k * kC, 2 * kStep);
+      _tile_dpbf16ps(5, 2, 1);
+      _tile_loadd(3, a + 2 * bs + k * kC, 2 * kStep);
+      _tile_dpbf16ps(6, 3, 1);
+      _tile_loadd(0, a + 3 * bs + k * kC, 2 * kStep);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+    const int64_t n0 = nb * kC;
+    _tile_stored(4, o, 4 * kCols);
+    KDA_TILE_FENCE();
+    write_out(o, 0, rows, n0, kC, y, ldy);
+    KDA_TILE_FENCE();
+    _tile_stored(5, o, 4 * kCols);
+    KDA_TILE_FENCE();
+    write_out(o, 0, rows, n0 + kC, kC, y, ldy);
+    KDA_TILE_FENCE();
+    _tile_stored(6, o, 4 * kCols);
+    KDA_TILE_FENCE();
+    write_out(o, 0, rows, n0 + 2 * kC, kC, y, ldy);
+    KDA_TILE_FENCE();
+    _tile_stored(7, o, 4 * kCols);
+    KDA_TILE_FENCE();
+    write_out(o, 0, rows, n0 + 3 * kC, kC, y, ldy);
+    KDA_TILE_FENCE();
+  }
+  return nb;
+}
+
 // Channel blocks [nb0, nb1) of W (kTiled: W in the tiled layout, else [N, K]) against the pass's `rows`
 // rows of x, arranged in xb (arrange()) as `groups` groups of `cols` columns each.
 template <bool kTiled>
@@ -117,6 +178,9 @@ void blocks(const uint32_t* xb, int64_t rows, int64_t groups, int64_t cols, cons
             int64_t N, int64_t nb0, int64_t nb1, float* y, int64_t ldy) {
   Tiles tiles;
   alignas(64) float o[kC * kCols];
+  // One row keeps one block a pass: four read it no faster (the doc section of four_blocks).
+  if constexpr (kTiled)
+    if (groups == 1 && rows > 1) nb0 = four_blocks(xb, rows, cols, w, K, N, nb0, nb1, y, ldy, tiles);
   const int64_t P = K / 2 * kCols;  // words per group
   // Steps prefetched ahead: 2; in the tiled layout with more than one group 32 (32 KB), where the block's
   // one run is read at the tile products' pace and 2 steps left it waiting on memory; at one group 32
@@ -129,7 +193,7 @@ void blocks(const uint32_t* xb, int64_t rows, int64_t groups, int64_t cols, cons
     // which follow the block's run (tiled) or its 16 channels' runs. Software prefetches of the next block
     // into L2, 16 lines a step, held the head's read below those prefetchers' rate (each takes an L1 miss
     // slot until its line is in: docs/performance.md, "The LM head in one copy").
-    tiles.shape(nc, cols);
+    tiles.shape(nc, cols, groups);
     _tile_zero(4);
     if (groups > 1) _tile_zero(5);
     if (groups > 2) _tile_zero(6);

@@ -40,9 +40,10 @@ void gemm_bf16_amx(const bf16_t* x, int64_t M, int64_t ldx, const bf16_t* w, int
 // tiles of 16 channels by 32 inputs, each 1 KB in one run, value (n, k) at bf16_amx_tiled_index(n, k, K)
 // of bf16_amx_tiled_size(N, K) values. A block is then one run of bytes rather than 16 channel rows 2K
 // bytes apart: at one row the kernel reads the LM head faster in this layout (at the read ceiling, where
-// 16 channel runs per thread hold the hardware prefetchers below it), at 16 rows about as fast, from 32
-// rows slower (one run per thread waits on memory at the tile products' pace): docs/performance.md,
-// "The LM head in tile order".
+// 16 channel runs per thread hold the hardware prefetchers below it), from 32 rows slower (one run per
+// thread waits on memory at the tile products' pace): docs/performance.md, "The LM head in tile order".
+// 2 to 16 rows take four blocks a pass here (four runs per thread, each x tile loaded once for them):
+// "The LM head's rows four blocks a pass".
 inline int64_t bf16_amx_tiled_size(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * K; }
 inline int64_t bf16_amx_tiled_index(int64_t n, int64_t k, int64_t K) {
   return n / 16 * 16 * K + k / 32 * 512 + n % 16 * 32 + k % 32;
