@@ -118,9 +118,9 @@ inline void write_out(const float* o, int64_t m0, int64_t mr, int64_t n0, int64_
 // Full channel blocks of the tiled layout from nb0, four a pass, against one group of `rows` rows of x
 // (`cols` columns): each step's x tile serves four weight tiles (0, 2, 3, then 0 again), four C tiles (4
 // to 7) summing side by side. Every sum is the one-block pass's, in the same order. With one block a
-// pass, 2 to 16 rows read the LM head 10-15% slower than one row (one run per thread, each step's
-// product waiting on the last): docs/performance.md, "The LM head's rows four blocks a pass". Returns
-// the first block left (fewer than four, or a last block of fewer channels).
+// pass, 2 to 16 rows read the LM head slower than one row (one run per thread, each step's product
+// waiting on the last): docs/performance.md, "The LM head's rows four blocks a pass". Returns the first
+// block left (fewer than four, or a last block of fewer channels).
 int64_t four_blocks(const uint32_t* xb, int64_t rows, int64_t cols, const bf16_t* w, int64_t K, int64_t N,
                     int64_t nb0, int64_t nb1, float* y, int64_t ldy, Tiles& tiles) {
   constexpr int64_t kBlocks = 4, kAhead = 2;  // steps prefetched ahead into L1, as one block a pass
