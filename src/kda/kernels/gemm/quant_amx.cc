@@ -157,10 +157,14 @@ void split_rows(const int16_t* xq, int64_t M, int64_t in, int t, int nt, uint32_
   }
 }
 
-// o [16 channels][16 rows] into y's rows [m0, m0 + mr) and columns [n0, n0 + 16).
-inline void write_out(const float* o, int64_t m0, int64_t mr, int64_t n0, float* y, int64_t ldy) {
-  for (int64_t m = 0; m < mr; ++m)
-    for (int64_t n = 0; n < kRows; ++n) y[(m0 + m) * ldy + n0 + n] = o[n * kRows + m];
+// acc [16 channels] (lanes: rows) into y's rows [m0, m0 + mr) and columns [n0, n0 + 16): transposed in
+// registers, one vector store per row (a scalar store per output slowed the int8 passes most where rows
+// are short and a pass has few steps: docs/performance.md, "int8 AMX passes: the sums out in vectors").
+inline void write_rows(__m512* acc, int64_t m0, int64_t mr, int64_t n0, float* y, int64_t ldy) {
+  __m512i r[kRows];
+  for (int64_t n = 0; n < kRows; ++n) r[n] = _mm512_castps_si512(acc[n]);
+  transpose16(r);
+  for (int64_t m = 0; m < mr; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + n0, _mm512_castsi512_ps(r[m]));
 }
 
 // 8 outputs' exact sums 256 h + l (in int64: the high bytes' sum times 256 may pass int32) in fp32.
@@ -174,7 +178,6 @@ inline __m256 exact(__m256i h8, __m256i l8) {
 inline void scale_out(int j, const float* scale, __m512 sxv, int64_t m0, int64_t mr, int64_t n0, float* y,
                       int64_t ldy) {
   alignas(64) int32_t hs[kRows * kRows], ls[kRows * kRows];
-  alignas(64) float o[kRows * kRows];
   if (j == 0) {
     _tile_stored(4, hs, 64);
     _tile_stored(5, ls, 64);
@@ -183,14 +186,15 @@ inline void scale_out(int j, const float* scale, __m512 sxv, int64_t m0, int64_t
     _tile_stored(7, ls, 64);
   }
   KDA_TILE_FENCE();
+  __m512 o[kRows];
   for (int64_t n = 0; n < kRows; ++n) {
     const __m512i h = _mm512_load_si512(hs + n * kRows), l = _mm512_load_si512(ls + n * kRows);
     const __m512 f = _mm512_insertf32x8(
         _mm512_castps256_ps512(exact(_mm512_castsi512_si256(h), _mm512_castsi512_si256(l))),
         exact(_mm512_extracti64x4_epi64(h, 1), _mm512_extracti64x4_epi64(l, 1)), 1);
-    _mm512_store_ps(o + n * kRows, _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(scale[n])), sxv));
+    o[n] = _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(scale[n])), sxv);
   }
-  write_out(o, m0, mr, n0, y, ldy);
+  write_rows(o, m0, mr, n0, y, ldy);
   KDA_TILE_FENCE();  // the next pass's sums overwrite what was stored above
 }
 
@@ -416,14 +420,6 @@ inline void scale_sums(const int32_t* hs, const int32_t* ls, __m512 sxv, const f
                                        _mm512_load_si512(ls + n * kRows));
     acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_set1_ps(ws[n * G]), sxv), acc[n]);
   }
-}
-
-// acc [16 channels] (lanes: rows) into y's rows [m0, m0 + mr) and columns [n0, n0 + 16).
-inline void write_rows(__m512* acc, int64_t m0, int64_t mr, int64_t n0, float* y, int64_t ldy) {
-  __m512i r[kRows];
-  for (int64_t n = 0; n < kRows; ++n) r[n] = _mm512_castps_si512(acc[n]);
-  transpose16(r);
-  for (int64_t m = 0; m < mr; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy + n0, _mm512_castsi512_ps(r[m]));
 }
 
 // One channel block's G groups (16 channels from q0, rows of row_bytes) on bf16 tiles against one
