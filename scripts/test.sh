@@ -48,7 +48,7 @@ if [ -n "$CALLER_LAUNCHER" ]; then export CMAKE_CXX_COMPILER_LAUNCHER=$CALLER_LA
 echo "== kernel tests without AVX-512 (KDA_ENABLE_AVX512=OFF)"
 cmake -S . -B build-portable -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_ENABLE_AVX512=OFF -DKDA_BUILD_BENCH=OFF \
   -DKDA_BUILD_PYTHON=OFF >/dev/null
-PORTABLE_TESTS=(test_kernels test_chunk_kda_blocks test_short_conv test_vec_math test_f32_block test_mla_flash)
+PORTABLE_TESTS=(test_kernels test_chunk_kda_blocks test_short_conv test_vec_math test_f32_block test_mla_flash test_argmax)
 cmake --build build-portable -j "$JOBS" --target "${PORTABLE_TESTS[@]}"
 for t in "${PORTABLE_TESTS[@]}"; do build-portable/"$t" --gtest_brief=1; done
 # And the AVX2 build's portable copy alone, as on a CPU without AVX2 (KDA_ISA caps the choice).

@@ -671,10 +671,11 @@ TEST(Engine, PrefixCacheHitsReportCachedTokensAndChangeNoToken) {
 namespace kda::serving {
 namespace {
 
-// A request whose logits are NaN (token 7's embedding row is NaN in this checkpoint) makes the sampler
-// refuse its row: that request alone finishes with kAbort and gives its slots back; a request batched
-// with it finishes as it does alone.
-TEST(Engine, ARequestTheSamplerRefusesIsAbortedAloneAndTheOthersGoOn) {
+// A request whose logits are NaN (token 7's embedding row is NaN in this checkpoint) has its row refused,
+// by the sampler (temperature 1) or by the plain greedy pick (no sampler): that request alone finishes with
+// kAbort and gives its slots back; a request batched with it finishes as it does alone.
+void expect_nan_request_aborted_alone(bool plain_greedy) {
+  SCOPED_TRACE(plain_greedy ? "plain greedy" : "sampler");
   const auto cfg = config({1, 2, 4}, {3});
   auto w = testing::random_model_weights(cfg, 5, io::StDType::F32);
   auto& emb = w.at("model.embed_tokens.weight");
@@ -688,8 +689,10 @@ TEST(Engine, ARequestTheSamplerRefusesIsAbortedAloneAndTheOthersGoOn) {
   const PoolCounts start = counts(runner);
 
   GenerateRequest bad = greedy({1, 7, 3}, 4);
-  bad.params.temperature = 1.0f;
-  bad.params.seed = 3;
+  if (!plain_greedy) {
+    bad.params.temperature = 1.0f;
+    bad.params.seed = 3;
+  }
   GenerateRequest good = greedy(random_prompt(9, 2), 4);
   const Outcome solo = alone(runner, options(), good);
 
@@ -706,6 +709,11 @@ TEST(Engine, ARequestTheSamplerRefusesIsAbortedAloneAndTheOthersGoOn) {
   expect_same_or_near_tie(*model, good.prompt, g.tokens[0], solo.tokens[0]);
   EXPECT_EQ(counts(runner), start);
   EXPECT_EQ(e.stats().requests_aborted, 1);
+}
+
+TEST(Engine, ARequestWhoseRowIsRefusedIsAbortedAloneAndTheOthersGoOn) {
+  expect_nan_request_aborted_alone(false);
+  expect_nan_request_aborted_alone(true);
 }
 
 // --- Speculative decoding (EngineOptions::spec): ngram drafts verified in TARGET_VERIFY steps. ---

@@ -1,14 +1,16 @@
 // The sampler on a full-vocabulary row: the optimized RequestSampler against sample_reference (in turns),
-// and its time per row beside one LM-head GEMV of the same width, the memory-bound step that produces the
-// row it samples from.
+// and the serving loop's plain-greedy argmax against its scan, each row's time beside one LM-head GEMV of
+// the same width, the memory-bound step that produces the row it samples from.
 #include <cstdio>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "kda/bench/inputs.h"
 #include "kda/bench/rows.h"
 #include "kda/layers/linear.h"
+#include "kda/sampling/argmax.h"
 #include "kda/sampling/sampler.h"
 
 namespace kda::bench {
@@ -102,6 +104,22 @@ void bench_sampling(nlohmann::json& j, const Say& say) {
     say("%-36s %12.1f %12.1f %8.1fx %11.1f%%\n", c.name, t[0] * 1e6, t[1] * 1e6, t[1] / t[0],
         100 * t[0] / gemv);
   }
+  // The serving loop's own pick for plain-greedy requests (no sampler: no penalties, no logprobs), on the
+  // row as it lies: the blocked argmax against its scan.
+  int32_t picked[2] = {0, 0};
+  const auto t =
+      best_interleaved({[&] { picked[0] = sampling::argmax_allowed(row.data(), kVocab, nullptr); },
+                        [&] { picked[1] = sampling::argmax_allowed_reference(row.data(), kVocab, nullptr); }},
+                       5, 1.0);
+  if (picked[0] != picked[1]) throw std::logic_error("bench_sampling: the greedy picks differ");
+  const char* name = "plain greedy (serving's argmax)";
+  j["sampling"].push_back({{"case", name},
+                           {"vocab", kVocab},
+                           {"optimized_us", t[0] * 1e6},
+                           {"reference_us", t[1] * 1e6},
+                           {"speedup", t[1] / t[0]},
+                           {"gemv_fraction", t[0] / gemv}});
+  say("%-36s %12.1f %12.1f %8.1fx %11.1f%%\n", name, t[0] * 1e6, t[1] * 1e6, t[1] / t[0], 100 * t[0] / gemv);
 }
 
 }  // namespace kda::bench

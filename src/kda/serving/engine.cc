@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "kda/sampling/argmax.h"
 #include "kda/sampling/spec_accept.h"
 #include "kda/serving/spec_step.h"
 
@@ -424,8 +425,9 @@ bool Engine::step() {
   runner_.logits(head_.data(), M, logits_.data());
   const uint8_t* allowed = opt_.producible.empty() ? nullptr : opt_.producible.data();
   std::vector<Pick> picks;
-  // Requests whose sampler refused their logits row (a NaN from the model): they are aborted after the
-  // step, alone; everyone else in the batch goes on.
+  // Requests whose logits row was refused (a NaN from the model: by the sampler, or by the plain greedy
+  // pick as the sampler would): they are aborted after the step, alone; everyone else in the batch goes
+  // on.
   std::vector<int64_t> failed;
   auto has_failed = [&](int64_t r) { return std::find(failed.begin(), failed.end(), r) != failed.end(); };
   for (int64_t k = 0; k < M; ++k) {
@@ -441,7 +443,12 @@ bool Engine::step() {
       Continuation& c = L.cont[j];
       Pick p{q.request, j, -1, std::nullopt};
       if (L.plain_greedy) {
-        p.token = argmax_allowed(lg, V_, allowed);
+        bool nan = false;
+        p.token = sampling::argmax_allowed(lg, V_, allowed, &nan);
+        if (nan) {  // a NaN row, refused as the sampler refuses it
+          failed.push_back(q.request);
+          break;
+        }
       } else {
         scratch_.assign(lg, lg + V_);
         sampling::TokenLogprob lp;
@@ -547,7 +554,12 @@ void Engine::verify_step(ScheduledBatch& b) {
   const bool agree = static_cast<bool>(opt_.hooks.agree_tokens);
   if (agree) {
     agreed_.resize(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) agreed_[t] = argmax_allowed(logits_.data() + t * V_, V_, allowed);
+    agreed_nan_.resize(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) {
+      bool nan = false;
+      agreed_[t] = sampling::argmax_allowed(logits_.data() + t * V_, V_, allowed, &nan);
+      agreed_nan_[t] = nan;
+    }
     opt_.hooks.agree_tokens(agreed_);
     check_agreed();
   }
@@ -585,7 +597,10 @@ void Engine::verify_step(ScheduledBatch& b) {
         int32_t next = -1;
         if (L.plain_greedy || L.req.params.greedy()) {  // greedy verification: the target's own pick
           if (L.plain_greedy) {
-            p.token = agree ? agreed_[row_t + pos] : argmax_allowed(lg, V_, allowed);
+            bool nan = false;
+            p.token = agree ? agreed_[row_t + pos] : sampling::argmax_allowed(lg, V_, allowed, &nan);
+            if (agree ? agreed_nan_[row_t + pos] != 0 : nan)  // refused as the sampler refuses it
+              throw std::invalid_argument("logits: NaN in a greedy row");
           } else {
             scratch_.assign(lg, lg + V_);
             sampling::TokenLogprob lp;

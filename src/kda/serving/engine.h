@@ -252,11 +252,12 @@ class Engine {
   std::vector<Pending> out_;
   std::vector<float> y_, head_, logits_, scratch_;
   std::vector<int32_t> toks_;
-  std::vector<Draft> drafts_;     // the verify step's, per row
-  std::vector<int32_t> history_;  // a continuation's prompt + generated tokens (ngram's input)
-  std::vector<double> probs_;     // a position's target distribution (speculative sampling)
-  std::vector<int32_t> agreed_;   // a step's draft depths, then its greedy picks (hooks.agree_tokens)
-  struct Drafting {               // the step's draft(): rows, their depths' sum, the drafts they hold
+  std::vector<Draft> drafts_;        // the verify step's, per row
+  std::vector<int32_t> history_;     // a continuation's prompt + generated tokens (ngram's input)
+  std::vector<double> probs_;        // a position's target distribution (speculative sampling)
+  std::vector<int32_t> agreed_;      // a step's draft depths, then its greedy picks (hooks.agree_tokens)
+  std::vector<uint8_t> agreed_nan_;  // whether each of those picks' rows held a NaN (verify steps)
+  struct Drafting {                  // the step's draft(): rows, their depths' sum, the drafts they hold
     int64_t rows = 0, depth_sum = 0, drafted = 0;
   } drafting_;
   VerifyCostModel cost_;  // adaptive depth: decode and verify steps' measured times

@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "kda/sampling/argmax.h"
+
 namespace kda::serving {
 
 ModelRunner::ModelRunner(models::KimiLinearForCausalLM& model, int64_t slots, int64_t kv_tokens,
@@ -30,13 +32,6 @@ void ModelRunner::accept(const model_executor::ForwardBatch& fb, std::span<const
   verify_lens_.clear();
 }
 
-int32_t argmax_allowed(const float* row, int64_t V, const uint8_t* allowed) {
-  int64_t best = -1;
-  for (int64_t v = 0; v < V; ++v)
-    if ((!allowed || allowed[v]) && (best < 0 || row[v] > row[best])) best = v;
-  return static_cast<int32_t>(best);
-}
-
 void ModelRunner::logits(const float* h, int64_t M, float* out) { model_->compute_logits(h, M, out); }
 
 void ModelRunner::next_tokens(const float* h, int64_t M, int32_t* tokens, const uint8_t* allowed) {
@@ -44,7 +39,7 @@ void ModelRunner::next_tokens(const float* h, int64_t M, int32_t* tokens, const 
   logits_.resize(static_cast<size_t>(M * V));
   model_->compute_logits(h, M, logits_.data());
   for (int64_t m = 0; m < M; ++m) {
-    tokens[m] = argmax_allowed(logits_.data() + m * V, V, allowed);
+    tokens[m] = sampling::argmax_allowed(logits_.data() + m * V, V, allowed);
     if (tokens[m] < 0) throw std::invalid_argument("next_tokens: no id is allowed");
   }
 }

@@ -18,10 +18,6 @@
 
 namespace kda::serving {
 
-// The id of row[0..V)'s largest value among those `allowed` marks (null: all), the lowest id on a tie;
-// -1 when none is allowed.
-int32_t argmax_allowed(const float* row, int64_t V, const uint8_t* allowed);
-
 class ModelRunner {
  public:
   // `slots` request slots (request indices: as many) and `kv_tokens` MLA token slots (unused by a model
