@@ -466,8 +466,24 @@ TEST(Sampling, BadRowsAreRefused) {
   } catch (const std::invalid_argument& e) {
     EXPECT_EQ(std::string(e.what()), "logits: NaN at id 1");
   }
+  SamplingParams g;  // greedy: the same refusal, naming the same id
+  g.temperature = 0.0f;
+  RequestSampler sg(g, {}, 1);
+  for (const int64_t V : {3, 300}) {
+    std::vector<float> wide(static_cast<size_t>(V), 0.5f);
+    wide[1] = std::nanf("");
+    wide[V - 1] = std::nanf("");
+    try {
+      sg.sample(wide, nullptr, nullptr);
+      FAIL() << V;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()), "logits: NaN at id 1") << V;
+    }
+  }
   std::vector<uint8_t> allowed = {1, 0, 1};
   EXPECT_NE(s.sample(row, allowed.data(), nullptr), 1);  // a NaN where nothing may come out is ignored
+  row = {0.0f, std::nanf(""), 1.0f};
+  EXPECT_EQ(sg.sample(row, allowed.data(), nullptr), 2);
   allowed = {0, 0, 0};
   row = {0.0f, 1.0f, 2.0f};
   EXPECT_THROW(s.sample(row, allowed.data(), nullptr), std::invalid_argument);

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kda/sampling/argmax.h"
 #include "kda/sampling/sampler_math.h"
 
 namespace kda::sampling {
@@ -161,19 +162,18 @@ int32_t RequestSampler::pick(std::span<float> logits, const uint8_t* allowed, st
   // The NaN checks ride on the first pass: penalties and temperature make no NaN of a number (inf / T and
   // inf - c stay inf), so a NaN here is one of the row as it came.
   if (params_.greedy()) {
-    int64_t best = -1;
-    for (int64_t i = 0; i < V; ++i) {
-      if (!ok(allowed, i)) continue;
-      if (std::isnan(l[i])) detail::nan_logit(i);
-      if (best < 0 || l[i] > l[best]) best = i;
-    }
+    bool nan = false;
+    const int32_t best = argmax_allowed(l, V, allowed, &nan);
+    if (nan)  // the first allowed NaN's id, as the other passes name it
+      for (int64_t i = 0; i < V; ++i)
+        if (ok(allowed, i) && std::isnan(l[i])) detail::nan_logit(i);
     if (best < 0) throw std::invalid_argument("allowed: every id is disallowed");
     if (probs != nullptr) {
       probs->assign(static_cast<size_t>(V), 0.0);
       (*probs)[static_cast<size_t>(best)] = 1.0;
       return -1;
     }
-    return static_cast<int32_t>(best);
+    return best;
   }
 
   // s = l / T in place; m = max s; n = how many ids are allowed.
