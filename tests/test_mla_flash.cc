@@ -4,6 +4,7 @@
 // cached prefixes and extends of every size (0, 1, a block, past a key block), a verify tree, keys whose
 // scores grow along the sequence (the running max moves at every key block), fp32 and bf16.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -432,11 +433,16 @@ TEST(MlaFlash, EachSequencesRowsAreTheSameBitsAloneAndInABatch) {
       mla::mla_attention_plain(a);
     return o;
   };
-  // Decode rows of several sequences, and short extends on cached prefixes (the prefix cache's case).
-  const std::vector<std::vector<std::pair<int64_t, int64_t>>> batches{
+  // Decode rows of several sequences (a few, which the threads share row by row, and more than four per
+  // thread, which each thread takes whole, with kv_b's products batched over 8-row blocks and the rest), and
+  // short extends on cached prefixes (the prefix cache's case).
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> batches{
       {{40, 1}, {7, 1}, {700, 1}, {130, 1}, {64, 1}, {1, 1}},
       {{128, 9}, {128, 20}, {128, 5}},
       {{0, 70}, {64, 3}, {200, 1}}};
+  std::vector<std::pair<int64_t, int64_t>> many;
+  for (int i = 0; i < 4 * omp_get_max_threads() + 3; ++i) many.push_back({(i * 37) % 300, 1});
+  batches.push_back(many);
   for (const bool absorbed : {false, true})
     for (size_t k = 0; k < batches.size(); ++k) {
       std::vector<Seq> all;

@@ -1,7 +1,7 @@
 // The row-by-row matrix-vector products of kernels/gemm/row_gemv.h (the MLA absorbed form's decode rows):
 // against their references in every format on shapes across the kernel's 512-column chunks (the real
 // kv_b's 512 among them), row sub-ranges, the claim that a compact copy gives its fp32 copy's bits, and
-// the checks before anything is written.
+// the batched form's rows against each row alone, and the checks before anything is written.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -89,6 +89,49 @@ TEST(RowGemv, ACompactCopyGivesTheBitsOfItsFp32Values) {
   }
 }
 
+// The batched products (the MLA decode batch's): each row's outputs the bits of that row alone, for
+// every batch size across the kernels' blocks of rows (8 / 4 / 2 / 1 for xw, 4 / 2 / 1 for wx), every
+// format, columns of an even and an odd count of 16 and of no multiple of 16, and rows held apart in
+// memory in any order.
+TEST(RowGemv, ABatchGivesEachRowItsBitsAlone) {
+  struct Shape {
+    int64_t rows, cols, r0, n;
+  };
+  const std::vector<Shape> shapes{{512, 512, 384, 128}, {40, 544, 3, 37}, {8, 48, 1, 6}, {6, 40, 0, 6}};
+  uint64_t seed = 71;
+  for (const Shape& s : shapes)
+    for (const RowFormat f : {RowFormat::F32, RowFormat::BF16, RowFormat::Int8, RowFormat::Int4}) {
+      if (f == RowFormat::Int4 && s.cols % 32 != 0) continue;
+      const std::vector<float> w = random_normal(static_cast<size_t>(s.rows * s.cols), ++seed, 0.05f);
+      const auto held = testing::compact_rows(f, w, s.rows, s.cols);
+      for (const bool xw : {true, false})
+        for (const int64_t M : {1, 2, 3, 7, 13, 16}) {
+          const int64_t in = xw ? s.n : s.cols, outs = xw ? s.cols : s.n;
+          // Row m at m * (in + 3) of one buffer, its outputs at (M - 1 - m) * (outs + 5): neither
+          // contiguous nor in order.
+          const std::vector<float> xs = random_normal(static_cast<size_t>(M * (in + 3)), ++seed);
+          std::vector<float> ys(static_cast<size_t>(M * (outs + 5)), 9.0f);
+          std::vector<const float*> xp;
+          std::vector<float*> yp;
+          for (int64_t m = 0; m < M; ++m) {
+            xp.push_back(xs.data() + m * (in + 3));
+            yp.push_back(ys.data() + (M - 1 - m) * (outs + 5));
+          }
+          (xw ? kg::gemm_rows_xw : kg::gemm_rows_wx)(held->view, s.r0, s.n, M, xp.data(), yp.data());
+          std::string what = xw ? "xw " : "wx ";
+          what += testing::row_format_name(f);
+          what += " cols " + std::to_string(s.cols) + " M " + std::to_string(M);
+          for (int64_t m = 0; m < M; ++m) {
+            std::vector<float> alone(static_cast<size_t>(outs));
+            (xw ? kg::gemv_rows_xw : kg::gemv_rows_wx)(held->view, s.r0, s.n, xp[m], alone.data());
+            const std::vector<float> got(yp[m], yp[m] + outs);
+            ASSERT_EQ(got, alone) << what << " row " << m;
+            EXPECT_EQ(yp[m][outs], 9.0f) << what << ": written past row " << m;  // the gap left alone
+          }
+        }
+    }
+}
+
 TEST(RowGemv, RowBytesCountValuesAndScales) {
   const std::vector<float> v(64, 0.0f);
   EXPECT_EQ(kg::row_bytes({RowFormat::F32, v.data(), nullptr, 2, 64}, 2), 2 * 64 * 4);
@@ -111,7 +154,17 @@ TEST(RowGemv, BadArgumentsAreRefusedBeforeWriting) {
                std::invalid_argument);  // no scales
   EXPECT_THROW(kg::gemv_rows_xw({RowFormat::F32, nullptr, nullptr, 8, 64}, 0, 1, x.data(), y.data()),
                std::invalid_argument);
+  // The batched form: a bad row anywhere in the batch, or no row arrays, before any row is written.
+  std::vector<float> y2(64, 7.0f);
+  const float* xs[2] = {x.data(), nullptr};
+  float* ys[2] = {y.data(), y2.data()};
+  EXPECT_THROW(kg::gemm_rows_xw(m, 0, 4, 2, xs, ys), std::invalid_argument);
+  EXPECT_THROW(kg::gemm_rows_wx(m, 0, 4, -1, xs, ys), std::invalid_argument);
+  EXPECT_THROW(kg::gemm_rows_wx(m, 0, 4, 2, nullptr, ys), std::invalid_argument);
+  xs[1] = x.data();
+  EXPECT_THROW(kg::gemm_rows_wx(m, 6, 4, 2, xs, ys), std::invalid_argument);  // past the rows
   EXPECT_EQ(y, before);
+  EXPECT_EQ(y2, before);
 }
 
 }  // namespace

@@ -127,9 +127,10 @@ KDA_TARGET_CLONES void wx_rows(const RowMatrix& w, int64_t n0, int64_t N, const 
 #define KDA_ROW_GEMV_AVX512 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
-// The same sums with each row's values widened into registers, 16 columns a vector: xw (int4 rows) a
-// chain of multiply-adds per output in row order; wx sums a row in 4 accumulators, vector v into
-// accumulator v % 4, then (0 + 1) + (2 + 3) and the lanes. Columns a multiple of 16.
+// The same sums with each row's values widened into registers, 16 columns a vector: xw a chain of
+// multiply-adds per output in row order (int4 rows here at one row of x, every format for a batch); wx a
+// chain per output over its row's vectors, then the lanes in a fixed tree (wx_tile). Columns a multiple
+// of 16.
 
 // Vectors [v0, v0 + NV) of row r (columns 16 v0 on), widened; int4's come in pairs (a group's low
 // nibbles are its first 16 columns, its high ones the next 16), so NV is even for int4.
@@ -196,31 +197,178 @@ void xw_int4_avx512(const RowMatrix& w, int64_t k0, int64_t K, const float* x, f
   for (; k < K; ++k) xw_int4_pass<1>(w, k0 + k, x + k, k == 0, y);
 }
 
-template <RowFormat F>
-void wx_avx512(const RowMatrix& w, int64_t n0, int64_t N, const float* x, float* y) {
-  const int64_t nv = w.cols / 16;
-  for (int64_t n = 0; n < N; ++n) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    int64_t v = 0;
-    for (; v + 4 <= nv; v += 4) {
-      __m512 row[4];
-      load_row<F, 4>(w, n0 + n, v, row);
-      for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(row[j], _mm512_loadu_ps(x + 16 * (v + j)), acc[j]);
+// gemm_rows_xw's NR rows (x[i], y[i]) over the NV vectors of columns from vector v: each output the
+// chain of multiply-adds in row order from zero that xw_rows and xw_int4_pass run for one row, each row of
+// W widened once for the NR rows.
+template <RowFormat F, int NR, int NV>
+inline void xw_strip(const RowMatrix& w, int64_t k0, int64_t K, int64_t v, const float* const* x,
+                     float* const* y) {
+  const float* xs[NR];
+  for (int i = 0; i < NR; ++i) xs[i] = x[i];
+  __m512 acc[NR][NV];
+  for (auto& a : acc)
+    for (auto& u : a) u = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 row[NV];
+    load_row<F, NV>(w, k0 + k, v, row);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 xi = _mm512_set1_ps(xs[i][k]);
+      for (int u = 0; u < NV; ++u) acc[i][u] = _mm512_fmadd_ps(xi, row[u], acc[i][u]);
     }
-    for (; v < nv; v += 2) {  // what is left: 2 vectors (int4 columns come 32 at a time), or 1
-      if (F == RowFormat::Int4 || v + 2 <= nv) {
-        __m512 row[2];
-        load_row<F, 2>(w, n0 + n, v, row);
-        for (int j = 0; j < 2; ++j)
-          acc[j] = _mm512_fmadd_ps(row[j], _mm512_loadu_ps(x + 16 * (v + j)), acc[j]);
-      } else if constexpr (F != RowFormat::Int4) {
-        __m512 row[1];
-        load_row<F, 1>(w, n0 + n, v, row);
-        acc[0] = _mm512_fmadd_ps(row[0], _mm512_loadu_ps(x + 16 * v), acc[0]);
-      }
-    }
-    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
   }
+  for (int i = 0; i < NR; ++i)
+    for (int u = 0; u < NV; ++u) _mm512_storeu_ps(y[i] + 16 * (v + u), acc[i][u]);
+}
+
+// The M rows in blocks of 8, then 4, 2, 1 (8 rows by 2 vectors: 16 accumulators).
+template <RowFormat F, int NV>
+void xw_strips(const RowMatrix& w, int64_t k0, int64_t K, int64_t v, int64_t M, const float* const* x,
+               float* const* y) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) xw_strip<F, 8, NV>(w, k0, K, v, x + m, y + m);
+  if (M - m >= 4) {
+    xw_strip<F, 4, NV>(w, k0, K, v, x + m, y + m);
+    m += 4;
+  }
+  if (M - m >= 2) {
+    xw_strip<F, 2, NV>(w, k0, K, v, x + m, y + m);
+    m += 2;
+  }
+  if (M - m == 1) xw_strip<F, 1, NV>(w, k0, K, v, x + m, y + m);
+}
+
+// Strips of 32 columns (a cache line of bf16 rows, an int4 group), each over the rows [k0, k0 + K) for
+// every row of x before the next strip: the strip's K lines stay in L1 for all of them.
+template <RowFormat F>
+void xw_batch_avx512(const RowMatrix& w, int64_t k0, int64_t K, int64_t M, const float* const* x,
+                     float* const* y) {
+  const int64_t nv = w.cols / 16;
+  for (int64_t v = 0; v < nv; v += 2) {
+    if (v + 2 <= nv)
+      xw_strips<F, 2>(w, k0, K, v, M, x, y);
+    else if constexpr (F != RowFormat::Int4)
+      xw_strips<F, 1>(w, k0, K, v, M, x, y);
+  }
+}
+
+// wx: each output one chain of multiply-adds over its row's vectors in order, from zero, then its 16 lanes
+// added in a fixed tree (lane j and j + 8, then j + 4, j + 2, j + 1), 16 outputs at once (reduce16): the
+// same operations for every output whichever tile it sits in, so a row's bits do not depend on M. A tile
+// is NW rows of W by NX rows of x, 16 accumulators: each W vector widened once for the NX rows, each x
+// vector read once for the NW rows. (One row's 4 accumulators and a reduction per output, widened per row
+// of x, ran the batch of 16 at a third of the xw products' rate.)
+
+// The lane sums of a[0..16) by that tree: lane i of the result is a[i]'s sum.
+inline __m512 reduce16(const __m512 (&a)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k)  // lanes j < 8: a[2k]'s j + (j + 8); lanes 8 + j: a[2k + 1]'s
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit lane L: a[4k + L]'s j + (j + 4)
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)  // 128-bit lane L: a[8k + L]'s two j + (j + 2), then a[8k + 4 + L]'s
+    d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], 0xEE));
+  // Lane 4L + t: the sum of a[4t + L].
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  const __m512i to_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(to_order, e);
+}
+
+// Outputs [n, n + nw) (rows r0 + n on of W, nw <= NW) for the NX rows x[0..NX): accumulator i * NX + j is
+// W row i against x row j. Rows past nw repeat the last one (their sums are not written).
+template <RowFormat F, int NX>
+inline void wx_tile(const RowMatrix& w, int64_t r0, int64_t n, int64_t nw, const float* const* x,
+                    float* const* y) {
+  constexpr int NW = 16 / NX;
+  const int64_t nv = w.cols / 16;
+  int64_t r[NW];
+  for (int i = 0; i < NW; ++i) r[i] = r0 + n + std::min<int64_t>(i, nw - 1);
+  const float* xs[NX];
+  for (int j = 0; j < NX; ++j) xs[j] = x[j];
+  __m512 acc[16];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  // W's rows in groups of G, each group over the whole row before the next: few streams at once, enough
+  // chains to keep the multiply-adds busy (one row of x: 2, where 16 rows a step apart read kv_b from
+  // memory slower than one row at a time did, and a single chain held int4 to its multiply-adds' latency).
+  // The order of the accumulators' steps changes nothing in their sums.
+  constexpr int G = NW < 4 ? NW : (NX == 1 ? 2 : 4);
+  for (int g = 0; g < NW; g += G) {
+    int64_t v = 0;
+    for (; v + 2 <= nv; v += 2)  // int4 groups are two vectors; the others take pairs as well
+      for (int i = g; i < g + G; ++i) {
+        __m512 row[2];
+        load_row<F, 2>(w, r[i], v, row);
+        for (int u = 0; u < 2; ++u)
+          for (int j = 0; j < NX; ++j)
+            acc[i * NX + j] = _mm512_fmadd_ps(row[u], _mm512_loadu_ps(xs[j] + 16 * (v + u)), acc[i * NX + j]);
+      }
+    if constexpr (F != RowFormat::Int4) {
+      if (v < nv)
+        for (int i = g; i < g + G; ++i) {
+          __m512 row[1];
+          load_row<F, 1>(w, r[i], v, row);
+          for (int j = 0; j < NX; ++j)
+            acc[i * NX + j] = _mm512_fmadd_ps(row[0], _mm512_loadu_ps(xs[j] + 16 * v), acc[i * NX + j]);
+        }
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(acc));
+  for (int64_t i = 0; i < nw; ++i)
+    for (int j = 0; j < NX; ++j) y[j][n + i] = sums[i * NX + j];
+}
+
+// W's rows 16 at a time (read from memory once; 16 KB of bf16 kv_b rows stay in L1), every block of x's
+// rows (8, then 4, 2, 1) against them in tiles of 16 / NX rows.
+template <RowFormat F>
+void wx_batch_avx512(const RowMatrix& w, int64_t n0, int64_t N, int64_t M, const float* const* x,
+                     float* const* y) {
+  for (int64_t n = 0; n < N; n += 16) {
+    const int64_t nn = std::min<int64_t>(16, N - n);
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8)
+      for (int64_t i = 0; i < nn; i += 2)
+        wx_tile<F, 8>(w, n0, n + i, std::min<int64_t>(2, nn - i), x + m, y + m);
+    if (M - m >= 4) {
+      for (int64_t i = 0; i < nn; i += 4)
+        wx_tile<F, 4>(w, n0, n + i, std::min<int64_t>(4, nn - i), x + m, y + m);
+      m += 4;
+    }
+    if (M - m >= 2) {
+      for (int64_t i = 0; i < nn; i += 8)
+        wx_tile<F, 2>(w, n0, n + i, std::min<int64_t>(8, nn - i), x + m, y + m);
+      m += 2;
+    }
+    if (M - m == 1) wx_tile<F, 1>(w, n0, n, nn, x + m, y + m);
+  }
+}
+
+// Whether the batched AVX-512 bodies ran: where avx512_rows runs (or, for xw in fp32, bf16 and int8, where
+// xw_rows's multiply-adds are the same fused chain) for one row.
+bool avx512_batch(bool xw, const RowMatrix& w, int64_t r0, int64_t n, int64_t M, const float* const* x,
+                  float* const* y) {
+  if (w.cols % 16 != 0 || best_isa() != Isa::Avx512) return false;
+  switch (w.format) {
+    case RowFormat::F32:
+      xw ? xw_batch_avx512<RowFormat::F32>(w, r0, n, M, x, y)
+         : wx_batch_avx512<RowFormat::F32>(w, r0, n, M, x, y);
+      break;
+    case RowFormat::BF16:
+      xw ? xw_batch_avx512<RowFormat::BF16>(w, r0, n, M, x, y)
+         : wx_batch_avx512<RowFormat::BF16>(w, r0, n, M, x, y);
+      break;
+    case RowFormat::Int8:
+      xw ? xw_batch_avx512<RowFormat::Int8>(w, r0, n, M, x, y)
+         : wx_batch_avx512<RowFormat::Int8>(w, r0, n, M, x, y);
+      break;
+    case RowFormat::Int4:
+      xw ? xw_batch_avx512<RowFormat::Int4>(w, r0, n, M, x, y)
+         : wx_batch_avx512<RowFormat::Int4>(w, r0, n, M, x, y);
+      break;
+  }
+  return true;
 }
 
 // Whether the AVX-512 bodies ran: wx in every format (so that every format sums in one order), xw for
@@ -234,21 +382,7 @@ bool avx512_rows(bool xw, const RowMatrix& w, int64_t r0, int64_t n, const float
     xw_int4_avx512(w, r0, n, x, y);
     return true;
   }
-  switch (w.format) {
-    case RowFormat::F32:
-      wx_avx512<RowFormat::F32>(w, r0, n, x, y);
-      break;
-    case RowFormat::BF16:
-      wx_avx512<RowFormat::BF16>(w, r0, n, x, y);
-      break;
-    case RowFormat::Int8:
-      wx_avx512<RowFormat::Int8>(w, r0, n, x, y);
-      break;
-    case RowFormat::Int4:
-      wx_avx512<RowFormat::Int4>(w, r0, n, x, y);
-      break;
-  }
-  return true;
+  return avx512_batch(false, w, r0, n, 1, &x, &y);
 }
 #pragma GCC pop_options
 #endif
@@ -295,10 +429,33 @@ void gemv_rows(bool xw, const RowMatrix& w, int64_t r0, int64_t n, const float* 
   else
     wx_rows(w, r0, n, x, y);
 }
+
+// gemm_rows_xw (xw) or gemm_rows_wx: every row's arguments checked before any is written.
+void gemm_rows(bool xw, const RowMatrix& w, int64_t r0, int64_t n, int64_t M, const float* const* x,
+               float* const* y) {
+  const char* who = xw ? "gemm_rows_xw" : "gemm_rows_wx";
+  if (M < 0 || (M > 0 && (x == nullptr || y == nullptr)))
+    throw std::invalid_argument(std::string(who) + ": " + std::to_string(M) + " rows, or no row arrays");
+  for (int64_t m = 0; m < M; ++m) check(w, r0, n, x[m], y[m], who);
+#if defined(KDA_ROW_GEMV_AVX512)
+  if (M > 1 && avx512_batch(xw, w, r0, n, M, x, y)) return;
+#endif
+  for (int64_t m = 0; m < M; ++m) gemv_rows(xw, w, r0, n, x[m], y[m]);
+}
 }  // namespace
 
 void gemv_rows_xw(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y) {
   gemv_rows(true, w, k0, K, x, y);
+}
+
+void gemm_rows_xw(const RowMatrix& w, int64_t k0, int64_t K, int64_t M, const float* const* x,
+                  float* const* y) {
+  gemm_rows(true, w, k0, K, M, x, y);
+}
+
+void gemm_rows_wx(const RowMatrix& w, int64_t n0, int64_t N, int64_t M, const float* const* x,
+                  float* const* y) {
+  gemm_rows(false, w, n0, N, M, x, y);
 }
 
 void gemv_rows_wx(const RowMatrix& w, int64_t n0, int64_t N, const float* x, float* y) {

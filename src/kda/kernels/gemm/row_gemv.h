@@ -11,7 +11,8 @@
 //
 // Sums, each output from zero in a fixed order that depends on the shape only (not on the caller's
 // batch, the format or the thread): gemv_rows_xw adds row after row, gemv_rows_wx sums a row in the
-// loop's vector lanes, then the lanes. The references below give the same values up to fp32 rounding.
+// loop's vector lanes, then the lanes in a fixed tree. The references below give the same values up to
+// fp32 rounding.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +37,15 @@ int64_t row_bytes(const RowMatrix& w, int64_t rows);
 void gemv_rows_xw(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y);
 // y[n] = W[n0 + n, :] . x for n in [0, N).
 void gemv_rows_wx(const RowMatrix& w, int64_t n0, int64_t N, const float* x, float* y);
+
+// The same products for M rows of activations at once (x[m] in, y[m] out, m in [0, M)): each row's
+// outputs are gemv_rows_xw's / gemv_rows_wx's bits for that row alone, whatever M and the rows beside it,
+// while each row of W is widened once for a block of the rows instead of once per row (the MLA absorbed
+// form's decode batch: every sequence's query meets the same head's slices of kv_b).
+void gemm_rows_xw(const RowMatrix& w, int64_t k0, int64_t K, int64_t M, const float* const* x,
+                  float* const* y);
+void gemm_rows_wx(const RowMatrix& w, int64_t n0, int64_t N, int64_t M, const float* const* x,
+                  float* const* y);
 
 // The references: each row dequantized by weight_format.h's dequantize (bf16 widened), sums in double.
 void gemv_rows_xw_reference(const RowMatrix& w, int64_t k0, int64_t K, const float* x, float* y);

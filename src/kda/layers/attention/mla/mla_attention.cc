@@ -561,10 +561,18 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   float* const qt = at_least(sc.qt, static_cast<size_t>(stacked * R));
   float* const u = at_least(sc.u, static_cast<size_t>(stacked * R));
   float* const qpe = at_least(sc.qpe, static_cast<size_t>(stacked * dr));
-  // The decode items' shared buffers, one item at a time: q~ and q_pe transposed ([R + dr, Hm]), the
-  // scores key by key ([keys, Hm]) and the softmax weights head by head ([Hm, keys]).
+  // A decode item's buffers (decode_item below): q~ and q_pe transposed ([R + dr, Hm]), the scores key by
+  // key ([keys, Hm]) and the softmax weights head by head ([Hm, keys]); one for the threads to share, or
+  // one per thread where each takes whole items.
+  // Many decode rows: each thread takes whole rows (no barrier per row; a batch of 16 short rows spent
+  // more time in the four barriers of each than in its sums), while the threads' buffers stay small (long
+  // contexts' rows are long enough to share). Otherwise the threads share each row.
+  const size_t dec_size = static_cast<size_t>((lat + 2 * decode_keys) * Hm);
+  constexpr size_t kSoloBufferBytes = size_t{64} << 20;
+  const bool solo_decodes = static_cast<int64_t>(decodes.size()) >= 4 * threads &&
+                            dec_size * sizeof(float) * static_cast<size_t>(threads) <= kSoloBufferBytes;
   float* const dec =
-      decodes.empty() ? nullptr : at_least(sc.st, static_cast<size_t>((lat + 2 * decode_keys) * Hm));
+      decodes.empty() ? nullptr : at_least(sc.st, dec_size * static_cast<size_t>(solo_decodes ? threads : 1));
   // Items that hold head h, in order (an item's heads are contiguous, groups in head order).
   std::vector<std::vector<int64_t>> by_head(static_cast<size_t>(Hm));
   for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k)
@@ -575,23 +583,34 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
 #pragma omp critical(mla_attention_error)
     if (!err) err = std::current_exception();
   };
-  // A decode item's scores, softmax and u, run by every thread of the region (worksharing loops, each
-  // ending in a barrier).
+  // A decode item's scores, softmax and u into dec (its q~ transposed, scores and softmax weights):
+  // shared, by every thread of the region (worksharing loops, each ending in a barrier), or solo, by the
+  // calling thread alone. The same blocks and sums either way, each value summed by one thread in one
+  // order: the bits do not depend on which.
   constexpr int64_t kDecodeKeys = 64, kDecodeCols = 64;  // keys and latent columns per share
   constexpr int64_t kDecodeRun = 256;                    // keys per run of u's sums
-  const auto decode_item = [&](const Item& w, std::vector<float>& stats, std::vector<float>& rows) {
+  const auto each = [](bool shared, int64_t n, int64_t step, const auto& body) {
+    if (shared) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; i += step) body(i);
+    } else {
+      for (int64_t i = 0; i < n; i += step) body(i);
+    }
+  };
+  const auto decode_item = [&](const Item& w, bool shared, float* dec, std::vector<float>& stats,
+                               std::vector<float>& rows) {
     const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
     const int64_t ns = s.prefix + 1;
-    float* const qT = dec;            // [R + dr, Hm]: q~ then q_pe, transposed
-    float* const sT = qT + lat * Hm;  // [ns, Hm]
-    float* const pw = sT + ns * Hm;   // [Hm, ns]
-#pragma omp for schedule(static)
-    for (int64_t h = 0; h < Hm; ++h) {
-      for (int64_t r = 0; r < R; ++r) qT[r * Hm + h] = qt[(w.at + h) * R + r];
-      for (int64_t r = 0; r < dr; ++r) qT[(R + r) * Hm + h] = qpe[(w.at + h) * dr + r];
-    }
-#pragma omp for schedule(static)
-    for (int64_t j0 = 0; j0 < ns; j0 += kDecodeKeys) {
+    float* const qT = dec;                   // [R + dr, Hm]: q~ then q_pe, transposed
+    float* const sT = qT + lat * Hm;         // [ns, Hm]
+    float* const pw = sT + ns * Hm;          // [Hm, ns]
+    each(shared, lat, 16, [&](int64_t r0) {  // 16 columns at a time: their lines stay in L1 over the heads
+      const int64_t r1 = std::min(lat, r0 + 16);
+      for (int64_t h = 0; h < Hm; ++h)
+        for (int64_t r = r0; r < r1; ++r)
+          qT[r * Hm + h] = r < R ? qt[(w.at + h) * R + r] : qpe[(w.at + h) * dr + (r - R)];
+    });
+    each(shared, ns, kDecodeKeys, [&](int64_t j0) {
       try {
         const int64_t n = std::min(kDecodeKeys, ns - j0);
         const float* l0 = s.latent ? s.latent + j0 * lat : nullptr;
@@ -606,9 +625,8 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
       } catch (...) {
         keep();
       }
-    }
-#pragma omp for schedule(static)
-    for (int64_t h = 0; h < Hm; ++h) {
+    });
+    each(shared, Hm, 1, [&](int64_t h) {
       try {
         float* p = pw + h * ns;
         for (int64_t j = 0; j < ns; ++j) p[j] = sT[j * Hm + h];
@@ -616,9 +634,8 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
       } catch (...) {
         keep();
       }
-    }
-#pragma omp for schedule(static)
-    for (int64_t c0 = 0; c0 < R; c0 += kDecodeCols) {
+    });
+    each(shared, R, kDecodeCols, [&](int64_t c0) {
       try {
         // In runs of kDecodeRun keys, each run's sums added to u's: a run's strip of latent columns stays in
         // L2 while the heads' row tiles pass it (over every key it would be streamed once per row tile).
@@ -638,32 +655,48 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
       } catch (...) {
         keep();
       }
-    }
+    });
   };
 #pragma omp parallel
   {
+    // A head's decode rows, met by its slices of kv_b in one batched product (row_gemv.h).
+    std::vector<const float*> xs;
+    std::vector<float*> ys;
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < Hm; ++h) {
       try {
         const float* w_uk = a.w_kvb + h * (dn + dv) * R;  // [dn, R]
+        xs.clear();
+        ys.clear();
         for (const int64_t k : by_head[static_cast<size_t>(h)]) {
           const Item& w = items[static_cast<size_t>(k)];
           const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
           const int64_t nb = w.i1 - w.i0, r0 = w.at + (h - w.h0) * nb;
           const float* q = a.q + (s.q_row + w.i0) * a.ldq + h * qw;
-          if (w.decode)
-            kernels::gemm::gemv_rows_xw(kvb, h * (dn + dv), dn, q, qt + r0 * R);
-          else
+          if (w.decode) {
+            xs.push_back(q);
+            ys.push_back(qt + r0 * R);
+          } else {
             sgemm('N', 'N', nb, R, dn, 1.0f, q, a.ldq, w_uk, R, 0.0f, qt + r0 * R, R);
+          }
           for (int64_t ii = 0; ii < nb; ++ii) std::copy_n(q + ii * a.ldq + dn, dr, qpe + (r0 + ii) * dr);
         }
+        kernels::gemm::gemm_rows_xw(kvb, h * (dn + dv), dn, static_cast<int64_t>(xs.size()), xs.data(),
+                                    ys.data());
       } catch (...) {
         keep();
       }
     }
     // (the implicit barrier: every q~ written)
     std::vector<float> scores, stats;  // scores: also a decode row's block of pool rows
-    for (const int64_t k : decodes) decode_item(items[static_cast<size_t>(k)], stats, scores);
+    if (solo_decodes) {
+      float* const own = dec + dec_size * static_cast<size_t>(omp_get_thread_num());
+#pragma omp for schedule(dynamic, 1)
+      for (size_t i = 0; i < decodes.size(); ++i)
+        decode_item(items[static_cast<size_t>(decodes[i])], false, own, stats, scores);
+    } else {
+      for (const int64_t k : decodes) decode_item(items[static_cast<size_t>(k)], true, dec, stats, scores);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < static_cast<int64_t>(items.size()); ++k) {
       try {
@@ -686,18 +719,26 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
     for (int64_t h = 0; h < Hm; ++h) {
       try {
         const float* w_uv = a.w_kvb + (h * (dn + dv) + dn) * R;  // [dv, R]
+        xs.clear();
+        ys.clear();
         for (const int64_t k : by_head[static_cast<size_t>(h)]) {
           const Item& w = items[static_cast<size_t>(k)];
           const MlaSeq& s = a.seqs[static_cast<size_t>(w.seq)];
           const int64_t nb = w.i1 - w.i0;
           float* o = a.o + (s.q_row + w.i0) * a.ldo + h * dv;
-          if (w.decode)
-            kernels::gemm::gemv_rows_wx(kvb, h * (dn + dv) + dn, dv, u + (w.at + (h - w.h0)) * R, o);
-          else
-            sgemm('N', 'T', nb, dv, R, 1.0f, u + (w.at + (h - w.h0) * nb) * R, R, w_uv, R, 0.0f, o, a.ldo);
+          if (w.decode) {
+            xs.push_back(u + (w.at + (h - w.h0)) * R);
+            ys.push_back(o);
+            continue;
+          }
+          sgemm('N', 'T', nb, dv, R, 1.0f, u + (w.at + (h - w.h0) * nb) * R, R, w_uv, R, 0.0f, o, a.ldo);
           if (a.bf16)
             for (int64_t ii = 0; ii < nb; ++ii) round_bf16_inplace(o + ii * a.ldo, static_cast<size_t>(dv));
         }
+        kernels::gemm::gemm_rows_wx(kvb, h * (dn + dv) + dn, dv, static_cast<int64_t>(xs.size()), xs.data(),
+                                    ys.data());
+        if (a.bf16)
+          for (float* o : ys) round_bf16_inplace(o, static_cast<size_t>(dv));
       } catch (...) {
         keep();
       }
