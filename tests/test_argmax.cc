@@ -2,11 +2,12 @@
 // of many widths (under, at and past a block, the real vocabulary), with and without masks (dense,
 // sparse, none allowed, only the last id), ties within and across blocks, signed zeros, -inf rows and
 // NaNs (at the first allowed id, elsewhere, everywhere, masked out), and the NaN flag the serving loop
-// refuses a row by.
+// refuses a row by; a step's rows at once against each alone.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -114,6 +115,38 @@ TEST(Argmax, NoAllowedIdGivesMinusOne) {
   const std::vector<uint8_t> none(300, 0);
   EXPECT_EQ(argmax_allowed(row.data(), 300, none.data()), -1);
   EXPECT_EQ(argmax_allowed(row.data(), 0, nullptr), -1);
+}
+
+// The rows of a step at once (argmax_allowed_rows, the threads sharing them): each row's pick and NaN flag
+// those of the row alone, in the order given (rows apart in memory, a NaN row among them), and no row at
+// all writes nothing.
+TEST(Argmax, RowsAtOnceEqualEachRowAlone) {
+  const int64_t V = 163840;
+  const std::vector<uint8_t> mask = random_mask(V, 0.9, 41);
+  for (const int64_t M : {1, 2, 5, 16}) {
+    std::vector<std::vector<float>> rows;
+    for (int64_t m = 0; m < M; ++m) rows.push_back(testing::random_normal(static_cast<size_t>(V), 200 + m));
+    if (M > 2) rows[1][V / 2] = kNaN;
+    std::vector<const float*> ptrs;
+    for (int64_t m = M - 1; m >= 0; --m) ptrs.push_back(rows[static_cast<size_t>(m)].data());
+    for (const uint8_t* allowed : {static_cast<const uint8_t*>(nullptr), mask.data()}) {
+      std::vector<int32_t> ids(static_cast<size_t>(M), -7);
+      std::unique_ptr<bool[]> nans(new bool[static_cast<size_t>(M)]());
+      sampling::argmax_allowed_rows(ptrs.data(), M, V, allowed, ids.data(), nans.get());
+      for (int64_t m = 0; m < M; ++m) {
+        bool nan = false;
+        EXPECT_EQ(ids[static_cast<size_t>(m)], argmax_allowed(ptrs[static_cast<size_t>(m)], V, allowed, &nan))
+            << "M " << M << " row " << m;
+        EXPECT_EQ(nans[static_cast<size_t>(m)], nan) << "M " << M << " row " << m;
+      }
+      if (M > 2) {
+        EXPECT_TRUE(nans[static_cast<size_t>(M - 2)]) << "the NaN row, M " << M;
+      }
+    }
+  }
+  int32_t untouched = 5;
+  sampling::argmax_allowed_rows(nullptr, 0, V, nullptr, &untouched, nullptr);
+  EXPECT_EQ(untouched, 5);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -430,6 +431,18 @@ bool Engine::step() {
   // on.
   std::vector<int64_t> failed;
   auto has_failed = [&](int64_t r) { return std::find(failed.begin(), failed.end(), r) != failed.end(); };
+  // The plain-greedy rows' picks first, the rows shared out over the threads.
+  std::vector<const float*> greedy_rows;
+  std::vector<int64_t> greedy_at(static_cast<size_t>(M), -1);
+  for (int64_t k = 0; k < M; ++k)
+    if (live_.at(seqs[b.rows[pick_rows[k]].seq].request).plain_greedy) {
+      greedy_at[k] = static_cast<int64_t>(greedy_rows.size());
+      greedy_rows.push_back(logits_.data() + k * V_);
+    }
+  std::vector<int32_t> greedy_ids(greedy_rows.size());
+  const std::unique_ptr<bool[]> greedy_nan(new bool[greedy_rows.size() + 1]());
+  sampling::argmax_allowed_rows(greedy_rows.data(), static_cast<int64_t>(greedy_rows.size()), V_, allowed,
+                                greedy_ids.data(), greedy_nan.get());
   for (int64_t k = 0; k < M; ++k) {
     const auto& row = b.rows[pick_rows[k]];
     const Sequence& q = seqs[row.seq];
@@ -443,9 +456,8 @@ bool Engine::step() {
       Continuation& c = L.cont[j];
       Pick p{q.request, j, -1, std::nullopt};
       if (L.plain_greedy) {
-        bool nan = false;
-        p.token = sampling::argmax_allowed(lg, V_, allowed, &nan);
-        if (nan) {  // a NaN row, refused as the sampler refuses it
+        p.token = greedy_ids[static_cast<size_t>(greedy_at[k])];
+        if (greedy_nan[static_cast<size_t>(greedy_at[k])]) {  // a NaN row, refused as the sampler refuses it
           failed.push_back(q.request);
           break;
         }
