@@ -31,10 +31,25 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
   EXPECT_EQ(bad, 0) << what;
 }
 
+// Rows [r0, r0 + n) of a [rows, cols] matrix.
+struct Shape {
+  int64_t rows, cols, r0, n;
+};
+
+// body(shape, format, held) for every shape in every format that takes it (int4: columns a multiple of
+// 32), each on its own random matrix (seeds from `seed` on).
+template <class F>
+void each_held(const std::vector<Shape>& shapes, uint64_t& seed, F&& body) {
+  for (const Shape& s : shapes)
+    for (const RowFormat f : {RowFormat::F32, RowFormat::BF16, RowFormat::Int8, RowFormat::Int4}) {
+      if (f == RowFormat::Int4 && s.cols % 32 != 0) continue;
+      const std::vector<float> w = random_normal(static_cast<size_t>(s.rows * s.cols), ++seed, 0.05f);
+      const auto held = testing::compact_rows(f, w, s.rows, s.cols);
+      body(s, f, *held);
+    }
+}
+
 TEST(RowGemv, EqualsTheReferenceInEveryFormat) {
-  struct Shape {
-    int64_t rows, cols, r0, n;
-  };
   // kv_b at the real shapes (a head's 128 W_UK rows, its 128 W_UV rows), one group, columns past a
   // 512-column chunk and not a multiple of it, single rows, a range at the end; columns of an odd count
   // of 16 and of no multiple of 16 (not int4, whose rows come in groups of 32).
@@ -42,32 +57,27 @@ TEST(RowGemv, EqualsTheReferenceInEveryFormat) {
                                   {40, 544, 3, 37},   {24, 1056, 5, 1},     {64, 96, 63, 1},
                                   {16, 2048, 0, 16},  {8, 48, 1, 6},        {6, 40, 0, 6}};
   uint64_t seed = 11;
-  for (const Shape& s : shapes)
-    for (const RowFormat f : {RowFormat::F32, RowFormat::BF16, RowFormat::Int8, RowFormat::Int4}) {
-      if (f == RowFormat::Int4 && s.cols % 32 != 0) continue;
-      const std::vector<float> w = random_normal(static_cast<size_t>(s.rows * s.cols), ++seed, 0.05f);
-      const auto held = testing::compact_rows(f, w, s.rows, s.cols);
-      const testing::CompactRows& h = *held;
-      const std::string what = std::string(testing::row_format_name(f)) + " [" + std::to_string(s.rows) +
-                               ", " + std::to_string(s.cols) + "] rows " + std::to_string(s.r0) + " + " +
-                               std::to_string(s.n);
-      // x W over rows [r0, r0 + n) (cols outputs), then W u over the same rows (n outputs): output o's
-      // terms are x[k] W[r0 + k, o], or u[c] W[r0 + o, c].
-      for (const bool xw : {true, false}) {
-        const int64_t in = xw ? s.n : s.cols, outs = xw ? s.cols : s.n;
-        const std::vector<float> x = random_normal(static_cast<size_t>(in), ++seed);
-        std::vector<float> got(static_cast<size_t>(outs)), want(got.size());
-        (xw ? kg::gemv_rows_xw : kg::gemv_rows_wx)(h.view, s.r0, s.n, x.data(), got.data());
-        (xw ? kg::gemv_rows_xw_reference : kg::gemv_rows_wx_reference)(h.view, s.r0, s.n, x.data(),
-                                                                       want.data());
-        std::vector<double> mag(got.size(), 0.0);
-        for (int64_t o = 0; o < outs; ++o)
-          for (int64_t k = 0; k < in; ++k)
-            mag[o] += std::fabs(x[k] *
-                                (xw ? h.values[(s.r0 + k) * s.cols + o] : h.values[(s.r0 + o) * s.cols + k]));
-        expect_close(got, want, mag, in, (xw ? "xw " : "wx ") + what);
-      }
+  each_held(shapes, seed, [&](const Shape& s, RowFormat f, const testing::CompactRows& h) {
+    const std::string what = std::string(testing::row_format_name(f)) + " [" + std::to_string(s.rows) + ", " +
+                             std::to_string(s.cols) + "] rows " + std::to_string(s.r0) + " + " +
+                             std::to_string(s.n);
+    // x W over rows [r0, r0 + n) (cols outputs), then W u over the same rows (n outputs): output o's
+    // terms are x[k] W[r0 + k, o], or u[c] W[r0 + o, c].
+    for (const bool xw : {true, false}) {
+      const int64_t in = xw ? s.n : s.cols, outs = xw ? s.cols : s.n;
+      const std::vector<float> x = random_normal(static_cast<size_t>(in), ++seed);
+      std::vector<float> got(static_cast<size_t>(outs)), want(got.size());
+      (xw ? kg::gemv_rows_xw : kg::gemv_rows_wx)(h.view, s.r0, s.n, x.data(), got.data());
+      (xw ? kg::gemv_rows_xw_reference : kg::gemv_rows_wx_reference)(h.view, s.r0, s.n, x.data(),
+                                                                     want.data());
+      std::vector<double> mag(got.size(), 0.0);
+      for (int64_t o = 0; o < outs; ++o)
+        for (int64_t k = 0; k < in; ++k)
+          mag[o] +=
+              std::fabs(x[k] * (xw ? h.values[(s.r0 + k) * s.cols + o] : h.values[(s.r0 + o) * s.cols + k]));
+      expect_close(got, want, mag, in, (xw ? "xw " : "wx ") + what);
     }
+  });
 }
 
 // What MLA's compact kv_b rests on: the compact copy's products are its fp32 values' products, bit for bit.
@@ -94,42 +104,35 @@ TEST(RowGemv, ACompactCopyGivesTheBitsOfItsFp32Values) {
 // format, columns of an even and an odd count of 16 and of no multiple of 16, and rows held apart in
 // memory in any order.
 TEST(RowGemv, ABatchGivesEachRowItsBitsAlone) {
-  struct Shape {
-    int64_t rows, cols, r0, n;
-  };
   const std::vector<Shape> shapes{{512, 512, 384, 128}, {40, 544, 3, 37}, {8, 48, 1, 6}, {6, 40, 0, 6}};
   uint64_t seed = 71;
-  for (const Shape& s : shapes)
-    for (const RowFormat f : {RowFormat::F32, RowFormat::BF16, RowFormat::Int8, RowFormat::Int4}) {
-      if (f == RowFormat::Int4 && s.cols % 32 != 0) continue;
-      const std::vector<float> w = random_normal(static_cast<size_t>(s.rows * s.cols), ++seed, 0.05f);
-      const auto held = testing::compact_rows(f, w, s.rows, s.cols);
-      for (const bool xw : {true, false})
-        for (const int64_t M : {1, 2, 3, 7, 13, 16}) {
-          const int64_t in = xw ? s.n : s.cols, outs = xw ? s.cols : s.n;
-          // Row m at m * (in + 3) of one buffer, its outputs at (M - 1 - m) * (outs + 5): neither
-          // contiguous nor in order.
-          const std::vector<float> xs = random_normal(static_cast<size_t>(M * (in + 3)), ++seed);
-          std::vector<float> ys(static_cast<size_t>(M * (outs + 5)), 9.0f);
-          std::vector<const float*> xp;
-          std::vector<float*> yp;
-          for (int64_t m = 0; m < M; ++m) {
-            xp.push_back(xs.data() + m * (in + 3));
-            yp.push_back(ys.data() + (M - 1 - m) * (outs + 5));
-          }
-          (xw ? kg::gemm_rows_xw : kg::gemm_rows_wx)(held->view, s.r0, s.n, M, xp.data(), yp.data());
-          std::string what = xw ? "xw " : "wx ";
-          what += testing::row_format_name(f);
-          what += " cols " + std::to_string(s.cols) + " M " + std::to_string(M);
-          for (int64_t m = 0; m < M; ++m) {
-            std::vector<float> alone(static_cast<size_t>(outs));
-            (xw ? kg::gemv_rows_xw : kg::gemv_rows_wx)(held->view, s.r0, s.n, xp[m], alone.data());
-            const std::vector<float> got(yp[m], yp[m] + outs);
-            ASSERT_EQ(got, alone) << what << " row " << m;
-            EXPECT_EQ(yp[m][outs], 9.0f) << what << ": written past row " << m;  // the gap left alone
-          }
+  each_held(shapes, seed, [&](const Shape& s, RowFormat f, const testing::CompactRows& held) {
+    for (const bool xw : {true, false})
+      for (const int64_t M : {1, 2, 3, 7, 13, 16}) {
+        const int64_t in = xw ? s.n : s.cols, outs = xw ? s.cols : s.n;
+        // Row m at m * (in + 3) of one buffer, its outputs at (M - 1 - m) * (outs + 5): neither
+        // contiguous nor in order.
+        const std::vector<float> xs = random_normal(static_cast<size_t>(M * (in + 3)), ++seed);
+        std::vector<float> ys(static_cast<size_t>(M * (outs + 5)), 9.0f);
+        std::vector<const float*> xp;
+        std::vector<float*> yp;
+        for (int64_t m = 0; m < M; ++m) {
+          xp.push_back(xs.data() + m * (in + 3));
+          yp.push_back(ys.data() + (M - 1 - m) * (outs + 5));
         }
-    }
+        (xw ? kg::gemm_rows_xw : kg::gemm_rows_wx)(held.view, s.r0, s.n, M, xp.data(), yp.data());
+        std::string what = xw ? "xw " : "wx ";
+        what += testing::row_format_name(f);
+        what += " cols " + std::to_string(s.cols) + " M " + std::to_string(M);
+        for (int64_t m = 0; m < M; ++m) {
+          std::vector<float> alone(static_cast<size_t>(outs));
+          (xw ? kg::gemv_rows_xw : kg::gemv_rows_wx)(held.view, s.r0, s.n, xp[m], alone.data());
+          const std::vector<float> got(yp[m], yp[m] + outs);
+          ASSERT_EQ(got, alone) << what << " row " << m;
+          EXPECT_EQ(yp[m][outs], 9.0f) << what << ": written past row " << m;  // the gap left alone
+        }
+      }
+  });
 }
 
 TEST(RowGemv, RowBytesCountValuesAndScales) {
