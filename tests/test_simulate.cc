@@ -387,11 +387,14 @@ TEST(SimulateTokens, MultiTurnOnASharedSystemPromptIsReRunBitForBit) {
     int64_t hits = 0;
     for (int64_t i = 0; i < 12; ++i) {
       const SequenceOutput& q = out_of(r, i);
-      if (!q.rows.empty()) EXPECT_EQ(q.cached_tokens, q.rows_from) << i;
+      if (!q.rows.empty()) {
+        EXPECT_EQ(q.cached_tokens, q.rows_from) << i;
+      }
       EXPECT_LT(q.cached_tokens, static_cast<int32_t>(q.prompt.size())) << i;
       hits += q.cached_tokens;
-      if (i % 3 == 0 && i > 0)
+      if (i % 3 == 0 && i > 0) {
         EXPECT_GE(q.cached_tokens, 64) << "a first turn after the first conversation's";
+      }
     }
     EXPECT_EQ(hits, r.serve.prefix_cache_hit_tokens);
   }

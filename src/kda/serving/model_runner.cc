@@ -2,8 +2,6 @@
 
 #include <stdexcept>
 
-#include "kda/sampling/argmax.h"
-
 namespace kda::serving {
 
 ModelRunner::ModelRunner(models::KimiLinearForCausalLM& model, int64_t slots, int64_t kv_tokens,
@@ -33,15 +31,5 @@ void ModelRunner::accept(const model_executor::ForwardBatch& fb, std::span<const
 }
 
 void ModelRunner::logits(const float* h, int64_t M, float* out) { model_->compute_logits(h, M, out); }
-
-void ModelRunner::next_tokens(const float* h, int64_t M, int32_t* tokens, const uint8_t* allowed) {
-  const int64_t V = model_->vocab_size();
-  logits_.resize(static_cast<size_t>(M * V));
-  model_->compute_logits(h, M, logits_.data());
-  for (int64_t m = 0; m < M; ++m) {
-    tokens[m] = sampling::argmax_allowed(logits_.data() + m * V, V, allowed);
-    if (tokens[m] < 0) throw std::invalid_argument("next_tokens: no id is allowed");
-  }
-}
 
 }  // namespace kda::serving

@@ -38,9 +38,6 @@ class ModelRunner {
   // tokens (accepted[i]: row position of request i's last accepted token; KDAAttnBackend::accept), and its
   // length (and token slots) back to the committed tokens.
   void accept(const model_executor::ForwardBatch& fb, std::span<const int32_t> accepted);
-  // The greedy next token of each of M last-layer rows h [M, D]: model.norm, the LM head's logits
-  // [M, vocab], argmax (the lowest id on a tie) over the ids `allowed` marks (null: every id).
-  void next_tokens(const float* h, int64_t M, int32_t* tokens, const uint8_t* allowed = nullptr);
   // The logits of M last-layer rows h [M, D]: model.norm and the LM head -> out [M, vocab] fp32.
   void logits(const float* h, int64_t M, float* out);
 
@@ -49,7 +46,6 @@ class ModelRunner {
   std::unique_ptr<mem_cache::MemoryPools> pools_;
   layers::attention::linear::KDAAttnBackend backend_;
   std::vector<int64_t> verify_lens_;  // the last TARGET_VERIFY step's request lengths before it
-  std::vector<float> logits_;
 };
 
 }  // namespace kda::serving
