@@ -162,8 +162,10 @@ TEST(RowGemv, BadArgumentsAreRefusedBeforeWriting) {
   const float* xs[2] = {x.data(), nullptr};
   float* ys[2] = {y.data(), y2.data()};
   EXPECT_THROW(kg::gemm_rows_xw(m, 0, 4, 2, xs, ys), std::invalid_argument);
-  EXPECT_THROW(kg::gemm_rows_wx(m, 0, 4, -1, xs, ys), std::invalid_argument);
-  EXPECT_THROW(kg::gemm_rows_wx(m, 0, 4, 2, nullptr, ys), std::invalid_argument);
+  testing::expect_throw_with<std::invalid_argument>([&] { kg::gemm_rows_wx(m, 0, 4, -1, xs, ys); },
+                                                    "negative row count");
+  testing::expect_throw_with<std::invalid_argument>([&] { kg::gemm_rows_wx(m, 0, 4, 2, nullptr, ys); },
+                                                    "no row pointers");
   xs[1] = x.data();
   EXPECT_THROW(kg::gemm_rows_wx(m, 6, 4, 2, xs, ys), std::invalid_argument);  // past the rows
   EXPECT_EQ(y, before);

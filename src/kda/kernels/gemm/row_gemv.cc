@@ -434,8 +434,10 @@ void gemv_rows(bool xw, const RowMatrix& w, int64_t r0, int64_t n, const float* 
 void gemm_rows(bool xw, const RowMatrix& w, int64_t r0, int64_t n, int64_t M, const float* const* x,
                float* const* y) {
   const char* who = xw ? "gemm_rows_xw" : "gemm_rows_wx";
-  if (M < 0 || (M > 0 && (x == nullptr || y == nullptr)))
-    throw std::invalid_argument(std::string(who) + ": " + std::to_string(M) + " rows, or no row arrays");
+  if (M < 0)
+    throw std::invalid_argument(std::string(who) + ": a negative row count (" + std::to_string(M) + ")");
+  if (M > 0 && (x == nullptr || y == nullptr))
+    throw std::invalid_argument(std::string(who) + ": " + std::to_string(M) + " rows but no row pointers");
   for (int64_t m = 0; m < M; ++m) check(w, r0, n, x[m], y[m], who);
 #if defined(KDA_ROW_GEMV_AVX512)
   if (M > 1 && avx512_batch(xw, w, r0, n, M, x, y)) return;
