@@ -440,7 +440,7 @@ bool Engine::step() {
       greedy_rows.push_back(logits_.data() + k * V_);
     }
   std::vector<int32_t> greedy_ids(greedy_rows.size());
-  const std::unique_ptr<bool[]> greedy_nan(new bool[greedy_rows.size() + 1]());
+  const std::unique_ptr<bool[]> greedy_nan(new bool[greedy_rows.size()]());
   sampling::argmax_allowed_rows(greedy_rows.data(), static_cast<int64_t>(greedy_rows.size()), V_, allowed,
                                 greedy_ids.data(), greedy_nan.get());
   for (int64_t k = 0; k < M; ++k) {
@@ -566,12 +566,11 @@ void Engine::verify_step(ScheduledBatch& b) {
   const bool agree = static_cast<bool>(opt_.hooks.agree_tokens);
   if (agree) {
     agreed_.resize(static_cast<size_t>(T));
-    agreed_nan_.resize(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) {
-      bool nan = false;
-      agreed_[t] = sampling::argmax_allowed(logits_.data() + t * V_, V_, allowed, &nan);
-      agreed_nan_[t] = nan;
-    }
+    std::vector<const float*> rows(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) rows[t] = logits_.data() + t * V_;
+    const std::unique_ptr<bool[]> nan(new bool[static_cast<size_t>(T)]());
+    sampling::argmax_allowed_rows(rows.data(), T, V_, allowed, agreed_.data(), nan.get());
+    agreed_nan_.assign(nan.get(), nan.get() + T);
     opt_.hooks.agree_tokens(agreed_);
     check_agreed();
   }
