@@ -7,7 +7,6 @@
 
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -131,16 +130,16 @@ TEST(Argmax, RowsAtOnceEqualEachRowAlone) {
     for (int64_t m = M - 1; m >= 0; --m) ptrs.push_back(rows[static_cast<size_t>(m)].data());
     for (const uint8_t* allowed : {static_cast<const uint8_t*>(nullptr), mask.data()}) {
       std::vector<int32_t> ids(static_cast<size_t>(M), -7);
-      std::unique_ptr<bool[]> nans(new bool[static_cast<size_t>(M)]());
-      sampling::argmax_allowed_rows(ptrs.data(), M, V, allowed, ids.data(), nans.get());
+      std::vector<uint8_t> nans(static_cast<size_t>(M), 7);
+      sampling::argmax_allowed_rows(ptrs.data(), M, V, allowed, ids.data(), nans.data());
       for (int64_t m = 0; m < M; ++m) {
         bool nan = false;
         EXPECT_EQ(ids[static_cast<size_t>(m)], argmax_allowed(ptrs[static_cast<size_t>(m)], V, allowed, &nan))
             << "M " << M << " row " << m;
-        EXPECT_EQ(nans[static_cast<size_t>(m)], nan) << "M " << M << " row " << m;
+        EXPECT_EQ(nans[static_cast<size_t>(m)], nan ? 1 : 0) << "M " << M << " row " << m;
       }
       if (M > 2) {
-        EXPECT_TRUE(nans[static_cast<size_t>(M - 2)]) << "the NaN row, M " << M;
+        EXPECT_EQ(nans[static_cast<size_t>(M - 2)], 1) << "the NaN row, M " << M;
       }
     }
   }

@@ -123,10 +123,14 @@ int32_t argmax_allowed(const float* row, int64_t V, const uint8_t* allowed, bool
 }
 
 void argmax_allowed_rows(const float* const* rows, int64_t M, int64_t V, const uint8_t* allowed, int32_t* ids,
-                         bool* nan) {
+                         uint8_t* nan) {
   // argmax_allowed throws nothing, so nothing can leave the region.
 #pragma omp parallel for schedule(static) if (M > 1 && M * V >= (int64_t{1} << 16))
-  for (int64_t m = 0; m < M; ++m) ids[m] = argmax_allowed(rows[m], V, allowed, nan ? nan + m : nullptr);
+  for (int64_t m = 0; m < M; ++m) {
+    bool row_nan = false;
+    ids[m] = argmax_allowed(rows[m], V, allowed, &row_nan);
+    if (nan) nan[m] = row_nan ? 1 : 0;
+  }
 }
 
 }  // namespace kda::sampling

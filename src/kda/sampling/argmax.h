@@ -15,10 +15,10 @@ namespace kda::sampling {
 int32_t argmax_allowed(const float* row, int64_t V, const uint8_t* allowed, bool* nan = nullptr);
 
 // argmax_allowed of each of rows[0..M) (V values each), the rows shared out over the OpenMP threads
-// (a batch-16 step's 16 rows are 10 MB of logits): ids[m] and, where nan is not null, nan[m], as
-// argmax_allowed gives them for rows[m] alone.
+// (a batch-16 step's 16 rows are 10 MB of logits): ids[m] and, where nan is not null, nan[m] (1: an
+// allowed NaN), as argmax_allowed gives them for rows[m] alone.
 void argmax_allowed_rows(const float* const* rows, int64_t M, int64_t V, const uint8_t* allowed, int32_t* ids,
-                         bool* nan = nullptr);
+                         uint8_t* nan = nullptr);
 
 // The same by that scan, one id at a time.
 int32_t argmax_allowed_reference(const float* row, int64_t V, const uint8_t* allowed, bool* nan = nullptr);

@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -440,9 +439,9 @@ bool Engine::step() {
       greedy_rows.push_back(logits_.data() + k * V_);
     }
   std::vector<int32_t> greedy_ids(greedy_rows.size());
-  const std::unique_ptr<bool[]> greedy_nan(new bool[greedy_rows.size()]());
+  std::vector<uint8_t> greedy_nan(greedy_rows.size());
   sampling::argmax_allowed_rows(greedy_rows.data(), static_cast<int64_t>(greedy_rows.size()), V_, allowed,
-                                greedy_ids.data(), greedy_nan.get());
+                                greedy_ids.data(), greedy_nan.data());
   for (int64_t k = 0; k < M; ++k) {
     const auto& row = b.rows[pick_rows[k]];
     const Sequence& q = seqs[row.seq];
@@ -568,9 +567,8 @@ void Engine::verify_step(ScheduledBatch& b) {
     agreed_.resize(static_cast<size_t>(T));
     std::vector<const float*> rows(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) rows[t] = logits_.data() + t * V_;
-    const std::unique_ptr<bool[]> nan(new bool[static_cast<size_t>(T)]());
-    sampling::argmax_allowed_rows(rows.data(), T, V_, allowed, agreed_.data(), nan.get());
-    agreed_nan_.assign(nan.get(), nan.get() + T);
+    agreed_nan_.resize(static_cast<size_t>(T));
+    sampling::argmax_allowed_rows(rows.data(), T, V_, allowed, agreed_.data(), agreed_nan_.data());
     opt_.hooks.agree_tokens(agreed_);
     check_agreed();
   }
