@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 
 #include "kda/distributed/mpi_communicator.h"
@@ -35,6 +36,23 @@ constexpr const char* kMpiEnv =
 std::string mpirun(int np, const std::string& program = KDA_BINARY_PATH) {
   return std::string(kMpiEnv) + "timeout 300 mpirun --oversubscribe -np " + std::to_string(np) + " " +
          program;
+}
+
+// `kda simulate --outputs` of two runs: every request's greedy tokens the same ids (tokens_<i>), its
+// last-layer rows (req_<i>) within |a - b| <= tol + tol |b|.
+void expect_same_requests(const io::NpzArchive& want, const io::NpzArchive& got, const std::string& context,
+                          double tol = 1e-5) {
+  ASSERT_EQ(got.size(), want.size()) << context;
+  for (const auto& [key, arr] : want) {
+    ASSERT_TRUE(got.count(key)) << key << ' ' << context;
+    if (key.starts_with("tokens_")) {
+      EXPECT_EQ(got.at(key).to_i32(), arr.to_i32()) << key << ' ' << context;
+      continue;
+    }
+    const auto x = got.at(key).to_f32(), y = arr.to_f32();
+    ASSERT_EQ(x.size(), y.size()) << key << ' ' << context;
+    EXPECT_LE(testing::max_error_ratio(x.data(), y.data(), x.size(), tol, tol), 1.0) << key << ' ' << context;
+  }
 }
 
 class Mpi : public ::testing::Test {
@@ -86,21 +104,38 @@ TEST_F(Mpi, SimulateTp2EqualsTp1) {
   ASSERT_EQ(one.code, 0) << one.output;
   const auto two = sh(mpirun(2) + args + (tmp / "tp2.npz").string() + " --tp 2 2>/dev/null");
   ASSERT_EQ(two.code, 0) << two.output;
-  const auto a = io::read_npz(tmp / "tp1.npz"), b = io::read_npz(tmp / "tp2.npz");
+  const auto a = io::read_npz(tmp / "tp1.npz");
   ASSERT_EQ(a.size(), 10u);  // req_<i> and tokens_<i>
-  ASSERT_EQ(b.size(), a.size());
-  for (const auto& [key, arr] : a) {
-    ASSERT_TRUE(b.count(key)) << key;
-    if (key.starts_with("tokens_")) {  // the greedy tokens: the same ids
-      EXPECT_EQ(b.at(key).to_i32(), arr.to_i32()) << key;
-      continue;
-    }
-    const auto x = b.at(key).to_f32(), y = arr.to_f32();
-    ASSERT_EQ(x.size(), y.size()) << key;
-    EXPECT_LE(testing::max_error_ratio(x.data(), y.data(), x.size(), 1e-5, 1e-5), 1.0) << key;
-  }
+  expect_same_requests(a, io::read_npz(tmp / "tp2.npz"), "tp 2");
   EXPECT_THAT(one.output, HasSubstr("\"pool_bytes\": 26935296"));
   EXPECT_THAT(two.output, HasSubstr("\"pool_bytes\": 13467648"));
+}
+
+// Speculative decoding under --tp 2 (KDA, MLA and MoE layers): the verify steps split the heads as
+// the decode steps do and agree on each row's greedy tokens, so a chain and a draft tree each accept
+// the drafts a TP 1 run accepts and give every request its tokens, and its hidden rows within the spec's
+// fp32 bound for the final hidden state (1e-4; four layers' reordered sums pass 1e-5 by a little).
+TEST_F(Mpi, SpeculativeTp2EqualsTp1) {
+  const auto tmp = testing::make_temp_dir("mpi_spec");
+  for (const std::string flags : {" --draft-tokens 4", " --draft-topk 2 --draft-depth fixed"}) {
+    const std::string args =
+        " simulate --layers 4 --vocab 1024 --requests 5 --prompt-len 4:40 --output-len 12 --precision fp32 "
+        "--speculative replay --check 1 --json" +
+        flags + " --outputs ";
+    const auto one = sh(std::string(KDA_BINARY_PATH) + args + (tmp / "tp1.npz").string() + " 2>/dev/null");
+    ASSERT_EQ(one.code, 0) << one.output;
+    std::smatch accepted;
+    ASSERT_TRUE(std::regex_search(one.output, accepted, std::regex("\"spec_accepted_tokens\": [1-9][0-9]*")))
+        << "no draft accepted at tp 1, so the test would not reach the verify path\n"
+        << one.output;
+    const auto two = sh(mpirun(2) + args + (tmp / "tp2.npz").string() + " --tp 2 2>/dev/null");
+    ASSERT_EQ(two.code, 0) << two.output;
+    EXPECT_THAT(two.output, HasSubstr(accepted.str())) << flags;
+    EXPECT_THAT(two.output, HasSubstr("\"check_ok\": true")) << flags;
+    const auto a = io::read_npz(tmp / "tp1.npz");
+    ASSERT_EQ(a.size(), 10u);  // req_<i> and tokens_<i>
+    expect_same_requests(a, io::read_npz(tmp / "tp2.npz"), "tp 2" + flags, 1e-4);
+  }
 }
 
 // Data-parallel attention: DP 2 x TP 1 and DP 2 x TP 2 serve the same workload (requests split over the
@@ -121,18 +156,7 @@ TEST_F(Mpi, SimulateDp2EqualsOneGroup) {
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_THAT(r.output, HasSubstr("\"requests_completed\": 5"));
     EXPECT_THAT(r.output, HasSubstr("\"check_ok\": true"));
-    const auto b = io::read_npz(out);
-    ASSERT_EQ(b.size(), a.size()) << flags;
-    for (const auto& [key, arr] : a) {
-      ASSERT_TRUE(b.count(key)) << key << flags;
-      if (key.starts_with("tokens_")) {
-        EXPECT_EQ(b.at(key).to_i32(), arr.to_i32()) << key << flags;
-        continue;
-      }
-      const auto x = b.at(key).to_f32(), y = arr.to_f32();
-      ASSERT_EQ(x.size(), y.size()) << key << flags;
-      EXPECT_LE(testing::max_error_ratio(x.data(), y.data(), x.size(), 1e-5, 1e-5), 1.0) << key << flags;
-    }
+    expect_same_requests(a, io::read_npz(out), flags);
   }
   const auto bad =
       sh(mpirun(2) +
