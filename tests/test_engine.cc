@@ -671,20 +671,30 @@ TEST(Engine, PrefixCacheHitsReportCachedTokensAndChangeNoToken) {
 namespace kda::serving {
 namespace {
 
+// The hybrid checkpoint of seed 5, with token `nan_token`'s embedding row NaN (none when -1): a row whose
+// input is that token has NaN logits; the rows before it are as in the clean model (the LM head is not
+// tied to the embedding).
+std::unique_ptr<models::KimiLinearForCausalLM> model_with_nan_token(int32_t nan_token) {
+  const auto cfg = config({1, 2, 4}, {3});
+  auto w = testing::random_model_weights(cfg, 5, io::StDType::F32);
+  auto& emb = w.at("model.embed_tokens.weight");
+  const int64_t D = emb.shape.at(1);
+  if (nan_token >= 0)
+    std::fill(emb.values.begin() + nan_token * D, emb.values.begin() + (nan_token + 1) * D,
+              std::numeric_limits<float>::quiet_NaN());
+  const auto dir = testing::make_temp_dir("engine_nan");
+  testing::write_model_checkpoint(dir, cfg, w);
+  auto model = models::KimiLinearForCausalLM::from_pretrained(dir);
+  std::filesystem::remove_all(dir);
+  return model;
+}
+
 // A request whose logits are NaN (token 7's embedding row is NaN in this checkpoint) has its row refused,
 // by the sampler (temperature 1) or by the plain greedy pick (no sampler): that request alone finishes with
 // kAbort and gives its slots back; a request batched with it finishes as it does alone.
 void expect_nan_request_aborted_alone(bool plain_greedy) {
   SCOPED_TRACE(plain_greedy ? "plain greedy" : "sampler");
-  const auto cfg = config({1, 2, 4}, {3});
-  auto w = testing::random_model_weights(cfg, 5, io::StDType::F32);
-  auto& emb = w.at("model.embed_tokens.weight");
-  const int64_t D = emb.shape.at(1);
-  std::fill(emb.values.begin() + 7 * D, emb.values.begin() + 8 * D, std::numeric_limits<float>::quiet_NaN());
-  const auto dir = testing::make_temp_dir("engine_nan");
-  testing::write_model_checkpoint(dir, cfg, w);
-  auto model = models::KimiLinearForCausalLM::from_pretrained(dir);
-  std::filesystem::remove_all(dir);
+  auto model = model_with_nan_token(7);
   ModelRunner runner(*model, 4, 1024, kernels::KernelImpl::Auto);
   const PoolCounts start = counts(runner);
 
@@ -931,6 +941,73 @@ TEST(EngineSpeculative, AbortMidSpeculationFreesEverySlotAndKvToken) {
   EXPECT_EQ(e.stats().slots_used, 0);
   EXPECT_EQ(e.stats().kv_tokens_used, 0);
   EXPECT_EQ(counts(*runner), start) << "a slot or MLA token slot was not freed";
+}
+
+// A verify row that meets NaN logits: replay drafts feed each request its own greedy continuation, and
+// the "bad" request's continuation holds a token whose embedding row is NaN in the checkpoint. The step
+// that feeds it refuses that row at the NaN position, by the plain greedy pick, by the same pick agreed
+// across ranks (tensor parallelism's path, here with one rank) or by the sampler (greedy with logprobs):
+// the request ends with kAbort and the tokens of its steps before, nothing of the refused step's
+// accepted path; the request batched with it finishes as alone, and every slot and KV token is free.
+TEST(EngineSpeculative, AVerifyRowWithNaNLogitsIsAbortedAloneAndTheOthersGoOn) {
+  const GenerateRequest bad_clean = greedy(random_prompt(6, 700), 10),
+                        good = greedy(random_prompt(9, 701), 10);
+  std::vector<int32_t> truth_bad, truth_good;
+  int32_t cut = -1;  // the first generated token (after the first two) that the prompt and earlier ones lack
+  {
+    auto clean = model_with_nan_token(-1);
+    ModelRunner runner(*clean, 2, 1024, kernels::KernelImpl::Auto);
+    truth_bad = alone(runner, options(), bad_clean).tokens[0];
+    truth_good = alone(runner, options(), good).tokens[0];
+    for (size_t k = 2; k < truth_bad.size() && cut < 0; ++k) {
+      const int32_t t = truth_bad[k];
+      if (std::count(bad_clean.prompt.begin(), bad_clean.prompt.end(), t) == 0 &&
+          std::count(truth_bad.begin(), truth_bad.begin() + static_cast<std::ptrdiff_t>(k), t) == 0 &&
+          std::count(good.prompt.begin(), good.prompt.end(), t) == 0 &&
+          std::count(truth_good.begin(), truth_good.end(), t) == 0)
+        cut = static_cast<int32_t>(k);
+    }
+  }
+  ASSERT_GE(cut, 0) << "no generated token of its own in the bad request's continuation";
+  auto model = model_with_nan_token(truth_bad[static_cast<size_t>(cut)]);
+  ModelRunner runner(*model, 4, 1024, kernels::KernelImpl::Auto, 5, 4);
+  const PoolCounts start = counts(runner);
+  for (const char* mode : {"plain greedy", "agreed greedy", "sampler greedy"}) {
+    SCOPED_TRACE(mode);
+    const std::string m = mode;
+    GenerateRequest bad = bad_clean;
+    if (m == "sampler greedy") bad.params.logprobs = 1;  // greedy through the sampler
+    EngineOptions o = options();
+    o.spec.algorithm = SpecAlgorithm::kReplay;
+    o.spec.draft_tokens = 4;
+    o.spec.depth_mode = DraftDepthMode::kFixed;
+    int64_t bad_id = -1;
+    o.hooks.drafter = [&](int64_t id, int32_t, std::span<const int32_t> generated, int32_t depth) {
+      const auto& truth = id == bad_id ? truth_bad : truth_good;
+      const size_t from = std::min(generated.size(), truth.size());
+      const size_t to = std::min(truth.size(), from + static_cast<size_t>(depth));
+      Draft d;
+      d.add_branch(std::span<const int32_t>(truth).subspan(from, to - from), depth);
+      return d;
+    };
+    if (m == "agreed greedy") o.hooks.agree_tokens = [](std::vector<int32_t>&) {};
+    Engine e(runner, o);
+    Collector c;
+    bad_id = e.submit(bad, c.sink());
+    const int64_t good_id = e.submit(good, c.sink());
+    drain(e);
+    const Outcome b = check_stream(c.of(bad_id), 1, 6);
+    EXPECT_EQ(b.finish[0], FinishReason::kAbort);
+    // Tokens up to the refused step's first row position; that step's accepted drafts are dropped.
+    ASSERT_LE(b.tokens[0].size(), static_cast<size_t>(cut));
+    EXPECT_TRUE(std::equal(b.tokens[0].begin(), b.tokens[0].end(), truth_bad.begin()));
+    const Outcome g = check_stream(c.of(good_id), 1, 9);
+    EXPECT_EQ(g.finish[0], FinishReason::kLength);
+    expect_same_or_near_tie(*model, good.prompt, g.tokens[0], truth_good);
+    EXPECT_EQ(e.stats().requests_aborted, 1);
+    EXPECT_GT(e.stats().spec_accepted_tokens, 0) << "no draft accepted: the test would not see verification";
+    EXPECT_EQ(counts(runner), start);
+  }
 }
 
 // Adaptive depth (the default): greedy tokens are still plain decoding's, and a seeded sampled request
