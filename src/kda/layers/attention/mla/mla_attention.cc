@@ -562,11 +562,10 @@ void mla_attention_absorbed(const MlaAttnArgs& a) {
   float* const u = at_least(sc.u, static_cast<size_t>(stacked * R));
   float* const qpe = at_least(sc.qpe, static_cast<size_t>(stacked * dr));
   // A decode item's buffers (decode_item below): q~ and q_pe transposed ([R + dr, Hm]), the scores key by
-  // key ([keys, Hm]) and the softmax weights head by head ([Hm, keys]); one for the threads to share, or
-  // one per thread where each takes whole items.
-  // Many decode rows: each thread takes whole rows (no barrier per row; a batch of 16 short rows spent
-  // more time in the four barriers of each than in its sums), while the threads' buffers stay small (long
-  // contexts' rows are long enough to share). Otherwise the threads share each row.
+  // key ([keys, Hm]) and the softmax weights head by head ([Hm, keys]). With many decode rows each thread
+  // takes whole rows in a buffer of its own (no barrier per row: a batch of 16 short rows spent more time
+  // in the four barriers of each than in its sums), while the threads' buffers stay small; otherwise
+  // (few rows, or long contexts' rows, long enough to share) the threads share one buffer and each row.
   const size_t dec_size = static_cast<size_t>((lat + 2 * decode_keys) * Hm);
   constexpr size_t kSoloBufferBytes = size_t{64} << 20;
   const bool solo_decodes = static_cast<int64_t>(decodes.size()) >= 4 * threads &&
