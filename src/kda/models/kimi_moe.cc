@@ -1,5 +1,7 @@
 #include "kda/models/kimi_moe.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -565,17 +567,18 @@ void gather(const T* x, int64_t D, const int64_t* rows, int64_t n, int64_t k, T*
 inline float widen(float v) { return v; }
 inline float widen(bf16_t v) { return bf16_to_f32(v); }
 
-// y[token] += w * ye[j] for the expert's pairs; each token appears once per expert, so rows never race.
+// y[token][0, width) += w * ye[j][0, width) for the expert's pairs (rows D values apart in both); each token
+// appears once per expert, so rows never race. Inside a parallel region it runs on the calling thread.
 template <class T>
-void scatter_add(const T* ye, int64_t D, const int64_t* rows, int64_t n, int64_t k, const float* w,
-                 float* y) {
-#pragma omp parallel for schedule(static) if (n * D >= kParallelCopy)
+void scatter_add(const T* ye, int64_t D, int64_t width, const int64_t* rows, int64_t n, int64_t k,
+                 const float* w, float* y) {
+#pragma omp parallel for schedule(static) if (n * width >= kParallelCopy)
   for (int64_t j = 0; j < n; ++j) {
     const float wj = w[rows[j]];
     float* yr = y + rows[j] / k * D;
     const T* er = ye + j * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) yr[d] += wj * widen(er[d]);
+    for (int64_t d = 0; d < width; ++d) yr[d] += wj * widen(er[d]);
   }
 }
 
@@ -624,7 +627,7 @@ void KimiMoE::run_experts(const R* x, int64_t T, std::vector<R>& xe, std::vector
       experts_[e]->forward(xe.data(), np, D_, ye.data(), D_, s.mlp);
     else
       experts_[e]->forward(xe.data(), np, D_, ye.data(), D_, round_out, s.mlp, s.part);
-    scatter_add(ye.data(), D_, rows, n, k_, topk_w_.data(), y);
+    scatter_add(ye.data(), D_, D_, rows, n, k_, topk_w_.data(), y);
   }
 }
 
@@ -678,20 +681,26 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
   }
   if (error) std::rethrow_exception(error);
   // Each expert's slices added in slice order, its sum rounded where a whole MLP's output is (bf16), then
-  // added to y in increasing id, as run_grouped adds them. rest: the slices after the first, `stride`
-  // rows apart.
-  auto finish = [&](float* out, int64_t ldo, const float* rest, int pieces, int64_t rows, int64_t stride) {
-    for (int p = 1; p < pieces; ++p)
-      SwigluPieces::add_part(out, ldo, rest + (p - 1) * stride * D_, D_, rows, D_);
-    if (round_out)
-      for (int64_t t = 0; t < rows; ++t) round_bf16_inplace(out + t * ldo, static_cast<size_t>(D_));
-  };
-  for (int a = 0; a < na; ++a) {
-    const int e = active[a];
-    const int64_t n = offsets_[e + 1] - offsets_[e], np = rows_of[a];
-    float* block = ye.data() + out_at[a] * D_;
-    finish(block, D_, block + np * D_, experts_[e]->pieces(), n, np);
-    scatter_add(block, D_, rows_.data() + offsets_[e], n, k_, topk_w_.data(), y);
+  // added to y in increasing id, as run_grouped adds them. The threads share the columns: every value is
+  // still summed in that order, where one thread did it all while the other waited (a batch of 16's
+  // 128 rows, each layer).
+  int64_t routed_rows = 0;
+  for (int a = 0; a < na; ++a) routed_rows += offsets_[active[a] + 1] - offsets_[active[a]];
+  const int64_t threads = std::max(1, omp_get_max_threads());  // one span of whole vectors per thread
+  const int64_t span = (D_ + 16 * threads - 1) / (16 * threads) * 16, spans = (D_ + span - 1) / span;
+#pragma omp parallel for schedule(static) if (spans > 1 && routed_rows * D_ >= kParallelCopy)
+  for (int64_t sp = 0; sp < spans; ++sp) {
+    const int64_t d0 = sp * span, width = std::min(D_, d0 + span) - d0;
+    for (int a = 0; a < na; ++a) {
+      const int e = active[a];
+      const int64_t n = offsets_[e + 1] - offsets_[e], np = rows_of[a];
+      float* block = ye.data() + out_at[a] * D_ + d0;
+      for (int p = 1; p < experts_[e]->pieces(); ++p)  // slice p's rows start p * np rows after the first's
+        SwigluPieces::add_part(block, D_, block + p * np * D_, D_, n, width);
+      if (round_out)
+        for (int64_t t = 0; t < n; ++t) round_bf16_inplace(block + t * D_, static_cast<size_t>(width));
+      scatter_add(block, D_, width, rows_.data() + offsets_[e], n, k_, topk_w_.data(), y + d0);
+    }
   }
 }
 
