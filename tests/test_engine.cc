@@ -983,12 +983,10 @@ TEST(EngineSpeculative, AVerifyRowWithNaNLogitsIsAbortedAloneAndTheOthersGoOn) {
     o.spec.depth_mode = DraftDepthMode::kFixed;
     int64_t bad_id = -1;
     o.hooks.drafter = [&](int64_t id, int32_t, std::span<const int32_t> generated, int32_t depth) {
-      const auto& truth = id == bad_id ? truth_bad : truth_good;
+      const std::span<const int32_t> truth = id == bad_id ? truth_bad : truth_good;
       const size_t from = std::min(generated.size(), truth.size());
-      const size_t to = std::min(truth.size(), from + static_cast<size_t>(depth));
-      Draft d;
-      d.add_branch(std::span<const int32_t>(truth).subspan(from, to - from), depth);
-      return d;
+      return replay_draft(truth.subspan(from), depth, 1, 1.0, kVocab, 0, id,
+                          static_cast<int64_t>(generated.size()));  // accept rate 1: the truth itself
     };
     if (m == "agreed greedy") o.hooks.agree_tokens = [](std::vector<int32_t>&) {};
     Engine e(runner, o);
