@@ -117,10 +117,11 @@ TEST_F(Mpi, SimulateTp2EqualsTp1) {
 // fp32 bound for the final hidden state (1e-4; four layers' reordered sums pass 1e-5 by a little).
 TEST_F(Mpi, SpeculativeTp2EqualsTp1) {
   const auto tmp = testing::make_temp_dir("mpi_spec");
-  for (const std::string flags : {" --draft-tokens 4", " --draft-topk 2 --draft-depth fixed"}) {
+  // Fixed depth: the adaptive one follows measured step times, so two runs may draft differently.
+  for (const std::string flags : {" --draft-tokens 4", " --draft-topk 2"}) {
     const std::string args =
         " simulate --layers 4 --vocab 1024 --requests 5 --prompt-len 4:40 --output-len 12 --precision fp32 "
-        "--speculative replay --check 1 --json" +
+        "--speculative replay --draft-depth fixed --check 1 --json" +
         flags + " --outputs ";
     const auto one = sh(std::string(KDA_BINARY_PATH) + args + (tmp / "tp1.npz").string() + " 2>/dev/null");
     ASSERT_EQ(one.code, 0) << one.output;
