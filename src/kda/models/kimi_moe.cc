@@ -684,11 +684,10 @@ void KimiMoE::run_side_by_side(const float* x, int64_t T, float* y) {
   // added to y in increasing id, as run_grouped adds them. The threads share the columns: every value is
   // still summed in that order, where one thread did it all while the other waited (a batch of 16's
   // 128 rows, each layer).
-  int64_t routed_rows = 0;
-  for (int a = 0; a < na; ++a) routed_rows += offsets_[active[a] + 1] - offsets_[active[a]];
   const int64_t threads = std::max(1, omp_get_max_threads());  // one span of whole vectors per thread
   const int64_t span = (D_ + 16 * threads - 1) / (16 * threads) * 16, spans = (D_ + span - 1) / span;
-#pragma omp parallel for schedule(static) if (spans > 1 && routed_rows * D_ >= kParallelCopy)
+  // T * k_ routed rows, every one in some active expert's block.
+#pragma omp parallel for schedule(static) if (spans > 1 && T * k_ * D_ >= kParallelCopy)
   for (int64_t sp = 0; sp < spans; ++sp) {
     const int64_t d0 = sp * span, width = std::min(D_, d0 + span) - d0;
     for (int a = 0; a < na; ++a) {
