@@ -1,9 +1,11 @@
 // int4 weights against bf16 activations on AMX-BF16 tiles (gemm_int4_amx_bf16, quant_amx.h; QuantLinear's
-// amx bf16 prefill path): the dpbf16 scheme's value (gemm_int4_dpbf16_reference) within the fp32 rounding
-// of its group sums, at the model's widths and odd ones, row counts across the kernel's chunks of rows and
-// decode calls of at most 16 rows (the weights streamed), a channel tail (the dpbf16 kernel's bits); a row's
-// bits independent of the rows beside it; outputs past `out` untouched; bad arguments refused before anything
-// is written. Skipped where the CPU lacks AMX-BF16.
+// amx bf16 path): calls of at most 16 rows give the dpbf16 scheme's value (gemm_int4_dpbf16_reference)
+// within the fp32 rounding of its group sums, with a channel tail in the dpbf16 kernel's bits; calls of
+// more rows the widened scheme's (gemm_int4_widened_reference) within the fp32 rounding of its sums, every
+// channel included; both at the model's widths and odd ones, row counts across the kernel's chunks of rows
+// and its passes of two channel blocks and two row blocks; a row's bits independent of the rows beside it
+// within each scheme; outputs past `out` untouched; bad arguments refused before anything is written.
+// Skipped where the CPU lacks AMX-BF16.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -38,17 +40,27 @@ std::vector<bf16_t> bf16_rows(int64_t M, int64_t ld, uint64_t seed) {
   return xb;
 }
 
-TEST(QuantAmxBf16, Int4IsTheDpbf16SchemeWithinItsGroupSumsRounding) {
+// The absolute products' sum of row m of x against channel n of W (wd: W as fp32 [out, in]).
+double magnitude(const std::vector<bf16_t>& x, int64_t ldx, int64_t m, const std::vector<float>& wd,
+                 int64_t in, int64_t n) {
+  double mag = 0.0;
+  for (int64_t k = 0; k < in; ++k)
+    mag += std::fabs(static_cast<double>(bf16_to_f32(x[m * ldx + k])) * wd[n * in + k]);
+  return mag;
+}
+
+TEST(QuantAmxBf16, Int4IsTheDpbf16SchemeUpTo16RowsAndTheWidenedOneAbove) {
   if (!qg::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build";
   struct Case {
     int64_t in, out, M;
   };
-  // The model's input widths (2304, the expert's down 1024), channels in a multiple of 16 or with a tail
-  // past the last whole block, one group, fewer channels than a block; rows across the 256-row chunks, and
-  // decode calls of one row block (at most 16 rows: the weights streamed).
+  // The model's input widths (2304, the expert's down 1024), channels in a multiple of 16, of 32 (whole
+  // passes of two blocks) or with a tail past the last whole block, one group, fewer channels than a
+  // block; rows across the 256-row chunks, an odd number of row blocks, and calls of one row block (at
+  // most 16 rows: the dpbf16 scheme, the weights streamed).
   const Case cases[] = {{2304, 256, 64}, {1024, 272, 300}, {2304, 48, 517}, {96, 37, 17},
                         {32, 16, 1},     {160, 15, 40},    {128, 260, 256}, {64, 33, 257},
-                        {2304, 80, 16},  {1024, 50, 5},    {64, 32, 9}};
+                        {2304, 80, 16},  {1024, 50, 5},    {64, 32, 9},     {64, 7, 33}};
   for (const Case& c : cases) {
     const std::string what = std::to_string(c.in) + "x" + std::to_string(c.out) + " M=" + std::to_string(c.M);
     std::vector<float> wsrc = random_normal(static_cast<size_t>(c.in * c.out), 50 + c.in, 0.05f);
@@ -56,38 +68,45 @@ TEST(QuantAmxBf16, Int4IsTheDpbf16SchemeWithinItsGroupSumsRounding) {
     const qg::PackedMatrix p(Weights::Int4, wsrc.data(), c.in, c.out);
     const qg::Int4Weights w = int4_of(p);
     const int64_t ldx = c.in + 16, ldy = c.out + 5, G = c.in / qg::kInt4Group;
+    const bool widened = c.M > 16;
     const std::vector<bf16_t> x = bf16_rows(c.M, ldx, 60 + c.M);
     std::vector<float> y(static_cast<size_t>(c.M * ldy), 3.0f), ref(static_cast<size_t>(c.M * c.out));
     qg::gemm_int4_amx_bf16(x.data(), c.M, ldx, w, y.data(), ldy);
-    qg::gemm_int4_dpbf16_reference(x.data(), c.M, ldx, w, ref.data(), c.out);
+    if (widened)
+      qg::gemm_int4_widened_reference(x.data(), c.M, ldx, w, ref.data(), c.out);
+    else
+      qg::gemm_int4_dpbf16_reference(x.data(), c.M, ldx, w, ref.data(), c.out);
     const std::vector<float> wd = qg::dequantize(p.view());
-    const int64_t whole = c.out / 16 * 16;
+    const int64_t whole = widened ? c.out : c.out / 16 * 16;
     int bad = 0, tail_bad = 0, past = 0;
     for (int64_t m = 0; m < c.M; ++m) {
       for (int64_t n = 0; n < c.out; ++n) {
         const float got = y[m * ldy + n], want = ref[m * c.out + n];
-        if (n >= whole) {  // the channel tail: gemm_int4_dpbf16, its reference's bits
+        if (n >= whole) {  // the channel tail of a dpbf16 call: gemm_int4_dpbf16, its reference's bits
           tail_bad += got != want;
           continue;
         }
-        // Each group sum is rounded in fp32 over at most 32 terms on both sides, and the totals' FMAs
-        // round again per group: (64 + 2 G) units of 2^-24 of the absolute products' sum.
-        double mag = 0.0;
-        for (int64_t k = 0; k < c.in; ++k)
-          mag += std::fabs(static_cast<double>(bf16_to_f32(x[m * ldx + k])) * wd[n * c.in + k]);
-        bad +=
-            !(std::fabs(static_cast<double>(got) - want) <= (64.0 + 2.0 * G) * std::ldexp(mag, -24) + 1e-30);
+        // dpbf16: each group sum rounded in fp32 over at most 32 terms on both sides, and the totals' FMAs
+        // round again per group: (64 + 2 G) units of 2^-24 of the absolute products' sum. Widened: one fp32
+        // sum over all the inputs on both sides, 2 in units (the widened weights' magnitudes are the
+        // scheme's within 2^-8).
+        const double units = widened ? 2.0 * c.in : 64.0 + 2.0 * G;
+        const double bound = units * std::ldexp(1.01 * magnitude(x, ldx, m, wd, c.in, n), -24) + 1e-30;
+        bad += !(std::fabs(static_cast<double>(got) - want) <= bound);
       }
       for (int64_t n = c.out; n < ldy; ++n) past += y[m * ldy + n] != 3.0f;
     }
     EXPECT_EQ(bad, 0) << what;
     EXPECT_EQ(tail_bad, 0) << what;
     EXPECT_EQ(past, 0) << what;
-    // A row's bits whatever the rows beside it: rows [m0, m0 + k) of the call above, called alone, in
-    // calls of one row block (streamed) and of more.
+    // A row's bits whatever the rows beside it: rows [m0, m0 + k) of the call above, called alone in calls
+    // of the same scheme (at most 16 rows, streamed; or more, in one or two row blocks a pass).
+    const std::vector<int64_t> counts =
+        widened ? std::vector<int64_t>{17, 33, 48} : std::vector<int64_t>{16, 5, 1};
     for (int64_t m0 : {int64_t{0}, c.M / 2, c.M - 1})
-      for (int64_t most : {19, 16, 5}) {
+      for (int64_t most : counts) {
         const int64_t k = std::min<int64_t>(c.M - m0, most);
+        if (widened != (k > 16)) continue;
         std::vector<float> part(static_cast<size_t>(k * ldy));
         qg::gemm_int4_amx_bf16(x.data() + m0 * ldx, k, ldx, w, part.data(), ldy);
         int diff = 0;
@@ -96,6 +115,47 @@ TEST(QuantAmxBf16, Int4IsTheDpbf16SchemeWithinItsGroupSumsRounding) {
         EXPECT_EQ(diff, 0) << what << " rows from " << m0 << ", " << k << " at a time";
       }
   }
+}
+
+// The widened weight is the bf16 of the fp32 product, rounded to nearest even, tiny products flushed:
+// the values the kernel's vcvtneps2bf16 gives.
+TEST(QuantAmxBf16, TheWidenedWeightIsTheBf16OfItsProduct) {
+  EXPECT_EQ(qg::int4_widened(0.0f), f32_to_bf16(0.0f));
+  EXPECT_EQ(qg::int4_widened(-3.5f), f32_to_bf16(-3.5f));
+  // bf16's unit at 3 is 2^-6, at 1 2^-7.
+  EXPECT_EQ(bf16_to_f32(qg::int4_widened(3.0f + 0.75f * std::ldexp(1.0f, -6))), 3.0f + std::ldexp(1.0f, -6));
+  EXPECT_EQ(bf16_to_f32(qg::int4_widened(1.0f + std::ldexp(1.0f, -8))), 1.0f);  // half a unit: to even
+  EXPECT_EQ(bf16_to_f32(qg::int4_widened(3.0f + 1.5f * std::ldexp(1.0f, -6))), 3.0f + std::ldexp(1.0f, -5));
+  const float tiny = std::ldexp(1.0f, -128);  // below the normal range
+  EXPECT_EQ(qg::int4_widened(tiny), f32_to_bf16(0.0f));
+  EXPECT_EQ(qg::int4_widened(-tiny), f32_to_bf16(-0.0f));
+  EXPECT_EQ(bf16_to_f32(qg::int4_widened(std::ldexp(1.0f, -126))), std::ldexp(1.0f, -126));
+}
+
+// The kernel widens every weight to int4_widened's value, bit for bit: rows of x that pick one input each
+// (a call of 64 rows, the widened scheme) give W's widened columns exactly. Channel 0's first group has
+// the scale 1 + 2^-8, whose products land on ties and between bf16 values; channel 1's first group
+// a scale below the normal range (every product flushed); the rest random.
+TEST(QuantAmxBf16, TheKernelWidensEachWeightAsInt4Widened) {
+  if (!qg::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build";
+  const int64_t in = 64, out = 40;  // two passes of two blocks, the last block short
+  std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 71, 0.05f);
+  for (int64_t k = 0; k < 32; ++k) {
+    wsrc[k] = static_cast<float>(k % 15 - 7) * (1.0f + std::ldexp(1.0f, -8));
+    wsrc[in + k] = static_cast<float>(k % 15 - 7) * std::ldexp(1.0f, -140);
+  }
+  const qg::PackedMatrix p(Weights::Int4, wsrc.data(), in, out);
+  const qg::Int4Weights w = int4_of(p);
+  ASSERT_EQ(w.scale[0], 1.0f + std::ldexp(1.0f, -8));
+  const std::vector<float> wd = qg::dequantize(p.view());
+  std::vector<bf16_t> x(static_cast<size_t>(in * in), f32_to_bf16(0.0f));
+  for (int64_t m = 0; m < in; ++m) x[m * in + m] = f32_to_bf16(1.0f);
+  std::vector<float> y(static_cast<size_t>(in * out));
+  qg::gemm_int4_amx_bf16(x.data(), in, in, w, y.data(), out);
+  int bad = 0;
+  for (int64_t m = 0; m < in; ++m)
+    for (int64_t n = 0; n < out; ++n) bad += y[m * out + n] != bf16_to_f32(qg::int4_widened(wd[n * in + m]));
+  EXPECT_EQ(bad, 0);
 }
 
 TEST(QuantAmxBf16, BadArgumentsAreRefusedBeforeAnythingIsWritten) {

@@ -205,7 +205,8 @@ TEST(QuantLayer, Bf16ActivationsStayNearTheSchemesError) {
 
 // Prefill (more than 64 rows: dequantized tiles through oneDNN) then decode (the packed kernels) equals
 // the whole sequence as one EXTEND, per mode and precision, within under 3x the differences reached:
-// the decode rows' int16 activations, and in bf16 the bf16 rounding points they move across.
+// the decode rows' int16 activations, and in bf16 the bf16 rounding points they move across (and int4's
+// prefill on an AMX host, whose weights are widened to bf16: quant_amx.h).
 TEST(QuantLayer, PrefillThenDecodeEqualsOneExtend) {
   const auto cfg = kimi_shape();
   const auto w = models::KdaLayerWeights::synthetic(cfg, 43);
@@ -215,12 +216,12 @@ TEST(QuantLayer, PrefillThenDecodeEqualsOneExtend) {
     Weights fmt;
     double out, state, conv;  // the bounds (reached: fp32/int8 4.0e-5, 5.0e-5, 3.2e-5; fp32/int4 1.6e-5,
                               // 3.2e-5, 2.1e-5; bf16/int8 9.1e-4, 9.1e-4, 3.4e-4; bf16/int4 7.7e-4,
-                              // 6.7e-4, 2.9e-4)
+                              // 6.7e-4, 2.9e-4, on AMX 2.3e-3, 4.7e-3, 2.5e-3)
   };
   for (const Case& k : {Case{Precision::FP32, Weights::Int8, 1.2e-4, 1.4e-4, 9e-5},
                         Case{Precision::FP32, Weights::Int4, 4.8e-5, 9e-5, 6e-5},
                         Case{Precision::BF16, Weights::Int8, 2.7e-3, 2.7e-3, 1e-3},
-                        Case{Precision::BF16, Weights::Int4, 2.3e-3, 2e-3, 8.5e-4}}) {
+                        Case{Precision::BF16, Weights::Int4, 6.5e-3, 1.3e-2, 7e-3}}) {
     const std::string what = std::string(to_string(k.prec)) + "/" + to_string(k.fmt);
     models::KimiDeltaAttention layer(cfg, 0, w, k.prec, {}, k.fmt);
     const auto full = runtime::run_layer_case(layer, cfg, c, 0, kernels::KernelImpl::Auto);

@@ -176,22 +176,22 @@ TEST(QuantPrefill, BothPathsEqualTheSchemeInDouble) {
       const QuantLinear picked(c.in, c.out, wsrc, fmt, Precision::BF16);
       EXPECT_EQ(picked.prefill_path(), QuantLinear::prefill_path_for(fmt, Precision::BF16));
       EXPECT_EQ(QuantLinear::prefill_path_for(fmt, Precision::FP32), Prefill::Fp32Tiles);
-      const std::vector<float> wf = picked.dequantized();
       for (int64_t M : c.rows) {
         const int64_t ldx = c.in + 8, ldy = c.out + 4;
         std::vector<float> x = random_normal(static_cast<size_t>(M * ldx), 500 + M);
         std::vector<float> xr = x;  // as the projection reads it: bf16-rounded
         round_bf16_inplace(xr.data(), xr.size());
-        const std::vector<float> yref = testing::gemm_double(xr, ldx, wf, M, c.in, c.out);
         std::vector<bf16_t> xb(x.size());
         f32_to_bf16_array(x.data(), xb.data(), xb.size());
         for (const auto& ql : paths) {
           const std::string what = std::string(to_string(fmt)) + " " + layers::to_string(ql->prefill_path()) +
                                    " " + std::to_string(c.in) + "x" + std::to_string(c.out) +
                                    " M=" + std::to_string(M);
+          const std::vector<float> wm = ql->dequantized(M);  // W as this path multiplies it
+          const std::vector<float> yref = testing::gemm_double(xr, ldx, wm, M, c.in, c.out);
           std::vector<float> y(static_cast<size_t>(M * ldy), 3.0f);
           ql->forward(x.data(), M, ldx, y.data(), ldy);
-          expect_close_fp32(xr, ldx, wf, M, c.in, c.out, y.data(), ldy, yref.data(), c.out, what + " f32");
+          expect_close_fp32(xr, ldx, wm, M, c.in, c.out, y.data(), ldy, yref.data(), c.out, what + " f32");
           for (int64_t m = 0; m < M; ++m)
             for (int64_t n = c.out; n < ldy; ++n) ASSERT_EQ(y[m * ldy + n], 3.0f) << what;
           // bf16 rows in and out: the same sums rounded to nearest even as they are stored.
@@ -209,26 +209,30 @@ TEST(QuantPrefill, BothPathsEqualTheSchemeInDouble) {
 }
 
 // A NaN weight makes its channel's outputs NaN on the bf16 tiles as on the fp32 ones (int8: its scale
-// is NaN and q zero; int4: its group's), the other channels as without it.
+// is NaN and q zero; int4: its group's), and on int4's widened AMX tiles (its channel in the last, short
+// block), the other channels as without it.
 TEST(QuantPrefill, NaNWeightsGiveNaNChannelsOnTheBf16Tiles) {
   const int64_t in = 128, out = 1030, M = 80;
-  for (Weights fmt : {Weights::Int8, Weights::Int4}) {
-    std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 33, 0.05f);
-    const QuantLinear clean(in, out, wsrc, fmt, Precision::BF16, Prefill::Bf16Tiles);
-    wsrc[1027 * in + 70] = std::numeric_limits<float>::quiet_NaN();  // in the tail tile
-    const QuantLinear ql(in, out, wsrc, fmt, Precision::BF16, Prefill::Bf16Tiles);
-    std::vector<float> x = random_normal(static_cast<size_t>(M * in), 12);
-    std::vector<float> y(static_cast<size_t>(M * out)), yc(y.size());
-    ql.forward(x.data(), M, in, y.data(), out);
-    clean.forward(x.data(), M, in, yc.data(), out);
-    int bad = 0;
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < out; ++n) {
-        const float v = y[m * out + n];
-        if (n == 1027 ? !std::isnan(v) : v != yc[m * out + n]) ++bad;
-      }
-    EXPECT_EQ(bad, 0) << to_string(fmt);
-  }
+  for (Weights fmt : {Weights::Int8, Weights::Int4})
+    for (Prefill p : {Prefill::Bf16Tiles, Prefill::AmxBf16}) {
+      if (p == Prefill::AmxBf16 && (fmt != Weights::Int4 || !qg::cpu_has_amx_bf16())) continue;
+      const std::string what = std::string(to_string(fmt)) + " " + layers::to_string(p);
+      std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 33, 0.05f);
+      const QuantLinear clean(in, out, wsrc, fmt, Precision::BF16, p);
+      wsrc[1027 * in + 70] = std::numeric_limits<float>::quiet_NaN();  // in the tail tile
+      const QuantLinear ql(in, out, wsrc, fmt, Precision::BF16, p);
+      std::vector<float> x = random_normal(static_cast<size_t>(M * in), 12);
+      std::vector<float> y(static_cast<size_t>(M * out)), yc(y.size());
+      ql.forward(x.data(), M, in, y.data(), out);
+      clean.forward(x.data(), M, in, yc.data(), out);
+      int bad = 0;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < out; ++n) {
+          const float v = y[m * out + n];
+          if (n == 1027 ? !std::isnan(v) : v != yc[m * out + n]) ++bad;
+        }
+      EXPECT_EQ(bad, 0) << what;
+    }
 }
 
 // The bf16 tiles keep one primitive per (rows, tile width), at most kMaxPrimitives over many row counts,

@@ -18,8 +18,9 @@
 //    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 49
 //    (int8) or 9 (int4) rows on, where the integer decode kernels, with int16 activations, fall behind.
 //  - AmxBf16, int4 in the bf16 precision on AMX: the project's kernel (kernels/gemm/quant_amx.h,
-//    gemm_int4_amx_bf16), Dpbf16's scheme on AMX-BF16 tiles: one tile product per group of the scheme's
-//    integers, the scales on the group sums; from 5 rows on (decode batches included).
+//    gemm_int4_amx_bf16), from 5 rows on (decode batches included): up to 16 rows Dpbf16's scheme on
+//    AMX-BF16 tiles (one tile product per group of the scheme's integers, the scales on the group sums);
+//    from 17 the weights widened to bf16 with their scales, summed in the tiles over all the inputs.
 //  - Fp32Tiles otherwise: the tile dequantized to fp32 through oneDNN's fp32 matmul.
 #pragma once
 
@@ -95,8 +96,11 @@ class QuantLinear {
   int64_t weight_bytes() const;
   // W as the kernels read it (kda quantize writes these bytes).
   const kernels::gemm::PackedMatrix& packed() const;
-  // W as the kernels see it, fp32 [out, in] (for tests and references).
+  // W as the scheme gives it, fp32 [out, in] (for tests and references).
   std::vector<float> dequantized() const;
+  // W as a call of M rows multiplies it: dequantized(), but on the AmxBf16 path from
+  // kernels::gemm::kAmxBf16WidenedRows rows on each weight widened to bf16 (kernels::gemm::int4_widened).
+  std::vector<float> dequantized(int64_t M) const;
 
   void forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;
   void forward(const bf16_t* x, int64_t M, int64_t ldx, float* y, int64_t ldy) const;

@@ -142,6 +142,13 @@ const qg::PackedMatrix& QuantLinear::packed() const { return impl_->packed; }
 
 std::vector<float> QuantLinear::dequantized() const { return qg::dequantize(impl_->packed.view()); }
 
+std::vector<float> QuantLinear::dequantized(int64_t M) const {
+  std::vector<float> w = dequantized();
+  if (prefill_ == Prefill::AmxBf16 && M > decode_rows() && M >= qg::kAmxBf16WidenedRows)
+    for (float& v : w) v = bf16_to_f32(qg::int4_widened(v));
+  return w;
+}
+
 template <class X, class Y>
 void QuantLinear::forward_as(const X* x, int64_t M, int64_t ldx, Y* y, int64_t ldy) const {
   constexpr bool x16 = std::is_same_v<X, bf16_t>, y16 = std::is_same_v<Y, bf16_t>;

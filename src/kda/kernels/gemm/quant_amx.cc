@@ -3,8 +3,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <vector>
 
@@ -20,6 +22,30 @@
 #endif
 
 namespace kda::kernels::gemm {
+
+bf16_t int4_widened(float w) {
+  return f32_to_bf16(std::fabs(w) < std::numeric_limits<float>::min() ? std::copysign(0.0f, w) : w);
+}
+
+void gemm_int4_widened_reference(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y,
+                                 int64_t ldy) {
+  check_int4_dpbf16_args("gemm_int4_widened_reference", x, M, ldx, w, y, ldy);
+  const int64_t G = w.in / kInt4Group;
+  std::vector<float> wn(static_cast<size_t>(w.in));
+  for (int64_t n = 0; n < w.out; ++n) {
+    const uint8_t* q = w.q + n * (w.in / 2);
+    for (int64_t k = 0; k < w.in; ++k) {
+      const uint8_t b = q[k / kInt4Group * 16 + k % 16];  // quant_gemm.h's nibble order
+      const int nibble = k % kInt4Group < 16 ? b & 0xF : b >> 4;
+      wn[k] = bf16_to_f32(int4_widened(static_cast<float>(nibble - 8) * w.scale[n * G + k / kInt4Group]));
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < w.in; ++k) s += bf16_to_f32(x[m * ldx + k]) * wn[k];
+      y[m * ldy + n] = s;
+    }
+  }
+}
 
 #if defined(KDA_AMX_BUILD)
 
@@ -548,9 +574,10 @@ void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int6
   }
 }
 
-// int4 at prefill row counts from bf16 activations (gemm_int4_amx_bf16): every tile 16 rows of 64 bytes.
-// 0 and 1 a group's weights (16 channels by its 32 inputs in input_at order, unpack_group's layout), 2 and
-// 3 its activations (16 input pairs by 16 rows), 6 and 7 the group's sums (16 channels by 16 rows).
+// int4 from bf16 activations (gemm_int4_amx_bf16): every tile 16 rows of 64 bytes. Weight tiles are 16
+// channels by a group's 32 inputs in input_at order (unpack_group's and widen_group's layout), activation
+// tiles 16 input pairs by 16 rows, sum tiles 16 channels by 16 rows (bf16_groups and int4_wide_blocks say
+// which is which).
 inline void configure_bf16_groups(int64_t) {
   TileConfig c;
   for (int t = 0; t < 8; ++t) {
@@ -590,53 +617,10 @@ inline void scale_group(const float* c, const float* ws, int64_t G, __m512* acc)
     acc[n] = _mm512_fmadd_ps(_mm512_load_ps(c + n * kRows), _mm512_set1_ps(ws[n * G]), acc[n]);
 }
 
-// Channel blocks [nb0, nb1) of int4 weights against the B row blocks of xp (x_tile's tiles, G per row
-// block, row block b's rows m0 + 16 b on): per channel block its groups unpacked once into
-// `panel` (G tiles of bf16 weights), then per row block and group one product from zero, the group's
-// sums stored a step later and scaled two steps later, while the next groups' products run.
-void int4_bf16_blocks(const uint32_t* xp, int64_t B, int64_t m0, int64_t M, const Int4Weights& w, int64_t nb0,
-                      int64_t nb1, uint16_t* panel, float* y, int64_t ldy) {
-  Tiles<configure_bf16_groups> tiles;
-  tiles.rows(kRows);
-  alignas(64) float c[2][kRows * kRows];
-  const auto [table, shifts] = unpack_consts();
-  const int64_t in = w.in, G = in / kInt4Group, row_bytes = in / 2, T = kRows * kRows;
-  for (int64_t nb = nb0; nb < nb1; ++nb) {
-    const int64_t n0 = nb * kRows;
-    const uint8_t* q0 = w.q + n0 * row_bytes;
-    const float* ws = w.scale + n0 * G;
-    for (int64_t g = 0; g < G; ++g)
-      unpack_group(q0, row_bytes, g, panel + g * kRows * kInt4Group, shifts, table);
-    KDA_TILE_FENCE();
-    for (int64_t b = 0; b < B; ++b) {
-      const uint32_t* xg = xp + b * G * T;
-      __m512 acc[kRows];
-      for (auto& v : acc) v = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; ++g, xg += T) {
-        const uint16_t* a = panel + g * kRows * kInt4Group;
-        if (g % 2 == 0)
-          KDA_PAIRED_PRODUCT(0, 2, 6, a, xg);
-        else
-          KDA_PAIRED_PRODUCT(1, 3, 7, a, xg);
-        // Group g - 1's sums out of their tile, group g - 2's (stored a step ago) scaled: the vector
-        // loads of a tile's store that has not yet reached the cache wait for it.
-        if (g > 0) store_group(g - 1, c[(g - 1) % 2]);
-        if (g > 1) scale_group(c[g % 2], ws + g - 2, G, acc);
-        KDA_TILE_FENCE();
-      }
-      if (G > 1) scale_group(c[G % 2], ws + G - 2, G, acc);
-      store_group(G - 1, c[(G - 1) % 2]);
-      scale_group(c[(G - 1) % 2], ws + G - 1, G, acc);
-      const int64_t r0 = m0 + b * kRows;
-      write_rows(acc, r0, std::min(kRows, M - r0), n0, y, ldy);
-    }
-  }
-}
-
 // Channel blocks [nb0, nb1) against one row block of M <= 16 rows from m0 (xt: its G tiles of x_tile's):
-// the decode row counts and a call's last chunk of at most 16 rows, where each weight is used once per call
-// and comes from memory: no panel, the groups streamed through bf16_groups. The same products and steps as
-// int4_bf16_blocks: the same bits.
+// a call of at most 16 rows (the decode row counts), where each weight is used once per call and comes
+// from memory: the groups streamed through bf16_groups, per group one product from zero, its sums scaled
+// on the vector unit.
 void int4_bf16_stream(const uint32_t* xt, int64_t m0, int64_t M, const Int4Weights& w, int64_t nb0,
                       int64_t nb1, float* y, int64_t ldy) {
   Tiles<configure_bf16_groups> tiles;
@@ -654,6 +638,149 @@ void int4_bf16_stream(const uint32_t* xt, int64_t m0, int64_t M, const Int4Weigh
         reinterpret_cast<const char*>(ws + kRows * G), nb + 1 < nb1, consts,
         [ws, G](int64_t g, const float* sums, __m512* a) { scale_group(sums, ws + g, G, a); }, acc);
     write_rows(acc, m0, M, n0, y, ldy);
+  }
+}
+
+// int4 weights widened to bf16 (gemm_int4_amx_bf16 from 17 rows, int4_widened): per channel and group, the
+// 16 values bf16((i - 8) * scale) as a vpermw table (its 32 entries repeat every 16, as unpack_group's),
+// looked up by the nibbles. vcvtneps2bf16 rounds to nearest even and flushes values below fp32's normal
+// range to zero, as int4_widened does.
+inline __m512 widen_levels() {
+  alignas(64) float v[16];
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(i - 8);
+  return _mm512_load_ps(v);
+}
+
+// Group g of channels [0, nc) of the 16 from q0 (rows of row_bytes, scales ws [n * G + g]) widened to bf16
+// in input_at order into a [16][32]; the channels past nc zero (nothing past them is read).
+inline void widen_group(const uint8_t* q0, int64_t row_bytes, const float* ws, int64_t G, int64_t g,
+                        int64_t nc, uint16_t* a, __m512i shifts, __m512 levels) {
+  for (int64_t n = 0; n < nc; ++n) {
+    const __m512i v = _mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + n * row_bytes + 16 * g)));
+    const __m256i t =
+        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(levels, _mm512_set1_ps(ws[n * G + g]))));
+    _mm512_store_si512(a + 32 * n,
+                       _mm512_permutexvar_epi16(_mm512_srlv_epi16(v, shifts),
+                                                _mm512_inserti64x4(_mm512_castsi256_si512(t), t, 1)));
+  }
+  for (int64_t n = nc; n < kRows; ++n) _mm512_store_si512(a + 32 * n, _mm512_setzero_si512());
+}
+
+// Sum tile CT (16 channels by 16 rows) into y's rows [m0, m0 + mr) and columns [n0, n0 + nc).
+#define KDA_WIDE_OUT(CT, m0, mr, n0, nc)                                                    \
+  do {                                                                                      \
+    alignas(64) float c_[kRows * kRows];                                                    \
+    _tile_stored(CT, c_, 64);                                                               \
+    KDA_TILE_FENCE();                                                                       \
+    __m512i r_[kRows];                                                                      \
+    for (int64_t n_ = 0; n_ < kRows; ++n_) r_[n_] = _mm512_load_si512(c_ + n_ * kRows);     \
+    transpose16(r_);                                                                        \
+    const __mmask16 k_ = static_cast<__mmask16>((1u << (nc)) - 1);                          \
+    for (int64_t m_ = 0; m_ < (mr); ++m_)                                                   \
+      _mm512_mask_storeu_ps(y + ((m0) + m_) * ldy + (n0), k_, _mm512_castsi512_ps(r_[m_])); \
+  } while (0)
+
+// A pass's channel blocks widened into a panel: block j's group g at tile j G + g (`units` (j, g) pairs in
+// order, from unit u0 to u1).
+struct WidePanel {
+  const Int4Weights* w;
+  int64_t nb, blocks, G;  // first channel block, how many (1 or 2), groups per block
+  uint16_t* tiles;
+  int64_t channels(int64_t j) const { return std::min(kRows, w->out - (nb + j) * kRows); }
+  void widen(int64_t u0, int64_t u1, __m512i shifts, __m512 levels) const {
+    const int64_t row_bytes = w->in / 2;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t j = u / G, g = u % G, n0 = (nb + j) * kRows;
+      widen_group(w->q + n0 * row_bytes, row_bytes, w->scale + n0 * G, G, g, channels(j),
+                  tiles + u * kRows * kInt4Group, shifts, levels);
+    }
+  }
+};
+
+// Channel blocks [nb0, nb1) (the last may hold fewer than 16 channels) against the B row blocks of xp
+// (x_tile's tiles, G per row block, row block b's rows m0 + 16 b on), two channel blocks and two row
+// blocks a pass: the two blocks' groups widened into a panel (2 G tiles), then per pair of row blocks
+// four sums, each over the groups in ascending order in its own tile. The next pass's panel is widened
+// (in `panels`' other half) a few groups after each step's products, so the vector unit's work runs while
+// the tile unit's products do. Tiles: 0, 1 the channel blocks' weights, 2, 3 the row blocks'
+// activations, 4 + 2 j + r the sums of channel block j and row block r.
+void int4_wide_blocks(const uint32_t* xp, int64_t B, int64_t m0, int64_t M, const Int4Weights& w, int64_t nb0,
+                      int64_t nb1, uint16_t* panels, float* y, int64_t ldy) {
+  Tiles<configure_bf16_groups> tiles;
+  tiles.rows(kRows);
+  const __m512i shifts = unpack_consts().shifts;
+  const __m512 levels = widen_levels();
+  const int64_t G = w.in / kInt4Group, T = kRows * kRows, A = kRows * kInt4Group;
+  const auto pass_at = [&](int64_t nb, int64_t half) {
+    return WidePanel{&w, nb, std::min<int64_t>(2, nb1 - nb), G, panels + half * 2 * G * A};
+  };
+  WidePanel cur = pass_at(nb0, 0);
+  cur.widen(0, cur.blocks * G, shifts, levels);
+  for (int64_t nb = nb0, half = 0; nb < nb1; nb += 2, half ^= 1) {
+    const bool two = cur.blocks == 2;
+    const bool more = nb + 2 < nb1;
+    const WidePanel next = pass_at(more ? nb + 2 : nb, half ^ 1);
+    // The next panel's units spread over this pass's steps (ceil(B / 2) G of them).
+    const int64_t units = more ? next.blocks * G : 0, steps = (B + 1) / 2 * G,
+                  per = (units + steps - 1) / steps;
+    int64_t done = 0;
+    // The pass after the next one, prefetched into L2 in address order over this pass's steps (the next
+    // one's bytes are read as it is widened).
+    const int64_t after = std::min<int64_t>(2, std::max<int64_t>(0, nb1 - nb - 4)), row_bytes = w.in / 2;
+    const char* ahead = reinterpret_cast<const char*>(w.q + (nb + 4) * kRows * row_bytes);
+    const char* ahead_scale = reinterpret_cast<const char*>(w.scale + (nb + 4) * kRows * G);
+    const int64_t lines = after * kRows * row_bytes / 64, scale_lines = after * kRows * G * 4 / 64;
+    const int64_t per_lines = (lines + steps - 1) / steps, per_scale = (scale_lines + steps - 1) / steps;
+    int64_t step = 0;
+    KDA_TILE_FENCE();
+    const uint16_t* p0 = cur.tiles;
+    const uint16_t* p1 = cur.tiles + G * A;
+    const int64_t nc0 = cur.channels(0), nc1 = two ? cur.channels(1) : 0;
+    for (int64_t b = 0; b < B; b += 2) {
+      const bool rows2 = b + 1 < B;
+      const uint32_t* x0 = xp + b * G * T;
+      const uint32_t* x1 = x0 + G * T;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t g = 0; g < G; ++g) {
+        _tile_loadd(0, p0 + g * A, 64);
+        _tile_loadd(2, x0 + g * T, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        if (rows2) {
+          _tile_loadd(3, x1 + g * T, 64);
+          _tile_dpbf16ps(5, 0, 3);
+        }
+        if (two) {
+          _tile_loadd(1, p1 + g * A, 64);
+          _tile_dpbf16ps(6, 1, 2);
+          if (rows2) _tile_dpbf16ps(7, 1, 3);
+        }
+        if (after > 0) {
+          for (int64_t l = step * per_lines, e = std::min(lines, l + per_lines); l < e; ++l)
+            _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+          for (int64_t l = step * per_scale, e = std::min(scale_lines, l + per_scale); l < e; ++l)
+            _mm_prefetch(ahead_scale + 64 * l, _MM_HINT_T1);
+          ++step;
+        }
+        if (done < units) {
+          const int64_t u1 = std::min(units, done + per);
+          next.widen(done, u1, shifts, levels);
+          done = u1;
+        }
+      }
+      const int64_t r0 = m0 + b * kRows, r1 = r0 + kRows, n0 = nb * kRows, n1 = n0 + kRows;
+      KDA_WIDE_OUT(4, r0, std::min(kRows, M - r0), n0, nc0);
+      if (rows2) KDA_WIDE_OUT(5, r1, std::min(kRows, M - r1), n0, nc0);
+      if (two) {
+        KDA_WIDE_OUT(6, r0, std::min(kRows, M - r0), n1, nc1);
+        if (rows2) KDA_WIDE_OUT(7, r1, std::min(kRows, M - r1), n1, nc1);
+      }
+    }
+    next.widen(done, units, shifts, levels);
+    cur = next;
   }
 }
 
@@ -742,31 +869,39 @@ void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weigh
   if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_int4_amx_bf16: no AMX-BF16 on this CPU");
   check_int4_dpbf16_args("gemm_int4_amx_bf16", x, M, ldx, w, y, ldy);
   if (M == 0) return;
-  const int64_t G = w.in / kInt4Group, blocks = w.out / kRows, n16 = blocks * kRows, T = kRows * kRows;
+  const int64_t G = w.in / kInt4Group, T = kRows * kRows;
+  // The dpbf16 scheme's calls are one row block.
+  static_assert(kAmxBf16WidenedRows == kRows + 1);
+  const bool widened = M >= kAmxBf16WidenedRows;
+  // Channel blocks: widened, every channel (the last block may be short); else the whole blocks, the rest
+  // to gemm_int4_dpbf16.
+  const int64_t blocks = widened ? (w.out + kRows - 1) / kRows : w.out / kRows, n16 = blocks * kRows;
   // The calling thread's scratch, grown once before any parallel region: a chunk's activation tiles, then
-  // each thread's weight panel (G tiles). Each panel starts 4 KB + 64 bytes past the region before it:
-  // on whole multiples of 4 KB (the tiles' sizes) the expert shapes ran 5-20% slower.
+  // (widened) each thread's two weight panels (2 G tiles each). Each panel pair starts 4 KB + 64 bytes past
+  // the region before it: on whole multiples of 4 KB (the tiles' sizes) the expert shapes ran 5-20% slower.
   thread_local std::vector<uint32_t> scratch;
   constexpr int64_t kSkew = 1040;  // dwords
   const int64_t xp_size = std::min(row_blocks(M), kAmxBf16ChunkRows / kRows) * G * T + kSkew,
-                panel_size = G * T + kSkew;
-  const int64_t panels = M > kRows ? omp_get_max_threads() : 0;  // a call of one row block keeps none
+                panel_size = 4 * G * T + kSkew;
+  const int64_t panels = widened ? omp_get_max_threads() : 0;
   scratch.resize(static_cast<size_t>(xp_size + panels * panel_size + 16));
   uint32_t* xt =
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   for (int64_t m0 = 0; m0 < M; m0 += kAmxBf16ChunkRows) {
     const int64_t rows = std::min(kAmxBf16ChunkRows, M - m0), B = row_blocks(rows);
-    if (blocks > 0)
+    // Widened, a thread's share is whole pairs of channel blocks (int4_wide_blocks' passes).
+    const int64_t shares = widened ? (blocks + 1) / 2 : blocks;
+    if (shares > 0)
       split_blocks(
-          blocks, w.in * n16 * std::max<int64_t>(1, rows / kRows),
+          shares, w.in * n16 * std::max<int64_t>(1, rows / kRows),
           [&](int t, int nt) { x_tiles(x, ldx, M, m0, G, B * G * t / nt, B * G * (t + 1) / nt, xt); },
-          [&](int64_t nb0, int64_t nb1) {
-            if (B == 1) {  // one row block: each weight used once, streamed
-              int4_bf16_stream(xt, m0, rows, w, nb0, nb1, y, ldy);
+          [&](int64_t s0, int64_t s1) {
+            if (!widened) {
+              int4_bf16_stream(xt, m0, rows, w, s0, s1, y, ldy);
               return;
             }
             uint16_t* panel = reinterpret_cast<uint16_t*>(xt + xp_size + omp_get_thread_num() * panel_size);
-            int4_bf16_blocks(xt, B, m0, M, w, nb0, nb1, panel, y, ldy);
+            int4_wide_blocks(xt, B, m0, M, w, 2 * s0, std::min(blocks, 2 * s1), panel, y, ldy);
           });
   }
   if (n16 < w.out)
