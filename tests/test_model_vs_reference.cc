@@ -199,8 +199,12 @@ TEST(KimiLinearModelVsReference, LoadingPeakRssWithinTheBound) {
                 to_string(p), peak / 1e6, model->weight_bytes() / 1e6, largest_shard / 1e6);
     EXPECT_LE(peak, bound) << to_string(p);
     // At this scale the spec's 1 GiB of slack would hide a loader that kept every shard's pages resident
-    // (or an fp32 copy of the model): the peak stays within the weights + one shard + 128 MB.
-    EXPECT_LE(peak, model->weight_bytes() + static_cast<int64_t>(largest_shard) + (int64_t{128} << 20))
+    // (+150 MB here) or an fp32 copy of the model (+468 MB): the peak stays within the weights + one
+    // shard + 192 MB. The experts are built two at a time, one per thread, each holding its fp32 gate, up,
+    // down and stacked gate + up while it packs (47 MB at these shapes); whether the two threads' peaks
+    // coincide moves the load's peak by about that much (bf16: 405-451 MB measured beside other tests,
+    // where a slack of 128 MB allowed 450).
+    EXPECT_LE(peak, model->weight_bytes() + static_cast<int64_t>(largest_shard) + (int64_t{192} << 20))
         << to_string(p);
   }
 }
