@@ -158,6 +158,54 @@ TEST(QuantAmxBf16, TheKernelWidensEachWeightAsInt4Widened) {
   EXPECT_EQ(bad, 0);
 }
 
+// int8 weights on the same widened tiles (gemm_int8_amx_bf16): the dpbf16 scheme's value (q exact in bf16,
+// the channel scale on the sum) within the fp32 rounding of the sums, at the model's widths and odd ones,
+// rows across the chunks and the passes, a short last channel block; a row's bits independent of the rows
+// beside it; outputs past `out` untouched.
+TEST(QuantAmxBf16, Int8IsTheDpbf16SchemeWithinItsSumsRounding) {
+  if (!qg::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build";
+  struct Case {
+    int64_t in, out, M;
+  };
+  const Case cases[] = {{2304, 256, 64}, {1024, 272, 300}, {2304, 48, 517}, {96, 37, 17},
+                        {32, 16, 1},     {160, 15, 40},    {64, 33, 257},   {1024, 50, 5}};
+  for (const Case& c : cases) {
+    const std::string what = std::to_string(c.in) + "x" + std::to_string(c.out) + " M=" + std::to_string(c.M);
+    std::vector<float> wsrc = random_normal(static_cast<size_t>(c.in * c.out), 80 + c.in, 0.05f);
+    wsrc[3] *= 1e3f;  // an outlier: its channel's other weights quantize near zero
+    const qg::PackedMatrix p(Weights::Int8, wsrc.data(), c.in, c.out);
+    const qg::PackedWeights v = p.view();
+    const qg::Int8Weights w{static_cast<const int8_t*>(v.data), v.scale, v.in, v.out};
+    const int64_t ldx = c.in + 16, ldy = c.out + 5;
+    const std::vector<bf16_t> x = bf16_rows(c.M, ldx, 90 + c.M);
+    std::vector<float> y(static_cast<size_t>(c.M * ldy), 3.0f), ref(static_cast<size_t>(c.M * c.out));
+    qg::gemm_int8_amx_bf16(x.data(), c.M, ldx, w, y.data(), ldy);
+    qg::gemm_int8_dpbf16_reference(x.data(), c.M, ldx, w, ref.data(), c.out);
+    const std::vector<float> wd = qg::dequantize(v);
+    int bad = 0, past = 0;
+    for (int64_t m = 0; m < c.M; ++m) {
+      for (int64_t n = 0; n < c.out; ++n) {
+        // One fp32 sum over all the inputs on both sides (in units of 2^-24 each), then the scale.
+        const double bound = 2.0 * c.in * std::ldexp(magnitude(x, ldx, m, wd, c.in, n), -24) + 1e-30;
+        bad += !(std::fabs(static_cast<double>(y[m * ldy + n]) - ref[m * c.out + n]) <= bound);
+      }
+      for (int64_t n = c.out; n < ldy; ++n) past += y[m * ldy + n] != 3.0f;
+    }
+    EXPECT_EQ(bad, 0) << what;
+    EXPECT_EQ(past, 0) << what;
+    for (int64_t m0 : {int64_t{0}, c.M / 2, c.M - 1})
+      for (int64_t most : {1, 17, 33}) {
+        const int64_t k = std::min<int64_t>(c.M - m0, most);
+        std::vector<float> part(static_cast<size_t>(k * ldy));
+        qg::gemm_int8_amx_bf16(x.data() + m0 * ldx, k, ldx, w, part.data(), ldy);
+        int diff = 0;
+        for (int64_t i = 0; i < k; ++i)
+          for (int64_t n = 0; n < c.out; ++n) diff += part[i * ldy + n] != y[(m0 + i) * ldy + n];
+        EXPECT_EQ(diff, 0) << what << " rows from " << m0 << ", " << k << " at a time";
+      }
+  }
+}
+
 TEST(QuantAmxBf16, BadArgumentsAreRefusedBeforeAnythingIsWritten) {
   const std::vector<float> wsrc = random_normal(64 * 20, 3, 0.05f);
   const qg::PackedMatrix p(Weights::Int4, wsrc.data(), 64, 20);
@@ -180,6 +228,21 @@ TEST(QuantAmxBf16, BadArgumentsAreRefusedBeforeAnythingIsWritten) {
     expect_throw_with<std::invalid_argument>(
         [&] { qg::gemm_int4_amx_bf16(x.data(), -1, 64, w, y.data(), 20); }, "bad sizes");
     qg::gemm_int4_amx_bf16(nullptr, 0, 64, w, nullptr, 20);  // no rows: nothing read or written
+  }
+  EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
+  const qg::PackedMatrix p8(Weights::Int8, wsrc.data(), 64, 20);
+  const qg::Int8Weights w8{static_cast<const int8_t*>(p8.view().data), p8.view().scale, 64, 20};
+  if (!qg::cpu_has_amx_bf16()) {
+    EXPECT_THROW(qg::gemm_int8_amx_bf16(x.data(), 4, 64, w8, y.data(), 20), std::logic_error);
+  } else {
+    qg::Int8Weights odd = w8;
+    odd.in = 48;
+    expect_throw_with<std::invalid_argument>(
+        [&] { qg::gemm_int8_amx_bf16(x.data(), 4, 64, odd, y.data(), 20); }, "a positive multiple of 32");
+    expect_throw_with<std::invalid_argument>(
+        [&] { qg::gemm_int8_amx_bf16(x.data(), 4, 64, w8, y.data(), 19); }, "row stride");
+    expect_throw_with<std::invalid_argument>(
+        [&] { qg::gemm_int8_amx_bf16(x.data(), 4, 64, w8, nullptr, 20); }, "null data");
   }
   EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
 }

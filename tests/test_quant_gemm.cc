@@ -405,9 +405,10 @@ TEST(QuantGemm, PackedRowsGiveEachRowItsBitsAtEveryCount) {
     const bool i8 = fmt == Weights::Int8;
     const int64_t want = path == QuantLinear::Prefill::Dpbf16
                              ? (i8 ? QuantLinear::kDpbf16DecodeRowsInt8 : QuantLinear::kDpbf16DecodeRowsInt4)
-                         : path == QuantLinear::Prefill::AmxBf16 ? QuantLinear::kAmxBf16DecodeRowsInt4
-                         : i8 && qg::gemm_runs_amx(fmt, in)      ? QuantLinear::kAmxDecodeRowsInt8
-                                                                 : QuantLinear::kDecodeRows;
+                         : path == QuantLinear::Prefill::AmxBf16
+                             ? (i8 ? QuantLinear::kAmxDecodeRowsInt8 : QuantLinear::kAmxBf16DecodeRowsInt4)
+                         : i8 && qg::gemm_runs_amx(fmt, in) ? QuantLinear::kAmxDecodeRowsInt8
+                                                            : QuantLinear::kDecodeRows;
     EXPECT_EQ(b16.decode_rows(), want) << what;
     EXPECT_EQ(QuantLinear::decode_rows_for(fmt, Precision::BF16, in), want) << what;
     const int64_t M = b16.decode_rows();

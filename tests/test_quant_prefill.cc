@@ -150,8 +150,13 @@ TEST(QuantPrefill, BadTileCallsAreRefused) {
   expect_throw_with<std::invalid_argument>(
       [&] { QuantLinear(64, 3, w, Weights::Int4, Precision::FP32, Prefill::AmxBf16); },
       "the amx bf16 path needs the bf16 precision");
-  expect_throw_with<std::invalid_argument>(
-      [&] { QuantLinear(64, 3, w, Weights::Int8, Precision::BF16, Prefill::AmxBf16); }, "takes int4 weights");
+  if (qg::cpu_has_amx_bf16())
+    expect_throw_with<std::invalid_argument>(
+        [&] {
+          QuantLinear(48, 3, std::vector<float>(48 * 3, 0.5f), Weights::Int8, Precision::BF16,
+                      Prefill::AmxBf16);
+        },
+        "a multiple of 32");
   if (!qg::cpu_has_amx_bf16())
     expect_throw_with<std::invalid_argument>(
         [&] { QuantLinear(64, 3, w, Weights::Int4, Precision::BF16, Prefill::AmxBf16); }, "needs AMX-BF16");
@@ -171,7 +176,7 @@ TEST(QuantPrefill, BothPathsEqualTheSchemeInDouble) {
       std::vector<std::unique_ptr<QuantLinear>> paths;
       for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Dpbf16, Prefill::AmxBf16})
         if ((p != Prefill::Dpbf16 || qg::cpu_has_quant_dpbf16()) &&
-            (p != Prefill::AmxBf16 || (qg::cpu_has_amx_bf16() && fmt == Weights::Int4)))
+            (p != Prefill::AmxBf16 || qg::cpu_has_amx_bf16()))
           paths.push_back(std::make_unique<QuantLinear>(c.in, c.out, wsrc, fmt, Precision::BF16, p));
       const QuantLinear picked(c.in, c.out, wsrc, fmt, Precision::BF16);
       EXPECT_EQ(picked.prefill_path(), QuantLinear::prefill_path_for(fmt, Precision::BF16));
@@ -209,13 +214,13 @@ TEST(QuantPrefill, BothPathsEqualTheSchemeInDouble) {
 }
 
 // A NaN weight makes its channel's outputs NaN on the bf16 tiles as on the fp32 ones (int8: its scale
-// is NaN and q zero; int4: its group's), and on int4's widened AMX tiles (its channel in the last, short
+// is NaN and q zero; int4: its group's), and on the widened AMX tiles (its channel in the last, short
 // block), the other channels as without it.
 TEST(QuantPrefill, NaNWeightsGiveNaNChannelsOnTheBf16Tiles) {
   const int64_t in = 128, out = 1030, M = 80;
   for (Weights fmt : {Weights::Int8, Weights::Int4})
     for (Prefill p : {Prefill::Bf16Tiles, Prefill::AmxBf16}) {
-      if (p == Prefill::AmxBf16 && (fmt != Weights::Int4 || !qg::cpu_has_amx_bf16())) continue;
+      if (p == Prefill::AmxBf16 && !qg::cpu_has_amx_bf16()) continue;
       const std::string what = std::string(to_string(fmt)) + " " + layers::to_string(p);
       std::vector<float> wsrc = random_normal(static_cast<size_t>(in * out), 33, 0.05f);
       const QuantLinear clean(in, out, wsrc, fmt, Precision::BF16, p);

@@ -5,22 +5,23 @@
 // output is rounded to nearest even as it is stored.
 //
 // Up to decode_rows() rows (decode_rows_for: kDecodeRows; fewer on the Dpbf16 and AmxBf16 paths, whose
-// kernels are faster from there on; more for int8 in the bf16 precision where the packed kernels run on
-// AMX tiles): the packed decode kernels, one pass over the packed bytes per kDecodeRows rows. More rows
-// (prefill, compute bound): a tile of output channels at a time is widened and multiplied, so the packed
-// weights are never resident in a wider form (prefill_path()):
-//  - Bf16Tiles, in the bf16 precision where oneDNN's bf16 matmul runs on AMX (and, without AMX, for an
-//    int8 layer whose input size Dpbf16 does not take): the tile in bf16 as kernels/gemm/quant_tile.h
-//    writes it (int8's integers with the scales applied to the sums, int4's weights as hi + lo), the
-//    products the scheme's own.
+// kernels are faster from there on): the packed decode kernels, one pass over the packed bytes per
+// kDecodeRows rows. More rows (prefill, compute bound): a tile of output channels at a time is widened and
+// multiplied, so the packed weights are never resident in a wider form (prefill_path()):
+//  - Bf16Tiles, in the bf16 precision for an int8 layer whose input size the Dpbf16 or AmxBf16 kernels do
+//    not take (and where oneDNN's bf16 matmul runs on AMX without AMX-BF16 here): the tile in bf16 as
+//    kernels/gemm/quant_tile.h writes it (int8's integers with the scales applied to the sums, int4's weights
+//    as hi + lo), the products the scheme's own.
 //  - Dpbf16, in the bf16 precision on AVX512_BF16 without AMX (int8 and int4, an input size that is a
 //    multiple of 32): the project's kernels (kernels/gemm/quant_dpbf16.h), panels of the scheme's integers
 //    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 49
 //    (int8) or 9 (int4) rows on, where the integer decode kernels, with int16 activations, fall behind.
-//  - AmxBf16, int4 in the bf16 precision on AMX: the project's kernel (kernels/gemm/quant_amx.h,
-//    gemm_int4_amx_bf16), from 5 rows on (decode batches included): up to 16 rows Dpbf16's scheme on
-//    AMX-BF16 tiles (one tile product per group of the scheme's integers, the scales on the group sums);
-//    from 17 the weights widened to bf16 with their scales, summed in the tiles over all the inputs.
+//  - AmxBf16, in the bf16 precision on AMX-BF16 (an input size that is a multiple of 32): the project's
+//    kernels (kernels/gemm/quant_amx.h). int4 (gemm_int4_amx_bf16) from 5 rows on, decode batches
+//    included: up to 16 rows Dpbf16's scheme on tiles (one tile product per group of the scheme's
+//    integers, the scales on the group sums); from 17 the weights widened to bf16 with their scales,
+//    summed in the tiles over all the inputs. int8 (gemm_int8_amx_bf16) from kAmxDecodeRowsInt8 + 1 rows:
+//    Dpbf16's scheme, q widened to bf16 (exact) and summed in the tiles, the channel scale on the sum.
 //  - Fp32Tiles otherwise: the tile dequantized to fp32 through oneDNN's fp32 matmul.
 #pragma once
 
@@ -48,13 +49,13 @@ class QuantLinear {
   // int8 since its integer kernel prefetches into L2: "int8 decode rows: the next block into L2").
   static constexpr int64_t kDpbf16DecodeRowsInt8 = 48;
   static constexpr int64_t kDpbf16DecodeRowsInt4 = 8;
-  // int8 in the bf16 precision where the packed kernels run on AMX tiles (kernels/gemm/weight_format.h,
-  // gemm_runs_amx): they take the calls of up to these rows, kDecodeRows at a time. Their time grows with
-  // the rows at about the rate of the bf16 tiles' GEMM, which pays for widening each tile only from a few
-  // hundred rows on (AMX host, the model's shapes: at 256 rows 0.5-0.9 of the bf16 tiles' time;
-  // docs/performance.md). The fp32 precision keeps kDecodeRows: its prefill path takes the activations
-  // unquantized.
-  static constexpr int64_t kAmxDecodeRowsInt8 = 256;
+  // int8 in the bf16 precision on AMX (the AmxBf16 path; the packed kernels on AMX-INT8 tiles,
+  // kernels/gemm/weight_format.h, gemm_runs_amx): the packed kernels take the calls of up to these rows.
+  // From there on the widened bf16 tiles are faster: at the model's shapes 0.9-1.0 of the packed kernels'
+  // time at 64 rows, 0.7-0.8 at 128-256, 1.0-1.4 at 32-48 (AMX host; docs/performance.md, "int8's prefill
+  // on the widened AMX tiles"). The fp32 precision keeps kDecodeRows: its prefill path takes the
+  // activations unquantized.
+  static constexpr int64_t kAmxDecodeRowsInt8 = 48;
   // int4 on the AmxBf16 path: its kernel, one tile product per group for up to 16 rows, ties the
   // AVX-512 packed kernel at 4 rows (whose work grows with each row) and beats the packed AMX one
   // (activations split in two) from 5 rows on, most from 9 (docs/performance.md, "int4 decode rows on
@@ -81,8 +82,8 @@ class QuantLinear {
   // The same with the prefill path chosen (benchmarks and tests of each on one CPU): Bf16Tiles and
   // Dpbf16 only in the bf16 precision (std::invalid_argument otherwise: fp32 activations are not bf16
   // values), Dpbf16 only on a CPU with AVX512_BF16 and an input size that is a multiple of 32, AmxBf16 only
-  // for int4 on a CPU with AMX-BF16. The chosen path takes every call of more than kDecodeRows rows (the
-  // Dpbf16 and AmxBf16 paths' own decode rows on them).
+  // on a CPU with AMX-BF16 and an input size that is a multiple of 32. The chosen path takes every call of
+  // more than kDecodeRows rows (the Dpbf16 and AmxBf16 paths' own decode rows on them).
   QuantLinear(int64_t in_features, int64_t out_features, const std::vector<float>& weight, Weights weights,
               Precision precision, Prefill prefill);
   ~QuantLinear();

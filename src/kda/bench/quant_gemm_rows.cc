@@ -50,7 +50,7 @@ void bench_quant_gemm(nlohmann::json& j, const Say& say) {
     for (Weights wt : {Weights::Int8, Weights::Int4})
       for (Prefill p : {Prefill::Bf16Tiles, Prefill::Fp32Tiles, Prefill::Dpbf16, Prefill::AmxBf16})
         if ((p != Prefill::Dpbf16 || kernels::gemm::cpu_has_quant_dpbf16()) &&
-            (p != Prefill::AmxBf16 || (wt == Weights::Int4 && kernels::gemm::cpu_has_amx_bf16())))
+            (p != Prefill::AmxBf16 || kernels::gemm::cpu_has_amx_bf16()))
           q.push_back(std::make_unique<layers::QuantLinear>(sh.in, sh.out, w, wt, Precision::BF16, p));
     for (int64_t M : {int64_t{128}, int64_t{512}, int64_t{2048}}) {
       std::vector<float> x = bench_randn(static_cast<size_t>(M * sh.in), 6);

@@ -26,11 +26,12 @@ namespace qg = kda::kernels::gemm;
 QuantLinear::Prefill QuantLinear::prefill_path_for(Weights weights, Precision precision) {
   if (precision != Precision::BF16 || !cpu_has_bf16_gemm()) return Prefill::Fp32Tiles;
   // Without AMX the project's kernels, at the bf16 rate on the scheme's integers (a layer whose input size
-  // they do not take falls back: path_for below). With AMX: int8 on oneDNN's bf16 matmul on tiles; int4 on
-  // the project's kernel, one tile product per group of the scheme's integers, where the hi + lo tiles
-  // double the depth (docs/performance.md, "int4's prefill on AMX tiles, int8's packed rows up to 256").
+  // they do not take falls back: path_for below). With AMX-BF16 the project's kernels on tiles, the weights
+  // widened to bf16 between the products (int8's q exactly, int4's with its scales; where the hi + lo tiles
+  // double int4's depth on oneDNN's matmul, and oneDNN's tiles are widened per call: docs/performance.md,
+  // "int4's prefill on AMX: weights widened to bf16", "int8's prefill on the widened AMX tiles").
   if (!onednn_bf16_uses_amx() && qg::cpu_has_quant_dpbf16()) return Prefill::Dpbf16;
-  if (weights == Weights::Int4 && qg::cpu_has_amx_bf16()) return Prefill::AmxBf16;
+  if (weights != Weights::BF16 && qg::cpu_has_amx_bf16()) return Prefill::AmxBf16;
   return Prefill::Bf16Tiles;
 }
 
@@ -38,7 +39,8 @@ namespace {
 
 // The decode rows of the paths whose kernels take over from the packed ones early (0: none of those).
 int64_t early_decode_rows(QuantLinear::Prefill p, Weights weights) {
-  if (p == QuantLinear::Prefill::AmxBf16) return QuantLinear::kAmxBf16DecodeRowsInt4;
+  if (p == QuantLinear::Prefill::AmxBf16)
+    return weights == Weights::Int8 ? QuantLinear::kAmxDecodeRowsInt8 : QuantLinear::kAmxBf16DecodeRowsInt4;
   if (p != QuantLinear::Prefill::Dpbf16) return 0;
   return weights == Weights::Int8 ? QuantLinear::kDpbf16DecodeRowsInt8 : QuantLinear::kDpbf16DecodeRowsInt4;
 }
@@ -47,7 +49,7 @@ int64_t early_decode_rows(QuantLinear::Prefill p, Weights weights) {
 
 int64_t QuantLinear::decode_rows_for(Weights weights, Precision precision, int64_t in) {
   const Prefill p = prefill_path_for(weights, precision);
-  if (p != Prefill::Dpbf16 || in % 32 == 0)  // else the dpbf16 path falls back (path_for below)
+  if (p == Prefill::Bf16Tiles || p == Prefill::Fp32Tiles || in % 32 == 0)  // else a fallback (path_for)
     if (const int64_t early = early_decode_rows(p, weights)) return early;
   if (weights == Weights::Int8 && precision == Precision::BF16 && qg::gemm_runs_amx(weights, in))
     return kAmxDecodeRowsInt8;
@@ -56,11 +58,11 @@ int64_t QuantLinear::decode_rows_for(Weights weights, Precision precision, int64
 
 namespace {
 
-// prefill_path_for, where the dpbf16 kernels take the input size (a multiple of 32); else int8's bf16 tiles
-// (what that CPU has without them) and int4's fp32 tiles.
+// prefill_path_for, where the dpbf16 or amx bf16 kernels take the input size (a multiple of 32; int4's
+// always is); else int8's bf16 tiles (what that CPU has without them) and int4's fp32 tiles.
 QuantLinear::Prefill path_for(Weights weights, Precision precision, int64_t in) {
   const QuantLinear::Prefill p = QuantLinear::prefill_path_for(weights, precision);
-  if (p != QuantLinear::Prefill::Dpbf16 || in % 32 == 0) return p;
+  if ((p != QuantLinear::Prefill::Dpbf16 && p != QuantLinear::Prefill::AmxBf16) || in % 32 == 0) return p;
   return weights == Weights::Int8 ? QuantLinear::Prefill::Bf16Tiles : QuantLinear::Prefill::Fp32Tiles;
 }
 
@@ -115,9 +117,10 @@ QuantLinear::QuantLinear(int64_t in_features, int64_t out_features, const std::v
     throw std::invalid_argument(
         in_features % 32 != 0 ? "QuantLinear: the dpbf16 path needs an input size that is a multiple of 32"
                               : "QuantLinear: the dpbf16 path needs a CPU with AVX512_BF16");
-  if (prefill == Prefill::AmxBf16 && (weights != Weights::Int4 || !qg::cpu_has_amx_bf16()))
-    throw std::invalid_argument(weights != Weights::Int4 ? "QuantLinear: the amx bf16 path takes int4 weights"
-                                                         : "QuantLinear: the amx bf16 path needs AMX-BF16");
+  if (prefill == Prefill::AmxBf16 && (in_features % 32 != 0 || !qg::cpu_has_amx_bf16()))
+    throw std::invalid_argument(
+        in_features % 32 != 0 ? "QuantLinear: the amx bf16 path needs an input size that is a multiple of 32"
+                              : "QuantLinear: the amx bf16 path needs AMX-BF16");
   prefill_ = prefill;
   const int64_t early = early_decode_rows(prefill, weights);
   decode_rows_ = early > 0 ? early : kDecodeRows;
@@ -144,7 +147,8 @@ std::vector<float> QuantLinear::dequantized() const { return qg::dequantize(impl
 
 std::vector<float> QuantLinear::dequantized(int64_t M) const {
   std::vector<float> w = dequantized();
-  if (prefill_ == Prefill::AmxBf16 && M > decode_rows() && M >= qg::kAmxBf16WidenedRows)
+  if (prefill_ == Prefill::AmxBf16 && weights_ == Weights::Int4 && M > decode_rows() &&
+      M >= qg::kAmxBf16WidenedRows)
     for (float& v : w) v = bf16_to_f32(qg::int4_widened(v));
   return w;
 }
@@ -263,13 +267,12 @@ void QuantLinear::prefill_dpbf16(const X* x, int64_t M, int64_t ldx, Y* y, int64
   const qg::PackedWeights v = impl_->packed.view();
   const auto gemm = [&](const bf16_t* xb, int64_t ldxb, float* yf, int64_t ldyf) {
     const qg::Int4Weights w4{static_cast<const uint8_t*>(v.data), v.scale, v.in, v.out};
-    if (prefill_ == Prefill::AmxBf16)
-      qg::gemm_int4_amx_bf16(xb, M, ldxb, w4, yf, ldyf);
-    else if (v.format == Weights::Int8)
-      qg::gemm_int8_dpbf16(
-          xb, M, ldxb, qg::Int8Weights{static_cast<const int8_t*>(v.data), v.scale, v.in, v.out}, yf, ldyf);
+    const qg::Int8Weights w8{static_cast<const int8_t*>(v.data), v.scale, v.in, v.out};
+    const bool i8 = v.format == Weights::Int8, amx = prefill_ == Prefill::AmxBf16;
+    if (i8)
+      (amx ? qg::gemm_int8_amx_bf16 : qg::gemm_int8_dpbf16)(xb, M, ldxb, w8, yf, ldyf);
     else
-      qg::gemm_int4_dpbf16(xb, M, ldxb, w4, yf, ldyf);
+      (amx ? qg::gemm_int4_amx_bf16 : qg::gemm_int4_dpbf16)(xb, M, ldxb, w4, yf, ldyf);
   };
   std::vector<bf16_t>& xs = quant_scratch().x_bf16;
   std::vector<float>& ys = quant_scratch().y_f32;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "kda/common/isa.h"
@@ -576,7 +577,7 @@ void int4_blocks(const uint32_t* xb8, const uint32_t* xbf, const float* sx, int6
 
 // int4 from bf16 activations (gemm_int4_amx_bf16): every tile 16 rows of 64 bytes. Weight tiles are 16
 // channels by a group's 32 inputs in input_at order (unpack_group's and widen_group's layout), activation
-// tiles 16 input pairs by 16 rows, sum tiles 16 channels by 16 rows (bf16_groups and int4_wide_blocks say
+// tiles 16 input pairs by 16 rows, sum tiles 16 channels by 16 rows (bf16_groups and wide_blocks say
 // which is which).
 inline void configure_bf16_groups(int64_t) {
   TileConfig c;
@@ -600,11 +601,12 @@ inline void x_tile(const bf16_t* x, int64_t ldx, int64_t M, int64_t m0, int64_t 
   for (int64_t p = 0; p < kRows; ++p) _mm512_store_si512(xb + p * kRows, r[p]);
 }
 
-// Tiles [i0, i1) of x_tile's for the row blocks from m0 (tile i: row block i / G, group i % G) into xt.
+// Tiles [i0, i1) of x_tile's for the row blocks from m0 (tile i: row block i / G, group i % G) into xt,
+// the inputs in input_at order (int4's weight tiles) or, `natural`, in their own (int8's).
 void x_tiles(const bf16_t* x, int64_t ldx, int64_t M, int64_t m0, int64_t G, int64_t i0, int64_t i1,
-             uint32_t* xt) {
+             uint32_t* xt, bool natural = false) {
   alignas(64) int16_t order[kInt4Group];
-  for (int64_t j = 0; j < kInt4Group; ++j) order[j] = static_cast<int16_t>(input_at(j));
+  for (int64_t j = 0; j < kInt4Group; ++j) order[j] = static_cast<int16_t>(natural ? j : input_at(j));
   const __m512i to_order = _mm512_load_si512(order);
   for (int64_t i = i0; i < i1; ++i)
     x_tile(x, ldx, M, m0 + i / G * kRows, i % G, to_order, xt + i * kRows * kRows);
@@ -667,33 +669,66 @@ inline void widen_group(const uint8_t* q0, int64_t row_bytes, const float* ws, i
   for (int64_t n = nc; n < kRows; ++n) _mm512_store_si512(a + 32 * n, _mm512_setzero_si512());
 }
 
-// Sum tile CT (16 channels by 16 rows) into y's rows [m0, m0 + mr) and columns [n0, n0 + nc).
-#define KDA_WIDE_OUT(CT, m0, mr, n0, nc)                                                    \
+// Sum tile CT (16 channels by 16 rows) into y's rows [m0, m0 + mr) and columns [n0, n0 + nc), each
+// channel's sums times its scale sc[n] where sc is not null (int8).
+#define KDA_WIDE_OUT(CT, m0, mr, n0, nc, sc)                                                \
   do {                                                                                      \
     alignas(64) float c_[kRows * kRows];                                                    \
     _tile_stored(CT, c_, 64);                                                               \
     KDA_TILE_FENCE();                                                                       \
     __m512i r_[kRows];                                                                      \
-    for (int64_t n_ = 0; n_ < kRows; ++n_) r_[n_] = _mm512_load_si512(c_ + n_ * kRows);     \
+    for (int64_t n_ = 0; n_ < kRows; ++n_) {                                                \
+      const __m512 v_ = _mm512_load_ps(c_ + n_ * kRows);                                    \
+      r_[n_] = _mm512_castps_si512(                                                         \
+          (sc) != nullptr && n_ < (nc) ? _mm512_mul_ps(v_, _mm512_set1_ps((sc)[n_])) : v_); \
+    }                                                                                       \
     transpose16(r_);                                                                        \
     const __mmask16 k_ = static_cast<__mmask16>((1u << (nc)) - 1);                          \
     for (int64_t m_ = 0; m_ < (mr); ++m_)                                                   \
       _mm512_mask_storeu_ps(y + ((m0) + m_) * ldy + (n0), k_, _mm512_castsi512_ps(r_[m_])); \
   } while (0)
 
+// Group g of channels [0, nc) of the 16 int8 channels from q0 (rows of `in` bytes) as bf16 (q: exact) in
+// their own order into a [16][32]; the channels past nc zero.
+inline void widen_group_int8(const int8_t* q0, int64_t in, int64_t g, int64_t nc, uint16_t* a) {
+  for (int64_t n = 0; n < nc; ++n) {
+    const int8_t* q = q0 + n * in + kInt4Group * g;
+    const __m512 lo =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+    _mm512_store_si512(a + 32 * n, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+  for (int64_t n = nc; n < kRows; ++n) _mm512_store_si512(a + 32 * n, _mm512_setzero_si512());
+}
+
+// A channel row's packed bytes and a 16-channel block's scales (the prefetches' extents), and the
+// channel scales the sums take at the end (int8's; int4's are in its widened weights).
+inline int64_t row_bytes_of(const Int4Weights& w) { return w.in / 2; }
+inline int64_t row_bytes_of(const Int8Weights& w) { return w.in; }
+inline int64_t block_scales(const Int4Weights& w) { return kRows * (w.in / kInt4Group); }
+inline int64_t block_scales(const Int8Weights&) { return kRows; }
+inline const float* sum_scales(const Int4Weights&, int64_t) { return nullptr; }
+inline const float* sum_scales(const Int8Weights& w, int64_t n0) { return w.scale + n0; }
+
 // A pass's channel blocks widened into a panel: block j's group g at tile j G + g (`units` (j, g) pairs in
-// order, from unit u0 to u1).
+// order, from unit u0 to u1). int4: bf16((nibble - 8) * scale) in input_at order; int8: q in bf16 (exact)
+// in the inputs' order, its channel's scale applied to the sums.
+template <class W>
 struct WidePanel {
-  const Int4Weights* w;
+  const W* w;
   int64_t nb, blocks, G;  // first channel block, how many (1 or 2), groups per block
   uint16_t* tiles;
   int64_t channels(int64_t j) const { return std::min(kRows, w->out - (nb + j) * kRows); }
   void widen(int64_t u0, int64_t u1, __m512i shifts, __m512 levels) const {
-    const int64_t row_bytes = w->in / 2;
+    const int64_t row_bytes = row_bytes_of(*w);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t j = u / G, g = u % G, n0 = (nb + j) * kRows;
-      widen_group(w->q + n0 * row_bytes, row_bytes, w->scale + n0 * G, G, g, channels(j),
-                  tiles + u * kRows * kInt4Group, shifts, levels);
+      if constexpr (std::is_same_v<W, Int4Weights>)
+        widen_group(w->q + n0 * row_bytes, row_bytes, w->scale + n0 * G, G, g, channels(j),
+                    tiles + u * kRows * kInt4Group, shifts, levels);
+      else
+        widen_group_int8(w->q + n0 * row_bytes, row_bytes, g, channels(j), tiles + u * kRows * kInt4Group);
     }
   }
 };
@@ -705,32 +740,34 @@ struct WidePanel {
 // (in `panels`' other half) a few groups after each step's products, so the vector unit's work runs while
 // the tile unit's products do. Tiles: 0, 1 the channel blocks' weights, 2, 3 the row blocks'
 // activations, 4 + 2 j + r the sums of channel block j and row block r.
-void int4_wide_blocks(const uint32_t* xp, int64_t B, int64_t m0, int64_t M, const Int4Weights& w, int64_t nb0,
-                      int64_t nb1, uint16_t* panels, float* y, int64_t ldy) {
+template <class W>
+void wide_blocks(const uint32_t* xp, int64_t B, int64_t m0, int64_t M, const W& w, int64_t nb0, int64_t nb1,
+                 uint16_t* panels, float* y, int64_t ldy) {
   Tiles<configure_bf16_groups> tiles;
   tiles.rows(kRows);
   const __m512i shifts = unpack_consts().shifts;
   const __m512 levels = widen_levels();
   const int64_t G = w.in / kInt4Group, T = kRows * kRows, A = kRows * kInt4Group;
   const auto pass_at = [&](int64_t nb, int64_t half) {
-    return WidePanel{&w, nb, std::min<int64_t>(2, nb1 - nb), G, panels + half * 2 * G * A};
+    return WidePanel<W>{&w, nb, std::min<int64_t>(2, nb1 - nb), G, panels + half * 2 * G * A};
   };
-  WidePanel cur = pass_at(nb0, 0);
+  WidePanel<W> cur = pass_at(nb0, 0);
   cur.widen(0, cur.blocks * G, shifts, levels);
   for (int64_t nb = nb0, half = 0; nb < nb1; nb += 2, half ^= 1) {
     const bool two = cur.blocks == 2;
     const bool more = nb + 2 < nb1;
-    const WidePanel next = pass_at(more ? nb + 2 : nb, half ^ 1);
+    const WidePanel<W> next = pass_at(more ? nb + 2 : nb, half ^ 1);
     // The next panel's units spread over this pass's steps (ceil(B / 2) G of them).
     const int64_t units = more ? next.blocks * G : 0, steps = (B + 1) / 2 * G,
                   per = (units + steps - 1) / steps;
     int64_t done = 0;
     // The pass after the next one, prefetched into L2 in address order over this pass's steps (the next
     // one's bytes are read as it is widened).
-    const int64_t after = std::min<int64_t>(2, std::max<int64_t>(0, nb1 - nb - 4)), row_bytes = w.in / 2;
-    const char* ahead = reinterpret_cast<const char*>(w.q + (nb + 4) * kRows * row_bytes);
-    const char* ahead_scale = reinterpret_cast<const char*>(w.scale + (nb + 4) * kRows * G);
-    const int64_t lines = after * kRows * row_bytes / 64, scale_lines = after * kRows * G * 4 / 64;
+    const int64_t after = std::min<int64_t>(2, std::max<int64_t>(0, nb1 - nb - 4)),
+                  row_bytes = row_bytes_of(w), nba = after > 0 ? nb + 4 : nb;
+    const char* ahead = reinterpret_cast<const char*>(w.q) + nba * kRows * row_bytes;
+    const char* ahead_scale = reinterpret_cast<const char*>(w.scale + nba * block_scales(w));
+    const int64_t lines = after * kRows * row_bytes / 64, scale_lines = after * block_scales(w) * 4 / 64;
     const int64_t per_lines = (lines + steps - 1) / steps, per_scale = (scale_lines + steps - 1) / steps;
     int64_t step = 0;
     KDA_TILE_FENCE();
@@ -772,11 +809,13 @@ void int4_wide_blocks(const uint32_t* xp, int64_t B, int64_t m0, int64_t M, cons
         }
       }
       const int64_t r0 = m0 + b * kRows, r1 = r0 + kRows, n0 = nb * kRows, n1 = n0 + kRows;
-      KDA_WIDE_OUT(4, r0, std::min(kRows, M - r0), n0, nc0);
-      if (rows2) KDA_WIDE_OUT(5, r1, std::min(kRows, M - r1), n0, nc0);
+      const float* sc0 = sum_scales(w, n0);
+      const float* sc1 = two ? sum_scales(w, n1) : nullptr;
+      KDA_WIDE_OUT(4, r0, std::min(kRows, M - r0), n0, nc0, sc0);
+      if (rows2) KDA_WIDE_OUT(5, r1, std::min(kRows, M - r1), n0, nc0, sc0);
       if (two) {
-        KDA_WIDE_OUT(6, r0, std::min(kRows, M - r0), n1, nc1);
-        if (rows2) KDA_WIDE_OUT(7, r1, std::min(kRows, M - r1), n1, nc1);
+        KDA_WIDE_OUT(6, r0, std::min(kRows, M - r0), n1, nc1, sc1);
+        if (rows2) KDA_WIDE_OUT(7, r1, std::min(kRows, M - r1), n1, nc1, sc1);
       }
     }
     next.widen(done, units, shifts, levels);
@@ -889,7 +928,7 @@ void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weigh
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   for (int64_t m0 = 0; m0 < M; m0 += kAmxBf16ChunkRows) {
     const int64_t rows = std::min(kAmxBf16ChunkRows, M - m0), B = row_blocks(rows);
-    // Widened, a thread's share is whole pairs of channel blocks (int4_wide_blocks' passes).
+    // Widened, a thread's share is whole pairs of channel blocks (wide_blocks' passes).
     const int64_t shares = widened ? (blocks + 1) / 2 : blocks;
     if (shares > 0)
       split_blocks(
@@ -901,12 +940,38 @@ void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weigh
               return;
             }
             uint16_t* panel = reinterpret_cast<uint16_t*>(xt + xp_size + omp_get_thread_num() * panel_size);
-            int4_wide_blocks(xt, B, m0, M, w, 2 * s0, std::min(blocks, 2 * s1), panel, y, ldy);
+            wide_blocks(xt, B, m0, M, w, 2 * s0, std::min(blocks, 2 * s1), panel, y, ldy);
           });
   }
   if (n16 < w.out)
     gemm_int4_dpbf16(x, M, ldx, Int4Weights{w.q + n16 * (w.in / 2), w.scale + n16 * G, w.in, w.out - n16},
                      y + n16, ldy);
+}
+
+void gemm_int8_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y,
+                        int64_t ldy) {
+  if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_int8_amx_bf16: no AMX-BF16 on this CPU");
+  check_int8_dpbf16_args("gemm_int8_amx_bf16", x, M, ldx, w, y, ldy);
+  if (M == 0) return;
+  const int64_t G = w.in / kInt4Group, T = kRows * kRows, blocks = (w.out + kRows - 1) / kRows;
+  // The calling thread's scratch, as gemm_int4_amx_bf16's widened calls take it.
+  thread_local std::vector<uint32_t> scratch;
+  constexpr int64_t kSkew = 1040;  // dwords
+  const int64_t xp_size = std::min(row_blocks(M), kAmxBf16ChunkRows / kRows) * G * T + kSkew,
+                panel_size = 4 * G * T + kSkew;
+  scratch.resize(static_cast<size_t>(xp_size + omp_get_max_threads() * panel_size + 16));
+  uint32_t* xt =
+      reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  for (int64_t m0 = 0; m0 < M; m0 += kAmxBf16ChunkRows) {
+    const int64_t rows = std::min(kAmxBf16ChunkRows, M - m0), B = row_blocks(rows);
+    split_blocks(
+        (blocks + 1) / 2, w.in * w.out * std::max<int64_t>(1, rows / kRows),
+        [&](int t, int nt) { x_tiles(x, ldx, M, m0, G, B * G * t / nt, B * G * (t + 1) / nt, xt, true); },
+        [&](int64_t s0, int64_t s1) {
+          uint16_t* panel = reinterpret_cast<uint16_t*>(xt + xp_size + omp_get_thread_num() * panel_size);
+          wide_blocks(xt, B, m0, M, w, 2 * s0, std::min(blocks, 2 * s1), panel, y, ldy);
+        });
+  }
 }
 
 #else  // no AMX in this build
@@ -924,6 +989,11 @@ void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weigh
                         int64_t ldy) {
   check_int4_dpbf16_args("gemm_int4_amx_bf16", x, M, ldx, w, y, ldy);
   throw std::logic_error("gemm_int4_amx_bf16: not in this build");
+}
+void gemm_int8_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y,
+                        int64_t ldy) {
+  check_int8_dpbf16_args("gemm_int8_amx_bf16", x, M, ldx, w, y, ldy);
+  throw std::logic_error("gemm_int8_amx_bf16: not in this build");
 }
 
 #endif

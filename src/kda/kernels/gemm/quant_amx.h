@@ -85,6 +85,14 @@ void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weig
 inline constexpr int64_t kAmxBf16ChunkRows = 256;
 void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy);
 
+// int8 weights against bf16 activations on AMX-BF16 tiles, the scheme of gemm_int8_dpbf16 (q exact in
+// bf16, y = scale[n] times the fp32 sum of x q): gemm_int8_dpbf16_reference up to the order of the fp32
+// sums. The work of gemm_int4_amx_bf16's widened calls, every row count: per pass two 16-channel blocks
+// widened to bf16 (q as it is, in the inputs' order), each output summed over all the inputs in one tile,
+// times its channel's scale as it is stored; the next pass widened between this one's products. The same
+// threads, arguments and errors as gemm_int4_amx_bf16 (in a multiple of 32).
+void gemm_int8_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy);
+
 // The calls that take the widened scheme: from this many rows.
 inline constexpr int64_t kAmxBf16WidenedRows = 17;
 

@@ -47,6 +47,11 @@ void check_int4_dpbf16_args(const char* what, const bf16_t* x, int64_t M, int64_
   check_args(what, x, M, ldx, w, y, ldy);
 }
 
+void check_int8_dpbf16_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w,
+                            const float* y, int64_t ldy) {
+  check_args(what, x, M, ldx, w, y, ldy);
+}
+
 void gemm_int8_dpbf16_reference(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y,
                                 int64_t ldy) {
   check_args("gemm_int8_dpbf16_reference", x, M, ldx, w, y, ldy);

@@ -36,9 +36,11 @@ bool cpu_has_quant_dpbf16();
 // before anything is written.
 void gemm_int8_dpbf16(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y, int64_t ldy);
 void gemm_int4_dpbf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y, int64_t ldy);
-// The checks the int4 entry points make, for kernels of the same signature elsewhere (quant_amx.h):
+// The checks the int4 and int8 entry points make, for kernels of the same signature elsewhere (quant_amx.h):
 // std::invalid_argument naming `what` for bad sizes, strides or null data.
 void check_int4_dpbf16_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w,
+                            const float* y, int64_t ldy);
+void check_int8_dpbf16_args(const char* what, const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w,
                             const float* y, int64_t ldy);
 // The references, in every build: the same sums in the same order in plain loops; the same checks.
 void gemm_int8_dpbf16_reference(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weights& w, float* y,
