@@ -443,6 +443,30 @@ TEST(KimiMoe, BatchEqualsEachTokenAlone) {
   }
 }
 
+// bf16 experts on AMX: an expert's count of 65-96 rows runs in calls of at most 64 on the AMX decode kernel
+// (kimi_moe.cc, kChunkedRows), where a row's bits do not depend on the rows beside it. With every token
+// picking every expert (80 rows each) and no shared expert, the batch gives each token the bits it gets
+// alone (one row per call, side by side): a chunk written to the wrong rows, or left out, fails it. (At
+// these widths oneDNN's padded call gives those bits too.) Skipped where the experts' projections do not
+// take that kernel.
+TEST(KimiMoe, Bf16ExpertRowsPast64RunInChunksWithEachRowsBits) {
+  const MoeCase c = make_case(256, 4, 4, 128, 0, 83);
+  const layers::Linear probe(256, 256, std::vector<float>(256 * 256, 0.01f), Precision::BF16);
+  if (probe.bf16_gemm() != layers::Bf16Gemm::OneDnnAmx) GTEST_SKIP() << "no AMX decode kernel for bf16 here";
+  auto moe = KimiMoE::from_weights(c.w, c.cfg, 1, Precision::BF16);
+  const int64_t T = 80;
+  const auto x = testing::clear_routing_inputs(c.w, c.cfg, c.k, T, 9, 1e-3, true);
+  const auto batch = run_moe(*moe, x, T);
+  std::vector<float> alone(batch.size());
+  for (int64_t t = 0; t < T; ++t) moe->forward(x.data() + t * 256, 1, alone.data() + t * 256);
+  int diff = 0;
+  for (size_t i = 0; i < batch.size(); ++i) diff += batch[i] != alone[i];
+  EXPECT_EQ(diff, 0);
+  const auto emu = testing::moe_reference(c.w, c.cfg, c.k, MoeCombine::Unbiased, x, T, true);
+  const auto e = to_f32(emu.y);
+  EXPECT_LE(testing::max_error_ratio(batch.data(), e.data(), e.size(), 1e-2, 1.0 / 64), 1.0);
+}
+
 // Experts in slices (the decode jobs) or whole: the same sums up to the fp32 order of the down partials
 // (bf16: the same rounding points), side by side and grouped, with bf16 and int4 weights (whose groups of
 // 32 inputs a slice keeps). int8 scales each down channel, and each row of its input, over the slice's

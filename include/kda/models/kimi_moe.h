@@ -208,6 +208,10 @@ class KimiMoE {
   Precision precision_;
   Weights weights_;
   int64_t unpadded_ = 0;  // an expert's row counts up to this run unpadded (its packed kernels' calls)
+  // bf16 experts whose projections run calls of up to kernels::gemm::kAmxRows rows on the AMX decode
+  // kernel (layers::Bf16Gemm::OneDnnAmx): run_experts then takes counts up to kChunkedRows unpadded, in
+  // calls of at most kAmxRows (kimi_moe.cc says why).
+  bool amx_chunks_ = false;
   distributed::TensorParallel tp_;
   std::unique_ptr<layers::Linear> router_;  // fp32, dense in every mode
   std::vector<float> bias_;

@@ -16,6 +16,7 @@
 #include "kda/common/bf16.h"
 #include "kda/common/seeded.h"
 #include "kda/io/packed_checkpoint.h"
+#include "kda/kernels/gemm/bf16_amx_block.h"
 #include "kda/layers/linear.h"
 #include "kda/layers/moe/router.h"
 #include "kda/layers/moe/swiglu.h"
@@ -83,6 +84,16 @@ int64_t padded_rows(int64_t n, Weights weights, Precision precision, int64_t unp
 }
 
 constexpr int64_t kParallelCopy = 1 << 15;  // elements: gather / scatter in parallel from here
+
+// bf16 experts on AMX (amx_chunks_): a count of kAmxRows + 1 to kChunkedRows rows runs as calls of at most
+// kAmxRows on the AMX decode kernel instead of one oneDNN call padded to the next multiple of 64. At 256
+// experts a 2048-token prefill gives an expert about 64 rows, half of them more: padded to 128, they cost
+// their expert up to twice its products. The expert shapes, in turns (docs/performance.md, "The bf16
+// experts' rows past 64 in calls of 64"): gate+up at 65 / 80 / 100 / 128 rows in chunks took 0.72 / 0.75 /
+// 0.88 / 0.94 of the padded call's time, down 0.91 / 1.01 / 1.15 / 1.32: the pair gains up to about 100.
+// A row's bits do not depend on the rows beside it on that kernel, so the chunks give each row the value
+// one call of all of them would.
+constexpr int64_t kChunkedRows = 96;
 
 // An MLP from its fp32 weights, or from a packed checkpoint's projections (MlpWeights::packed).
 std::unique_ptr<SwigluMlp> make_mlp(const MlpWeights& w, Precision precision, Weights weights) {
@@ -458,6 +469,13 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
   if (src.shared) {
     shared_ = make_pieces(src.shared(), precision, weights, opts.pieces);
   }
+  if (weights == Weights::BF16 && precision == Precision::BF16 && !experts_.empty()) {
+    amx_chunks_ = true;
+    for (const auto& e : experts_)
+      for (int p = 0; p < e->pieces(); ++p)
+        amx_chunks_ = amx_chunks_ && e->piece(p).gate_up().bf16_gemm() == layers::Bf16Gemm::OneDnnAmx &&
+                      e->piece(p).down().bf16_gemm() == layers::Bf16Gemm::OneDnnAmx;
+  }
   if (weights != Weights::BF16 && !experts_.empty()) {
     using layers::QuantLinear;
     const int64_t I = experts_.front()->piece(0).intermediate();  // down's inputs
@@ -618,15 +636,20 @@ void KimiMoE::run_experts(const R* x, int64_t T, std::vector<R>& xe, std::vector
   for (int e = 0; e < E_; ++e) {
     const int64_t n = offsets_[e + 1] - offsets_[e];
     if (n == 0) continue;  // an expert no token picked: its weights are not read
-    const int64_t np = padded_rows(n, weights_, precision_, unpadded_);
+    const bool chunked = amx_chunks_ && n > kernels::gemm::kAmxRows && n <= kChunkedRows;
+    const int64_t np = chunked ? n : padded_rows(n, weights_, precision_, unpadded_);
     if (xe.size() < static_cast<size_t>(np * D_)) xe.resize(static_cast<size_t>(np * D_));
     if (ye.size() < static_cast<size_t>(np * D_)) ye.resize(static_cast<size_t>(np * D_));
     const int64_t* rows = rows_.data() + offsets_[e];
     gather(x, D_, rows, n, k_, xe.data(), np);
-    if constexpr (std::is_same_v<R, bf16_t>)
-      experts_[e]->forward(xe.data(), np, D_, ye.data(), D_, s.mlp);
-    else
-      experts_[e]->forward(xe.data(), np, D_, ye.data(), D_, round_out, s.mlp, s.part);
+    const int64_t step = chunked ? kernels::gemm::kAmxRows : np;
+    for (int64_t m = 0; m < np; m += step) {
+      const int64_t c = std::min(step, np - m);
+      if constexpr (std::is_same_v<R, bf16_t>)
+        experts_[e]->forward(xe.data() + m * D_, c, D_, ye.data() + m * D_, D_, s.mlp);
+      else
+        experts_[e]->forward(xe.data() + m * D_, c, D_, ye.data() + m * D_, D_, round_out, s.mlp, s.part);
+    }
     scatter_add(ye.data(), D_, D_, rows, n, k_, topk_w_.data(), y);
   }
 }
