@@ -49,23 +49,52 @@ double magnitude(const std::vector<bf16_t>& x, int64_t ldx, int64_t m, const std
   return mag;
 }
 
+// A call's shape: W [out, in], M rows.
+struct GemmCase {
+  int64_t in, out, M;
+  std::string name() const {
+    return std::to_string(in) + "x" + std::to_string(out) + " M=" + std::to_string(M);
+  }
+  // Random weights of this shape in `fmt`, weight `outlier` a thousand times the others: the rest of its
+  // group (int4) or channel (int8) quantize near zero.
+  qg::PackedMatrix weights(Weights fmt, uint64_t seed, int64_t outlier) const {
+    std::vector<float> w = random_normal(static_cast<size_t>(in * out), seed + in, 0.05f);
+    w[outlier] *= 1e3f;
+    return qg::PackedMatrix(fmt, w.data(), in, out);
+  }
+};
+
+// A row's bits whatever the rows beside it: rows [m0, m0 + k) of a call of M rows (its output y) called
+// alone, from the first, middle and last row, k up to each of `counts` where same_scheme(k).
+template <class W, class Gemm, class Same>
+void expect_rows_keep_their_bits(Gemm gemm, const W& w, const std::vector<bf16_t>& x, int64_t ldx, int64_t M,
+                                 const std::vector<float>& y, int64_t ldy, const std::vector<int64_t>& counts,
+                                 Same same_scheme, const std::string& what) {
+  for (int64_t m0 : {int64_t{0}, M / 2, M - 1})
+    for (int64_t most : counts) {
+      const int64_t k = std::min<int64_t>(M - m0, most);
+      if (!same_scheme(k)) continue;
+      std::vector<float> part(static_cast<size_t>(k * ldy));
+      gemm(x.data() + m0 * ldx, k, ldx, w, part.data(), ldy);
+      int diff = 0;
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t n = 0; n < w.out; ++n) diff += part[i * ldy + n] != y[(m0 + i) * ldy + n];
+      EXPECT_EQ(diff, 0) << what << " rows from " << m0 << ", " << k << " at a time";
+    }
+}
+
 TEST(QuantAmxBf16, Int4IsTheDpbf16SchemeUpTo16RowsAndTheWidenedOneAbove) {
   if (!qg::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build";
-  struct Case {
-    int64_t in, out, M;
-  };
   // The model's input widths (2304, the expert's down 1024), channels in a multiple of 16, of 32 (whole
   // passes of two blocks) or with a tail past the last whole block, one group, fewer channels than a
   // block; rows across the 256-row chunks, an odd number of row blocks, and calls of one row block (at
   // most 16 rows: the dpbf16 scheme, the weights streamed).
-  const Case cases[] = {{2304, 256, 64}, {1024, 272, 300}, {2304, 48, 517}, {96, 37, 17},
-                        {32, 16, 1},     {160, 15, 40},    {128, 260, 256}, {64, 33, 257},
-                        {2304, 80, 16},  {1024, 50, 5},    {64, 32, 9},     {64, 7, 33}};
-  for (const Case& c : cases) {
-    const std::string what = std::to_string(c.in) + "x" + std::to_string(c.out) + " M=" + std::to_string(c.M);
-    std::vector<float> wsrc = random_normal(static_cast<size_t>(c.in * c.out), 50 + c.in, 0.05f);
-    wsrc[0] *= 1e3f;  // an outlier: its group's other weights quantize near zero
-    const qg::PackedMatrix p(Weights::Int4, wsrc.data(), c.in, c.out);
+  const GemmCase cases[] = {{2304, 256, 64}, {1024, 272, 300}, {2304, 48, 517}, {96, 37, 17},
+                            {32, 16, 1},     {160, 15, 40},    {128, 260, 256}, {64, 33, 257},
+                            {2304, 80, 16},  {1024, 50, 5},    {64, 32, 9},     {64, 7, 33}};
+  for (const GemmCase& c : cases) {
+    const std::string what = c.name();
+    const qg::PackedMatrix p = c.weights(Weights::Int4, 50, 0);
     const qg::Int4Weights w = int4_of(p);
     const int64_t ldx = c.in + 16, ldy = c.out + 5, G = c.in / qg::kInt4Group;
     const bool widened = c.M > 16;
@@ -101,19 +130,10 @@ TEST(QuantAmxBf16, Int4IsTheDpbf16SchemeUpTo16RowsAndTheWidenedOneAbove) {
     EXPECT_EQ(past, 0) << what;
     // A row's bits whatever the rows beside it: rows [m0, m0 + k) of the call above, called alone in calls
     // of the same scheme (at most 16 rows, streamed; or more, in one or two row blocks a pass).
-    const std::vector<int64_t> counts =
-        widened ? std::vector<int64_t>{17, 33, 48} : std::vector<int64_t>{16, 5, 1};
-    for (int64_t m0 : {int64_t{0}, c.M / 2, c.M - 1})
-      for (int64_t most : counts) {
-        const int64_t k = std::min<int64_t>(c.M - m0, most);
-        if (widened != (k > 16)) continue;
-        std::vector<float> part(static_cast<size_t>(k * ldy));
-        qg::gemm_int4_amx_bf16(x.data() + m0 * ldx, k, ldx, w, part.data(), ldy);
-        int diff = 0;
-        for (int64_t i = 0; i < k; ++i)
-          for (int64_t n = 0; n < c.out; ++n) diff += part[i * ldy + n] != y[(m0 + i) * ldy + n];
-        EXPECT_EQ(diff, 0) << what << " rows from " << m0 << ", " << k << " at a time";
-      }
+    expect_rows_keep_their_bits(
+        qg::gemm_int4_amx_bf16, w, x, ldx, c.M, y, ldy,
+        widened ? std::vector<int64_t>{17, 33, 48} : std::vector<int64_t>{16, 5, 1},
+        [&](int64_t k) { return widened == (k > 16); }, what);
   }
 }
 
@@ -164,16 +184,11 @@ TEST(QuantAmxBf16, TheKernelWidensEachWeightAsInt4Widened) {
 // beside it; outputs past `out` untouched.
 TEST(QuantAmxBf16, Int8IsTheDpbf16SchemeWithinItsSumsRounding) {
   if (!qg::cpu_has_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 on this CPU or in this build";
-  struct Case {
-    int64_t in, out, M;
-  };
-  const Case cases[] = {{2304, 256, 64}, {1024, 272, 300}, {2304, 48, 517}, {96, 37, 17},
-                        {32, 16, 1},     {160, 15, 40},    {64, 33, 257},   {1024, 50, 5}};
-  for (const Case& c : cases) {
-    const std::string what = std::to_string(c.in) + "x" + std::to_string(c.out) + " M=" + std::to_string(c.M);
-    std::vector<float> wsrc = random_normal(static_cast<size_t>(c.in * c.out), 80 + c.in, 0.05f);
-    wsrc[3] *= 1e3f;  // an outlier: its channel's other weights quantize near zero
-    const qg::PackedMatrix p(Weights::Int8, wsrc.data(), c.in, c.out);
+  const GemmCase cases[] = {{2304, 256, 64}, {1024, 272, 300}, {2304, 48, 517}, {96, 37, 17},
+                            {32, 16, 1},     {160, 15, 40},    {64, 33, 257},   {1024, 50, 5}};
+  for (const GemmCase& c : cases) {
+    const std::string what = c.name();
+    const qg::PackedMatrix p = c.weights(Weights::Int8, 80, 3);
     const qg::PackedWeights v = p.view();
     const qg::Int8Weights w{static_cast<const int8_t*>(v.data), v.scale, v.in, v.out};
     const int64_t ldx = c.in + 16, ldy = c.out + 5;
@@ -193,58 +208,40 @@ TEST(QuantAmxBf16, Int8IsTheDpbf16SchemeWithinItsSumsRounding) {
     }
     EXPECT_EQ(bad, 0) << what;
     EXPECT_EQ(past, 0) << what;
-    for (int64_t m0 : {int64_t{0}, c.M / 2, c.M - 1})
-      for (int64_t most : {1, 17, 33}) {
-        const int64_t k = std::min<int64_t>(c.M - m0, most);
-        std::vector<float> part(static_cast<size_t>(k * ldy));
-        qg::gemm_int8_amx_bf16(x.data() + m0 * ldx, k, ldx, w, part.data(), ldy);
-        int diff = 0;
-        for (int64_t i = 0; i < k; ++i)
-          for (int64_t n = 0; n < c.out; ++n) diff += part[i * ldy + n] != y[(m0 + i) * ldy + n];
-        EXPECT_EQ(diff, 0) << what << " rows from " << m0 << ", " << k << " at a time";
-      }
+    expect_rows_keep_their_bits(
+        qg::gemm_int8_amx_bf16, w, x, ldx, c.M, y, ldy, {1, 17, 33}, [](int64_t) { return true; }, what);
   }
+}
+
+// One AMX entry point's argument checks (w: 64 inputs by 20 channels): every bad call refused, naming what
+// is wrong, before anything is written; a call of no rows reads and writes nothing.
+template <class W, class Gemm>
+void expect_bad_arguments_refused(Gemm gemm, const W& w) {
+  const std::vector<bf16_t> x = bf16_rows(4, 64, 4);
+  std::vector<float> y(4 * 20, 7.0f);
+  if (!qg::cpu_has_amx_bf16()) {
+    EXPECT_THROW(gemm(x.data(), 4, 64, w, y.data(), 20), std::logic_error);
+  } else {
+    W odd = w;
+    odd.in = 48;
+    expect_throw_with<std::invalid_argument>([&] { gemm(x.data(), 4, 64, odd, y.data(), 20); },
+                                             "a positive multiple of 32");
+    expect_throw_with<std::invalid_argument>([&] { gemm(x.data(), 4, 63, w, y.data(), 20); }, "row stride");
+    expect_throw_with<std::invalid_argument>([&] { gemm(x.data(), 4, 64, w, y.data(), 19); }, "row stride");
+    expect_throw_with<std::invalid_argument>([&] { gemm(nullptr, 4, 64, w, y.data(), 20); }, "null data");
+    expect_throw_with<std::invalid_argument>([&] { gemm(x.data(), -1, 64, w, y.data(), 20); }, "bad sizes");
+    gemm(nullptr, 0, 64, w, nullptr, 20);  // no rows: nothing read or written
+  }
+  EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
 }
 
 TEST(QuantAmxBf16, BadArgumentsAreRefusedBeforeAnythingIsWritten) {
   const std::vector<float> wsrc = random_normal(64 * 20, 3, 0.05f);
-  const qg::PackedMatrix p(Weights::Int4, wsrc.data(), 64, 20);
-  const qg::Int4Weights w = int4_of(p);
-  const std::vector<bf16_t> x = bf16_rows(4, 64, 4);
-  std::vector<float> y(4 * 20, 7.0f);
-  if (!qg::cpu_has_amx_bf16()) {
-    EXPECT_THROW(qg::gemm_int4_amx_bf16(x.data(), 4, 64, w, y.data(), 20), std::logic_error);
-  } else {
-    qg::Int4Weights odd = w;
-    odd.in = 48;
-    expect_throw_with<std::invalid_argument>(
-        [&] { qg::gemm_int4_amx_bf16(x.data(), 4, 64, odd, y.data(), 20); }, "a positive multiple of 32");
-    expect_throw_with<std::invalid_argument>(
-        [&] { qg::gemm_int4_amx_bf16(x.data(), 4, 63, w, y.data(), 20); }, "row stride");
-    expect_throw_with<std::invalid_argument>(
-        [&] { qg::gemm_int4_amx_bf16(x.data(), 4, 64, w, y.data(), 19); }, "row stride");
-    expect_throw_with<std::invalid_argument>([&] { qg::gemm_int4_amx_bf16(nullptr, 4, 64, w, y.data(), 20); },
-                                             "null data");
-    expect_throw_with<std::invalid_argument>(
-        [&] { qg::gemm_int4_amx_bf16(x.data(), -1, 64, w, y.data(), 20); }, "bad sizes");
-    qg::gemm_int4_amx_bf16(nullptr, 0, 64, w, nullptr, 20);  // no rows: nothing read or written
-  }
-  EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
-  const qg::PackedMatrix p8(Weights::Int8, wsrc.data(), 64, 20);
-  const qg::Int8Weights w8{static_cast<const int8_t*>(p8.view().data), p8.view().scale, 64, 20};
-  if (!qg::cpu_has_amx_bf16()) {
-    EXPECT_THROW(qg::gemm_int8_amx_bf16(x.data(), 4, 64, w8, y.data(), 20), std::logic_error);
-  } else {
-    qg::Int8Weights odd = w8;
-    odd.in = 48;
-    expect_throw_with<std::invalid_argument>(
-        [&] { qg::gemm_int8_amx_bf16(x.data(), 4, 64, odd, y.data(), 20); }, "a positive multiple of 32");
-    expect_throw_with<std::invalid_argument>(
-        [&] { qg::gemm_int8_amx_bf16(x.data(), 4, 64, w8, y.data(), 19); }, "row stride");
-    expect_throw_with<std::invalid_argument>(
-        [&] { qg::gemm_int8_amx_bf16(x.data(), 4, 64, w8, nullptr, 20); }, "null data");
-  }
-  EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
+  const qg::PackedMatrix p4(Weights::Int4, wsrc.data(), 64, 20), p8(Weights::Int8, wsrc.data(), 64, 20);
+  expect_bad_arguments_refused(qg::gemm_int4_amx_bf16, int4_of(p4));
+  expect_bad_arguments_refused(
+      qg::gemm_int8_amx_bf16,
+      qg::Int8Weights{static_cast<const int8_t*>(p8.view().data), p8.view().scale, 64, 20});
 }
 
 }  // namespace
