@@ -60,22 +60,21 @@ void gemm_int4_amx(const int16_t* xq, const float* sx, int64_t M, const Int4Weig
 // int4 weights against bf16 activations (the bf16 precision's prefill, and its decode from a few rows on:
 // QuantLinear::kAmxBf16DecodeRowsInt4) on AMX-BF16 tiles, in one of two schemes by the call's rows:
 //  - Fewer than kAmxBf16WidenedRows (at most 16 rows: decode batches): the scheme of gemm_int4_dpbf16
-//  (quant_dpbf16.h). Per group of 32
-//    inputs s_g, the sum of x times the (nibble - 8) integers (exact in bf16: every product is exact in
-//    fp32), is one tile product from zero, summed in the tile unit's own order (which is neither of
-//    vdpbf16ps's); then y = fma(s_g, scale[n, g], y) from y = 0 in ascending g, as
-//    gemm_int4_dpbf16_reference. So the result is that reference's up to the fp32 rounding of each group
+//    (quant_dpbf16.h). Per group of 32 inputs s_g, the sum of x times the (nibble - 8) integers (exact in
+//    bf16: every product is exact in fp32), is one tile product from zero, summed in the tile unit's own
+//    order (which is neither of vdpbf16ps's); then y = fma(s_g, scale[n, g], y) from y = 0 in ascending g,
+//    as gemm_int4_dpbf16_reference. So the result is that reference's up to the fp32 rounding of each group
 //    sum. Each weight is used once: per 16-channel block its groups are unpacked two groups ahead of their
-//    product while the next block's bytes are prefetched; the sums are stored and scaled on the vector
-//    unit while the next products run. The channels past the last whole block go to gemm_int4_dpbf16.
-//  - More rows (prefill, verify and large batches): the weights widened to bf16, int4_widened((nibble - 8)
-//    * scale), their bf16 (a rounding of at most 2^-9 of each weight, small beside the
-//    int4 scheme's own: kimi-linear-model.md's int4 bound), and y = x W^T summed over all the inputs in
-//    the tiles (gemm_int4_widened_reference up to the tile unit's fp32 sums). The per-group store and
-//    scale of the first scheme, a quarter of its time and more at these row counts, are gone: per pass,
-//    two 16-channel blocks widened once into a panel (a vpermw table of the 16 scaled values per channel
-//    and group), then per pair of 16-row blocks four sum tiles over all the groups; the next pass's panel
-//    is widened between this pass's products (the vector unit's work beside the tile unit's) and the pass
+//    product while the next block's bytes are prefetched; the sums are stored and scaled on the vector unit
+//    while the next products run. The channels past the last whole block go to gemm_int4_dpbf16.
+//  - More rows (prefill, verify and large batches): the weights widened to bf16, int4_widened of
+//    (nibble - 8) * scale (a rounding of at most 2^-9 of each weight, small beside the int4 scheme's own:
+//    kimi-linear-model.md's int4 bound), and y = x W^T summed over all the inputs in the tiles
+//    (gemm_int4_widened_reference up to the tile unit's fp32 sums). The first scheme's per-group store and
+//    scale, a quarter of its time and more at these row counts, are gone. Per pass two 16-channel blocks
+//    are widened once into a panel (a vpermw table of the 16 scaled values per channel and group), then
+//    each pair of 16-row blocks meets it in four sum tiles over all the groups; the next pass's panel is
+//    widened between this pass's products (the vector unit's work beside the tile unit's) and the pass
 //    after it prefetched into L2. Every channel, the last block's included, takes this scheme.
 // In both a row's bits do not depend on the rows beside it (within calls of the same scheme). x is
 // rearranged once per kAmxBf16ChunkRows rows into tiles (16 input pairs by 16 rows, in L2 while every block
