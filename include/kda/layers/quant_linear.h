@@ -9,9 +9,10 @@
 // kDecodeRows rows. More rows (prefill, compute bound): a tile of output channels at a time is widened and
 // multiplied, so the packed weights are never resident in a wider form (prefill_path()):
 //  - Bf16Tiles, in the bf16 precision for an int8 layer whose input size the Dpbf16 or AmxBf16 kernels do
-//    not take (and where oneDNN's bf16 matmul runs on AMX without AMX-BF16 here): the tile in bf16 as
-//    kernels/gemm/quant_tile.h writes it (int8's integers with the scales applied to the sums, int4's weights
-//    as hi + lo), the products the scheme's own.
+//    not take (a multiple of 32), and for every layer on a CPU whose oneDNN runs a native bf16 matmul where
+//    neither of those kernels runs: the tile in bf16 as kernels/gemm/quant_tile.h writes it (int8's
+//    integers with the scales applied to the sums, int4's weights as hi + lo), the products the scheme's
+//    own.
 //  - Dpbf16, in the bf16 precision on AVX512_BF16 without AMX (int8 and int4, an input size that is a
 //    multiple of 32): the project's kernels (kernels/gemm/quant_dpbf16.h), panels of the scheme's integers
 //    with the scales applied to the sums: the bf16 rate, without int4's hi + lo doubled depth, and from 49
