@@ -45,19 +45,6 @@ int64_t early_decode_rows(QuantLinear::Prefill p, Weights weights) {
   return weights == Weights::Int8 ? QuantLinear::kDpbf16DecodeRowsInt8 : QuantLinear::kDpbf16DecodeRowsInt4;
 }
 
-}  // namespace
-
-int64_t QuantLinear::decode_rows_for(Weights weights, Precision precision, int64_t in) {
-  const Prefill p = prefill_path_for(weights, precision);
-  if (p == Prefill::Bf16Tiles || p == Prefill::Fp32Tiles || in % 32 == 0)  // else a fallback (path_for)
-    if (const int64_t early = early_decode_rows(p, weights)) return early;
-  if (weights == Weights::Int8 && precision == Precision::BF16 && qg::gemm_runs_amx(weights, in))
-    return kAmxDecodeRowsInt8;
-  return kDecodeRows;
-}
-
-namespace {
-
 // prefill_path_for, where the dpbf16 or amx bf16 kernels take the input size (a multiple of 32; int4's
 // always is); else int8's bf16 tiles (what that CPU has without them) and int4's fp32 tiles.
 QuantLinear::Prefill path_for(Weights weights, Precision precision, int64_t in) {
@@ -65,6 +52,17 @@ QuantLinear::Prefill path_for(Weights weights, Precision precision, int64_t in) 
   if ((p != QuantLinear::Prefill::Dpbf16 && p != QuantLinear::Prefill::AmxBf16) || in % 32 == 0) return p;
   return weights == Weights::Int8 ? QuantLinear::Prefill::Bf16Tiles : QuantLinear::Prefill::Fp32Tiles;
 }
+
+}  // namespace
+
+int64_t QuantLinear::decode_rows_for(Weights weights, Precision precision, int64_t in) {
+  if (const int64_t early = early_decode_rows(path_for(weights, precision, in), weights)) return early;
+  if (weights == Weights::Int8 && precision == Precision::BF16 && qg::gemm_runs_amx(weights, in))
+    return kAmxDecodeRowsInt8;
+  return kDecodeRows;
+}
+
+namespace {
 
 // The calling thread's scratch, shared by every QuantLinear it calls: the fp32 path's dequantized tile;
 // the bf16 paths' input rows, weight tile and fp32 output.

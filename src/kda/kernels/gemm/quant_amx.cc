@@ -31,15 +31,10 @@ bf16_t int4_widened(float w) {
 void gemm_int4_widened_reference(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weights& w, float* y,
                                  int64_t ldy) {
   check_int4_dpbf16_args("gemm_int4_widened_reference", x, M, ldx, w, y, ldy);
-  const int64_t G = w.in / kInt4Group;
   std::vector<float> wn(static_cast<size_t>(w.in));
   for (int64_t n = 0; n < w.out; ++n) {
-    const uint8_t* q = w.q + n * (w.in / 2);
-    for (int64_t k = 0; k < w.in; ++k) {
-      const uint8_t b = q[k / kInt4Group * 16 + k % 16];  // quant_gemm.h's nibble order
-      const int nibble = k % kInt4Group < 16 ? b & 0xF : b >> 4;
-      wn[k] = bf16_to_f32(int4_widened(static_cast<float>(nibble - 8) * w.scale[n * G + k / kInt4Group]));
-    }
+    dequantize_int4_rows(w, n, n + 1, wn.data());
+    for (float& v : wn) v = bf16_to_f32(int4_widened(v));
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.0f;
       for (int64_t k = 0; k < w.in; ++k) s += bf16_to_f32(x[m * ldx + k]) * wn[k];
@@ -845,6 +840,35 @@ void split_blocks(int64_t blocks, int64_t weights, Prepare prepare, Body body) {
 
 int64_t row_blocks(int64_t M) { return (M + kRows - 1) / kRows; }
 
+// The widened calls (gemm_int4_amx_bf16 from kAmxBf16WidenedRows rows, gemm_int8_amx_bf16): every
+// channel, the threads' shares whole pairs of channel blocks (wide_blocks' passes). The calling thread's
+// scratch, grown once before any parallel region: a chunk's activation tiles (int4's in input_at order,
+// int8's in their own), then each thread's two weight panels (2 G tiles each). Each panel pair starts 4 KB +
+// 64 bytes past the region before it: on whole multiples of 4 KB (the tiles' sizes) the expert shapes ran
+// 5-20% slower (measured on the dpbf16 scheme's panels).
+template <class W>
+void wide_gemm(const bf16_t* x, int64_t M, int64_t ldx, const W& w, float* y, int64_t ldy) {
+  constexpr bool natural = !std::is_same_v<W, Int4Weights>;
+  const int64_t G = w.in / kInt4Group, T = kRows * kRows, blocks = (w.out + kRows - 1) / kRows;
+  thread_local std::vector<uint32_t> scratch;
+  constexpr int64_t kSkew = 1040;  // dwords
+  const int64_t xp_size = std::min(row_blocks(M), kAmxBf16ChunkRows / kRows) * G * T + kSkew,
+                panel_size = 4 * G * T + kSkew;
+  scratch.resize(static_cast<size_t>(xp_size + omp_get_max_threads() * panel_size + 16));
+  uint32_t* xt =
+      reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  for (int64_t m0 = 0; m0 < M; m0 += kAmxBf16ChunkRows) {
+    const int64_t rows = std::min(kAmxBf16ChunkRows, M - m0), B = row_blocks(rows);
+    split_blocks(
+        (blocks + 1) / 2, w.in * w.out * std::max<int64_t>(1, rows / kRows),
+        [&](int t, int nt) { x_tiles(x, ldx, M, m0, G, B * G * t / nt, B * G * (t + 1) / nt, xt, natural); },
+        [&](int64_t s0, int64_t s1) {
+          uint16_t* panel = reinterpret_cast<uint16_t*>(xt + xp_size + omp_get_thread_num() * panel_size);
+          wide_blocks(xt, B, m0, M, w, 2 * s0, std::min(blocks, 2 * s1), panel, y, ldy);
+        });
+  }
+}
+
 }  // namespace
 
 // The low bytes' sums (up to 255 * 127 per input) stay inside int32.
@@ -908,42 +932,20 @@ void gemm_int4_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int4Weigh
   if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_int4_amx_bf16: no AMX-BF16 on this CPU");
   check_int4_dpbf16_args("gemm_int4_amx_bf16", x, M, ldx, w, y, ldy);
   if (M == 0) return;
-  const int64_t G = w.in / kInt4Group, T = kRows * kRows;
   // The dpbf16 scheme's calls are one row block.
   static_assert(kAmxBf16WidenedRows == kRows + 1);
-  const bool widened = M >= kAmxBf16WidenedRows;
-  // Channel blocks: widened, every channel (the last block may be short); else the whole blocks, the rest
-  // to gemm_int4_dpbf16.
-  const int64_t blocks = widened ? (w.out + kRows - 1) / kRows : w.out / kRows, n16 = blocks * kRows;
-  // The calling thread's scratch, grown once before any parallel region: a chunk's activation tiles, then
-  // (widened) each thread's two weight panels (2 G tiles each). Each panel pair starts 4 KB + 64 bytes past
-  // the region before it: on whole multiples of 4 KB (the tiles' sizes) the expert shapes ran 5-20% slower
-  // (measured on the dpbf16 scheme's panels).
+  if (M >= kAmxBf16WidenedRows) return wide_gemm(x, M, ldx, w, y, ldy);
+  const int64_t G = w.in / kInt4Group, T = kRows * kRows, blocks = w.out / kRows, n16 = blocks * kRows;
+  // The calling thread's activation tiles, grown once before any parallel region.
   thread_local std::vector<uint32_t> scratch;
-  constexpr int64_t kSkew = 1040;  // dwords
-  const int64_t xp_size = std::min(row_blocks(M), kAmxBf16ChunkRows / kRows) * G * T + kSkew,
-                panel_size = 4 * G * T + kSkew;
-  const int64_t panels = widened ? omp_get_max_threads() : 0;
-  scratch.resize(static_cast<size_t>(xp_size + panels * panel_size + 16));
+  scratch.resize(static_cast<size_t>(G * T + 16));
   uint32_t* xt =
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-  for (int64_t m0 = 0; m0 < M; m0 += kAmxBf16ChunkRows) {
-    const int64_t rows = std::min(kAmxBf16ChunkRows, M - m0), B = row_blocks(rows);
-    // Widened, a thread's share is whole pairs of channel blocks (wide_blocks' passes).
-    const int64_t shares = widened ? (blocks + 1) / 2 : blocks;
-    if (shares > 0)
-      split_blocks(
-          shares, w.in * n16 * std::max<int64_t>(1, rows / kRows),
-          [&](int t, int nt) { x_tiles(x, ldx, M, m0, G, B * G * t / nt, B * G * (t + 1) / nt, xt); },
-          [&](int64_t s0, int64_t s1) {
-            if (!widened) {
-              int4_bf16_stream(xt, m0, rows, w, s0, s1, y, ldy);
-              return;
-            }
-            uint16_t* panel = reinterpret_cast<uint16_t*>(xt + xp_size + omp_get_thread_num() * panel_size);
-            wide_blocks(xt, B, m0, M, w, 2 * s0, std::min(blocks, 2 * s1), panel, y, ldy);
-          });
-  }
+  if (blocks > 0)
+    split_blocks(
+        blocks, w.in * n16,
+        [&](int t, int nt) { x_tiles(x, ldx, M, 0, G, G * t / nt, G * (t + 1) / nt, xt); },
+        [&](int64_t nb0, int64_t nb1) { int4_bf16_stream(xt, 0, M, w, nb0, nb1, y, ldy); });
   if (n16 < w.out)
     gemm_int4_dpbf16(x, M, ldx, Int4Weights{w.q + n16 * (w.in / 2), w.scale + n16 * G, w.in, w.out - n16},
                      y + n16, ldy);
@@ -953,26 +955,7 @@ void gemm_int8_amx_bf16(const bf16_t* x, int64_t M, int64_t ldx, const Int8Weigh
                         int64_t ldy) {
   if (!cpu_has_amx_bf16()) throw std::logic_error("gemm_int8_amx_bf16: no AMX-BF16 on this CPU");
   check_int8_dpbf16_args("gemm_int8_amx_bf16", x, M, ldx, w, y, ldy);
-  if (M == 0) return;
-  const int64_t G = w.in / kInt4Group, T = kRows * kRows, blocks = (w.out + kRows - 1) / kRows;
-  // The calling thread's scratch, as gemm_int4_amx_bf16's widened calls take it.
-  thread_local std::vector<uint32_t> scratch;
-  constexpr int64_t kSkew = 1040;  // dwords
-  const int64_t xp_size = std::min(row_blocks(M), kAmxBf16ChunkRows / kRows) * G * T + kSkew,
-                panel_size = 4 * G * T + kSkew;
-  scratch.resize(static_cast<size_t>(xp_size + omp_get_max_threads() * panel_size + 16));
-  uint32_t* xt =
-      reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-  for (int64_t m0 = 0; m0 < M; m0 += kAmxBf16ChunkRows) {
-    const int64_t rows = std::min(kAmxBf16ChunkRows, M - m0), B = row_blocks(rows);
-    split_blocks(
-        (blocks + 1) / 2, w.in * w.out * std::max<int64_t>(1, rows / kRows),
-        [&](int t, int nt) { x_tiles(x, ldx, M, m0, G, B * G * t / nt, B * G * (t + 1) / nt, xt, true); },
-        [&](int64_t s0, int64_t s1) {
-          uint16_t* panel = reinterpret_cast<uint16_t*>(xt + xp_size + omp_get_thread_num() * panel_size);
-          wide_blocks(xt, B, m0, M, w, 2 * s0, std::min(blocks, 2 * s1), panel, y, ldy);
-        });
-  }
+  if (M > 0) wide_gemm(x, M, ldx, w, y, ldy);
 }
 
 #else  // no AMX in this build
