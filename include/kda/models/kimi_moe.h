@@ -37,6 +37,7 @@
 #include "kda/layers/packed_linears.h"
 
 namespace kda::layers::moe {
+class RouterGate;
 class SwigluMlp;
 class SwigluPieces;
 }  // namespace kda::layers::moe
@@ -213,7 +214,7 @@ class KimiMoE {
   // calls of at most kAmxRows (kimi_moe.cc says why).
   bool amx_chunks_ = false;
   distributed::TensorParallel tp_;
-  std::unique_ptr<layers::Linear> router_;  // fp32, dense in every mode
+  std::unique_ptr<layers::moe::RouterGate> router_;  // fp32, dense in every mode
   std::vector<float> bias_;
   std::vector<std::unique_ptr<layers::moe::SwigluPieces>> experts_;
   std::unique_ptr<layers::moe::SwigluPieces> shared_;  // the shared expert (KimiMLP's math, no allreduce)

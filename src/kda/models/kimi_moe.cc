@@ -451,7 +451,7 @@ KimiMoE::KimiMoE(const io::KimiLinearConfig& cfg, int layer_idx, const Source& s
   // the system instead of staying in the building threads' heaps.
   configure_allocator();
   // The router stays as stored: dense fp32 logits in every precision and weights mode.
-  router_ = std::make_unique<layers::Linear>(D_, E_, src.router, Precision::FP32, Weights::BF16);
+  router_ = std::make_unique<layers::moe::RouterGate>(src.router, E_, D_);
   bias_ = src.bias;
   // Expert by expert, in parallel: each thread holds one expert's fp32 weights while it builds it.
   experts_.resize(static_cast<size_t>(E_));
@@ -554,7 +554,6 @@ void KimiMoE::reserve(int64_t T) {
   if (T <= 0) return;
   grow(logits_, T * E_);
   grow(rows_, T * k_);
-  router_->reserve(T);
   // run_grouped's: the shared expert over T rows, then an expert's gathered rows (at most T: a token picks
   // an expert once), every expert the same shape.
   ThreadScratch& s = thread_scratch();

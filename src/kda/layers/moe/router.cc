@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "kda/kernels/gemm/router_gemm.h"
+
 namespace kda::layers::moe {
 
 namespace {
@@ -30,6 +32,18 @@ void combine(const float* s, const float* c, int k, const RouterParams& p, float
 }
 
 }  // namespace
+
+RouterGate::RouterGate(const std::vector<float>& w, int64_t E, int64_t D) : E_(E), D_(D) {
+  if (E < 1 || D < 1 || static_cast<int64_t>(w.size()) != E * D)
+    throw std::invalid_argument("MoE router: " + std::to_string(w.size()) + " gate weights for " +
+                                std::to_string(E) + " experts of " + std::to_string(D) + " inputs");
+  w_ = allocate_weights(static_cast<size_t>(weight_bytes()));
+  kernels::gemm::pack_router(w.data(), E, D, static_cast<float*>(w_.get()));
+}
+
+void RouterGate::forward(const float* x, int64_t T, float* logits) const {
+  kernels::gemm::router_logits(x, T, D_, static_cast<const float*>(w_.get()), E_, logits);
+}
 
 float router_sigmoid(float logit) { return 1.0f / (1.0f + std::exp(-logit)); }
 

@@ -6,8 +6,29 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "kda/common/weight_buffer.h"
 
 namespace kda::layers::moe {
+
+// The router's gate, l = x W^T in fp32 with W [E, D] as the checkpoint stores it, packed at construction
+// for kernels/gemm/router_gemm.h (each logit one multiply-add chain over the inputs in order, whatever the
+// batch) into a weight buffer (huge pages, as the experts' weights). Thread safety: forward only reads W.
+class RouterGate {
+ public:
+  // std::invalid_argument for E or D < 1 or a w that is not E * D values.
+  RouterGate(const std::vector<float>& w, int64_t E, int64_t D);
+  int64_t experts() const { return E_; }
+  int64_t hidden() const { return D_; }
+  int64_t weight_bytes() const { return E_ * D_ * static_cast<int64_t>(sizeof(float)); }
+  // logits [T, E] = x [T, D] W^T (both row-major, dense rows).
+  void forward(const float* x, int64_t T, float* logits) const;
+
+ private:
+  int64_t E_, D_;
+  WeightBuffer w_;
+};
 
 struct RouterParams {
   int num_experts = 0;  // E
