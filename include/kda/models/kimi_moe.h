@@ -41,9 +41,6 @@ class RouterGate;
 class SwigluMlp;
 class SwigluPieces;
 }  // namespace kda::layers::moe
-namespace kda::layers {
-class Linear;
-}
 
 namespace kda::models {
 

@@ -4,8 +4,6 @@
 // multiply-add in every copy, so every copy gives the reference's bits).
 #include "kda/kernels/gemm/router_gemm.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
