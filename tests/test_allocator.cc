@@ -143,7 +143,7 @@ bool thp_on() {
 
 // A weight buffer comes zeroed and is writable end to end, in memory the kernel may back with transparent
 // huge pages (where THP is not switched off): under kPooledBytes cut from a shared chunk on 64 bytes, from
-// it in a mapping of its own on a 2 MiB boundary.
+// it in a mapping of its own on a 2 MiB boundary, whole huge pages long.
 TEST(Allocator, WeightBuffersAreZeroedAndEligibleForHugePages) {
   for (const size_t bytes : {size_t{1}, size_t{100}, kHugePageBytes - 1, kHugePageBytes,
                              5 * kHugePageBytes + 3, kPooledBytes - 1, kPooledBytes, kPooledBytes + 3}) {
@@ -153,6 +153,8 @@ TEST(Allocator, WeightBuffersAreZeroedAndEligibleForHugePages) {
     const bool own = bytes >= kPooledBytes;
     EXPECT_EQ(a % (own ? kHugePageBytes : 64), 0u) << bytes;
     EXPECT_EQ(b.get_deleter().chunk == nullptr, own) << bytes;
+    // A mapping of its own is whole huge pages: no last, partial 2 MiB left on 4 KiB pages.
+    if (own) EXPECT_EQ(b.get_deleter().bytes % kHugePageBytes, 0u) << bytes;
     const auto* bytes_at = static_cast<const unsigned char*>(b.get());
     EXPECT_EQ(std::count(bytes_at, bytes_at + bytes, 0), static_cast<std::ptrdiff_t>(bytes))
         << bytes << ": not zeroed";

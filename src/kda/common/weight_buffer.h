@@ -2,15 +2,14 @@
 // kernel's transparent huge pages (MADV_HUGEPAGE, which the "madvise" THP mode -- Debian's default -- asks
 // for): a decode step that streams every weight then walks a TLB entry per 2 MiB instead of per 4 KiB, and
 // filling a 128 MB head block takes 64 page faults instead of 32 K.
-//  - Blocks under 2 MiB (kPooledBytes) are cut, one after another, from shared chunks of kChunkBytes that
-//    start on a 2 MiB boundary, so that an int4 expert's down projection (1.2 MB) or a scale vector sits
-//    in huge pages as the larger blocks do. A chunk goes back to the system when its last block is
-//    freed; a freed block's bytes are not handed out again (weights live as long as their model), its
-//    whole pages go back at once.
-//  - Larger blocks get a mapping of their own from a 2 MiB boundary, rounded to 4 KiB: their last,
-//    partial 2 MiB is in ordinary pages. (Cutting blocks up to 16 MiB from the chunks as well put those
-//    tails in huge pages too, but a load's peak resident set grew twice as much as with the pool under
-//    2 MiB: docs/performance.md, "The int4 one-row kernel's prefetch distance".)
+//  - Blocks under 16 MiB (kPooledBytes) are cut, one after another, from shared chunks of kChunkBytes
+//    that start on a 2 MiB boundary, so that an int4 expert's down projection (1.2 MB) or a scale vector
+//    sits in huge pages as the larger blocks do, and a block's last, partial 2 MiB shares its huge page
+//    with the next block. A chunk goes back to the system when its last block is freed; a freed block's
+//    bytes are not handed out again (weights live as long as their model), its whole pages go back at once.
+//  - Larger blocks get a mapping of their own from a 2 MiB boundary, rounded up to whole huge pages (at
+//    most 1/8 more memory). A partial 2 MiB left on 4 KiB pages read at about half the speed of huge
+//    pages on a Xeon host (docs/performance.md, "Whole huge pages for every weight block").
 // Private to the library.
 #pragma once
 
@@ -34,6 +33,6 @@ WeightBuffer allocate_weights(std::size_t bytes);
 
 inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;  // a transparent huge page (x86-64)
 inline constexpr std::size_t kChunkBytes = std::size_t{64} << 20;    // a shared chunk's size
-inline constexpr std::size_t kPooledBytes = kHugePageBytes;          // blocks below it come from chunks
+inline constexpr std::size_t kPooledBytes = kChunkBytes / 4;         // blocks below it come from chunks
 
 }  // namespace kda
